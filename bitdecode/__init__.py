@@ -1,0 +1,21 @@
+"""bitdecode: low-bit KV-cache decode attention (BitDecoding) and BitNet W2A8 kernels.
+
+Kernels are written in the CUTLASS Python DSL (CuTe DSL), compiled just in time and called
+from PyTorch.  Quick start::
+
+    import bitdecode as bd
+    fmt = bd.KVFormat(bits=4, k_mode="channel", group_size=128)
+    cache = bd.KVCache.allocate(batch, num_kv_heads, head_dim, max_seqlen, fmt)
+    cache.prefill(k, v)                     # [B, N, Hkv, D]
+    cache.append(k_new, v_new)              # [B, T, Hkv, D]
+    out = bd.decode(q, cache)               # q: [B, 1, Hq, D]
+"""
+
+from . import layouts, reference
+from .attention import decode, decode_attention
+from .cache import KVCache
+from .formats import KVFormat
+
+__version__ = "0.1.0"
+
+__all__ = ["KVFormat", "KVCache", "decode", "decode_attention", "reference", "layouts", "__version__"]

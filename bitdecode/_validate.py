@@ -1,0 +1,78 @@
+"""Argument checks shared by every public entry point.
+
+Each failure raises before anything is launched or written, with a message that names the
+argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FLOAT16_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _fmt_shape(shape) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def tensor(
+    name: str,
+    t,
+    *,
+    dtypes: Optional[Iterable[torch.dtype]] = None,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = False,
+    last_contiguous: bool = False,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            want = " or ".join(str(d) for d in dtypes)
+            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        want = _fmt_shape(shape) if shape is not None else f"{ndim} dims"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if shape is not None:
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                raise ValueError(f"{name} must have shape {_fmt_shape(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {torch.device(device)}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
+    if last_contiguous and t.dim() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+    return t
+
+
+def same_device(**tensors) -> torch.device:
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    first_name, first = next(iter(devices.items()))
+    for n, d in devices.items():
+        if d != first:
+            raise ValueError(f"{n} is on {d} but {first_name} is on {first}; all tensors must share a device")
+    return first
+
+
+def positive_int(name: str, value, allowed: Optional[Sequence[int]] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def finite(name: str, t: torch.Tensor) -> None:
+    """Raise on NaN/Inf (synchronizes; only used where documented)."""
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or Inf; quantization needs finite values")

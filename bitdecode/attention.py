@@ -1,0 +1,232 @@
+"""Decode attention over a packed low-bit KV cache: the public entry points."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from . import _validate, dispatch, reference
+from .formats import KVFormat
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cache import KVCache
+
+MAX_GQA_KERNEL = 16  # query heads per KV head that one kernel tile holds
+
+
+@dataclass(frozen=True)
+class CacheTensors:
+    """The validated tensors of a packed cache, as the kernels and the reference take them."""
+
+    k_pack: torch.Tensor
+    k_params: torch.Tensor
+    v_pack: torch.Tensor
+    v_params: torch.Tensor
+    k_res: torch.Tensor
+    v_res: torch.Tensor
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor
+    fmt: KVFormat
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pack.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pack.shape[0]
+
+    @property
+    def max_packed_tokens(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+
+def check_cache(
+    fmt,
+    k_pack,
+    k_params,
+    v_pack,
+    v_params,
+    k_res,
+    v_res,
+    cache_seqlens,
+    block_table,
+    *,
+    batch: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    check_values: bool = True,
+) -> CacheTensors:
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
+    _validate.tensor("k_res", k_res, dtypes=[dtype] if dtype else _validate.FLOAT16_DTYPES, ndim=4)
+    bsz, nr, hkv, d = k_res.shape
+    batch = bsz if batch is None else batch
+    head_dim = d if head_dim is None else head_dim
+    fmt.check_head_dim(head_dim)
+    dtype = k_res.dtype
+    res_shape = (batch, fmt.residual_block, None, head_dim)
+    _validate.tensor("k_res", k_res, dtypes=[dtype], shape=res_shape, contiguous=True)
+    _validate.tensor("v_res", v_res, dtypes=[dtype], shape=k_res.shape, contiguous=True)
+    _validate.tensor("k_pack", k_pack, dtypes=[torch.int32], ndim=4, contiguous=True)
+    pages, _, page, _ = k_pack.shape
+    if page % fmt.residual_block:
+        raise ValueError(
+            f"k_pack holds pages of {page} tokens; pages must be a multiple of the residual "
+            f"block ({fmt.residual_block} tokens for {fmt.bits}-bit)"
+        )
+    _validate.tensor("k_pack", k_pack, shape=fmt.k_pack_shape(pages, hkv, page, head_dim))
+    _validate.tensor("k_params", k_params, dtypes=[torch.int32], contiguous=True,
+                     shape=fmt.k_params_shape(pages, hkv, page, head_dim))
+    _validate.tensor("v_pack", v_pack, dtypes=[torch.int32], contiguous=True,
+                     shape=fmt.v_pack_shape(pages, hkv, page, head_dim))
+    _validate.tensor("v_params", v_params, dtypes=[torch.int32], contiguous=True,
+                     shape=fmt.v_params_shape(pages, hkv, page, head_dim))
+    _validate.tensor("cache_seqlens", cache_seqlens, dtypes=[torch.int32], shape=(batch,), contiguous=True)
+    if block_table is None:
+        if pages != batch:
+            raise ValueError(
+                f"without block_table the cache must hold one page per sequence: k_pack has "
+                f"{pages} pages for batch {batch}"
+            )
+        block_table = torch.arange(batch, dtype=torch.int32, device=k_pack.device).view(batch, 1)
+    else:
+        _validate.tensor("block_table", block_table, dtypes=[torch.int32], ndim=2, contiguous=True)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape ({batch}, *), got {tuple(block_table.shape)}")
+    _validate.same_device(k_res=k_res, v_res=v_res, k_pack=k_pack, k_params=k_params, v_pack=v_pack,
+                          v_params=v_params, cache_seqlens=cache_seqlens, block_table=block_table)
+    cache = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, fmt)
+    if check_values and not _capturing(k_pack.device):
+        _check_values(cache)
+    return cache
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_values(cache: CacheTensors) -> None:
+    """Data-dependent checks (one device sync): lengths and block-table range."""
+    nr = cache.fmt.residual_block
+    lens = cache.cache_seqlens
+    if lens.numel():
+        lo, hi = int(lens.min()), int(lens.max())
+        cap = cache.max_packed_tokens + nr - 1
+        if lo < 0 or hi // nr * nr > cache.max_packed_tokens:
+            raise ValueError(
+                f"cache_seqlens must lie in [0, {cap}] for this cache "
+                f"({cache.block_table.shape[1]} pages of {cache.page_size} tokens + a "
+                f"{nr}-token residual), got min {lo}, max {hi}"
+            )
+    if cache.block_table.numel():
+        # only the pages a sequence actually uses need to be valid
+        used = (lens.long() // nr * nr + cache.page_size - 1) // cache.page_size
+        cols = torch.arange(cache.block_table.shape[1], device=lens.device)
+        mask = cols[None, :] < used[:, None]
+        vals = cache.block_table[mask]
+        if vals.numel() and (int(vals.min()) < 0 or int(vals.max()) >= cache.num_pages):
+            raise ValueError(
+                f"block_table entries in use must lie in [0, {cache.num_pages}), got "
+                f"[{int(vals.min())}, {int(vals.max())}]"
+            )
+
+
+def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
+    _validate.tensor("q", q, dtypes=[cache.k_res.dtype], last_contiguous=True,
+                     shape=(cache.k_res.shape[0], 1, None, cache.k_res.shape[3]))
+    _validate.same_device(q=q, k_pack=cache.k_pack)
+    hq, hkv = q.shape[2], cache.k_res.shape[2]
+    if hq % hkv:
+        raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} KV heads")
+    if backend != "reference" and hq // hkv > MAX_GQA_KERNEL:
+        raise ValueError(
+            f"q has {hq // hkv} query heads per KV head; the {backend} kernels support 1 to "
+            f"{MAX_GQA_KERNEL} (use backend='reference' for more)"
+        )
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 picks a heuristic), got {num_splits!r}")
+    return num_splits
+
+
+def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse, max_seqlen=None):
+    """Validated dispatch shared by ``decode`` and ``decode_attention``."""
+    scale = _scale(softmax_scale, q.shape[-1])
+    splits = _splits(num_splits)
+    if backend == "reference":
+        return reference.decode(
+            q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.v_res,
+            cache.cache_seqlens, cache.fmt, cache.block_table, scale, return_lse,
+        )
+    from . import kernels
+
+    return kernels.decode(q, cache, scale, splits, return_lse, backend=backend, max_seqlen=max_seqlen)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pack: torch.Tensor,
+    k_params: torch.Tensor,
+    v_pack: torch.Tensor,
+    v_params: torch.Tensor,
+    k_res: torch.Tensor,
+    v_res: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: Optional[torch.Tensor] = None,
+    *,
+    fmt: KVFormat,
+    softmax_scale: Optional[float] = None,
+    num_splits: int = 0,
+    backend: str = "auto",
+    return_lse: bool = False,
+    check_values: bool = True,
+):
+    """Functional decode attention over a packed cache (layouts in ``KVFormat``/``layouts.sm80``).
+
+    ``q``: ``[B, 1, Hq, D]`` fp16/bf16.  ``k_pack``/``v_pack``/``k_params``/``v_params``:
+    int32 pages (``fmt.*_shape``); ``k_res``/``v_res``: ``[B, Nr, Hkv, D]`` 16-bit residual;
+    ``cache_seqlens``: int32 ``[B]`` total tokens per sequence; ``block_table``: int32
+    ``[B, max_pages]`` or None for one page per sequence.  ``check_values`` verifies the
+    lengths and block-table range (one device sync; skipped under CUDA graph capture).
+    Returns ``out`` ``[B, 1, Hq, D]`` (and ``lse`` ``[B, 1, Hq]`` fp32, natural log).
+    """
+    cache = check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
+                        block_table, check_values=check_values)
+    backend = dispatch.resolve(backend, q.device if isinstance(q, torch.Tensor) else k_pack.device)
+    check_query(q, cache, backend)
+    return run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+               return_lse=return_lse)
+
+
+def decode(
+    q: torch.Tensor,
+    cache: "KVCache",
+    softmax_scale: Optional[float] = None,
+    num_splits: int = 0,
+    *,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """Decode one query token per sequence against a ``KVCache``: q ``[B, 1, Hq, D]``."""
+    from .cache import KVCache
+
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
+    return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+                        return_lse=return_lse)

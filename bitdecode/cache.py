@@ -1,0 +1,268 @@
+"""KVCache: a preallocated, packed low-bit KV cache with a 16-bit residual block."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from . import _validate, attention, dispatch, reference
+from .formats import KVFormat
+
+
+class KVCache:
+    """Packed K/V pages + params + a 16-bit residual block per sequence.
+
+    Storage (see ``KVFormat`` and ``layouts.sm80`` for the bit layouts)::
+
+        k_pack    int32 [pages, Hkv, page, D*bits/32]
+        k_params  int32 [pages, Hkv, page/G, D] (K per channel) or [pages, Hkv, page, D/G]
+        v_pack    int32 [pages, Hkv, page/Nr, D, Nr*bits/32]
+        v_params  int32 [pages, Hkv, page/16, D/G, 16]
+        k_res     dtype [B, Nr, Hkv, D]   newest len % Nr tokens, 16-bit
+        v_res     dtype [B, Nr, Hkv, D]
+        seqlens   int32 [B]               tokens per sequence (device)
+        block_table int32 [B, pages per sequence]
+
+    Without ``page_size`` every sequence owns one page of ``max_seqlen`` (rounded up to Nr)
+    tokens.  Appends write in place; a residual block that fills is quantized and packed
+    into the pages.  Host-side copies of the lengths let every call check capacity before
+    anything is written, without a device sync.
+    """
+
+    def __init__(self, fmt: KVFormat, dtype: torch.dtype, max_seqlen: int, backend: str,
+                 k_pack, k_params, v_pack, v_params, k_res, v_res, seqlens, block_table):
+        self.fmt = fmt
+        self.dtype = dtype
+        self.max_seqlen = max_seqlen
+        self.backend = backend
+        self.k_pack, self.k_params = k_pack, k_params
+        self.v_pack, self.v_params = v_pack, v_params
+        self.k_res, self.v_res = k_res, v_res
+        self.seqlens = seqlens
+        self.block_table = block_table
+        self._host_lens: List[int] = [0] * k_res.shape[0]
+
+    # ---- construction -----------------------------------------------------------------
+    @classmethod
+    def allocate(
+        cls,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seqlen: int,
+        fmt: KVFormat,
+        dtype: torch.dtype = torch.float16,
+        device: Union[str, torch.device] = "cuda",
+        page_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> "KVCache":
+        if not isinstance(fmt, KVFormat):
+            raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
+        _validate.positive_int("batch", batch)
+        _validate.positive_int("num_kv_heads", num_kv_heads)
+        _validate.positive_int("max_seqlen", max_seqlen)
+        fmt.check_head_dim(head_dim)
+        if dtype not in _validate.FLOAT16_DTYPES:
+            raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        backend = dispatch.resolve(backend, device, what="KV cache")
+        nr = fmt.residual_block
+        packed_cap = -(-max_seqlen // nr) * nr
+        if page_size is None:
+            page, per_seq = packed_cap, 1
+        else:
+            _validate.positive_int("page_size", page_size)
+            if page_size % nr:
+                raise ValueError(
+                    f"page_size must be a multiple of the residual block ({nr} tokens for "
+                    f"{fmt.bits}-bit), got {page_size}"
+                )
+            page, per_seq = page_size, -(-packed_cap // page_size)
+        pages = batch * per_seq
+        i32 = dict(dtype=torch.int32, device=device)
+        args = (pages, num_kv_heads, page, head_dim)
+        return cls(
+            fmt, dtype, max_seqlen, backend,
+            torch.zeros(fmt.k_pack_shape(*args), **i32),
+            torch.zeros(fmt.k_params_shape(*args), **i32),
+            torch.zeros(fmt.v_pack_shape(*args), **i32),
+            torch.zeros(fmt.v_params_shape(*args), **i32),
+            torch.zeros(batch, nr, num_kv_heads, head_dim, dtype=dtype, device=device),
+            torch.zeros(batch, nr, num_kv_heads, head_dim, dtype=dtype, device=device),
+            torch.zeros(batch, **i32),
+            torch.arange(pages, **i32).view(batch, per_seq),
+        )
+
+    # ---- shape facts -------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.k_res.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_res.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_res.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_res.device
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pack.shape[2]
+
+    @property
+    def lengths(self) -> List[int]:
+        """Tokens per sequence as the host tracks them (no device sync)."""
+        return list(self._host_lens)
+
+    def tensors(self) -> attention.CacheTensors:
+        return attention.CacheTensors(self.k_pack, self.k_params, self.v_pack, self.v_params,
+                                      self.k_res, self.v_res, self.seqlens, self.block_table, self.fmt)
+
+    def memory_bytes(self) -> int:
+        """Bytes of all cache storage (packed pages, params, residual blocks, lengths, table)."""
+        return sum(t.numel() * t.element_size() for t in (
+            self.k_pack, self.k_params, self.v_pack, self.v_params, self.k_res, self.v_res,
+            self.seqlens, self.block_table))
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch={self.batch}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"max_seqlen={self.max_seqlen}, page_size={self.page_size}, dtype={self.dtype}, "
+                f"fmt={self.fmt}, backend={self.backend!r})")
+
+    # ---- input checks ------------------------------------------------------------------
+    def _check_kv(self, k, v, what: str, max_tokens: Optional[int] = None):
+        shape = (self.batch, None, self.num_kv_heads, self.head_dim)
+        _validate.tensor("k", k, dtypes=[self.dtype], shape=shape, device=self.device, last_contiguous=True)
+        _validate.tensor("v", v, dtypes=[self.dtype], shape=k.shape, device=self.device, last_contiguous=True)
+        if max_tokens is not None and k.shape[1] > max_tokens:
+            raise ValueError(f"{what}: k has {k.shape[1]} tokens, more than max_seqlen={max_tokens}")
+
+    # ---- writes ------------------------------------------------------------------------
+    def prefill(self, k: torch.Tensor, v: torch.Tensor, seqlens: Optional[Sequence[int]] = None) -> None:
+        """Replace the cache content with ``k``, ``v`` ``[B, N, Hkv, D]`` (the first
+        ``seqlens[b]`` tokens of each sequence; all ``N`` by default)."""
+        self._check_kv(k, v, "prefill", self.max_seqlen)
+        n = k.shape[1]
+        if seqlens is None:
+            lens = [n] * self.batch
+        else:
+            if isinstance(seqlens, torch.Tensor):
+                seqlens = seqlens.tolist()
+            lens = [int(x) for x in seqlens]
+            if len(lens) != self.batch:
+                raise ValueError(f"seqlens must have {self.batch} entries, got {len(lens)}")
+            bad = [x for x in lens if not 0 <= x <= n]
+            if bad:
+                raise ValueError(f"seqlens must lie in [0, {n}] (tokens given), got {bad[0]}")
+        if self.backend == "reference":
+            self._prefill_reference(k, v, lens)
+        else:
+            from . import kernels
+
+            kernels.prefill(self, k, v, lens)
+        self._host_lens = lens
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k``, ``v`` ``[B, T, Hkv, D]`` to every sequence, in place.
+
+        Raises before anything is written when a sequence would exceed ``max_seqlen``.
+        With a kernel backend this is one launch and can be captured in a CUDA graph
+        (the host-side capacity check then only sees the capture, not the replays).
+        """
+        self._check_kv(k, v, "append")
+        t = k.shape[1]
+        over = [b for b, n in enumerate(self._host_lens) if n + t > self.max_seqlen]
+        if over:
+            b = over[0]
+            raise ValueError(
+                f"append of {t} tokens would grow sequence {b} from {self._host_lens[b]} to "
+                f"{self._host_lens[b] + t} tokens, beyond max_seqlen={self.max_seqlen}; nothing was written"
+            )
+        if t == 0:
+            return
+        if self.backend == "reference":
+            self._append_reference(k, v)
+        else:
+            from . import kernels
+
+            kernels.append(self, k, v)
+        self._host_lens = [n + t for n in self._host_lens]
+
+    def reset(self) -> None:
+        self.seqlens.zero_()
+        self._host_lens = [0] * self.batch
+
+    # ---- reads -------------------------------------------------------------------------
+    def decode(self, q: torch.Tensor, softmax_scale: Optional[float] = None, num_splits: int = 0,
+               *, backend: str = "auto", return_lse: bool = False):
+        """Attention of ``q`` ``[B, 1, Hq, D]`` over the cache (see ``bitdecode.decode``)."""
+        if backend == "auto":
+            backend = self.backend
+        backend = dispatch.resolve(backend, self.device)
+        cache = self.tensors()
+        attention.check_query(q, cache, backend)
+        return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
+                             backend=backend, return_lse=return_lse,
+                             max_seqlen=max(self._host_lens, default=0))
+
+    def dequantized(self, b: int):
+        """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them (for inspection)."""
+        c = self.tensors()
+        return reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
+                                   c.k_res, c.v_res, c.block_table.cpu(), self.fmt)
+
+    # ---- reference implementations of the writes ---------------------------------------
+    def _block_slices(self, b: int, block: int):
+        """Where packed block ``block`` (Nr tokens) of sequence ``b`` lives."""
+        nr, g = self.fmt.residual_block, self.fmt.group_size
+        start = block * nr
+        page = int(self.block_table[b, start // self.page_size])
+        off = start % self.page_size
+        kp = (page, slice(None), slice(off, off + nr))
+        if self.fmt.k_mode == "channel":
+            kq = (page, slice(None), slice(off // g, (off + nr) // g))
+        else:
+            kq = kp
+        vp = (page, slice(None), off // nr)
+        vq = (page, slice(None), slice(off // 16, (off + nr) // 16))
+        return kp, kq, vp, vq
+
+    def _write_block(self, b: int, block: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
+        """Quantize and pack one block: kb, vb ``[Nr, Hkv, D]``."""
+        k_pack, k_params = reference.pack_k(kb.transpose(0, 1), self.fmt)
+        v_pack, v_params = reference.pack_v(vb.transpose(0, 1), self.fmt)
+        kp, kq, vp, vq = self._block_slices(b, block)
+        self.k_pack[kp] = k_pack
+        self.k_params[kq] = k_params
+        self.v_pack[vp] = v_pack[:, 0]
+        self.v_params[vq] = v_params
+
+    def _prefill_reference(self, k, v, lens: List[int]) -> None:
+        nr = self.fmt.residual_block
+        for b, n in enumerate(lens):
+            for blk in range(n // nr):
+                self._write_block(b, blk, k[b, blk * nr:(blk + 1) * nr], v[b, blk * nr:(blk + 1) * nr])
+            r = n % nr
+            self.k_res[b, :r] = k[b, n - r:n]
+            self.v_res[b, :r] = v[b, n - r:n]
+        self.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+
+    def _append_reference(self, k, v) -> None:
+        nr = self.fmt.residual_block
+        for b, n in enumerate(self._host_lens):
+            for i in range(k.shape[1]):
+                pos = n + i
+                slot = pos % nr
+                self.k_res[b, slot] = k[b, i]
+                self.v_res[b, slot] = v[b, i]
+                if slot == nr - 1:
+                    self._write_block(b, pos // nr, self.k_res[b], self.v_res[b])
+        self.seqlens.add_(k.shape[1])

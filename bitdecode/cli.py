@@ -1,0 +1,47 @@
+"""The ``bitdecode`` command line: info, demo, layout, bench, compile.
+
+Each subcommand lives in its own module (``bitdecode/cli_<name>.py``) exposing
+``add_parser(subparsers)`` and ``run(args) -> int``; they are imported only when used so
+``bitdecode --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "info": "versions, GPU and arch, available kernels, compile cache dir",
+    "demo": "build an LLM-like KV cache, quantize at 4 and 2 bits, decode; accuracy, memory, speed",
+    "layout": "draw fragment / packed / remap / params / swizzle layouts as thread-value grids",
+    "bench": "benchmark sweeps (decode, pack, bitnet) written to profiles/<gpu>/",
+    "compile": "ahead-of-time compile the kernels for an arch and dump their PTX (no GPU needed)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bitdecode",
+        description="Low-bit KV-cache decode attention (BitDecoding) and BitNet W2A8 kernels in CuTe DSL.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        mod = importlib.import_module(f"bitdecode.cli_{name}")
+        mod.add_parser(sub, name, help_text)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    mod = importlib.import_module(f"bitdecode.cli_{args.command}")
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

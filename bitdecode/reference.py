@@ -1,0 +1,310 @@
+"""The maths every kernel is tested against, in plain torch (CPU or GPU).
+
+Quantization (per group, asymmetric, computed in fp32 exactly as the kernels do):
+
+    mn, mx  = min(x), max(x) over the group               (exact: 16-bit inputs)
+    scale   = to16((mx - mn) * fp32(1 / (2^bits - 1)))    (one fp32 multiply, then round)
+    zero    = to16(mn)                                     (exact)
+    q       = clamp(rint((x - zero) * fp32(1 / scale)), 0, 2^bits - 1)   (0 where scale == 0)
+    x_hat   = to16(q * scale + zero)                       (one rounding: an fma)
+
+``rint`` rounds half to even.  A group whose values are all equal gets scale 0 and
+dequantizes to exactly ``zero``, never NaN.  NaN/Inf inputs raise ``ValueError`` here when
+``check_finite`` is on (the default); the kernels do not check (that would need a device
+sync) and give unspecified codes for such groups.
+
+Packing into 32-bit words and the order of params follow ``bitdecode.layouts.sm80``
+(the single definition the kernels use).  Attention is computed in fp32 over the
+dequantized 16-bit cache plus the 16-bit residual, with grouped-query heads, per-sequence
+lengths and an optional block table.  A sequence of length 0 gives zeros and LSE = -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import _validate
+from .formats import KVFormat
+from .layouts import packing, sm80
+
+__all__ = [
+    "quantize",
+    "dequantize",
+    "pack_rows",
+    "unpack_rows",
+    "pack_params",
+    "unpack_params",
+    "pack_k",
+    "pack_v",
+    "unpack_k",
+    "unpack_v",
+    "gather_kv",
+    "attention",
+    "decode",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Quantization
+# --------------------------------------------------------------------------------------
+
+
+def inv_qmax(bits: int) -> float:
+    """fp32(1 / (2^bits - 1)), the constant kernels multiply the range by."""
+    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
+
+
+def quantize(
+    x: torch.Tensor, bits: int, group_size: int, dim: int = -1, check_finite: bool = True
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` in groups of ``group_size`` along ``dim``.
+
+    Returns ``codes`` (uint8, shape of x), ``scale`` and ``zero`` (x.dtype, with ``dim``
+    shrunk by ``group_size``).
+    """
+    _validate.tensor("x", x, dtypes=_validate.FLOAT16_DTYPES)
+    if bits not in packing.SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {packing.SUPPORTED_BITS}, got {bits!r}")
+    dim = dim % x.dim()
+    if x.shape[dim] % group_size:
+        raise ValueError(
+            f"x has {x.shape[dim]} values along dim {dim}, not a multiple of group_size={group_size}"
+        )
+    if check_finite:
+        _validate.finite("x", x)
+    xs = x.movedim(dim, -1)
+    grouped = xs.float().reshape(*xs.shape[:-1], xs.shape[-1] // group_size, group_size)
+    mn = grouped.amin(dim=-1)
+    mx = grouped.amax(dim=-1)
+    scale = ((mx - mn) * inv_qmax(bits)).to(x.dtype)
+    zero = mn.to(x.dtype)
+    s32 = scale.float()
+    inv = torch.where(s32 > 0, torch.reciprocal(s32), torch.zeros_like(s32))
+    q = ((grouped - zero.float()[..., None]) * inv[..., None]).round()
+    q = q.clamp(0, (1 << bits) - 1).to(torch.uint8)
+    codes = q.reshape(xs.shape).movedim(-1, dim)
+    return codes, scale.movedim(-1, dim), zero.movedim(-1, dim)
+
+
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dim: int = -1
+) -> torch.Tensor:
+    """``to16(q * scale + zero)`` with a single rounding, in the dtype of ``scale``."""
+    dim = dim % codes.dim()
+    s = scale.double().repeat_interleave(group_size, dim=dim)
+    z = zero.double().repeat_interleave(group_size, dim=dim)
+    return (codes.double() * s + z).to(scale.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Words and params
+# --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _row_tables(bits: int, length: int, device: str):
+    table = sm80.packed_row_map(bits, length)
+    word = torch.tensor([w for w, _ in table], dtype=torch.long, device=device)
+    shift = torch.tensor([s for _, s in table], dtype=torch.long, device=device)
+    return word, shift
+
+
+def _to_int32(words64: torch.Tensor) -> torch.Tensor:
+    return torch.where(words64 >= 2**31, words64 - 2**32, words64).to(torch.int32)
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[..., L]`` (uint8) -> packed rows ``[..., L*bits/32]`` (int32)."""
+    length = codes.shape[-1]
+    n_words = sm80.words_per_row(bits, length)
+    word, shift = _row_tables(bits, length, str(codes.device))
+    vals = codes.long() << shift
+    out = torch.zeros(*codes.shape[:-1], n_words, dtype=torch.long, device=codes.device)
+    out.scatter_add_(-1, word.expand_as(vals), vals)  # fields never overlap: add == or
+    return _to_int32(out)
+
+
+def unpack_rows(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of ``pack_rows``."""
+    word, shift = _row_tables(bits, length, str(words.device))
+    w = words.long() & 0xFFFFFFFF
+    return ((w[..., word] >> shift) & ((1 << bits) - 1)).to(torch.uint8)
+
+
+def pack_params(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(scale, zero) -> one int32 word: scale in the low 16 bits, zero in the high."""
+    s = scale.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    z = zero.contiguous().view(torch.int16).to(torch.int32)
+    return s | (z << 16)
+
+
+def unpack_params(words: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    lo = (words & 0xFFFF).to(torch.int32)
+    lo = torch.where(lo >= 2**15, lo - 2**16, lo).to(torch.int16)
+    hi = (words >> 16).to(torch.int16)
+    return lo.view(dtype), hi.view(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _order(length: int, device: str) -> torch.Tensor:
+    return torch.tensor(sm80.fragment_order(length), dtype=torch.long, device=device)
+
+
+def _to_fragment_order(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t.index_select(dim, _order(t.shape[dim], str(t.device)))
+
+
+def _from_fragment_order(t: torch.Tensor, dim: int) -> torch.Tensor:
+    inv = torch.argsort(_order(t.shape[dim], str(t.device)))
+    return t.index_select(dim, inv)
+
+
+# --------------------------------------------------------------------------------------
+# K and V blocks
+# --------------------------------------------------------------------------------------
+
+
+def pack_k(k: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
+    """K ``[..., N, D]`` -> (k_pack ``[..., N, D*bits/32]``, k_params).
+
+    k_params: channel mode ``[..., N/G, D]`` (fragment order along D);
+    token mode ``[..., N, D/G]``.
+    """
+    if fmt.k_mode == "channel":
+        codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-2, check_finite=check_finite)
+        params = _to_fragment_order(pack_params(scale, zero), dim=-1)
+    else:
+        codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-1, check_finite=check_finite)
+        params = pack_params(scale, zero)
+    return pack_rows(codes, fmt.bits), params
+
+
+def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype):
+    head_dim = k_pack.shape[-1] * 32 // fmt.bits
+    codes = unpack_rows(k_pack, fmt.bits, head_dim)
+    if fmt.k_mode == "channel":
+        scale, zero = unpack_params(_from_fragment_order(k_params, dim=-1), dtype)
+        return dequantize(codes, scale, zero, fmt.group_size, dim=-2)
+    scale, zero = unpack_params(k_params, dtype)
+    return dequantize(codes, scale, zero, fmt.group_size, dim=-1)
+
+
+def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
+    """V ``[..., N, D]`` (N a multiple of Nr) -> (v_pack ``[..., N/Nr, D, 16]``,
+    v_params ``[..., N/16, D/G, 16]`` with tokens in fragment order)."""
+    nr, n = fmt.residual_block, v.shape[-2]
+    if n % nr:
+        raise ValueError(f"V blocks are packed {nr} tokens at a time, got {n} tokens")
+    codes, scale, zero = quantize(v, fmt.bits, fmt.group_size, dim=-1, check_finite=check_finite)
+    lead = v.shape[:-2]
+    blocks = codes.reshape(*lead, n // nr, nr, v.shape[-1]).transpose(-1, -2)
+    v_pack = pack_rows(blocks, fmt.bits)
+    words = pack_params(scale, zero)  # [..., N, D/G]
+    k = sm80.MMA_SHAPE[2]
+    words = words.reshape(*lead, n // k, k, words.shape[-1])
+    v_params = _to_fragment_order(words, dim=-2).transpose(-1, -2).contiguous()
+    return v_pack, v_params
+
+
+def unpack_v(v_pack: torch.Tensor, v_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype):
+    nr = fmt.residual_block
+    codes = unpack_rows(v_pack, fmt.bits, nr).transpose(-1, -2)  # [..., blocks, Nr, D]
+    lead = codes.shape[:-3]
+    codes = codes.reshape(*lead, -1, codes.shape[-1])
+    words = _from_fragment_order(v_params.transpose(-1, -2), dim=-2)  # [..., N/16, 16, D/G]
+    words = words.reshape(*lead, -1, words.shape[-1])
+    scale, zero = unpack_params(words, dtype)
+    return dequantize(codes, scale, zero, fmt.group_size, dim=-1)
+
+
+# --------------------------------------------------------------------------------------
+# Cache-level maths
+# --------------------------------------------------------------------------------------
+
+
+def gather_kv(
+    b: int,
+    length: int,
+    k_pack: torch.Tensor,
+    k_params: torch.Tensor,
+    v_pack: torch.Tensor,
+    v_params: torch.Tensor,
+    k_res: torch.Tensor,
+    v_res: torch.Tensor,
+    block_table: torch.Tensor,
+    fmt: KVFormat,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized K, V ``[length, Hkv, D]`` of sequence ``b`` (packed part + residual)."""
+    nr = fmt.residual_block
+    dtype = k_res.dtype
+    page = k_pack.shape[2]
+    n_packed = length // nr * nr
+    ks, vs = [], []
+    if n_packed:
+        n_pages = -(-n_packed // page)
+        pages = block_table[b, :n_pages].long().to(k_pack.device)
+        k = unpack_k(k_pack[pages], k_params[pages], fmt, dtype)  # [p, H, page, D]
+        v = unpack_v(v_pack[pages], v_params[pages], fmt, dtype)
+        k = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[-1])[:, :n_packed]
+        v = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[-1])[:, :n_packed]
+        ks.append(k.transpose(0, 1))
+        vs.append(v.transpose(0, 1))
+    r = length - n_packed
+    ks.append(k_res[b, :r])
+    vs.append(v_res[b, :r])
+    return torch.cat(ks), torch.cat(vs)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q ``[Hq, D]``, k/v ``[L, Hkv, D]`` -> (out ``[Hq, D]`` fp32, lse ``[Hq]``)."""
+    hq, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    if k.shape[0] == 0:
+        return q.new_zeros(hq, d, dtype=torch.float32), q.new_full((hq,), -math.inf, dtype=torch.float32)
+    qg = q.float().view(hkv, hq // hkv, d)
+    s = torch.einsum("hgd,lhd->hgl", qg, k.float()) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    out = torch.einsum("hgl,lhd->hgd", p, v.float())
+    return out.reshape(hq, d), lse.reshape(hq)
+
+
+def decode(
+    q: torch.Tensor,
+    k_pack: torch.Tensor,
+    k_params: torch.Tensor,
+    v_pack: torch.Tensor,
+    v_params: torch.Tensor,
+    k_res: torch.Tensor,
+    v_res: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    fmt: KVFormat,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Decode attention over a packed cache: q ``[B, 1, Hq, D]`` -> out ``[B, 1, Hq, D]``.
+
+    Arguments as in ``bitdecode.decode_attention`` (no validation here).
+    """
+    bsz, _, hq, d = q.shape
+    if block_table is None:
+        block_table = torch.arange(bsz, dtype=torch.int32).view(bsz, 1)
+    lengths = [int(x) for x in cache_seqlens.tolist()]
+    outs, lses = [], []
+    for b in range(bsz):
+        k, v = gather_kv(b, lengths[b], k_pack, k_params, v_pack, v_params, k_res, v_res, block_table, fmt)
+        o, lse = attention(q[b, 0], k, v, softmax_scale)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.stack(outs).to(q.dtype).view(bsz, 1, hq, d)
+    if return_lse:
+        return out, torch.stack(lses).view(bsz, 1, hq)
+    return out

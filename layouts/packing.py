@@ -1,0 +1,134 @@
+"""Bit-level packing of low-bit codes into 32-bit words, and the lop3 sequence that undoes it.
+
+A 32-bit word holds ``F = 32 / bits`` codes: 8 for 4-bit, 16 for 2-bit.  The codes are
+*elements* 0..F-1 in the order the dequantized half2 registers are consumed: elements
+(0, 1) become the first half2 register pair, (2, 3) the second, and so on.  Element
+``e`` sits in bit field ``(e % 2) * F/2 + e // 2``: even elements fill the low 16 bits,
+odd elements the high 16 bits, so one AND with a mask repeated in both halves
+(``0x000f000f``) lifts an element pair into the two 16-bit lanes of a register at
+once.  For 4 bits this is BitDecoding's "75316420" interleave (nibbles from most to
+least significant hold elements 7,5,3,1,6,4,2,0); for 2 bits the analogous
+"fedcba98 76543210"-style split of 16 fields.
+
+Dequantization of one element pair (the instruction sequence kernels emit and the
+tests emulate):
+
+    t  = lop3(word >> shift, mask, MAGIC)      # (w & mask) | magic, one instruction
+    q  = fma(t, 1/mult, -MAGIC_VALUE/mult)     # exact: the code as a 16-bit float
+    x  = fma(q, scale, zero)                   # the dequantized value pair
+
+``MAGIC`` is the 16-bit float whose mantissa LSBs the code lands in: 0x6400 (1024.0)
+for fp16, 0x4300 (128.0) for bf16.  A field whose bits reach past the mantissa (bit 10
+for fp16, bit 7 for bf16) needs the word shifted first; ``dequant_steps`` chooses the
+fewest distinct shifts (for fp16 4-bit: none for pairs 0-1 and ``>> 8`` for pairs 2-3,
+as in BitDecoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+SUPPORTED_BITS = (4, 2)
+WORD_BITS = 32
+
+# 16-bit float with all mantissa bits zero and an exponent that makes the mantissa
+# LSB worth exactly 1: OR-ing an integer code into the mantissa gives MAGIC + code.
+MAGIC_BITS = {"fp16": 0x6400, "bf16": 0x4300}
+MAGIC_VALUE = {"fp16": 1024.0, "bf16": 128.0}
+MANTISSA_BITS = {"fp16": 10, "bf16": 7}
+
+# lop3 immediate for (a & b) | c with PTX's convention a=0xF0, b=0xCC, c=0xAA.
+LOP3_AND_OR = (0xF0 & 0xCC) | 0xAA
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in MAGIC_BITS:
+        raise ValueError(f"dtype must be one of {tuple(MAGIC_BITS)}, got {dtype!r}")
+
+
+def codes_per_word(bits: int) -> int:
+    """F: codes in one 32-bit word."""
+    _check_bits(bits)
+    return WORD_BITS // bits
+
+
+def codes_per_half(bits: int) -> int:
+    """Codes in one 16-bit half word (what one ldmatrix element carries)."""
+    return codes_per_word(bits) // 2
+
+
+def field_of_element(bits: int, element: int) -> int:
+    """Bit field (0 = least significant) that holds element ``element`` of a word."""
+    f = codes_per_word(bits)
+    if not 0 <= element < f:
+        raise ValueError(f"element must be in [0, {f}), got {element}")
+    return (element % 2) * (f // 2) + element // 2
+
+
+def shift_of_element(bits: int, element: int) -> int:
+    """Bit offset of element ``element`` inside its word."""
+    return bits * field_of_element(bits, element)
+
+
+def interleave(bits: int) -> Tuple[int, ...]:
+    """Elements held by the fields of a word, from the most to the least significant.
+
+    ``interleave(4) == (7, 5, 3, 1, 6, 4, 2, 0)``: the "75316420" order.
+    """
+    f = codes_per_word(bits)
+    by_field = {field_of_element(bits, e): e for e in range(f)}
+    return tuple(by_field[i] for i in reversed(range(f)))
+
+
+def interleave_string(bits: int) -> str:
+    return "".join(format(e, "x") for e in interleave(bits))
+
+
+@dataclass(frozen=True)
+class DequantStep:
+    """Turns element pair ``pair`` (elements 2*pair, 2*pair+1) of a word into a half2.
+
+    ``t = ((word >> shift) & mask) | magic`` then ``q = t * (1/mult) - magic_value/mult``.
+    """
+
+    pair: int
+    shift: int
+    mask: int
+    magic: int
+    mult: int
+
+    @property
+    def fix_scale(self) -> float:
+        return 1.0 / self.mult
+
+    def fix_bias(self, dtype: str) -> float:
+        return -MAGIC_VALUE[dtype] / self.mult
+
+
+def dequant_steps(bits: int, dtype: str) -> Tuple[DequantStep, ...]:
+    """The per-pair lop3 sequence for one word, with the fewest distinct shifts."""
+    _check_bits(bits)
+    _check_dtype(dtype)
+    f = codes_per_word(bits)
+    room = MANTISSA_BITS[dtype]
+    magic = MAGIC_BITS[dtype] * 0x00010001
+    steps = []
+    shift = 0
+    for pair in range(f // 2):
+        low = shift_of_element(bits, 2 * pair)  # the high element sits 16 bits above
+        if low - shift + bits > room:
+            shift = low
+        offset = low - shift
+        mask = ((1 << bits) - 1) << offset
+        steps.append(DequantStep(pair, shift, mask * 0x00010001, magic, 1 << offset))
+    return tuple(steps)
+
+
+def distinct_shifts(bits: int, dtype: str) -> Tuple[int, ...]:
+    return tuple(sorted({s.shift for s in dequant_steps(bits, dtype)}))
