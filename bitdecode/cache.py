@@ -66,6 +66,8 @@ class KVCache:
         if dtype not in _validate.FLOAT16_DTYPES:
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device must be a usable torch device, got {device!r} but CUDA is not available")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         backend = dispatch.resolve(backend, device, what="KV cache")
@@ -246,6 +248,8 @@ class KVCache:
         self.v_params[vq] = v_params
 
     def _prefill_reference(self, k, v, lens: List[int]) -> None:
+        _validate.finite("k", k)  # checked before the first write, not per packed block
+        _validate.finite("v", v)
         nr = self.fmt.residual_block
         for b, n in enumerate(lens):
             for blk in range(n // nr):
@@ -256,6 +260,8 @@ class KVCache:
         self.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
 
     def _append_reference(self, k, v) -> None:
+        _validate.finite("k", k)
+        _validate.finite("v", v)
         nr = self.fmt.residual_block
         for b, n in enumerate(self._host_lens):
             for i in range(k.shape[1]):

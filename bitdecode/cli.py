@@ -1,8 +1,8 @@
 """The ``bitdecode`` command line: info, demo, layout, bench, compile.
 
 Each subcommand lives in its own module (``bitdecode/cli_<name>.py``) exposing
-``add_parser(subparsers)`` and ``run(args) -> int``; they are imported only when used so
-``bitdecode --help`` stays fast.
+``add_parser(subparsers, name, help_text)`` and ``run(args) -> int``; they are imported
+only when used so ``bitdecode --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 COMMANDS = {
     "info": "versions, GPU and arch, available kernels, compile cache dir",
@@ -21,20 +21,26 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(full: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
+    """The parser; only the commands in ``full`` (default: all) get their own options."""
+    full = set(COMMANDS if full is None else full)
     parser = argparse.ArgumentParser(
         prog="bitdecode",
         description="Low-bit KV-cache decode attention (BitDecoding) and BitNet W2A8 kernels in CuTe DSL.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
-        mod = importlib.import_module(f"bitdecode.cli_{name}")
-        mod.add_parser(sub, name, help_text)
+        if name in full:
+            mod = importlib.import_module(f"bitdecode.cli_{name}")
+            mod.add_parser(sub, name, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[:1] if argv and argv[0] in COMMANDS else ())
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

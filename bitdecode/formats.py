@@ -15,7 +15,7 @@ PARAM_WORD_BYTES = 4  # one (scale, zero) 16-bit pair
 
 
 def _choice(name: str, value, allowed) -> None:
-    if isinstance(value, bool) or value not in allowed:
+    if isinstance(value, bool) or not isinstance(value, type(allowed[0])) or value not in allowed:
         raise ValueError(f"KVFormat.{name} must be one of {allowed}, got {value!r}")
 
 

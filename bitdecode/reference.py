@@ -3,13 +3,16 @@
 Quantization (per group, asymmetric, computed in fp32 exactly as the kernels do):
 
     mn, mx  = min(x), max(x) over the group               (exact: 16-bit inputs)
-    scale   = to16((mx - mn) * fp32(1 / (2^bits - 1)))    (one fp32 multiply, then round)
+    scale   = to16_rz((mx - mn) * fp32(1 / (2^bits - 1))) (one fp32 multiply, then round
+                                                           toward zero, cvt.rz)
     zero    = to16(mn)                                     (exact)
     q       = clamp(rint((x - zero) * fp32(1 / scale)), 0, 2^bits - 1)   (0 where scale == 0)
     x_hat   = to16(q * scale + zero)                       (one rounding: an fma)
 
-``rint`` rounds half to even.  A group whose values are all equal gets scale 0 and
-dequantizes to exactly ``zero``, never NaN.  NaN/Inf inputs raise ``ValueError`` here when
+``rint`` rounds half to even.  Rounding the scale toward zero keeps
+``zero + (2^bits - 1) * scale <= max``, so the largest code never dequantizes past the
+group's range (an fp16 group spanning +-65504 would otherwise give inf).  A group whose
+values are all equal gets scale 0 and dequantizes to exactly ``zero``, never NaN.  NaN/Inf inputs raise ``ValueError`` here when
 ``check_finite`` is on (the default); the kernels do not check (that would need a device
 sync) and give unspecified codes for such groups.
 
@@ -67,6 +70,7 @@ def quantize(
     shrunk by ``group_size``).
     """
     _validate.tensor("x", x, dtypes=_validate.FLOAT16_DTYPES)
+    _validate.positive_int("group_size", group_size)
     if bits not in packing.SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {packing.SUPPORTED_BITS}, got {bits!r}")
     dim = dim % x.dim()
@@ -80,7 +84,9 @@ def quantize(
     grouped = xs.float().reshape(*xs.shape[:-1], xs.shape[-1] // group_size, group_size)
     mn = grouped.amin(dim=-1)
     mx = grouped.amax(dim=-1)
-    scale = ((mx - mn) * inv_qmax(bits)).to(x.dtype)
+    scale32 = (mx - mn) * inv_qmax(bits)
+    scale = scale32.to(x.dtype)
+    scale = torch.where(scale.float() > scale32, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     zero = mn.to(x.dtype)
     s32 = scale.float()
     inv = torch.where(s32 > 0, torch.reciprocal(s32), torch.zeros_like(s32))
