@@ -134,6 +134,32 @@ def fragment_columns() -> Tuple[Tuple[int, ...], ...]:
     return tuple(cols)
 
 
+MMA_OPERAND_SHAPES = {"a": (MMA_SHAPE[0], MMA_SHAPE[2]), "b": (MMA_SHAPE[1], MMA_SHAPE[2]),
+                      "c": (MMA_SHAPE[0], MMA_SHAPE[1])}
+
+
+@traced
+def fragment(operand: str) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """Thread-value layout of one m16n8k16 operand: ``[lane][value] = (row, col)``.
+
+    ``operand``: ``"a"`` (16 x 16, rows m, cols k), ``"b"`` (8 x 16, rows n, cols k) or
+    ``"c"`` (16 x 8 accumulator, rows m, cols n).  Values are in register order (16-bit
+    values for A and B, fp32 for C), read off the atom by partitioning an identity tensor.
+    """
+    import cutlass.cute as cute
+
+    if operand not in MMA_OPERAND_SHAPES:
+        raise ValueError(f"operand must be one of {tuple(MMA_OPERAND_SHAPES)}, got {operand!r}")
+    mma = cute.make_tiled_mma(_mma_atom(), (1, 1, 1))
+    ident = cute.make_identity_tensor(MMA_OPERAND_SHAPES[operand])
+    out = []
+    for lane in range(32):
+        thr = mma.get_slice(lane)
+        part = {"a": thr.partition_A, "b": thr.partition_B, "c": thr.partition_C}[operand](ident)
+        out.append(tuple((part[i][0], part[i][1]) for i in range(cute.size(part))))
+    return tuple(out)
+
+
 @traced
 def ldmatrix_lane_word() -> Tuple[Tuple[int, int], ...]:
     """(row, 32-bit word column) of the 8x8 16-bit tile that ldmatrix gives each lane."""

@@ -1,0 +1,275 @@
+"""The sm100 (Blackwell) instruction configuration: tcgen05 operands and block-scaled FP4.
+
+tcgen05 MMAs are issued by one thread; A and B are read from shared memory through
+descriptors (A may also come from tensor memory) and the accumulator lives in tensor
+memory, so the layouts that matter are the shared-memory operand layouts and, for the
+block-scaled kinds, the layout of the scale factors.  Every table here is read off the
+DSL's own helpers and atoms, evaluated in an ``sm_100a`` trace (no GPU needed).
+
+Operands.  Every operand the decode kernel feeds tcgen05 is K-major (``MmaMXF4NVF4Op``
+and ``MmaMXF4Op`` accept nothing else): K with rows = tokens and the head dim as the
+contraction, V with rows = channels and the tokens as the contraction (the same
+orientation as the packed integer rows of ``sm80``).  Each tile is the widest
+``tcgen05.make_smem_layout_atom`` K-major swizzle atom its row allows (``K_SW128`` for
+128-byte rows, ``K_SW64`` for 64 bytes, ...; ``blackwell_helpers.get_smem_layout_atom_ab``
+chooses), tiled rows-first.  As on sm90 the swizzle acts on byte addresses.
+
+* Integer formats (4/2-bit codes, the ``sm80`` packed words): dequantized to 16 bits in
+  registers exactly as on sm80/sm90 and stored to a 16-bit K-major tile, then a
+  ``tcgen05.MmaF16BF16Op`` (``make_f16_mma``).
+* NVFP4: e2m1 codes (``E2M1_VALUES``; two per byte, element ``2k`` in the low nibble),
+  one UE4M3 scale factor per 16 consecutive values along the contraction dim, and one
+  fp32 scale per KV head applied to the fp32 accumulator.  ``MmaMXF4NVF4Op``, K = 64 per
+  instruction, so 4 scale factors per row per MMA.
+* MXFP4: e2m1 codes, one UE8M0 scale factor per 32 values (``MmaMXF4Op``, 2 per MMA),
+  and the same per-head fp32 scale.
+
+Scale factors.  tcgen05 reads them in the 128 x 4 "basic chunk" of
+``blockscaled_layout.BlockScaledBasicChunk``: within a chunk of 128 rows and 4 scale
+columns (512 bytes), the scale of row ``m`` and scale column ``s`` sits at byte
+``16*(m % 32) + 4*(m // 32) + s``; ``tile_atom_to_shape_SF`` tiles chunks over an
+operand with the scale columns fastest.  Stored that way in global memory, TMA copies
+them to shared memory unchanged.  Rows pad to 128, scale columns to 4.
+
+Query transformation.  With K / V as A (``M = UMMA_M = 128`` tokens or channels) the
+query heads are the N side of the MMA (``query_tile_cols``: a multiple of 8, at least 8).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Tuple
+
+from . import sm90
+from ._trace import evaluate
+
+ARCH = "sm100"
+TRACE_ARCH = "sm_100a"
+UMMA_M = 128  # rows of one cta_group::1 block-scaled MMA
+UMMA_N_STEP = 8
+FP4_FORMATS = ("nvfp4", "mxfp4")
+SF_VEC = {"nvfp4": 16, "mxfp4": 32}  # values per scale factor along the contraction dim
+SF_NAME = {"nvfp4": "ue4m3", "mxfp4": "ue8m0"}
+SF_ATOM_ROWS = 128  # rows of one scale-factor basic chunk
+SF_ATOM_COLS = 4  # scale factors per row in one basic chunk
+HEAD_SCALE = "fp32"  # one per KV head, multiplies the fp32 accumulator
+OPERAND_DTYPES = ("e2m1", "fp16", "bf16")
+ELEM_BITS = {"e2m1": 4, "fp16": 16, "bf16": 16}
+
+
+def _traced(fn: Callable) -> Callable:
+    """Evaluate ``fn(*args)`` inside an sm_100a trace, cached per process."""
+
+    @functools.lru_cache(maxsize=None)
+    def cached(*args):
+        return evaluate(lambda: fn(*args), arch=TRACE_ARCH)
+
+    functools.update_wrapper(cached, fn)
+    return cached
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FP4_FORMATS:
+        raise ValueError(f"block-scaled format must be one of {FP4_FORMATS}, got {fmt!r}")
+
+
+def _dtype(name: str):
+    import cutlass
+
+    table = {"e2m1": cutlass.Float4E2M1FN, "fp16": cutlass.Float16, "bf16": cutlass.BFloat16}
+    if name not in table:
+        raise ValueError(f"operand dtype must be one of {OPERAND_DTYPES}, got {name!r}")
+    return table[name]
+
+
+def _sf_dtype(fmt: str):
+    import cutlass
+
+    _check_format(fmt)
+    return {"nvfp4": cutlass.Float8E4M3FN, "mxfp4": cutlass.Float8E8M0FNU}[fmt]
+
+
+# --------------------------------------------------------------------------------------
+# Number formats (what the codes and scale bytes mean)
+# --------------------------------------------------------------------------------------
+
+
+def e2m1_value(code: int) -> float:
+    """Value of a 4-bit e2m1 code: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0."""
+    if not 0 <= code < 16:
+        raise ValueError(f"e2m1 code must be in [0, 16), got {code}")
+    sign = -1.0 if code & 8 else 1.0
+    exp, man = (code >> 1) & 3, code & 1
+    mag = man * 0.5 if exp == 0 else (1.0 + man * 0.5) * 2.0 ** (exp - 1)
+    return sign * mag
+
+
+E2M1_VALUES = tuple(e2m1_value(c) for c in range(16))
+
+
+def ue4m3_value(byte: int) -> float:
+    """Value of an NVFP4 scale byte (e4m3 with the sign bit clear, bias 7; 0x7f is NaN)."""
+    if not 0 <= byte < 128:
+        raise ValueError(f"a UE4M3 scale is a byte in [0, 128), got {byte}")
+    if byte == 0x7F:
+        return float("nan")
+    exp, man = byte >> 3, byte & 7
+    return man / 8 * 2.0**-6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+def ue8m0_value(byte: int) -> float:
+    """Value of an MXFP4 scale byte: ``2^(byte - 127)``; 0xff is NaN."""
+    if not 0 <= byte < 256:
+        raise ValueError(f"a UE8M0 scale is a byte in [0, 256), got {byte}")
+    return float("nan") if byte == 0xFF else 2.0 ** (byte - 127)
+
+
+# --------------------------------------------------------------------------------------
+# Derived sizes
+# --------------------------------------------------------------------------------------
+
+
+def query_tile_cols(group: int) -> int:
+    """N columns for ``group`` query heads per KV head (K/V as the 128-row A operand)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    return -(-group // UMMA_N_STEP) * UMMA_N_STEP
+
+
+def sf_per_mma(fmt: str) -> int:
+    """Scale factors per row that one MMA (K = 64) consumes: 4 for NVFP4, 2 for MXFP4."""
+    return mma_shape(fmt, 128)[2] // SF_VEC[fmt]
+
+
+def _check_sf_shape(fmt: str, rows: int, cols: int) -> None:
+    _check_format(fmt)
+    span = SF_VEC[fmt] * SF_ATOM_COLS
+    if rows <= 0 or rows % SF_ATOM_ROWS or cols <= 0 or cols % span:
+        raise ValueError(
+            f"{fmt} scale factors tile {SF_ATOM_ROWS} rows x {span} values; pad the operand "
+            f"to a multiple of that, got {rows} x {cols}"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Kernel-side CuTe objects (call inside a @cute.jit trace for sm_100a)
+# --------------------------------------------------------------------------------------
+
+
+def make_blockscaled_mma(fmt: str, n: int):
+    """cta_group::1 ``128 x n x 64`` block-scaled FP4 MMA (NVFP4: MXF4NVF4, MXFP4: MXF4)."""
+    import cutlass
+    import cutlass.utils.blackwell_helpers as blackwell
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    k = OperandMajorMode.K
+    fp4 = cutlass.Float4E2M1FN
+    return blackwell.make_blockscaled_trivial_tiled_mma(
+        fp4, fp4, k, k, _sf_dtype(fmt), SF_VEC[fmt], tcgen05.CtaGroup.ONE, (UMMA_M, n)
+    )
+
+
+def make_f16_mma(dtype, n: int, m: int = UMMA_M):
+    """cta_group::1 ``m x n x 16`` tcgen05 MMA on 16-bit operands (integer formats, dequantized)."""
+    import cutlass
+    import cutlass.utils.blackwell_helpers as blackwell
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    k = OperandMajorMode.K
+    return blackwell.make_trivial_tiled_mma(
+        dtype, dtype, k, k, cutlass.Float32, tcgen05.CtaGroup.ONE, (m, n)
+    )
+
+
+def make_operand_smem_layout(dtype, rows: int, cols: int, stages: int = 0):
+    """K-major UMMA operand tile ``(rows, cols[, stages])``; swizzle goes on the pointer."""
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as blackwell
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    kind = blackwell.get_smem_layout_atom_ab(OperandMajorMode.K, dtype, (rows, cols))
+    atom = tcgen05.make_smem_layout_atom(kind, dtype)
+    shape = (rows, cols, stages) if stages else (rows, cols)
+    return cute.tile_to_shape(atom, shape, (0, 1, 2) if stages else (0, 1))
+
+
+def make_sf_layout(fmt: str, rows: int, cols: int):
+    """Layout of the scale factors of a K-major ``rows x cols`` FP4 operand (global memory).
+
+    ``((atom rows, row chunks), (values per scale x scale cols, col chunks), 1)``; the
+    value mode has stride 0, so the layout maps each *value* to the byte of its scale.
+    """
+    import cutlass.utils.blockscaled_layout as blockscaled
+
+    _check_sf_shape(fmt, rows, cols)
+    return blockscaled.tile_atom_to_shape_SF((rows, cols, 1), SF_VEC[fmt])
+
+
+def make_sf_smem_layouts(fmt: str, tiled_mma, mma_tiler, stages: int):
+    """Staged shared-memory layouts of the A and B scale factors for ``mma_tiler``."""
+    import cutlass.utils.blockscaled_layout as blockscaled
+
+    _check_format(fmt)
+    return (
+        blockscaled.make_smem_layout_sfa(tiled_mma, mma_tiler, SF_VEC[fmt], stages),
+        blockscaled.make_smem_layout_sfb(tiled_mma, mma_tiler, SF_VEC[fmt], stages),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Tables (evaluated in an sm_100a trace, cached)
+# --------------------------------------------------------------------------------------
+
+
+@_traced
+def mma_shape(fmt: str, n: int) -> Tuple[int, int, int]:
+    """(M, N, K) of the block-scaled MMA atom for ``fmt`` with ``n`` columns."""
+    _check_format(fmt)
+    shape = make_blockscaled_mma(fmt, n).shape_mnk
+    return tuple(int(x) for x in shape)
+
+
+@_traced
+def sf_offsets(fmt: str, rows: int, cols: int) -> Tuple[Tuple[int, ...], ...]:
+    """``[row][s]`` = byte offset of the scale of values ``s*V .. s*V+V-1`` of ``row``.
+
+    ``V = SF_VEC[fmt]``; read off ``tile_atom_to_shape_SF`` (checked: every value of the
+    group maps to the same byte).
+    """
+    layout = make_sf_layout(fmt, rows, cols)
+    vec = SF_VEC[fmt]
+    out = []
+    for r in range(rows):
+        row = []
+        for s in range(cols // vec):
+            off = layout((r, s * vec, 0))
+            assert layout((r, s * vec + vec - 1, 0)) == off, "a scale covers its whole group"
+            row.append(off)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+@_traced
+def sf_storage_bytes(fmt: str, rows: int, cols: int) -> int:
+    """Bytes of scale-factor storage for a ``rows x cols`` operand (cosize of its layout)."""
+    import cutlass.cute as cute
+
+    return int(cute.cosize(cute.filter_zeros(make_sf_layout(fmt, rows, cols))))
+
+
+@_traced
+def operand_smem_offsets(dtype: str, rows: int, cols: int) -> Tuple[Tuple[int, ...], ...]:
+    """Physical element offset of each (row, col) of a K-major UMMA operand tile.
+
+    ``dtype``: ``"e2m1"`` (offsets in 4-bit units: byte ``o // 2``, nibble ``o % 2``),
+    ``"fp16"`` or ``"bf16"`` (16-bit units).
+    """
+    layout = make_operand_smem_layout(_dtype(dtype), rows, cols)
+    return sm90.pointer_swizzled_offsets(layout, rows, cols, ELEM_BITS[dtype])
+
+
+@_traced
+def swizzle_of(dtype: str, rows: int, cols: int) -> Tuple[int, int, int]:
+    """(bits, base, shift) of the byte-address swizzle of a K-major UMMA operand tile."""
+    sw = make_operand_smem_layout(_dtype(dtype), rows, cols).inner
+    return (sw.num_bits, sw.num_base, sw.num_shift)
