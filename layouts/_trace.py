@@ -8,34 +8,15 @@ result is cached per process: the tables never change for a given configuration.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 from typing import Any, Callable
 
-# CuTe DSL silently assumes sm_100 when no arch is named; the layout tables only
-# depend on the instruction shapes, which every supported arch shares, so any
-# valid target works for tracing.  Only set it when the user has not.
-_DEFAULT_TRACE_ARCH = "sm_80"
+# The tables depend only on instruction shapes; the target is named explicitly so that
+# tracing never probes for a GPU (CuTe DSL would otherwise assume sm_100).
+DEFAULT_TRACE_ARCH = "sm_80"
 
 
-@contextlib.contextmanager
-def _trace_arch(arch: str | None):
-    old = os.environ.get("CUTE_DSL_ARCH")
-    if arch is not None:
-        os.environ["CUTE_DSL_ARCH"] = arch
-    elif old is None:
-        os.environ["CUTE_DSL_ARCH"] = _DEFAULT_TRACE_ARCH
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("CUTE_DSL_ARCH", None)
-        else:
-            os.environ["CUTE_DSL_ARCH"] = old
-
-
-def evaluate(builder: Callable[[], Any], arch: str | None = None) -> Any:
+def evaluate(builder: Callable[[], Any], arch: str = DEFAULT_TRACE_ARCH) -> Any:
     """Run ``builder`` inside a CuTe trace and return its (pure Python) result."""
     import cutlass.cute as cute
 
@@ -45,8 +26,7 @@ def evaluate(builder: Callable[[], Any], arch: str | None = None) -> Any:
     def _trace():
         box["value"] = builder()
 
-    with _trace_arch(arch):
-        cute.compile(_trace)
+    cute.compile(_trace, options=f"--gpu-arch {arch}")
     return box["value"]
 
 

@@ -1,0 +1,143 @@
+"""Compile-once cache for the CuTe DSL kernels: in memory, and on disk across processes.
+
+A kernel is compiled (``cute.compile(..., options="--enable-tvm-ffi --gpu-arch ...")``)
+against fake tensors with symbolic sizes, so one compilation serves every batch size and
+sequence length.  The key holds everything that changes the generated code: the kernel
+and its constexpr configuration, the target arch, and a fingerprint of the library
+sources, the CuTe DSL and TVM-FFI versions and the Python version.  Compiled functions
+are exported as object files under ``$BITDECODE_CACHE_DIR`` (default
+``~/.cache/bitdecode``) and loaded from there by later processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+
+ENV_CACHE_DIR = "BITDECODE_CACHE_DIR"
+ENV_DISABLE_DISK = "BITDECODE_NO_DISK_CACHE"
+_EXPORT_NAME = "bitdecode_kernel"
+_PKG_ROOT = Path(__file__).resolve().parent
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "bitdecode")
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """Hash of every kernel-relevant source plus the toolchain versions."""
+    import cutlass
+
+    h = hashlib.sha256()
+    h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
+    h.update(f"cutlass={cutlass.__version__}".encode())
+    try:
+        import tvm_ffi
+
+        h.update(f"tvm_ffi={tvm_ffi.__version__}".encode())
+    except ImportError:  # pragma: no cover - tvm_ffi is a dependency
+        pass
+    import bitdecode.kernels_sm80 as k80
+    import bitdecode.layouts as lay
+
+    roots = [_PKG_ROOT, Path(lay.__file__).parent, Path(k80.__file__).parent.parent]
+    seen = set()
+    for root in roots:
+        for src in sorted(root.rglob("*.py")):
+            if src in seen or "tests" in src.parts or "profiles" in src.parts:
+                continue
+            seen.add(src)
+            h.update(src.name.encode())
+            h.update(src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return cache_root() / fingerprint()
+
+
+def target_arch(device_index: Optional[int] = None) -> str:
+    """CuTe DSL target for the current GPU: sm_80 / sm_86 / sm_89 / sm_90a / sm_100a ..."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def compile_options(arch: str, *, tvm_ffi: bool = True, keep_ptx: bool = False) -> str:
+    opts = [f"--gpu-arch {arch}"]
+    if tvm_ffi:
+        opts.append("--enable-tvm-ffi")
+    if keep_ptx:
+        opts.append("--keep-ptx")
+    return " ".join(opts)
+
+
+class KernelCache:
+    """Compiled kernels by key; a miss compiles (or loads from disk) exactly once."""
+
+    def __init__(self) -> None:
+        self._mem: Dict[Tuple[Hashable, ...], Any] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, key) -> bool:
+        return key in self._mem
+
+    def __len__(self) -> int:
+        return len(self._mem)
+
+    def get(self, key: Tuple[Hashable, ...], build: Callable[[], Any]) -> Any:
+        fn = self._mem.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            fn = self._mem.get(key)
+            if fn is None:
+                fn = self._load(key)
+                if fn is None:
+                    fn = build()
+                    self._store(key, fn)
+                self._mem[key] = fn
+        return fn
+
+    # ---- disk ----------------------------------------------------------------------
+    @staticmethod
+    def _path(key) -> Path:
+        digest = hashlib.sha256(pickle.dumps(key)).hexdigest()[:32]
+        return cache_dir() / f"{digest}.o"
+
+    def _load(self, key):
+        if os.environ.get(ENV_DISABLE_DISK):
+            return None
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            import cutlass.cute as cute
+
+            module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+            return getattr(module, _EXPORT_NAME)
+        except Exception:  # a stale or partial file: recompile and overwrite
+            return None
+
+    def _store(self, key, fn) -> None:
+        if os.environ.get(ENV_DISABLE_DISK):
+            return
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.o")
+            fn.export_to_c(object_file_path=str(tmp), function_name=_EXPORT_NAME)
+            os.replace(tmp, path)
+        except Exception:  # read-only or full disk: the in-memory cache still works
+            pass
+
+
+KERNELS = KernelCache()

@@ -1,0 +1,275 @@
+"""Compiled-kernel backend: compile (once) and launch the CuTe DSL kernels from torch.
+
+Every kernel is compiled against fake tensors whose sizes are symbolic (batch, heads,
+pages, page size, lengths, splits) and whose head dim and packing dims are static, so one
+compilation per configuration serves every shape.  Calls go through TVM-FFI with the
+torch tensors themselves (no DLPack wrapping in Python), on the current torch stream, so
+they can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import jit
+from .attention import CacheTensors
+from .formats import KVFormat
+from .layouts import sm80
+
+LOG2_E = 1.4426950408889634
+CTAS_PER_SM = 3  # decode CTAs resident per SM (registers bound it at ~3 x 4 warps)
+MIN_TILES_PER_SPLIT = 2
+
+_TORCH_TO_CUTE = {}
+
+
+def _cute_dtype(dtype: torch.dtype):
+    import cutlass
+
+    if not _TORCH_TO_CUTE:
+        _TORCH_TO_CUTE.update({
+            torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
+            torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
+        })
+    return _TORCH_TO_CUTE[dtype]
+
+
+# --------------------------------------------------------------------------------------
+# Fake tensors for compilation
+# --------------------------------------------------------------------------------------
+
+
+def fake_tensor(dtype, shape):
+    """Row-major fake tensor: ``None`` dims are symbolic; strides are static while every
+    dim to their right is static, symbolic (16-byte divisible) beyond that."""
+    import cutlass.cute as cute
+
+    div = max(128 // dtype.width, 1)
+    sizes = tuple(cute.sym_int() if s is None else s for s in shape)
+    strides = []
+    acc, dynamic = 1, False
+    for i in reversed(range(len(shape))):
+        if i == len(shape) - 1:
+            strides.append(1)
+            continue
+        if not dynamic and shape[i + 1] is not None:
+            acc *= shape[i + 1]
+            strides.append(acc)
+        else:
+            dynamic = True
+            strides.append(cute.sym_int64(divisibility=div))
+    return cute.runtime.make_fake_tensor(dtype, sizes, stride=tuple(reversed(strides)), assumed_align=16)
+
+
+def fake_vector(dtype, ndim: int):
+    """Fake tensor with all sizes symbolic and only the last dim contiguous (4-byte aligned)."""
+    import cutlass.cute as cute
+
+    sizes = tuple(cute.sym_int() for _ in range(ndim))
+    strides = tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, sizes, stride=strides, assumed_align=4)
+
+
+def _stream():
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+# --------------------------------------------------------------------------------------
+# Kernel configurations
+# --------------------------------------------------------------------------------------
+
+
+def heads_tile(gq: int) -> int:
+    return 8 if gq <= 8 else 16
+
+
+def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
+    """Fake arguments of DecodeSm80 (same order as the call)."""
+    import cutlass
+
+    f16, i32, f32 = cutlass.Float16, cutlass.Int32, cutlass.Float32
+    wk = sm80.words_per_row(fmt.bits, head_dim)
+    wv = sm80.words_per_row(fmt.bits, fmt.residual_block)
+    nr, d, g = fmt.residual_block, head_dim, fmt.group_size
+    ks_last = d if fmt.k_mode == "channel" else d // g
+    args = [
+        fake_tensor(dtype, (None, None, d)),                       # q (B, Hq, D)
+        fake_tensor(f16, (None, None, None, 2 * wk)),              # k_pack (16-bit view)
+        fake_tensor(i32, (None, None, None, ks_last)),             # k_params
+        fake_tensor(f16, (None, None, None, d, 2 * wv)),           # v_pack (16-bit view)
+        fake_tensor(i32, (None, None, None, d // g, 16)),          # v_params
+        fake_tensor(dtype, (None, nr, None, d)),                   # k_res
+        fake_tensor(dtype, (None, nr, None, d)),                   # v_res
+        fake_vector(i32, 1),                                       # cache_seqlens
+        fake_vector(i32, 2),                                       # block_table
+    ]
+    if split:
+        args += [fake_tensor(f32, (None, None, None, d)), fake_vector(f32, 3)]
+    else:
+        args += [fake_tensor(dtype, (None, None, d)), fake_vector(f32, 2)]
+    return args
+
+
+def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
+                   return_lse: bool, keep_ptx: bool = False):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels_sm80.decode import DecodeSm80
+
+    kernel = DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, return_lse)
+    args = decode_args(fmt, dtype, head_dim, split)
+    return cute.compile(kernel, *args, cutlass.Float32(1.0), _stream(),
+                        options=jit.compile_options(arch, keep_ptx=keep_ptx))
+
+
+def compile_combine(arch: str, dtype, head_dim: int, return_lse: bool, keep_ptx: bool = False):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels_sm80.combine import CombineSm80
+
+    f32 = cutlass.Float32
+    kernel = CombineSm80(dtype, head_dim, return_lse)
+    args = [fake_tensor(f32, (None, None, None, head_dim)), fake_vector(f32, 3),
+            fake_tensor(dtype, (None, None, head_dim)), fake_vector(f32, 2)]
+    return cute.compile(kernel, *args, _stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
+
+
+def pack_args(fmt: KVFormat, dtype, head_dim: int):
+    import cutlass
+
+    i32 = cutlass.Int32
+    wk = sm80.words_per_row(fmt.bits, head_dim)
+    wv = sm80.words_per_row(fmt.bits, fmt.residual_block)
+    nr, d, g = fmt.residual_block, head_dim, fmt.group_size
+    ks_last = d if fmt.k_mode == "channel" else d // g
+    return [
+        fake_tensor(dtype, (None, None, None, d)),      # source K (B, N, Hkv, D)
+        fake_tensor(dtype, (None, None, None, d)),      # source V
+        fake_tensor(dtype, (None, nr, None, d)),        # k_res
+        fake_tensor(dtype, (None, nr, None, d)),        # v_res
+        fake_vector(i32, 1),                            # lengths
+        fake_vector(i32, 2),                            # block_table
+        fake_tensor(i32, (None, None, None, wk)),       # k_pack
+        fake_tensor(i32, (None, None, None, ks_last)),  # k_params
+        fake_tensor(i32, (None, None, None, d, wv)),    # v_pack
+        fake_tensor(i32, (None, None, None, d // g, 16)),  # v_params
+    ]
+
+
+def compile_pack(arch: str, fmt: KVFormat, dtype, head_dim: int, mode: str, keep_ptx: bool = False):
+    import cutlass.cute as cute
+
+    from .kernels_sm80.pack import PackSm80
+
+    kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode)
+    return cute.compile(kernel, *pack_args(fmt, dtype, head_dim), _stream(),
+                        options=jit.compile_options(arch, keep_ptx=keep_ptx))
+
+
+def _fmt_key(fmt: KVFormat) -> Tuple:
+    return (fmt.bits, fmt.k_mode, fmt.group_size)
+
+
+def _decode_kernel(arch, fmt, dtype, d, nh, split, lse):
+    key = ("decode_sm80", arch, str(dtype), _fmt_key(fmt), d, nh, split, lse)
+    return jit.KERNELS.get(key, lambda: compile_decode(arch, fmt, dtype, d, nh, split, lse))
+
+
+def _combine_kernel(arch, dtype, d, lse):
+    key = ("combine_sm80", arch, str(dtype), d, lse)
+    return jit.KERNELS.get(key, lambda: compile_combine(arch, dtype, d, lse))
+
+
+def _pack_kernel(arch, fmt, dtype, d, mode):
+    key = ("pack_sm80", arch, str(dtype), _fmt_key(fmt), d, mode)
+    return jit.KERNELS.get(key, lambda: compile_pack(arch, fmt, dtype, d, mode))
+
+
+# --------------------------------------------------------------------------------------
+# Split-KV heuristic
+# --------------------------------------------------------------------------------------
+
+
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int) -> int:
+    """Enough CTAs to fill the GPU (``CTAS_PER_SM`` per SM), at least two tiles per split."""
+    tiles = max(1, -(-max_len // fmt.residual_block))
+    base = batch * kv_heads
+    target = sms * CTAS_PER_SM
+    if base >= target:
+        return 1
+    splits = -(-target // base)
+    return max(1, min(splits, tiles // MIN_TILES_PER_SPLIT))
+
+
+# --------------------------------------------------------------------------------------
+# Entry points used by the API
+# --------------------------------------------------------------------------------------
+
+
+def decode(q: torch.Tensor, cache: CacheTensors, softmax_scale: float, num_splits: int,
+           return_lse: bool, backend: str = "sm80", max_seqlen: Optional[int] = None):
+    fmt = cache.fmt
+    bsz, _, hq, d = q.shape
+    hkv = cache.k_res.shape[2]
+    nh = heads_tile(hq // hkv)
+    dtype = _cute_dtype(q.dtype)
+    arch = jit.target_arch(q.device.index)
+    max_len = max_seqlen if max_seqlen is not None else cache.max_packed_tokens + fmt.residual_block
+    splits = num_splits or choose_splits(bsz, hkv, max_len, fmt, num_sms(q.device))
+    q3 = q.reshape(bsz, hq, d)
+    kp16 = cache.k_pack.view(torch.float16)
+    vp16 = cache.v_pack.view(torch.float16)
+    common = (q3, kp16, cache.k_params, vp16, cache.v_params, cache.k_res, cache.v_res,
+              cache.cache_seqlens, cache.block_table)
+    scale_log2 = softmax_scale * LOG2_E
+    out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
+    if splits == 1:
+        _decode_kernel(arch, fmt, dtype, d, nh, False, return_lse)(*common, out, lse, scale_log2)
+    else:
+        o_part = torch.empty(splits, bsz, hq, d, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(splits, bsz, hq, dtype=torch.float32, device=q.device)
+        _decode_kernel(arch, fmt, dtype, d, nh, True, True)(*common, o_part, l_part, scale_log2)
+        _combine_kernel(arch, dtype, d, return_lse)(o_part, l_part, out, lse)
+    out = out.view(bsz, 1, hq, d)
+    if return_lse:
+        return out, lse.view(bsz, 1, hq)
+    return out
+
+
+def _pack_call(cache, mode: str, src_k, src_v, lengths):
+    arch = jit.target_arch(cache.device.index)
+    kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, mode)
+    kern(src_k, src_v, cache.k_res, cache.v_res, lengths, cache.block_table,
+         cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)
+
+
+def prefill(cache, k: torch.Tensor, v: torch.Tensor, lens) -> None:
+    """Pack every full block of the prompt; the tail goes to the residual buffer."""
+    nr = cache.fmt.residual_block
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=cache.device)
+    if k.shape[1] >= nr:
+        _pack_call(cache, "prefill", k.contiguous(), v.contiguous(), lens_t)
+    for b, n in enumerate(lens):
+        r = n % nr
+        if r:
+            cache.k_res[b, :r].copy_(k[b, n - r:n])
+            cache.v_res[b, :r].copy_(v[b, n - r:n])
+    cache.seqlens.copy_(lens_t)
+
+
+def append(cache, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One launch: fill the residual blocks, pack the ones that complete; then lengths += T."""
+    _pack_call(cache, "append", k.contiguous(), v.contiguous(), cache.seqlens)
+    cache.seqlens.add_(k.shape[1])

@@ -1,0 +1,580 @@
+"""Split-KV decode attention over a packed low-bit KV cache (sm80: mma.sync, ldmatrix, cp.async).
+
+One CTA = (split, KV head, sequence); 4 warps along the sequence (Wm = 1, Wn = 4).  Each
+packed tile is one residual block of ``Nr`` tokens; warp ``w`` owns tokens
+``[w*T, (w+1)*T)`` of it (T = Nr/4), which is exactly chunk ``w`` of the packed V rows.
+
+Query transformation: the ``gq`` query heads that share a KV head form the N side (8 or
+16 columns) of transposed products, so the sequence and the head dim fill the M = 16
+rows of ``mma.sync.m16n8k16`` instead of padding 4 heads to 16 rows::
+
+    S^T = K  . Q^T     A = K     (tokens x D, dequantized from packed words)
+    O^T = V^T. P^T     A = V^T   (D x tokens, dequantized), B = P^T (movmatrix of S^T)
+
+Both A operands come from the same fragment-induced packed rows (``layouts.sm80``): one
+ldmatrix x4 per 32 rows of a chunk hands every lane its four words, ``lop3`` turns each
+word into exact half2 codes and one packed fma applies (scale, zero).  Softmax is online
+per warp; the four warps merge through shared memory at the end of the split
+(LSE-weighted), and splits are merged by the combine kernel.  The 16-bit residual
+block (``len % Nr`` tokens) is the last tile, read with plain ldmatrix in sub-tiles of
+64 tokens (16 per warp).  Tiles stream through a ``num_stages`` cp.async pipeline; all
+four warps share one barrier per tile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
+
+from ..layouts import sm80
+from . import ptx
+from .dequant import WordDequant, broadcast_params, split_params
+from .tensors import aligned_ptr, assume_aligned
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+NUM_WARPS = sm80.WARPS_N
+NUM_THREADS = 32 * NUM_WARPS
+RES_ROWS_PER_WARP = 16  # residual sub-tile: one m16 tile of tokens per warp
+RES_SUBTILE = RES_ROWS_PER_WARP * NUM_WARPS
+SMEM_ALIGN = 1024
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class DecodeSm80:
+    """Packed-cache decode attention; constexpr configuration in ``__init__``."""
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        bits: int,
+        k_mode: str,
+        group_size: int,
+        head_dim: int,
+        heads_tile: int,
+        split: bool,
+        return_lse: bool,
+        num_stages: int = 0,
+    ):
+        assert dtype in (cutlass.Float16, cutlass.BFloat16)
+        assert heads_tile in (8, 16)
+        self.dtype = dtype
+        self.is_bf16 = dtype is cutlass.BFloat16
+        self.bits = bits
+        self.k_channel = k_mode == "channel"
+        self.group = group_size
+        self.d = head_dim
+        self.nh = heads_tile
+        self.split = split
+        self.return_lse = return_lse
+        self.nr = sm80.residual_block(bits)
+        self.t = sm80.tokens_per_warp(bits)  # tokens per warp per tile
+        self.kpw = sm80.k_blocks_per_word(bits)  # token k-blocks per V word
+        self.wk = sm80.words_per_row(bits, head_dim)  # words per packed K row
+        self.wv = sm80.words_per_row(bits, self.nr)  # words per packed V row (16)
+        self.groups_v = head_dim // group_size
+        # shared memory per stage (bytes)
+        self.bytes_kp = self.nr * self.wk * 4
+        self.bytes_vp = head_dim * self.wv * 4
+        self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
+        self.words_vs = self.nr * self.groups_v
+        self.stage_bytes = _round_up(self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs), 128)
+        self.num_stages = num_stages or (3 if head_dim <= 128 else 2)
+        self.q_bytes = _round_up(heads_tile * head_dim * 2, 128)
+        self.res_bytes = 2 * RES_SUBTILE * head_dim * 2
+        self.epi_bytes = NUM_WARPS * (head_dim * heads_tile + 2 * heads_tile) * 4
+        self.union_bytes = max(self.num_stages * self.stage_bytes, self.res_bytes, self.epi_bytes)
+        self.smem_bytes = self.q_bytes + self.union_bytes
+
+    # ---------------------------------------------------------------------------------
+    # Host side: layouts, atoms, launch
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Hq, D) dtype
+        mKp: cute.Tensor,  # (P, Hkv, page, 2*wk) f16 view of the packed K words
+        mKs: cute.Tensor,  # K params (int32), see KVFormat.k_params_shape
+        mVp: cute.Tensor,  # (P, Hkv, page/Nr, D, 2*wv) f16 view of the packed V words
+        mVs: cute.Tensor,  # (P, Hkv, page/16, D/G, 16) int32
+        mKr: cute.Tensor,  # (B, Nr, Hkv, D) dtype residual
+        mVr: cute.Tensor,
+        mSeqlens: cute.Tensor,  # (B,) int32
+        mBlockTable: cute.Tensor,  # (B, max_pages) int32
+        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, Hq, D) dtype
+        mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
+        softmax_scale_log2: Float32,
+        stream,
+    ):
+        num_splits = mO.shape[0] if const_expr(self.split) else 1
+        grid = (num_splits, mKr.shape[2], mKr.shape[0])
+        self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
+               softmax_scale_log2: Float32):
+        tid, _, _ = cute.arch.thread_idx()
+        split_idx, head_kv, batch = cute.arch.block_idx()
+        num_splits, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(tid // 32)
+        lane = tid % 32
+        gq = mQ.shape[1] // mKr.shape[2]
+
+        # ---- which tiles this split owns ------------------------------------------
+        seqlen = mSeqlens[batch]
+        n_full = seqlen // self.nr
+        n_res = seqlen - n_full * self.nr
+        n_tiles = n_full + (n_res + self.nr - 1) // self.nr  # the residual is one more tile
+        per_split = (n_tiles + num_splits - 1) // num_splits
+        tile_begin = split_idx * per_split
+        tile_end = cutlass.min(tile_begin + per_split, n_tiles)
+        packed_end = cutlass.min(tile_end, n_full)
+        has_residual = (n_res > 0) & (tile_begin <= n_full) & (n_full < tile_end)
+
+        # ---- shared memory --------------------------------------------------------
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate_array(cutlass.Uint8, self.smem_bytes, byte_alignment=SMEM_ALIGN)
+        sQ = cute.make_tensor(cute.recast_ptr(base, dtype=self.dtype),
+                              sm80.make_smem_layout(self.nh, 2 * self.d))
+        union = base + self.q_bytes
+
+        mma = sm80.make_mma(self.dtype)
+        thr_mma = mma.get_slice(lane)
+        dq = WordDequant(self.bits, self.is_bf16)
+
+        # ---- Q: global -> smem (rows >= gq zero) -> B fragments --------------------
+        self.load_q(mQ, sQ, batch, head_kv, gq, tid)
+        cute.arch.cp_async_commit_group()
+
+        # ---- pipeline prologue ------------------------------------------------------
+        for s in cutlass.range_constexpr(self.num_stages - 1):
+            if tile_begin + s < packed_end:
+                self.load_tile(mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile_begin + s,
+                               union + s * self.stage_bytes, tid)
+            cute.arch.cp_async_commit_group()
+
+        cute.arch.cp_async_wait_group(self.num_stages - 1)
+        cute.arch.sync_threads()
+        tQrQ = self.q_fragments(mma, thr_mma, sQ, lane)
+
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.d, self.nh)), Float32)
+        acc_o.fill(0.0)
+        row_max = cute.make_rmem_tensor((2 * (self.nh // 8),), Float32)
+        row_sum = cute.make_rmem_tensor((2 * (self.nh // 8),), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # ---- packed tiles -----------------------------------------------------------
+        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
+            it = tile - tile_begin
+            cute.arch.cp_async_wait_group(self.num_stages - 2)
+            cute.arch.sync_threads()
+            nxt = tile + self.num_stages - 1
+            if nxt < packed_end:
+                self.load_tile(mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, nxt,
+                               union + ((it + self.num_stages - 1) % self.num_stages) * self.stage_bytes, tid)
+            cute.arch.cp_async_commit_group()
+            stage = union + (it % self.num_stages) * self.stage_bytes
+            acc_s = self.scores_packed(mma, thr_mma, dq, tQrQ, stage, warp_idx, lane)
+            self.online_softmax(acc_s, acc_o, row_max, row_sum, softmax_scale_log2, None, 0)
+            self.pv_packed(mma, thr_mma, dq, acc_s, acc_o, stage, warp_idx, lane)
+
+        # ---- the 16-bit residual block ---------------------------------------------
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if has_residual:
+            for sub in cutlass.range(0, (n_res + RES_SUBTILE - 1) // RES_SUBTILE, unroll=1):
+                self.residual_subtile(mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv,
+                                      sub, n_res, acc_o, row_max, row_sum, softmax_scale_log2,
+                                      warp_idx, lane, tid)
+
+        # ---- merge the warps, write this split ---------------------------------------
+        self.epilogue(acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,
+                      warp_idx, lane, tid)
+
+    # ---------------------------------------------------------------------------------
+    # Loads
+    # ---------------------------------------------------------------------------------
+    def _g2s_atom(self, dtype):
+        return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   dtype, num_bits_per_copy=128)
+
+    @cute.jit
+    def copy_rows(self, gsrc: cute.Tensor, sdst: cute.Tensor, tid: Int32, valid_rows: Int32,
+                  check_rows: cutlass.Constexpr[bool]):
+        """cp.async a (rows, cols) 16-bit tile in 16-byte chunks; rows >= valid_rows -> 0."""
+        rows, cols = cute.size(gsrc, mode=[0]), cute.size(gsrc, mode=[1])
+        per_row = cols // 8
+        thr_rows = min(NUM_THREADS // per_row, rows)
+        copy = cute.make_tiled_copy_tv(
+            self._g2s_atom(gsrc.element_type),
+            cute.make_layout((thr_rows, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, 8)),
+        )
+        if tid < thr_rows * per_row:
+            thr = copy.get_slice(tid)
+            tS = thr.partition_S(gsrc)
+            tD = thr.partition_D(sdst)
+            if const_expr(check_rows):
+                tC = thr.partition_S(cute.make_identity_tensor((rows, cols)))
+                for m in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+                    if tC[0, m, 0][0] < valid_rows:
+                        cute.copy(copy, tS[None, m, None], tD[None, m, None])
+                    else:
+                        tD[None, m, None].fill(0)
+            else:
+                cute.copy(copy, tS, tD)
+
+    @cute.jit
+    def copy_words(self, gsrc: cute.Tensor, sdst: cute.Tensor, tid: Int32):
+        """cp.async a contiguous run of int32 words (a multiple of 4) in 16-byte chunks."""
+        n = cute.size(gsrc)
+        chunks = n // 4
+        threads = min(chunks, NUM_THREADS)
+        copy = cute.make_tiled_copy_tv(
+            self._g2s_atom(cutlass.Int32), cute.make_layout((threads,)), cute.make_layout((4,))
+        )
+        if const_expr(threads == NUM_THREADS):
+            thr = copy.get_slice(tid)
+            cute.copy(copy, thr.partition_S(gsrc), thr.partition_D(sdst))
+        else:
+            if tid < threads:
+                thr = copy.get_slice(tid)
+                cute.copy(copy, thr.partition_S(gsrc), thr.partition_D(sdst))
+
+    def stage_tensors(self, stage):
+        """The four smem tensors of one pipeline stage (stage bases are 128-byte aligned)."""
+        stage = aligned_ptr(stage, 128)
+        kp = cute.make_tensor(cute.recast_ptr(stage, dtype=cutlass.Float16),
+                              sm80.make_smem_layout(self.nr, 4 * self.wk))
+        vp = cute.make_tensor(cute.recast_ptr(stage + self.bytes_kp, dtype=cutlass.Float16),
+                              sm80.make_smem_layout(self.d, 4 * self.wv))
+        ks_ptr = cute.recast_ptr(stage + self.bytes_kp + self.bytes_vp, dtype=cutlass.Int32)
+        if const_expr(self.k_channel):
+            ks = cute.make_tensor(ks_ptr, cute.make_layout((self.nr // self.group, self.d), stride=(self.d, 1)))
+        else:
+            ks = cute.make_tensor(ks_ptr, cute.make_layout((self.nr, self.groups_v), stride=(self.groups_v, 1)))
+        vs_ptr = cute.recast_ptr(stage + self.bytes_kp + self.bytes_vp + 4 * self.words_ks, dtype=cutlass.Int32)
+        vs = cute.make_tensor(vs_ptr, cute.make_layout((self.nr // 16, self.groups_v, 16),
+                                                       stride=(16 * self.groups_v, 16, 1)))
+        return kp, vp, ks, vs
+
+    @cute.jit
+    def load_tile(self, mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile, stage, tid):
+        page_size = mKp.shape[2]
+        tok = tile * self.nr
+        page = mBlockTable[batch, tok // page_size]
+        off = tok - (tok // page_size) * page_size
+        kp, vp, ks, vs = self.stage_tensors(stage)
+        gkp = cute.local_tile(mKp[page, head_kv, None, None], (self.nr, 2 * self.wk), (off // self.nr, 0))
+        self.copy_rows(assume_aligned(gkp), kp, tid, 0, False)
+        gvp = mVp[page, head_kv, off // self.nr, None, None]
+        self.copy_rows(assume_aligned(gvp), vp, tid, 0, False)
+        if const_expr(self.k_channel):
+            gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr // self.group, self.d),
+                                  (off // self.nr, 0))
+        else:
+            gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr, self.groups_v), (off // self.nr, 0))
+        self.copy_words(assume_aligned(cute.make_tensor(gks.iterator, cute.make_layout(self.words_ks))),
+                        cute.make_tensor(ks.iterator, cute.make_layout(self.words_ks)), tid)
+        gvs = cute.local_tile(mVs[page, head_kv, None, None, None], (self.nr // 16, self.groups_v, 16),
+                              (off // self.nr, 0, 0))
+        self.copy_words(assume_aligned(cute.make_tensor(gvs.iterator, cute.make_layout(self.words_vs))),
+                        cute.make_tensor(vs.iterator, cute.make_layout(self.words_vs)), tid)
+
+    @cute.jit
+    def load_q(self, mQ, sQ, batch, head_kv, gq, tid):
+        q_rows = mQ[batch, None, None]  # (Hq, D)
+        gQ = cute.local_tile(q_rows, (self.nh, self.d), (0, 0))
+        # the kv head's query rows start at head_kv * gq; rows >= gq are padding
+        gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
+        self.copy_rows(gQ, sQ, tid, gq, True)
+
+    def q_fragments(self, mma, thr_mma, sQ, lane):
+        """Q^T as the B operand (k = head dim, n = query heads), kept in registers."""
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        copy = cute.make_tiled_copy_B(ldsm, mma)
+        thr = copy.get_slice(lane)
+        frag = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+        cute.copy(copy, thr.partition_S(sQ), thr.retile(frag))
+        return frag
+
+    # ---------------------------------------------------------------------------------
+    # Packed tile: S^T = K Q^T
+    # ---------------------------------------------------------------------------------
+    def load_packed_words(self, tile16, lane):
+        """ldmatrix x4 over every 32-row block and chunk of a warp's packed slice.
+
+        Returns uint32 words indexed [(i, 0), r32, chunk] = word of row 32*r32 + 8*i + lane//4.
+        """
+        copy = sm80.make_packed_ldmatrix_copy(cutlass.Float16)
+        thr = copy.get_slice(lane)
+        src = thr.partition_S(tile16)
+        regs = cute.make_fragment_like(src, cutlass.Float16)
+        cute.copy(copy, src, regs)
+        return cute.recast_tensor(regs, Uint32)
+
+    def k_param_pairs(self, ks, tok0, kt, lane):
+        """(scale, zero) half2 pairs for the A fragment's column halves of k-block ``kt``.
+
+        Returns a function (m-tile, row half, column half) -> (scale2, zero2).
+        """
+        c = lane % 4
+        if const_expr(self.k_channel):
+            cache = {}
+
+            def pairs(mt, h, ch):
+                grp = (tok0 + 16 * mt) // self.group
+                if (grp, ch) not in cache:
+                    row = ks[grp, None]
+                    p0 = Uint32(row[16 * kt + 4 * c + 2 * ch])
+                    p1 = Uint32(row[16 * kt + 4 * c + 2 * ch + 1])
+                    cache[(grp, ch)] = split_params(p0, p1)
+                return cache[(grp, ch)]
+
+            return pairs
+        cache = {}
+        gi = (16 * kt) // self.group
+
+        def pairs(mt, h, ch):
+            key = (mt, h)
+            if key not in cache:
+                p = Uint32(ks[tok0 + 16 * mt + 8 * h + lane // 4, gi])
+                cache[key] = broadcast_params(p)
+            return cache[key]
+
+        return pairs
+
+    @cute.jit
+    def scores_packed(self, mma, thr_mma, dq, tQrQ, stage, warp_idx, lane):
+        kp, _, ks, _ = self.stage_tensors(stage)
+        slice_k = cute.local_tile(kp, (self.t, 2 * self.wk), (warp_idx, 0))
+        words = self.load_packed_words(slice_k, lane)
+        acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.t, self.nh)), Float32)
+        acc_s.fill(0.0)
+        mt_count = self.t // 16
+        tok0 = warp_idx * self.t
+        for kt in cutlass.range_constexpr(self.d // 16):
+            chunk, ktl = kt // self.kpw, kt % self.kpw
+            frag_a = cute.make_rmem_tensor(thr_mma.partition_shape_A((self.t, 16)), self.dtype)
+            frag_a32 = cute.recast_tensor(frag_a, Uint32)
+            params = self.k_param_pairs(ks, tok0, kt, lane)
+            for mt in cutlass.range_constexpr(mt_count):
+                for h in cutlass.range_constexpr(2):
+                    i = 2 * (mt % 2) + h
+                    word = words[(i, 0), mt // 2, chunk]
+                    codes = dq.codes(word, (2 * ktl, 2 * ktl + 1))
+                    for ch in cutlass.range_constexpr(2):
+                        s2, z2 = params(mt, h, ch)
+                        frag_a32[(0, h, ch), mt, 0] = dq.scale(codes[2 * ktl + ch], s2, z2)
+            cute.gemm(mma, acc_s, frag_a[None, None, 0], tQrQ[None, None, kt], acc_s)
+        return acc_s
+
+    # ---------------------------------------------------------------------------------
+    # Softmax (online, per warp; S^T: rows = tokens, columns = query heads)
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def online_softmax(self, acc_s, acc_o, row_max, row_sum, scale_log2, valid_tokens, tok0):
+        """Scale, mask (tokens >= valid_tokens when given), exponentiate acc_s in place."""
+        mt_count = cute.size(acc_s, mode=[1])
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                col = 2 * nt + v0
+                m_tile = -Float32.inf
+                for mt in cutlass.range_constexpr(mt_count):
+                    for v1 in cutlass.range_constexpr(2):
+                        x = acc_s[(v0, v1), mt, nt] * scale_log2
+                        if const_expr(valid_tokens is not None):
+                            if tok0 + 16 * mt + 8 * v1 + (cute.arch.lane_idx() // 4) >= valid_tokens:
+                                x = -Float32.inf
+                        acc_s[(v0, v1), mt, nt] = x
+                        m_tile = ptx.fmax(m_tile, x)
+                for off in cutlass.range_constexpr(3):
+                    m_tile = ptx.fmax(m_tile, ptx.shfl_bfly(m_tile, 4 << off))
+                m_old = row_max[col]
+                m_new = ptx.fmax(m_old, m_tile)
+                # a column that has seen only masked tokens keeps -inf; exponentiate against 0
+                m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                alpha = ptx.ex2(m_old - m_use)
+                tile_sum = Float32(0.0)
+                for mt in cutlass.range_constexpr(mt_count):
+                    for v1 in cutlass.range_constexpr(2):
+                        p = ptx.ex2(acc_s[(v0, v1), mt, nt] - m_use)
+                        acc_s[(v0, v1), mt, nt] = p
+                        tile_sum += p
+                row_sum[col] = row_sum[col] * alpha + tile_sum
+                row_max[col] = m_new
+                for mo in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                    for v1 in cutlass.range_constexpr(2):
+                        acc_o[(v0, v1), mo, nt] = acc_o[(v0, v1), mo, nt] * alpha
+
+    def p_fragments(self, thr_mma, acc_s, tokens):
+        """P^T as the B operand (k = tokens, n = heads): convert and transpose S^T tiles."""
+        frag = cute.make_rmem_tensor(thr_mma.partition_shape_B((self.nh, tokens)), self.dtype)
+        frag32 = cute.recast_tensor(frag, Uint32)
+        for mt in range(tokens // 16):
+            for nt in range(self.nh // 8):
+                for v1 in range(2):
+                    packed = ptx.cvt_pack_x2(acc_s[(0, v1), mt, nt], acc_s[(1, v1), mt, nt], self.is_bf16)
+                    frag32[(0, v1), nt, mt] = ptx.movmatrix_trans(packed)
+        return frag
+
+    # ---------------------------------------------------------------------------------
+    # Packed tile: O^T += V^T P^T
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def pv_packed(self, mma, thr_mma, dq, acc_s, acc_o, stage, warp_idx, lane):
+        _, vp, _, vs = self.stage_tensors(stage)
+        slice_v = cute.local_tile(vp, (self.d, 8), (0, warp_idx))  # chunk `warp` of every row
+        words = self.load_packed_words(slice_v, lane)
+        frag_p = self.p_fragments(thr_mma, acc_s, self.t)
+        c = lane % 4
+        for kt in cutlass.range_constexpr(self.kpw):
+            # (scale, zero) of the lane's four tokens of this k-block, per channel group
+            pairs = []
+            for gi in cutlass.range_constexpr(self.groups_v):
+                row = vs[warp_idx * self.kpw + kt, gi, None]
+                p0, p1 = Uint32(row[4 * c]), Uint32(row[4 * c + 1])
+                p2, p3 = Uint32(row[4 * c + 2]), Uint32(row[4 * c + 3])
+                pairs.append((split_params(p0, p1), split_params(p2, p3)))
+            frag_a = cute.make_rmem_tensor(thr_mma.partition_shape_A((self.d, 16)), self.dtype)
+            frag_a32 = cute.recast_tensor(frag_a, Uint32)
+            for mt in cutlass.range_constexpr(self.d // 16):
+                gi = (16 * mt) // self.group
+                for h in cutlass.range_constexpr(2):
+                    i = 2 * (mt % 2) + h
+                    word = words[(i, 0), mt // 2, 0]
+                    codes = dq.codes(word, (2 * kt, 2 * kt + 1))
+                    for ch in cutlass.range_constexpr(2):
+                        s2, z2 = pairs[gi][ch]
+                        frag_a32[(0, h, ch), mt, 0] = dq.scale(codes[2 * kt + ch], s2, z2)
+            cute.gemm(mma, acc_o, frag_a[None, None, 0], frag_p[None, None, kt], acc_o)
+
+    # ---------------------------------------------------------------------------------
+    # 16-bit residual sub-tile (64 tokens, 16 per warp)
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def residual_subtile(self, mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv, sub, n_res,
+                         acc_o, row_max, row_sum, scale_log2, warp_idx, lane, tid):
+        layout = sm80.make_smem_layout(RES_SUBTILE, 2 * self.d)
+        union = aligned_ptr(union, 128)
+        sK = cute.make_tensor(cute.recast_ptr(union, dtype=self.dtype), layout)
+        sV = cute.make_tensor(cute.recast_ptr(union + RES_SUBTILE * self.d * 2, dtype=self.dtype), layout)
+        cute.arch.sync_threads()  # the previous sub-tile (or packed stage) is done with this smem
+        valid = n_res - sub * RES_SUBTILE
+        gK = cute.local_tile(mKr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
+        gV = cute.local_tile(mVr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
+        self.copy_rows(assume_aligned(gK), sK, tid, valid, True)
+        self.copy_rows(assume_aligned(gV), sV, tid, valid, True)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # S^T = K Q^T over this warp's 16 tokens
+        sK_w = cute.local_tile(sK, (RES_ROWS_PER_WARP, self.d), (warp_idx, 0))
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        copy_k = cute.make_tiled_copy_A(ldsm, mma)
+        thr_k = copy_k.get_slice(lane)
+        frag_k = thr_mma.make_fragment_A(thr_mma.partition_A(sK_w))
+        cute.copy(copy_k, thr_k.partition_S(sK_w), thr_k.retile(frag_k))
+        acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((RES_ROWS_PER_WARP, self.nh)), Float32)
+        acc_s.fill(0.0)
+        for kt in cutlass.range_constexpr(self.d // 16):
+            cute.gemm(mma, acc_s, frag_k[None, None, kt], tQrQ[None, None, kt], acc_s)
+        self.online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2, valid, warp_idx * RES_ROWS_PER_WARP)
+
+        # O^T += V^T P^T: V^T (D x tokens) through a transposing ldmatrix
+        sVt = cute.composition(sV, cute.make_layout((self.d, RES_SUBTILE), stride=(RES_SUBTILE, 1)))
+        sVt_w = cute.local_tile(sVt, (self.d, RES_ROWS_PER_WARP), (0, warp_idx))
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        copy_v = cute.make_tiled_copy_A(ldsm_t, mma)
+        thr_v = copy_v.get_slice(lane)
+        frag_v = thr_mma.make_fragment_A(thr_mma.partition_A(sVt_w))
+        cute.copy(copy_v, thr_v.partition_S(sVt_w), thr_v.retile(frag_v))
+        frag_p = self.p_fragments(thr_mma, acc_s, RES_ROWS_PER_WARP)
+        cute.gemm(mma, acc_o, frag_v[None, None, 0], frag_p[None, None, 0], acc_o)
+
+    # ---------------------------------------------------------------------------------
+    # Epilogue: merge the four warps (LSE-weighted), normalize, write
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(self, acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,
+                 warp_idx, lane, tid):
+        nt_count = self.nh // 8
+        # full row sums of this warp: lanes that share a head column differ in lane // 4
+        for col in cutlass.range_constexpr(2 * nt_count):
+            s = row_sum[col]
+            for off in cutlass.range_constexpr(3):
+                s += ptx.shfl_bfly(s, 4 << off)
+            row_sum[col] = s
+        cute.arch.sync_threads()  # everyone is done with the pipeline / residual smem
+        f32 = cute.recast_ptr(aligned_ptr(union, 128), dtype=Float32)
+        s_ml = cute.make_tensor(f32, cute.make_layout((2, self.nh, NUM_WARPS), stride=(1, 2, 2 * self.nh)))
+        s_o = cute.make_tensor(f32 + 2 * self.nh * NUM_WARPS,
+                               cute.make_layout((self.d, self.nh, NUM_WARPS),
+                                                stride=(1, self.d, self.d * self.nh)))
+        c, g = lane % 4, lane // 4
+        if g == 0:
+            for nt in cutlass.range_constexpr(nt_count):
+                for v0 in cutlass.range_constexpr(2):
+                    head = 8 * nt + 2 * c + v0
+                    s_ml[0, head, warp_idx] = row_max[2 * nt + v0]
+                    s_ml[1, head, warp_idx] = row_sum[2 * nt + v0]
+        cute.arch.sync_threads()
+        # each warp rescales its O by its weight relative to the CTA-wide max
+        for nt in cutlass.range_constexpr(nt_count):
+            for v0 in cutlass.range_constexpr(2):
+                head = 8 * nt + 2 * c + v0
+                m_all = s_ml[0, head, 0]
+                for w in cutlass.range_constexpr(1, NUM_WARPS):
+                    m_all = ptx.fmax(m_all, s_ml[0, head, w])
+                m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                weight = ptx.ex2(row_max[2 * nt + v0] - m_use)
+                for mo in cutlass.range_constexpr(self.d // 16):
+                    for v1 in cutlass.range_constexpr(2):
+                        d = 16 * mo + 8 * v1 + g
+                        s_o[d, head, warp_idx] = acc_o[(v0, v1), mo, nt] * weight
+        cute.arch.sync_threads()
+        # 128 threads sum the warps and write (head, d) outputs
+        total = self.d * self.nh
+        for it in cutlass.range_constexpr((total + NUM_THREADS - 1) // NUM_THREADS):
+            idx = tid + it * NUM_THREADS
+            if idx < total:
+                head = idx // self.d
+                d = idx - head * self.d
+                m_all = s_ml[0, head, 0]
+                for w in cutlass.range_constexpr(1, NUM_WARPS):
+                    m_all = ptx.fmax(m_all, s_ml[0, head, w])
+                m_use = m_all if m_all != -Float32.inf else Float32(0.0)
+                l_all = Float32(0.0)
+                o = Float32(0.0)
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    l_all += s_ml[1, head, w] * ptx.ex2(s_ml[0, head, w] - m_use)
+                    o += s_o[d, head, w]
+                inv = Float32(0.0) if l_all == Float32(0.0) else 1.0 / l_all
+                if head < gq:
+                    qh = head_kv * gq + head
+                    if const_expr(self.split):
+                        mO[split_idx, batch, qh, d] = o * inv
+                    else:
+                        mO[batch, qh, d] = self.dtype(o * inv)
+                    if d == 0:
+                        lse = -Float32.inf
+                        if l_all > Float32(0.0):
+                            lse = (m_all + ptx.lg2(l_all)) * LN_2
+                        if const_expr(self.split):
+                            mLSE[split_idx, batch, qh] = lse
+                        elif const_expr(self.return_lse):
+                            mLSE[batch, qh] = lse

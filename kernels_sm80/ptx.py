@@ -1,0 +1,165 @@
+"""Single PTX instructions the kernels need and CuTe DSL does not expose as pure ops.
+
+Everything here is one instruction (or a tight group that ptxas turns into one SASS op)
+wrapped with ``llvm.inline_asm``.  Pure ops are marked side-effect free so LLVM can CSE
+and schedule them; warp-collective ops (movmatrix) are not, so they are never moved
+into divergent code.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(ret, operands, text, constraints, side_effects=False, loc=None, ip=None):
+    return llvm.inline_asm(ret, operands, text, constraints, has_side_effects=side_effects,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def _u32(x, loc, ip):
+    return Uint32(x).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def lop3_and_or(a, mask: int, c: int, *, loc=None, ip=None) -> Uint32:
+    """``(a & mask) | c`` in one lop3 (mask and c immediates): lifts a code pair into a
+    half2 whose exponent is the dequant magic number."""
+    res = _asm(T.i32(), [_u32(a, loc, ip)],
+               "{.reg .b32 m, k;\n"
+               f"mov.b32 m, {mask & 0xFFFFFFFF};\nmov.b32 k, {c & 0xFFFFFFFF};\n"
+               "lop3.b32 $0, $1, m, k, 0xEA;}", "=r,r", loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
+    """Byte permute of {b, a}; selectors 0x5410 / 0x7632 gather low / high halves."""
+    res = _asm(T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip)],
+               f"prmt.b32 $0, $1, $2, {selector};", "=r,r,r", loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def fma_x2(a, b, c, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
+    """Packed fma of two 16-bit floats (single rounding): a * b + c."""
+    kind = "bf16x2" if is_bf16 else "f16x2"
+    res = _asm(T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip), _u32(c, loc, ip)],
+               f"fma.rn.{kind} $0, $1, $2, $3;", "=r,r,r,r", loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def fma_x2_imm(a, b: int, c: int, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
+    """Packed fma with immediate multiplier and addend (the exact magic-number fix-up)."""
+    kind = "bf16x2" if is_bf16 else "f16x2"
+    res = _asm(T.i32(), [_u32(a, loc, ip)],
+               "{.reg .b32 m, k;\n"
+               f"mov.b32 m, {b & 0xFFFFFFFF};\nmov.b32 k, {c & 0xFFFFFFFF};\n"
+               f"fma.rn.{kind} $0, $1, m, k;}}", "=r,r", loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def cvt_pack_x2(lo, hi, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> one packed f16x2/bf16x2 (``lo`` in the low half), round to nearest."""
+    kind = "bf16x2" if is_bf16 else "f16x2"
+    res = _asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+               f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f", loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def movmatrix_trans(a, *, loc=None, ip=None) -> Uint32:
+    """Transpose an 8x8 16-bit matrix held in the standard fragment across the warp."""
+    res = _asm(T.i32(), [_u32(a, loc, ip)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+               "=r,r", side_effects=True, loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def rcp_rn(x, *, loc=None, ip=None) -> Float32:
+    """IEEE round-to-nearest reciprocal (bit-identical to torch.reciprocal)."""
+    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;", "=f,f",
+               loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def round_even(x, *, loc=None, ip=None) -> Float32:
+    """Round to the nearest integer, ties to even (torch.round)."""
+    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rni.f32.f32 $0, $1;", "=f,f",
+               loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def f32_to_u32(x, *, loc=None, ip=None) -> Uint32:
+    res = _asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rzi.u32.f32 $0, $1;", "=r,f",
+               loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def half_to_f32(bits16, is_bf16: bool, *, loc=None, ip=None) -> Float32:
+    """The low 16 bits of ``bits16`` as an fp16/bf16 value, widened to fp32."""
+    if is_bf16:
+        res = _asm(T.f32(), [_u32(bits16, loc, ip)], "{.reg .b32 t;\nshl.b32 t, $1, 16;\nmov.b32 $0, t;}",
+                   "=f,r", loc=loc, ip=ip)
+    else:
+        res = _asm(T.f32(), [_u32(bits16, loc, ip)],
+                   "{.reg .b16 h;\ncvt.u16.u32 h, $1;\ncvt.f32.f16 $0, h;}", "=f,r", loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def f32_to_half_bits(x, is_bf16: bool, toward_zero: bool = False, *, loc=None, ip=None) -> Uint32:
+    """fp32 -> fp16/bf16 (nearest even, or toward zero), returned in the low 16 bits."""
+    kind = "bf16" if is_bf16 else "f16"
+    rnd = "rz" if toward_zero else "rn"
+    res = _asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+               f"{{.reg .b16 h;\ncvt.{rnd}.{kind}.f32 h, $1;\ncvt.u32.u16 $0, h;}}", "=r,f", loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def shfl_bfly(x, offset: int, *, loc=None, ip=None) -> Float32:
+    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+               f"shfl.sync.bfly.b32 $0, $1, {offset}, 31, -1;", "=f,f", side_effects=True, loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def shfl_bfly_u32(x, offset: int, *, loc=None, ip=None) -> Uint32:
+    res = _asm(T.i32(), [_u32(x, loc, ip)],
+               f"shfl.sync.bfly.b32 $0, $1, {offset}, 31, -1;", "=r,r", side_effects=True, loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def ex2(x, *, loc=None, ip=None) -> Float32:
+    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+               loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def fmax(a, b, *, loc=None, ip=None) -> Float32:
+    res = _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+               "max.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def fmin(a, b, *, loc=None, ip=None) -> Float32:
+    res = _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+               "min.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def lg2(x, *, loc=None, ip=None) -> Float32:
+    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f",
+               loc=loc, ip=ip)
+    return Float32(res)
