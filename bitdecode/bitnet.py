@@ -1,0 +1,500 @@
+"""BitNet b1.58 W2A8 linear layers: ternary 2-bit weights times int8 activations.
+
+```python
+import bitdecode as bd
+w_t, w_s = bd.bitnet.quantize_weight(w, segments=(2560, 640, 640))   # fused q/k/v
+w_p = bd.bitnet.pack_weight(w_t)                 # int8 [N, K/4], microsoft/BitNet's bytes
+x_q, x_s = bd.bitnet.quantize_activation(x)      # int8 [M, K], fp32 [M]
+y = bd.bitnet.gemv(x_q, w_p, x_s, w_s, segments=(2560, 640, 640))   # M == 1, bf16 [1, N]
+y = bd.bitnet.gemm(x_q, w_p, x_s, w_s, segments=(2560, 640, 640))   # any M, bf16 [M, N]
+layer = bd.bitnet.BitLinear.from_float(torch_linear, segments=(2560, 640, 640)).cuda()
+```
+
+Maths (the kernels and the torch reference compute exactly this):
+
+* weights, per segment ``S`` of rows: ``scale_S = max(mean|W_S|, 1e-5)``,
+  ``w = clamp(round(W / scale_S), -1, 1)`` (round half to even);
+* activations, per token: ``s = 127 / max(max|x|, 1e-5)``,
+  ``q = clamp(round(x * s), -128, 127)`` in fp32 (round half to even);
+* ``y[m, n] = bf16((float(sum_k q[m, k] * w[n, k]) / s[m]) * scale_{segment(n)})``, the
+  integer sum exact in int32, the two fp32 operations rounded once each.
+
+Segments are the row counts of the fused projections (q, k, v or w1, w3), so each
+scale is applied at the true row boundaries (BitNet's own kernel splits N in equal
+parts instead).  ``None`` means one segment.
+
+On CUDA tensors gemv / gemm run the CuTe DSL kernels (``kernels_sm80`` on sm_80+;
+``kernels_sm90`` on Hopper), elsewhere the torch reference; ``backend="reference"``
+forces the reference.  The kernel calls are torch.library ops, so torch.compile
+traces around them, and they allocate nothing but their output, so CUDA graphs can
+capture them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import _validate
+from .layouts import bitnet as layout
+
+__all__ = [
+    "quantize_weight",
+    "pack_weight",
+    "unpack_weight",
+    "quantize_activation",
+    "gemv",
+    "gemm",
+    "reference_gemm",
+    "accumulate",
+    "BitLinear",
+    "MAX_SEGMENTS",
+]
+
+MAX_SEGMENTS = 4
+WEIGHT_EPS = 1e-5
+ACT_EPS = 1e-5
+BACKENDS = ("auto", "reference", "kernel")
+
+
+# --------------------------------------------------------------------------------------
+# Segments
+# --------------------------------------------------------------------------------------
+
+
+def _segments(segments: Optional[Sequence[int]], n: int, name: str = "segments") -> Tuple[int, ...]:
+    """Validated segment row counts (a tuple summing to ``n``)."""
+    if segments is None:
+        return (n,)
+    if isinstance(segments, torch.Tensor) or not isinstance(segments, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple of ints (rows per fused segment), got {type(segments).__name__}")
+    segs = tuple(segments)
+    if not segs:
+        raise ValueError(f"{name} must not be empty")
+    for s in segs:
+        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
+            raise ValueError(f"{name} must hold positive ints, got {segs}")
+    if len(segs) > MAX_SEGMENTS:
+        raise ValueError(f"{name} may hold at most {MAX_SEGMENTS} segments, got {len(segs)}")
+    if sum(segs) != n:
+        raise ValueError(f"{name} {segs} sum to {sum(segs)} rows, but the weight has N={n} rows")
+    return segs
+
+
+def _segment_ends(segs: Tuple[int, ...], n: int) -> Tuple[int, int, int]:
+    """Cumulative row ends of segments 0..2 (``n`` where there is no such boundary)."""
+    ends: List[int] = []
+    total = 0
+    for s in segs[:-1]:
+        total += s
+        ends.append(total)
+    ends += [n] * (MAX_SEGMENTS - 1 - len(ends))
+    return tuple(ends)  # type: ignore[return-value]
+
+
+def _row_scales(w_scales: torch.Tensor, segs: Tuple[int, ...]) -> torch.Tensor:
+    counts = torch.tensor(segs, device=w_scales.device)
+    return torch.repeat_interleave(w_scales.float(), counts, output_size=sum(segs))
+
+
+# --------------------------------------------------------------------------------------
+# Quantization
+# --------------------------------------------------------------------------------------
+
+
+def quantize_weight(w: torch.Tensor, segments: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Ternary weights: (int8 [N, K] in {-1, 0, 1}, fp32 [S] scales ``mean|W|`` per segment)."""
+    _validate.tensor("w", w, dtypes=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+    n = w.shape[0]
+    segs = _segments(segments, n)
+    _validate.finite("w", w)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(len(segs), dtype=torch.float32, device=w.device)
+    start = 0
+    for i, rows in enumerate(segs):
+        part = w[start : start + rows].float()
+        scale = part.abs().mean().clamp(min=WEIGHT_EPS)
+        q[start : start + rows] = torch.round(part / scale).clamp_(-1, 1).to(torch.int8)
+        scales[i] = scale
+        start += rows
+    return q, scales
+
+
+def quantize_activation(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token int8 activations: (int8 [..., K], fp32 [...] with ``s = 127 / max|x|``).
+
+    ``x ~= q / s``.  Rounds half to even, like ``torch.round``.
+    """
+    _validate.tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    xf = x.float()
+    s = 127.0 / xf.abs().amax(dim=-1).clamp(min=ACT_EPS)
+    q = torch.round(xf * s.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
+    return q, s
+
+
+# --------------------------------------------------------------------------------------
+# Packing (byte-for-byte microsoft/BitNet gpu/pack_weight.py)
+# --------------------------------------------------------------------------------------
+
+
+def _tables(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    perm = torch.tensor(layout.tile_permutation_table(), dtype=torch.long, device=device)
+    shifts = torch.tensor(layout.word_interleave_table(), dtype=torch.int64, device=device)
+    return perm, shifts
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """Ternary int8 [N, K] -> packed int8 [N, K/4] in BitNet's layout (N % 16, K % 32)."""
+    _validate.tensor("w", w, dtypes=(torch.int8,), ndim=2)
+    n, k = w.shape
+    layout.check_shape(n, k, k_multiple=layout.TILE_K, name="w")
+    if w.numel() and (int(w.min()) < -1 or int(w.max()) > 1):
+        raise ValueError("w must be ternary (values -1, 0, 1); quantize it with quantize_weight first")
+    perm, shifts = _tables(w.device)
+    nt, kt = n // layout.TILE_N, k // layout.TILE_K
+    codes = (w.to(torch.int64) + layout.CODE_OFFSET).reshape(nt, layout.TILE_N, kt, layout.TILE_K)
+    tiles = codes.permute(0, 2, 1, 3).reshape(nt, kt, layout.TILE_N * layout.TILE_K)
+    # permuted position p = 16 * word + element holds tile offset perm[p]
+    words = tiles[..., perm].reshape(nt, kt, layout.TILE_WORDS, layout.CODES_PER_WORD)
+    words = (words << shifts).sum(dim=-1)  # disjoint bit fields: sum == or
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.reshape(n, k // 16).view(torch.int8).reshape(n, k // layout.CODES_PER_BYTE)
+
+
+def unpack_weight(w_packed: torch.Tensor) -> torch.Tensor:
+    """Packed int8 [N, K/4] -> ternary int8 [N, K]; the inverse of ``pack_weight``."""
+    _validate.tensor("w_packed", w_packed, dtypes=(torch.int8,), ndim=2)
+    n, kb = w_packed.shape
+    k = kb * layout.CODES_PER_BYTE
+    layout.check_shape(n, k, k_multiple=layout.TILE_K, name="w_packed (unpacked)")
+    perm, shifts = _tables(w_packed.device)
+    nt, kt = n // layout.TILE_N, k // layout.TILE_K
+    words = w_packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = words.reshape(nt, kt, layout.TILE_WORDS, 1)
+    codes = ((words >> shifts) & 3).reshape(nt, kt, layout.TILE_N * layout.TILE_K)
+    tiles = torch.empty_like(codes)
+    tiles[..., perm] = codes
+    w = tiles.reshape(nt, kt, layout.TILE_N, layout.TILE_K).permute(0, 2, 1, 3).reshape(n, k)
+    return (w - layout.CODE_OFFSET).to(torch.int8)
+
+
+# --------------------------------------------------------------------------------------
+# Validation of the matmul arguments
+# --------------------------------------------------------------------------------------
+
+
+def _check_matmul(x, w_packed, x_scale, w_scales, segments, *, gemv: bool):
+    _validate.tensor("x", x, dtypes=(torch.int8,), ndim=2)
+    m, k = x.shape
+    if gemv and m != 1:
+        raise ValueError(f"gemv takes one token, x must have shape (1, K), got {tuple(x.shape)}; use gemm for M > 1")
+    if m < 1:
+        raise ValueError(f"x must hold at least one token, got shape {tuple(x.shape)}")
+    _validate.tensor("w_packed", w_packed, dtypes=(torch.int8,), ndim=2)
+    n, kb = w_packed.shape
+    if k % layout.K_MULTIPLE:
+        raise ValueError(f"x has K={k} columns; K must be a multiple of {layout.K_MULTIPLE}")
+    if n % layout.N_MULTIPLE or n == 0:
+        raise ValueError(f"w_packed has N={n} rows; N must be a positive multiple of {layout.N_MULTIPLE}")
+    if kb * layout.CODES_PER_BYTE != k:
+        raise ValueError(
+            f"w_packed must have shape ({n}, K/4) = ({n}, {k // layout.CODES_PER_BYTE}) for x with K={k}, "
+            f"got {tuple(w_packed.shape)}"
+        )
+    _validate.tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(m,))
+    segs = _segments(segments, n)
+    _validate.tensor("w_scales", w_scales, dtypes=(torch.float32,), shape=(len(segs),))
+    _validate.same_device(x=x, w_packed=w_packed, x_scale=x_scale, w_scales=w_scales)
+    return m, n, k, segs
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+
+
+def accumulate(x: torch.Tensor, w_ternary: torch.Tensor) -> torch.Tensor:
+    """Exact int32 ``x @ w.T`` of int8 activations and ternary weights (any device).
+
+    float64 holds every partial sum exactly (|sum| <= 128 * K < 2**53).
+    """
+    return torch.matmul(x.double(), w_ternary.double().t()).to(torch.int32)
+
+
+def _scale(acc: torch.Tensor, x_scale: torch.Tensor, row_scales: torch.Tensor) -> torch.Tensor:
+    return ((acc.float() / x_scale.unsqueeze(1)) * row_scales.unsqueeze(0)).to(torch.bfloat16)
+
+
+def reference_gemm(x, w_packed, x_scale, w_scales, segments: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The torch reference of gemv / gemm (bf16 [M, N])."""
+    _, _, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=False)
+    acc = accumulate(x, unpack_weight(w_packed))
+    return _scale(acc, x_scale, _row_scales(w_scales, segs))
+
+
+# --------------------------------------------------------------------------------------
+# Kernels (torch.library ops; the kernel modules are imported on first use)
+# --------------------------------------------------------------------------------------
+
+
+def _arch(device: torch.device) -> str:
+    from . import jit
+
+    return jit.target_arch(device.index)
+
+
+def _check_kernel_device(device: torch.device, what: str) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"the {what} kernel runs on CUDA tensors, got tensors on {device}")
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise ValueError(
+            f"the {what} kernel needs compute capability 8.0 or newer (dp4a / int8 mma.sync), "
+            f"{torch.cuda.get_device_name(device)} is sm_{major}x"
+        )
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """The kernels load 16 bytes at a time: contiguous, 16-byte aligned storage."""
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.contiguous().clone()
+    return t
+
+
+def _compile(key, build):
+    from . import jit
+
+    with warnings.catch_warnings():
+        # the warp count is a launch argument, so the DSL cannot emit .reqntid
+        warnings.filterwarnings("ignore", message=".*block size.*")
+        return jit.KERNELS.get(key, build)
+
+
+def _gemv_module(arch: str):
+    if arch == "sm_90a":
+        from .kernels_sm90 import bitnet_gemv as mod
+
+        return mod, mod.SM90
+    from .kernels_sm80 import bitnet_gemv as mod
+
+    return mod, mod.SM80
+
+
+def _gemv_launch(x, w, x_scale, w_scales, ends: List[int]) -> torch.Tensor:
+    from . import jit
+
+    arch = _arch(x.device)
+    mod, cfg = _gemv_module(arch)
+    fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
+    x, w = _aligned(x), _aligned(w)
+    out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
+    warps = mod.warps_for(x.shape[1], cfg.unroll)
+    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], warps)
+    return out
+
+
+def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str) -> torch.Tensor:
+    from . import jit
+    from .kernels_sm80 import bitnet_gemm as k80
+
+    arch = _arch(x.device)
+    m, n = x.shape[0], w.shape[0]
+    x, w = _aligned(x), _aligned(w)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if kernel == "auto":
+        kernel = _default_gemm_kernel(arch, m)
+    if kernel == "wgmma":
+        from .kernels_sm90 import bitnet_gemm as k90
+
+        cfg = k90.config_for(m)
+        fn = _compile(("bitnet_gemm_sm90", arch, cfg), lambda: k90.compile_gemm(cfg, jit.compile_options(arch)))
+        grid = k90.grid_for(cfg, m, n)
+    else:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        cfg = k80.config_for(m, n, sms)
+        fn = _compile(("bitnet_gemm_sm80", arch, cfg), lambda: k80.compile_gemm(cfg, jit.compile_options(arch)))
+        grid = k80.grid_for(cfg, m, n)
+    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], grid[0], grid[1])
+    return out
+
+
+GEMM_KERNELS = ("auto", "mma", "wgmma")
+
+
+def _default_gemm_kernel(arch: str, m: int) -> str:
+    """Hopper: wgmma once the token tile is large enough to keep the tensor cores busy;
+    below that the split-K mma.sync kernel streams the weights with more parallelism."""
+    if arch == "sm_90a" and m > 32:
+        return "wgmma"
+    return "mma"
+
+
+@torch.library.custom_op("bitdecode::bitnet_gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scales: torch.Tensor, ends: List[int]) -> torch.Tensor:
+    return _gemv_launch(x, w, x_scale, w_scales, ends)
+
+
+@_gemv_op.register_fake
+def _(x, w, x_scale, w_scales, ends):
+    return x.new_empty((1, w.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("bitdecode::bitnet_gemm", mutates_args=())
+def _gemm_op(
+    x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scales: torch.Tensor, ends: List[int], kernel: str
+) -> torch.Tensor:
+    return _gemm_launch(x, w, x_scale, w_scales, ends, kernel)
+
+
+@_gemm_op.register_fake
+def _(x, w, x_scale, w_scales, ends, kernel):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
+
+
+def _use_kernel(backend: str, device: torch.device, what: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return False
+    if backend == "kernel" or device.type == "cuda":
+        _check_kernel_device(device, what)
+        return True
+    return False
+
+
+def gemv(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scales: torch.Tensor,
+    segments: Optional[Sequence[int]] = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One token: ``x`` int8 [1, K], packed weights int8 [N, K/4] -> bf16 [1, N].
+
+    ``x_scale`` fp32 [1] (``127 / max|x|``), ``w_scales`` fp32 [S] per segment.
+    N % 16 == 0 and K % 128 == 0.
+    """
+    _, n, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=True)
+    if not _use_kernel(backend, x.device, "gemv"):
+        return reference_gemm(x, w_packed, x_scale, w_scales, segs)
+    ends = list(_segment_ends(segs, n))
+    if torch.compiler.is_compiling():
+        return _gemv_op(x, w_packed, x_scale, w_scales, ends)
+    return _gemv_launch(x, w_packed, x_scale, w_scales, ends)
+
+
+def gemm(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scales: torch.Tensor,
+    segments: Optional[Sequence[int]] = None,
+    *,
+    backend: str = "auto",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """M tokens on integer tensor cores: ``x`` int8 [M, K] -> bf16 [M, N].
+
+    ``kernel``: ``"mma"`` (mma.sync m16n8k32, any sm_80+), ``"wgmma"`` (Hopper only)
+    or ``"auto"``.
+    """
+    m, n, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=False)
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"kernel must be one of {GEMM_KERNELS}, got {kernel!r}")
+    if not _use_kernel(backend, x.device, "gemm"):
+        return reference_gemm(x, w_packed, x_scale, w_scales, segs)
+    if kernel == "wgmma" and _arch(x.device) != "sm_90a":
+        raise ValueError(f"kernel='wgmma' needs a Hopper GPU (sm_90a), this one is {_arch(x.device)}")
+    ends = list(_segment_ends(segs, n))
+    if torch.compiler.is_compiling():
+        return _gemm_op(x, w_packed, x_scale, w_scales, ends, kernel)
+    return _gemm_launch(x, w_packed, x_scale, w_scales, ends, kernel)
+
+
+# --------------------------------------------------------------------------------------
+# Module
+# --------------------------------------------------------------------------------------
+
+
+class BitLinear(nn.Module):
+    """A linear layer with ternary weights and per-token int8 activations (inference).
+
+    ``forward(x)``: ``x`` [..., K] (fp32 / fp16 / bf16) -> [..., N] in ``x.dtype``.  One
+    token (M = 1) runs the GEMV kernel, more tokens the GEMM; on the CPU (or with
+    ``backend="reference"``) the torch reference.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        segments: Optional[Sequence[int]] = None,
+        device=None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        layout.check_shape(out_features, in_features, k_multiple=layout.K_MULTIPLE, name="BitLinear")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.segments = _segments(segments, out_features)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.register_buffer(
+            "weight_packed",
+            torch.zeros(out_features, in_features // layout.CODES_PER_BYTE, dtype=torch.int8, device=device),
+        )
+        self.register_buffer("weight_scale", torch.ones(len(self.segments), dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, segments: Optional[Sequence[int]] = None, backend: str = "auto") -> "BitLinear":
+        """Quantize a float ``nn.Linear`` (weights ternary per segment, bias kept in fp32)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        mod = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            segments=segments,
+            device=w.device,
+            backend=backend,
+        )
+        q, scales = quantize_weight(w, mod.segments)
+        mod.weight_packed.copy_(pack_weight(q))
+        mod.weight_scale.copy_(scales)
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach().float())
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x must have {self.in_features} features in its last dimension, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        q, s = quantize_activation(x.reshape(-1, self.in_features))
+        if q.shape[0] == 1:
+            y = gemv(q, self.weight_packed, s, self.weight_scale, self.segments, backend=self.backend)
+        else:
+            y = gemm(q, self.weight_packed, s, self.weight_scale, self.segments, backend=self.backend)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"segments={self.segments}, bias={self.bias is not None}"
+        )

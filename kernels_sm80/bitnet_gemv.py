@@ -1,0 +1,373 @@
+"""BitNet W2A8 GEMV (M = 1): 2-bit ternary weights x int8 activations, dp4a on CUDA cores.
+
+Memory bound: the packed weights (N*K/4 bytes) are read once, so everything is about
+streaming them at full HBM bandwidth.
+
+Work split.  The packed format stores each 16-row stripe of W as one contiguous run of
+``K/128`` *groups* of 512 bytes (four 16x32 tiles).  A CTA owns one stripe; its warps
+split the groups (warp ``w`` takes groups ``w, w + W, w + 2W, ...``), so even the long-K
+shapes (3200 x 10240: 200 stripes) put thousands of warps to work.  A warp reads a
+group with one fully coalesced 16-byte load per lane (512 bytes), ``UNROLL`` groups
+before it computes anything, so every lane has ``16 * UNROLL`` bytes in flight.  The
+warp count is a launch argument, not a compile-time constant: the host picks it per
+shape (``warps_for``) so that each warp gets about ``UNROLL`` groups, and one
+compilation serves every (N, K).
+
+Lane ``l`` of a warp reads chunk ``q = l % 8`` of tile ``l // 8`` of the group, i.e.
+four rows (``chunk_row(q) + r``) times the same 16 columns; the matching 16 bytes of
+the activation vector come from global memory through L1 (every warp of the SM reads
+the same vector).
+
+Decode + dot product, per 32-bit word ``w`` (16 codes ``c = w + 2`` of one row): the
+four AND masks ``0x03030303 << 2i`` (one lop3 each) isolate elements ``4i .. 4i+3`` as
+bytes ``c * 4**i``; ``dp4a.u32.s32`` against the activation word ``i`` adds
+``4**i * sum(c * x)`` to accumulator ``i`` of the row.  No shifts: the four
+accumulators are combined once at the end (``a0 + a1>>2 + a2>>4 + a3>>6``, exact since
+accumulator i is a multiple of 4**i), and the code offset is removed once with
+``sum(w x) = sum(c x) - 2 * sum(x)``, where each lane sums its activation bytes with one
+more dp4a per word.  That is 8 instructions per 16 weights instead of BitNet's 12.
+
+Reduction: lanes ``l, l^2, l^8, l^16`` hold the same four rows (``^2`` flips the column
+half, ``^8``/``^16`` the tile), so three butterfly shuffles leave the warp's row sums in
+lanes 0, 1, 4, 5; the warps then meet in shared memory and 16 threads scale and store.
+
+Out-of-range groups (the last partial unroll step) are loaded as zero: zero codes add
+nothing to ``sum(c x)`` and zero activations nothing to ``sum(x)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..layouts import bitnet as fmt
+
+MAX_WARPS = 16
+MAX_SEGMENTS = 4
+WARP = 32
+
+
+# --------------------------------------------------------------------------------------
+# PTX the DSL does not expose as pure ops
+# --------------------------------------------------------------------------------------
+
+
+def _asm(ret, operands, text, constraints, loc=None, ip=None):
+    return llvm.inline_asm(
+        ret, operands, text, constraints, has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def load_v4(addr: Int64, stream: bool, *, loc=None, ip=None):
+    """16-byte global load of read-only data as four 32-bit words.
+
+    ``stream``: the data is read exactly once (the weights), so it bypasses L1
+    (``ld.global.nc.L1::no_allocate``); otherwise many warps share it (the activations)
+    and it goes through L1.  Unpredicated on purpose: ptxas hoists plain loads ahead of
+    the arithmetic, which keeps all of them in flight at once.
+    """
+    hint = ".L1::no_allocate" if stream else ""
+    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    res = llvm.inline_asm(
+        struct_ty,
+        [Int64(addr).ir_value(loc=loc, ip=ip)],
+        f"ld.global.nc{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
+        "=r,=r,=r,=r,l",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    i32 = T.i32()
+    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def dp4a_us(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
+    """``c + sum(a.u8[i] * b.s8[i])``: unsigned weight bytes times signed activations."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
+            "dp4a.u32.s32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def dp4a_ss(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
+    """``c + sum(a.s8[i] * b.s8[i])``."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
+            "dp4a.s32.s32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def lop3_and(a: Int32, mask: int, *, loc=None, ip=None) -> Int32:
+    """``a & mask`` as one ``lop3.b32`` with an immediate mask (the decode step)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip)],
+            f"lop3.b32 $0, $1, {mask & 0xFFFFFFFF}, 0, {fmt.LOP3_AND};",
+            "=r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def store_bf16(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
+    """Round ``value`` to bf16 (nearest even) and store it at ``addr``."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}",
+        "l,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """IEEE fp32 division (round to nearest), bit-identical to torch's ``a / b``."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "div.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32 multiply, rounded once (no contraction into an fma with later ops)."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def segment_scale(mWScale: cute.Tensor, row: Int32, e1: Int32, e2: Int32, e3: Int32) -> Float32:
+    """Scale of the fused segment (q/k/v, w1/w3) that ``row`` belongs to.
+
+    ``e1..e3`` are the cumulative row ends of segments 0..2 (``N`` where unused).
+    """
+    seg = Int32(0)
+    if row >= e1:
+        seg = seg + 1
+    if row >= e2:
+        seg = seg + 1
+    if row >= e3:
+        seg = seg + 1
+    return Float32(mWScale[seg])
+
+
+@cute.jit
+def scale_out(acc: Int32, x_scale: Float32, w_scale: Float32) -> Float32:
+    """``(acc / x_scale) * w_scale`` in fp32, each op rounded once like the torch reference."""
+    return mul_rn(div_rn(Float32(acc), x_scale), w_scale)
+
+
+# --------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Compile-time configuration: 16-byte weight loads in flight per lane."""
+
+    unroll: int = 4
+
+
+# A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x
+# ~600 ns latency product with the ~30 warps per SM that 48 registers allow.
+SM80 = GemvConfig(unroll=4)
+
+
+def warps_for(k: int, unroll: int) -> int:
+    """Warps per CTA for a given K: about ``unroll`` groups per warp, at most MAX_WARPS."""
+    groups = k // fmt.GROUP_K
+    iters = -(-groups // (MAX_WARPS * unroll))
+    return max(1, -(-groups // (unroll * iters)))
+
+
+class BitnetGemv:
+    """``out[0, n] = bf16(sum_k x[0, k] * W[n, k] / x_scale * w_scale[segment(n)])``.
+
+    Arguments (TVM-FFI, torch tensors): ``x`` int8 [1, K], ``w`` int8 [N, K/4] (packed),
+    ``x_scale`` fp32 [1], ``w_scale`` fp32 [S], ``out`` bf16 [1, N], then the segment
+    ends ``e1, e2, e3`` and the warp count (ints).
+    """
+
+    def __init__(self, unroll: int = 4):
+        # 4 groups = 4 x 16 bytes in flight per lane; 16 accumulators + 2 x 16 load
+        # registers stay well under 128 registers, so 1024+ threads fit per SM.
+        self.unroll = unroll
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mXScale: cute.Tensor,
+        mWScale: cute.Tensor,
+        mOut: cute.Tensor,
+        e1: Int32,
+        e2: Int32,
+        e3: Int32,
+        warps: Int32,
+        stream,
+    ):
+        n = mW.shape[0]
+        self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3, warps).launch(
+            grid=[n // fmt.TILE_N, 1, 1],
+            block=[warps * WARP, 1, 1],
+            # the block size is a launch argument: bound it so ptxas may use up to 128
+            # registers (it assumes 1024 threads, i.e. 64 registers, otherwise, and then
+            # sinks the loads next to their uses instead of keeping them all in flight)
+            max_number_threads=[MAX_WARPS * WARP, 1, 1],
+            stream=stream,
+        )
+
+    @cute.jit
+    def dot_chunk(self, w: tuple, x: tuple, acc: cute.Tensor, xsum: cute.Tensor):
+        """Four rows x 16 columns: ``acc[4r + i] += 4**i * sum(c * x)`` over elements 4i..4i+3
+        of word r, and ``xsum += sum(x)``."""
+        for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+            xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
+        for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+            for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+                codes = lop3_and(w[r], fmt.DECODE_MASK << (2 * i))
+                acc[r * fmt.DECODE_STEPS + i] = dp4a_us(codes, x[i], acc[r * fmt.DECODE_STEPS + i])
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mXScale: cute.Tensor,
+        mWScale: cute.Tensor,
+        mOut: cute.Tensor,
+        e1: Int32,
+        e2: Int32,
+        e3: Int32,
+        warps: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        stripe, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        q = lane % fmt.CHUNKS_PER_TILE
+        tile = lane // fmt.CHUNKS_PER_TILE
+
+        row_bytes = mW.shape[1]  # K / 4
+        groups = row_bytes // (fmt.GROUP_BYTES // fmt.TILE_N)  # K / 128
+        # This lane's 16 bytes of every group, and its 16 activation bytes.
+        w_lane = mW.iterator.toint() + Int64(stripe) * Int64(row_bytes * fmt.TILE_N) + Int64(lane * fmt.CHUNK_BYTES)
+        x_lane = mX.iterator.toint() + Int64(tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K)
+
+        acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
+        acc.fill(0)
+        xsum = cute.make_rmem_tensor((1,), Int32)
+        xsum.fill(0)
+        # groups warp, warp + W, ...: full batches of `unroll` loads, then one at a time
+        mine = (groups - warp + warps - 1) // warps
+        batches = mine // self.unroll
+        for it in cutlass.range(batches, unroll=1):
+            wv = []
+            xv = []
+            for u in cutlass.range_constexpr(self.unroll):
+                grp = (it * self.unroll + u) * warps + warp
+                wv.append(load_v4(w_lane + Int64(grp) * fmt.GROUP_BYTES, True))
+                xv.append(load_v4(x_lane + Int64(grp) * fmt.GROUP_K, False))
+            for u in cutlass.range_constexpr(self.unroll):
+                self.dot_chunk(wv[u], xv[u], acc, xsum)
+        for j in cutlass.range(batches * self.unroll, mine, unroll=1):
+            grp = j * warps + warp
+            self.dot_chunk(
+                load_v4(w_lane + Int64(grp) * fmt.GROUP_BYTES, True),
+                load_v4(x_lane + Int64(grp) * fmt.GROUP_K, False),
+                acc,
+                xsum,
+            )
+
+        # Per row: undo the 4**i scaling of accumulator i and the +2 code offset.
+        rows = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK,), Int32)
+        for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+            s = acc[r * 4] + (acc[r * 4 + 1] >> 2) + (acc[r * 4 + 2] >> 4) + (acc[r * 4 + 3] >> 6)
+            s = s - fmt.CODE_OFFSET * xsum[0]
+            # lanes l, l^2 (other column half), l^8, l^16 (other tiles) share these rows
+            for mask in cutlass.range_constexpr(3):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=(2, 8, 16)[mask])
+            rows[r] = s
+
+        smem = cutlass.utils.SmemAllocator()
+        red = smem.allocate_tensor(Int32, cute.make_layout((fmt.TILE_N, MAX_WARPS), stride=(1, fmt.TILE_N)), 16)
+        if (lane & 0b11010) == 0:  # lanes 0, 1, 4, 5: chunks 0, 1, 4, 5 = rows 0, 4, 8, 12
+            base = fmt.chunk_row(q)
+            for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+                red[base + r, warp] = rows[r]
+        cute.arch.sync_threads()
+        if tidx < fmt.TILE_N:
+            total = Int32(0)
+            for w in cutlass.range(warps, unroll=1):
+                total = total + red[tidx, w]
+            row = stripe * fmt.TILE_N + tidx
+            value = scale_out(total, Float32(mXScale[0]), segment_scale(mWScale, row, e1, e2, e3))
+            store_bf16(mOut.iterator.toint() + Int64(row) * 2, value)
+
+
+def compile_gemv(cfg: GemvConfig, options: str):
+    """Compile for every (N, K) with N % 16 == 0 and K % 128 == 0 (symbolic sizes)."""
+    n = cute.sym_int(divisibility=fmt.N_MULTIPLE)
+    k = cute.sym_int(divisibility=fmt.K_MULTIPLE)
+    kb = cute.sym_int(divisibility=fmt.K_MULTIPLE // fmt.CODES_PER_BYTE)
+    segs = cute.sym_int()
+    fake = cute.runtime.make_fake_compact_tensor
+    x = fake(cutlass.Int8, (1, k), stride_order=(1, 0), assumed_align=16)
+    w = fake(cutlass.Int8, (n, kb), stride_order=(1, 0), assumed_align=16)
+    x_scale = fake(Float32, (1,), assumed_align=4)
+    w_scale = fake(Float32, (segs,), assumed_align=4)
+    out = fake(BFloat16, (1, n), stride_order=(1, 0), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        BitnetGemv(cfg.unroll), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream,
+        options=options,
+    )
