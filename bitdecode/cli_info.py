@@ -1,0 +1,66 @@
+"""``bitdecode info``: versions, GPUs and their arch, usable backends, compile cache dir."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import torch
+
+from . import __version__, dispatch
+
+CACHE_ENV = "BITDECODE_CACHE_DIR"
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    return subparsers.add_parser(name, help=help_text, description=help_text)
+
+
+def cache_dir() -> str:
+    """Where compiled kernels are cached: $BITDECODE_CACHE_DIR, else ~/.cache/bitdecode."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "bitdecode")
+
+
+def _version(module: str) -> str:
+    try:
+        mod = __import__(module)
+    except Exception as exc:  # a broken install is worth showing, not crashing on
+        return f"[red]not importable[/] ({type(exc).__name__}: {exc})"
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def _gpus():
+    """(label, backends) for every visible GPU; one ("no GPU", ...) row without one."""
+    if not torch.cuda.is_available():
+        return [("no GPU", dispatch.available(torch.device("cpu")))]
+    rows = []
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        label = (f"cuda:{i} {torch.cuda.get_device_name(i)}, compute capability "
+                 f"{major}.{minor} (sm_{major}{minor})")
+        rows.append((label, dispatch.available(torch.device("cuda", i))))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"bitdecode {__version__}", show_header=True, header_style="bold")
+    table.add_column("item", style="cyan", no_wrap=True)
+    table.add_column("value")
+    table.add_row("Python", f"{platform.python_version()} ({platform.python_implementation()})")
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    table.add_row("torch", f"{torch.__version__} ({cuda})")
+    table.add_row("CuTe DSL (nvidia-cutlass-dsl)", _version("cutlass"))
+    table.add_row("TVM-FFI (apache-tvm-ffi)", _version("tvm_ffi"))
+    for label, backends in _gpus():
+        table.add_row("GPU", label)
+        table.add_row("  backends", ", ".join(backends))
+    path = cache_dir()
+    source = f"from ${CACHE_ENV}" if os.environ.get(CACHE_ENV) else f"default, ${CACHE_ENV} unset"
+    exists = "" if os.path.isdir(path) else "; not created yet"
+    table.add_row("compile cache", f"{path} [dim]({source}{exists})[/]")
+    Console().print(table)
+    return 0

@@ -1,0 +1,222 @@
+"""KVCache on the reference backend: accuracy vs 16-bit attention, appends vs prefill,
+variable lengths and paged storage."""
+
+import pytest
+import torch
+
+import bitdecode as bd
+import kvdata
+from kvdata import DTYPES
+
+HKV, HQ, D, G = 2, 8, 64, 32
+
+
+def allocate(bits, k_mode="channel", *, batch=2, max_seqlen=600, dtype=torch.float16, device="cpu",
+             page_size=None, group_size=G):
+    fmt = bd.KVFormat(bits=bits, k_mode=k_mode, group_size=group_size)
+    return bd.KVCache.allocate(batch, HKV, D, max_seqlen, fmt, dtype=dtype, device=device,
+                               page_size=page_size, backend="reference")
+
+
+def expected(q, k, v, fmt, lens, softmax_scale=None):
+    """Attention in fp32 over what the cache should hold (independent of the packing)."""
+    ks, vs = zip(*(kvdata.fake_quant_cache(k[b], v[b], fmt, n) for b, n in enumerate(lens)))
+    return kvdata.batch_attention(q, ks, vs, softmax_scale)
+
+
+def assert_out_close(out, ref_out, dtype):
+    """``out`` is the fp32 result rounded once to 16 bits: within one 16-bit ulp."""
+    torch.testing.assert_close(out.float(), ref_out, rtol=2.0 ** -kvdata.MANTISSA_BITS[dtype], atol=1e-6)
+
+
+def state(cache):
+    return [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params,
+                                cache.k_res, cache.v_res, cache.seqlens, cache.block_table)]
+
+
+# --------------------------------------------------------------------------------------
+# Accuracy
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_mode", ["channel", "token"])
+def test_error_vs_16bit_shrinks_from_2_to_4_bits(dtype, k_mode, gen, device):
+    n = 600  # 4-bit: 4 packed blocks + 88 residual tokens; 2-bit: 2 blocks + 88
+    k, v = kvdata.kv(gen, 2, n, HKV, D, dtype=dtype, device=device)
+    q = kvdata.randn(gen, 2, 1, HQ, D, dtype=dtype, device=device)
+    ref_out, _ = kvdata.batch_attention(q, k, v)
+    err = {}
+    for bits in (4, 2):
+        cache = allocate(bits, k_mode, dtype=dtype, device=device)
+        cache.prefill(k, v)
+        out = bd.decode(q, cache)
+        assert out.shape == q.shape and out.dtype == dtype
+        err[bits] = kvdata.rel_err(out, ref_out)
+    # random V has no structure to average out, so errors stay near those of single
+    # values: about 0.2 at 4 bits, 1 to 2.5 at 2 bits (token mode suffers the outliers)
+    assert 0.0 < err[4] < 0.35, err
+    assert err[4] < 0.35 * err[2], err  # the step shrinks 5x from 2 to 4 bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("k_mode", ["channel", "token"])
+def test_exact_on_the_quantization_grid(dtype, bits, k_mode, gen, device):
+    cache = allocate(bits, k_mode, dtype=dtype, device=device)
+    n = 2 * cache.fmt.residual_block + G  # the last G tokens stay in the 16-bit residual
+    shape = (2, n, HKV, D)
+    k = kvdata.on_grid(gen, shape, bits, G, dim=1 if k_mode == "channel" else -1, dtype=dtype, device=device)
+    v = kvdata.on_grid(gen, shape, bits, G, dim=-1, dtype=dtype, device=device)
+    q = kvdata.randn(gen, 2, 1, HQ, D, dtype=dtype, device=device)
+    cache.prefill(k, v)
+    for b in range(2):
+        kb, vb = cache.dequantized(b)
+        assert torch.equal(kb, k[b]) and torch.equal(vb, v[b])
+    out, lse = bd.decode(q, cache, return_lse=True)
+    ref_out, ref_lse = kvdata.batch_attention(q, k, v)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+    assert_out_close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_decode_matches_fake_quantized_attention(bits, gen, device):
+    """Whole packed blocks dequantize as quantize/dequantize does; the residual is 16-bit."""
+    cache = allocate(bits, "channel", device=device)
+    n = cache.fmt.residual_block + 50
+    k, v = kvdata.kv(gen, 2, n, HKV, D, device=device)
+    q = kvdata.randn(gen, 2, 1, HQ, D, device=device)
+    cache.prefill(k, v)
+    for scale in (None, 0.05):
+        out, lse = cache.decode(q, softmax_scale=scale, return_lse=True)
+        ref_out, ref_lse = expected(q, k, v, cache.fmt, [n, n], scale)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+        assert_out_close(out, ref_out, torch.float16)
+
+
+# --------------------------------------------------------------------------------------
+# Appends
+# --------------------------------------------------------------------------------------
+
+
+def assert_same_cache(a, b):
+    for name in ("k_pack", "k_params", "v_pack", "v_params", "seqlens"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.lengths == b.lengths
+    for i, n in enumerate(a.lengths):
+        r = n % a.fmt.residual_block
+        assert torch.equal(a.k_res[i, :r], b.k_res[i, :r]) and torch.equal(a.v_res[i, :r], b.v_res[i, :r])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("k_mode", ["channel", "token"])
+def test_append_token_by_token_equals_prefill(dtype, bits, k_mode, gen, device):
+    n = 300  # 4-bit: 2 blocks + 44; 2-bit: 1 block + 44
+    k, v = kvdata.kv(gen, 2, n, HKV, D, dtype=dtype, device=device)
+    q = kvdata.randn(gen, 2, 1, HQ, D, dtype=dtype, device=device)
+    whole = allocate(bits, k_mode, dtype=dtype, device=device)
+    whole.prefill(k, v)
+    steps = allocate(bits, k_mode, dtype=dtype, device=device)
+    for t in range(n):
+        steps.append(k[:, t:t + 1], v[:, t:t + 1])
+    assert whole.lengths == steps.lengths == [n, n]
+    assert_same_cache(whole, steps)
+    chunks = allocate(bits, k_mode, dtype=dtype, device=device)
+    chunks.prefill(k[:, :37], v[:, :37])
+    for a, b in [(37, 38), (38, 128), (128, 130), (130, 300)]:
+        chunks.append(k[:, a:b], v[:, a:b])
+    assert_same_cache(whole, chunks)
+    assert torch.equal(bd.decode(q, whole), bd.decode(q, steps))
+
+
+# --------------------------------------------------------------------------------------
+# Variable lengths and pages
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_variable_lengths(bits, gen, device):
+    nr = bd.KVFormat(bits=bits).residual_block
+    lens = [0, 1, nr - 1, nr, nr + 5, 2 * nr + 3]
+    n = max(lens) + 4  # tokens past seqlens[b] are ignored
+    k, v = kvdata.kv(gen, len(lens), n, HKV, D, device=device)
+    q = kvdata.randn(gen, len(lens), 1, HQ, D, device=device)
+    cache = allocate(bits, batch=len(lens), max_seqlen=n, device=device)
+    cache.prefill(k, v, seqlens=lens)
+    assert cache.lengths == lens and cache.seqlens.tolist() == lens
+    out, lse = bd.decode(q, cache, return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == -float("inf")).all())
+    ref_out, ref_lse = expected(q, k, v, cache.fmt, lens)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+    assert_out_close(out, ref_out, torch.float16)
+    for b, length in enumerate(lens):  # each row as if decoded alone
+        one = allocate(bits, batch=1, max_seqlen=n, device=device)
+        one.prefill(k[b:b + 1, :length], v[b:b + 1, :length])
+        assert torch.equal(bd.decode(q[b:b + 1], one), out[b:b + 1])
+
+
+@pytest.mark.parametrize("bits,k_mode", [(4, "channel"), (4, "token"), (2, "channel")])
+@pytest.mark.parametrize("pages_per_block", [1, 2])
+def test_paged_with_shuffled_block_table_equals_dense(bits, k_mode, pages_per_block, gen, device):
+    nr = bd.KVFormat(bits=bits).residual_block
+    page = pages_per_block * nr
+    lens = [3 * nr + 10, nr + 1, 2 * nr - 1]
+    n = 3 * nr + 30
+    k, v = kvdata.kv(gen, 3, n, HKV, D, device=device)
+    q = kvdata.randn(gen, 3, 1, HQ, D, device=device)
+    dense = allocate(bits, k_mode, batch=3, max_seqlen=n, device=device)
+    paged = allocate(bits, k_mode, batch=3, max_seqlen=n, device=device, page_size=page)
+    assert paged.page_size == page and paged.block_table.shape[0] == 3
+    perm = torch.randperm(paged.block_table.numel(), generator=gen).to(torch.int32)
+    paged.block_table.copy_(perm.view_as(paged.block_table))
+    for cache in (dense, paged):
+        cache.prefill(k[:, :n - 20], v[:, :n - 20], seqlens=lens)
+    # the pages hold what the dense cache holds, where the block table says
+    for b, length in enumerate(lens):
+        for j in range(length // nr * nr // page):
+            p = int(paged.block_table[b, j])
+            assert torch.equal(paged.k_pack[p], dense.k_pack[b, :, j * page:(j + 1) * page])
+            assert torch.equal(paged.v_pack[p], dense.v_pack[b, :, j * page // nr:(j + 1) * page // nr])
+    assert torch.equal(bd.decode(q, paged), bd.decode(q, dense))
+    for t in range(n - 20, n):  # decode steps crossing block and page boundaries
+        for cache in (dense, paged):
+            cache.append(k[:, t:t + 1], v[:, t:t + 1])
+    assert paged.lengths == dense.lengths == [x + 20 for x in lens]
+    out = bd.decode(q, paged)
+    assert torch.equal(out, bd.decode(q, dense))
+    c = paged.tensors()
+    functional = bd.decode_attention(q, c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res,
+                                     c.cache_seqlens, c.block_table, fmt=paged.fmt, backend="reference")
+    assert torch.equal(functional, out)
+
+
+# --------------------------------------------------------------------------------------
+# Storage
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits,limit", [(4, 0.30), (2, 0.17)])
+def test_memory_vs_16bit_at_32k_tokens(bits, limit):
+    fmt = bd.KVFormat(bits=bits)
+    n, hkv, d = 32768, 8, 128
+    cache = bd.KVCache.allocate(1, hkv, d, n, fmt, device="cpu")
+    nr = fmt.residual_block
+    accounted = (fmt.bytes_per_token(d) * n * hkv  # packed K/V + params
+                 + 2 * nr * hkv * d * 2            # 16-bit residual blocks
+                 + 4 + 4)                          # seqlens, block table
+    assert cache.memory_bytes() == accounted
+    assert cache.memory_bytes() / (2 * n * hkv * d * 2) <= limit
+
+
+def test_reset_then_reuse(gen):
+    cache = allocate(4)
+    k, v = kvdata.kv(gen, 2, 200, HKV, D)
+    q = kvdata.randn(gen, 2, 1, HQ, D)
+    cache.prefill(k, v)
+    first = bd.decode(q, cache)
+    cache.reset()
+    assert cache.lengths == [0, 0] and cache.seqlens.tolist() == [0, 0]
+    assert torch.equal(bd.decode(q, cache), torch.zeros_like(first))
+    cache.append(k, v)
+    assert torch.equal(bd.decode(q, cache), first)

@@ -1,0 +1,97 @@
+"""The CLI as a user runs it: ``bitdecode --help``, ``info``, ``demo --device cpu``."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bitdecode.cli import main
+
+
+def bitdecode(*args, timeout=300):
+    """Run ``python -m bitdecode.cli`` (what the ``bitdecode`` script calls), wide output."""
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
+    proc = subprocess.run([sys.executable, "-m", "bitdecode.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_help_lists_every_command():
+    out = bitdecode("--help")
+    assert "usage: bitdecode" in out
+    for name in ("info", "demo", "layout", "bench", "compile"):
+        assert re.search(rf"^\s+{name}\s+\S", out, re.M), name
+
+
+def test_info():
+    import cutlass
+    import torch
+
+    out = bitdecode("info", timeout=120)
+    for row in ("Python", "torch", "CuTe DSL", "TVM-FFI", "GPU", "backends", "compile cache"):
+        assert row in out, row
+    assert torch.__version__ in out and cutlass.__version__ in out
+    if not torch.cuda.is_available():
+        assert "no GPU" in out and "reference" in out
+
+
+def test_info_cache_dir_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path / "jit"))
+    out = bitdecode("info", timeout=120)
+    assert str(tmp_path / "jit") in out and "$BITDECODE_CACHE_DIR" in out
+
+
+def _rows(out):
+    """{first cell: [cells]} of the rich table rows in ``out``."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("│"):
+            cells = [c.strip() for c in line.strip("│").split("│")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_demo_cpu():
+    out = bitdecode("demo", "--device", "cpu", "--seqlen", "1024")
+    for header in ("KV cache", "rel. error vs 16-bit", "KV memory", "vs 16-bit"):
+        assert header in out, header
+    assert "1,024 tokens" in out and "backend reference" in out
+    rows = _rows(out)
+    four = next(v for k, v in rows.items() if k.startswith("4-bit"))
+    two = next(v for k, v in rows.items() if k.startswith("2-bit"))
+    base = next(v for k, v in rows.items() if k.startswith("16-bit"))
+    err4, err2, err16 = float(four[0]), float(two[0]), float(base[0])
+    assert err16 < 1e-3 < err4 < 0.1 and err4 < err2 < 0.5
+    ratio4, ratio2 = float(four[2].rstrip("x")), float(two[2].rstrip("x"))
+    assert ratio2 <= ratio4 < 0.5 and base[2] == "1.00x"  # equal at 1024 tokens: Nr is 256 for 2-bit
+
+
+def test_demo_one_width_options(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code = main(["demo", "--device", "cpu", "--seqlen", "300", "--bits", "2", "--k-mode", "token",
+                 "--group-size", "64", "--batch", "2", "--dtype", "bf16", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = _rows(out)
+    assert any(k.startswith("2-bit (K per token, G=64)") for k in rows)
+    assert not any(k.startswith("4-bit") for k in rows)
+    assert "batch 2" in out and "bf16" in out
+
+
+@pytest.mark.parametrize("args", [["--seqlen", "0"], ["--bits", "3"], ["--group-size", "48"], ["--device", "tpu"]])
+def test_demo_rejects_bad_options(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *args])
+    assert exc.value.code == 2 and "error: argument" in capsys.readouterr().err
+
+
+def test_demo_cuda_without_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "no CUDA GPU is available" in capsys.readouterr().out

@@ -1,0 +1,277 @@
+"""Every argument check: the error type, a message that names the argument, and nothing
+written to the cache."""
+
+import pytest
+import torch
+
+import bitdecode as bd
+from bitdecode import attention
+import kvdata
+
+B, HKV, HQ, D, N = 2, 2, 8, 64, 200
+FP16 = torch.float16
+
+
+@pytest.fixture
+def cache(gen):
+    """A 4-bit cache (Nr = 128, max_seqlen 200) holding 150 tokens: one packed block and a
+    22-token residual, so a lost write would show in every storage tensor."""
+    c = bd.KVCache.allocate(B, HKV, D, N, bd.KVFormat(bits=4, group_size=32), device="cpu")
+    k, v = kvdata.kv(gen, B, 150, HKV, D)
+    c.prefill(k, v)
+    return c
+
+
+def snapshot(c):
+    return c.lengths, [t.clone() for t in (c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res,
+                                           c.seqlens, c.block_table)]
+
+
+def assert_unchanged(c, snap):
+    lengths, tensors = snap
+    assert c.lengths == lengths
+    now = (c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res, c.seqlens, c.block_table)
+    for before, after in zip(tensors, now):
+        assert torch.equal(before, after)
+
+
+def kv(t=1, *, batch=B, heads=HKV, dim=D, dtype=FP16):
+    return torch.randn(batch, t, heads, dim).to(dtype), torch.randn(batch, t, heads, dim).to(dtype)
+
+
+def q(*, batch=B, tokens=1, heads=HQ, dim=D, dtype=FP16):
+    return torch.randn(batch, tokens, heads, dim).to(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# allocate
+# --------------------------------------------------------------------------------------
+
+FMT = bd.KVFormat(bits=4, group_size=32)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,msg",
+    [
+        (dict(fmt="4bit"), TypeError, "fmt must be a bitdecode.KVFormat, got str"),
+        (dict(batch=0), ValueError, "batch must be positive, got 0"),
+        (dict(batch=2.0), TypeError, "batch must be an int, got float"),
+        (dict(num_kv_heads=-1), ValueError, "num_kv_heads must be positive, got -1"),
+        (dict(num_kv_heads=True), TypeError, "num_kv_heads must be an int, got bool"),
+        (dict(max_seqlen=0), ValueError, "max_seqlen must be positive, got 0"),
+        (dict(head_dim=80), ValueError, r"head_dim must be one of \(64, 128, 256\), got 80"),
+        (dict(fmt=bd.KVFormat(group_size=128)), ValueError, "group_size=128 .* must not exceed head_dim=64"),
+        (dict(dtype=torch.float32), TypeError, "dtype must be torch.float16 or torch.bfloat16, got torch.float32"),
+        (dict(page_size=96), ValueError, r"page_size must be a multiple of the residual block \(128 tokens for 4-bit\), got 96"),
+        (dict(page_size=0), ValueError, "page_size must be positive, got 0"),
+        (dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'reference', 'sm80', 'sm90', 'sm100'\), got 'cuda'"),
+        (dict(backend="sm80"), ValueError, "backend 'sm80' runs CUDA kernels, but the tensors are on cpu"),
+        (dict(backend="sm90"), ValueError, "backend 'sm90' is not available for KV cache in this build"),
+    ],
+)
+def test_allocate_errors(kwargs, exc, msg):
+    args = dict(batch=B, num_kv_heads=HKV, head_dim=D, max_seqlen=N, fmt=FMT, device="cpu") | kwargs
+    with pytest.raises(exc, match=msg):
+        bd.KVCache.allocate(**args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_allocate_on_cuda_without_cuda():
+    with pytest.raises(ValueError, match="device must be a usable torch device, got device.type='cuda'.*CUDA is not available"):
+        bd.KVCache.allocate(B, HKV, D, N, FMT)  # device="cuda" is the default
+
+
+# --------------------------------------------------------------------------------------
+# prefill / append
+# --------------------------------------------------------------------------------------
+
+_k, _v = kv(4)
+_bad_cases = [
+    ("not a tensor", lambda: (_k.tolist(), _v), TypeError, "k must be a torch.Tensor, got list"),
+    ("dtype", lambda: (_k.bfloat16(), _v), TypeError, "k must have dtype torch.float16, got torch.bfloat16"),
+    ("v dtype", lambda: (_k, _v.float()), TypeError, "v must have dtype torch.float16, got torch.float32"),
+    ("rank", lambda: (_k[0], _v[0]), ValueError, r"k must have shape \(2, \*, 2, 64\), got \(4, 2, 64\)"),
+    ("batch", lambda: kv(4, batch=3), ValueError, r"k must have shape \(2, \*, 2, 64\), got \(3, 4, 2, 64\)"),
+    ("heads", lambda: kv(4, heads=4), ValueError, r"k must have shape \(2, \*, 2, 64\), got \(2, 4, 4, 64\)"),
+    ("head dim", lambda: kv(4, dim=128), ValueError, r"k must have shape \(2, \*, 2, 64\), got \(2, 4, 2, 128\)"),
+    ("v shape", lambda: (_k, _v[:, :3]), ValueError, r"v must have shape \(2, 4, 2, 64\), got \(2, 3, 2, 64\)"),
+    ("strides", lambda: (_k.transpose(2, 3).contiguous().transpose(2, 3), _v), ValueError,
+     "k must have a contiguous last dimension, got strides"),
+    ("device", lambda: (_k.to("meta"), _v), ValueError, "k must be on cpu, got meta"),
+    ("k nan", lambda: (_k.clone().index_fill_(1, torch.tensor([3]), float("nan")), _v), ValueError,
+     "k contains NaN or Inf"),
+    ("v inf", lambda: (_k, _v.clone().index_fill_(1, torch.tensor([0]), float("inf"))), ValueError,
+     "v contains NaN or Inf"),
+]
+
+
+@pytest.mark.parametrize("what", ["prefill", "append"])
+@pytest.mark.parametrize("case", _bad_cases, ids=[c[0] for c in _bad_cases])
+def test_write_errors_leave_the_cache_untouched(cache, what, case):
+    _, make, exc, msg = case
+    snap = snapshot(cache)
+    k, v = make()
+    with pytest.raises(exc, match=msg):
+        getattr(cache, what)(k, v)
+    assert_unchanged(cache, snap)
+
+
+def test_nan_in_a_later_block_writes_nothing(cache, gen):
+    """A NaN that only the second packed block would meet still fails before block one."""
+    k, v = kvdata.kv(gen, B, N, HKV, D)
+    k[1, 190, 0, 5] = float("nan")
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        cache.prefill(k, v)
+    assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize(
+    "seqlens,msg",
+    [
+        ([4], "seqlens must have 2 entries, got 1"),
+        ([4, 5], r"seqlens must lie in \[0, 4\] \(tokens given\), got 5"),
+        ([-1, 2], r"seqlens must lie in \[0, 4\] \(tokens given\), got -1"),
+        (torch.tensor([1, 2, 3]), "seqlens must have 2 entries, got 3"),
+    ],
+)
+def test_prefill_seqlens_errors(cache, seqlens, msg):
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=msg):
+        cache.prefill(*kv(4), seqlens=seqlens)
+    assert_unchanged(cache, snap)
+
+
+def test_capacity(cache):
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"prefill: k has 201 tokens, more than max_seqlen=200"):
+        cache.prefill(*kv(201))
+    assert_unchanged(cache, snap)
+    with pytest.raises(ValueError, match="append of 51 tokens would grow sequence 0 from 150 to 201 tokens, "
+                                         "beyond max_seqlen=200; nothing was written"):
+        cache.append(*kv(51))
+    assert_unchanged(cache, snap)
+    cache.append(*kv(50))  # exactly full is fine
+    assert cache.lengths == [200, 200]
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="from 200 to 201 tokens"):
+        cache.append(*kv(1))
+    assert_unchanged(cache, snap)
+
+
+# --------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make,kwargs,exc,msg",
+    [
+        (lambda: q().numpy(), {}, TypeError, "q must be a torch.Tensor, got ndarray"),
+        (lambda: q(dtype=torch.bfloat16), {}, TypeError, "q must have dtype torch.float16, got torch.bfloat16"),
+        (lambda: q(tokens=2), {}, ValueError, r"q must have shape \(2, 1, \*, 64\), got \(2, 2, 8, 64\)"),
+        (lambda: q(batch=1), {}, ValueError, r"q must have shape \(2, 1, \*, 64\), got \(1, 1, 8, 64\)"),
+        (lambda: q(dim=128), {}, ValueError, r"q must have shape \(2, 1, \*, 64\), got \(2, 1, 8, 128\)"),
+        (lambda: q(heads=7), {}, ValueError, "q has 7 heads, not a multiple of the cache's 2 KV heads"),
+        (lambda: q()[..., ::2], {}, ValueError, "q must have shape"),
+        (lambda: q().transpose(2, 3).contiguous().transpose(2, 3), {}, ValueError,
+         "q must have a contiguous last dimension"),
+        (lambda: q().to("meta"), {}, ValueError, "k_pack is on cpu but q is on meta"),
+        (q, dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float or None, got str"),
+        (q, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite, got nan"),
+        (q, dict(num_splits=-1), ValueError, r"num_splits must be an int >= 0 \(0 picks a heuristic\), got -1"),
+        (q, dict(num_splits=1.5), ValueError, "num_splits must be an int >= 0"),
+        (q, dict(backend="triton"), ValueError, "backend must be one of"),
+        (q, dict(backend="sm80"), ValueError, "backend 'sm80' runs CUDA kernels, but the tensors are on cpu"),
+    ],
+)
+def test_decode_errors(cache, make, kwargs, exc, msg):
+    snap = snapshot(cache)
+    with pytest.raises(exc, match=msg):
+        bd.decode(make(), cache, **kwargs)
+    assert_unchanged(cache, snap)
+
+
+def test_decode_needs_a_cache():
+    with pytest.raises(TypeError, match="cache must be a bitdecode.KVCache, got dict"):
+        bd.decode(q(), {})
+
+
+def test_kernel_gqa_limit(cache):
+    tensors = cache.tensors()
+    with pytest.raises(ValueError, match=r"q has 17 query heads per KV head; the sm80 kernels support 1 to 16"):
+        attention.check_query(q(heads=34), tensors, "sm80")
+    attention.check_query(q(heads=34), tensors, "reference")
+
+
+# --------------------------------------------------------------------------------------
+# decode_attention (functional form)
+# --------------------------------------------------------------------------------------
+
+
+def _args(cache):
+    c = cache.tensors()
+    return dict(k_pack=c.k_pack, k_params=c.k_params, v_pack=c.v_pack, v_params=c.v_params, k_res=c.k_res,
+                v_res=c.v_res, cache_seqlens=c.cache_seqlens, block_table=None, fmt=cache.fmt)
+
+
+_functional_cases = [
+    ("fmt", lambda a: dict(fmt=None), TypeError, "fmt must be a bitdecode.KVFormat, got NoneType"),
+    ("k_res dtype", lambda a: dict(k_res=a["k_res"].float()), TypeError, "k_res must have dtype"),
+    ("k_res rank", lambda a: dict(k_res=a["k_res"][0]), ValueError, r"k_res must have shape 4 dims, got \(128, 2, 64\)"),
+    ("k_res size", lambda a: dict(k_res=a["k_res"][:, :64]), ValueError, r"k_res must have shape \(2, 128, \*, 64\)"),
+    ("v_res dtype", lambda a: dict(v_res=a["v_res"].bfloat16()), TypeError, "v_res must have dtype torch.float16"),
+    ("v_res shape", lambda a: dict(v_res=a["v_res"][:1]), ValueError, r"v_res must have shape \(2, 128, 2, 64\)"),
+    ("v_res strides", lambda a: dict(v_res=a["v_res"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
+     "v_res must be contiguous"),
+    ("k_pack dtype", lambda a: dict(k_pack=a["k_pack"].long()), TypeError, "k_pack must have dtype torch.int32"),
+    ("k_pack strides", lambda a: dict(k_pack=a["k_pack"][:, :, :64]), ValueError, "k_pack must be contiguous"),
+    ("k_pack page", lambda a: dict(k_pack=a["k_pack"][:, :, :64].contiguous()), ValueError,
+     r"k_pack holds pages of 64 tokens; pages must be a multiple of the residual block \(128 tokens for 4-bit\)"),
+    ("k_pack words", lambda a: dict(k_pack=a["k_pack"][..., :4].contiguous()), ValueError,
+     r"k_pack must have shape \(2, 2, 256, 8\), got \(2, 2, 256, 4\)"),
+    ("k_params", lambda a: dict(k_params=a["k_params"][:, :, :4].contiguous()), ValueError,
+     r"k_params must have shape \(2, 2, 8, 64\), got \(2, 2, 4, 64\)"),
+    ("v_pack", lambda a: dict(v_pack=a["v_pack"].transpose(-1, -2)), ValueError,
+     r"v_pack must have shape \(2, 2, 2, 64, 16\), got \(2, 2, 2, 16, 64\)"),
+    ("v_pack strides", lambda a: dict(v_pack=a["v_pack"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
+     "v_pack must be contiguous"),
+    ("v_params", lambda a: dict(v_params=a["v_params"][:1]), ValueError, r"v_params must have shape \(2, 2, 16, 2, 16\)"),
+    ("seqlens dtype", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), TypeError,
+     "cache_seqlens must have dtype torch.int32, got torch.int64"),
+    ("seqlens shape", lambda a: dict(cache_seqlens=a["cache_seqlens"][:1]), ValueError,
+     r"cache_seqlens must have shape \(2\), got \(1,\)"),
+    ("seqlens range", lambda a: dict(cache_seqlens=torch.tensor([150, 400], dtype=torch.int32)), ValueError,
+     r"cache_seqlens must lie in \[0, 383\] for this cache \(1 pages of 256 tokens \+ a 128-token residual\), got min 150, max 400"),
+    ("seqlens negative", lambda a: dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
+     "cache_seqlens must lie in .* got min -1"),
+    ("pages without table", lambda a: dict(k_pack=a["k_pack"].repeat(2, 1, 1, 1), k_params=a["k_params"].repeat(2, 1, 1, 1),
+                                           v_pack=a["v_pack"].repeat(2, 1, 1, 1, 1), v_params=a["v_params"].repeat(2, 1, 1, 1, 1)),
+     ValueError, "without block_table the cache must hold one page per sequence: k_pack has 4 pages for batch 2"),
+    ("table dtype", lambda a: dict(block_table=torch.zeros(2, 1, dtype=torch.int64)), TypeError,
+     "block_table must have dtype torch.int32, got torch.int64"),
+    ("table rows", lambda a: dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ValueError,
+     r"block_table must have shape \(2, \*\), got \(3, 1\)"),
+    ("table range", lambda a: dict(block_table=torch.tensor([[0], [2]], dtype=torch.int32)), ValueError,
+     r"block_table entries in use must lie in \[0, 2\), got \[0, 2\]"),
+    ("device", lambda a: dict(v_params=a["v_params"].to("meta")), ValueError, "v_params is on meta but k_res is on cpu"),
+]
+
+
+@pytest.mark.parametrize("case", _functional_cases, ids=[c[0] for c in _functional_cases])
+def test_decode_attention_errors(cache, case):
+    _, change, exc, msg = case
+    args = _args(cache)
+    args |= change(args)
+    snap = snapshot(cache)
+    with pytest.raises(exc, match=msg):
+        bd.decode_attention(q(), **args, backend="reference")
+    assert_unchanged(cache, snap)
+
+
+def test_decode_attention_accepts_the_cache_tensors(cache):
+    out = bd.decode_attention(q(), **_args(cache), backend="reference")
+    assert out.shape == (B, 1, HQ, D)
+    # unused block-table entries may hold anything: only the pages in use are checked
+    args = _args(cache) | dict(block_table=torch.tensor([[0, -7], [1, 99]], dtype=torch.int32))
+    bd.decode_attention(q(), **args, backend="reference")
