@@ -8,18 +8,10 @@ import platform
 
 import torch
 
-from . import __version__, dispatch
-
-CACHE_ENV = "BITDECODE_CACHE_DIR"
-
+from . import __version__, dispatch, jit
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     return subparsers.add_parser(name, help=help_text, description=help_text)
-
-
-def cache_dir() -> str:
-    """Where compiled kernels are cached: $BITDECODE_CACHE_DIR, else ~/.cache/bitdecode."""
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "bitdecode")
 
 
 def _version(module: str) -> str:
@@ -58,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
     for label, backends in _gpus():
         table.add_row("GPU", label)
         table.add_row("  backends", ", ".join(backends))
-    path = cache_dir()
-    source = f"from ${CACHE_ENV}" if os.environ.get(CACHE_ENV) else f"default, ${CACHE_ENV} unset"
-    exists = "" if os.path.isdir(path) else "; not created yet"
+    path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
+    env = jit.ENV_CACHE_DIR
+    source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"
+    exists = "" if path.is_dir() else "; not created yet"
     table.add_row("compile cache", f"{path} [dim]({source}{exists})[/]")
     Console().print(table)
     return 0
