@@ -32,6 +32,8 @@ capture them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -50,6 +52,7 @@ __all__ = [
     "gemm",
     "reference_gemm",
     "accumulate",
+    "OUT_DTYPES",
     "BitLinear",
     "MAX_SEGMENTS",
 ]
@@ -213,6 +216,17 @@ def _check_matmul(x, w_packed, x_scale, w_scales, segments, *, gemv: bool):
     return m, n, k, segs
 
 
+OUT_DTYPES = (torch.bfloat16, torch.int32)
+
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(
+            f"out_dtype must be torch.bfloat16 (scaled output) or torch.int32 (the exact integer "
+            f"sums, unscaled), got {out_dtype}"
+        )
+
+
 # --------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------
@@ -230,10 +244,15 @@ def _scale(acc: torch.Tensor, x_scale: torch.Tensor, row_scales: torch.Tensor) -
     return ((acc.float() / x_scale.unsqueeze(1)) * row_scales.unsqueeze(0)).to(torch.bfloat16)
 
 
-def reference_gemm(x, w_packed, x_scale, w_scales, segments: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """The torch reference of gemv / gemm (bf16 [M, N])."""
+def reference_gemm(
+    x, w_packed, x_scale, w_scales, segments: Optional[Sequence[int]] = None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The torch reference of gemv / gemm: bf16 [M, N], or the int32 sums for ``out_dtype=torch.int32``."""
     _, _, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=False)
+    _check_out_dtype(out_dtype)
     acc = accumulate(x, unpack_weight(w_packed))
+    if out_dtype == torch.int32:
+        return acc
     return _scale(acc, x_scale, _row_scales(w_scales, segs))
 
 
@@ -285,42 +304,49 @@ def _gemv_module(arch: str):
     return mod, mod.SM80
 
 
-def _gemv_launch(x, w, x_scale, w_scales, ends: List[int]) -> torch.Tensor:
+def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
+    return torch.empty((m, n), dtype=torch.int32 if raw else torch.bfloat16, device=device)
+
+
+def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.Tensor:
     from . import jit
 
     arch = _arch(x.device)
     mod, cfg = _gemv_module(arch)
+    cfg = dataclasses.replace(cfg, raw=raw)
     fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
     x, w = _aligned(x), _aligned(w)
-    out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
+    out = _out(1, w.shape[0], raw, x.device)
     warps = mod.warps_for(x.shape[1], cfg.unroll)
     fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], warps)
     return out
 
 
-def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str) -> torch.Tensor:
+def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:
     from . import jit
-    from .kernels_sm80 import bitnet_gemm as k80
 
     arch = _arch(x.device)
     m, n = x.shape[0], w.shape[0]
     x, w = _aligned(x), _aligned(w)
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    out = _out(m, n, raw, x.device)
     if kernel == "auto":
         kernel = _default_gemm_kernel(arch, m)
     if kernel == "wgmma":
-        from .kernels_sm90 import bitnet_gemm as k90
+        from .kernels_sm90 import bitnet_gemm as mod
 
-        cfg = k90.config_for(m)
-        fn = _compile(("bitnet_gemm_sm90", arch, cfg), lambda: k90.compile_gemm(cfg, jit.compile_options(arch)))
-        grid = k90.grid_for(cfg, m, n)
+        cfg = dataclasses.replace(mod.config_for(m), raw=raw)
     else:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        cfg = k80.config_for(m, n, sms)
-        fn = _compile(("bitnet_gemm_sm80", arch, cfg), lambda: k80.compile_gemm(cfg, jit.compile_options(arch)))
-        grid = k80.grid_for(cfg, m, n)
-    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], grid[0], grid[1])
+        from .kernels_sm80 import bitnet_gemm as mod
+
+        cfg = dataclasses.replace(mod.config_for(m, n, _sm_count(x.device)), raw=raw)
+    fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
+    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2])
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 GEMM_KERNELS = ("auto", "mma", "wgmma")
@@ -335,25 +361,27 @@ def _default_gemm_kernel(arch: str, m: int) -> str:
 
 
 @torch.library.custom_op("bitdecode::bitnet_gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scales: torch.Tensor, ends: List[int]) -> torch.Tensor:
-    return _gemv_launch(x, w, x_scale, w_scales, ends)
+def _gemv_op(
+    x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scales: torch.Tensor, ends: List[int], raw: bool
+) -> torch.Tensor:
+    return _gemv_launch(x, w, x_scale, w_scales, ends, raw)
 
 
 @_gemv_op.register_fake
-def _(x, w, x_scale, w_scales, ends):
-    return x.new_empty((1, w.shape[0]), dtype=torch.bfloat16)
+def _(x, w, x_scale, w_scales, ends, raw):
+    return x.new_empty((1, w.shape[0]), dtype=torch.int32 if raw else torch.bfloat16)
 
 
 @torch.library.custom_op("bitdecode::bitnet_gemm", mutates_args=())
 def _gemm_op(
-    x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scales: torch.Tensor, ends: List[int], kernel: str
+    x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scales: torch.Tensor, ends: List[int], kernel: str, raw: bool
 ) -> torch.Tensor:
-    return _gemm_launch(x, w, x_scale, w_scales, ends, kernel)
+    return _gemm_launch(x, w, x_scale, w_scales, ends, kernel, raw)
 
 
 @_gemm_op.register_fake
-def _(x, w, x_scale, w_scales, ends, kernel):
-    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
+def _(x, w, x_scale, w_scales, ends, kernel, raw):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.int32 if raw else torch.bfloat16)
 
 
 def _use_kernel(backend: str, device: torch.device, what: str) -> bool:
@@ -375,19 +403,23 @@ def gemv(
     segments: Optional[Sequence[int]] = None,
     *,
     backend: str = "auto",
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """One token: ``x`` int8 [1, K], packed weights int8 [N, K/4] -> bf16 [1, N].
 
     ``x_scale`` fp32 [1] (``127 / max|x|``), ``w_scales`` fp32 [S] per segment.
-    N % 16 == 0 and K % 128 == 0.
+    N % 16 == 0 and K % 128 == 0.  ``out_dtype=torch.int32`` returns the exact integer
+    sums ``x @ w.T`` instead (no scaling).
     """
     _, n, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=True)
+    _check_out_dtype(out_dtype)
     if not _use_kernel(backend, x.device, "gemv"):
-        return reference_gemm(x, w_packed, x_scale, w_scales, segs)
+        return reference_gemm(x, w_packed, x_scale, w_scales, segs, out_dtype)
     ends = list(_segment_ends(segs, n))
+    raw = out_dtype == torch.int32
     if torch.compiler.is_compiling():
-        return _gemv_op(x, w_packed, x_scale, w_scales, ends)
-    return _gemv_launch(x, w_packed, x_scale, w_scales, ends)
+        return _gemv_op(x, w_packed, x_scale, w_scales, ends, raw)
+    return _gemv_launch(x, w_packed, x_scale, w_scales, ends, raw)
 
 
 def gemm(
@@ -399,23 +431,26 @@ def gemm(
     *,
     backend: str = "auto",
     kernel: str = "auto",
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """M tokens on integer tensor cores: ``x`` int8 [M, K] -> bf16 [M, N].
 
     ``kernel``: ``"mma"`` (mma.sync m16n8k32, any sm_80+), ``"wgmma"`` (Hopper only)
-    or ``"auto"``.
+    or ``"auto"``.  ``out_dtype=torch.int32`` returns the exact integer sums.
     """
     m, n, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=False)
+    _check_out_dtype(out_dtype)
     if kernel not in GEMM_KERNELS:
         raise ValueError(f"kernel must be one of {GEMM_KERNELS}, got {kernel!r}")
     if not _use_kernel(backend, x.device, "gemm"):
-        return reference_gemm(x, w_packed, x_scale, w_scales, segs)
+        return reference_gemm(x, w_packed, x_scale, w_scales, segs, out_dtype)
     if kernel == "wgmma" and _arch(x.device) != "sm_90a":
         raise ValueError(f"kernel='wgmma' needs a Hopper GPU (sm_90a), this one is {_arch(x.device)}")
     ends = list(_segment_ends(segs, n))
+    raw = out_dtype == torch.int32
     if torch.compiler.is_compiling():
-        return _gemm_op(x, w_packed, x_scale, w_scales, ends, kernel)
-    return _gemm_launch(x, w_packed, x_scale, w_scales, ends, kernel)
+        return _gemm_op(x, w_packed, x_scale, w_scales, ends, kernel, raw)
+    return _gemm_launch(x, w_packed, x_scale, w_scales, ends, kernel, raw)
 
 
 # --------------------------------------------------------------------------------------

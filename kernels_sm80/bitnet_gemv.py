@@ -42,166 +42,11 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
+from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, segment_scale, store_out
 
 MAX_WARPS = 16
-MAX_SEGMENTS = 4
-WARP = 32
-
-
-# --------------------------------------------------------------------------------------
-# PTX the DSL does not expose as pure ops
-# --------------------------------------------------------------------------------------
-
-
-def _asm(ret, operands, text, constraints, loc=None, ip=None):
-    return llvm.inline_asm(
-        ret, operands, text, constraints, has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def load_v4(addr: Int64, stream: bool, *, loc=None, ip=None):
-    """16-byte global load of read-only data as four 32-bit words.
-
-    ``stream``: the data is read exactly once (the weights), so it bypasses L1
-    (``ld.global.nc.L1::no_allocate``); otherwise many warps share it (the activations)
-    and it goes through L1.  Unpredicated on purpose: ptxas hoists plain loads ahead of
-    the arithmetic, which keeps all of them in flight at once.
-    """
-    hint = ".L1::no_allocate" if stream else ""
-    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
-    res = llvm.inline_asm(
-        struct_ty,
-        [Int64(addr).ir_value(loc=loc, ip=ip)],
-        f"ld.global.nc{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
-        "=r,=r,=r,=r,l",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    i32 = T.i32()
-    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def dp4a_us(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
-    """``c + sum(a.u8[i] * b.s8[i])``: unsigned weight bytes times signed activations."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
-            "dp4a.u32.s32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def dp4a_ss(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
-    """``c + sum(a.s8[i] * b.s8[i])``."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
-            "dp4a.s32.s32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def lop3_and(a: Int32, mask: int, *, loc=None, ip=None) -> Int32:
-    """``a & mask`` as one ``lop3.b32`` with an immediate mask (the decode step)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip)],
-            f"lop3.b32 $0, $1, {mask & 0xFFFFFFFF}, 0, {fmt.LOP3_AND};",
-            "=r,r",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def store_bf16(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
-    """Round ``value`` to bf16 (nearest even) and store it at ``addr``."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}",
-        "l,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
-def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """IEEE fp32 division (round to nearest), bit-identical to torch's ``a / b``."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "div.rn.f32 $0, $1, $2;",
-            "=f,f,f",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32 multiply, rounded once (no contraction into an fma with later ops)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "mul.rn.f32 $0, $1, $2;",
-            "=f,f,f",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@cute.jit
-def segment_scale(mWScale: cute.Tensor, row: Int32, e1: Int32, e2: Int32, e3: Int32) -> Float32:
-    """Scale of the fused segment (q/k/v, w1/w3) that ``row`` belongs to.
-
-    ``e1..e3`` are the cumulative row ends of segments 0..2 (``N`` where unused).
-    """
-    seg = Int32(0)
-    if row >= e1:
-        seg = seg + 1
-    if row >= e2:
-        seg = seg + 1
-    if row >= e3:
-        seg = seg + 1
-    return Float32(mWScale[seg])
-
-
-@cute.jit
-def scale_out(acc: Int32, x_scale: Float32, w_scale: Float32) -> Float32:
-    """``(acc / x_scale) * w_scale`` in fp32, each op rounded once like the torch reference."""
-    return mul_rn(div_rn(Float32(acc), x_scale), w_scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -214,6 +59,7 @@ class GemvConfig:
     """Compile-time configuration: 16-byte weight loads in flight per lane."""
 
     unroll: int = 4
+    raw: bool = False  # store the int32 sums instead of the scaled bf16 output
 
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x
@@ -236,10 +82,9 @@ class BitnetGemv:
     ends ``e1, e2, e3`` and the warp count (ints).
     """
 
-    def __init__(self, unroll: int = 4):
-        # 4 groups = 4 x 16 bytes in flight per lane; 16 accumulators + 2 x 16 load
-        # registers stay well under 128 registers, so 1024+ threads fit per SM.
-        self.unroll = unroll
+    def __init__(self, cfg: GemvConfig):
+        self.unroll = cfg.unroll
+        self.raw = cfg.raw
 
     @cute.jit
     def __call__(
@@ -338,7 +183,7 @@ class BitnetGemv:
                 s = s + cute.arch.shuffle_sync_bfly(s, offset=(2, 8, 16)[mask])
             rows[r] = s
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Int32, cute.make_layout((fmt.TILE_N, MAX_WARPS), stride=(1, fmt.TILE_N)), 16)
         if (lane & 0b11010) == 0:  # lanes 0, 1, 4, 5: chunks 0, 1, 4, 5 = rows 0, 4, 8, 12
             base = fmt.chunk_row(q)
@@ -350,8 +195,8 @@ class BitnetGemv:
             for w in cutlass.range(warps, unroll=1):
                 total = total + red[tidx, w]
             row = stripe * fmt.TILE_N + tidx
-            value = scale_out(total, Float32(mXScale[0]), segment_scale(mWScale, row, e1, e2, e3))
-            store_bf16(mOut.iterator.toint() + Int64(row) * 2, value)
+            w_scale = segment_scale(mWScale, row, e1, e2, e3)
+            store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, self.raw)
 
 
 def compile_gemv(cfg: GemvConfig, options: str):
@@ -365,9 +210,9 @@ def compile_gemv(cfg: GemvConfig, options: str):
     w = fake(cutlass.Int8, (n, kb), stride_order=(1, 0), assumed_align=16)
     x_scale = fake(Float32, (1,), assumed_align=4)
     w_scale = fake(Float32, (segs,), assumed_align=4)
-    out = fake(BFloat16, (1, n), stride_order=(1, 0), assumed_align=4)
+    out = fake(Int32 if cfg.raw else BFloat16, (1, n), stride_order=(1, 0), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        BitnetGemv(cfg.unroll), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream,
+        BitnetGemv(cfg), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream,
         options=options,
     )

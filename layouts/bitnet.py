@@ -28,21 +28,27 @@ Thread mappings (kernels, tests and CPU emulations all use the functions below):
   consecutive rows ``gemv_chunk_row(q) + r`` (r < 4) over the same 16 columns
   ``16 * gemv_chunk_khalf(q) + e``; one 16-byte load gives four rows times one 16-byte
   activation vector.
-* MMA (``mma.sync.m16n8k32`` / ``wgmma m64nNk32`` with int8 operands; the 2-bit weights
-  are the A operand, 16 rows per warp): the contraction is permutation invariant, so
+* MMA (``mma.sync.m16n8k32`` with int8 operands; the 2-bit weights are the A operand,
+  16 rows per warp; ``int8_a_fragment`` reads that fragment off CuTe's int8 wgmma
+  atom, whose per-warp A fragment is the same): the contraction is permutation invariant, so
   per group of 128 columns (four tiles, eight 16-column *chunks*) lane ``(g, tq)``
   takes the whole word of (row ``g + 8*(j % 2)``, chunk ``tq + 4*(j // 2)``) for A
   register ``j``, and its decode step ``i`` (bytes = elements ``4i..4i+3``) feeds the
   i-th MMA of the group.  The activations (B operand) are read in the same permuted
   order: lane ``(g, tq)`` takes 16 bytes at columns ``16*tq`` and ``64 + 16*tq`` of the
   group, whose word ``i`` is its B register for the i-th MMA.
+* wgmma (sm90; B comes from shared memory in natural k order, so no permutation): per
+  32-column k-step, A register ``j`` of lane ``(g, tq)`` is decode step ``tq`` of the
+  word ``kstep_word_offset(g, j)`` of the tile (rows ``g + 8*(j % 2)``, half ``j // 2``);
+  the four lanes of a quad share each word.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
-from ._trace import traced
+from ._trace import evaluate, traced
 
 BITS = 2
 CODE_OFFSET = 2  # stored code = w + 2, so -1, 0, 1 -> 1, 2, 3
@@ -220,6 +226,34 @@ def mma_word_offset_table() -> Tuple[Tuple[int, ...], ...]:
     )
 
 
+def _int8_a_fragment_builder():
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    mma = sm90.make_trivial_tiled_mma(
+        cutlass.Uint8, cutlass.Int8, OperandMajorMode.K, OperandMajorMode.K, cutlass.Int32,
+        (1, 1, 1), (64, 8), warpgroup.OperandSource.RMEM,
+    )
+    coords = cute.make_identity_tensor((64, 32))
+    out = []
+    for lane in range(32):
+        frag = mma.get_slice(lane).partition_A(coords)
+        out.append(tuple(frag[i] for i in range(cute.size(frag))))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def int8_a_fragment() -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """``[lane][v]``: (row, k) of byte v of the int8 A fragment of an m16 x k32 MMA tile.
+
+    Read off CuTe's int8 wgmma atom (warp 0 of the warpgroup holds rows 0..15 exactly as
+    ``mma.sync.m16n8k32`` lays them out): bytes ``4j .. 4j+3`` are register ``j``.
+    """
+    return evaluate(_int8_a_fragment_builder, arch="sm_90a")  # the wgmma atom needs sm_90a
+
+
 # --------------------------------------------------------------------------------------
 # Index arithmetic shared by the kernels (on DSL integers) and the CPU emulations (on
 # Python ints / torch tensors).  Only shifts, masks, + and * -- no division.
@@ -239,6 +273,18 @@ def chunk_khalf(q):
 def mma_word_offset(g, tq, j: int):
     """Byte offset in a 128-column group of A register ``j``'s word for lane ``(g, tq)``."""
     return 4 * g + 32 * (tq & 1) + TILE_BYTES * (tq >> 1) + 64 * (j & 1) + 2 * TILE_BYTES * (j >> 1)
+
+
+def kstep_word_offset(g, j: int):
+    """Byte offset in a 128-byte tile of the word behind A register ``j`` of lane ``(g, *)``
+    for a natural-order k-step: row ``g + 8*(j % 2)``, column half ``j // 2``."""
+    return 4 * (g + 8 * (j >> 1) + 16 * (j & 1))
+
+
+def kstep_shift(tq):
+    """Decode shift of lane ``(*, tq)`` in a natural-order k-step: columns ``4tq .. 4tq+3``
+    of each half are elements ``4tq .. 4tq+3``, i.e. decode step ``tq``."""
+    return 2 * tq
 
 
 def mma_x_offset(tq, half: int):

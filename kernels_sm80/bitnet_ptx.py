@@ -1,0 +1,255 @@
+"""PTX helpers of the BitNet kernels: loads with cache hints, dp4a, lop3, int8 mma.sync,
+and the exactly-rounded fp32 epilogue (one instruction each, via ``llvm.inline_asm``).
+
+CuTe DSL 4.8.1 has no integer warp-level MMA atom and no dp4a op, so those go through
+inline PTX.  Pure instructions are declared free of side effects so LLVM may schedule
+and CSE them.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..layouts import bitnet as fmt
+
+WARP = 32
+MAX_SEGMENTS = 4
+
+# --------------------------------------------------------------------------------------
+
+
+def _asm(ret, operands, text, constraints, loc=None, ip=None):
+    return llvm.inline_asm(
+        ret, operands, text, constraints, has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def load_v4(addr: Int64, stream: bool, *, loc=None, ip=None):
+    """16-byte global load of read-only data as four 32-bit words.
+
+    ``stream``: the data is read exactly once (the weights), so it bypasses L1
+    (``ld.global.nc.L1::no_allocate``); otherwise many warps share it (the activations)
+    and it goes through L1.  Unpredicated on purpose: ptxas schedules plain loads early,
+    while a predicated, zero-filled asm block ended up pinned next to its first use.
+    """
+    hint = ".L1::no_allocate" if stream else ""
+    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    res = llvm.inline_asm(
+        struct_ty,
+        [Int64(addr).ir_value(loc=loc, ip=ip)],
+        f"ld.global.nc{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
+        "=r,=r,=r,=r,l",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    i32 = T.i32()
+    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def load_b32(addr: Int64, stream: bool, *, loc=None, ip=None) -> Int32:
+    """4-byte global load of read-only data (``stream``: read once, bypass L1)."""
+    hint = ".L1::no_allocate" if stream else ""
+    return Int32(
+        _asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], f"ld.global.nc{hint}.b32 $0, [$1];", "=r,l", loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def shr_and(a: Int32, shift: int, mask: int, *, loc=None, ip=None) -> Int32:
+    """``(a >> shift) & mask`` (logical shift, then one lop3): one decode step."""
+    src = Int32(a).ir_value(loc=loc, ip=ip)
+    if shift == 0:
+        text = f"lop3.b32 $0, $1, {mask & 0xFFFFFFFF}, 0, {fmt.LOP3_AND};"
+    else:
+        text = f"{{\n.reg .b32 t;\nshr.b32 t, $1, {shift};\nlop3.b32 $0, t, {mask & 0xFFFFFFFF}, 0, {fmt.LOP3_AND};\n}}"
+    return Int32(_asm(T.i32(), [src], text, "=r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def shr_and_var(a: Int32, shift: Int32, mask: int, *, loc=None, ip=None) -> Int32:
+    """``(a >> shift) & mask`` with a per-lane shift amount."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip), Int32(shift).ir_value(loc=loc, ip=ip)],
+            f"{{\n.reg .b32 t;\nshr.b32 t, $1, $2;\nlop3.b32 $0, t, {mask & 0xFFFFFFFF}, 0, {fmt.LOP3_AND};\n}}",
+            "=r,r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def mma_m16n8k32_u8s8(a, b, c, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32``: D = A (u8 codes) x B (s8) + C.
+
+    ``a``: 4 registers, ``b``: 2, ``c``: 4 (int32 accumulators); returns the 4 of D.
+    """
+    operands = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b, *c)]
+    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    res = llvm.inline_asm(
+        struct_ty,
+        operands,
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=r,=r,=r,=r," + ",".join(["r"] * 10),
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    i32 = T.i32()
+    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def dp4a_us(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
+    """``c + sum(a.u8[i] * b.s8[i])``: unsigned weight bytes times signed activations."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
+            "dp4a.u32.s32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def dp4a_ss(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
+    """``c + sum(a.s8[i] * b.s8[i])``."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
+            "dp4a.s32.s32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def lop3_and(a: Int32, mask: int, *, loc=None, ip=None) -> Int32:
+    """``a & mask`` as one ``lop3.b32`` with an immediate mask (the decode step)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip)],
+            f"lop3.b32 $0, $1, {mask & 0xFFFFFFFF}, 0, {fmt.LOP3_AND};",
+            "=r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def store_bf16(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
+    """Round ``value`` to bf16 (nearest even) and store it at ``addr``."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}",
+        "l,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_i32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.b32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@cute.jit
+def store_out(out_base: Int64, index: Int64, acc: Int32, x_scale: Float32, w_scale: Float32, raw: cutlass.Constexpr):
+    """Element ``index`` of the output: the int32 sum itself (``raw``), else bf16 of
+    ``(acc / x_scale) * w_scale``."""
+    if cutlass.const_expr(raw):
+        store_i32(out_base + index * 4, acc)
+    else:
+        store_bf16(out_base + index * 2, scale_out(acc, x_scale, w_scale))
+
+
+@dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """IEEE fp32 division (round to nearest), bit-identical to torch's ``a / b``."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "div.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32 multiply, rounded once (no contraction into an fma with later ops)."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def segment_scale(mWScale: cute.Tensor, row: Int32, e1: Int32, e2: Int32, e3: Int32) -> Float32:
+    """Scale of the fused segment (q/k/v, w1/w3) that ``row`` belongs to.
+
+    ``e1..e3`` are the cumulative row ends of segments 0..2 (``N`` where unused).
+    """
+    seg = Int32(0)
+    if row >= e1:
+        seg = seg + 1
+    if row >= e2:
+        seg = seg + 1
+    if row >= e3:
+        seg = seg + 1
+    return Float32(mWScale[seg])
+
+
+@cute.jit
+def scale_out(acc: Int32, x_scale: Float32, w_scale: Float32) -> Float32:
+    """``(acc / x_scale) * w_scale`` in fp32, each op rounded once like the torch reference."""
+    return mul_rn(div_rn(Float32(acc), x_scale), w_scale)
+
+

@@ -1,0 +1,627 @@
+"""BitNet W2A8: packing, quantization, reference, kernel data flow (CPU), compiles, GPU.
+
+CPU tests check the format against two independent computations of microsoft/BitNet's
+bytes (the closed form and the four-step pipeline of ``gpu/pack_weight.py`` as
+documented), the quantization rules, the reference maths, and emulate in torch exactly
+the per-lane data flow of each kernel (which words and activation bytes a lane loads,
+how it decodes them, what the MMA instructions compute) so that the index arithmetic the
+kernels use is proven on the CPU.  Compile tests build every kernel for sm_80 / sm_90a /
+sm_100a without a GPU and check the PTX.  ``gpu`` tests compare the kernels with the
+reference on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitdecode import bitnet as bn
+from bitdecode.layouts import bitnet as L
+
+MODEL_SHAPES = [
+    (2560, 2560),
+    (3840, 2560),
+    (13824, 2560),
+    (2560, 6912),
+    (3200, 3200),
+    (4800, 3200),
+    (3200, 10240),
+    (20480, 3200),
+]
+ODD_SHAPES = [(16, 128), (4096 + 16, 2560), (48, 384)]
+
+
+def ternary(n, k, gen, device="cpu"):
+    return torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8).to(device)
+
+
+def int8_acts(m, k, gen, device="cpu"):
+    return torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8).to(device)
+
+
+# --------------------------------------------------------------------------------------
+# Independent computations of the packed bytes
+# --------------------------------------------------------------------------------------
+
+
+def pack_closed_form(w: torch.Tensor) -> torch.Tensor:
+    """ANCHORS: weight (n, k) sits in the word at byte ``((n>>4)*(K/32) + (k>>5))*128 + 4t``,
+    ``t = 16*((n&15)>>3) + 8*((k&31)>>4) + (n&7)``, element ``e = k&15`` at bit
+    ``8*(e&3) + 2*(e>>2)``, code ``w + 2``."""
+    n_, k_ = w.shape
+    n = torch.arange(n_).view(-1, 1).expand(n_, k_)
+    k = torch.arange(k_).view(1, -1).expand(n_, k_)
+    t = 16 * ((n & 15) >> 3) + 8 * ((k & 31) >> 4) + (n & 7)
+    e = k & 15
+    word_byte = ((n >> 4) * (k_ // 32) + (k >> 5)) * 128 + 4 * t
+    bit = 8 * (e & 3) + 2 * (e >> 2)
+    byte = word_byte + bit // 8
+    out = torch.zeros(n_ * k_ // 4, dtype=torch.int64)
+    out.index_add_(0, byte.flatten(), ((w.long() + 2) << (bit % 8)).flatten())
+    return out.to(torch.uint8).view(torch.int8).view(n_, k_ // 4)
+
+
+def pack_bitnet_steps(w: torch.Tensor) -> torch.Tensor:
+    """The documented BitNet pipeline, step by step: +2, 16x32 tile permutation,
+    4 codes per byte (``byte |= c << 2j``), then the int32 re-interleave that moves the
+    2-bit field ``o`` of each word to bit ``(o % 4) * 8 + (o // 4) * 2``."""
+    n_, k_ = w.shape
+    codes = (w.long() + 2).numpy()
+    perm = torch.zeros(n_ // 16, k_ // 32, 16, 32, dtype=torch.int64).numpy()
+    for i in range(16):
+        for j in range(32):
+            tid = i * 2 + j // 16
+            row = (tid // 16) * 8 + tid % 8
+            col = j % 16 + 16 * ((tid % 16) // 8)
+            for nt in range(n_ // 16):
+                perm[nt, :, i, j] = codes[nt * 16 + row, col::32][: k_ // 32]
+    packed = torch.zeros(n_ // 16, k_ // 32, 16, 8, dtype=torch.int64).numpy()
+    for j in range(8):
+        for b in range(4):
+            packed[..., j] |= perm[..., 4 * j + b] << (2 * b)
+    words = torch.from_numpy(packed).reshape(-1, 4)
+    words = words[:, 0] | (words[:, 1] << 8) | (words[:, 2] << 16) | (words[:, 3] << 24)
+    out = torch.zeros_like(words)
+    for o in range(16):
+        out |= ((words >> (2 * o)) & 3) << ((o % 4) * 8 + (o // 4) * 2)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.view(torch.int8).view(n_, k_ // 4)
+
+
+# --------------------------------------------------------------------------------------
+# Format
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (32, 128), (48, 96), (64, 384)])
+def test_pack_matches_closed_form_and_bitnet_steps(n, k, gen):
+    w = ternary(n, k, gen)
+    p = bn.pack_weight(w)
+    assert p.shape == (n, k // 4) and p.dtype == torch.int8
+    assert torch.equal(p, pack_closed_form(w))
+    assert torch.equal(p, pack_bitnet_steps(w))
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (80, 640), (256, 1024)])
+def test_pack_unpack_round_trip(n, k, gen):
+    w = ternary(n, k, gen)
+    assert torch.equal(bn.unpack_weight(bn.pack_weight(w)), w)
+
+
+def test_pack_extremes():
+    """All -1 / all 0 / all 1 give the bytes of codes 1 / 2 / 3 in every field."""
+    for value, byte in ((-1, 0x55), (0, 0xAA), (1, 0xFF)):
+        p = bn.pack_weight(torch.full((16, 32), value, dtype=torch.int8))
+        assert torch.equal(p.view(torch.uint8), torch.full((16, 8), byte, dtype=torch.uint8))
+
+
+def test_tile_layout_is_the_closed_form():
+    """The CuTe derivation (right_inverse + composition) gives the closed-form layout."""
+    table = L.tile_bit_table()
+    for r in range(16):
+        for c in range(32):
+            t = 16 * (r >> 3) + 8 * (c >> 4) + (r & 7)
+            e = c & 15
+            assert table[32 * r + c] == 32 * t + 8 * (e & 3) + 2 * (e >> 2)
+    assert sorted(table) == list(range(0, 1024, 2))
+    assert L.word_interleave_table() == tuple(8 * (e % 4) + 2 * (e // 4) for e in range(16))
+    # BitNet's permutation: position 16*t + e holds tile row 8*(t//16) + t%8, col 16*((t//8)%2) + e
+    perm = L.tile_permutation_table()
+    for p in range(512):
+        t, e = divmod(p, 16)
+        assert perm[p] == 32 * (8 * (t // 16) + t % 8) + 16 * ((t // 8) % 2) + e
+
+
+def test_thread_mappings_match_layouts():
+    rows, halves = L.chunk_tables()
+    assert rows == (0, 4, 0, 4, 8, 12, 8, 12) and halves == (0, 0, 1, 1, 0, 0, 1, 1)
+    assert all(L.chunk_row(q) == rows[q] and L.chunk_khalf(q) == halves[q] for q in range(8))
+    table = L.mma_word_offset_table()
+    for lane in range(32):
+        g, tq = lane // 4, lane % 4
+        for j in range(4):
+            assert L.mma_word_offset(g, tq, j) == table[lane][j]
+            # the word of (row g + 8*(j%2), chunk tq + 4*(j//2)), from the format itself
+            row, chunk = g + 8 * (j % 2), tq + 4 * (j // 2)
+            t = 16 * (row >> 3) + 8 * (chunk % 2) + (row & 7)
+            assert table[lane][j] == 128 * (chunk // 2) + 4 * t
+
+
+def test_int8_a_fragment_read_off_cute():
+    """CuTe's wgmma int8 atom (warp 0 of the warpgroup) has exactly the m16n8k32 A
+    fragment the kernels fill: register j = (row g + 8*(j%2), k 4*tq + 16*(j//2) + byte)."""
+    frag = L.int8_a_fragment()
+    for lane in range(32):
+        g, tq = lane // 4, lane % 4
+        for j in range(4):
+            for byte in range(4):
+                assert frag[lane][4 * j + byte] == (g + 8 * (j % 2), 4 * tq + 16 * (j // 2) + byte)
+
+
+# --------------------------------------------------------------------------------------
+# Quantization
+# --------------------------------------------------------------------------------------
+
+
+def test_quantize_weight_segments(gen):
+    w = torch.randn(96, 64, generator=gen)
+    w[:48] *= 3.0  # q rows much larger than k, v rows
+    q, s = bn.quantize_weight(w, segments=(48, 16, 32))
+    assert q.dtype == torch.int8 and set(q.unique().tolist()) <= {-1, 0, 1}
+    assert s.dtype == torch.float32 and s.shape == (3,)
+    for (a, b), scale in zip(((0, 48), (48, 64), (64, 96)), s):
+        part = w[a:b]
+        assert torch.equal(scale, part.abs().mean())
+        assert torch.equal(q[a:b], torch.round(part / scale).clamp(-1, 1).to(torch.int8))
+    q1, s1 = bn.quantize_weight(w)
+    assert s1.shape == (1,) and torch.equal(s1[0], w.abs().mean())
+
+
+def test_quantize_weight_rounds_half_to_even():
+    # mean|W| = 1 exactly: 0.5 -> 0 (even), 1.5 -> 2 -> clamped to 1, -0.5 -> 0, -1.5 -> -1
+    w = torch.tensor([[0.5, 1.5, -0.5, -1.5] * 8] * 16)
+    q, s = bn.quantize_weight(w)
+    assert s.tolist() == [1.0]
+    assert q[0, :4].tolist() == [0, 1, 0, -1]
+
+
+def test_quantize_weight_zero_and_errors():
+    q, s = bn.quantize_weight(torch.zeros(16, 32))
+    assert torch.equal(q, torch.zeros(16, 32, dtype=torch.int8)) and s.item() == pytest.approx(1e-5)
+    with pytest.raises(ValueError, match="segments"):
+        bn.quantize_weight(torch.zeros(32, 32), segments=(16, 8))
+    with pytest.raises(ValueError, match="at most"):
+        bn.quantize_weight(torch.zeros(80, 32), segments=(16,) * 5)
+    with pytest.raises(TypeError, match="segments"):
+        bn.quantize_weight(torch.zeros(32, 32), segments=32)
+    with pytest.raises(TypeError, match="w must have dtype"):
+        bn.quantize_weight(torch.zeros(32, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="NaN"):
+        bn.quantize_weight(torch.full((16, 32), float("nan")))
+
+
+def test_quantize_activation_rules():
+    x = torch.tensor([[127.0, 2.5, -2.5, 3.5, 0.5, -127.0, 1.0, 0.0]])
+    q, s = bn.quantize_activation(x)
+    assert s.tolist() == [1.0]
+    assert q.tolist() == [[127, 2, -2, 4, 0, -127, 1, 0]]  # ties to even
+    x = torch.randn(4, 3, 256) * 7
+    q, s = bn.quantize_activation(x)
+    assert q.shape == x.shape and q.dtype == torch.int8 and s.shape == (4, 3) and s.dtype == torch.float32
+    ref = torch.round(x * (127.0 / x.abs().amax(-1, keepdim=True))).clamp(-128, 127)
+    assert torch.equal(q, ref.to(torch.int8))
+    assert torch.equal(q.abs().amax(-1), torch.full((4, 3), 127, dtype=torch.int8))
+    qz, sz = bn.quantize_activation(torch.zeros(2, 64, dtype=torch.bfloat16))
+    assert torch.equal(qz, torch.zeros(2, 64, dtype=torch.int8)) and torch.allclose(sz, torch.full((2,), 127e5))
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+
+
+def test_reference_is_int32_matmul_then_scaled(gen):
+    m, n, k = 5, 96, 256
+    x = int8_acts(m, k, gen)
+    w = ternary(n, k, gen)
+    wp = bn.pack_weight(w)
+    exact = (x.long() @ w.long().t()).to(torch.int32)
+    raw = bn.gemm(x, wp, torch.ones(m), torch.ones(1), out_dtype=torch.int32)
+    assert raw.dtype == torch.int32 and torch.equal(raw, exact)
+    assert torch.equal(bn.accumulate(x, w), exact)
+    xs = torch.rand(m, generator=gen) * 3 + 0.5
+    ws = torch.tensor([0.25, 2.0, 0.75])
+    segs = (32, 16, 48)
+    y = bn.gemm(x, wp, xs, ws, segs)
+    rows = torch.cat([torch.full((c,), float(v)) for c, v in zip(segs, ws)])
+    assert torch.equal(y, ((exact.float() / xs[:, None]) * rows[None, :]).to(torch.bfloat16))
+    y1 = bn.gemv(x[:1], wp, xs[:1], ws, segs)
+    assert torch.equal(y1, y[:1])
+
+
+def test_reference_end_to_end_accuracy(gen):
+    """W2A8 equals the float product with the dequantized ternary weights up to the int8
+    activation rounding (half a step, max|x|/254, per element) and the bf16 output."""
+    n, k = 64, 512
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(3, k, generator=gen)
+    q, s = bn.quantize_activation(x)
+    wq, ws = bn.quantize_weight(w)
+    y = bn.gemm(q, bn.pack_weight(wq), s, ws).float()
+    w_hat = wq.float() * ws
+    ref = x @ w_hat.t()
+    bound = (x.abs().amax(-1, keepdim=True) / 254) * w_hat.abs().sum(-1)[None, :] + ref.abs() * 2.0**-8
+    assert bool(((y - ref).abs() <= bound).all())
+
+
+def test_validation_errors(gen):
+    x = int8_acts(1, 256, gen)
+    wp = bn.pack_weight(ternary(32, 256, gen))
+    xs, ws = torch.ones(1), torch.ones(1)
+    with pytest.raises(TypeError, match="x must have dtype torch.int8"):
+        bn.gemv(x.float(), wp, xs, ws)
+    with pytest.raises(ValueError, match="gemv takes one token"):
+        bn.gemv(int8_acts(2, 256, gen), wp, torch.ones(2), ws)
+    with pytest.raises(ValueError, match="K must be a multiple of 128"):
+        bn.gemv(int8_acts(1, 192, gen), bn.pack_weight(ternary(32, 192, gen)), xs, ws)
+    with pytest.raises(ValueError, match=r"w_packed must have shape \(32, K/4\)"):
+        bn.gemv(int8_acts(1, 128, gen), wp, xs, ws)
+    with pytest.raises(ValueError, match="N must be a positive multiple of 16"):
+        bn.gemv(x, torch.zeros(24, 64, dtype=torch.int8), xs, ws)
+    with pytest.raises(ValueError, match="x_scale must have shape"):
+        bn.gemv(x, wp, torch.ones(2), ws)
+    with pytest.raises(TypeError, match="x_scale must have dtype torch.float32"):
+        bn.gemv(x, wp, xs.half(), ws)
+    with pytest.raises(ValueError, match="w_scales must have shape"):
+        bn.gemv(x, wp, xs, ws, segments=(16, 16))
+    with pytest.raises(ValueError, match="sum to"):
+        bn.gemv(x, wp, xs, torch.ones(2), segments=(16, 8))
+    with pytest.raises(ValueError, match="backend"):
+        bn.gemv(x, wp, xs, ws, backend="fast")
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        bn.gemv(x, wp, xs, ws, backend="kernel")
+    with pytest.raises(ValueError, match="out_dtype"):
+        bn.gemv(x, wp, xs, ws, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        bn.gemm(x, wp, xs, ws, kernel="tcgen05")
+    with pytest.raises(ValueError, match="share a device"):
+        bn.gemv(x, wp, xs.to("meta"), ws)
+    with pytest.raises(ValueError, match="ternary"):
+        bn.pack_weight(torch.full((16, 32), 2, dtype=torch.int8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        bn.pack_weight(torch.zeros(16, 48, dtype=torch.int8))
+
+
+def test_bitlinear_reference(gen):
+    lin = torch.nn.Linear(256, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 256, generator=gen) * 0.05)
+        lin.bias.copy_(torch.randn(96, generator=gen))
+    layer = bn.BitLinear.from_float(lin, segments=(64, 32))
+    assert layer.weight_packed.shape == (96, 64) and layer.weight_scale.shape == (2,)
+    x = torch.randn(2, 3, 256, generator=gen, dtype=torch.float32)
+    y = layer(x)
+    assert y.shape == (2, 3, 96) and y.dtype == torch.float32
+    q, s = bn.quantize_activation(x.reshape(-1, 256))
+    wq, ws = bn.quantize_weight(lin.weight.detach(), (64, 32))
+    ref = bn.gemm(q, bn.pack_weight(wq), s, ws, (64, 32)).float() + lin.bias.detach()
+    assert torch.equal(y.reshape(-1, 96), ref)
+    assert layer(x[:1, :1]).shape == (1, 1, 96)  # one token: the gemv path
+    assert "segments=(64, 32)" in repr(layer)
+    with pytest.raises(ValueError, match="256 features"):
+        layer(torch.randn(3, 128))
+
+
+def test_torch_library_ops_have_fake_impls():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(1, 256, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+        w = torch.empty(48, 64, dtype=torch.int8, device=x.device)
+        y = torch.ops.bitdecode.bitnet_gemv(x, w, torch.empty(1, device=x.device), torch.empty(1, device=x.device), [48, 48, 48], False)
+        assert y.shape == (1, 48) and y.dtype == torch.bfloat16
+        x7 = torch.empty(7, 256, dtype=torch.int8, device=x.device)
+        y = torch.ops.bitdecode.bitnet_gemm(x7, w, torch.empty(7, device=x.device), torch.empty(1, device=x.device), [48, 48, 48], "auto", True)
+        assert y.shape == (7, 48) and y.dtype == torch.int32
+
+
+# --------------------------------------------------------------------------------------
+# Kernel data flow, emulated in torch (the index maths of each kernel, on the CPU)
+# --------------------------------------------------------------------------------------
+
+
+def _bytes(word: torch.Tensor, signed: bool) -> torch.Tensor:
+    """int64 words -> [..., 4] bytes (least significant first)."""
+    b = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+    return torch.where(b >= 128, b - 256, b) if signed else b
+
+
+def dp4a_us(a, b):
+    return (_bytes(a, False) * _bytes(b, True)).sum(-1)
+
+
+def dp4a_ss(a, b):
+    return (_bytes(a, True) * _bytes(b, True)).sum(-1)
+
+
+def emulate_gemv(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    """The GEMV kernel's arithmetic for every lane, group and stripe (int32 [N])."""
+    n, kb = wp.shape
+    k = kb * 4
+    groups = k // L.GROUP_K
+    words = (wp.contiguous().view(torch.int32).long() & 0xFFFFFFFF).reshape(n // 16, groups, 32, 4)
+    x32 = x.reshape(-1).contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [K/4]
+    total = torch.zeros(n, dtype=torch.int64)
+    for lane in range(32):
+        q, tile = lane % 8, lane // 8
+        xoff = torch.arange(groups) * L.GROUP_K + tile * 32 + L.chunk_khalf(q) * 16
+        xv = torch.stack([x32[(xoff // 4) + i] for i in range(4)], dim=-1)  # [G, 4]
+        xsum = sum(dp4a_ss(xv[:, i], torch.tensor(0x01010101)) for i in range(4)).sum()
+        for r in range(4):
+            w = words[:, :, lane, r]  # [N/16, G]
+            acc = [dp4a_us(w & (L.DECODE_MASK << (2 * i)), xv[None, :, i]).sum(-1) for i in range(4)]
+            row_val = acc[0] + (acc[1] >> 2) + (acc[2] >> 4) + (acc[3] >> 6) - L.CODE_OFFSET * xsum
+            total[torch.arange(n // 16) * 16 + L.chunk_row(q) + r] += row_val
+    return total.to(torch.int32)
+
+
+def mma_m16n8k32(a_regs, b_regs):
+    """PTX ``mma.m16n8k32`` (A u8 row-major 16x32, B s8 col-major 32x8) from per-lane
+    fragments: ``a_regs[lane][j]``, ``b_regs[lane][h]`` (int64 words).  Returns D[16, 8]."""
+    A = torch.zeros(16, 32, dtype=torch.int64)
+    B = torch.zeros(32, 8, dtype=torch.int64)
+    for lane in range(32):
+        g, tq = lane // 4, lane % 4
+        for j in range(4):
+            A[g + 8 * (j % 2), 4 * tq + 16 * (j // 2) : 4 * tq + 16 * (j // 2) + 4] = _bytes(a_regs[lane][j], False)
+        for h in range(2):
+            B[4 * tq + 16 * h : 4 * tq + 16 * h + 4, g] = _bytes(b_regs[lane][h], True)
+    return A @ B
+
+
+def emulate_mma_gemm(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    """The sm80 GEMM's lanes: words at ``mma_word_offset``, activations at ``mma_x_offset``,
+    decode step i -> MMA i, then ``- 2 * sum(x)``.  int32 [M, N]."""
+    m, k = x.shape
+    n = wp.shape[0]
+    mp = -(-m // 8) * 8
+    xb = torch.zeros(mp, k, dtype=torch.int8)
+    xb[:m] = x
+    wbytes = wp.contiguous().view(torch.uint8).reshape(-1).long()
+    xbytes = xb.view(torch.uint8).long()
+
+    def word(buf, off):
+        return buf[off] | (buf[off + 1] << 8) | (buf[off + 2] << 16) | (buf[off + 3] << 24)
+
+    out = torch.zeros(mp, n, dtype=torch.int64)
+    for tile in range(n // 16):
+        for blk in range(mp // 8):
+            d = torch.zeros(16, 8, dtype=torch.int64)
+            for grp in range(k // L.GROUP_K):
+                base = tile * 16 * (k // 4) + grp * L.GROUP_BYTES
+                words = [[word(wbytes, base + L.mma_word_offset(l // 4, l % 4, j)) for j in range(4)] for l in range(32)]
+                xrow = [xbytes[blk * 8 + l // 4, grp * L.GROUP_K :] for l in range(32)]
+                for i in range(4):
+                    a = [[(words[l][j] >> (2 * i)) & L.DECODE_MASK for j in range(4)] for l in range(32)]
+                    b = [[word(xrow[l], L.mma_x_offset(l % 4, h) + 4 * i) for h in range(2)] for l in range(32)]
+                    d += mma_m16n8k32(a, b)
+            rowsum = xb[blk * 8 : blk * 8 + 8].long().sum(-1)
+            out[blk * 8 : blk * 8 + 8, tile * 16 : tile * 16 + 16] = (d - L.CODE_OFFSET * rowsum[None, :]).t()
+    return out[:m].to(torch.int32)
+
+
+def emulate_wgmma_gemm(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    """The sm90 GEMM's warps: per 32-column k-step the A register j of lane (g, tq) is
+    decode step ``tq`` of the word at ``kstep_word_offset(g, j)`` (weights in natural k
+    order, activations read by wgmma from shared memory as they are)."""
+    m, k = x.shape
+    n = wp.shape[0]
+    wbytes = wp.contiguous().view(torch.uint8).reshape(-1).long()
+
+    def word(off):
+        return wbytes[off] | (wbytes[off + 1] << 8) | (wbytes[off + 2] << 16) | (wbytes[off + 3] << 24)
+
+    out = torch.zeros(m, n, dtype=torch.int64)
+    xl = x.long()
+    for tile in range(n // 16):
+        a_full = torch.zeros(16, k, dtype=torch.int64)
+        for kt in range(k // 32):
+            base = tile * 16 * (k // 4) + kt * L.TILE_BYTES
+            for lane in range(32):
+                g, tq = lane // 4, lane % 4
+                for j in range(4):
+                    reg = (word(base + L.kstep_word_offset(g, j)) >> L.kstep_shift(tq)) & L.DECODE_MASK
+                    col = kt * 32 + 4 * tq + 16 * (j // 2)
+                    a_full[g + 8 * (j % 2), col : col + 4] = _bytes(reg, False)
+        out[:, tile * 16 : tile * 16 + 16] = xl @ a_full.t() - L.CODE_OFFSET * xl.sum(-1, keepdim=True)
+    return out.to(torch.int32)
+
+
+def test_gemv_dataflow_emulated(gen):
+    n, k = 48, 640
+    x = int8_acts(1, k, gen)
+    w = ternary(n, k, gen)
+    assert torch.equal(emulate_gemv(x, bn.pack_weight(w)), bn.accumulate(x, w)[0])
+
+
+def test_mma_gemm_dataflow_emulated(gen):
+    m, n, k = 11, 32, 256
+    x = int8_acts(m, k, gen)
+    w = ternary(n, k, gen)
+    assert torch.equal(emulate_mma_gemm(x, bn.pack_weight(w)), bn.accumulate(x, w))
+
+
+def test_wgmma_gemm_dataflow_emulated(gen):
+    m, n, k = 5, 32, 256
+    x = int8_acts(m, k, gen)
+    w = ternary(n, k, gen)
+    assert torch.equal(emulate_wgmma_gemm(x, bn.pack_weight(w)), bn.accumulate(x, w))
+
+
+def test_kernel_configs():
+    from bitdecode.kernels_sm80 import bitnet_gemm as g80
+    from bitdecode.kernels_sm80 import bitnet_gemv as v80
+
+    for k in (128, 2560, 3200, 6912, 10240, 40960):
+        groups = k // 128
+        for unroll in (4, 8):
+            warps = v80.warps_for(k, unroll)
+            assert 1 <= warps <= v80.MAX_WARPS
+            assert warps * unroll * -(-groups // (warps * unroll)) >= groups
+    for m in (1, 2, 16, 17, 64, 256, 1000):
+        for n in (16, 2560, 20480):
+            cfg = g80.config_for(m, n, 132)
+            assert cfg.warps == 4 and cfg.block_m >= min(m, 64) or cfg.block_m == 64
+            gm, gn = g80.grid_for(cfg, m, n)
+            assert gm * cfg.block_m >= m and gn * cfg.block_n >= n
+
+
+# --------------------------------------------------------------------------------------
+# Compile without a GPU, check the PTX
+# --------------------------------------------------------------------------------------
+
+
+def _ptx(compiled) -> str:
+    return compiled.artifacts.PTX
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
+def test_gemv_compiles(arch):
+    from bitdecode.kernels_sm80 import bitnet_gemv as v80
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    cfg = v90.SM90 if arch == "sm_90a" else v80.SM80
+    ptx = _ptx(v80.compile_gemv(cfg, f"--gpu-arch {arch} --enable-tvm-ffi --keep-ptx"))
+    assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx and "dp4a.s32.s32" in ptx
+    assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx and "shfl.sync.bfly" in ptx
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
+def test_mma_gemm_compiles(arch):
+    from bitdecode.kernels_sm80 import bitnet_gemm as g80
+
+    for m in (16, 256):
+        ptx = _ptx(g80.compile_gemm(g80.config_for(m, 4096, 132), f"--gpu-arch {arch} --enable-tvm-ffi --keep-ptx"))
+        assert "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32" in ptx and "lop3.b32" in ptx
+
+
+def test_wgmma_gemm_compiles():
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    for m in (64, 256):
+        ptx = _ptx(g90.compile_gemm(g90.config_for(m), "--gpu-arch sm_90a --enable-tvm-ffi --keep-ptx"))
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.u8.s8" in ptx
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_WEIGHTS = {}
+
+
+def _weights(n, k):
+    """Random ternary weights, packed, per shape (cached across the GPU tests)."""
+    if (n, k) not in _WEIGHTS:
+        gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
+        w = torch.randint(-1, 2, (n, k), generator=gen, device="cuda", dtype=torch.int8)
+        _WEIGHTS.clear()
+        _WEIGHTS[(n, k)] = (w, bn.pack_weight(w))
+    return _WEIGHTS[(n, k)]
+
+
+def _acts(m, k, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device="cuda") * 3
+    return bn.quantize_activation(x)
+
+
+def _segments_for(n):
+    if n % 48 == 0:  # three unequal parts: q gets half, k and v a quarter each
+        return (n // 2, n // 4, n // 4)
+    return (n - 16, 16) if n > 16 else None
+
+
+def _check(y_kernel, y_ref, raw_kernel, raw_ref):
+    assert torch.equal(raw_kernel, raw_ref), (raw_kernel - raw_ref).abs().max()
+    assert y_kernel.dtype == torch.bfloat16 and y_kernel.shape == y_ref.shape
+    diff = (y_kernel.float() - y_ref.float()).abs()
+    # the same fp32 maths rounded once to bf16: at most one bf16 ulp apart
+    ulp = torch.maximum(y_ref.float().abs(), torch.full_like(diff, 1e-30)) * 2.0**-7
+    assert bool((diff <= ulp).all()), diff.max()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n,k", MODEL_SHAPES + ODD_SHAPES)
+def test_gpu_gemv(n, k):
+    w, wp = _weights(n, k)
+    x, xs = _acts(1, k, n + k)
+    segs = _segments_for(n)
+    ws = torch.rand(len(segs or (n,)), device="cuda") + 0.5
+    raw = bn.gemv(x, wp, xs, ws, segs, out_dtype=torch.int32)
+    y = bn.gemv(x, wp, xs, ws, segs)
+    _check(y, bn.reference_gemm(x, wp, xs, ws, segs), raw, bn.accumulate(x, w))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n,k", MODEL_SHAPES + ODD_SHAPES)
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_gpu_gemm(n, k, kernel):
+    if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs Hopper")
+    w, wp = _weights(n, k)
+    segs = _segments_for(n)
+    ws = torch.rand(len(segs or (n,)), device="cuda") + 0.5
+    for m in (1, 16, 64, 256, 7, 100):
+        x, xs = _acts(m, k, n + k + m)
+        raw = bn.gemm(x, wp, xs, ws, segs, kernel=kernel, out_dtype=torch.int32)
+        y = bn.gemm(x, wp, xs, ws, segs, kernel=kernel)
+        _check(y, bn.reference_gemm(x, wp, xs, ws, segs), raw, bn.accumulate(x, w))
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_bitlinear_end_to_end_and_cuda_graph():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2560, 3840, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer = bn.BitLinear.from_float(lin, segments=(2560, 640, 640))
+    ref_layer = bn.BitLinear.from_float(lin, segments=(2560, 640, 640), backend="reference")
+    for shape in ((1, 2560), (3, 17, 2560), (64, 2560)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        y, y_ref = layer(x), ref_layer(x)
+        assert y.shape == (*shape[:-1], 3840) and y.dtype == torch.bfloat16
+        _check(y, y_ref, torch.zeros(1), torch.zeros(1))
+    # CUDA graph: capture one decode step, replay on new inputs
+    for shape in ((1, 2560), (16, 2560)):
+        static_x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        layer(static_x)  # compile outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(static_x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        for _ in range(3):
+            static_x.copy_(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_y, layer(static_x))
+        first = static_y.clone()
+        graph.replay()
+        assert torch.equal(static_y, first)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_torch_compile_traces_the_ops():
+    lin = torch.nn.Linear(512, 256, device="cuda", dtype=torch.bfloat16)
+    layer = bn.BitLinear.from_float(lin)
+    compiled = torch.compile(layer, backend="eager")
+    for m in (1, 8):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(compiled(x), layer(x))
