@@ -12,6 +12,7 @@ from PyTorch.  Quick start::
 """
 
 from . import layouts, reference
+from . import bitnet  # BitNet W2A8: bd.bitnet.quantize_weight / pack_weight / gemv / gemm / BitLinear
 from .attention import decode, decode_attention
 from .cache import KVCache
 from .formats import KVFormat
