@@ -397,6 +397,13 @@ def view_packed(args) -> Figure:
                           labels, [_field_label(args.bits, fld, e) for fld, e in fields],
                           _lane_cells(words, fields, elements, lambda w: w % 4),
                           f"columns: bit field (msb..lsb) and the element it holds; colour = quad lane c"))
+    pairs = f // 2
+    pcells = [[Cell(f"{elements[w][2 * p]},{elements[w][2 * p + 1]}", w % 4) for p in range(pairs)]
+              for w in range(sm80.CHUNK_WORDS)]
+    fig.grids.append(Grid("after the lop3 dequant: the half2 pairs of chunk 0's words (A fragment registers)",
+                          [f"w{w} lane c={w}" for w in range(sm80.CHUNK_WORDS)],
+                          [f"pair {p}\nkb{p // 2} ch{p % 2}" for p in range(pairs)], pcells,
+                          f"cell = the two {cname}s of the pair; kb = k-block of the chunk, ch = column half"))
     nr = sm80.residual_block(args.bits)
     if operand == "k":
         fig.notes.append(f"k_pack [pages, Hkv, page, D*bits/32]: rows are tokens ({args.head_dim} channels "

@@ -236,17 +236,16 @@ def wgmma_fragment(operand: str, n: int = 64) -> Tuple[Tuple[Tuple[int, int], ..
 
 @_traced
 def _wgmma_tv(operand: str, n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """The tiled MMA's TV layout, (thread, value) -> column-major offset in the (M, K|N) tile."""
     import cutlass
     import cutlass.cute as cute
 
     mma = make_wgmma(cutlass.Float16, n, a_from_registers=True)
-    shape = (WGMMA_M, WGMMA_K) if operand == "a" else (WGMMA_M, n)
-    ident = cute.make_identity_tensor(shape)
+    tv = mma.tv_layout_A_tiled if operand == "a" else mma.tv_layout_C_tiled
+    values = cute.size(tv, mode=[1])
     out = []
     for t in range(WARPGROUP_THREADS):
-        thr = mma.get_slice(t)
-        part = thr.partition_A(ident) if operand == "a" else thr.partition_C(ident)
-        out.append(tuple((part[i][0], part[i][1]) for i in range(cute.size(part))))
+        out.append(tuple(divmod(tv((t, v)), WGMMA_M)[::-1] for v in range(values)))
     return tuple(out)
 
 

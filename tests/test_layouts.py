@@ -1,0 +1,637 @@
+"""CPU tests of ``layouts/`` (sm80, sm90, sm100) and of ``bitdecode layout``.
+
+The checks are written from the PTX ISA, independently of ``layouts/``: closed forms of the
+m16n8k16 and wgmma fragments, of the ldmatrix / stmatrix distributions, of the 32/64/128B
+shared-memory swizzles and of the tcgen05 scale-factor chunk.  The decode path is emulated
+per lane with integer bit operations (ldmatrix of the swizzled packed tile -> the lane's
+word -> the lop3 steps of ``layouts.packing`` -> fp16/bf16 -> (scale, zero) fetched in
+fragment order) and must give exactly the values each lane's MMA fragment holds.
+"""
+
+from __future__ import annotations
+
+import math
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from bitdecode import cli, reference
+from bitdecode.formats import KVFormat
+from bitdecode.layouts import packing, sm80, sm90, sm100
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+BANKS = 32
+
+
+# --------------------------------------------------------------------------------------
+# Closed forms from the PTX ISA
+# --------------------------------------------------------------------------------------
+
+
+def ptx_mma_a(lane):
+    """mma.m16n8k16 .f16/.bf16 A (16 x 16): registers a0..a7 -> (row, col)."""
+    g, t = divmod(lane, 4)
+    return [(g + 8 * ((i >> 1) & 1), 2 * t + (i & 1) + 8 * (i >> 2)) for i in range(8)]
+
+
+def ptx_mma_b(lane):
+    """B (16 x 8): registers b0..b3 -> (k row, n col)."""
+    g, t = divmod(lane, 4)
+    return [(2 * t + (i & 1) + 8 * (i >> 1), g) for i in range(4)]
+
+
+def ptx_mma_c(lane):
+    """C / D (16 x 8, f32): registers c0..c3 -> (row, col)."""
+    g, t = divmod(lane, 4)
+    return [(g + 8 * (i >> 1), 2 * t + (i & 1)) for i in range(4)]
+
+
+def ptx_wgmma_a(thread):
+    """wgmma .f16/.bf16 A from registers (64 x 16): warp w holds rows 16w.. like m16n8k16."""
+    w, lane = divmod(thread, 32)
+    return [(16 * w + r, c) for r, c in ptx_mma_a(lane)]
+
+
+def ptx_wgmma_d(thread, n):
+    """wgmma f32 accumulator (64 x n): d_i -> (row, col)."""
+    w, lane = divmod(thread, 32)
+    g, t = divmod(lane, 4)
+    return [(16 * w + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1)) for i in range(n // 2)]
+
+
+def ptx_ldmatrix_element(lane):
+    """ldmatrix / stmatrix .x4 .b16 (non-trans): for every matrix i, lane gets (row, col, col+1)."""
+    return lane // 4, 2 * (lane % 4)
+
+
+def swizzle_bytes(addr: int, bits: int) -> int:
+    """The 32/64/128-byte swizzle (Swizzle<bits, 4, 3>) on a byte address."""
+    return addr ^ (((addr >> 7) & ((1 << bits) - 1)) << 4)
+
+
+def canonical_kmajor(r: int, c: int, rows: int, row_bytes: int, elem_bits: int) -> int:
+    """Physical element offset of (r, c) in the K-major canonical (TMA / GMMA / UMMA) tile.
+
+    Atoms of 8 rows x min(128, row_bytes) bytes, swizzled with log2(atom row / 16) bits,
+    stacked along the rows first, then along the columns.
+    """
+    atom_bytes_row = min(128, row_bytes)
+    bits = int(math.log2(atom_bytes_row // 16))
+    byte_col = c * elem_bits // 8
+    atom = (byte_col // atom_bytes_row) * (rows // 8) + r // 8
+    inside = (r % 8) * atom_bytes_row + byte_col % atom_bytes_row
+    phys = atom * 8 * atom_bytes_row + swizzle_bytes(inside, bits)
+    sub = (c * elem_bits % 8) // elem_bits if elem_bits < 8 else 0
+    return phys * 8 // elem_bits + sub
+
+
+def sf_chunk_offset(m: int, s: int, sf_cols: int) -> int:
+    """tcgen05 scale-factor layout: 128 x 4 chunks of 512 bytes, scale columns fastest."""
+    chunk = (m // 128) * (sf_cols // 4) + s // 4
+    return chunk * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + s % 4
+
+
+def bank_wavefronts(byte_addrs) -> int:
+    """Extra wavefronts of one phase of 16-byte accesses (0 = conflict-free)."""
+    count = [0] * BANKS
+    for a in byte_addrs:
+        assert a % 16 == 0, "16-byte accesses must be 16-byte aligned"
+        for k in range(4):
+            count[(a // 4 + k) % BANKS] += 1
+    return max(count) - 1
+
+
+def chunk_addrs(offsets, elem_bits=16):
+    """Byte address of every 16-byte chunk of every row of an offsets table (checks contiguity)."""
+    per = 128 // elem_bits
+    out = []
+    for row in offsets:
+        line = []
+        for q in range(len(row) // per):
+            first = row[q * per]
+            assert list(row[q * per:(q + 1) * per]) == list(range(first, first + per)), "chunk not contiguous"
+            line.append(first * elem_bits // 8)
+        out.append(line)
+    return out
+
+
+def is_permutation(values, n):
+    return sorted(values) == list(range(n))
+
+
+def flat(table):
+    return [x for row in table for x in row]
+
+
+# --------------------------------------------------------------------------------------
+# sm80 tables against the PTX ISA, and bijections
+# --------------------------------------------------------------------------------------
+
+
+def test_sm80_fragments_match_ptx():
+    for lane in range(32):
+        assert list(sm80.fragment("a")[lane]) == ptx_mma_a(lane)
+        assert list(sm80.fragment("b")[lane]) == [(n, k) for k, n in ptx_mma_b(lane)]
+        assert list(sm80.fragment("c")[lane]) == ptx_mma_c(lane)
+        assert sm80.ldmatrix_lane_word()[lane] == (lane // 4, lane % 4)
+    assert sm80.fragment_columns() == tuple((2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9) for c in range(4))
+
+
+def test_sm80_packed_ldmatrix_copy_matches_ptx():
+    """The kernel's tiled ldmatrix copy: lane 4g+c receives word c of rows g + 8i."""
+    from bitdecode.layouts._trace import evaluate
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        copy = sm80.make_packed_ldmatrix_copy(cutlass.Float16)
+        ident = cute.make_identity_tensor((32, 8))
+        out = []
+        for lane in range(32):
+            d = copy.get_slice(lane).partition_D(ident)
+            out.append(sorted((d[i][0], d[i][1]) for i in range(cute.size(d))))
+        return out
+
+    got = evaluate(build)
+    for lane in range(32):
+        row, col = ptx_ldmatrix_element(lane)
+        assert got[lane] == sorted((row + 8 * i, col + e) for i in range(4) for e in range(2))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("length", [64, 128, 256])
+def test_packed_row_map_is_a_bijection(bits, length):
+    table = sm80.packed_row_map(bits, length)
+    f = packing.codes_per_word(bits)
+    words = length * bits // 32
+    assert sorted(table) == sorted((w, bits * fld) for w in range(words) for fld in range(f))
+    elements = sm80.word_elements(bits, length)
+    assert is_permutation(flat(elements), length)
+    for w, cols in enumerate(elements):
+        for e, col in enumerate(cols):
+            assert table[col] == (w, packing.shift_of_element(bits, e))
+
+
+@pytest.mark.parametrize("length", [16, 64, 128, 256])
+def test_fragment_order_is_a_permutation(length):
+    order = sm80.fragment_order(length)
+    assert is_permutation(order, length)
+    for p, col in enumerate(order):  # position 16kt + 4c + v holds column 16kt + (2c, 2c+1, 2c+8, 2c+9)[v]
+        kt, c, v = p // 16, (p % 16) // 4, p % 4
+        assert col == 16 * kt + 2 * c + (v & 1) + 8 * (v >> 1)
+
+
+def test_interleave_and_dequant_constants():
+    assert packing.interleave(4) == (7, 5, 3, 1, 6, 4, 2, 0)
+    for bits in (4, 2):
+        f = packing.codes_per_word(bits)
+        assert is_permutation([packing.field_of_element(bits, e) for e in range(f)], f)
+        for dtype in DTYPES:
+            steps = packing.dequant_steps(bits, dtype)
+            assert [s.pair for s in steps] == list(range(f // 2))
+    fp16_4 = packing.dequant_steps(4, "fp16")
+    assert [(s.shift, s.mask, s.magic) for s in fp16_4] == [
+        (0, 0x000F000F, 0x64006400), (0, 0x00F000F0, 0x64006400),
+        (8, 0x000F000F, 0x64006400), (8, 0x00F000F0, 0x64006400)]
+
+
+def test_residual_block():
+    for bits, nr in ((4, 128), (2, 256)):
+        assert sm80.residual_block(bits) == nr == 4 * 8 * (16 // bits)
+        assert KVFormat(bits=bits).residual_block == nr
+        assert sm80.tokens_per_warp(bits) == nr // 4 == sm80.chunk_columns(bits)
+        assert sm90.block_tokens(bits) == nr
+
+
+# --------------------------------------------------------------------------------------
+# Emulation of the decode path (ldmatrix -> lop3 dequant -> fragments), per lane
+# --------------------------------------------------------------------------------------
+
+
+def bits16_to(dtype, pattern: torch.Tensor) -> torch.Tensor:
+    """Reinterpret 16-bit patterns (0..65535 in an int64 tensor) as fp16 / bf16."""
+    signed = torch.where(pattern >= 32768, pattern - 65536, pattern).to(torch.int16)
+    return signed.view(dtype)
+
+
+def write_smem(tile_words: torch.Tensor, offsets) -> torch.Tensor:
+    """cp.async of a packed tile (rows of int32 words) into swizzled smem: 16-bit cells."""
+    w = tile_words.long() & 0xFFFFFFFF
+    halves = torch.stack([w & 0xFFFF, w >> 16], dim=-1).reshape(w.shape[0], -1)  # 16-bit col 2k, 2k+1
+    phys = torch.tensor(offsets, dtype=torch.long)
+    assert phys.shape == halves.shape
+    smem = torch.full((phys.numel(),), -1, dtype=torch.long)
+    smem[phys.flatten()] = halves.flatten()
+    assert (smem >= 0).all(), "the smem layout is not a bijection onto the tile"
+    return smem
+
+
+def ldmatrix_x4(smem: torch.Tensor, offsets, loads) -> torch.Tensor:
+    """words[load, lane, i] of ldmatrix.x4: lane 8i+r addresses row row0+8i+r at the 16-byte chunk."""
+    addr = torch.tensor([[[offsets[row0 + 8 * i + r][8 * chunk] for r in range(8)] for i in range(4)]
+                         for row0, chunk in loads])  # [load, matrix i, row r] (lane 8i + r)
+    assert (addr % 8 == 0).all(), "ldmatrix row addresses must be 16-byte aligned"
+    lane = torch.arange(32)
+    row, col = lane // 4, 2 * (lane % 4)  # ptx_ldmatrix_element
+    a = addr[:, :, row].transpose(1, 2) + col[None, :, None]  # [load, lane, i]
+    return smem[a] | (smem[a + 1] << 16)
+
+
+def dequant_codes(words: torch.Tensor, bits: int, dtype: str) -> torch.Tensor:
+    """codes[..., p, e] of element pair p, half e, by the lop3 steps, as exact 16-bit floats."""
+    tdt = DTYPES[dtype]
+    out = []
+    for step in packing.dequant_steps(bits, dtype):
+        t = ((words >> step.shift) & step.mask) | step.magic
+        magic = bits16_to(tdt, torch.tensor([step.magic & 0xFFFF])).double()
+        halves = torch.stack([t & 0xFFFF, (t >> 16) & 0xFFFF], dim=-1)
+        q = (bits16_to(tdt, halves).double() - magic) / step.mult
+        assert torch.equal(q, q.round()) and q.min() >= 0 and q.max() < (1 << bits)
+        out.append(q)
+    return torch.stack(out, dim=-2)
+
+
+def param_pair(words: torch.Tensor, dtype):
+    w = words.long() & 0xFFFFFFFF
+    return bits16_to(dtype, w & 0xFFFF).double(), bits16_to(dtype, w >> 16).double()
+
+
+PTX_A = torch.tensor([ptx_mma_a(lane) for lane in range(32)])  # [lane, reg, (row, col)]
+PTX_B = torch.tensor([ptx_mma_b(lane) for lane in range(32)])  # [lane, reg, (k, n)]
+
+
+def lane_positions(bits: int, view: str):
+    """Where register pair p, half e of the word from matrix i lands, per lane (PTX closed form).
+
+    Returns (row in the 32-row load, column in the chunk, kb, ch, e, t) over [lane, i, p, e].
+    Kernel convention: A pair (h, ch) of m-tile mt / k-tile kt <- word of row 16mt+8h+g,
+    pair 2*(kt % kpw) + ch; B pair ch of n-tile nt <- word of row 8nt+g, same pair.
+    """
+    pairs = packing.codes_per_word(bits) // 2
+    lane, i, p, e = torch.meshgrid(torch.arange(32), torch.arange(4), torch.arange(pairs), torch.arange(2),
+                                   indexing="ij")
+    kb, ch = p // 2, p % 2
+    if view == "a":
+        reg = 2 * (i % 2) + 4 * ch + e
+        row = 16 * (i // 2) + PTX_A[lane, reg, 0]
+        col = 16 * kb + PTX_A[lane, reg, 1]
+    else:
+        reg = 2 * ch + e
+        row = 8 * i + PTX_B[lane, reg, 1]
+        col = 16 * kb + PTX_B[lane, reg, 0]
+    assert torch.equal(row, 8 * i + lane // 4), "a register's row is the row its word came from"
+    return row, col, kb, ch, e, lane % 4
+
+
+def emulate_tile(words_tile, bits, dtype, view, loads, fetch_params, swizzle_offsets):
+    """Run the decode path on one packed tile; returns got[row, col] as int16 bit patterns.
+
+    ``fetch_params(row, col, t, kt, ch, e)`` -> (scale, zero) the way the kernel fetches
+    them; ``view`` "a" (tile rows = MMA M rows) or "b" (tile rows = the N side).
+    """
+    tdt = DTYPES[dtype]
+    rows = words_tile.shape[0]
+    length = words_tile.shape[1] * 32 // bits
+    kpw = packing.codes_per_word(bits) // 4
+    smem = write_smem(words_tile, swizzle_offsets)
+    codes = dequant_codes(ldmatrix_x4(smem, swizzle_offsets, loads), bits, dtype)  # [load, lane, i, p, e]
+    row_rel, col_rel, kb, ch, e, t = lane_positions(bits, view)
+    row0 = torch.tensor([r for r, _ in loads]).view(-1, 1, 1, 1, 1)
+    chunk = torch.tensor([j for _, j in loads]).view(-1, 1, 1, 1, 1)
+    row, kt = row0 + row_rel, kpw * chunk + kb
+    col = 16 * kpw * chunk + col_rel
+    s, z = fetch_params(row, col, t.expand_as(row), kt, ch.expand_as(row), e.expand_as(row))
+    x = (codes * s + z).to(tdt).view(torch.int16).long()
+    got = torch.full((rows, length), -(1 << 20), dtype=torch.long)
+    seen = torch.zeros(rows, length, dtype=torch.long)
+    got.index_put_((row.flatten(), col.flatten()), x.flatten())
+    seen.index_put_((row.flatten(), col.flatten()), torch.ones(row.numel(), dtype=torch.long), accumulate=True)
+    assert torch.equal(seen, torch.ones_like(seen)), "every fragment value produced exactly once"
+    return got
+
+
+def expect_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16).long()
+
+
+def k_loads(rows, length, bits):
+    return [(r, j) for r in range(0, rows, 32) for j in range(length // sm80.chunk_columns(bits))]
+
+
+K_CASES = [("channel", 32), ("channel", 128), ("token", 32)]
+
+
+@pytest.mark.parametrize("view", ["a", "b"])
+@pytest.mark.parametrize("k_mode,group", K_CASES)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_decode_emulation_k(bits, dtype, k_mode, group, view):
+    gen = torch.Generator().manual_seed(bits * 100 + group)
+    n, d = 128, 128
+    fmt = KVFormat(bits=bits, k_mode=k_mode, group_size=group)
+    k = (torch.randn(n, d, generator=gen) * 3).to(DTYPES[dtype])
+    k_pack, k_params = reference.pack_k(k, fmt)
+    dim = -2 if k_mode == "channel" else -1
+    codes, scale, zero = reference.quantize(k, bits, group, dim=dim)
+    expected = reference.dequantize(codes, scale, zero, group, dim=dim)
+
+    def fetch(row, col, t, kt, ch, e):
+        if k_mode == "channel":  # fragment order: the lane's 4 pairs of k block kt at 16kt + 4t
+            word = k_params[row // group, 16 * kt + 4 * t + 2 * ch + e]
+        else:
+            word = k_params[row, col // group]
+        return param_pair(word, DTYPES[dtype])
+
+    offsets = sm80.smem_offsets(n, d * bits // 8)
+    got = emulate_tile(k_pack, bits, dtype, view, k_loads(n, d, bits), fetch, offsets)
+    assert torch.equal(got, expect_bits(expected))
+
+
+@pytest.mark.parametrize("view", ["a", "b"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_decode_emulation_v(bits, dtype, view):
+    gen = torch.Generator().manual_seed(7 + bits)
+    fmt = KVFormat(bits=bits, group_size=32)
+    nr, d, blocks = fmt.residual_block, 64, 2
+    v = (torch.randn(blocks * nr, d, generator=gen) * 2).to(DTYPES[dtype])
+    v_pack, v_params = reference.pack_v(v, fmt)
+    assert v_pack.shape == (blocks, d, nr * bits // 32)
+    codes, scale, zero = reference.quantize(v, bits, 32, dim=-1)
+    expected = reference.dequantize(codes, scale, zero, 32, dim=-1)
+    offsets = sm80.smem_offsets(d, nr * bits // 8)
+    for b in range(blocks):
+        def fetch(row, col, t, kt, ch, e):  # row = channel, col = token of the block
+            return param_pair(v_params[(b * nr) // 16 + kt, row // 32, 4 * t + 2 * ch + e], DTYPES[dtype])
+
+        # warp w of the decode kernel owns chunk w = tokens [w*T, (w+1)*T)
+        loads = [(r, w) for w in range(sm80.WARPS_N) for r in range(0, d, 32)]
+        got = emulate_tile(v_pack[b], bits, dtype, view, loads, fetch, offsets)
+        assert torch.equal(got, expect_bits(expected[b * nr:(b + 1) * nr].T))
+
+
+# --------------------------------------------------------------------------------------
+# Shared-memory swizzles: closed forms and bank conflicts
+# --------------------------------------------------------------------------------------
+
+PACKED_K_ROW_BYTES = sorted({d * b // 8 for d in (64, 128, 256) for b in (4, 2)})  # 16 .. 128
+PACKED_V_ROW_BYTES = [64]
+HALF_ROW_BYTES = [2 * d for d in (64, 128, 256)]
+ALL_ROW_BYTES = sorted(set(PACKED_K_ROW_BYTES + PACKED_V_ROW_BYTES + HALF_ROW_BYTES))
+
+
+def ldmatrix_phases(addrs):
+    """8 row addresses of one 8x8 tile: rows r0..r0+7 (r0 % 8 == 0) at one chunk."""
+    for r0 in range(0, len(addrs), 8):
+        for q in range(len(addrs[0])):
+            yield [addrs[r0 + r][q] for r in range(8)]
+
+
+def cpasync_phases(addrs):
+    """8 consecutive 16-byte chunks of the tile in row-major order."""
+    seq = flat(addrs)
+    for i in range(0, len(seq), 8):
+        yield seq[i:i + 8]
+
+
+@pytest.mark.parametrize("row_bytes", ALL_ROW_BYTES)
+def test_sm80_swizzle_conflict_free(row_bytes):
+    rows = 64
+    offsets = sm80.smem_offsets(rows, row_bytes)
+    cols = row_bytes // 2
+    assert is_permutation(flat(offsets), rows * cols)
+    for r in range(rows):
+        for c in range(cols):
+            assert offsets[r][c] == canonical_kmajor(r, c, rows, row_bytes, 16)
+    addrs = chunk_addrs(offsets)
+    assert all(bank_wavefronts(p) == 0 for p in ldmatrix_phases(addrs))
+    assert all(bank_wavefronts(p) == 0 for p in cpasync_phases(addrs))
+
+
+@pytest.mark.parametrize("row_bytes", ALL_ROW_BYTES)
+def test_sm90_packed_tiles_equal_sm80(row_bytes):
+    assert sm90.packed_smem_offsets(16, row_bytes) == sm80.smem_offsets(16, row_bytes)
+
+
+@pytest.mark.parametrize("cols", [64, 128, 256])
+def test_sm90_operand_tiles(cols):
+    rows = 32
+    offsets = sm90.operand_smem_offsets(rows, cols)
+    assert is_permutation(flat(offsets), rows * cols)
+    for r in range(rows):
+        for c in range(cols):
+            assert offsets[r][c] == canonical_kmajor(r, c, rows, 2 * cols, 16)
+    assert sm90.swizzle_of(rows, cols) == (3, 4, 3)  # 128B swizzle for every 16-bit tile used
+    addrs = chunk_addrs(offsets)
+    assert all(bank_wavefronts(p) == 0 for p in ldmatrix_phases(addrs))  # stmatrix phases
+
+
+@pytest.mark.parametrize("cols", [64, 128, 256])
+def test_sm100_e2m1_tiles(cols):
+    rows = 16
+    offsets = sm100.operand_smem_offsets("e2m1", rows, cols)
+    assert is_permutation(flat(offsets), rows * cols)
+    for r in range(rows):
+        for c in range(cols):
+            assert offsets[r][c] == canonical_kmajor(r, c, rows, cols // 2, 4)
+    addrs = chunk_addrs(offsets, elem_bits=4)
+    assert all(bank_wavefronts(p) == 0 for p in cpasync_phases(addrs))
+
+
+def test_sm100_16bit_tiles_equal_sm90():
+    for cols in (64, 128, 256):
+        assert sm100.operand_smem_offsets("fp16", 16, cols) == sm90.operand_smem_offsets(16, cols)
+
+
+# --------------------------------------------------------------------------------------
+# sm90: wgmma fragments, stmatrix, and the dequant -> stmatrix -> smem path
+# --------------------------------------------------------------------------------------
+
+
+def test_sm90_fragments_match_ptx():
+    a = sm90.wgmma_fragment("a")
+    assert is_permutation([r * 16 + c for vals in a for r, c in vals], 64 * 16)
+    for n in (64, 128):
+        d = sm90.wgmma_fragment("c", n)
+        assert is_permutation([r * n + c for vals in d for r, c in vals], 64 * n)
+        for t in range(128):
+            assert list(d[t]) == ptx_wgmma_d(t, n)
+    for t in range(128):
+        assert list(a[t]) == ptx_wgmma_a(t)
+    stsm = sm90.stsm_fragment()
+    assert is_permutation([r * 16 + c for vals in stsm for r, c in vals], 256)
+    for lane in range(32):
+        assert list(stsm[lane]) == ptx_mma_a(lane)
+    addrs = sm90.stsm_row_addresses()
+    # register pair q = h + 2ch of the A fragment goes to matrix q; matrix q's rows come from lanes 8q..8q+7
+    for q in range(4):
+        h, ch = q % 2, q // 2
+        for rr in range(8):
+            assert addrs[8 * q + rr] == (8 * h + rr, 8 * ch)
+    assert sm90.query_tile_rows(1) == 64 and sm90.query_tile_rows(8) == 64 and sm90.query_tile_rows(65) == 128
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("operand", ["k", "v"])
+def test_sm90_warp_loads_cover_the_tile(bits, operand):
+    for d in (64, 128, 256):
+        rows, length = sm90.tile_shape(bits, operand, d)
+        loads = [ld for w in sm90.warp_loads(bits, operand, d) for ld in w]
+        chunks = length // sm80.chunk_columns(bits)
+        assert sorted(loads) == sorted((r, j) for r in range(0, rows, 32) for j in range(chunks))
+
+
+@pytest.mark.parametrize("operand", ["k", "v"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_sm90_dequant_stmatrix_emulation(bits, dtype, operand):
+    """ldmatrix -> lop3 -> A fragments -> stmatrix (PTX) -> the K-major tile wgmma reads."""
+    tdt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(11 * bits)
+    fmt = KVFormat(bits=bits, k_mode="token", group_size=32)
+    nr, d = fmt.residual_block, 64
+    x = (torch.randn(nr, d, generator=gen) * 2).to(tdt)
+    codes, scale, zero = reference.quantize(x, bits, 32, dim=-1)
+    deq = reference.dequantize(codes, scale, zero, 32, dim=-1)  # [tokens, D]
+    if operand == "k":
+        words, expected = reference.pack_k(x, fmt)[0], deq
+    else:
+        words, expected = reference.pack_v(x, fmt)[0][0], deq.T
+    rows, length = sm90.tile_shape(bits, operand, d)
+    assert expected.shape == (rows, length)
+    kpw = packing.codes_per_word(bits) // 4
+    packed_offsets = sm90.packed_smem_offsets(rows, length * bits // 8)
+    smem_in = write_smem(words, packed_offsets)
+    loads = [ld for warp in sm90.warp_loads(bits, operand, d) for ld in warp]
+    q = dequant_codes(ldmatrix_x4(smem_in, packed_offsets, loads), bits, dtype)  # [load, lane, i, p, e]
+
+    pairs = q.shape[3]
+    lane, i, p, e = torch.meshgrid(torch.arange(32), torch.arange(4), torch.arange(pairs), torch.arange(2),
+                                   indexing="ij")
+    targets = torch.tensor(sm90.dequant_pair_targets(bits))  # [i, p, (mt, kb, v)]
+    mt, kb, v = (targets[i, p, k] for k in range(3))
+    reg = v + e  # index among the 8 values of the 16x16 block's A-fragment (stmatrix) registers
+    row0 = torch.tensor([r for r, _ in loads]).view(-1, 1, 1, 1, 1)
+    kt = kpw * torch.tensor([j for _, j in loads]).view(-1, 1, 1, 1, 1) + kb
+    # where the A fragment (PTX) says the value belongs
+    row = row0 + 16 * mt + PTX_A[lane, reg, 0]
+    col = 16 * kt + PTX_A[lane, reg, 1]
+    assert torch.equal(row, row0 + 8 * i + lane // 4), "the pair comes from the word of its row"
+    tok, ch = (row, col) if operand == "k" else (col, row)
+    val = (q * scale[tok, ch // 32].double() + zero[tok, ch // 32].double()).to(tdt).view(torch.int16).long()
+    # stmatrix x4 (PTX): register pair m = reg // 2 goes to matrix m; the lane's values are row
+    # lane // 4, cols 2*(lane % 4) + (0, 1) of it; that row is addressed by lane 8m + lane // 4
+    addrs = torch.tensor(sm90.stsm_row_addresses())
+    addr = addrs[8 * (reg // 2) + lane // 4]
+    dst_r = row0 + 16 * mt + addr[..., 0]
+    dst_c = 16 * kt + addr[..., 1] + 2 * (lane % 4) + reg % 2
+    assert torch.equal(dst_r, row.expand_as(dst_r)) and torch.equal(dst_c, col.expand_as(dst_c))
+    phys = torch.tensor(sm90.operand_smem_offsets(rows, length))[dst_r, dst_c]
+    smem_out = torch.full((rows * length,), -(1 << 20), dtype=torch.long)
+    written = torch.zeros(rows * length, dtype=torch.long)
+    smem_out[phys.flatten()] = val.flatten()
+    written.index_put_((phys.flatten(),), torch.ones(phys.numel(), dtype=torch.long), accumulate=True)
+    assert torch.equal(written, torch.ones_like(written)), "every element stored exactly once"
+    # wgmma reads the canonical K-major layout
+    canon = torch.tensor([[canonical_kmajor(r, c, rows, 2 * length, 16) for c in range(length)]
+                          for r in range(rows)])
+    assert torch.equal(smem_out[canon], expect_bits(expected))
+
+
+def test_sm90_dequant_smem_offsets_bijection():
+    for bits in (4, 2):
+        table = sm90.dequant_smem_offsets(bits, 32, 128)
+        assert is_permutation([o for row in table for w in row for o in w], 32 * 128)
+
+
+# --------------------------------------------------------------------------------------
+# sm100: block-scaled MMA, scale-factor layout, number formats
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_sm100_scale_factor_layout(fmt):
+    vec = sm100.SF_VEC[fmt]
+    assert vec == (16 if fmt == "nvfp4" else 32)
+    assert sm100.mma_shape(fmt, 128) == (128, 128, 64)
+    assert sm100.sf_per_mma(fmt) == 64 // vec
+    rows, cols = 256, 8 * vec
+    table = sm100.sf_offsets(fmt, rows, cols)
+    sf_cols = cols // vec
+    assert is_permutation(flat(table), rows * sf_cols)
+    assert sm100.sf_storage_bytes(fmt, rows, cols) == rows * sf_cols
+    for m in range(rows):
+        for s in range(sf_cols):
+            assert table[m][s] == sf_chunk_offset(m, s, sf_cols)
+    with pytest.raises(ValueError):
+        sm100.sf_offsets(fmt, 100, cols)
+
+
+def test_sm100_number_formats():
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    assert sm100.E2M1_VALUES[:8] == tuple(e2m1.tolist())
+    assert sm100.E2M1_VALUES[8:] == tuple((-e2m1).tolist())
+    for byte in range(0x7F):
+        want = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+        assert sm100.ue4m3_value(byte) == want
+    for byte in range(0xFF):
+        want = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e8m0fnu).float().item()
+        assert sm100.ue8m0_value(byte) == want
+    assert sm100.query_tile_cols(1) == 8 and sm100.query_tile_cols(12) == 16
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+
+CLI_OK = [
+    ["mma", "--arch", "sm80", "--operand", "q"],
+    ["mma", "--arch", "sm80", "--operand", "v"],
+    ["mma", "--arch", "sm90", "--operand", "p"],
+    ["mma", "--arch", "sm90", "--operand", "k"],
+    ["ldmatrix", "--arch", "sm80", "--bits", "2", "--operand", "v"],
+    ["ldmatrix", "--arch", "sm90", "--operand", "k"],
+    ["packed", "--arch", "sm80", "--bits", "4", "--operand", "k"],
+    ["packed", "--arch", "sm80", "--bits", "2", "--operand", "v"],
+    ["packed", "--arch", "sm100", "--format", "nvfp4", "--operand", "k"],
+    ["remap", "--bits", "4", "--dtype", "fp16"],
+    ["remap", "--bits", "2", "--dtype", "bf16"],
+    ["params", "--operand", "k", "--k-mode", "channel"],
+    ["params", "--operand", "k", "--k-mode", "token"],
+    ["params", "--operand", "v"],
+    ["params", "--arch", "sm100", "--format", "mxfp4"],
+    ["swizzle", "--arch", "sm80", "--operand", "k", "--bits", "2", "--head-dim", "64"],
+    ["swizzle", "--arch", "sm90", "--operand", "v"],
+    ["swizzle", "--arch", "sm100", "--format", "nvfp4", "--operand", "k"],
+]
+
+CLI_BAD = [
+    ["mma", "--arch", "sm100"],
+    ["packed", "--operand", "q"],
+    ["remap", "--arch", "sm100", "--format", "nvfp4"],
+    ["swizzle", "--arch", "sm80", "--operand", "p"],
+    ["packed", "--arch", "sm80", "--format", "nvfp4"],
+]
+
+
+@pytest.mark.parametrize("argv", CLI_OK, ids=lambda a: "-".join(x.lstrip("-") for x in a))
+def test_cli_layout_views(argv, capsys):
+    assert cli.main(["layout", *argv]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("argv", CLI_BAD, ids=lambda a: "-".join(x.lstrip("-") for x in a))
+def test_cli_layout_meaningless_combinations(argv, capsys):
+    assert cli.main(["layout", *argv]) != 0
+    assert capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("view", ["packed", "mma", "swizzle", "remap"])
+def test_cli_layout_svg_parses(view, tmp_path):
+    out = tmp_path / f"{view}.svg"
+    assert cli.main(["layout", view, "--arch", "sm80", "--svg", str(out)]) == 0
+    root = ET.parse(out).getroot()
+    assert root.tag.endswith("svg")
+    assert len(root.findall("{http://www.w3.org/2000/svg}rect")) > 16
