@@ -51,6 +51,8 @@ __all__ = [
     "gemv",
     "gemm",
     "reference_gemm",
+    "gemm_kernel_for",
+    "gemv_config_for",
     "accumulate",
     "OUT_DTYPES",
     "BitLinear",
@@ -304,6 +306,16 @@ def _gemv_module(arch: str):
     return mod, mod.SM80
 
 
+def gemv_config_for(device: torch.device):
+    """The GEMV kernel configuration used on ``device`` (a CUDA device)."""
+    return _gemv_module(_arch(torch.device(device)))[1]
+
+
+def gemm_kernel_for(m: int, device: torch.device) -> str:
+    """The GEMM kernel ``gemm(kernel="auto")`` runs for M tokens on ``device``."""
+    return _default_gemm_kernel(_arch(torch.device(device)), m)
+
+
 def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
     return torch.empty((m, n), dtype=torch.int32 if raw else torch.bfloat16, device=device)
 
@@ -334,7 +346,7 @@ def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: boo
     if kernel == "wgmma":
         from .kernels_sm90 import bitnet_gemm as mod
 
-        cfg = dataclasses.replace(mod.config_for(m), raw=raw)
+        cfg = dataclasses.replace(mod.config_for(m, n, _sm_count(x.device)), raw=raw)
     else:
         from .kernels_sm80 import bitnet_gemm as mod
 

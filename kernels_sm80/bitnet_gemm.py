@@ -83,17 +83,16 @@ class GemmConfig:
 def config_for(m: int, n: int, sms: int) -> GemmConfig:
     """Pick the tile for M tokens and N rows on a GPU with ``sms`` multiprocessors.
 
-    Tokens per CTA: the smallest of 16 / 32 / 64 that covers M (up to 64).  Then the
-    fewest split-K warps (largest ``wn``) that still launch two CTAs per SM: split-K
-    costs a shared-memory reduction, too few CTAs cost bandwidth.
+    Tokens per CTA: the smallest of 16 / 32 / 64 that covers M (64 beyond).  Up to 32
+    tokens the GEMM is memory bound like the GEMV: 32 rows per CTA and the K groups
+    split four ways, for the most CTAs streaming weights.  Beyond, two warps along the
+    rows share each activation load (through L1) when that still gives every SM a CTA.
     """
     mb8 = 2 if m <= 16 else 4 if m <= 32 else 8
-    block_m = MMA_N * mb8
-    for wn in (4, 2, 1):
-        ctas = -(-m // block_m) * -(-n // (MMA_M * 2 * wn))
-        if ctas >= 2 * sms:
-            break
-    # 32+ tokens x 2 tiles = 32+ accumulators a lane: one group in flight at a time
+    wn = 1
+    if mb8 == 8 and -(-m // (MMA_N * mb8)) * -(-n // (MMA_M * 2 * 2)) >= sms:
+        wn = 2
+    # 16 tokens: 16 accumulators a lane, room for two groups of loads in flight
     unroll = 2 if mb8 == 2 else 1
     return GemmConfig(mb8=mb8, tiles=2, wn=wn, wk=4 // wn, unroll=unroll)
 

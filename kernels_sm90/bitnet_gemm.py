@@ -68,9 +68,12 @@ class WgmmaConfig:
         return WG_ROWS * self.warpgroups
 
 
-def config_for(m: int) -> WgmmaConfig:
-    """64 tokens per CTA up to M = 64, else 128 (64 int32 accumulators per thread)."""
-    return WgmmaConfig(block_m=64 if m <= 64 else 128)
+def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
+    """64 tokens per CTA up to M = 64, else 128 (64 int32 accumulators a thread); two
+    warpgroups share each token tile unless that leaves SMs without a CTA."""
+    block_m = 64 if m <= 64 else 128
+    warpgroups = 2 if -(-m // block_m) * -(-n // (2 * WG_ROWS)) >= sms else 1
+    return WgmmaConfig(block_m=block_m, warpgroups=warpgroups)
 
 
 def grid_for(cfg: WgmmaConfig, m: int, n: int):

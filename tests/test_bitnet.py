@@ -461,6 +461,7 @@ def test_wgmma_gemm_dataflow_emulated(gen):
 def test_kernel_configs():
     from bitdecode.kernels_sm80 import bitnet_gemm as g80
     from bitdecode.kernels_sm80 import bitnet_gemv as v80
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     for k in (128, 2560, 3200, 6912, 10240, 40960):
         groups = k // 128
@@ -471,9 +472,11 @@ def test_kernel_configs():
     for m in (1, 2, 16, 17, 64, 256, 1000):
         for n in (16, 2560, 20480):
             cfg = g80.config_for(m, n, 132)
-            assert cfg.warps == 4 and cfg.block_m >= min(m, 64) or cfg.block_m == 64
+            assert cfg.warps == 4 and cfg.block_m >= min(m, 64)
             gm, gn = g80.grid_for(cfg, m, n)
             assert gm * cfg.block_m >= m and gn * cfg.block_n >= n
+            cfg90 = g90.config_for(m, n, 132)
+            assert cfg90.block_m >= min(m, 64) and cfg90.threads in (128, 256)
 
 
 # --------------------------------------------------------------------------------------
@@ -508,8 +511,8 @@ def test_mma_gemm_compiles(arch):
 def test_wgmma_gemm_compiles():
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    for m in (64, 256):
-        ptx = _ptx(g90.compile_gemm(g90.config_for(m), "--gpu-arch sm_90a --enable-tvm-ffi --keep-ptx"))
+    for m, n in ((64, 2560), (256, 20480)):
+        ptx = _ptx(g90.compile_gemm(g90.config_for(m, n, 132), "--gpu-arch sm_90a --enable-tvm-ffi --keep-ptx"))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.u8.s8" in ptx
 
 

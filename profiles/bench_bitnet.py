@@ -1,0 +1,330 @@
+"""BitNet W2A8 benchmark: GEMV (M = 1) and GEMM (M = 16, 64, 256) vs torch bf16 (cuBLAS).
+
+Method (everything in one run, on one GPU):
+
+* Each measured call reads its weights from HBM, not L2: the weights are rotated over
+  enough copies (``>= 4 x`` the L2 size in total, at least 2) that a copy is evicted
+  long before it is read again; the bf16 baseline is rotated the same way.
+* A sequence of calls (one per copy, at least 32) is captured in a CUDA graph and the
+  graph replayed: the time per call is GPU time back to back, free of Python and
+  launch overhead (that is how a decoder runs these layers).  CUDA events around each
+  replay, warm-up replays first, median of the replays.
+* Roofline: the HBM bandwidth measured in the same run, a 1 GiB device-to-device copy
+  (bytes read + bytes written per second).  The GEMV moves ``N*K/4`` weight bytes
+  plus ``K`` activation bytes and ``2N`` output bytes; bf16 moves ``2NK + 2K + 2N``.
+
+``run(out_dir, quick=False, progress=None)`` writes ``out_dir/bitnet.json`` and
+``out_dir/bitnet.png`` (if matplotlib is importable) and returns the results.
+``quick=True``: fewer replays, GEMM at M = 16 with the default kernel only, no GEMV
+unroll sweep.  The full run also times the GEMV compiled with the other unroll depth
+(``unroll4_us`` / ``unroll8_us``) and, on Hopper, both GEMM kernels (mma.sync and
+wgmma) at every M; ``default`` marks the one ``bitnet.gemm`` picks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from bitdecode import bitnet as bn
+
+SHAPES = [
+    (2560, 2560),
+    (3840, 2560),
+    (13824, 2560),
+    (2560, 6912),
+    (3200, 3200),
+    (4800, 3200),
+    (3200, 10240),
+    (20480, 3200),
+]
+GEMM_M = (16, 64, 256)
+MIN_CALLS = 32
+# Targets of the issue (H200): fraction of the roofline and speed-up over bf16 on the three
+# largest GEMVs, the slowest GEMV, the GEMM speed-up at M = 16.
+TARGETS = {"roofline_frac_largest3": 0.70, "speedup_largest3": 4.0, "max_gemv_us": 6.0, "gemm_m16_speedup": 2.0}
+
+
+def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int = 3) -> float:
+    """Median GPU time per call of ``calls`` captured back to back in one CUDA graph."""
+    for fn in calls[: min(len(calls), 2)]:  # compile / autotune outside the capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # allocator warm-up on a side stream, as torch documents
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def measure_roofline(device, replays: int) -> Dict[str, float]:
+    """Device-to-device copy of 1 GiB: (read + write bytes) / time."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    t = graph_time_us([lambda: dst.copy_(src)] * 4, replays)
+    bw = 2 * src.numel() / (t * 1e-6)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"copy_bytes": 2 * (1 << 30), "copy_us": t, "bytes_per_s": bw}
+
+
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    return max(2, math.ceil(4 * l2_bytes / nbytes))
+
+
+def gemv_variant(unroll: int, device) -> Callable:
+    """The GEMV kernel compiled with another ``unroll`` (loads in flight per lane), called
+    directly: the library default is one of these, the sweep shows the alternatives."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm80 import bitnet_gemv as mod
+
+    arch = jit.target_arch(device.index)
+    cfg = mod.GemvConfig(unroll=unroll)
+    fn = jit.KERNELS.get(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
+
+    def call(x, w, xs, ws):
+        out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
+        n = w.shape[0]
+        fn(x, w, xs, ws, out, n, n, n, mod.warps_for(x.shape[1], unroll))
+        return out
+
+    return call
+
+
+def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, sweep=()) -> Dict[str, float]:
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device)
+    packed = bn.pack_weight(w)
+    copies = copies_for(packed.numel(), l2)
+    packs = [packed.clone() for _ in range(copies)]
+    x, xs = bn.quantize_activation(torch.randn(1, k, generator=gen, device=device))
+    ws = torch.ones(1, device=device)
+    calls = [(lambda p=packs[i % copies]: bn.gemv(x, p, xs, ws)) for i in range(max(copies, MIN_CALLS))]
+    t = graph_time_us(calls, replays)
+    variants = {}
+    for unroll in sweep:
+        call = gemv_variant(unroll, device)
+        calls = [(lambda p=packs[i % copies]: call(x, p, xs, ws)) for i in range(max(copies, MIN_CALLS))]
+        variants[f"unroll{unroll}_us"] = graph_time_us(calls, replays)
+    del packs, calls
+    # bf16: the same GEMV through cuBLAS, weights rotated the same way
+    w16 = w.to(torch.bfloat16)
+    copies16 = copies_for(w16.numel() * 2, l2)
+    w16s = [w16.clone() for _ in range(copies16)]
+    x16 = torch.randn(1, k, generator=gen, device=device, dtype=torch.bfloat16)
+    calls = [(lambda q=w16s[i % copies16]: torch.matmul(x16, q.t())) for i in range(max(copies16, MIN_CALLS))]
+    t16 = graph_time_us(calls, replays)
+    del w16s, calls, w16
+    torch.cuda.empty_cache()
+    moved = n * k // 4 + k + 2 * n
+    moved16 = 2 * n * k + 2 * k + 2 * n
+    return {
+        "n": n,
+        "k": k,
+        "us": t,
+        "bf16_us": t16,
+        "speedup": t16 / t,
+        "bytes": moved,
+        "bytes_per_s": moved / (t * 1e-6),
+        "roofline_frac": moved / (t * 1e-6) / roofline,
+        "bf16_bytes_per_s": moved16 / (t16 * 1e-6),
+        "bf16_roofline_frac": moved16 / (t16 * 1e-6) / roofline,
+        **variants,
+    }
+
+
+def bench_gemm(n: int, k: int, ms, kernels, device, l2: int, replays: int) -> List[Dict[str, object]]:
+    gen = torch.Generator(device=device).manual_seed(n * 3 + k)
+    w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device)
+    packed = bn.pack_weight(w)
+    copies = copies_for(packed.numel(), l2)
+    packs = [packed.clone() for _ in range(copies)]
+    w16 = w.to(torch.bfloat16)
+    copies16 = copies_for(w16.numel() * 2, l2)
+    w16s = [w16.clone() for _ in range(copies16)]
+    ws = torch.ones(1, device=device)
+    rows = []
+    for m in ms:
+        x, xs = bn.quantize_activation(torch.randn(m, k, generator=gen, device=device))
+        x16 = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
+        calls16 = [(lambda q=w16s[i % copies16]: torch.matmul(x16, q.t())) for i in range(max(copies16, MIN_CALLS))]
+        t16 = graph_time_us(calls16, replays)
+        default = bn.gemm_kernel_for(m, device)
+        for kernel in kernels:
+            calls = [
+                (lambda p=packs[i % copies]: bn.gemm(x, p, xs, ws, kernel=kernel)) for i in range(max(copies, MIN_CALLS))
+            ]
+            t = graph_time_us(calls, replays)
+            rows.append(
+                {
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "kernel": kernel,
+                    "default": kernel == default,
+                    "us": t,
+                    "bf16_us": t16,
+                    "speedup": t16 / t,
+                    "tops": 2 * m * n * k / (t * 1e-6) / 1e12,
+                }
+            )
+    del packs, w16s
+    torch.cuda.empty_cache()
+    return rows
+
+
+def check_targets(gemv: List[Dict], gemm: List[Dict]) -> Dict[str, object]:
+    largest = sorted(gemv, key=lambda r: r["n"] * r["k"])[-3:]
+    m16 = [r for r in gemm if r["m"] == 16 and r["default"]]
+    out = {
+        "roofline_frac_largest3": min(r["roofline_frac"] for r in largest),
+        "speedup_largest3": min(r["speedup"] for r in largest),
+        "max_gemv_us": max(r["us"] for r in gemv),
+        "gemm_m16_speedup": statistics.geometric_mean([r["speedup"] for r in m16]) if m16 else None,
+    }
+    out["pass"] = {
+        "roofline_frac_largest3": out["roofline_frac_largest3"] >= TARGETS["roofline_frac_largest3"],
+        "speedup_largest3": out["speedup_largest3"] >= TARGETS["speedup_largest3"],
+        "max_gemv_us": out["max_gemv_us"] <= TARGETS["max_gemv_us"],
+        "gemm_m16_speedup": m16 and out["gemm_m16_speedup"] >= TARGETS["gemm_m16_speedup"],
+    }
+    out["targets"] = TARGETS
+    return out
+
+
+def plot(results: Dict, path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    gemv = results["gemv"]
+    labels = [f"{r['n']}x{r['k']}" for r in gemv]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    ax = axes[0]
+    xs = range(len(gemv))
+    ax.bar([i - 0.2 for i in xs], [r["us"] for r in gemv], width=0.4, label="W2A8 GEMV (CuTe DSL)")
+    ax.bar([i + 0.2 for i in xs], [r["bf16_us"] for r in gemv], width=0.4, label="bf16 matmul (cuBLAS)")
+    for i, r in enumerate(gemv):
+        ax.text(i - 0.2, r["us"], f"{100 * r['roofline_frac']:.0f}%", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), labels, rotation=30, fontsize=8)
+    ax.set_ylabel("us per call (HBM-resident weights)")
+    ax.set_title(f"GEMV M=1 on {results['device']} (labels: % of {results['roofline']['bytes_per_s'] / 1e12:.2f} TB/s)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    gemm = [r for r in results["gemm"] if r["default"]]
+    for m in sorted({r["m"] for r in gemm}):
+        rows = [r for r in gemm if r["m"] == m]
+        ax.plot([f"{r['n']}x{r['k']}" for r in rows], [r["speedup"] for r in rows], marker="o", label=f"M={m}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("speed-up over bf16 cuBLAS")
+    ax.set_title("GEMM (integer tensor cores)")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
+    """Run the benchmark on the current CUDA device; write bitnet.json (+ bitnet.png)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the BitNet benchmark needs a CUDA GPU")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    l2 = props.L2_cache_size
+    replays = 10 if quick else 30
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    ms = (16,) if quick else GEMM_M
+    kernels = ("mma", "wgmma") if hopper and not quick else ("mma",)
+    default_unroll = bn.gemv_config_for(device).unroll
+    sweep = () if quick else tuple(u for u in (4, 8) if u != default_unroll)
+
+    task = None
+    if progress is not None:
+        task = progress.add_task("bitnet", total=1 + 2 * len(SHAPES))
+    started = time.perf_counter()
+    roofline = measure_roofline(device, replays)
+    if progress is not None:
+        progress.advance(task)
+    gemv = []
+    for n, k in SHAPES:
+        gemv.append(bench_gemv(n, k, device, l2, replays, roofline["bytes_per_s"], sweep))
+        if progress is not None:
+            progress.advance(task)
+    gemm = []
+    for n, k in SHAPES:
+        gemm += bench_gemm(n, k, ms, kernels, device, l2, replays)
+        if progress is not None:
+            progress.advance(task)
+    results = {
+        "device": props.name,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+        "sms": props.multi_processor_count,
+        "l2_bytes": l2,
+        "torch": torch.__version__,
+        "quick": quick,
+        "method": "CUDA-graph replay of back-to-back calls, weights rotated over >= 4x L2, median",
+        "gemv_unroll": default_unroll,
+        "roofline": roofline,
+        "gemv": gemv,
+        "gemm": gemm,
+        "summary": check_targets(gemv, gemm),
+        "seconds": time.perf_counter() - started,
+    }
+    (out_dir / "bitnet.json").write_text(json.dumps(results, indent=1))
+    png = plot(results, out_dir / "bitnet.png")
+    results["plot"] = str(png) if png else None
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("profiles") / "h200")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    res = run(args.out, quick=args.quick)
+    for r in res["gemv"]:
+        print(
+            f"gemv {r['n']:>5}x{r['k']:<5} {r['us']:7.2f} us  bf16 {r['bf16_us']:7.2f} us  "
+            f"x{r['speedup']:5.2f}  {100 * r['roofline_frac']:5.1f}% of roofline"
+        )
+    for r in res["gemm"]:
+        mark = "*" if r["default"] else " "
+        print(
+            f"gemm M={r['m']:<3} {r['n']:>5}x{r['k']:<5} {r['kernel']:<5}{mark} {r['us']:8.2f} us  "
+            f"bf16 {r['bf16_us']:8.2f} us  x{r['speedup']:5.2f}  {r['tops']:6.1f} TOPS"
+        )
+    print(json.dumps(res["summary"], indent=1))
