@@ -116,26 +116,26 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 
 
 def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
-                   return_lse: bool, keep_ptx: bool = False):
+                   keep_ptx: bool = False):
     import cutlass
     import cutlass.cute as cute
 
     from .kernels_sm80.decode import DecodeSm80
 
-    kernel = DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, return_lse)
+    kernel = DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split)
     args = decode_args(fmt, dtype, head_dim, split)
     return cute.compile(kernel, *args, cutlass.Float32(1.0), _stream(),
                         options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
 
-def compile_combine(arch: str, dtype, head_dim: int, return_lse: bool, keep_ptx: bool = False):
+def compile_combine(arch: str, dtype, head_dim: int, keep_ptx: bool = False):
     import cutlass
     import cutlass.cute as cute
 
     from .kernels_sm80.combine import CombineSm80
 
     f32 = cutlass.Float32
-    kernel = CombineSm80(dtype, head_dim, return_lse)
+    kernel = CombineSm80(dtype, head_dim)
     args = [fake_tensor(f32, (None, None, None, head_dim)), fake_vector(f32, 3),
             fake_tensor(dtype, (None, None, head_dim)), fake_vector(f32, 2)]
     return cute.compile(kernel, *args, _stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
@@ -177,14 +177,14 @@ def _fmt_key(fmt: KVFormat) -> Tuple:
     return (fmt.bits, fmt.k_mode, fmt.group_size)
 
 
-def _decode_kernel(arch, fmt, dtype, d, nh, split, lse):
-    key = ("decode_sm80", arch, str(dtype), _fmt_key(fmt), d, nh, split, lse)
-    return jit.KERNELS.get(key, lambda: compile_decode(arch, fmt, dtype, d, nh, split, lse))
+def _decode_kernel(arch, fmt, dtype, d, nh, split):
+    key = ("decode_sm80", arch, str(dtype), _fmt_key(fmt), d, nh, split)
+    return jit.KERNELS.get(key, lambda: compile_decode(arch, fmt, dtype, d, nh, split))
 
 
-def _combine_kernel(arch, dtype, d, lse):
-    key = ("combine_sm80", arch, str(dtype), d, lse)
-    return jit.KERNELS.get(key, lambda: compile_combine(arch, dtype, d, lse))
+def _combine_kernel(arch, dtype, d):
+    key = ("combine_sm80", arch, str(dtype), d)
+    return jit.KERNELS.get(key, lambda: compile_combine(arch, dtype, d))
 
 
 def _pack_kernel(arch, fmt, dtype, d, mode):
@@ -236,12 +236,12 @@ def decode(q: torch.Tensor, cache: CacheTensors, softmax_scale: float, num_split
     out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
     if splits == 1:
-        _decode_kernel(arch, fmt, dtype, d, nh, False, return_lse)(*common, out, lse, scale_log2)
+        _decode_kernel(arch, fmt, dtype, d, nh, False)(*common, out, lse, scale_log2)
     else:
         o_part = torch.empty(splits, bsz, hq, d, dtype=torch.float32, device=q.device)
         l_part = torch.empty(splits, bsz, hq, dtype=torch.float32, device=q.device)
-        _decode_kernel(arch, fmt, dtype, d, nh, True, True)(*common, o_part, l_part, scale_log2)
-        _combine_kernel(arch, dtype, d, return_lse)(o_part, l_part, out, lse)
+        _decode_kernel(arch, fmt, dtype, d, nh, True)(*common, o_part, l_part, scale_log2)
+        _combine_kernel(arch, dtype, d)(o_part, l_part, out, lse)
     out = out.view(bsz, 1, hq, d)
     if return_lse:
         return out, lse.view(bsz, 1, hq)

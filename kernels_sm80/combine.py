@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32
 
 from . import ptx
 
@@ -21,10 +21,9 @@ VEC = 4
 
 
 class CombineSm80:
-    def __init__(self, dtype, head_dim: int, return_lse: bool):
+    def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
         self.d = head_dim
-        self.return_lse = return_lse
         self.threads_per_row = head_dim // VEC
         self.rows_per_cta = NUM_THREADS // self.threads_per_row
 
@@ -65,9 +64,8 @@ class CombineSm80:
             for i in cutlass.range_constexpr(VEC):
                 out[i] = self.dtype(acc[i] * inv)
             cute.autovec_copy(out, cute.local_tile(mO[b, h, None], (VEC,), (col // VEC,)))
-            if const_expr(self.return_lse):
-                if col == 0:
-                    lse = -Float32.inf
-                    if total > Float32(0.0):
-                        lse = m + ptx.lg2(total) * LN_2
-                    mL[b, h] = lse
+            if col == 0:
+                lse = -Float32.inf
+                if total > Float32(0.0):
+                    lse = m + ptx.lg2(total) * LN_2
+                mL[b, h] = lse

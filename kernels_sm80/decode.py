@@ -29,10 +29,11 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from ..layouts import sm80
 from . import ptx
+from .copy import copy_rows, g2s_atom
 from .dequant import WordDequant, broadcast_params, split_params
 from .tensors import aligned_ptr, assume_aligned
 
@@ -61,7 +62,6 @@ class DecodeSm80:
         head_dim: int,
         heads_tile: int,
         split: bool,
-        return_lse: bool,
         num_stages: int = 0,
     ):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
@@ -74,7 +74,6 @@ class DecodeSm80:
         self.d = head_dim
         self.nh = heads_tile
         self.split = split
-        self.return_lse = return_lse
         self.nr = sm80.residual_block(bits)
         self.t = sm80.tokens_per_warp(bits)  # tokens per warp per tile
         self.kpw = sm80.k_blocks_per_word(bits)  # token k-blocks per V word
@@ -207,45 +206,14 @@ class DecodeSm80:
     # ---------------------------------------------------------------------------------
     # Loads
     # ---------------------------------------------------------------------------------
-    def _g2s_atom(self, dtype):
-        return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   dtype, num_bits_per_copy=128)
-
-    @cute.jit
-    def copy_rows(self, gsrc: cute.Tensor, sdst: cute.Tensor, tid: Int32, valid_rows: Int32,
-                  check_rows: cutlass.Constexpr[bool]):
-        """cp.async a (rows, cols) 16-bit tile in 16-byte chunks; rows >= valid_rows -> 0."""
-        rows, cols = cute.size(gsrc, mode=[0]), cute.size(gsrc, mode=[1])
-        per_row = cols // 8
-        thr_rows = min(NUM_THREADS // per_row, rows)
-        copy = cute.make_tiled_copy_tv(
-            self._g2s_atom(gsrc.element_type),
-            cute.make_layout((thr_rows, per_row), stride=(per_row, 1)),
-            cute.make_layout((1, 8)),
-        )
-        if tid < thr_rows * per_row:
-            thr = copy.get_slice(tid)
-            tS = thr.partition_S(gsrc)
-            tD = thr.partition_D(sdst)
-            if const_expr(check_rows):
-                tC = thr.partition_S(cute.make_identity_tensor((rows, cols)))
-                for m in cutlass.range_constexpr(cute.size(tS, mode=[1])):
-                    if tC[0, m, 0][0] < valid_rows:
-                        cute.copy(copy, tS[None, m, None], tD[None, m, None])
-                    else:
-                        tD[None, m, None].fill(0)
-            else:
-                cute.copy(copy, tS, tD)
-
     @cute.jit
     def copy_words(self, gsrc: cute.Tensor, sdst: cute.Tensor, tid: Int32):
         """cp.async a contiguous run of int32 words (a multiple of 4) in 16-byte chunks."""
         n = cute.size(gsrc)
         chunks = n // 4
         threads = min(chunks, NUM_THREADS)
-        copy = cute.make_tiled_copy_tv(
-            self._g2s_atom(cutlass.Int32), cute.make_layout((threads,)), cute.make_layout((4,))
-        )
+        copy = cute.make_tiled_copy_tv(g2s_atom(cutlass.Int32), cute.make_layout((threads,)),
+                                       cute.make_layout((4,)))
         if const_expr(threads == NUM_THREADS):
             thr = copy.get_slice(tid)
             cute.copy(copy, thr.partition_S(gsrc), thr.partition_D(sdst))
@@ -279,9 +247,9 @@ class DecodeSm80:
         off = tok - (tok // page_size) * page_size
         kp, vp, ks, vs = self.stage_tensors(stage)
         gkp = cute.local_tile(mKp[page, head_kv, None, None], (self.nr, 2 * self.wk), (off // self.nr, 0))
-        self.copy_rows(assume_aligned(gkp), kp, tid, 0, False)
+        copy_rows(assume_aligned(gkp), kp, tid, NUM_THREADS, 0, False)
         gvp = mVp[page, head_kv, off // self.nr, None, None]
-        self.copy_rows(assume_aligned(gvp), vp, tid, 0, False)
+        copy_rows(assume_aligned(gvp), vp, tid, NUM_THREADS, 0, False)
         if const_expr(self.k_channel):
             gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr // self.group, self.d),
                                   (off // self.nr, 0))
@@ -300,7 +268,7 @@ class DecodeSm80:
         gQ = cute.local_tile(q_rows, (self.nh, self.d), (0, 0))
         # the kv head's query rows start at head_kv * gq; rows >= gq are padding
         gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
-        self.copy_rows(gQ, sQ, tid, gq, True)
+        copy_rows(gQ, sQ, tid, NUM_THREADS, gq, True)
 
     def q_fragments(self, mma, thr_mma, sQ, lane):
         """Q^T as the B operand (k = head dim, n = query heads), kept in registers."""
@@ -329,31 +297,32 @@ class DecodeSm80:
     def k_param_pairs(self, ks, tok0, kt, lane):
         """(scale, zero) half2 pairs for the A fragment's column halves of k-block ``kt``.
 
-        Returns a function (m-tile, row half, column half) -> (scale2, zero2).
+        Returns a function (m-tile, row half, column half) -> (scale2, zero2); each pair is
+        loaded and split once per tile.
         """
         c = lane % 4
+        cache = {}
         if const_expr(self.k_channel):
-            cache = {}
+            # a warp's T tokens lie in one group (G >= T) or span T/G whole groups
+            base = tok0 // self.group
 
             def pairs(mt, h, ch):
-                grp = (tok0 + 16 * mt) // self.group
-                if (grp, ch) not in cache:
-                    row = ks[grp, None]
+                local = (16 * mt) // self.group if self.group < self.t else 0
+                if (local, ch) not in cache:
+                    row = ks[base + local, None]
                     p0 = Uint32(row[16 * kt + 4 * c + 2 * ch])
                     p1 = Uint32(row[16 * kt + 4 * c + 2 * ch + 1])
-                    cache[(grp, ch)] = split_params(p0, p1)
-                return cache[(grp, ch)]
+                    cache[(local, ch)] = split_params(p0, p1)
+                return cache[(local, ch)]
 
             return pairs
-        cache = {}
         gi = (16 * kt) // self.group
 
         def pairs(mt, h, ch):
-            key = (mt, h)
-            if key not in cache:
+            if (mt, h) not in cache:
                 p = Uint32(ks[tok0 + 16 * mt + 8 * h + lane // 4, gi])
-                cache[key] = broadcast_params(p)
-            return cache[key]
+                cache[(mt, h)] = broadcast_params(p)
+            return cache[(mt, h)]
 
         return pairs
 
@@ -476,8 +445,8 @@ class DecodeSm80:
         valid = n_res - sub * RES_SUBTILE
         gK = cute.local_tile(mKr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
         gV = cute.local_tile(mVr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
-        self.copy_rows(assume_aligned(gK), sK, tid, valid, True)
-        self.copy_rows(assume_aligned(gV), sV, tid, valid, True)
+        copy_rows(assume_aligned(gK), sK, tid, NUM_THREADS, valid, True)
+        copy_rows(assume_aligned(gV), sV, tid, NUM_THREADS, valid, True)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
@@ -576,5 +545,5 @@ class DecodeSm80:
                             lse = (m_all + ptx.lg2(l_all)) * LN_2
                         if const_expr(self.split):
                             mLSE[split_idx, batch, qh] = lse
-                        elif const_expr(self.return_lse):
+                        else:
                             mLSE[batch, qh] = lse

@@ -26,10 +26,11 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from ..layouts import packing, sm80
 from . import ptx
+from .copy import copy_rows, copy_rows_two_sources
 from .tensors import assume_aligned
 
 NUM_WARPS = sm80.WARPS_N
@@ -112,25 +113,23 @@ class PackSm80:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
+    def block_rows(self, m: cute.Tensor, b, head, row0):
+        """The (Nr, D) window of ``m[b, :, head, :]`` starting at token ``row0`` (which may
+        lie before the first token: rows there are never read)."""
+        rows = m[b, None, head, None]
+        shifted = cute.make_tensor(rows.iterator + row0 * rows.stride[0], rows.layout)
+        return assume_aligned(cute.local_tile(shifted, (self.nr, self.d), (0, 0)))
+
     @cute.jit
     def load_rows(self, s_tile, mRes, mNew, b, head, tok0, length, tid):
         """Rows ``tok0 + s`` of the block: from ``mRes[b, s]`` while below ``length`` (append:
         tokens already in the residual buffer), else ``mNew[b, tok0 + s - length]``."""
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
-        per_row = self.d // CHUNK
-        for i in cutlass.range_constexpr(self.nr * per_row // NUM_THREADS):
-            q = tid + i * NUM_THREADS
-            row = q // per_row
-            col = q - row * per_row
-            dst = cute.local_tile(s_tile, (1, CHUNK), (row, col))
-            pos = tok0 + row
-            if pos < length:
-                src = cute.local_tile(mRes[b, None, head, None], (1, CHUNK), (row, col))
-                cute.copy(atom, assume_aligned(src), dst)
-            else:
-                src = cute.local_tile(mNew[b, None, head, None], (1, CHUNK), (pos - length, col))
-                cute.copy(atom, assume_aligned(src), dst)
+        if const_expr(self.mode == "prefill"):
+            copy_rows(self.block_rows(mNew, b, head, tok0), s_tile, tid, NUM_THREADS, 0, False)
+        else:
+            copy_rows_two_sources(self.block_rows(mRes, b, head, 0),
+                                  self.block_rows(mNew, b, head, tok0 - length),
+                                  s_tile, tid, NUM_THREADS, length - tok0)
 
     @cute.jit
     def append(self, s_tile, s_red, mNew, mRes, length, mBlockTable, mKp, mKs, mVp, mVs,

@@ -1,0 +1,160 @@
+"""``bitdecode compile``: ahead-of-time compile the kernel variants for an arch (no GPU needed).
+
+Writes one PTX file per variant into ``--out`` (or, with ``--warm-cache``, fills the
+on-disk JIT cache of this machine's GPU so later processes start without compiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Tuple
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+KINDS = ("decode", "pack", "combine")
+
+
+class Variant(NamedTuple):
+    kind: str
+    dtype: str
+    head_dim: int
+    bits: int = 0
+    k_mode: str = ""
+    group_size: int = 0
+    extra: Tuple = ()
+
+    @property
+    def name(self) -> str:
+        parts = [self.kind, self.dtype, f"d{self.head_dim}"]
+        if self.bits:
+            parts += [f"{self.bits}bit", self.k_mode, f"g{self.group_size}"]
+        parts += [str(e) for e in self.extra]
+        return "_".join(parts)
+
+
+def _csv(kind):
+    def parse(text: str):
+        return [kind(x) for x in text.split(",") if x]
+
+    return parse
+
+
+def add_parser(sub, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="sm_80", choices=ARCHS, help="target GPU arch (default sm_80)")
+    p.add_argument("--out", type=Path, help="directory for the PTX files (created)")
+    p.add_argument("--kernels", type=_csv(str), default=list(KINDS), help="comma list of decode,pack,combine")
+    p.add_argument("--bits", type=_csv(int), default=[4, 2])
+    p.add_argument("--k-mode", type=_csv(str), default=["channel", "token"])
+    p.add_argument("--group-size", type=_csv(int), default=[32, 64, 128])
+    p.add_argument("--head-dim", type=_csv(int), default=[64, 128, 256])
+    p.add_argument("--dtype", type=_csv(str), default=["fp16", "bf16"])
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="compile for this machine's GPU into the JIT disk cache instead of writing PTX")
+
+
+def variants(args) -> List[Variant]:
+    from .formats import KVFormat
+
+    out: List[Variant] = []
+    for dtype, d in itertools.product(args.dtype, args.head_dim):
+        if "combine" in args.kernels:
+            out.append(Variant("combine", dtype, d))
+        for bits, mode, g in itertools.product(args.bits, args.k_mode, args.group_size):
+            fmt = KVFormat(bits=bits, k_mode=mode, group_size=g)
+            try:
+                fmt.check_head_dim(d)
+            except ValueError:
+                continue
+            if "decode" in args.kernels:
+                for nh, split in itertools.product((8, 16), (False, True)):
+                    out.append(Variant("decode", dtype, d, bits, mode, g, (f"h{nh}", "split" if split else "direct")))
+            if "pack" in args.kernels:
+                for mode_ in ("prefill", "append"):
+                    out.append(Variant("pack", dtype, d, bits, mode, g, (mode_,)))
+    return out
+
+
+def _compile_one(v: Variant, arch: str, out: str, warm: bool) -> Tuple[str, float, Dict[str, int]]:
+    import cutlass
+
+    from . import kernels
+    from .formats import KVFormat
+
+    dtype = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[v.dtype]
+    t0 = time.time()
+    if warm:
+        if v.kind == "decode":
+            fmt = KVFormat(v.bits, v.k_mode, v.group_size)
+            kernels._decode_kernel(arch, fmt, dtype, v.head_dim, int(v.extra[0][1:]), v.extra[1] == "split")
+        elif v.kind == "pack":
+            kernels._pack_kernel(arch, KVFormat(v.bits, v.k_mode, v.group_size), dtype, v.head_dim, v.extra[0])
+        else:
+            kernels._combine_kernel(arch, dtype, v.head_dim)
+        return v.name, time.time() - t0, {}
+    if v.kind == "decode":
+        fmt = KVFormat(v.bits, v.k_mode, v.group_size)
+        fn = kernels.compile_decode(arch, fmt, dtype, v.head_dim, int(v.extra[0][1:]),
+                                    v.extra[1] == "split", keep_ptx=True)
+    elif v.kind == "pack":
+        fn = kernels.compile_pack(arch, KVFormat(v.bits, v.k_mode, v.group_size), dtype, v.head_dim,
+                                  v.extra[0], keep_ptx=True)
+    else:
+        fn = kernels.compile_combine(arch, dtype, v.head_dim, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    Path(out, f"{v.name}.{arch}.ptx").write_text(ptx)
+    counts = {k: ptx.count(k) for k in ("mma.sync.aligned.m16n8k16", "ldmatrix", "lop3.b32", "cp.async")}
+    return v.name, time.time() - t0, counts
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console()
+    if args.warm_cache:
+        from . import jit
+
+        args.arch = jit.target_arch()
+        out = ""
+    else:
+        if args.out is None:
+            console.print("[red]--out DIR is required (or --warm-cache)[/red]")
+            return 2
+        args.out.mkdir(parents=True, exist_ok=True)
+        out = str(args.out)
+    todo = variants(args)
+    if not todo:
+        console.print("[red]no variant matches the filters[/red]")
+        return 2
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(f"compiling for {args.arch}", total=len(todo))
+        if args.jobs <= 1:
+            for v in todo:
+                results.append(_compile_one(v, args.arch, out, args.warm_cache))
+                progress.advance(task)
+        else:
+            with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+                futs = [pool.submit(_compile_one, v, args.arch, out, args.warm_cache) for v in todo]
+                for fut in as_completed(futs):
+                    results.append(fut.result())
+                    progress.advance(task)
+    table = Table(title=f"{len(results)} kernel variants for {args.arch}")
+    for col in ("variant", "seconds", "mma.sync", "ldmatrix", "lop3", "cp.async"):
+        table.add_column(col, justify="right" if col != "variant" else "left")
+    for name, secs, counts in sorted(results):
+        table.add_row(name, f"{secs:.1f}", *(str(counts.get(k, "")) for k in
+                                             ("mma.sync.aligned.m16n8k16", "ldmatrix", "lop3.b32", "cp.async")))
+    console.print(table)
+    where = "the JIT disk cache" if args.warm_cache else str(args.out)
+    console.print(f"wrote {len(results)} variants to {where}")
+    return 0

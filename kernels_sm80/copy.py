@@ -1,0 +1,72 @@
+"""Global -> shared row copies (cp.async, 16-byte chunks) shared by the sm80 kernels."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import const_expr
+from cutlass.cute.nvgpu import cpasync
+
+CHUNK_BITS = 128
+
+
+def g2s_atom(dtype):
+    return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                               dtype, num_bits_per_copy=CHUNK_BITS)
+
+
+def row_copy(dtype, rows: int, cols: int, num_threads: int):
+    """Tiled cp.async of a (rows, cols) tile: each thread moves 16-byte chunks of a row.
+
+    Returns the tiled copy and the number of threads that take part (fewer than
+    ``num_threads`` when the tile has fewer chunks than the CTA has threads).
+    """
+    vec = CHUNK_BITS // dtype.width
+    per_row = cols // vec
+    thr_rows = min(num_threads // per_row, rows)
+    copy = cute.make_tiled_copy_tv(
+        g2s_atom(dtype),
+        cute.make_layout((thr_rows, per_row), stride=(per_row, 1)),
+        cute.make_layout((1, vec)),
+    )
+    return copy, thr_rows * per_row
+
+
+@cute.jit
+def copy_rows(gsrc: cute.Tensor, sdst: cute.Tensor, tid, num_threads: cutlass.Constexpr[int],
+              valid_rows, check_rows: cutlass.Constexpr[bool]):
+    """cp.async ``gsrc`` -> ``sdst`` (same (rows, cols) shape); rows >= valid_rows -> 0."""
+    rows, cols = cute.size(gsrc, mode=[0]), cute.size(gsrc, mode=[1])
+    copy, used = row_copy(gsrc.element_type, rows, cols, num_threads)
+    if tid < used:
+        thr = copy.get_slice(tid)
+        t_s = thr.partition_S(gsrc)
+        t_d = thr.partition_D(sdst)
+        if const_expr(check_rows):
+            t_c = thr.partition_S(cute.make_identity_tensor((rows, cols)))
+            for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+                if t_c[0, m, 0][0] < valid_rows:
+                    cute.copy(copy, t_s[None, m, None], t_d[None, m, None])
+                else:
+                    t_d[None, m, None].fill(0)
+        else:
+            cute.copy(copy, t_s, t_d)
+
+
+@cute.jit
+def copy_rows_two_sources(g_first: cute.Tensor, g_second: cute.Tensor, sdst: cute.Tensor, tid,
+                          num_threads: cutlass.Constexpr[int], split_row):
+    """Rows below ``split_row`` from ``g_first``, the rest from ``g_second`` (same shape)."""
+    rows, cols = cute.size(sdst, mode=[0]), cute.size(sdst, mode=[1])
+    copy, used = row_copy(sdst.element_type, rows, cols, num_threads)
+    if tid < used:
+        thr = copy.get_slice(tid)
+        t_a = thr.partition_S(g_first)
+        t_b = thr.partition_S(g_second)
+        t_d = thr.partition_D(sdst)
+        t_c = thr.partition_S(cute.make_identity_tensor((rows, cols)))
+        for m in cutlass.range_constexpr(cute.size(t_d, mode=[1])):
+            if t_c[0, m, 0][0] < split_row:
+                cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
+            else:
+                cute.copy(copy, t_b[None, m, None], t_d[None, m, None])

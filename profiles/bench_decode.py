@@ -1,0 +1,272 @@
+"""Decode benchmark: bitdecode vs torch SDPA (16-bit) vs the measured bandwidth roofline.
+
+Everything is measured in one run on one GPU: CUDA events around each call, warm-up,
+median of many, the L2 flushed (a 2x-L2 memset) before every timed call.  The roofline
+is the best streaming bandwidth measured in the same run.  Results go to
+``<out_dir>/decode.json`` (+ ``decode.png``); ``python -m profiles.bench_decode --help``
+or ``bitdecode bench decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import bitdecode as bd
+
+SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
+MAX_TOKENS = 2 ** 21  # B * N cap: keeps the 16-bit SDPA cache of the sweep under ~10 GB
+
+
+class Timer:
+    """Median time of ``fn`` with the L2 flushed before each call (CUDA events)."""
+
+    def __init__(self, device):
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        self.flush_buf = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device=device)
+
+    def __call__(self, fn: Callable, iters: int = 30, warmup: int = 5, flush: bool = True) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if flush:
+                self.flush_buf.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)  # microseconds
+        return statistics.median(times)
+
+
+def measure_roofline(timer: Timer, device) -> Dict[str, float]:
+    """Best measured streaming bandwidth (bytes/s): a 4 GiB read (sum) and copy."""
+    n = 1 << 31
+    x = torch.ones(n, dtype=torch.float16, device=device)
+    y = torch.empty_like(x)
+    t_copy = timer(lambda: y.copy_(x), iters=10, warmup=2, flush=False)
+    t_read = timer(lambda: x.sum(dtype=torch.float32), iters=10, warmup=2, flush=False)
+    copy_bw = 2 * x.numel() * 2 / (t_copy * 1e-6)
+    read_bw = x.numel() * 2 / (t_read * 1e-6)
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "best_bytes_per_s": max(copy_bw, read_bw)}
+
+
+def sdpa_backend(q, k, v) -> str:
+    """Which SDPA implementation the default dispatch ran (from the kernel names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.cuda.synchronize()
+    names = " ".join(e.name.lower() for e in prof.events())
+    for key, label in (("cudnn", "cudnn"), ("flash", "flash"), ("fmha", "efficient"), ("mem_eff", "efficient")):
+        if key in names:
+            return label
+    return "math"
+
+
+def cache_bytes(fmt: bd.KVFormat, lengths: List[int], hkv: int, d: int) -> int:
+    """Bytes one decode reads: packed K/V + params of full blocks, the 16-bit residual."""
+    nr = fmt.residual_block
+    total = 0
+    for n in lengths:
+        packed = n // nr * nr
+        total += hkv * (packed * fmt.bytes_per_token(d) + (n - packed) * d * 2 * 2)
+    return int(total)
+
+
+def build(fmt, b, hkv, d, n, device, gen):
+    k = torch.randn(b, n, hkv, d, device=device, dtype=torch.float16, generator=gen)
+    v = torch.randn(b, n, hkv, d, device=device, dtype=torch.float16, generator=gen)
+    cache = bd.KVCache.allocate(b, hkv, d, n, fmt, dtype=torch.float16, device=device)
+    return cache, k, v
+
+
+def bench_shape(timer, shape, seqlens, bits_list, device, roofline, progress=None, task=None) -> List[dict]:
+    b, hq, hkv, d = shape
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for n in seqlens:
+        if b * n > MAX_TOKENS:
+            continue
+        q = torch.randn(b, 1, hq, d, device=device, dtype=torch.float16, generator=gen)
+        # 16-bit baseline: SDPA on [B, H, N, D] with grouped KV heads
+        k16 = torch.randn(b, hkv, n, d, device=device, dtype=torch.float16, generator=gen)
+        v16 = torch.randn(b, hkv, n, d, device=device, dtype=torch.float16, generator=gen)
+        q4 = q.transpose(1, 2)
+        t_sdpa = timer(lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True))
+        sdpa_bytes = 2 * b * hkv * n * d * 2
+        row = {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "sdpa_us": t_sdpa,
+               "sdpa_bw": sdpa_bytes / (t_sdpa * 1e-6)}
+        del k16, v16
+        for bits in bits_list:
+            fmt = bd.KVFormat(bits=bits, k_mode="channel", group_size=128)
+            cache, k, v = build(fmt, b, hkv, d, n, device, gen)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cache.prefill(k, v)
+            torch.cuda.synchronize()
+            t_pre = timer(lambda: cache.prefill(k, v), iters=5, warmup=1, flush=True) if n >= 8192 else float("nan")
+            pre_bytes = 2 * b * n * hkv * d * 2 + cache_bytes(fmt, [n] * b, hkv, d)
+            del k, v
+            t = timer(lambda: bd.decode(q, cache))
+            nbytes = cache_bytes(fmt, cache.lengths, hkv, d)
+            row[f"bd{bits}_us"] = t
+            row[f"bd{bits}_bw"] = nbytes / (t * 1e-6)
+            row[f"bd{bits}_roofline"] = nbytes / (t * 1e-6) / roofline
+            row[f"bd{bits}_speedup"] = t_sdpa / t
+            row[f"bd{bits}_prefill_bw"] = pre_bytes / (t_pre * 1e-6) if t_pre == t_pre else None
+            row[f"bd{bits}_first_prefill_s"] = time.perf_counter() - t0
+            del cache
+            torch.cuda.empty_cache()
+        rows.append(row)
+        if progress is not None:
+            progress.advance(task)
+    return rows
+
+
+def bench_graph_small(timer, device) -> dict:
+    """B=1, Hq/Hkv=32/8, N=4K: eager and CUDA-graph replay, bitdecode 4/2-bit vs SDPA."""
+    b, hq, hkv, d, n = 1, 32, 8, 128, 4096
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(b, 1, hq, d, device=device, dtype=torch.float16, generator=gen)
+    k16 = torch.randn(b, hkv, n, d, device=device, dtype=torch.float16, generator=gen)
+    v16 = torch.randn_like(k16)
+    q4 = q.transpose(1, 2)
+    out = {"sdpa_eager_us": timer(lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True))}
+    out["sdpa_graph_us"] = _graph_time(timer, lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True))
+    for bits in (4, 2):
+        fmt = bd.KVFormat(bits=bits)
+        cache, k, v = build(fmt, b, hkv, d, n, device, gen)
+        cache.prefill(k, v)
+        out[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache))
+        out[f"bd{bits}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache))
+        # append latency: one token into the residual (no flush of a block), eager
+        k1 = torch.randn(b, 1, hkv, d, device=device, dtype=torch.float16, generator=gen)
+        cache2 = bd.KVCache.allocate(b, hkv, d, n + 10 ** 6, fmt, device=device)
+        cache2.prefill(k, v)
+        out[f"bd{bits}_append_us"] = timer(lambda: cache2.append(k1, k1), iters=40)  # median: no block fills
+    return out
+
+
+def _graph_time(timer, fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timer(g.replay)
+
+
+def plot(result: dict, path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    shapes = sorted({(r["B"], r["Hq"], r["Hkv"], r["D"]) for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = [r for r in result["rows"] if (r["B"], r["Hq"], r["Hkv"], r["D"]) == shape]
+        ns = [r["N"] for r in rows]
+        ax.plot(ns, [r["sdpa_us"] for r in rows], "k-o", label="SDPA fp16", ms=3)
+        for bits, style in ((4, "b-s"), (2, "r-^")):
+            if f"bd{bits}_us" in rows[0]:
+                ax.plot(ns, [r[f"bd{bits}_us"] for r in rows], style, label=f"bitdecode {bits}-bit", ms=3)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title("B=%d Hq/Hkv=%d/%d D=%d" % shape, fontsize=9)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("µs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"decode on {result['gpu']} (L2 flushed, median)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    timer = Timer(device)
+    roofline = measure_roofline(timer, device)
+    best = roofline["best_bytes_per_s"]
+    seqlens = [4096, 32768, 131072] if quick else [2 ** i for i in range(10, 19)]
+    shapes = SHAPES[:1] + SHAPES[2:3] if quick else SHAPES
+    task = None
+    if progress is not None:
+        task = progress.add_task("decode sweep", total=len(shapes) * len(seqlens))
+    rows = []
+    for shape in shapes:
+        rows += bench_shape(timer, shape, seqlens, (4, 2), device, best, progress, task)
+    gen = torch.Generator(device=device).manual_seed(3)
+    qb = torch.randn(1, 32, 1, 128, device=device, dtype=torch.float16, generator=gen)
+    kb = torch.randn(1, 8, 4096, 128, device=device, dtype=torch.float16, generator=gen)
+    result = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "sdpa_backend": sdpa_backend(qb, kb, kb),
+        "roofline": roofline,
+        "method": "CUDA events, median of 30 after 5 warm-ups, L2 flushed before each call",
+        "format": "K per channel g128, V per token g128, fp16",
+        "rows": rows,
+        "small_graph": bench_graph_small(timer, device),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decode.json").write_text(json.dumps(result, indent=1))
+    plot(result, out_dir / "decode.png")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, default=None, help="output dir (default profiles/<gpu>)")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    out = args.out or Path(__file__).parent / gpu_dirname()
+    res = run(out, quick=args.quick)
+    print_summary(res)
+    return 0
+
+
+def gpu_dirname() -> str:
+    name = torch.cuda.get_device_name().lower()
+    for key in ("h200", "h100", "a100", "b200", "l40", "4090"):
+        if key in name:
+            return key
+    return name.replace(" ", "_")
+
+
+def print_summary(res: dict) -> None:
+    print(f"{res['gpu']}  SDPA backend: {res['sdpa_backend']}  roofline "
+          f"{res['roofline']['best_bytes_per_s'] / 1e12:.2f} TB/s")
+    print(f"{'B':>3} {'Hq':>3} {'Hkv':>3} {'N':>7} {'sdpa':>8} {'bd4':>8} {'x':>5} {'roof':>5} {'bd2':>8} {'x':>5} {'roof':>5}")
+    for r in res["rows"]:
+        print(f"{r['B']:3d} {r['Hq']:3d} {r['Hkv']:3d} {r['N']:7d} {r['sdpa_us']:8.1f} "
+              f"{r['bd4_us']:8.1f} {r['bd4_speedup']:5.2f} {r['bd4_roofline']:5.2f} "
+              f"{r['bd2_us']:8.1f} {r['bd2_speedup']:5.2f} {r['bd2_roofline']:5.2f}")
+    print("small/graph:", {k: round(v, 1) for k, v in res["small_graph"].items()})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,268 @@
+"""The sm80 kernels on a GPU against the torch reference (marker ``gpu``).
+
+Decode is checked on caches packed by the reference (so it is tested independently of
+the pack kernel) with FlashAttention's tolerance rule: the kernel's error against an fp32
+reference may be at most twice that of a same-precision torch computation (P rounded to
+the model dtype, as the tensor cores consume it) plus a small floor.  The pack kernel is
+checked bit for bit against the reference pack.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bitdecode as bd
+from bitdecode import reference
+
+from kvdata import kv, on_grid
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU machines skip the module
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DEV = torch.device("cuda")
+
+# (bits, k_mode, group, dtype, head_dim, q heads per kv head): a covering set of the
+# supported combinations (every value of every axis, most pairs) at a bounded compile cost
+CONFIGS = [
+    (4, "channel", 128, torch.float16, 128, 4),
+    (2, "channel", 128, torch.float16, 128, 4),
+    (4, "token", 32, torch.bfloat16, 128, 8),
+    (2, "token", 64, torch.bfloat16, 64, 1),
+    (4, "channel", 64, torch.float16, 256, 16),
+    (2, "channel", 32, torch.bfloat16, 256, 2),
+    (4, "token", 64, torch.float16, 64, 12),
+    (2, "token", 128, torch.float16, 128, 16),
+    (4, "channel", 32, torch.bfloat16, 64, 5),
+]
+
+
+def _ids(c):
+    bits, mode, g, dtype, d, gq = c
+    return f"{bits}b-{mode}-g{g}-{str(dtype)[6:]}-d{d}-gq{gq}"
+
+
+def make_cache(fmt, lens, hkv, d, dtype, page_size=None, backend="reference", seed=0, shuffle=False):
+    gen = torch.Generator().manual_seed(seed)
+    n = max(max(lens), 1)
+    k, v = kv(gen, len(lens), n, hkv, d, dtype=dtype, device=DEV)
+    cache = bd.KVCache.allocate(len(lens), hkv, d, n + 300, fmt, dtype=dtype, device=DEV,
+                                page_size=page_size, backend=backend)
+    if shuffle:
+        perm = torch.randperm(cache.block_table.numel(), generator=gen).to(torch.int32).to(DEV)
+        cache.block_table.copy_(perm.view_as(cache.block_table))
+    cache.prefill(k, v, lens)
+    return cache, k, v
+
+
+def lowprec_reference(q, cache, scale):
+    """Attention over the dequantized cache with P rounded to the model dtype."""
+    outs = []
+    for b, length in enumerate(cache.lengths):
+        kd, vd = cache.dequantized(b)
+        hq, d = q.shape[2], q.shape[3]
+        if length == 0:
+            outs.append(torch.zeros(hq, d, device=DEV))
+            continue
+        hkv = kd.shape[1]
+        qg = q[b, 0].float().view(hkv, hq // hkv, d)
+        s = torch.einsum("hgd,lhd->hgl", qg, kd.float()) * scale
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("hgl,lhd->hgd", p.to(q.dtype).float(), vd.float())
+        outs.append(o.reshape(hq, d))
+    return torch.stack(outs).view(q.shape)
+
+
+def check_decode(q, cache, num_splits=0, return_lse=True):
+    scale = q.shape[-1] ** -0.5
+    out, lse = bd.decode(q, cache, num_splits=num_splits, backend="sm80", return_lse=True)
+    ref, ref_lse = bd.decode(q, cache, backend="reference", return_lse=True)
+    ref = ref.float()  # reference keeps fp32 maths, rounded once at the end
+    lp = lowprec_reference(q, cache, scale)
+    tol = 2 * (lp - ref).abs().max().item() + 2e-3 * max(ref.abs().max().item(), 1.0)
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+    empty = torch.tensor([n == 0 for n in cache.lengths], device=DEV)
+    full = ~empty
+    if full.any():
+        torch.testing.assert_close(lse[full], ref_lse[full], atol=2e-3, rtol=1e-3)
+    if empty.any():
+        assert torch.isneginf(lse[empty]).all()
+        assert (out[empty] == 0).all()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_decode_matches_reference(cfg):
+    bits, mode, g, dtype, d, gq = cfg
+    fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
+    nr = fmt.residual_block
+    lens = [3 * nr + 5, nr, 1, 0, nr - 1, 7 * nr + nr // 2]
+    hkv = 2
+    cache, _, _ = make_cache(fmt, lens, hkv, d, dtype)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens), 1, hkv * gq, d, generator=gen).to(dtype).to(DEV)
+    for splits in (0, 1, 3):
+        check_decode(q, cache, num_splits=splits)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:4], ids=_ids)
+def test_paged_equals_dense(cfg):
+    bits, mode, g, dtype, d, gq = cfg
+    fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
+    nr = fmt.residual_block
+    lens = [5 * nr + 3, 2 * nr, 17]
+    dense, _, _ = make_cache(fmt, lens, 2, d, dtype, seed=3)
+    paged, _, _ = make_cache(fmt, lens, 2, d, dtype, seed=3, page_size=2 * nr, shuffle=True)
+    q = torch.randn(len(lens), 1, 2 * gq, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
+    a = bd.decode(q, dense, backend="sm80", num_splits=2)
+    b = bd.decode(q, paged, backend="sm80", num_splits=2)
+    assert torch.equal(a, b)
+
+
+def _valid_regions(cache):
+    """The parts of the cache that hold data (packed blocks in use, residual[:len % Nr])."""
+    nr = cache.fmt.residual_block
+    out = []
+    for b, n in enumerate(cache.lengths):
+        nb = n // nr
+        for blk in range(nb):
+            kp, kq, vp, vq = cache._block_slices(b, blk)
+            out += [cache.k_pack[kp], cache.k_params[kq], cache.v_pack[vp], cache.v_params[vq]]
+        out += [cache.k_res[b, :n % nr], cache.v_res[b, :n % nr]]
+    return out
+
+
+def _assert_same_cache(a, b, max_code_diffs=0):
+    assert a.lengths == b.lengths
+    assert torch.equal(a.seqlens, b.seqlens)
+    for x, y in zip(_valid_regions(a), _valid_regions(b)):
+        if max_code_diffs == 0 or x.dtype != torch.int32:
+            assert torch.equal(x, y)
+        else:
+            assert (x != y).sum().item() <= max_code_diffs
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_pack_kernel_bit_identical_on_grid(cfg):
+    bits, mode, g, dtype, d, _ = cfg
+    fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
+    nr = fmt.residual_block
+    gen = torch.Generator().manual_seed(11)
+    n = 4 * nr + 9  # four packed blocks on the grid, nine 16-bit residual tokens
+    if mode == "channel":  # K groups run along the tokens
+        k = torch.cat([on_grid(gen, (2, 4 * nr, 2, d), bits, g, 1, dtype=dtype, device=DEV),
+                       torch.randn(2, 9, 2, d, generator=gen).to(dtype).to(DEV)], dim=1)
+    else:
+        k = on_grid(gen, (2, n, 2, d), bits, g, 3, dtype=dtype, device=DEV)
+    v = on_grid(gen, (2, n, 2, d), bits, g, 3, dtype=dtype, device=DEV)
+    caches = []
+    for backend in ("sm80", "reference"):
+        c = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend=backend)
+        c.prefill(k.contiguous(), v, [n, n - nr - 3])
+        caches.append(c)
+    _assert_same_cache(*caches)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_pack_kernel_matches_reference_on_llm_like_data(cfg):
+    bits, mode, g, dtype, d, _ = cfg
+    fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
+    nr = fmt.residual_block
+    lens = [3 * nr + 7, nr, 5]
+    a, _, _ = make_cache(fmt, lens, 2, d, dtype, backend="sm80", seed=5)
+    b, _, _ = make_cache(fmt, lens, 2, d, dtype, backend="reference", seed=5)
+    _assert_same_cache(a, b)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:3] + CONFIGS[5:6], ids=_ids)
+def test_append_token_by_token_equals_prefill(cfg):
+    bits, mode, g, dtype, d, _ = cfg
+    fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
+    nr = fmt.residual_block
+    n = 2 * nr + nr // 2 + 3
+    gen = torch.Generator().manual_seed(9)
+    k, v = kv(gen, 2, n, 2, d, dtype=dtype, device=DEV)
+    full = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
+    full.prefill(k, v)
+    steps = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
+    steps.prefill(k[:, :5], v[:, :5])
+    t = 5
+    for chunk in (1, 1, 3, nr - 2, 1, nr + 7):  # single tokens and multi-block appends
+        steps.append(k[:, t:t + chunk], v[:, t:t + chunk])
+        t += chunk
+    while t < n:
+        steps.append(k[:, t:t + 1], v[:, t:t + 1])
+        t += 1
+    _assert_same_cache(full, steps)
+    ref = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="reference")
+    ref.prefill(k, v)
+    _assert_same_cache(full, ref)
+
+
+def test_cuda_graph_replay_equals_eager():
+    fmt = bd.KVFormat(bits=4)
+    nr = fmt.residual_block
+    lens = [4 * nr - 2, nr + 1]
+    d, hkv, gq = 128, 2, 4
+    eager, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend="sm80", seed=21)
+    graphed, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend="sm80", seed=21)
+    gen = torch.Generator().manual_seed(2)
+    steps = 5
+    ks = torch.randn(steps, 2, 1, hkv, d, generator=gen).half().to(DEV)
+    vs = torch.randn(steps, 2, 1, hkv, d, generator=gen).half().to(DEV)
+    qs = torch.randn(steps, 2, 1, hkv * gq, d, generator=gen).half().to(DEV)
+    k_in, v_in, q_in = ks[0].clone(), vs[0].clone(), qs[0].clone()
+    # warm up (compile) outside the capture, then undo the warm-up append
+    snapshot = [t.clone() for t in (graphed.k_pack, graphed.k_params, graphed.v_pack, graphed.v_params,
+                                    graphed.k_res, graphed.v_res, graphed.seqlens)]
+    lens_before = graphed.lengths
+    graphed.append(k_in, v_in)
+    graphed.decode(q_in, num_splits=3)
+    for t, s in zip((graphed.k_pack, graphed.k_params, graphed.v_pack, graphed.v_params,
+                     graphed.k_res, graphed.v_res, graphed.seqlens), snapshot):
+        t.copy_(s)
+    graphed._host_lens = lens_before
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.append(k_in, v_in)
+        out_g = graphed.decode(q_in, num_splits=3)
+    graphed._host_lens = lens_before  # the capture did not run anything
+    for i in range(steps):
+        k_in.copy_(ks[i]), v_in.copy_(vs[i]), q_in.copy_(qs[i])
+        graph.replay()
+        eager.append(ks[i], vs[i])
+        out_e = eager.decode(qs[i], num_splits=3)
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, out_e), f"step {i}"
+    assert torch.equal(graphed.seqlens, eager.seqlens)
+
+
+def test_compute_sanitizer_memcheck_clean(tmp_path):
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    script = tmp_path / "small.py"
+    script.write_text(
+        "import torch, bitdecode as bd\n"
+        "fmt = bd.KVFormat(bits=2, k_mode='token', group_size=64)\n"
+        "c = bd.KVCache.allocate(2, 2, 128, 700, fmt, device='cuda', page_size=256, backend='sm80')\n"
+        "k = torch.randn(2, 600, 2, 128, device='cuda').half(); v = torch.randn_like(k)\n"
+        "c.prefill(k, v, [600, 257])\n"
+        "c.append(k[:, :3], v[:, :3])\n"
+        "q = torch.randn(2, 1, 8, 128, device='cuda').half()\n"
+        "o = bd.decode(q, c, num_splits=3); torch.cuda.synchronize(); print('ok', float(o.float().abs().sum()))\n"
+    )
+    env = dict(os.environ)
+    res = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, str(script)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "ok" in res.stdout
