@@ -126,11 +126,9 @@ class BitnetGemm:
         n = mW.shape[0]
         grid_m = (m + cfg.block_m - 1) // cfg.block_m
         grid_n = (n + cfg.block_n - 1) // cfg.block_n
-        smem_bytes = 0
-        if cutlass.const_expr(cfg.wk > 1):
-            smem_bytes = self.partials_size() * 4
+        # shared memory (the split-K partials) is sized by the DSL from the allocations
         self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3).launch(
-            grid=[grid_m, grid_n, 1], block=[cfg.warps * WARP, 1, 1], smem=smem_bytes, stream=stream
+            grid=[grid_m, grid_n, 1], block=[cfg.warps * WARP, 1, 1], stream=stream
         )
 
     def partials_size(self) -> int:
