@@ -16,9 +16,8 @@ import time
 
 import torch
 
-from . import reference
+from . import dispatch, reference
 from .cache import KVCache
-from .dispatch import BACKENDS
 from .formats import GROUP_SIZES, K_MODES, KVFormat
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
@@ -44,7 +43,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128, help="values per (scale, zero) pair (default: 128)")
     p.add_argument("--batch", type=_positive, default=1, help="sequences (default: 1)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16", help="model dtype (default: fp16)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
+    p.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                    help="auto (default): the compiled kernel on a GPU, the torch reference on the CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic cache (default: 0)")
     return p
@@ -125,6 +124,39 @@ def _mib(n: int) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def measure(args, device: str, n: int, backend: str):
+    """(16-bit row, one row per bit width); a row is (label or KVFormat, error, bytes, ms)."""
+    on_gpu = device == "cuda"
+    dtype, bsz = DTYPES[args.dtype], args.batch
+    k, v, q = (t.to(device=device, dtype=dtype) for t in make_kv(bsz, n, args.seed))
+    # 16-bit attention: fp32 maths over the original 16-bit K/V
+    ref = torch.stack([reference.attention(q[b, 0], k[b], v[b])[0] for b in range(bsz)])[:, None]
+
+    qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+    def sdpa():  # torch SDPA on the 16-bit cache, [B, H, N, D]
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+
+    dense_bytes = 2 * bsz * n * KV_HEADS * HEAD_DIM * k.element_size()
+    base = (f"16-bit (torch SDPA, {sdpa_backend(qs, ks, vs)})", rel_error(sdpa().transpose(1, 2), ref),
+            dense_bytes, cuda_time_ms(sdpa) if on_gpu else None)
+    del ks, vs
+
+    rows = []
+    for bits in args.bits:
+        fmt = KVFormat(bits=bits, k_mode=args.k_mode, group_size=args.group_size)
+        cache = KVCache.allocate(bsz, KV_HEADS, HEAD_DIM, n, fmt, dtype=dtype, device=device, backend=backend)
+        first = max(n - APPENDED, 0)
+        cache.prefill(k[:, :first], v[:, :first])
+        for t in range(first, n):  # decode steps: one token at a time, in place
+            cache.append(k[:, t:t + 1], v[:, t:t + 1])
+        out = cache.decode(q)
+        ms = cuda_time_ms(lambda: cache.decode(q)) if on_gpu else None
+        rows.append((fmt, rel_error(out, ref), cache.memory_bytes(), ms))
+        del cache
+    return base, rows
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.panel import Panel
@@ -135,47 +167,15 @@ def run(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
         return 2
+    try:  # before any work: a backend this device or build does not have
+        backend = dispatch.resolve(args.backend, torch.device(device), what="KV cache")
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
     on_gpu = device == "cuda"
     n = args.seqlen or (32768 if on_gpu else 4096)
-    dtype = DTYPES[args.dtype]
-    bsz = args.batch
     t0 = time.perf_counter()
-
-    k32, v32, q32 = make_kv(bsz, n, args.seed)
-    k = k32.to(device=device, dtype=dtype)
-    v = v32.to(device=device, dtype=dtype)
-    q = q32.to(device=device, dtype=dtype)
-    del k32, v32, q32
-    # 16-bit attention: fp32 maths over the original 16-bit K/V
-    ref = torch.stack([reference.attention(q[b, 0], k[b], v[b])[0] for b in range(bsz)])[:, None]
-
-    # torch SDPA on the 16-bit cache, [B, H, N, D]
-    qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
-
-    sdpa_err = rel_error(sdpa().transpose(1, 2), ref)
-    sdpa_ms = cuda_time_ms(sdpa) if on_gpu else None
-    sdpa_name = f"torch SDPA, {sdpa_backend(qs, ks, vs)}"
-    dense_bytes = 2 * bsz * n * KV_HEADS * HEAD_DIM * k.element_size()
-    del ks, vs
-
-    rows = []
-    backend = None
-    for bits in args.bits:
-        fmt = KVFormat(bits=bits, k_mode=args.k_mode, group_size=args.group_size)
-        cache = KVCache.allocate(bsz, KV_HEADS, HEAD_DIM, n, fmt, dtype=dtype, device=device,
-                                 backend=args.backend)
-        backend = cache.backend
-        first = max(n - APPENDED, 0)
-        cache.prefill(k[:, :first], v[:, :first])
-        for t in range(first, n):  # decode steps: one token at a time, in place
-            cache.append(k[:, t:t + 1], v[:, t:t + 1])
-        out = cache.decode(q)
-        ms = cuda_time_ms(lambda: cache.decode(q)) if on_gpu else None
-        rows.append((fmt, rel_error(out, ref), cache.memory_bytes(), ms))
-        del cache
+    base, rows = measure(args, device, n, backend)
 
     table = Table(title="decode attention: low-bit KV cache vs 16-bit", header_style="bold")
     table.add_column("KV cache", no_wrap=True)
@@ -185,16 +185,15 @@ def run(args: argparse.Namespace) -> int:
     if on_gpu:
         table.add_column("decode time", justify="right")
         table.add_column("speedup vs SDPA", justify="right")
-    base = [f"16-bit ({sdpa_name})", f"{sdpa_err:.2e}", _mib(dense_bytes), "1.00x"]
-    table.add_row(*base, *([f"{sdpa_ms * 1e3:,.1f} us", "1.00x"] if on_gpu else []))
-    for fmt, err, nbytes, ms in rows:
-        label = f"{fmt.bits}-bit (K per {fmt.k_mode}, G={fmt.group_size})"
+    dense_bytes, sdpa_ms = base[2], base[3]
+    for what, err, nbytes, ms in [base, *rows]:
+        label = what if isinstance(what, str) else f"{what.bits}-bit (K per {what.k_mode}, G={what.group_size})"
         cells = [label, f"{err:.2e}", _mib(nbytes), f"{nbytes / dense_bytes:.3f}x"]
         table.add_row(*cells, *([f"{ms * 1e3:,.1f} us", f"{sdpa_ms / ms:.2f}x"] if on_gpu else []))
 
-    setup = (f"LLM-like KV cache: batch {bsz}, {n:,} tokens, {KV_HEADS} KV heads / {Q_HEADS} query heads, "
-             f"head dim {HEAD_DIM}, {args.dtype}; K: 4-6 outlier channels per head (10-20x) + rotary "
-             f"structure, V: Gaussian; seed {args.seed}\n"
+    setup = (f"LLM-like KV cache: batch {args.batch}, {n:,} tokens, {KV_HEADS} KV heads / {Q_HEADS} query "
+             f"heads, head dim {HEAD_DIM}, {args.dtype}; K: 4-6 outlier channels per head (10-20x) + "
+             f"rotary structure, V: Gaussian; seed {args.seed}\n"
              f"device {device}, backend {backend}; prefill {max(n - APPENDED, 0):,} tokens, "
              f"append {min(APPENDED, n)} one at a time, decode 1 query token")
     console.print(Panel(setup, title="bitdecode demo", expand=False))

@@ -39,7 +39,7 @@ def kv(gen, batch, n, heads, dim, dtype=torch.float16, device="cpu", outliers=2)
     return k.to(dtype).to(device), v.to(dtype).to(device)
 
 
-def on_grid(gen, shape, bits, group_size, dim, dtype=torch.float16, device="cpu"):
+def on_grid(gen, shape, bits, group_size, dim, dtype=torch.float16, device="cpu", params=False):
     """Values that quantization reproduces exactly: random codes times chosen 16-bit
     (scale, zero) per group along ``dim``, every group holding code 0 and code 2^bits - 1.
 
@@ -47,6 +47,7 @@ def on_grid(gen, shape, bits, group_size, dim, dtype=torch.float16, device="cpu"
     zero`` is a small multiple of 2^-6, exact in fp16 and bf16, and requantizing gives
     back the same scale (range / (2^bits - 1) is exact up to the fp32 rounding of the
     reciprocal, far below half a 16-bit ulp), zero (the group min) and codes.
+    With ``params``, also returns the codes, scale and zero as ``quantize`` lays them out.
     """
     qmax = (1 << bits) - 1
     shape = list(shape)
@@ -56,8 +57,12 @@ def on_grid(gen, shape, bits, group_size, dim, dtype=torch.float16, device="cpu"
     codes[..., 0], codes[..., 1] = 0, qmax
     scale = torch.randint(1, 9, (*lead, n // group_size, 1), generator=gen) / 64.0
     zero = torch.randint(-64, 65, (*lead, n // group_size, 1), generator=gen) / 64.0
-    x = (codes * scale + zero).reshape(*lead, n).movedim(-1, dim)
-    return x.to(dtype).to(device).contiguous()
+    x = (codes * scale + zero).reshape(*lead, n).movedim(-1, dim).to(dtype).to(device).contiguous()
+    if not params:
+        return x
+    codes = codes.reshape(*lead, n).movedim(-1, dim).to(torch.uint8).to(device)
+    scale, zero = (t[..., 0].movedim(-1, dim).to(dtype).to(device) for t in (scale, zero))
+    return x, codes, scale, zero
 
 
 def fake_quant_cache(k, v, fmt, length):

@@ -66,7 +66,7 @@ def test_demo_cpu():
     err4, err2, err16 = float(four[0]), float(two[0]), float(base[0])
     assert err16 < 1e-3 < err4 < 0.1 and err4 < err2 < 0.5
     ratio4, ratio2 = float(four[2].rstrip("x")), float(two[2].rstrip("x"))
-    assert ratio2 <= ratio4 < 0.5 and base[2] == "1.00x"  # equal at 1024 tokens: Nr is 256 for 2-bit
+    assert ratio2 <= ratio4 < 0.5 and base[2] == "1.000x"  # equal at 1024 tokens: Nr is 256 for 2-bit
 
 
 def test_demo_one_width_options(capsys, monkeypatch):
@@ -86,6 +86,12 @@ def test_demo_rejects_bad_options(args, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["demo", *args])
     assert exc.value.code == 2 and "error: argument" in capsys.readouterr().err
+
+
+def test_demo_backend_the_device_lacks(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["demo", "--device", "cpu", "--seqlen", "256", "--backend", "sm80"]) == 2
+    assert "backend 'sm80' runs CUDA kernels, but the tensors are on cpu" in capsys.readouterr().out
 
 
 def test_demo_cuda_without_gpu(capsys):

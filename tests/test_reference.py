@@ -160,13 +160,15 @@ def test_quantize_argument_errors(kwargs, exc, msg):
         reference.quantize(args["x"], args["bits"], args["group_size"])
 
 
-def test_on_grid_data_requantizes_exactly(gen):
-    for dtype in DTYPES:
-        for bits in (4, 2):
-            x = kvdata.on_grid(gen, (6, 128), bits, 32, dim=-1, dtype=dtype)
-            codes, scale, zero, x_hat = roundtrip(x, bits, 32, -1)
-            assert torch.equal(x_hat, x)
-            assert int(codes.min()) == 0 and int(codes.max()) == (1 << bits) - 1
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_on_grid_data_requantizes_exactly(dtype, bits, dim, gen, device):
+    x, codes, scale, zero = kvdata.on_grid(gen, (64, 96), bits, 32, dim=dim, dtype=dtype, device=device,
+                                           params=True)
+    got = roundtrip(x, bits, 32, dim)
+    for name, want, have in zip(("codes", "scale", "zero", "x_hat"), (codes, scale, zero, x), got):
+        assert torch.equal(have, want), name
 
 
 # --------------------------------------------------------------------------------------
