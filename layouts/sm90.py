@@ -82,15 +82,6 @@ def _traced(fn: Callable) -> Callable:
     return cached
 
 
-def _dtype(name: str):
-    import cutlass
-
-    table = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}
-    if name not in table:
-        raise ValueError(f"dtype must be one of {tuple(table)}, got {name!r}")
-    return table[name]
-
-
 # --------------------------------------------------------------------------------------
 # Derived sizes
 # --------------------------------------------------------------------------------------

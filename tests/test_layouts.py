@@ -635,3 +635,63 @@ def test_cli_layout_svg_parses(view, tmp_path):
     root = ET.parse(out).getroot()
     assert root.tag.endswith("svg")
     assert len(root.findall("{http://www.w3.org/2000/svg}rect")) > 16
+
+
+# --------------------------------------------------------------------------------------
+# Kernel-side constructors trace for their arch (no GPU)
+# --------------------------------------------------------------------------------------
+
+
+def test_sm90_constructors_trace():
+    from bitdecode.layouts._trace import evaluate
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+        import cutlass.utils.hopper_helpers as hopper
+        from cutlass.tensor_utils import LayoutEnum
+
+        f16 = cutlass.Float16
+        out = {"mma": tuple(sm90.make_wgmma(f16, 128).shape_mnk),
+               "rs": tuple(sm90.make_wgmma(cutlass.BFloat16, 64, a_from_registers=True).shape_mnk)}
+        q = sm90.make_q_smem_layout(f16, 6, 128)
+        out["q"] = (cute.size(q.outer, mode=[0]), cute.size(q.outer, mode=[1]))
+        kv = sm90.make_kv_smem_layout(f16, 4, "v", 128, stages=2)
+        ref = hopper.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, 128, 128), f16, 2)  # B: N = D, K = Nr
+        out["kv_same_as_hopper_helper"] = str(kv) == str(ref)
+        out["packed"] = str(sm90.make_packed_smem_layout(128, 64).inner)
+        out["stsm"] = tuple(sm90.make_dequant_stsm_copy(f16).tiler_mn[i].shape for i in range(2))
+        return out
+
+    got = evaluate(build, arch=sm90.TRACE_ARCH)
+    assert got["mma"] == (64, 128, 16) and got["rs"] == (64, 64, 16)
+    assert got["q"] == (64, 128)
+    assert got["kv_same_as_hopper_helper"]
+    assert got["packed"] == "S<2,4,3>"
+    assert got["stsm"] == (16, 16)
+
+
+def test_sm100_constructors_trace():
+    from bitdecode.layouts._trace import evaluate
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        mma = sm100.make_blockscaled_mma("nvfp4", 128)
+        sfa, sfb = sm100.make_sf_smem_layouts("nvfp4", mma, (128, 128, 256), 2)
+        return {
+            "nvfp4": tuple(mma.shape_mnk),
+            "mxfp4": tuple(sm100.make_blockscaled_mma("mxfp4", 16).shape_mnk),
+            "f16": tuple(sm100.make_f16_mma(cutlass.BFloat16, 64).shape_mnk),
+            "op": str(sm100.make_operand_smem_layout(cutlass.Float4E2M1FN, 128, 256, stages=2).inner),
+            "sf": cute.size(sm100.make_sf_layout("mxfp4", 128, 256)),
+            "sfa": cute.cosize(cute.filter_zeros(sfa)),
+            "sfb": cute.cosize(cute.filter_zeros(sfb)),
+        }
+
+    got = evaluate(build, arch=sm100.TRACE_ARCH)
+    assert got["nvfp4"] == (128, 128, 64) and got["mxfp4"] == (128, 16, 64) and got["f16"] == (128, 64, 16)
+    assert got["op"] == "S<3,4,3>"
+    assert got["sf"] == 128 * 256
+    assert got["sfa"] == got["sfb"] == 2 * 128 * 256 // 16  # two stages of 128 rows x 16 scales
