@@ -31,8 +31,9 @@ Reduction: lanes ``l, l^2, l^8, l^16`` hold the same four rows (``^2`` flips the
 half, ``^8``/``^16`` the tile), so three butterfly shuffles leave the warp's row sums in
 lanes 0, 1, 4, 5; the warps then meet in shared memory and 16 threads scale and store.
 
-Out-of-range groups (the last partial unroll step) are loaded as zero: zero codes add
-nothing to ``sum(c x)`` and zero activations nothing to ``sum(x)``.
+The last batch of a warp is padded with its last group again (an L2 hit) whose
+activation words are zeroed: it adds nothing to ``sum(c x)`` nor to ``sum(x)``, and all
+loads stay unpredicated, which lets ptxas issue a whole batch before the arithmetic.
 """
 
 from __future__ import annotations
@@ -152,26 +153,24 @@ class BitnetGemv:
         acc.fill(0)
         xsum = cute.make_rmem_tensor((1,), Int32)
         xsum.fill(0)
-        # groups warp, warp + W, ...: full batches of `unroll` loads, then one at a time
+        # Groups warp, warp + W, ...: batches of `unroll` loads issued before any is used.
+        # The last batch is padded with the warp's last group again: that re-read hits L2,
+        # and its activation words are zeroed, so it adds nothing to either sum.
         mine = (groups - warp + warps - 1) // warps
-        batches = mine // self.unroll
+        batches = (mine + self.unroll - 1) // self.unroll
         for it in cutlass.range(batches, unroll=1):
             wv = []
             xv = []
+            keep = []
             for u in cutlass.range_constexpr(self.unroll):
-                grp = (it * self.unroll + u) * warps + warp
+                j = it * self.unroll + u
+                grp = cutlass.min(j, mine - 1) * warps + warp
+                keep.append(cutlass.select_(j < mine, Int32(-1), Int32(0)))
                 wv.append(load_v4(w_lane + Int64(grp) * fmt.GROUP_BYTES, True))
                 xv.append(load_v4(x_lane + Int64(grp) * fmt.GROUP_K, False))
             for u in cutlass.range_constexpr(self.unroll):
-                self.dot_chunk(wv[u], xv[u], acc, xsum)
-        for j in cutlass.range(batches * self.unroll, mine, unroll=1):
-            grp = j * warps + warp
-            self.dot_chunk(
-                load_v4(w_lane + Int64(grp) * fmt.GROUP_BYTES, True),
-                load_v4(x_lane + Int64(grp) * fmt.GROUP_K, False),
-                acc,
-                xsum,
-            )
+                x = tuple(xv[u][i] & keep[u] for i in range(4))
+                self.dot_chunk(wv[u], x, acc, xsum)
 
         # Per row: undo the 4**i scaling of accumulator i and the +2 code offset.
         rows = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK,), Int32)
