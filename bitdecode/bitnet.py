@@ -263,6 +263,7 @@ def reference_gemm(
 # --------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _arch(device: torch.device) -> str:
     from . import jit
 
@@ -320,38 +321,57 @@ def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
     return torch.empty((m, n), dtype=torch.int32 if raw else torch.bfloat16, device=device)
 
 
-def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.Tensor:
-    from . import jit
+# (kind, device index, ...) -> compiled kernel (+ what launching it needs): the per-call
+# path is then a dict lookup, no config building or cache-key hashing.
+_LAUNCHERS: dict = {}
 
-    arch = _arch(x.device)
-    mod, cfg = _gemv_module(arch)
-    cfg = dataclasses.replace(cfg, raw=raw)
-    fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
+
+def _gemv_kernel(device: torch.device, raw: bool):
+    key = ("gemv", device.index, raw)
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        from . import jit
+
+        arch = _arch(device)
+        mod, cfg = _gemv_module(arch)
+        cfg = dataclasses.replace(cfg, raw=raw)
+        fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
+        hit = _LAUNCHERS[key] = (fn, mod, cfg)
+    return hit
+
+
+def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.Tensor:
+    fn, mod, cfg = _gemv_kernel(x.device, raw)
     x, w = _aligned(x), _aligned(w)
     out = _out(1, w.shape[0], raw, x.device)
-    warps = mod.warps_for(x.shape[1], cfg.unroll)
-    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], warps)
+    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], mod.warps_for(x.shape[1], cfg.unroll))
     return out
 
 
-def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:
-    from . import jit
-
-    arch = _arch(x.device)
-    m, n = x.shape[0], w.shape[0]
-    x, w = _aligned(x), _aligned(w)
-    out = _out(m, n, raw, x.device)
+def _gemm_kernel(device: torch.device, m: int, n: int, kernel: str, raw: bool):
+    arch = _arch(device)
     if kernel == "auto":
         kernel = _default_gemm_kernel(arch, m)
     if kernel == "wgmma":
         from .kernels_sm90 import bitnet_gemm as mod
-
-        cfg = dataclasses.replace(mod.config_for(m, n, _sm_count(x.device)), raw=raw)
     else:
         from .kernels_sm80 import bitnet_gemm as mod
+    cfg = dataclasses.replace(mod.config_for(m, n, _sm_count(device)), raw=raw)
+    key = ("gemm", device.index, kernel, cfg)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        from . import jit
 
-        cfg = dataclasses.replace(mod.config_for(m, n, _sm_count(x.device)), raw=raw)
-    fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
+        fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
+        _LAUNCHERS[key] = fn
+    return fn
+
+
+def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:
+    m, n = x.shape[0], w.shape[0]
+    fn = _gemm_kernel(x.device, m, n, kernel, raw)
+    x, w = _aligned(x), _aligned(w)
+    out = _out(m, n, raw, x.device)
     fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2])
     return out
 
@@ -530,6 +550,8 @@ class BitLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x must have {self.in_features} features in its last dimension, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
+        if x.numel() == 0:
+            return x.new_empty(*lead, self.out_features)
         q, s = quantize_activation(x.reshape(-1, self.in_features))
         if q.shape[0] == 1:
             y = gemv(q, self.weight_packed, s, self.weight_scale, self.segments, backend=self.backend)
