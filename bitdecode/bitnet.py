@@ -273,12 +273,17 @@ def _arch(device: torch.device) -> str:
 def _check_kernel_device(device: torch.device, what: str) -> None:
     if device.type != "cuda":
         raise ValueError(f"the {what} kernel runs on CUDA tensors, got tensors on {device}")
-    major, _ = torch.cuda.get_device_capability(device)
+    major = _major(device)
     if major < 8:
         raise ValueError(
             f"the {what} kernel needs compute capability 8.0 or newer (dp4a / int8 mma.sync), "
             f"{torch.cuda.get_device_name(device)} is sm_{major}x"
         )
+
+
+@functools.lru_cache(maxsize=None)
+def _major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -343,6 +348,7 @@ def _gemv_kernel(device: torch.device, raw: bool):
 def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.Tensor:
     fn, mod, cfg = _gemv_kernel(x.device, raw)
     x, w = _aligned(x), _aligned(w)
+    x_scale, w_scales = x_scale.contiguous(), w_scales.contiguous()
     out = _out(1, w.shape[0], raw, x.device)
     fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], mod.warps_for(x.shape[1], cfg.unroll))
     return out
@@ -371,6 +377,7 @@ def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: boo
     m, n = x.shape[0], w.shape[0]
     fn = _gemm_kernel(x.device, m, n, kernel, raw)
     x, w = _aligned(x), _aligned(w)
+    x_scale, w_scales = x_scale.contiguous(), w_scales.contiguous()
     out = _out(m, n, raw, x.device)
     fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2])
     return out
