@@ -165,7 +165,8 @@ def _splits(num_splits) -> int:
     return num_splits
 
 
-def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse, max_seqlen=None):
+def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse, max_seqlen=None,
+        plans=None):
     """Validated dispatch shared by ``decode`` and ``decode_attention``."""
     scale = _scale(softmax_scale, q.shape[-1])
     splits = _splits(num_splits)
@@ -176,7 +177,8 @@ def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_ls
         )
     from . import kernels
 
-    return kernels.decode(q, cache, scale, splits, return_lse, backend=backend, max_seqlen=max_seqlen)
+    return kernels.decode(q, cache, scale, splits, return_lse, backend=backend, max_seqlen=max_seqlen,
+                          plans=plans)
 
 
 def decode_attention(

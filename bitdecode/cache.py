@@ -42,6 +42,11 @@ class KVCache:
         self.seqlens = seqlens
         self.block_table = block_table
         self._host_lens: List[int] = [0] * k_res.shape[0]
+        # the storage tensors are fixed for the cache's lifetime (written in place only), so
+        # compiled-kernel plans built for them can be reused call after call
+        self._tensors = attention.CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res,
+                                               seqlens, block_table, fmt)
+        self._plans: dict = {}
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -125,8 +130,7 @@ class KVCache:
         return list(self._host_lens)
 
     def tensors(self) -> attention.CacheTensors:
-        return attention.CacheTensors(self.k_pack, self.k_params, self.v_pack, self.v_params,
-                                      self.k_res, self.v_res, self.seqlens, self.block_table, self.fmt)
+        return self._tensors
 
     def memory_bytes(self) -> int:
         """Bytes of all cache storage (packed pages, params, residual blocks, lengths, table)."""
@@ -208,11 +212,12 @@ class KVCache:
         """Attention of ``q`` ``[B, 1, Hq, D]`` over the cache (see ``bitdecode.decode``)."""
         if backend == "auto":
             backend = self.backend
-        backend = dispatch.resolve(backend, self.device)
-        cache = self.tensors()
+        elif backend != self.backend:
+            backend = dispatch.resolve(backend, self.device)
+        cache = self._tensors
         attention.check_query(q, cache, backend)
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
-                             backend=backend, return_lse=return_lse,
+                             backend=backend, return_lse=return_lse, plans=self._plans,
                              max_seqlen=max(self._host_lens, default=0))
 
     def dequantized(self, b: int):

@@ -67,6 +67,13 @@ def target_arch(device_index: Optional[int] = None) -> str:
     """CuTe DSL target for the current GPU: sm_80 / sm_86 / sm_89 / sm_90a / sm_100a ..."""
     import torch
 
+    return _target_arch(torch.cuda.current_device() if device_index is None else device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _target_arch(device_index: int) -> str:
+    import torch
+
     major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 

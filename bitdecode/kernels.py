@@ -9,7 +9,7 @@ they can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -197,8 +197,13 @@ def _pack_kernel(arch, fmt, dtype, d, mode):
 # --------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int) -> int:
@@ -217,35 +222,64 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
 # --------------------------------------------------------------------------------------
 
 
-def decode(q: torch.Tensor, cache: CacheTensors, softmax_scale: float, num_splits: int,
-           return_lse: bool, backend: str = "sm80", max_seqlen: Optional[int] = None):
+class DecodePlan:
+    """What a decode call needs that does not change between calls: the compiled kernels,
+    the split count, the cache tensors in the form the kernels take, and the split-KV
+    workspace.  Building it once per (cache, query shape, splits) keeps the per-call host
+    work to one output allocation and one or two TVM-FFI launches."""
+
+    def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int):
+        fmt = cache.fmt
+        bsz, _, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        dtype = _cute_dtype(q_dtype)
+        arch = jit.target_arch(device.index)
+        self.shape3 = (bsz, hq, d)
+        self.dtype = q_dtype
+        self.splits = splits
+        self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
+                       cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
+        nh = heads_tile(hq // hkv)
+        self.decode_fn = _decode_kernel(arch, fmt, dtype, d, nh, splits > 1)
+        if splits > 1:
+            self.combine_fn = _combine_kernel(arch, dtype, d)
+            self.o_part = torch.empty(splits, bsz, hq, d, dtype=torch.float32, device=device)
+            self.l_part = torch.empty(splits, bsz, hq, dtype=torch.float32, device=device)
+        self.lse = torch.empty(bsz, hq, dtype=torch.float32, device=device)
+
+    def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
+        q3 = q.view(self.shape3) if q.is_contiguous() else q.reshape(self.shape3)
+        out = torch.empty(self.shape3, dtype=self.dtype, device=q.device)
+        lse = torch.empty_like(self.lse) if return_lse else self.lse
+        if self.splits == 1:
+            self.decode_fn(q3, *self.static, out, lse, scale_log2)
+        else:
+            self.decode_fn(q3, *self.static, self.o_part, self.l_part, scale_log2)
+            self.combine_fn(self.o_part, self.l_part, out, lse)
+        out = out.view(q.shape)
+        return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
+
+
+def plan_for(cache: CacheTensors, q: torch.Tensor, num_splits: int, max_seqlen: Optional[int],
+             plans: Optional[dict] = None) -> DecodePlan:
     fmt = cache.fmt
-    bsz, _, hq, d = q.shape
-    hkv = cache.k_res.shape[2]
-    nh = heads_tile(hq // hkv)
-    dtype = _cute_dtype(q.dtype)
-    arch = jit.target_arch(q.device.index)
+    bsz, _, hq, _ = q.shape
     max_len = max_seqlen if max_seqlen is not None else cache.max_packed_tokens + fmt.residual_block
-    splits = num_splits or choose_splits(bsz, hkv, max_len, fmt, num_sms(q.device))
-    q3 = q.reshape(bsz, hq, d)
-    kp16 = cache.k_pack.view(torch.float16)
-    vp16 = cache.v_pack.view(torch.float16)
-    common = (q3, kp16, cache.k_params, vp16, cache.v_params, cache.k_res, cache.v_res,
-              cache.cache_seqlens, cache.block_table)
-    scale_log2 = softmax_scale * LOG2_E
-    out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
-    if splits == 1:
-        _decode_kernel(arch, fmt, dtype, d, nh, False)(*common, out, lse, scale_log2)
-    else:
-        o_part = torch.empty(splits, bsz, hq, d, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(splits, bsz, hq, dtype=torch.float32, device=q.device)
-        _decode_kernel(arch, fmt, dtype, d, nh, True)(*common, o_part, l_part, scale_log2)
-        _combine_kernel(arch, dtype, d)(o_part, l_part, out, lse)
-    out = out.view(bsz, 1, hq, d)
-    if return_lse:
-        return out, lse.view(bsz, 1, hq)
-    return out
+    splits = num_splits or choose_splits(bsz, cache.k_res.shape[2], max_len, fmt, num_sms(q.device))
+    if plans is None:
+        return DecodePlan(cache, tuple(q.shape), q.dtype, q.device, splits)
+    key = (tuple(q.shape), q.dtype, splits)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = DecodePlan(cache, key[0], q.dtype, q.device, splits)
+    return plan
+
+
+def decode(q: torch.Tensor, cache: CacheTensors, softmax_scale: float, num_splits: int,
+           return_lse: bool, backend: str = "sm80", max_seqlen: Optional[int] = None,
+           plans: Optional[dict] = None):
+    plan = plan_for(cache, q, num_splits, max_seqlen, plans)
+    return plan(q, softmax_scale * LOG2_E, return_lse)
 
 
 def _pack_call(cache, mode: str, src_k, src_v, lengths):

@@ -82,8 +82,11 @@ class PackSm80:
         warp_idx = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
         smem = cutlass.memory.SmemAllocator()
-        s_tile = smem.allocate_tensor(self.dtype, sm80.make_smem_layout(self.nr, 2 * self.d), 1024)
-        s_red = smem.allocate_tensor(Float32, cute.make_layout(max(self.red_bytes // 4, 4)), 16)
+        base = smem.allocate_array(cutlass.Uint8, self.tile_bytes + max(self.red_bytes, 16), byte_alignment=1024)
+        # the swizzle stays in the layout (16-bit element units), as the kernels' tables assume
+        s_tile = cute.make_tensor(cute.recast_ptr(base, dtype=self.dtype), sm80.make_smem_layout(self.nr, 2 * self.d))
+        s_red = cute.make_tensor(cute.recast_ptr(base + self.tile_bytes, dtype=Float32),
+                                 cute.make_layout(max(self.red_bytes // 4, 4)))
         length = mLens[b]
         if const_expr(self.mode == "prefill"):
             blk = x // 2
@@ -309,38 +312,37 @@ class PackSm80:
         c, g = lane % 4, lane // 4
         s_vt = cute.composition(s_tile, cute.make_layout((self.d, self.nr), stride=(self.nr, 1)))
         gm = self.group // 16  # channel m-tiles per group
+        words = {}
         for gi in cutlass.range_constexpr(self.d // self.group):
-            frags = []
-            for mm in cutlass.range_constexpr(gm):
-                view = cute.local_tile(s_vt, (16, self.t), (gi * gm + mm, warp_idx))
-                frags.append(self.fragments(view, lane, True))  # ((2,2,2), 1, T/16)
-            # per token (k-block kt, column v): min/max over the group's channels
-            zinv = {}
             for kt in cutlass.range_constexpr(self.kpw):
+                # V^T of the group's channels x one 16-token k-block, as decode loads it
+                view = cute.local_tile(s_vt, (self.group, 16), (gi, warp_idx * self.kpw + kt))
+                frag = self.fragments(view, lane, True)  # ((2,2,2), G/16, 1)
                 for v in cutlass.range_constexpr(4):
+                    # one token: min/max over the group's channels (rows g, g+8 of each m-tile)
                     mn = Float32.inf
                     mx = -Float32.inf
                     for mm in cutlass.range_constexpr(gm):
                         for h in cutlass.range_constexpr(2):
-                            x = Float32(frags[mm][(v % 2, h, v // 2), 0, kt])
+                            x = Float32(frag[(v % 2, h, v // 2), mm, 0])
                             mn = ptx.fmin(mn, x)
                             mx = ptx.fmax(mx, x)
                     for o in cutlass.range_constexpr(3):
                         mn = ptx.fmin(mn, ptx.shfl_bfly(mn, 4 << o))
                         mx = ptx.fmax(mx, ptx.shfl_bfly(mx, 4 << o))
                     word, zero, inv = self.params(mn, mx)
-                    zinv[(kt, v)] = (zero, inv)
                     if g == 0:
                         tile16 = (off + warp_idx * self.t) // 16 + kt
                         mVs[page, head, tile16, gi, 4 * c + v] = Int32(word)
+                    shift = packing.shift_of_element(self.bits, 4 * kt + v)
+                    for mm in cutlass.range_constexpr(gm):
+                        for h in cutlass.range_constexpr(2):
+                            x = Float32(frag[(v % 2, h, v // 2), mm, 0])
+                            bits = self.code(x, zero, inv) << shift
+                            key = (gi, mm, h)
+                            words[key] = bits if const_expr(key not in words) else words[key] | bits
+        for gi in cutlass.range_constexpr(self.d // self.group):
             for mm in cutlass.range_constexpr(gm):
                 for h in cutlass.range_constexpr(2):
-                    word = Uint32(0)
-                    for kt in cutlass.range_constexpr(self.kpw):
-                        for v in cutlass.range_constexpr(4):
-                            x = Float32(frags[mm][(v % 2, h, v // 2), 0, kt])
-                            zero, inv = zinv[(kt, v)]
-                            shift = packing.shift_of_element(self.bits, 4 * kt + v)
-                            word = word | (self.code(x, zero, inv) << shift)
                     d = 16 * (gi * gm + mm) + 8 * h + g
-                    mVp[page, head, off // self.nr, d, 4 * warp_idx + c] = Int32(word)
+                    mVp[page, head, off // self.nr, d, 4 * warp_idx + c] = Int32(words[(gi, mm, h)])
