@@ -159,9 +159,14 @@ def _scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+MAX_SPLITS = 256
+
+
 def _splits(num_splits) -> int:
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 picks a heuristic), got {num_splits!r}")
+    if (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
+            or num_splits > MAX_SPLITS):
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 picks a heuristic), "
+                         f"got {num_splits!r}")
     return num_splits
 
 

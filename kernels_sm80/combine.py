@@ -2,69 +2,111 @@
 
 out[b, h] = sum_s exp(lse_s - lse) * o_s,  lse = log sum_s exp(lse_s).  Splits that saw
 no tokens carry lse = -inf and weight 0; a row with no tokens at all gives 0 and -inf.
-One CTA merges ``rows_per_cta`` (batch, head) rows; each thread owns 4 consecutive
-channels so the partials stream in with 16-byte loads.
+
+One CTA merges one (batch, head) row and works on all splits at once, so the latency is
+a few dependent loads whatever the split count: every thread fetches split LSEs, the CTA
+reduces max and sum through warp shuffles and shared memory, and then threads split the
+(split, channel) grid, each streaming 16-byte partial vectors of several splits before a
+shared-memory reduction over split groups.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from . import ptx
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 NUM_THREADS = 128
+NUM_WARPS = NUM_THREADS // 32
 VEC = 4
+MAX_SPLITS = 256
 
 
 class CombineSm80:
     def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
         self.d = head_dim
-        self.threads_per_row = head_dim // VEC
-        self.rows_per_cta = NUM_THREADS // self.threads_per_row
+        self.vecs = head_dim // VEC  # threads per split row
+        self.groups = NUM_THREADS // self.vecs  # split groups working in parallel
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, stream):
         # mOp (S, B, Hq, D) f32, mLp (S, B, Hq) f32, mO (B, Hq, D) dtype, mL (B, Hq) f32
-        rows = mO.shape[0] * mO.shape[1]
-        grid = ((rows + self.rows_per_cta - 1) // self.rows_per_cta, 1, 1)
+        grid = (mO.shape[0] * mO.shape[1], 1, 1)
         self.kernel(mOp, mLp, mO, mL).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def block_reduce(self, x: Float32, s_red, tid, is_max: cutlass.Constexpr[bool]) -> Float32:
+        for off in cutlass.range_constexpr(5):
+            y = ptx.shfl_bfly(x, 1 << off)
+            if const_expr(is_max):
+                x = ptx.fmax(x, y)
+            else:
+                x = x + y
+        if tid % 32 == 0:
+            s_red[tid // 32] = x
+        cute.arch.sync_threads()
+        r = s_red[0]
+        for w in cutlass.range_constexpr(1, NUM_WARPS):
+            if const_expr(is_max):
+                r = ptx.fmax(r, s_red[w])
+            else:
+                r = r + s_red[w]
+        cute.arch.sync_threads()
+        return r
 
     @cute.kernel
     def kernel(self, mOp, mLp, mO, mL):
         tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
+        row, _, _ = cute.arch.block_idx()
         num_splits, heads = mOp.shape[0], mO.shape[1]
-        row = cta * self.rows_per_cta + tid // self.threads_per_row
-        col = (tid % self.threads_per_row) * VEC
-        if row < mO.shape[0] * heads:
-            b = row // heads
-            h = row - b * heads
-            m = -Float32.inf
-            for s in cutlass.range(num_splits, unroll=4):
-                m = ptx.fmax(m, mLp[s, b, h])
-            m_use = m if m != -Float32.inf else Float32(0.0)
-            acc = cute.make_rmem_tensor((VEC,), Float32)
-            acc.fill(0.0)
-            part = cute.make_rmem_tensor((VEC,), Float32)
-            total = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=2):
-                w = ptx.ex2((mLp[s, b, h] - m_use) * LOG2_E)
-                total += w
-                src = cute.local_tile(mOp[s, b, h, None], (VEC,), (col // VEC,))
-                cute.autovec_copy(src, part)
-                for i in cutlass.range_constexpr(VEC):
-                    acc[i] = acc[i] + w * part[i]
-            inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
+        b = row // heads
+        h = row - b * heads
+        smem = cutlass.memory.SmemAllocator()
+        s_w = smem.allocate_tensor(Float32, cute.make_layout(MAX_SPLITS), 16)
+        s_red = smem.allocate_tensor(Float32, cute.make_layout(NUM_WARPS), 16)
+        s_acc = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.vecs, self.groups),
+                                                               stride=(1, VEC, VEC * self.vecs)), 16)
+        # 1. the splits' LSEs: CTA-wide max, then weights exp(lse_s - max) and their sum
+        m = -Float32.inf
+        for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
+            m = ptx.fmax(m, mLp[s, b, h])
+        m = self.block_reduce(m, s_red, tid, True)
+        m_use = m if m != -Float32.inf else Float32(0.0)
+        total = Float32(0.0)
+        for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
+            w = ptx.ex2((mLp[s, b, h] - m_use) * LOG2_E)
+            s_w[s] = w
+            total += w
+        total = self.block_reduce(total, s_red, tid, False)
+        inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
+        # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
+        vec = tid % self.vecs
+        grp = tid // self.vecs
+        acc = cute.make_rmem_tensor((VEC,), Float32)
+        acc.fill(0.0)
+        part = cute.make_rmem_tensor((VEC,), Float32)
+        for s in cutlass.range(grp, num_splits, self.groups, unroll=4):
+            cute.autovec_copy(cute.local_tile(mOp[s, b, h, None], (VEC,), (vec,)), part)
+            w = s_w[s]
+            for i in cutlass.range_constexpr(VEC):
+                acc[i] = acc[i] + w * part[i]
+        for i in cutlass.range_constexpr(VEC):
+            s_acc[i, vec, grp] = acc[i]
+        cute.arch.sync_threads()
+        if grp == 0:
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             for i in cutlass.range_constexpr(VEC):
-                out[i] = self.dtype(acc[i] * inv)
-            cute.autovec_copy(out, cute.local_tile(mO[b, h, None], (VEC,), (col // VEC,)))
-            if col == 0:
+                x = s_acc[i, vec, 0]
+                for g in cutlass.range_constexpr(1, self.groups):
+                    x += s_acc[i, vec, g]
+                out[i] = self.dtype(x * inv)
+            cute.autovec_copy(out, cute.local_tile(mO[b, h, None], (VEC,), (vec,)))
+            if vec == 0:
                 lse = -Float32.inf
                 if total > Float32(0.0):
                     lse = m + ptx.lg2(total) * LN_2

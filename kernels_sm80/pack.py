@@ -313,18 +313,18 @@ class PackSm80:
         s_vt = cute.composition(s_tile, cute.make_layout((self.d, self.nr), stride=(self.nr, 1)))
         gm = self.group // 16  # channel m-tiles per group
         words = {}
-        for gi in cutlass.range_constexpr(self.d // self.group):
-            for kt in cutlass.range_constexpr(self.kpw):
-                # V^T of the group's channels x one 16-token k-block, as decode loads it
-                view = cute.local_tile(s_vt, (self.group, 16), (gi, warp_idx * self.kpw + kt))
-                frag = self.fragments(view, lane, True)  # ((2,2,2), G/16, 1)
+        for kt in cutlass.range_constexpr(self.kpw):
+            # V^T (all D channels x one 16-token k-block), loaded exactly as decode loads it
+            view = cute.local_tile(s_vt, (self.d, 16), (0, warp_idx * self.kpw + kt))
+            frag = self.fragments(view, lane, True)  # ((2,2,2), D/16, 1)
+            for gi in cutlass.range_constexpr(self.d // self.group):
                 for v in cutlass.range_constexpr(4):
                     # one token: min/max over the group's channels (rows g, g+8 of each m-tile)
                     mn = Float32.inf
                     mx = -Float32.inf
                     for mm in cutlass.range_constexpr(gm):
                         for h in cutlass.range_constexpr(2):
-                            x = Float32(frag[(v % 2, h, v // 2), mm, 0])
+                            x = Float32(frag[(v % 2, h, v // 2), gi * gm + mm, 0])
                             mn = ptx.fmin(mn, x)
                             mx = ptx.fmax(mx, x)
                     for o in cutlass.range_constexpr(3):
@@ -337,7 +337,7 @@ class PackSm80:
                     shift = packing.shift_of_element(self.bits, 4 * kt + v)
                     for mm in cutlass.range_constexpr(gm):
                         for h in cutlass.range_constexpr(2):
-                            x = Float32(frag[(v % 2, h, v // 2), mm, 0])
+                            x = Float32(frag[(v % 2, h, v // 2), gi * gm + mm, 0])
                             bits = self.code(x, zero, inv) << shift
                             key = (gi, mm, h)
                             words[key] = bits if const_expr(key not in words) else words[key] | bits
