@@ -20,7 +20,7 @@ from .formats import KVFormat
 from .layouts import sm80
 
 LOG2_E = 1.4426950408889634
-CTAS_PER_SM = 3  # decode CTAs resident per SM (registers bound it at ~3 x 4 warps)
+CTAS_PER_SM = 3  # default decode CTAs resident per SM (see ctas_per_sm)
 MIN_TILES_PER_SPLIT = 2
 
 _TORCH_TO_CUTE = {}
@@ -206,11 +206,21 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int) -> int:
-    """Enough CTAs to fill the GPU (``CTAS_PER_SM`` per SM), at least two tiles per split."""
+def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int) -> int:
+    """Decode CTAs resident per SM, as the register counts ptxas reports for sm_90a give it
+    (4-bit D<=128 with 8 head columns: 128 regs -> 4; 2-bit: 168 -> 3; D=256 or 16 head
+    columns: 211-255 -> 2)."""
+    if head_dim > 128 or nh > 8:
+        return 2
+    return 4 if fmt.bits == 4 else 3
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int,
+                  per_sm: int = CTAS_PER_SM) -> int:
+    """Enough CTAs to fill the GPU (``per_sm`` per SM), at least two tiles per split."""
     tiles = max(1, -(-max_len // fmt.residual_block))
     base = batch * kv_heads
-    target = sms * CTAS_PER_SM
+    target = sms * per_sm
     if base >= target:
         return 1
     splits = -(-target // base)
@@ -265,7 +275,9 @@ def plan_for(cache: CacheTensors, q: torch.Tensor, num_splits: int, max_seqlen: 
     fmt = cache.fmt
     bsz, _, hq, _ = q.shape
     max_len = max_seqlen if max_seqlen is not None else cache.max_packed_tokens + fmt.residual_block
-    splits = num_splits or choose_splits(bsz, cache.k_res.shape[2], max_len, fmt, num_sms(q.device))
+    hkv, d = cache.k_res.shape[2], q.shape[3]
+    splits = num_splits or choose_splits(bsz, hkv, max_len, fmt, num_sms(q.device),
+                                         ctas_per_sm(fmt, d, heads_tile(hq // hkv)))
     if plans is None:
         return DecodePlan(cache, tuple(q.shape), q.dtype, q.device, splits)
     key = (tuple(q.shape), q.dtype, splits)
