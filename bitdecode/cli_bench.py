@@ -1,0 +1,66 @@
+"""``bitdecode bench``: the benchmark sweeps of ``profiles/`` (needs a GPU and a source checkout).
+
+``bitdecode bench decode`` times decode (4 and 2 bits) against torch SDPA on the 16-bit
+cache and the measured bandwidth roofline, plus prefill packing, append latency and a
+CUDA-graph run; ``bitdecode bench bitnet`` times the W2A8 GEMV/GEMM against bf16.
+Results go to ``profiles/<gpu>/<name>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+SUITES = {"decode": "bench_decode.py", "bitnet": "bench_bitnet.py"}
+
+
+def profiles_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "profiles"
+
+
+def add_parser(sub, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=sorted(SUITES), help="which benchmark")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default profiles/<gpu>)")
+    p.add_argument("--quick", action="store_true", help="a few points only (smoke run)")
+
+
+def _load(suite: str):
+    path = profiles_dir() / SUITES[suite]
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run the benchmarks from a source checkout")
+    spec = importlib.util.spec_from_file_location(f"bitdecode_bench_{suite}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def gpu_dirname() -> str:
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    for key in ("h200", "h100", "a100", "b200", "l40", "4090"):
+        if key in name:
+            return key
+    return name.replace(" ", "_")
+
+
+def run(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]bitdecode bench needs a CUDA GPU[/red]")
+        return 2
+    mod = _load(args.suite)
+    out = args.out or profiles_dir() / gpu_dirname()
+    with Progress(console=console) as progress:
+        result = mod.run(out, quick=args.quick, progress=progress)
+    if hasattr(mod, "print_summary"):
+        mod.print_summary(result)
+    console.print(f"results in {out}")
+    return 0
