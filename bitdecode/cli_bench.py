@@ -58,7 +58,8 @@ def run(args) -> int:
         return 2
     mod = _load(args.suite)
     out = args.out or profiles_dir() / gpu_dirname()
-    with Progress(console=console) as progress:
+    # no refresh thread: it would take the GIL from the eager timings
+    with Progress(console=console, auto_refresh=False) as progress:
         result = mod.run(out, quick=args.quick, progress=progress)
     if hasattr(mod, "print_summary"):
         mod.print_summary(result)

@@ -122,7 +122,10 @@ def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, spli
 
     from .kernels_sm80.decode import DecodeSm80
 
-    kernel = DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split)
+    # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
+    min_blocks = ctas_per_sm(fmt, head_dim, nh) if ctas_per_sm(fmt, head_dim, nh) == 4 else 0
+    kernel = DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
+                        min_blocks_per_sm=min_blocks)
     args = decode_args(fmt, dtype, head_dim, split)
     return cute.compile(kernel, *args, cutlass.Float32(1.0), _stream(),
                         options=jit.compile_options(arch, keep_ptx=keep_ptx))

@@ -63,6 +63,7 @@ class DecodeSm80:
         heads_tile: int,
         split: bool,
         num_stages: int = 0,
+        min_blocks_per_sm: int = 0,
     ):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in (8, 16)
@@ -74,6 +75,7 @@ class DecodeSm80:
         self.d = head_dim
         self.nh = heads_tile
         self.split = split
+        self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
         self.nr = sm80.residual_block(bits)
         self.t = sm80.tokens_per_warp(bits)  # tokens per warp per tile
         self.kpw = sm80.k_blocks_per_word(bits)  # token k-blocks per V word
@@ -116,7 +118,9 @@ class DecodeSm80:
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+                    softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                                               min_blocks_per_mp=self.min_blocks_per_sm,
+                                               preferred_smem_carveout=100)
 
     # ---------------------------------------------------------------------------------
     # Device side
@@ -186,9 +190,11 @@ class DecodeSm80:
                                union + ((it + self.num_stages - 1) % self.num_stages) * self.stage_bytes, tid)
             cute.arch.cp_async_commit_group()
             stage = union + (it % self.num_stages) * self.stage_bytes
+            # V's words are fetched first so their smem latency hides under Q.K^T and softmax
+            v_words = self.load_v_words(stage, warp_idx, lane)
             acc_s = self.scores_packed(mma, thr_mma, dq, tQrQ, stage, warp_idx, lane)
             self.online_softmax(acc_s, acc_o, row_max, row_sum, softmax_scale_log2, None, 0)
-            self.pv_packed(mma, thr_mma, dq, acc_s, acc_o, stage, warp_idx, lane)
+            self.pv_packed(mma, thr_mma, dq, acc_s, acc_o, stage, v_words, warp_idx, lane)
 
         # ---- the 16-bit residual block ---------------------------------------------
         cute.arch.cp_async_wait_group(0)
@@ -403,11 +409,14 @@ class DecodeSm80:
     # ---------------------------------------------------------------------------------
     # Packed tile: O^T += V^T P^T
     # ---------------------------------------------------------------------------------
-    @cute.jit
-    def pv_packed(self, mma, thr_mma, dq, acc_s, acc_o, stage, warp_idx, lane):
-        _, vp, _, vs = self.stage_tensors(stage)
+    def load_v_words(self, stage, warp_idx, lane):
+        _, vp, _, _ = self.stage_tensors(stage)
         slice_v = cute.local_tile(vp, (self.d, 8), (0, warp_idx))  # chunk `warp` of every row
-        words = self.load_packed_words(slice_v, lane)
+        return self.load_packed_words(slice_v, lane)
+
+    @cute.jit
+    def pv_packed(self, mma, thr_mma, dq, acc_s, acc_o, stage, words, warp_idx, lane):
+        _, _, _, vs = self.stage_tensors(stage)
         frag_p = self.p_fragments(thr_mma, acc_s, self.t)
         c = lane % 4
         for kt in cutlass.range_constexpr(self.kpw):
