@@ -1,0 +1,76 @@
+"""Compile the sm80 kernel family for sm_80, sm_90a and sm_100a on the CPU and check the PTX.
+
+No GPU is needed: CuTe DSL compiles against fake tensors with ``--gpu-arch``.  The design
+requires tensor-core MMAs fed by ldmatrix, lop3 dequantization and cp.async loads; the
+decode kernel must not spill (checked with ptxas when it is installed).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+cutlass = pytest.importorskip("cutlass")
+
+from bitdecode import KVFormat, kernels  # noqa: E402
+
+ARCHS = ("sm_80", "sm_90a", "sm_100a")
+
+# (bits, k_mode, group, dtype, head_dim, heads per tile, split)
+DECODE = [
+    (4, "channel", 128, "fp16", 128, 8, True),
+    (2, "token", 32, "bf16", 64, 16, False),
+]
+
+
+def _dtype(name):
+    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
+
+
+def _spills(ptx: str, arch: str, tmp_path) -> int:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas not installed: spill check skipped")
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    if res.returncode != 0 and "Unsupported" in res.stderr + res.stdout:
+        pytest.skip(f"this ptxas cannot assemble {arch}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr + res.stdout)
+    assert found, res.stderr[-2000:]
+    return sum(int(a) + int(b) for a, b in found)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg", DECODE, ids=lambda c: f"{c[0]}b-{c[1]}-g{c[2]}-{c[3]}-d{c[4]}-h{c[5]}-{'split' if c[6] else 'direct'}")
+def test_decode_ptx(arch, cfg, tmp_path):
+    bits, mode, g, dtype, d, nh, split = cfg
+    fn = kernels.compile_decode(arch, KVFormat(bits, mode, g), _dtype(dtype), d, nh, split, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    assert f".target {arch}" in ptx
+    for instr in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "lop3.b32", "cp.async",
+                  "movmatrix.sync.aligned.m8n8.trans.b16"):
+        assert instr in ptx, f"{instr} missing from the {arch} decode PTX"
+    assert ".local" not in ptx, "the decode kernel keeps a local-memory array"
+    if arch == "sm_90a":
+        assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the decode kernel"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pack_ptx(arch):
+    fn = kernels.compile_pack(arch, KVFormat(4, "channel", 128), cutlass.Float16, 128, "append", keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    for instr in ("ldmatrix.sync.aligned", "cp.async", "shfl.sync.bfly", "cvt.rni.f32.f32", "cvt.rz.f16.f32",
+                  "rcp.rn.f32"):
+        assert instr in ptx, f"{instr} missing from the {arch} pack PTX"
+
+
+def test_combine_ptx():
+    fn = kernels.compile_combine("sm_80", cutlass.BFloat16, 128, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    assert "ex2.approx" in ptx and "ld.global" in ptx
