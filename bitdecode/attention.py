@@ -149,7 +149,7 @@ def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
         )
 
 
-def _scale(softmax_scale, head_dim: int) -> float:
+def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -173,7 +173,7 @@ def _splits(num_splits) -> int:
 def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse, max_seqlen=None,
         plans=None):
     """Validated dispatch shared by ``decode`` and ``decode_attention``."""
-    scale = _scale(softmax_scale, q.shape[-1])
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     splits = _splits(num_splits)
     if backend == "reference":
         return reference.decode(

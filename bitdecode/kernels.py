@@ -261,15 +261,15 @@ class DecodePlan:
         self.lse = torch.empty(bsz, hq, dtype=torch.float32, device=device)
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
-        q3 = q.view(self.shape3) if q.is_contiguous() else q.reshape(self.shape3)
-        out = torch.empty(self.shape3, dtype=self.dtype, device=q.device)
+        q3 = q.reshape(self.shape3)
+        out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
+        out3 = out.view(self.shape3)
         lse = torch.empty_like(self.lse) if return_lse else self.lse
         if self.splits == 1:
-            self.decode_fn(q3, *self.static, out, lse, scale_log2)
+            self.decode_fn(q3, *self.static, out3, lse, scale_log2)
         else:
             self.decode_fn(q3, *self.static, self.o_part, self.l_part, scale_log2)
-            self.combine_fn(self.o_part, self.l_part, out, lse)
-        out = out.view(q.shape)
+            self.combine_fn(self.o_part, self.l_part, out3, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 
