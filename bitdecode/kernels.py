@@ -322,3 +322,17 @@ def append(cache, k: torch.Tensor, v: torch.Tensor) -> None:
     """One launch: fill the residual blocks, pack the ones that complete; then lengths += T."""
     _pack_call(cache, "append", k.contiguous(), v.contiguous(), cache.seqlens)
     cache.seqlens.add_(k.shape[1])
+
+
+def compile_dequant_probe(arch: str, dtype, bits: int, length: int, keep_ptx: bool = False):
+    """The one-warp ldmatrix + lop3 probe of ``kernels_sm80.dequant_probe`` (a layout test)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels_sm80.dequant_probe import DequantProbe
+
+    probe = DequantProbe(dtype, bits, length)
+    words = sm80.words_per_row(bits, length)
+    args = [fake_tensor(cutlass.Float16, (32, 2 * words)), fake_tensor(cutlass.Int32, (32, length)),
+            fake_tensor(cutlass.Int32, (32, 4, words // sm80.CHUNK_WORDS, probe.pairs))]
+    return cute.compile(probe, *args, _stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))

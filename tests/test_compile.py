@@ -74,3 +74,10 @@ def test_combine_ptx():
     fn = kernels.compile_combine("sm_80", cutlass.BFloat16, 128, keep_ptx=True)
     ptx = fn.artifacts.PTX
     assert "ex2.approx" in ptx and "ld.global" in ptx
+
+
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
+def test_dequant_probe_ptx(arch):
+    fn = kernels.compile_dequant_probe(arch, cutlass.BFloat16, 2, 256, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    assert "ldmatrix.sync.aligned" in ptx and "lop3.b32" in ptx and "fma.rn.bf16x2" in ptx
