@@ -83,8 +83,17 @@ def compile_options(arch: str, *, tvm_ffi: bool = True, keep_ptx: bool = False) 
     if tvm_ffi:
         opts.append("--enable-tvm-ffi")
     if keep_ptx:
-        opts.append("--keep-ptx")
+        # the PTX text comes back in ``compiled.artifacts.PTX``; the file CuTe DSL also
+        # writes goes to a scratch dir rather than the current directory
+        opts.append(f"--keep-ptx --dump-dir {_ptx_dump_dir()}")
     return " ".join(opts)
+
+
+@functools.lru_cache(maxsize=1)
+def _ptx_dump_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="bitdecode-ptx-")
 
 
 class KernelCache:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from bitdecode import bitnet as bn
+from bitdecode import jit
 from bitdecode.layouts import bitnet as L
 
 MODEL_SHAPES = [
@@ -494,7 +495,7 @@ def test_gemv_compiles(arch):
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
     cfg = v90.SM90 if arch == "sm_90a" else v80.SM80
-    ptx = _ptx(v80.compile_gemv(cfg, f"--gpu-arch {arch} --enable-tvm-ffi --keep-ptx"))
+    ptx = _ptx(v80.compile_gemv(cfg, jit.compile_options(arch, keep_ptx=True)))
     assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx and "dp4a.s32.s32" in ptx
     assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx and "shfl.sync.bfly" in ptx
 
@@ -504,7 +505,7 @@ def test_mma_gemm_compiles(arch):
     from bitdecode.kernels_sm80 import bitnet_gemm as g80
 
     for m in (16, 256):
-        ptx = _ptx(g80.compile_gemm(g80.config_for(m, 4096, 132), f"--gpu-arch {arch} --enable-tvm-ffi --keep-ptx"))
+        ptx = _ptx(g80.compile_gemm(g80.config_for(m, 4096, 132), jit.compile_options(arch, keep_ptx=True)))
         assert "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32" in ptx and "lop3.b32" in ptx
 
 
@@ -512,7 +513,7 @@ def test_wgmma_gemm_compiles():
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     for m, n in ((64, 2560), (256, 20480)):
-        ptx = _ptx(g90.compile_gemm(g90.config_for(m, n, 132), "--gpu-arch sm_90a --enable-tvm-ffi --keep-ptx"))
+        ptx = _ptx(g90.compile_gemm(g90.config_for(m, n, 132), jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.u8.s8" in ptx
 
 
