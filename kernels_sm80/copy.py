@@ -5,7 +5,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import const_expr
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warp
 
 CHUNK_BITS = 128
 
@@ -70,3 +70,16 @@ def copy_rows_two_sources(g_first: cute.Tensor, g_second: cute.Tensor, sdst: cut
                 cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
             else:
                 cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
+
+
+def load_a_fragments(mma, view: cute.Tensor, lane, transpose: bool):
+    """MMA A-operand fragments of a (16*m, 16*k) smem view, loaded with ldmatrix x4
+    (``transpose`` for a view whose rows are contiguous along M, e.g. V^T)."""
+    thr_mma = mma.get_slice(lane)
+    atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4),
+                               view.element_type)
+    copy = cute.make_tiled_copy_A(atom, mma)
+    thr = copy.get_slice(lane)
+    frag = thr_mma.make_fragment_A(thr_mma.partition_A(view))
+    cute.copy(copy, thr.partition_S(view), thr.retile(frag))
+    return frag

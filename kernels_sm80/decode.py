@@ -33,7 +33,7 @@ from cutlass.cute.nvgpu import warp
 
 from ..layouts import sm80
 from . import ptx
-from .copy import copy_rows, g2s_atom
+from .copy import copy_rows, g2s_atom, load_a_fragments
 from .dequant import WordDequant, broadcast_params, split_params
 from .tensors import aligned_ptr, assume_aligned
 
@@ -462,11 +462,7 @@ class DecodeSm80:
 
         # S^T = K Q^T over this warp's 16 tokens
         sK_w = cute.local_tile(sK, (RES_ROWS_PER_WARP, self.d), (warp_idx, 0))
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        copy_k = cute.make_tiled_copy_A(ldsm, mma)
-        thr_k = copy_k.get_slice(lane)
-        frag_k = thr_mma.make_fragment_A(thr_mma.partition_A(sK_w))
-        cute.copy(copy_k, thr_k.partition_S(sK_w), thr_k.retile(frag_k))
+        frag_k = load_a_fragments(mma, sK_w, lane, False)
         acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((RES_ROWS_PER_WARP, self.nh)), Float32)
         acc_s.fill(0.0)
         for kt in cutlass.range_constexpr(self.d // 16):
@@ -476,11 +472,7 @@ class DecodeSm80:
         # O^T += V^T P^T: V^T (D x tokens) through a transposing ldmatrix
         sVt = cute.composition(sV, cute.make_layout((self.d, RES_SUBTILE), stride=(RES_SUBTILE, 1)))
         sVt_w = cute.local_tile(sVt, (self.d, RES_ROWS_PER_WARP), (0, warp_idx))
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-        copy_v = cute.make_tiled_copy_A(ldsm_t, mma)
-        thr_v = copy_v.get_slice(lane)
-        frag_v = thr_mma.make_fragment_A(thr_mma.partition_A(sVt_w))
-        cute.copy(copy_v, thr_v.partition_S(sVt_w), thr_v.retile(frag_v))
+        frag_v = load_a_fragments(mma, sVt_w, lane, True)
         frag_p = self.p_fragments(thr_mma, acc_s, RES_ROWS_PER_WARP)
         cute.gemm(mma, acc_o, frag_v[None, None, 0], frag_p[None, None, 0], acc_o)
 

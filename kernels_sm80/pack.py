@@ -26,11 +26,10 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
-from cutlass.cute.nvgpu import warp
 
 from ..layouts import packing, sm80
 from . import ptx
-from .copy import copy_rows, copy_rows_two_sources
+from .copy import copy_rows, copy_rows_two_sources, load_a_fragments
 from .tensors import assume_aligned
 
 NUM_WARPS = sm80.WARPS_N
@@ -190,15 +189,8 @@ class PackSm80:
         return page, tok - (tok // page_size) * page_size
 
     def fragments(self, view, lane, transpose: bool):
-        """A-operand fragments of a (16k rows, 16n cols) smem view, as loaded for the MMA."""
-        mma = sm80.make_mma(self.dtype)
-        thr_mma = mma.get_slice(lane)
-        atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), self.dtype)
-        copy = cute.make_tiled_copy_A(atom, mma)
-        thr = copy.get_slice(lane)
-        frag = thr_mma.make_fragment_A(thr_mma.partition_A(view))
-        cute.copy(copy, thr.partition_S(view), thr.retile(frag))
-        return frag
+        """A-operand fragments of a smem view, loaded exactly as the decode kernel loads them."""
+        return load_a_fragments(sm80.make_mma(self.dtype), view, lane, transpose)
 
     # ---------------------------------------------------------------------------------
     # K: rows = tokens, columns = channels

@@ -254,18 +254,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="output dir (default profiles/<gpu>)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
+    from bitdecode.cli_bench import gpu_dirname
+
     out = args.out or Path(__file__).parent / gpu_dirname()
     res = run(out, quick=args.quick)
     print_summary(res)
     return 0
-
-
-def gpu_dirname() -> str:
-    name = torch.cuda.get_device_name().lower()
-    for key in ("h200", "h100", "a100", "b200", "l40", "4090"):
-        if key in name:
-            return key
-    return name.replace(" ", "_")
 
 
 def print_summary(res: dict) -> None:
