@@ -146,13 +146,13 @@ def pack_params(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """(scale, zero) -> one int32 word: scale in the low 16 bits, zero in the high."""
     s = scale.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     z = zero.contiguous().view(torch.int16).to(torch.int32)
-    return s | (z << 16)
+    return (s << packing.PARAM_SCALE_SHIFT) | (z << packing.PARAM_ZERO_SHIFT)
 
 
 def unpack_params(words: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    lo = (words & 0xFFFF).to(torch.int32)
+    lo = ((words >> packing.PARAM_SCALE_SHIFT) & 0xFFFF).to(torch.int32)
     lo = torch.where(lo >= 2**15, lo - 2**16, lo).to(torch.int16)
-    hi = (words >> 16).to(torch.int16)
+    hi = (words >> packing.PARAM_ZERO_SHIFT).to(torch.int16)
     return lo.view(dtype), hi.view(dtype)
 
 

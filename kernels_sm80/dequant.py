@@ -60,9 +60,9 @@ class WordDequant:
 
 def split_params(p0, p1):
     """Two (scale, zero) words -> (scale pair, zero pair) for adjacent fragment columns."""
-    return ptx.prmt(p0, p1, 0x5410), ptx.prmt(p0, p1, 0x7632)
+    return ptx.prmt(p0, p1, packing.PRMT_LOW_HALVES), ptx.prmt(p0, p1, packing.PRMT_HIGH_HALVES)
 
 
 def broadcast_params(p):
     """One (scale, zero) word -> (scale, scale), (zero, zero)."""
-    return ptx.prmt(p, p, 0x1010), ptx.prmt(p, p, 0x3232)
+    return ptx.prmt(p, p, packing.PRMT_LOW_BROADCAST), ptx.prmt(p, p, packing.PRMT_HIGH_BROADCAST)

@@ -175,7 +175,8 @@ class PackSm80:
         inv = Float32(0.0)
         if s16 > Float32(0.0):
             inv = ptx.rcp_rn(s16)
-        return s_bits | (z_bits << 16), ptx.half_to_f32(z_bits, self.is_bf16), inv
+        word = (s_bits << packing.PARAM_SCALE_SHIFT) | (z_bits << packing.PARAM_ZERO_SHIFT)
+        return word, ptx.half_to_f32(z_bits, self.is_bf16), inv
 
     @cute.jit
     def code(self, x: Float32, zero: Float32, inv: Float32) -> Uint32:

@@ -132,3 +132,14 @@ def dequant_steps(bits: int, dtype: str) -> Tuple[DequantStep, ...]:
 
 def distinct_shifts(bits: int, dtype: str) -> Tuple[int, ...]:
     return tuple(sorted({s.shift for s in dequant_steps(bits, dtype)}))
+
+
+# ---- (scale, zero) params word ----------------------------------------------------------
+# One 32-bit word per group: the 16-bit scale in the low half, the 16-bit zero in the high
+# half, so the word is a half2 (scale, zero).  prmt selectors that gather two words' halves:
+PARAM_SCALE_SHIFT = 0
+PARAM_ZERO_SHIFT = 16
+PRMT_LOW_HALVES = 0x5410  # (a.lo, b.lo): the scales of two words
+PRMT_HIGH_HALVES = 0x7632  # (a.hi, b.hi): the zeros of two words
+PRMT_LOW_BROADCAST = 0x1010  # (a.lo, a.lo): one word's scale in both lanes
+PRMT_HIGH_BROADCAST = 0x3232  # (a.hi, a.hi): one word's zero in both lanes
