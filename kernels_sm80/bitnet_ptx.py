@@ -16,18 +16,12 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
+from .ptx import _asm
 
 WARP = 32
 MAX_SEGMENTS = 4
 
 # --------------------------------------------------------------------------------------
-
-
-def _asm(ret, operands, text, constraints, loc=None, ip=None):
-    return llvm.inline_asm(
-        ret, operands, text, constraints, has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
 
 
 @dsl_user_op
@@ -163,32 +157,40 @@ def lop3_and(a: Int32, mask: int, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def store_bf16(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
     """Round ``value`` to bf16 (nearest even) and store it at ``addr``."""
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}",
-        "l,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+         "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f",
+         side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def store_i32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.b32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+         "st.global.b32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """16-byte ``cp.async.cg`` (L2 only); bytes past ``src_bytes`` are zero-filled."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+                Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+         "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def lds_b32(smem_addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];",
+                      "=r,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def lds_sum16(smem_addr: Int32, acc: Int32, *, loc=None, ip=None) -> Int32:
+    """``acc`` plus the sum of the 16 signed bytes at ``smem_addr`` (one 16-byte load, 4 dp4a)."""
+    return Int32(_asm(
+        T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(acc).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 a, b, c, d, s;\nld.shared.v4.u32 {a, b, c, d}, [$1];\n"
+        "dp4a.s32.s32 s, a, 0x01010101, $2;\ndp4a.s32.s32 s, b, 0x01010101, s;\n"
+        "dp4a.s32.s32 s, c, 0x01010101, s;\ndp4a.s32.s32 $0, d, 0x01010101, s;\n}",
+        "=r,r,r", side_effects=True, loc=loc, ip=ip))
 
 
 @cute.jit

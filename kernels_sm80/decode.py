@@ -23,7 +23,6 @@ four warps share one barrier per tile.
 
 from __future__ import annotations
 
-import math
 from typing import Type
 
 import cutlass

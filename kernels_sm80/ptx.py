@@ -8,7 +8,7 @@ into divergent code.
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 

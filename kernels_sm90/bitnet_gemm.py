@@ -34,12 +34,18 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, segment_scale, shr_and_var, store_out
+from ..kernels_sm80.bitnet_ptx import (
+    WARP,
+    cp_async_16,
+    lds_b32,
+    lds_sum16,
+    segment_scale,
+    shr_and_var,
+    store_out,
+)
 from ..layouts import bitnet as fmt
 
 WG_ROWS = 64  # weight rows per warpgroup (the wgmma M)
@@ -78,63 +84,6 @@ def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
 
 def grid_for(cfg: WgmmaConfig, m: int, n: int):
     return (-(-m // cfg.block_m), -(-n // cfg.block_n))
-
-
-@dsl_user_op
-def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
-    """16-byte ``cp.async.cg`` (L2 only); bytes past ``src_bytes`` are zero-filled."""
-    llvm.inline_asm(
-        None,
-        [
-            Int32(smem_addr).ir_value(loc=loc, ip=ip),
-            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
-            Int32(src_bytes).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
-def lds_b32(smem_addr: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-            "ld.shared.b32 $0, [$1];",
-            "=r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def lds_sum16(smem_addr: Int32, acc: Int32, *, loc=None, ip=None) -> Int32:
-    """``acc`` plus the sum of the 16 signed bytes at ``smem_addr`` (one 16-byte load, 4 dp4a)."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(acc).ir_value(loc=loc, ip=ip)],
-            "{\n.reg .b32 a, b, c, d, s;\nld.shared.v4.u32 {a, b, c, d}, [$1];\n"
-            "dp4a.s32.s32 s, a, 0x01010101, $2;\ndp4a.s32.s32 s, b, 0x01010101, s;\n"
-            "dp4a.s32.s32 s, c, 0x01010101, s;\ndp4a.s32.s32 $0, d, 0x01010101, s;\n}",
-            "=r,r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
 
 
 class BitnetGemmSm90:
