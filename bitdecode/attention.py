@@ -10,6 +10,7 @@ import torch
 
 from . import _validate, dispatch, reference
 from .formats import KVFormat
+from .layouts import sm80
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cache import KVCache
@@ -159,10 +160,10 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-MAX_SPLITS = 256
+MAX_SPLITS = sm80.MAX_SPLITS
 
 
-def _splits(num_splits) -> int:
+def check_splits(num_splits) -> int:
     if (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
             or num_splits > MAX_SPLITS):
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 picks a heuristic), "
@@ -174,7 +175,7 @@ def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_ls
         plans=None):
     """Validated dispatch shared by ``decode`` and ``decode_attention``."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    splits = _splits(num_splits)
+    splits = check_splits(num_splits)
     if backend == "reference":
         return reference.decode(
             q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.v_res,

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import jit
-from .attention import MAX_SPLITS, CacheTensors  # the combine keeps a weight per split in smem
+from .attention import CacheTensors
 from .formats import KVFormat
 from .layouts import sm80
 
@@ -227,7 +227,7 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
     if base >= target:
         return 1
     splits = -(-target // base)
-    return max(1, min(splits, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(splits, tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
 
 
 # --------------------------------------------------------------------------------------

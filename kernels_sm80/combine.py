@@ -16,6 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from ..layouts import sm80
 from . import ptx
 
 LOG2_E = 1.4426950408889634
@@ -23,7 +24,7 @@ LN_2 = 0.6931471805599453
 NUM_THREADS = 128
 NUM_WARPS = NUM_THREADS // 32
 VEC = 4
-MAX_SPLITS = 256
+MAX_SPLITS = sm80.MAX_SPLITS
 
 
 class CombineSm80:

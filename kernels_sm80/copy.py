@@ -7,7 +7,9 @@ import cutlass.cute as cute
 from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
-CHUNK_BITS = 128
+from ..layouts import sm80
+
+CHUNK_BITS = 8 * sm80.CHUNK_BYTES
 
 
 def g2s_atom(dtype):

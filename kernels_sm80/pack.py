@@ -34,7 +34,7 @@ from .tensors import assume_aligned
 
 NUM_WARPS = sm80.WARPS_N
 NUM_THREADS = 32 * NUM_WARPS
-CHUNK = 8  # 16-bit elements per 16-byte chunk
+CHUNK = sm80.CHUNK_BYTES // 2  # 16-bit elements per 16-byte chunk
 
 
 def _inv_qmax(bits: int) -> float:

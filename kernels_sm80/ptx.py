@@ -130,12 +130,6 @@ def shfl_bfly(x, offset: int, *, loc=None, ip=None) -> Float32:
     return Float32(res)
 
 
-@dsl_user_op
-def shfl_bfly_u32(x, offset: int, *, loc=None, ip=None) -> Uint32:
-    res = _asm(T.i32(), [_u32(x, loc, ip)],
-               f"shfl.sync.bfly.b32 $0, $1, {offset}, 31, -1;", "=r,r", side_effects=True, loc=loc, ip=ip)
-    return Uint32(res)
-
 
 @dsl_user_op
 def ex2(x, *, loc=None, ip=None) -> Float32:

@@ -51,6 +51,7 @@ LDSM_ROWS = 8  # rows of one 8x8 ldmatrix tile
 CHUNK_WORDS = 4  # 32-bit words in one 16-byte ldmatrix row (one per quad lane)
 CHUNK_BYTES = 16
 SMEM_BANKS = 32
+MAX_SPLITS = 256  # split-KV partials the combine kernel weighs (one fp32 weight each in smem)
 BANK_BYTES = 4
 
 
@@ -278,9 +279,6 @@ def smem_offsets(rows: int, row_bytes: int) -> Tuple[Tuple[int, ...], ...]:
         out.append(tuple(layout((r, c)) for c in range(cols)))
     return tuple(out)
 
-
-def bank_of(offset16: int) -> int:
-    return (offset16 * ELEM_BYTES // BANK_BYTES) % SMEM_BANKS
 
 
 # --------------------------------------------------------------------------------------
