@@ -225,16 +225,15 @@ class KVCache:
             backend = dispatch.resolve(backend, self.device)
         cache = self._tensors
         attention.check_query(q, cache, backend)
-        out = attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
-                            backend=backend, return_lse=return_lse, plans=self._plans,
-                            max_seqlen=max_len)
-        if backend != "reference":
-            from . import kernels
+        if backend == "reference":
+            return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
+                                 backend=backend, return_lse=return_lse)
+        from . import kernels
 
-            plan = kernels.plan_for(cache, q, num_splits, max_len, self._plans)
-            scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
-            self._fast = (key, plan, scale * kernels.LOG2_E)
-        return out
+        scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
+        plan = kernels.plan_for(cache, q, attention.check_splits(num_splits), max_len, self._plans)
+        self._fast = (key, plan, scale * kernels.LOG2_E)
+        return plan(q, self._fast[2], return_lse)
 
     def dequantized(self, b: int):
         """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them (for inspection)."""
