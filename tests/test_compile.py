@@ -81,3 +81,14 @@ def test_dequant_probe_ptx(arch):
     fn = kernels.compile_dequant_probe(arch, cutlass.BFloat16, 2, 256, keep_ptx=True)
     ptx = fn.artifacts.PTX
     assert "ldmatrix.sync.aligned" in ptx and "lop3.b32" in ptx and "fma.rn.bf16x2" in ptx
+
+
+@pytest.mark.parametrize("cfg", [(4, "k", 128, "fp16"), (2, "v", 64, "bf16")], ids=lambda c: f"{c[0]}b-{c[1]}-d{c[2]}-{c[3]}")
+def test_dequant_probe_sm90_ptx(cfg):
+    """The sm90 operand path: ldmatrix -> lop3 -> stmatrix -> wgmma (sm_90a only)."""
+    bits, operand, d, dtype = cfg
+    fn = kernels.compile_dequant_probe_sm90("sm_90a", _dtype(dtype), bits, operand, d, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    for instr in ("ldmatrix.sync.aligned", "lop3.b32", "stmatrix.sync.aligned.m8n8.x4", "wgmma.mma_async",
+                  "fence.proxy.async.shared::cta"):
+        assert instr in ptx, f"{instr} missing from the sm90 dequant probe PTX"

@@ -1,6 +1,7 @@
 """The packed layout on hardware (issue: layouts): ldmatrix + lop3 dequant in a CuTe DSL
 kernel gives exactly the torch reference's dequantized values, lane by lane, in the order
-the MMA fragments consume them."""
+the MMA fragments consume them (sm80); and on sm90, dequantized tiles stored with stmatrix
+into the swizzled wgmma operand layout are read by wgmma as exactly those values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from bitdecode import jit, kernels, reference
-from bitdecode.layouts import packing, sm80
+from bitdecode.formats import KVFormat
+from bitdecode.layouts import packing, sm80, sm90
 
 pytestmark = pytest.mark.gpu
 
@@ -53,3 +55,52 @@ def test_ldmatrix_lop3_dequant_matches_reference(bits, dtype, length):
                     lo, hi = ebits[row, elems[2 * p]], ebits[row, elems[2 * p + 1]]
                     want[lane, i, chunk, p] = lo | (hi << 16)
     assert torch.equal(got, want)
+
+
+def _element_params(operand: str, fmt: KVFormat, params: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The cache's params as one (scale, zero) word per element of the probe's tile
+    (``rows x cols``, each row in fragment order), what ``DequantProbeSm90`` reads."""
+    g = fmt.group_size
+    if operand == "v":  # [Nr/16, D/G, 16], tokens in fragment order -> [D, Nr]
+        per_group = params.permute(1, 0, 2).reshape(rows // g, cols)
+        return per_group.repeat_interleave(g, dim=0)
+    if fmt.k_mode == "channel":  # [Nr/G, D], fragment order along D already
+        return params.repeat_interleave(g, dim=0)
+    order = torch.tensor(sm80.fragment_order(cols))  # token mode: [Nr, D/G]
+    return params.repeat_interleave(g, dim=1)[:, order]
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("operand,k_mode", [("k", "channel"), ("k", "token"), ("v", "token")],
+                         ids=["k-channel", "k-token", "v"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_sm90_stmatrix_wgmma_operand_matches_reference(bits, dtype, operand, k_mode, head_dim):
+    """ldmatrix -> lop3 -> stmatrix into the 128B-swizzled K-major tile -> wgmma (one-hot A):
+    the accumulators equal the reference dequantized K (Nr x D) / V^T (D x Nr) tile, bit for bit."""
+    import cutlass
+
+    arch = jit.target_arch()
+    if arch != sm90.TRACE_ARCH:
+        pytest.skip(f"wgmma needs sm_90a, this GPU is {arch}")
+    fmt = KVFormat(bits=bits, k_mode=k_mode, group_size=32)
+    gen = torch.Generator().manual_seed(bits * 100 + head_dim + (operand == "v") + 2 * (k_mode == "token"))
+    x = (torch.randn(fmt.residual_block, head_dim, generator=gen) * 3).to(dtype)
+    if operand == "k":
+        packed, params = reference.pack_k(x, fmt)
+        expect = reference.unpack_k(packed, params, fmt, dtype)  # [Nr, D]
+    else:
+        v_pack, params = reference.pack_v(x, fmt)
+        packed = v_pack[0]  # [D, Nr*bits/32]: rows are channels
+        expect = reference.unpack_v(v_pack, params, fmt, dtype).T  # [D, Nr]
+    rows, cols = sm90.tile_shape(bits, operand, head_dim)
+    assert expect.shape == (rows, cols)
+    per_elem = _element_params(operand, fmt, params, rows, cols).contiguous()
+    cute_dtype = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
+    probe = kernels.dequant_probe_sm90(arch, cute_dtype, bits, operand, head_dim)
+    out = torch.full((rows, cols), float("nan"), dtype=torch.float32, device="cuda")
+    probe(packed.contiguous().cuda().view(torch.float16), per_elem.cuda(), out)
+    got = out.cpu()
+    bad = (got != expect.float()).nonzero()
+    assert bad.numel() == 0, f"{len(bad)} of {rows * cols} differ, first (row, col): {bad[:8].tolist()}"
+    assert torch.equal(_bits16(got.to(dtype)), _bits16(expect))  # signs of zeros too
