@@ -317,9 +317,10 @@ def gemv_config_for(device: torch.device):
     return _gemv_module(_arch(torch.device(device)))[1]
 
 
-def gemm_kernel_for(m: int, device: torch.device) -> str:
-    """The GEMM kernel ``gemm(kernel="auto")`` runs for M tokens on ``device``."""
-    return _default_gemm_kernel(_arch(torch.device(device)), m)
+def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None) -> str:
+    """The GEMM kernel ``gemm(kernel="auto")`` runs for M tokens (and N weight rows, if
+    given; the choice may depend on it) on ``device``."""
+    return _default_gemm_kernel(_arch(torch.device(device)), m, n)
 
 
 def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
@@ -354,15 +355,19 @@ def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.T
     return out
 
 
-def _gemm_kernel(device: torch.device, m: int, n: int, kernel: str, raw: bool):
+def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw: bool):
+    """(compiled kernel, its trailing launch arguments) for this call's shape."""
     arch = _arch(device)
     if kernel == "auto":
-        kernel = _default_gemm_kernel(arch, m)
+        kernel = _default_gemm_kernel(arch, m, n)
     if kernel == "wgmma":
         from .kernels_sm90 import bitnet_gemm as mod
     else:
         from .kernels_sm80 import bitnet_gemm as mod
-    cfg = dataclasses.replace(mod.config_for(m, n, _sm_count(device)), raw=raw)
+    sms = _sm_count(device)
+    cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
+    # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
+    extra = (mod.split_for(cfg, m, n, k, sms),) if kernel == "mma" else ()
     key = ("gemm", device.index, kernel, cfg)
     fn = _LAUNCHERS.get(key)
     if fn is None:
@@ -370,16 +375,16 @@ def _gemm_kernel(device: torch.device, m: int, n: int, kernel: str, raw: bool):
 
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
         _LAUNCHERS[key] = fn
-    return fn
+    return fn, extra
 
 
 def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:
-    m, n = x.shape[0], w.shape[0]
-    fn = _gemm_kernel(x.device, m, n, kernel, raw)
+    m, n, k = x.shape[0], w.shape[0], x.shape[1]
+    fn, extra = _gemm_kernel(x.device, m, n, k, kernel, raw)
     x, w = _aligned(x), _aligned(w)
     x_scale, w_scales = x_scale.contiguous(), w_scales.contiguous()
     out = _out(m, n, raw, x.device)
-    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2])
+    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], *extra)
     return out
 
 
@@ -391,10 +396,16 @@ def _sm_count(device: torch.device) -> int:
 GEMM_KERNELS = ("auto", "mma", "wgmma")
 
 
-def _default_gemm_kernel(arch: str, m: int) -> str:
-    """Hopper: wgmma once the token tile is large enough to keep the tensor cores busy;
-    below that the split-K mma.sync kernel streams the weights with more parallelism."""
-    if arch == "sm_90a" and m > 32:
+# Hopper, M > 16: from this many weight rows on, the wgmma kernel (128-row CTA tiles, the
+# token tile staged once in shared memory) beats the mma.sync kernel, whose CTA columns
+# each re-read the activations from L2 (H200: N = 13824 and 20480 at M = 64 and 256).
+WGMMA_MIN_N = 8192
+
+
+def _default_gemm_kernel(arch: str, m: int, n: Optional[int] = None) -> str:
+    """mma.sync (split-K, streaming the weights) for every M on every GPU, except on
+    Hopper for M > 16 tokens times at least ``WGMMA_MIN_N`` rows (measured on the H200)."""
+    if arch == "sm_90a" and m > 16 and n is not None and n >= WGMMA_MIN_N:
         return "wgmma"
     return "mma"
 

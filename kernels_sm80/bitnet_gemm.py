@@ -21,12 +21,16 @@ shuffles plus two indexed shuffles hand every lane the sums of its accumulator c
 
 Work split (``GemmConfig``).  A CTA computes ``wn * tiles`` 16-row tiles times ``8 * mb8``
 tokens; its ``wn * wk`` warps split the rows ``wn`` ways and the 128-column groups ``wk``
-ways (split-K inside the CTA, partial sums reduced through shared memory).  Small M is
-memory bound like the GEMV, so it needs many CTAs streaming weights (split-K, few rows
-per CTA); larger M reuses each activation tile across more rows (``wn`` > 1, the warps
-then share the activation loads through L1).  Weights are read once per CTA column with
-``ld.global.nc.L1::no_allocate`` and the CTAs along M (grid x, fastest) share them
-through L2.  The activations are small and are read through L1 from every CTA.
+ways (split-K inside the CTA; every warp parks its partial sums in shared memory and
+the whole CTA then reduces, scales and stores them).  ``wk`` is a launch argument
+chosen per shape by the host (``split_for``): small M is latency bound like the GEMV,
+so a warp should get only as many groups as it loads at once (``unroll``), i.e. the
+whole weight matrix is requested in one round trip -- unless the grid would then need
+a second wave of CTAs, which pays that latency again.  Weights are read once per CTA
+column with ``ld.global.nc.L1::no_allocate`` and the CTAs along M (grid x, fastest)
+share them through L2.  The activations are read through L1 by every CTA column, which
+is what limits large M x N (there the sm90 wgmma kernel, whose 128-row CTAs stage the
+token tile in shared memory, takes over).
 """
 
 from __future__ import annotations
@@ -52,24 +56,31 @@ from .bitnet_ptx import (
 MMA_M = 16  # weight rows per MMA
 MMA_N = 8  # tokens per MMA
 MMA_K = 32
+MAX_CTAS_PER_SM = 32
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """``mb8``: 8-token MMA columns per CTA; ``tiles``: 16-row tiles per warp; ``wn`` x
-    ``wk``: warps along rows x along K (split-K); ``unroll``: 128-column groups loaded
-    before any is consumed."""
+    """``mb8``: 8-token MMA columns per CTA; ``tiles``: 16-row tiles per warp; ``wn``:
+    warps along the rows; ``unroll``: 128-column groups loaded before any is consumed;
+    ``max_wk``: bound on the split-K warp count, which is a launch argument
+    (``split_for``), so one compilation serves every (N, K); ``sm_warps``: warps of this
+    tile that fit an SM (its registers as ptxas allocates them on sm_90a) and
+    ``max_batches``: serial batches of loads a warp may be given to save a second wave
+    of CTAs -- both for the host's choice of ``wk`` only."""
 
     mb8: int = 2
-    tiles: int = 2
+    tiles: int = 1
     wn: int = 1
-    wk: int = 4
     unroll: int = 2
+    max_wk: int = 16
+    sm_warps: int = 32
+    max_batches: int = 10
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
 
     @property
-    def warps(self) -> int:
-        return self.wn * self.wk
+    def max_threads(self) -> int:
+        return self.wn * self.max_wk * WARP
 
     @property
     def block_m(self) -> int:
@@ -79,22 +90,49 @@ class GemmConfig:
     def block_n(self) -> int:
         return MMA_M * self.tiles * self.wn
 
+    @property
+    def acc_regs(self) -> int:
+        return self.tiles * self.mb8 * 4
+
+
+# Measured on the H200 (a sweep of tiles and split-K counts over the eight model shapes
+# at M = 16, 64, 256): 16 tokens a CTA and 16 rows a warp, two groups of loads in
+# flight per warp (64 registers: 32 warps an SM) -- the most CTAs and split-K warps.
+STREAM = GemmConfig(mb8=2, tiles=1, wn=1, unroll=2, max_wk=16, sm_warps=32, max_batches=10)
+# 32 tokens x 32 rows a warp: each activation load feeds twice the MMAs of STREAM, which
+# pays once the activations (re-read from L2 by every CTA column) dominate (118 registers).
+# Its warps hold one group in flight: more than 8 serial batches cost more than a second
+# wave (M = 256: 4800 x 3200 with 1 split-K warp 55 us, with 7 warps 39 us).
+TILED = GemmConfig(mb8=4, tiles=2, wn=1, unroll=1, max_wk=8, sm_warps=16, max_batches=8)
+
 
 def config_for(m: int, n: int, sms: int) -> GemmConfig:
-    """Pick the tile for M tokens and N rows on a GPU with ``sms`` multiprocessors.
+    """The tile for M tokens and N rows on a GPU with ``sms`` multiprocessors.
 
-    Tokens per CTA: the smallest of 16 / 32 / 64 that covers M (64 beyond).  Up to 32
-    tokens the GEMM is memory bound like the GEMV: 32 rows per CTA and the K groups
-    split four ways, for the most CTAs streaming weights.  Beyond, two warps along the
-    rows share each activation load (through L1) when that still gives every SM a CTA.
+    Up to 64 tokens the GEMM streams the weights like the GEMV: small tiles, the K
+    groups split over many warps, so that (nearly) every weight byte is requested in
+    the first round trip.  Beyond, the larger warp tile halves the activation traffic.
     """
-    mb8 = 2 if m <= 16 else 4 if m <= 32 else 8
-    wn = 1
-    if mb8 == 8 and -(-m // (MMA_N * mb8)) * -(-n // (MMA_M * 2 * 2)) >= sms:
-        wn = 2
-    # 16 tokens: 16 accumulators a lane, room for two groups of loads in flight
-    unroll = 2 if mb8 == 2 else 1
-    return GemmConfig(mb8=mb8, tiles=2, wn=wn, wk=4 // wn, unroll=unroll)
+    return STREAM if m <= 64 else TILED
+
+
+def split_for(cfg: GemmConfig, m: int, n: int, k: int, sms: int) -> int:
+    """Split-K warps per CTA: about ``unroll`` groups per warp (one batch of loads in
+    flight covers the warp's whole share), at most ``max_wk``; fewer when the grid
+    would otherwise not fit the GPU in one wave of CTAs -- a second wave pays the
+    whole memory latency again, while more groups per warp just keep loads in flight --
+    as long as a warp's share stays within ``max_batches`` serial round trips."""
+    groups = k // fmt.GROUP_K
+    iters = -(-groups // (cfg.max_wk * cfg.unroll))
+    wk = min(cfg.max_wk, max(1, -(-groups // (cfg.unroll * iters))))
+    gm, gn = grid_for(cfg, m, n)
+
+    def fits(w):
+        return gm * gn <= sms * min(MAX_CTAS_PER_SM, cfg.sm_warps // (cfg.wn * w))
+
+    while wk > 1 and not fits(wk) and -(-groups // ((wk - 1) * cfg.unroll)) <= cfg.max_batches:
+        wk -= 1
+    return wk
 
 
 def grid_for(cfg: GemmConfig, m: int, n: int):
@@ -103,7 +141,8 @@ def grid_for(cfg: GemmConfig, m: int, n: int):
 
 class BitnetGemm:
     """Arguments: ``x`` int8 [M, K], ``w`` int8 [N, K/4] packed, ``x_scale`` fp32 [M],
-    ``w_scale`` fp32 [S], ``out`` bf16 [M, N], segment ends ``e1, e2, e3``."""
+    ``w_scale`` fp32 [S], ``out`` bf16 [M, N], segment ends ``e1, e2, e3``, split-K
+    warps ``wk`` (<= ``max_wk``)."""
 
     def __init__(self, cfg: GemmConfig):
         self.cfg = cfg
@@ -119,6 +158,7 @@ class BitnetGemm:
         e1: Int32,
         e2: Int32,
         e3: Int32,
+        wk: Int32,
         stream,
     ):
         cfg = self.cfg
@@ -126,14 +166,19 @@ class BitnetGemm:
         n = mW.shape[0]
         grid_m = (m + cfg.block_m - 1) // cfg.block_m
         grid_n = (n + cfg.block_n - 1) // cfg.block_n
-        # shared memory (the split-K partials) is sized by the DSL from the allocations
-        self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3).launch(
-            grid=[grid_m, grid_n, 1], block=[cfg.warps * WARP, 1, 1], stream=stream
+        # shared memory (the split-K partials) is sized by the DSL from the allocations;
+        # the block size is a launch argument: bound it so that ptxas may give every
+        # thread the registers that keep a whole batch of loads in flight
+        self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3, wk).launch(
+            grid=[grid_m, grid_n, 1],
+            block=[cfg.wn * wk * WARP, 1, 1],
+            max_number_threads=[cfg.max_threads, 1, 1],
+            stream=stream,
         )
 
     def partials_size(self) -> int:
         cfg = self.cfg
-        return (cfg.wk - 1) * cfg.wn * cfg.tiles * cfg.mb8 * 4 * WARP
+        return cfg.max_wk * cfg.wn * cfg.acc_regs * WARP
 
     @cute.kernel
     def kernel(
@@ -146,6 +191,7 @@ class BitnetGemm:
         e1: Int32,
         e2: Int32,
         e3: Int32,
+        wk: Int32,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -178,58 +224,29 @@ class BitnetGemm:
         w_offs = [fmt.mma_word_offset(g, tq, j) for j in range(4)]
         x_offs = [fmt.mma_x_offset(tq, h) for h in range(2)]
 
-        acc = cute.make_rmem_tensor((cfg.tiles * cfg.mb8 * 4,), Int32)
+        acc = cute.make_rmem_tensor((cfg.acc_regs,), Int32)
         acc.fill(0)
         xsum = cute.make_rmem_tensor((cfg.mb8,), Int32)
         xsum.fill(0)
 
-        mine = (groups - wk_i + cfg.wk - 1) // cfg.wk
-        batches = mine // cfg.unroll
+        # Groups wk_i, wk_i + wk, ...: batches of `unroll` groups whose loads are all
+        # issued before any is used.  The last batch is padded with the warp's last group
+        # again (an L2 hit, so every load stays unpredicated and can be hoisted); its
+        # weight words and its ones-vector are zeroed, so it adds nothing to either sum.
+        mine = (groups - wk_i + wk - 1) // wk
+        batches = (mine + cfg.unroll - 1) // cfg.unroll
         for it in cutlass.range(batches, unroll=1):
             loaded = []
             for u in cutlass.range_constexpr(cfg.unroll):
-                grp = (it * cfg.unroll + u) * cfg.wk + wk_i
-                loaded.append(self.load_group(grp, w_tile, w_offs, x_tok, x_offs))
+                j = it * cfg.unroll + u
+                grp = cutlass.min(j, mine - 1) * wk + wk_i
+                keep = cutlass.select_(j < mine, Int32(-1), Int32(0))
+                loaded.append((self.load_group(grp, w_tile, w_offs, x_tok, x_offs), keep))
             for u in cutlass.range_constexpr(cfg.unroll):
-                self.mma_group(loaded[u], acc, xsum)
-        for j in cutlass.range(batches * cfg.unroll, mine, unroll=1):
-            grp = j * cfg.wk + wk_i
-            self.mma_group(self.load_group(grp, w_tile, w_offs, x_tok, x_offs), acc, xsum)
+                self.mma_group(loaded[u][0], loaded[u][1], acc, xsum)
 
         self.remove_code_offset(acc, xsum, tq)
-
-        if cutlass.const_expr(cfg.wk > 1):
-            smem = cutlass.memory.SmemAllocator()
-            part = smem.allocate_tensor(Int32, cute.make_layout((self.partials_size(),)), 16)
-            per_warp = cfg.tiles * cfg.mb8 * 4 * WARP
-            if wk_i > 0:
-                base = ((wk_i - 1) * cfg.wn + wn_i) * per_warp
-                for a in cutlass.range_constexpr(cfg.tiles * cfg.mb8 * 4):
-                    part[base + a * WARP + lane] = acc[a]
-            cute.arch.sync_threads()
-            if wk_i == 0:
-                for p in cutlass.range_constexpr(cfg.wk - 1):
-                    base = (p * cfg.wn + wn_i) * per_warp
-                    for a in cutlass.range_constexpr(cfg.tiles * cfg.mb8 * 4):
-                        acc[a] = acc[a] + part[base + a * WARP + lane]
-
-        if wk_i == 0:
-            for t in cutlass.range_constexpr(cfg.tiles):
-                for c in cutlass.range_constexpr(4):
-                    row = (tile0 + t) * fmt.TILE_N + g + 8 * (c >> 1)
-                    if row < n:
-                        w_scale = segment_scale(mWScale, row, e1, e2, e3)
-                        for b in cutlass.range_constexpr(cfg.mb8):
-                            tok = bm * cfg.block_m + b * MMA_N + 2 * tq + (c & 1)
-                            if tok < m:
-                                store_out(
-                                    mOut.iterator.toint(),
-                                    Int64(tok) * Int64(n) + Int64(row),
-                                    acc[(t * cfg.mb8 + b) * 4 + c],
-                                    Float32(mXScale[tok]),
-                                    w_scale,
-                                    cfg.raw,
-                                )
+        self.reduce_and_store(acc, mXScale, mWScale, mOut, e1, e2, e3, wk, tidx, warp, lane, bm, bn)
 
     @cute.jit
     def load_group(self, grp: Int32, w_tile: list, w_offs: list, x_tok: list, x_offs: list):
@@ -246,17 +263,23 @@ class BitnetGemm:
         return words, xs
 
     @cute.jit
-    def mma_group(self, loaded, acc: cute.Tensor, xsum: cute.Tensor):
-        """Decode, sum the activations, and run the group's 4 MMAs per (tile, token block)."""
+    def mma_group(self, loaded, keep: Int32, acc: cute.Tensor, xsum: cute.Tensor):
+        """Decode, sum the activations, and run the group's 4 MMAs per (tile, token block).
+
+        ``keep`` is all ones for a real group and 0 for a padding one: zero codes and a
+        zero ones-vector make its MMAs and its activation sum add nothing.
+        """
         cfg = self.cfg
         words, xs = loaded
+        ones = keep & 0x01010101
         for b in cutlass.range_constexpr(cfg.mb8):
             for h in cutlass.range_constexpr(2):
                 for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-                    xsum[b] = dp4a_ss(xs[b][h][i], Int32(0x01010101), xsum[b])
+                    xsum[b] = dp4a_ss(xs[b][h][i], ones, xsum[b])
         for t in cutlass.range_constexpr(cfg.tiles):
             # a[i][j]: A register j of MMA i = decode step i of word j
-            a = [[shr_and(words[t][j], 2 * i, fmt.DECODE_MASK) for j in range(4)] for i in range(fmt.DECODE_STEPS)]
+            w = [words[t][j] & keep for j in range(4)]
+            a = [[shr_and(w[j], 2 * i, fmt.DECODE_MASK) for j in range(4)] for i in range(fmt.DECODE_STEPS)]
             for b in cutlass.range_constexpr(cfg.mb8):
                 base = (t * cfg.mb8 + b) * 4
                 for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
@@ -290,6 +313,49 @@ class BitnetGemm:
                 acc[base + 2] = acc[base + 2] - fmt.CODE_OFFSET * even
                 acc[base + 3] = acc[base + 3] - fmt.CODE_OFFSET * odd
 
+    @cute.jit
+    def reduce_and_store(self, acc, mXScale, mWScale, mOut, e1, e2, e3, wk: Int32, tidx, warp, lane, bm, bn):
+        """Split-K reduction through shared memory, then scale and store.
+
+        Every warp parks its accumulators (entry ``(wn_i, a, lane)`` of split ``wk_i``);
+        then the whole CTA shares the sums and the stores, each thread taking entries
+        ``tidx, tidx + threads, ...``: with many split-K warps no single warp serializes
+        ``wk`` partials of every accumulator.
+        """
+        cfg = self.cfg
+        n = mOut.shape[1]
+        m = mOut.shape[0]
+        per_split = cfg.wn * cfg.acc_regs * WARP
+        smem = cutlass.memory.SmemAllocator()
+        part = smem.allocate_tensor(Int32, cute.make_layout((self.partials_size(),)), 16)
+        base = warp * (cfg.acc_regs * WARP)  # == wk_i * per_split + wn_i * acc_regs * WARP
+        for a in cutlass.range_constexpr(cfg.acc_regs):
+            part[base + a * WARP + lane] = acc[a]
+        cute.arch.sync_threads()
+        threads = cfg.wn * wk * WARP
+        for e in cutlass.range(tidx, per_split, threads, unroll=1):
+            total = Int32(0)
+            for p in cutlass.range(wk, unroll=1):
+                total = total + part[p * per_split + e]
+            # entry e = (wn_i * acc_regs + a) * WARP + lane, a = (t * mb8 + b) * 4 + c
+            ln = e % WARP
+            a = (e // WARP) % cfg.acc_regs
+            wn_e = e // (WARP * cfg.acc_regs)
+            c = a % 4
+            b = (a // 4) % cfg.mb8
+            t = a // (4 * cfg.mb8)
+            row = ((bn * cfg.wn + wn_e) * cfg.tiles + t) * fmt.TILE_N + (ln >> 2) + 8 * (c >> 1)
+            tok = bm * cfg.block_m + b * MMA_N + 2 * (ln & 3) + (c & 1)
+            if row < n and tok < m:
+                store_out(
+                    mOut.iterator.toint(),
+                    Int64(tok) * Int64(n) + Int64(row),
+                    total,
+                    Float32(mXScale[tok]),
+                    segment_scale(mWScale, row, e1, e2, e3),
+                    cfg.raw,
+                )
+
 
 def compile_gemm(cfg: GemmConfig, options: str):
     """Compile for every M and every (N, K) with N % 16 == 0, K % 128 == 0."""
@@ -306,5 +372,5 @@ def compile_gemm(cfg: GemmConfig, options: str):
     out = fake(Int32 if cfg.raw else BFloat16, (m, n), stride_order=(1, 0), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        BitnetGemm(cfg), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), stream, options=options
+        BitnetGemm(cfg), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream, options=options
     )

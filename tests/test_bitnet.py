@@ -473,9 +473,13 @@ def test_kernel_configs():
     for m in (1, 2, 16, 17, 64, 256, 1000):
         for n in (16, 2560, 20480):
             cfg = g80.config_for(m, n, 132)
-            assert cfg.warps == 4 and cfg.block_m >= min(m, 64)
+            assert cfg.block_m >= min(m, 16) and cfg.max_threads <= 512
             gm, gn = g80.grid_for(cfg, m, n)
             assert gm * cfg.block_m >= m and gn * cfg.block_n >= n
+            for k in (128, 2560, 6912, 10240, 40960):
+                groups = k // 128
+                wk = g80.split_for(cfg, m, n, k, 132)
+                assert 1 <= wk <= min(cfg.max_wk, groups)
             cfg90 = g90.config_for(m, n, 132)
             assert cfg90.block_m >= min(m, 64) and cfg90.threads in (128, 256)
 
