@@ -305,16 +305,14 @@ def _compile(key, build):
 def _gemv_module(arch: str):
     if arch == "sm_90a":
         from .kernels_sm90 import bitnet_gemv as mod
-
-        return mod, mod.SM90
-    from .kernels_sm80 import bitnet_gemv as mod
-
-    return mod, mod.SM80
+    else:
+        from .kernels_sm80 import bitnet_gemv as mod
+    return mod
 
 
-def gemv_config_for(device: torch.device):
-    """The GEMV kernel configuration used on ``device`` (a CUDA device)."""
-    return _gemv_module(_arch(torch.device(device)))[1]
+def gemv_config_for(device: torch.device, n: int, k: int):
+    """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights."""
+    return _gemv_module(_arch(torch.device(device))).config_for(n, k)
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None) -> str:
@@ -332,26 +330,26 @@ def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
 _LAUNCHERS: dict = {}
 
 
-def _gemv_kernel(device: torch.device, raw: bool):
-    key = ("gemv", device.index, raw)
+def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int):
+    key = ("gemv", device.index, raw, n, k)
     hit = _LAUNCHERS.get(key)
     if hit is None:
         from . import jit
 
         arch = _arch(device)
-        mod, cfg = _gemv_module(arch)
-        cfg = dataclasses.replace(cfg, raw=raw)
+        mod = _gemv_module(arch)
+        cfg = dataclasses.replace(mod.config_for(n, k), raw=raw)
         fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
-        hit = _LAUNCHERS[key] = (fn, mod, cfg)
+        hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, _sm_count(device)))
     return hit
 
 
 def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.Tensor:
-    fn, mod, cfg = _gemv_kernel(x.device, raw)
+    fn, size = _gemv_kernel(x.device, raw, w.shape[0], x.shape[1])
     x, w = _aligned(x), _aligned(w)
     x_scale, w_scales = x_scale.contiguous(), w_scales.contiguous()
     out = _out(1, w.shape[0], raw, x.device)
-    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], mod.warps_for(x.shape[1], cfg.unroll))
+    fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], size)
     return out
 
 
@@ -366,6 +364,10 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
         from .kernels_sm80 import bitnet_gemm as mod
     sms = _sm_count(device)
     cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
+    if kernel == "mma" and arch == "sm_90a":
+        # programmatic dependent launch: start streaming weights while the previous
+        # kernel drains (profiles/NOTES.md); weights must not come from that kernel
+        cfg = dataclasses.replace(cfg, pdl=True)
     # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
     extra = (mod.split_for(cfg, m, n, k, sms),) if kernel == "mma" else ()
     key = ("gemm", device.index, kernel, cfg)

@@ -77,6 +77,9 @@ class GemmConfig:
     sm_warps: int = 32
     max_batches: int = 10
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
+    # programmatic dependent launch (sm_90+): the first batch of weight loads is issued
+    # while the previous kernel drains; activations are read, out written, after the wait
+    pdl: bool = False
 
     @property
     def max_threads(self) -> int:
@@ -174,6 +177,7 @@ class BitnetGemm:
             block=[cfg.wn * wk * WARP, 1, 1],
             max_number_threads=[cfg.max_threads, 1, 1],
             stream=stream,
+            use_pdl=cfg.pdl,
         )
 
     def partials_size(self) -> int:
@@ -235,32 +239,46 @@ class BitnetGemm:
         # weight words and its ones-vector are zeroed, so it adds nothing to either sum.
         mine = (groups - wk_i + wk - 1) // wk
         batches = (mine + cfg.unroll - 1) // cfg.unroll
+        if cutlass.const_expr(cfg.pdl):
+            # the next kernel's CTAs may take our SMs as soon as ours retire
+            cute.arch.griddepcontrol_launch_dependents()
         for it in cutlass.range(batches, unroll=1):
-            loaded = []
+            grps = []
+            keeps = []
+            words = []
             for u in cutlass.range_constexpr(cfg.unroll):
                 j = it * cfg.unroll + u
-                grp = cutlass.min(j, mine - 1) * wk + wk_i
-                keep = cutlass.select_(j < mine, Int32(-1), Int32(0))
-                loaded.append((self.load_group(grp, w_tile, w_offs, x_tok, x_offs), keep))
+                grps.append(cutlass.min(j, mine - 1) * wk + wk_i)
+                keeps.append(cutlass.select_(j < mine, Int32(-1), Int32(0)))
+                words.append(self.load_weights(grps[u], w_tile, w_offs))
+            if cutlass.const_expr(cfg.pdl):
+                if it == 0:
+                    cute.arch.griddepcontrol_wait()
+            xs = [self.load_activations(grps[u], x_tok, x_offs) for u in range(cfg.unroll)]
             for u in cutlass.range_constexpr(cfg.unroll):
-                self.mma_group(loaded[u][0], loaded[u][1], acc, xsum)
+                self.mma_group((words[u], xs[u]), keeps[u], acc, xsum)
 
         self.remove_code_offset(acc, xsum, tq)
         self.reduce_and_store(acc, mXScale, mWScale, mOut, e1, e2, e3, wk, tidx, warp, lane, bm, bn)
 
     @cute.jit
-    def load_group(self, grp: Int32, w_tile: list, w_offs: list, x_tok: list, x_offs: list):
-        """One 128-column group: 4 weight words per tile, 2 x 16 activation bytes per block."""
-        cfg = self.cfg
+    def load_weights(self, grp: Int32, w_tile: list, w_offs: list):
+        """One 128-column group's weights: 4 words per tile."""
         words = []
-        for t in cutlass.range_constexpr(cfg.tiles):
+        for t in cutlass.range_constexpr(self.cfg.tiles):
             base = w_tile[t] + Int64(grp) * fmt.GROUP_BYTES
             words.append([load_b32(base + w_offs[j], True) for j in range(4)])
+        return words
+
+    @cute.jit
+    def load_activations(self, grp: Int32, x_tok: list, x_offs: list):
+        """One group's activations: 2 x 16 bytes per token block (after the PDL wait)."""
+        cfg = self.cfg
         xs = []
         for b in cutlass.range_constexpr(cfg.mb8):
             base = x_tok[b] + Int64(grp) * fmt.GROUP_K
-            xs.append([load_v4(base + x_offs[h], False) for h in range(2)])
-        return words, xs
+            xs.append([load_v4(base + x_offs[h], False, cfg.pdl) for h in range(2)])
+        return xs
 
     @cute.jit
     def mma_group(self, loaded, keep: Int32, acc: cute.Tensor, xsum: cute.Tensor):

@@ -50,6 +50,31 @@ from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, segment_scale
 MAX_WARPS = 16
 
 
+@cute.jit
+def accumulate_words(w: tuple, x: tuple, acc: cute.Tensor):
+    """Four rows x 16 columns: ``acc[4r + i] += 4**i * sum(c * x)`` over elements 4i..4i+3
+    of word r (one lop3 and one dp4a per four weights)."""
+    for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+        for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+            codes = lop3_and(w[r], fmt.DECODE_MASK << (2 * i))
+            acc[r * fmt.DECODE_STEPS + i] = dp4a_us(codes, x[i], acc[r * fmt.DECODE_STEPS + i])
+
+
+@cute.jit
+def fold_rows(acc: cute.Tensor) -> cute.Tensor:
+    """Per row of this lane: undo the 4**i scaling of accumulator i (exact, accumulator i
+    is a multiple of 4**i), then add lanes l, l^2 (other column half), l^8, l^16 (other
+    tiles), which hold the same four rows: the warp's row sums end up in lanes 0, 1, 4, 5
+    (rows ``chunk_row(q) + r``)."""
+    rows = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK,), Int32)
+    for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+        s = acc[r * 4] + (acc[r * 4 + 1] >> 2) + (acc[r * 4 + 2] >> 4) + (acc[r * 4 + 3] >> 6)
+        for mask in cutlass.range_constexpr(3):
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=(2, 8, 16)[mask])
+        rows[r] = s
+    return rows
+
+
 # --------------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------------
@@ -61,11 +86,24 @@ class GemvConfig:
 
     unroll: int = 4
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
+    # programmatic dependent launch: the first batch of weight loads is issued while the
+    # previous kernel drains; x is read (and out written) after griddepcontrol.wait
+    pdl: bool = False
 
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x
 # ~600 ns latency product with the ~30 warps per SM that 48 registers allow.
 SM80 = GemvConfig(unroll=4)
+
+
+def config_for(n: int, k: int) -> GemvConfig:
+    """The GEMV configuration for an (N, K) problem on Ampere: one for all shapes."""
+    return SM80
+
+
+def launch_size(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
+    """The kernel's last argument for an (N, K) problem: warps per CTA."""
+    return warps_for(k, cfg.unroll)
 
 
 def warps_for(k: int, unroll: int) -> int:
@@ -86,6 +124,7 @@ class BitnetGemv:
     def __init__(self, cfg: GemvConfig):
         self.unroll = cfg.unroll
         self.raw = cfg.raw
+        self.pdl = cfg.pdl
 
     @cute.jit
     def __call__(
@@ -110,18 +149,8 @@ class BitnetGemv:
             # sinks the loads next to their uses instead of keeping them all in flight)
             max_number_threads=[MAX_WARPS * WARP, 1, 1],
             stream=stream,
+            use_pdl=self.pdl,
         )
-
-    @cute.jit
-    def dot_chunk(self, w: tuple, x: tuple, acc: cute.Tensor, xsum: cute.Tensor):
-        """Four rows x 16 columns: ``acc[4r + i] += 4**i * sum(c * x)`` over elements 4i..4i+3
-        of word r, and ``xsum += sum(x)``."""
-        for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-            xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
-        for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
-            for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-                codes = lop3_and(w[r], fmt.DECODE_MASK << (2 * i))
-                acc[r * fmt.DECODE_STEPS + i] = dp4a_us(codes, x[i], acc[r * fmt.DECODE_STEPS + i])
 
     @cute.kernel
     def kernel(
@@ -149,6 +178,12 @@ class BitnetGemv:
         w_lane = mW.iterator.toint() + Int64(stripe) * Int64(row_bytes * fmt.TILE_N) + Int64(lane * fmt.CHUNK_BYTES)
         x_lane = mX.iterator.toint() + Int64(tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K)
 
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Int32, cute.make_layout((fmt.TILE_N, MAX_WARPS), stride=(1, fmt.TILE_N)), 16)
+
+        if cutlass.const_expr(self.pdl):
+            # the next kernel's CTAs may take our SMs as soon as ours retire
+            cute.arch.griddepcontrol_launch_dependents()
         acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
         acc.fill(0)
         xsum = cute.make_rmem_tensor((1,), Int32)
@@ -162,28 +197,28 @@ class BitnetGemv:
             wv = []
             xv = []
             keep = []
+            grps = []
             for u in cutlass.range_constexpr(self.unroll):
                 j = it * self.unroll + u
-                grp = cutlass.min(j, mine - 1) * warps + warp
+                grps.append(cutlass.min(j, mine - 1) * warps + warp)
                 keep.append(cutlass.select_(j < mine, Int32(-1), Int32(0)))
-                wv.append(load_v4(w_lane + Int64(grp) * fmt.GROUP_BYTES, True))
-                xv.append(load_v4(x_lane + Int64(grp) * fmt.GROUP_K, False))
+                wv.append(load_v4(w_lane + Int64(grps[u]) * fmt.GROUP_BYTES, True))
+            if cutlass.const_expr(self.pdl):
+                if it == 0:
+                    cute.arch.griddepcontrol_wait()
+            for u in cutlass.range_constexpr(self.unroll):
+                xv.append(load_v4(x_lane + Int64(grps[u]) * fmt.GROUP_K, False, self.pdl))
             for u in cutlass.range_constexpr(self.unroll):
                 x = tuple(xv[u][i] & keep[u] for i in range(4))
-                self.dot_chunk(wv[u], x, acc, xsum)
+                for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+                    xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
+                accumulate_words(wv[u], x, acc)
 
-        # Per row: undo the 4**i scaling of accumulator i and the +2 code offset.
-        rows = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK,), Int32)
+        # The +2 code offset: sum(w x) = sum(c x) - 2 sum(x), applied before the fold.
         for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
-            s = acc[r * 4] + (acc[r * 4 + 1] >> 2) + (acc[r * 4 + 2] >> 4) + (acc[r * 4 + 3] >> 6)
-            s = s - fmt.CODE_OFFSET * xsum[0]
-            # lanes l, l^2 (other column half), l^8, l^16 (other tiles) share these rows
-            for mask in cutlass.range_constexpr(3):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=(2, 8, 16)[mask])
-            rows[r] = s
+            acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum[0]
+        rows = fold_rows(acc)
 
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Int32, cute.make_layout((fmt.TILE_N, MAX_WARPS), stride=(1, fmt.TILE_N)), 16)
         if (lane & 0b11010) == 0:  # lanes 0, 1, 4, 5: chunks 0, 1, 4, 5 = rows 0, 4, 8, 12
             base = fmt.chunk_row(q)
             for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
@@ -198,8 +233,9 @@ class BitnetGemv:
             store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, self.raw)
 
 
-def compile_gemv(cfg: GemvConfig, options: str):
-    """Compile for every (N, K) with N % 16 == 0 and K % 128 == 0 (symbolic sizes)."""
+def gemv_fake_args(raw: bool) -> tuple:
+    """Symbolic-size arguments shared by the GEMV kernels: every (N, K) with N % 16 == 0
+    and K % 128 == 0, 16-byte aligned x and w, any number of segment scales."""
     n = cute.sym_int(divisibility=fmt.N_MULTIPLE)
     k = cute.sym_int(divisibility=fmt.K_MULTIPLE)
     kb = cute.sym_int(divisibility=fmt.K_MULTIPLE // fmt.CODES_PER_BYTE)
@@ -209,9 +245,12 @@ def compile_gemv(cfg: GemvConfig, options: str):
     w = fake(cutlass.Int8, (n, kb), stride_order=(1, 0), assumed_align=16)
     x_scale = fake(Float32, (1,), assumed_align=4)
     w_scale = fake(Float32, (segs,), assumed_align=4)
-    out = fake(Int32 if cfg.raw else BFloat16, (1, n), stride_order=(1, 0), assumed_align=4)
+    out = fake(Int32 if raw else BFloat16, (1, n), stride_order=(1, 0), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
-        BitnetGemv(cfg), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream,
-        options=options,
-    )
+    # segment ends e1..e3 and the launch-size argument (warps or CTAs)
+    return x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream
+
+
+def compile_gemv(cfg: GemvConfig, options: str):
+    """Compile for every (N, K) with N % 16 == 0 and K % 128 == 0 (symbolic sizes)."""
+    return cute.compile(BitnetGemv(cfg), *gemv_fake_args(cfg.raw), options=options)

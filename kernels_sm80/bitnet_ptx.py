@@ -25,13 +25,15 @@ MAX_SEGMENTS = 4
 
 
 @dsl_user_op
-def load_v4(addr: Int64, stream: bool, *, loc=None, ip=None):
+def load_v4(addr: Int64, stream: bool, ordered: bool = False, *, loc=None, ip=None):
     """16-byte global load of read-only data as four 32-bit words.
 
     ``stream``: the data is read exactly once (the weights), so it bypasses L1
     (``ld.global.nc.L1::no_allocate``); otherwise many warps share it (the activations)
     and it goes through L1.  Unpredicated on purpose: ptxas schedules plain loads early,
     while a predicated, zero-filled asm block ended up pinned next to its first use.
+    ``ordered``: declared with side effects, so LLVM keeps it after an earlier
+    ``griddepcontrol.wait`` (data the previous kernel may still be writing).
     """
     hint = ".L1::no_allocate" if stream else ""
     struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
@@ -40,7 +42,7 @@ def load_v4(addr: Int64, stream: bool, *, loc=None, ip=None):
         [Int64(addr).ir_value(loc=loc, ip=ip)],
         f"ld.global.nc{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
         "=r,=r,=r,=r,l",
-        has_side_effects=False,
+        has_side_effects=ordered,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,

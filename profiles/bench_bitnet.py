@@ -9,16 +9,19 @@ Method (everything in one run, on one GPU):
   graph replayed: the time per call is GPU time back to back, free of Python and
   launch overhead (that is how a decoder runs these layers).  CUDA events around each
   replay, warm-up replays first, median of the replays.
-* Roofline: the HBM bandwidth measured in the same run, a 1 GiB device-to-device copy
-  (bytes read + bytes written per second).  The GEMV moves ``N*K/4`` weight bytes
-  plus ``K`` activation bytes and ``2N`` output bytes; bf16 moves ``2NK + 2K + 2N``.
+* Roofline: the HBM bandwidth measured in the same run, the better of a 1 GiB
+  device-to-device copy ((bytes read + written) / time) and a 1 GiB fp32 ``sum`` (bytes
+  read / time).  The GEMV moves ``N*K/4`` weight bytes plus ``K`` activation bytes and
+  ``2N`` output bytes; bf16 moves ``2NK + 2K + 2N``.
 
 ``run(out_dir, quick=False, progress=None)`` writes ``out_dir/bitnet.json`` and
 ``out_dir/bitnet.png`` (if matplotlib is importable) and returns the results.
 ``quick=True``: fewer replays, GEMM at M = 16 with the default kernel only, no GEMV
-unroll sweep.  The full run also times the GEMV compiled with the other unroll depth
-(``unroll4_us`` / ``unroll8_us``) and, on Hopper, both GEMM kernels (mma.sync and
-wgmma) at every M; ``default`` marks the one ``bitnet.gemm`` picks.
+variants.  The full run also times the other GEMV configurations side by side
+(``unroll4_us`` / ``unroll8_us``, on Hopper also ``pdl_unroll4_us`` / ``pdl_unroll8_us``
+with programmatic dependent launch; ``config`` names the default) and, on Hopper,
+both GEMM kernels (mma.sync and wgmma) at every M; ``default`` marks the one
+``bitnet.gemm`` picks.
 """
 
 from __future__ import annotations
@@ -82,41 +85,56 @@ def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int =
 
 
 def measure_roofline(device, replays: int) -> Dict[str, float]:
-    """Device-to-device copy of 1 GiB: (read + write bytes) / time."""
+    """HBM bandwidth the GEMV is held to: the best of a 1 GiB device-to-device copy
+    ((read + write bytes) / time) and a 1 GiB fp32 sum (read bytes / time; the GEMV only
+    reads, and torch's copy kernel falls short of the read rate on Hopper)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     src.fill_(1)
-    t = graph_time_us([lambda: dst.copy_(src)] * 4, replays)
-    bw = 2 * src.numel() / (t * 1e-6)
-    del src, dst
+    t_copy = graph_time_us([lambda: dst.copy_(src)] * 4, replays)
+    del dst
+    as_f32 = src.view(torch.float32)
+    t_sum = graph_time_us([lambda: as_f32.sum()] * 4, replays)
+    del src, as_f32
     torch.cuda.empty_cache()
-    return {"copy_bytes": 2 * (1 << 30), "copy_us": t, "bytes_per_s": bw}
+    copy_bw = 2 * (1 << 30) / (t_copy * 1e-6)
+    read_bw = (1 << 30) / (t_sum * 1e-6)
+    return {"copy_bytes": 2 * (1 << 30), "copy_us": t_copy, "copy_bytes_per_s": copy_bw,
+            "read_bytes": 1 << 30, "read_us": t_sum, "read_bytes_per_s": read_bw,
+            "bytes_per_s": max(copy_bw, read_bw)}
 
 
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     return max(2, math.ceil(4 * l2_bytes / nbytes))
 
 
-def gemv_variant(unroll: int, device) -> Callable:
-    """The GEMV kernel compiled with another ``unroll`` (loads in flight per lane), called
-    directly: the library default is one of these, the sweep shows the alternatives."""
+def gemv_variants(device) -> Dict[str, Callable]:
+    """Every GEMV configuration this GPU can run, by name, for the side-by-side columns:
+    unroll 4 and 8, and on Hopper each with and without programmatic dependent launch.
+    ``call(cfg)`` returns a function ``(x, w, xs, ws) -> out`` running that kernel."""
     from bitdecode import jit
     from bitdecode.kernels_sm80 import bitnet_gemv as mod
 
     arch = jit.target_arch(device.index)
-    cfg = mod.GemvConfig(unroll=unroll)
-    fn = jit.KERNELS.get(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    pdl = (False, True) if arch == "sm_90a" else (False,)
+    out = {}
+    for p in pdl:
+        for unroll in (4, 8):
+            cfg = mod.GemvConfig(unroll=unroll, pdl=p)
+            fn = jit.KERNELS.get(("bitnet_gemv", arch, cfg), lambda cfg=cfg: mod.compile_gemv(cfg, jit.compile_options(arch)))
 
-    def call(x, w, xs, ws):
-        out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
-        n = w.shape[0]
-        fn(x, w, xs, ws, out, n, n, n, mod.warps_for(x.shape[1], unroll))
-        return out
+            def call(x, w, xs, ws, fn=fn, cfg=cfg):
+                out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
+                n = w.shape[0]
+                fn(x, w, xs, ws, out, n, n, n, mod.launch_size(cfg, n, x.shape[1], sms))
+                return out
 
-    return call
+            out[("pdl_" if p else "") + f"unroll{unroll}_us"] = (cfg, call)
+    return out
 
 
-def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, sweep=()) -> Dict[str, float]:
+def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, variants=None) -> Dict[str, float]:
     gen = torch.Generator(device=device).manual_seed(n + k)
     w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device)
     packed = bn.pack_weight(w)
@@ -126,11 +144,13 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, s
     ws = torch.ones(1, device=device)
     calls = [(lambda p=packs[i % copies]: bn.gemv(x, p, xs, ws)) for i in range(max(copies, MIN_CALLS))]
     t = graph_time_us(calls, replays)
-    variants = {}
-    for unroll in sweep:
-        call = gemv_variant(unroll, device)
-        calls = [(lambda p=packs[i % copies]: call(x, p, xs, ws)) for i in range(max(copies, MIN_CALLS))]
-        variants[f"unroll{unroll}_us"] = graph_time_us(calls, replays)
+    others = {}
+    default = bn.gemv_config_for(device, n, k)
+    for name, (cfg, call) in (variants or {}).items():
+        if cfg == default:
+            continue
+        calls = [(lambda p=packs[i % copies], call=call: call(x, p, xs, ws)) for i in range(max(copies, MIN_CALLS))]
+        others[name] = graph_time_us(calls, replays)
     del packs, calls
     # bf16: the same GEMV through cuBLAS, weights rotated the same way
     w16 = w.to(torch.bfloat16)
@@ -146,6 +166,7 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, s
     return {
         "n": n,
         "k": k,
+        "config": repr(default),
         "us": t,
         "bf16_us": t16,
         "speedup": t16 / t,
@@ -154,7 +175,7 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, s
         "roofline_frac": moved / (t * 1e-6) / roofline,
         "bf16_bytes_per_s": moved16 / (t16 * 1e-6),
         "bf16_roofline_frac": moved16 / (t16 * 1e-6) / roofline,
-        **variants,
+        **others,
     }
 
 
@@ -267,8 +288,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
     hopper = torch.cuda.get_device_capability(device)[0] == 9
     ms = (16,) if quick else GEMM_M
     kernels = ("mma", "wgmma") if hopper and not quick else ("mma",)
-    default_unroll = bn.gemv_config_for(device).unroll
-    sweep = () if quick else tuple(u for u in (4, 8) if u != default_unroll)
+    variants = {} if quick else gemv_variants(device)
 
     task = None
     if progress is not None:
@@ -279,7 +299,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         progress.advance(task)
     gemv = []
     for n, k in SHAPES:
-        gemv.append(bench_gemv(n, k, device, l2, replays, roofline["bytes_per_s"], sweep))
+        gemv.append(bench_gemv(n, k, device, l2, replays, roofline["bytes_per_s"], variants))
         if progress is not None:
             progress.advance(task)
     gemm = []
@@ -295,7 +315,6 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "torch": torch.__version__,
         "quick": quick,
         "method": "CUDA-graph replay of back-to-back calls, weights rotated over >= 4x L2, median",
-        "gemv_unroll": default_unroll,
         "roofline": roofline,
         "gemv": gemv,
         "gemm": gemm,

@@ -29,7 +29,8 @@ MODEL_SHAPES = [
     (3200, 10240),
     (20480, 3200),
 ]
-ODD_SHAPES = [(16, 128), (4096 + 16, 2560), (48, 384)]
+# plus: a padded last batch at both unroll depths, long K (several batches), many stripes
+ODD_SHAPES = [(16, 128), (4096 + 16, 2560), (48, 384), (1040, 1152), (272, 40960), (16 * 17000, 128)]
 
 
 def ternary(n, k, gen, device="cpu"):
@@ -496,12 +497,33 @@ def _ptx(compiled) -> str:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
 def test_gemv_compiles(arch):
     from bitdecode.kernels_sm80 import bitnet_gemv as v80
-    from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
-    cfg = v90.SM90 if arch == "sm_90a" else v80.SM80
-    ptx = _ptx(v80.compile_gemv(cfg, jit.compile_options(arch, keep_ptx=True)))
+    ptx = _ptx(v80.compile_gemv(v80.SM80, jit.compile_options(arch, keep_ptx=True)))
     assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx and "dp4a.s32.s32" in ptx
     assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx and "shfl.sync.bfly" in ptx
+
+
+def test_sm90_gemv_compiles():
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    for cfg in (v90.SM90, v90.SM90_SMALL):
+        ptx = _ptx(v90.compile_gemv(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
+        assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx and "ld.global.nc.L1::no_allocate.v4.u32" in ptx
+        # programmatic dependent launch: weights loaded before the wait, x after it
+        assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx
+        wait = ptx.index("griddepcontrol.wait")
+        assert ptx.index("ld.global.nc.L1::no_allocate.v4.u32") < wait
+        assert "ld.global.nc.v4.u32" not in ptx[:wait]  # no activation load before the wait
+
+
+def test_sm90_gemv_config():
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    assert v90.config_for(2560, 2560) == v90.SM90_SMALL
+    assert v90.config_for(2560, 6912) == v90.SM90_SMALL
+    assert v90.config_for(3200, 10240) == v90.SM90  # unroll 4 would need two batches
+    assert v90.config_for(20480, 3200) == v90.SM90  # large matrix
+    assert all(cfg.pdl for cfg in (v90.SM90, v90.SM90_SMALL))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
@@ -511,6 +533,19 @@ def test_mma_gemm_compiles(arch):
     for m in (16, 256):
         ptx = _ptx(g80.compile_gemm(g80.config_for(m, 4096, 132), jit.compile_options(arch, keep_ptx=True)))
         assert "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32" in ptx and "lop3.b32" in ptx
+
+
+def test_mma_gemm_pdl_compiles():
+    import dataclasses
+
+    from bitdecode.kernels_sm80 import bitnet_gemm as g80
+
+    for cfg in (g80.STREAM, g80.TILED):
+        ptx = _ptx(g80.compile_gemm(dataclasses.replace(cfg, pdl=True), jit.compile_options("sm_90a", keep_ptx=True)))
+        wait = ptx.index("griddepcontrol.wait")
+        assert "griddepcontrol.launch_dependents" in ptx
+        assert ptx.index("ld.global.nc.L1::no_allocate") < wait  # weights stream before the wait
+        assert "ld.global.nc.v4.u32" not in ptx[:wait]  # activations only after it
 
 
 def test_wgmma_gemm_compiles():
