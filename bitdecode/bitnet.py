@@ -312,7 +312,8 @@ def _gemv_module(arch: str):
 
 def gemv_config_for(device: torch.device, n: int, k: int):
     """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights."""
-    return _gemv_module(_arch(torch.device(device))).config_for(n, k)
+    device = torch.device(device)
+    return _gemv_module(_arch(device)).config_for(n, k, _sm_count(device))
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None) -> str:
@@ -338,7 +339,7 @@ def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int):
 
         arch = _arch(device)
         mod = _gemv_module(arch)
-        cfg = dataclasses.replace(mod.config_for(n, k), raw=raw)
+        cfg = dataclasses.replace(mod.config_for(n, k, _sm_count(device)), raw=raw)
         fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, _sm_count(device)))
     return hit

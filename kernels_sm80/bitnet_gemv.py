@@ -96,7 +96,7 @@ class GemvConfig:
 SM80 = GemvConfig(unroll=4)
 
 
-def config_for(n: int, k: int) -> GemvConfig:
+def config_for(n: int, k: int, sms: int) -> GemvConfig:
     """The GEMV configuration for an (N, K) problem on Ampere: one for all shapes."""
     return SM80
 

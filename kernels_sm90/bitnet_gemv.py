@@ -1,18 +1,25 @@
 """BitNet W2A8 GEMV on Hopper: the sm80 dp4a kernel (there is no tensor-core win at M = 1)
-with programmatic dependent launch, and the unroll depth picked per shape.
+with programmatic dependent launch, and its unroll depth chosen per shape from an
+occupancy model.
 
 Why PDL.  At decode sizes (1.6 - 16 MB of packed weights) a GEMV is short next to its
 fixed costs: launch, the first HBM round trip, the CTA-wide reduction and the drain.
-Back to back in a CUDA graph the sm80 kernel took 3.1 us for 1.6 MB and 7.8 us for
+Back to back in a CUDA graph the sm80 kernel took 3.2 us for 1.6 MB and 7.7 us for
 16.4 MB on the H200.  With ``griddepcontrol`` the next kernel's CTAs start as ours
 retire, issue their weight loads at once (the weights are static parameters) and only
-wait for the previous grid before reading ``x`` and writing ``out``: 1.8 us and 6.3 us.
+wait for the previous grid before reading ``x`` and writing ``out`` (1.8 us at 1.6 MB).
 
-Unroll (16-byte weight loads in flight per lane).  Measured on the H200 (graph replay,
-PDL, weights from HBM; profiles/NOTES.md): 4 wins while one batch covers a warp's
-groups and the matrix is small (more warps per stripe, no padded loads: 1.8 vs 2.0 us at
-2560 x 2560); 8 wins on the largest matrices (6.3 vs 7.5 us at 20480 x 3200) and when
-4 would need a second batch (3.5 vs 3.9 us at 3200 x 10240).
+Which unroll.  A warp issues all the loads of its batch (``unroll`` groups of 512 bytes
+per warp) before it computes, so the whole matrix is in flight at once only if every CTA
+(one per 16-row stripe) is resident in the first wave; a second wave waits for the
+first to retire.  Residency is set by registers: each SM sub-partition holds 16K, a warp
+takes its registers rounded to 256.  Measured on the H200 over 12 shapes
+(profiles/NOTES.md), the time is ordered by (waves, batches per warp, padded loads,
+fewer warps per CTA): e.g. 13824 x 2560 takes 4.6 us at unroll 4 (5-warp CTAs, 5 per SM:
+two waves) and 3.0 us at unroll 5 (4-warp CTAs, 7 per SM: one wave); 20480 x 3200 7.5 us
+at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
+``config_for`` evaluates that order for the compiled candidates, whose register counts
+(ptxas, sm_90a) are recorded in ``REGISTERS`` and checked by the CPU tests.
 
 A bulk-copy (``cp.async.bulk`` + mbarrier ring, persistent CTAs) variant was measured
 and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
@@ -23,18 +30,38 @@ from __future__ import annotations
 from ..kernels_sm80.bitnet_gemv import MAX_WARPS, BitnetGemv, GemvConfig, compile_gemv, launch_size, warps_for
 from ..layouts import bitnet as fmt
 
-SM90 = GemvConfig(unroll=8, pdl=True)
-SM90_SMALL = GemvConfig(unroll=4, pdl=True)
+# ptxas register counts of the PDL builds for sm_90a, by unroll (tests/test_bitnet.py)
+REGISTERS = {4: 72, 5: 72, 8: 88, 10: 120}
+CANDIDATES = tuple(GemvConfig(unroll=u, pdl=True) for u in REGISTERS)
 
-# above this many packed weight bytes the deeper unroll wins (see the module docstring)
-LARGE_BYTES = 12 << 20
+SMSP_PER_SM = 4
+SMSP_REGISTERS = 16384
+REGISTER_UNIT = 256  # per-warp allocation granularity
+MAX_CTAS_PER_SM = 32
 
 
-def config_for(n: int, k: int) -> GemvConfig:
-    """The GEMV configuration for an (N, K) problem on Hopper."""
+def ctas_per_sm(registers: int, warps: int) -> int:
+    """CTAs of ``warps`` warps at ``registers`` per thread resident on one SM."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    warps_per_sm = SMSP_PER_SM * min(16, SMSP_REGISTERS // per_warp)
+    return min(MAX_CTAS_PER_SM, warps_per_sm // warps)
+
+
+def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
+    """(waves, batches per warp, padded group loads per stripe, -warps): smaller is faster."""
     groups = k // fmt.GROUP_K
-    one_batch = groups <= MAX_WARPS * SM90_SMALL.unroll
-    return SM90_SMALL if one_batch and n * k // fmt.CODES_PER_BYTE < LARGE_BYTES else SM90
+    warps = warps_for(k, cfg.unroll)
+    batches = -(-groups // (warps * cfg.unroll))
+    waves = -(-(n // fmt.TILE_N) // (sms * ctas_per_sm(REGISTERS[cfg.unroll], warps)))
+    return waves, batches, warps * cfg.unroll * batches - groups, -warps
 
 
-__all__ = ["BitnetGemv", "GemvConfig", "SM90", "SM90_SMALL", "compile_gemv", "config_for", "launch_size", "warps_for"]
+def config_for(n: int, k: int, sms: int) -> GemvConfig:
+    """The GEMV configuration for an (N, K) problem on a Hopper GPU with ``sms`` SMs."""
+    return min(CANDIDATES, key=lambda cfg: cost(cfg, n, k, sms))
+
+
+SM90 = CANDIDATES[0]
+
+__all__ = ["BitnetGemv", "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "SM90", "compile_gemv",
+           "config_for", "cost", "ctas_per_sm", "launch_size", "warps_for"]

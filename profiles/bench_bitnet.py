@@ -18,7 +18,7 @@ Method (everything in one run, on one GPU):
 ``out_dir/bitnet.png`` (if matplotlib is importable) and returns the results.
 ``quick=True``: fewer replays, GEMM at M = 16 with the default kernel only, no GEMV
 variants.  The full run also times the other GEMV configurations side by side
-(``unroll4_us`` / ``unroll8_us``, on Hopper also ``pdl_unroll4_us`` / ``pdl_unroll8_us``
+(``unroll4_us`` / ``unroll8_us``, on Hopper also ``pdl_unrollU_us`` for U = 4, 5, 8, 10
 with programmatic dependent launch; ``config`` names the default) and, on Hopper,
 both GEMM kernels (mma.sync and wgmma) at every M; ``default`` marks the one
 ``bitnet.gemm`` picks.
@@ -110,27 +110,27 @@ def copies_for(nbytes: int, l2_bytes: int) -> int:
 
 def gemv_variants(device) -> Dict[str, Callable]:
     """Every GEMV configuration this GPU can run, by name, for the side-by-side columns:
-    unroll 4 and 8, and on Hopper each with and without programmatic dependent launch.
-    ``call(cfg)`` returns a function ``(x, w, xs, ws) -> out`` running that kernel."""
+    unroll 4 and 8 without, and on Hopper unroll 4 / 5 / 8 / 10 with programmatic
+    dependent launch: name -> (config, ``call(x, w, xs, ws) -> out`` running it)."""
     from bitdecode import jit
     from bitdecode.kernels_sm80 import bitnet_gemv as mod
 
     arch = jit.target_arch(device.index)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    pdl = (False, True) if arch == "sm_90a" else (False,)
+    configs = [mod.GemvConfig(unroll=u) for u in (4, 8)]
+    if arch == "sm_90a":
+        configs += [mod.GemvConfig(unroll=u, pdl=True) for u in (4, 5, 8, 10)]
     out = {}
-    for p in pdl:
-        for unroll in (4, 8):
-            cfg = mod.GemvConfig(unroll=unroll, pdl=p)
-            fn = jit.KERNELS.get(("bitnet_gemv", arch, cfg), lambda cfg=cfg: mod.compile_gemv(cfg, jit.compile_options(arch)))
+    for cfg in configs:
+        fn = jit.KERNELS.get(("bitnet_gemv", arch, cfg), lambda cfg=cfg: mod.compile_gemv(cfg, jit.compile_options(arch)))
 
-            def call(x, w, xs, ws, fn=fn, cfg=cfg):
-                out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
-                n = w.shape[0]
-                fn(x, w, xs, ws, out, n, n, n, mod.launch_size(cfg, n, x.shape[1], sms))
-                return out
+        def call(x, w, xs, ws, fn=fn, cfg=cfg):
+            out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
+            n = w.shape[0]
+            fn(x, w, xs, ws, out, n, n, n, mod.launch_size(cfg, n, x.shape[1], sms))
+            return out
 
-            out[("pdl_" if p else "") + f"unroll{unroll}_us"] = (cfg, call)
+        out[("pdl_" if cfg.pdl else "") + f"unroll{cfg.unroll}_us"] = (cfg, call)
     return out
 
 
