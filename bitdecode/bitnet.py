@@ -463,6 +463,10 @@ def gemv(
     ``x_scale`` fp32 [1] (``127 / max|x|``), ``w_scales`` fp32 [S] per segment.
     N % 16 == 0 and K % 128 == 0.  ``out_dtype=torch.int32`` returns the exact integer
     sums ``x @ w.T`` instead (no scaling).
+
+    On Hopper the kernel uses programmatic dependent launch: it streams ``w_packed``
+    before the previous kernel on the stream has finished (and reads ``x`` only after),
+    so ``w_packed`` must not be written by the kernel launched right before this call.
     """
     _, n, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=True)
     _check_out_dtype(out_dtype)
@@ -490,6 +494,9 @@ def gemm(
 
     ``kernel``: ``"mma"`` (mma.sync m16n8k32, any sm_80+), ``"wgmma"`` (Hopper only)
     or ``"auto"``.  ``out_dtype=torch.int32`` returns the exact integer sums.
+    On Hopper the mma.sync kernel streams ``w_packed`` before the previous kernel has
+    finished (programmatic dependent launch, as ``gemv``): don't write the weights in
+    the kernel launched right before.
     """
     m, n, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=False)
     _check_out_dtype(out_dtype)
