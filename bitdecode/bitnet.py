@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -53,6 +54,7 @@ __all__ = [
     "reference_gemm",
     "gemm_kernel_for",
     "gemv_config_for",
+    "pdl_enabled",
     "accumulate",
     "OUT_DTYPES",
     "BitLinear",
@@ -310,10 +312,22 @@ def _gemv_module(arch: str):
     return mod
 
 
+# Programmatic dependent launch on Hopper (the kernels read the weights before the
+# previous kernel on the stream has finished); BITDECODE_PDL=0 turns it off, for callers
+# that write the packed weights in the kernel right before a GEMV / GEMM.
+ENV_PDL = "BITDECODE_PDL"
+
+
+def pdl_enabled() -> bool:
+    """Whether the Hopper GEMV / mma.sync GEMM launch with PDL (``$BITDECODE_PDL != 0``)."""
+    return os.environ.get(ENV_PDL, "1").strip() != "0"
+
+
 def gemv_config_for(device: torch.device, n: int, k: int):
     """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights."""
     device = torch.device(device)
-    return _gemv_module(_arch(device)).config_for(n, k, _sm_count(device))
+    cfg = _gemv_module(_arch(device)).config_for(n, k, _sm_count(device))
+    return cfg if pdl_enabled() else dataclasses.replace(cfg, pdl=False)
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None) -> str:
@@ -332,14 +346,14 @@ _LAUNCHERS: dict = {}
 
 
 def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int):
-    key = ("gemv", device.index, raw, n, k)
+    key = ("gemv", device.index, raw, n, k, pdl_enabled())
     hit = _LAUNCHERS.get(key)
     if hit is None:
         from . import jit
 
         arch = _arch(device)
         mod = _gemv_module(arch)
-        cfg = dataclasses.replace(mod.config_for(n, k, _sm_count(device)), raw=raw)
+        cfg = dataclasses.replace(gemv_config_for(device, n, k), raw=raw)
         fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, _sm_count(device)))
     return hit
@@ -365,7 +379,7 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
         from .kernels_sm80 import bitnet_gemm as mod
     sms = _sm_count(device)
     cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
-    if kernel == "mma" and arch == "sm_90a":
+    if kernel == "mma" and arch == "sm_90a" and pdl_enabled():
         # programmatic dependent launch: start streaming weights while the previous
         # kernel drains (profiles/NOTES.md); weights must not come from that kernel
         cfg = dataclasses.replace(cfg, pdl=True)
@@ -466,7 +480,8 @@ def gemv(
 
     On Hopper the kernel uses programmatic dependent launch: it streams ``w_packed``
     before the previous kernel on the stream has finished (and reads ``x`` only after),
-    so ``w_packed`` must not be written by the kernel launched right before this call.
+    so ``w_packed`` must not be written by the kernel launched right before this call
+    (or set ``BITDECODE_PDL=0``).
     """
     _, n, _, segs = _check_matmul(x, w_packed, x_scale, w_scales, segments, gemv=True)
     _check_out_dtype(out_dtype)

@@ -506,6 +506,15 @@ def test_gemv_compiles(arch):
     assert "ld.global.nc.L1::no_allocate.v4.u32" in ptx and "shfl.sync.bfly" in ptx
 
 
+def test_pdl_switch(monkeypatch):
+    monkeypatch.delenv("BITDECODE_PDL", raising=False)
+    assert bn.pdl_enabled()
+    monkeypatch.setenv("BITDECODE_PDL", "0")
+    assert not bn.pdl_enabled()
+    monkeypatch.setenv("BITDECODE_PDL", "1")
+    assert bn.pdl_enabled()
+
+
 @pytest.mark.parametrize("unroll", [4, 5, 8, 10])
 def test_sm90_gemv_compiles(unroll, tmp_path):
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
@@ -631,6 +640,21 @@ def test_gpu_gemv_every_config(n, k):
         out = torch.full((1, n), -7, dtype=torch.int32, device="cuda")
         fn(x, wp, xs, torch.ones(1, device="cuda"), out, n, n, n, v80.launch_size(cfg, n, k, sms))
         assert torch.equal(out, ref), (cfg, (out - ref).abs().max())
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_pdl_off(monkeypatch):
+    """BITDECODE_PDL=0: plain launches, same exact results."""
+    monkeypatch.setenv("BITDECODE_PDL", "0")
+    n, k = 4096 + 16, 2560
+    w, wp = _weights(n, k)
+    assert not bn.gemv_config_for("cuda", n, k).pdl
+    ws = torch.ones(1, device="cuda")
+    for m in (1, 16):
+        x, xs = _acts(m, k, n + m)
+        fn = bn.gemv if m == 1 else bn.gemm
+        assert torch.equal(fn(x, wp, xs, ws, out_dtype=torch.int32), bn.accumulate(x, w))
 
 
 @pytest.mark.gpu
