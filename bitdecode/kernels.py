@@ -17,7 +17,7 @@ import torch
 from . import jit
 from .attention import CacheTensors
 from .formats import KVFormat
-from .layouts import sm80
+from .layouts import resources, sm80
 
 LOG2_E = 1.4426950408889634
 CTAS_PER_SM = 3  # default decode CTAs resident per SM (see ctas_per_sm)
@@ -123,7 +123,8 @@ def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, spli
     from .kernels_sm80.decode import DecodeSm80
 
     # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
-    min_blocks = ctas_per_sm(fmt, head_dim, nh) if ctas_per_sm(fmt, head_dim, nh) == 4 else 0
+    per_sm = ctas_per_sm(fmt, head_dim, nh)
+    min_blocks = per_sm if per_sm == 4 else 0
     kernel = DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
                         min_blocks_per_sm=min_blocks)
     args = decode_args(fmt, dtype, head_dim, split)
@@ -209,13 +210,18 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int) -> int:
-    """Decode CTAs resident per SM, as the register counts ptxas reports for sm_90a give it
-    (4-bit D<=128 with 8 head columns: 128 regs -> 4; 2-bit: 168 -> 3; D=256 or 16 head
-    columns: 211-255 -> 2)."""
+def decode_registers(fmt: KVFormat, head_dim: int, nh: int) -> int:
+    """Registers per thread of the decode kernel as ptxas reports them for sm_90a (4-bit
+    D<=128 with 8 head columns: capped at 128; 2-bit: 168; D=256 or 16 head columns:
+    211-255)."""
     if head_dim > 128 or nh > 8:
-        return 2
-    return 4 if fmt.bits == 4 else 3
+        return 255
+    return 128 if fmt.bits == 4 else 168
+
+
+def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int) -> int:
+    """Decode CTAs resident per SM (4 / 3 / 2 for the register counts above)."""
+    return resources.ctas_per_sm(decode_registers(fmt, head_dim, nh), sm80.WARPS_N)
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int,

@@ -39,24 +39,23 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
+from ..layouts.bitnet import MMA_M, MMA_N
+from ..layouts.resources import ctas_per_sm
 from .bitnet_ptx import (
     WARP,
     dp4a_ss,
     load_b32,
     load_v4,
+    matmul_fake_args,
     mma_m16n8k32_u8s8,
     segment_scale,
     shr_and,
     store_out,
 )
 
-MMA_M = 16  # weight rows per MMA
-MMA_N = 8  # tokens per MMA
-MMA_K = 32
-MAX_CTAS_PER_SM = 32
 
 
 @dataclass(frozen=True)
@@ -64,8 +63,8 @@ class GemmConfig:
     """``mb8``: 8-token MMA columns per CTA; ``tiles``: 16-row tiles per warp; ``wn``:
     warps along the rows; ``unroll``: 128-column groups loaded before any is consumed;
     ``max_wk``: bound on the split-K warp count, which is a launch argument
-    (``split_for``), so one compilation serves every (N, K); ``sm_warps``: warps of this
-    tile that fit an SM (its registers as ptxas allocates them on sm_90a) and
+    (``split_for``), so one compilation serves every (N, K); ``registers``: per thread,
+    as ptxas allocates them on sm_90a (residency, ``layouts.resources``) and
     ``max_batches``: serial batches of loads a warp may be given to save a second wave
     of CTAs -- both for the host's choice of ``wk`` only."""
 
@@ -74,7 +73,7 @@ class GemmConfig:
     wn: int = 1
     unroll: int = 2
     max_wk: int = 16
-    sm_warps: int = 32
+    registers: int = 64
     max_batches: int = 10
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
     # programmatic dependent launch (sm_90+): the first batch of weight loads is issued
@@ -101,12 +100,13 @@ class GemmConfig:
 # Measured on the H200 (a sweep of tiles and split-K counts over the eight model shapes
 # at M = 16, 64, 256): 16 tokens a CTA and 16 rows a warp, two groups of loads in
 # flight per warp (64 registers: 32 warps an SM) -- the most CTAs and split-K warps.
-STREAM = GemmConfig(mb8=2, tiles=1, wn=1, unroll=2, max_wk=16, sm_warps=32, max_batches=10)
+STREAM = GemmConfig(mb8=2, tiles=1, wn=1, unroll=2, max_wk=16, registers=64, max_batches=10)
 # 32 tokens x 32 rows a warp: each activation load feeds twice the MMAs of STREAM, which
-# pays once the activations (re-read from L2 by every CTA column) dominate (118 registers).
+# pays once the activations (re-read from L2 by every CTA column) dominate (118 registers,
+# 128 with PDL: 16 warps an SM either way).
 # Its warps hold one group in flight: more than 8 serial batches cost more than a second
 # wave (M = 256: 4800 x 3200 with 1 split-K warp 55 us, with 7 warps 39 us).
-TILED = GemmConfig(mb8=4, tiles=2, wn=1, unroll=1, max_wk=8, sm_warps=16, max_batches=8)
+TILED = GemmConfig(mb8=4, tiles=2, wn=1, unroll=1, max_wk=8, registers=128, max_batches=8)
 
 
 def config_for(m: int, n: int, sms: int) -> GemmConfig:
@@ -131,7 +131,7 @@ def split_for(cfg: GemmConfig, m: int, n: int, k: int, sms: int) -> int:
     gm, gn = grid_for(cfg, m, n)
 
     def fits(w):
-        return gm * gn <= sms * min(MAX_CTAS_PER_SM, cfg.sm_warps // (cfg.wn * w))
+        return gm * gn <= sms * ctas_per_sm(cfg.registers, cfg.wn * w)
 
     while wk > 1 and not fits(wk) and -(-groups // ((wk - 1) * cfg.unroll)) <= cfg.max_batches:
         wk -= 1
@@ -377,18 +377,4 @@ class BitnetGemm:
 
 def compile_gemm(cfg: GemmConfig, options: str):
     """Compile for every M and every (N, K) with N % 16 == 0, K % 128 == 0."""
-    m = cute.sym_int()
-    n = cute.sym_int(divisibility=fmt.N_MULTIPLE)
-    k = cute.sym_int(divisibility=fmt.K_MULTIPLE)
-    kb = cute.sym_int(divisibility=fmt.K_MULTIPLE // fmt.CODES_PER_BYTE)
-    segs = cute.sym_int()
-    fake = cute.runtime.make_fake_compact_tensor
-    x = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
-    w = fake(cutlass.Int8, (n, kb), stride_order=(1, 0), assumed_align=16)
-    x_scale = fake(Float32, (m,), assumed_align=4)
-    w_scale = fake(Float32, (segs,), assumed_align=4)
-    out = fake(Int32 if cfg.raw else BFloat16, (m, n), stride_order=(1, 0), assumed_align=4)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
-        BitnetGemm(cfg), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream, options=options
-    )
+    return cute.compile(BitnetGemm(cfg), *matmul_fake_args(cfg.raw), options=options)

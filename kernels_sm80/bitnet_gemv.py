@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, segment_scale, store_out
+from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out
 
 MAX_WARPS = 16
 
@@ -233,24 +233,6 @@ class BitnetGemv:
             store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, self.raw)
 
 
-def gemv_fake_args(raw: bool) -> tuple:
-    """Symbolic-size arguments shared by the GEMV kernels: every (N, K) with N % 16 == 0
-    and K % 128 == 0, 16-byte aligned x and w, any number of segment scales."""
-    n = cute.sym_int(divisibility=fmt.N_MULTIPLE)
-    k = cute.sym_int(divisibility=fmt.K_MULTIPLE)
-    kb = cute.sym_int(divisibility=fmt.K_MULTIPLE // fmt.CODES_PER_BYTE)
-    segs = cute.sym_int()
-    fake = cute.runtime.make_fake_compact_tensor
-    x = fake(cutlass.Int8, (1, k), stride_order=(1, 0), assumed_align=16)
-    w = fake(cutlass.Int8, (n, kb), stride_order=(1, 0), assumed_align=16)
-    x_scale = fake(Float32, (1,), assumed_align=4)
-    w_scale = fake(Float32, (segs,), assumed_align=4)
-    out = fake(Int32 if raw else BFloat16, (1, n), stride_order=(1, 0), assumed_align=4)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    # segment ends e1..e3 and the launch-size argument (warps or CTAs)
-    return x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), Int32(1), stream
-
-
 def compile_gemv(cfg: GemvConfig, options: str):
     """Compile for every (N, K) with N % 16 == 0 and K % 128 == 0 (symbolic sizes)."""
-    return cute.compile(BitnetGemv(cfg), *gemv_fake_args(cfg.raw), options=options)
+    return cute.compile(BitnetGemv(cfg), *matmul_fake_args(cfg.raw, tokens=1), options=options)

@@ -111,34 +111,21 @@ def mma_m16n8k32_u8s8(a, b, c, *, loc=None, ip=None):
     return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
+def _dp4a(kind: str, a, b, c, loc, ip) -> Int32:
+    operands = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)]
+    return Int32(_asm(T.i32(), operands, f"dp4a.{kind}.s32 $0, $1, $2, $3;", "=r,r,r,r", loc=loc, ip=ip))
+
+
 @dsl_user_op
 def dp4a_us(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
     """``c + sum(a.u8[i] * b.s8[i])``: unsigned weight bytes times signed activations."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
-            "dp4a.u32.s32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return _dp4a("u32", a, b, c, loc, ip)
 
 
 @dsl_user_op
 def dp4a_ss(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
     """``c + sum(a.s8[i] * b.s8[i])``."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip), Int32(c).ir_value(loc=loc, ip=ip)],
-            "dp4a.s32.s32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return _dp4a("s32", a, b, c, loc, ip)
 
 
 @dsl_user_op
@@ -257,3 +244,22 @@ def scale_out(acc: Int32, x_scale: Float32, w_scale: Float32) -> Float32:
     return mul_rn(div_rn(Float32(acc), x_scale), w_scale)
 
 
+def matmul_fake_args(raw: bool, tokens=None, launch_arg: bool = True) -> tuple:
+    """Symbolic-size arguments of the BitNet kernels for ``cute.compile``: every M (or
+    ``tokens`` rows) and every (N, K) with N % 16 == 0, K % 128 == 0; 16-byte aligned
+    x and w; any number of segment scales; then the segment ends ``e1..e3``, the
+    launch-size argument (warps / split-K warps / CTAs) if ``launch_arg``, the stream."""
+    m = cute.sym_int() if tokens is None else tokens
+    n = cute.sym_int(divisibility=fmt.N_MULTIPLE)
+    k = cute.sym_int(divisibility=fmt.K_MULTIPLE)
+    kb = cute.sym_int(divisibility=fmt.K_MULTIPLE // fmt.CODES_PER_BYTE)
+    segs = cute.sym_int()
+    fake = cute.runtime.make_fake_compact_tensor
+    x = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
+    w = fake(cutlass.Int8, (n, kb), stride_order=(1, 0), assumed_align=16)
+    x_scale = fake(Float32, (m,), assumed_align=4)
+    w_scale = fake(Float32, (segs,), assumed_align=4)
+    out = fake(Int32 if raw else cutlass.BFloat16, (m, n), stride_order=(1, 0), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    size = (Int32(1),) if launch_arg else ()
+    return (x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), *size, stream)

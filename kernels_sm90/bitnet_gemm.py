@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -42,13 +42,15 @@ from ..kernels_sm80.bitnet_ptx import (
     cp_async_16,
     lds_b32,
     lds_sum16,
+    matmul_fake_args,
     segment_scale,
     shr_and_var,
     store_out,
 )
 from ..layouts import bitnet as fmt
+from ..layouts import sm90
 
-WG_ROWS = 64  # weight rows per warpgroup (the wgmma M)
+WG_ROWS = sm90.WGMMA_M  # weight rows per warpgroup (the wgmma M)
 WG_THREADS = 128
 STAGE_W_BYTES = WG_ROWS // fmt.TILE_N * fmt.GROUP_BYTES  # 2 KB per warpgroup and stage
 X_ROW_BYTES = fmt.GROUP_K  # one token's 128 bytes of a group
@@ -271,18 +273,4 @@ class BitnetGemmSm90:
 
 def compile_gemm(cfg: WgmmaConfig, options: str):
     """Compile for every M and every (N, K) with N % 16 == 0, K % 128 == 0 (sm_90a only)."""
-    m = cute.sym_int()
-    n = cute.sym_int(divisibility=fmt.N_MULTIPLE)
-    k = cute.sym_int(divisibility=fmt.K_MULTIPLE)
-    kb = cute.sym_int(divisibility=fmt.K_MULTIPLE // fmt.CODES_PER_BYTE)
-    segs = cute.sym_int()
-    fake = cute.runtime.make_fake_compact_tensor
-    x = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
-    w = fake(cutlass.Int8, (n, kb), stride_order=(1, 0), assumed_align=16)
-    x_scale = fake(Float32, (m,), assumed_align=4)
-    w_scale = fake(Float32, (segs,), assumed_align=4)
-    out = fake(Int32 if cfg.raw else BFloat16, (m, n), stride_order=(1, 0), assumed_align=4)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
-        BitnetGemmSm90(cfg), x, w, x_scale, w_scale, out, Int32(0), Int32(0), Int32(0), stream, options=options
-    )
+    return cute.compile(BitnetGemmSm90(cfg), *matmul_fake_args(cfg.raw, launch_arg=False), options=options)

@@ -12,8 +12,7 @@ wait for the previous grid before reading ``x`` and writing ``out`` (1.8 us at 1
 Which unroll.  A warp issues all the loads of its batch (``unroll`` groups of 512 bytes
 per warp) before it computes, so the whole matrix is in flight at once only if every CTA
 (one per 16-row stripe) is resident in the first wave; a second wave waits for the
-first to retire.  Residency is set by registers: each SM sub-partition holds 16K, a warp
-takes its registers rounded to 256.  Measured on the H200 over 12 shapes
+first to retire.  Residency is set by registers (``layouts.resources.ctas_per_sm``).  Measured on the H200 over 12 shapes
 (profiles/NOTES.md), the time is ordered by (waves, batches per warp, padded loads,
 fewer warps per CTA): e.g. 13824 x 2560 takes 4.6 us at unroll 4 (5-warp CTAs, 5 per SM:
 two waves) and 3.0 us at unroll 5 (4-warp CTAs, 7 per SM: one wave); 20480 x 3200 7.5 us
@@ -29,23 +28,11 @@ from __future__ import annotations
 
 from ..kernels_sm80.bitnet_gemv import MAX_WARPS, BitnetGemv, GemvConfig, compile_gemv, launch_size, warps_for
 from ..layouts import bitnet as fmt
+from ..layouts.resources import ctas_per_sm
 
 # ptxas register counts of the PDL builds for sm_90a, by unroll (tests/test_bitnet.py)
 REGISTERS = {4: 72, 5: 72, 8: 88, 10: 120}
 CANDIDATES = tuple(GemvConfig(unroll=u, pdl=True) for u in REGISTERS)
-
-SMSP_PER_SM = 4
-SMSP_REGISTERS = 16384
-REGISTER_UNIT = 256  # per-warp allocation granularity
-MAX_CTAS_PER_SM = 32
-
-
-def ctas_per_sm(registers: int, warps: int) -> int:
-    """CTAs of ``warps`` warps at ``registers`` per thread resident on one SM."""
-    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
-    warps_per_sm = SMSP_PER_SM * min(16, SMSP_REGISTERS // per_warp)
-    return min(MAX_CTAS_PER_SM, warps_per_sm // warps)
-
 
 def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
     """(waves, batches per warp, padded group loads per stripe, -warps): smaller is faster."""
@@ -61,7 +48,5 @@ def config_for(n: int, k: int, sms: int) -> GemvConfig:
     return min(CANDIDATES, key=lambda cfg: cost(cfg, n, k, sms))
 
 
-SM90 = CANDIDATES[0]
-
-__all__ = ["BitnetGemv", "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "SM90", "compile_gemv",
-           "config_for", "cost", "ctas_per_sm", "launch_size", "warps_for"]
+__all__ = ["BitnetGemv", "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "compile_gemv", "config_for", "cost",
+           "launch_size", "warps_for"]

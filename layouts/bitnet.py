@@ -58,6 +58,9 @@ TILE_BYTES = TILE_N * TILE_K * BITS // 8  # 128
 WORD_BITS = 32
 CODES_PER_WORD = WORD_BITS // BITS  # 16
 CODES_PER_BYTE = 8 // BITS  # 4
+# mma.sync.m16n8k32 (int8): a 16 x 32 weight tile is one MMA's A operand, 8 tokens its B
+MMA_M = TILE_N
+MMA_N = 8  # tokens per MMA
 TILE_WORDS = TILE_BYTES // 4  # 32
 TILE_BITS = TILE_BYTES * 8  # 1024
 # The 4-per-byte field a decode step isolates: bytes (e, e+1, e+2, e+3) = elements 4i..4i+3.

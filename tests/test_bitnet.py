@@ -541,6 +541,7 @@ def test_sm90_gemv_compiles(unroll, tmp_path):
 
 def test_sm90_gemv_config():
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
+    from bitdecode.layouts.resources import ctas_per_sm
 
     def unroll(n, k):
         return v90.config_for(n, k, 132).unroll
@@ -551,7 +552,7 @@ def test_sm90_gemv_config():
     assert unroll(20480, 3200) == 5  # two waves, no padded loads (unroll 4: three)
     assert unroll(3200, 10240) == 8  # 10-warp CTAs, 2 an SM (unroll 5: 16 warps, 1 an SM)
     assert unroll(16384, 2560) == 10  # the only one-wave choice
-    assert v90.ctas_per_sm(72, 4) == 7 and v90.ctas_per_sm(88, 3) == 6 and v90.ctas_per_sm(72, 16) == 1
+    assert ctas_per_sm(72, 4) == 7 and ctas_per_sm(88, 3) == 6 and ctas_per_sm(72, 16) == 1
     for n, k in ((16, 128), (16, 40960), (1 << 20, 128)):
         cfg = v90.config_for(n, k, 132)
         assert cfg.pdl and v90.warps_for(k, cfg.unroll) <= v90.MAX_WARPS

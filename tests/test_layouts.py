@@ -696,3 +696,16 @@ def test_sm100_constructors_trace():
     assert got["op"] == "S<3,4,3>"
     assert got["sf"] == 128 * 256
     assert got["sfa"] == got["sfb"] == 2 * 128 * 256 // 16  # two stages of 128 rows x 16 scales
+
+
+def test_residency_from_registers():
+    """layouts.resources: CTAs per SM from registers and warps (the decode split count and
+    the BitNet grids rely on it); the decode kernel's ptxas counts give 4 / 3 / 2."""
+    from bitdecode import kernels
+    from bitdecode.layouts.resources import ctas_per_sm
+
+    assert ctas_per_sm(128, 4) == 4 and ctas_per_sm(168, 4) == 3 and ctas_per_sm(255, 4) == 2
+    assert ctas_per_sm(32, 1) == 32 and ctas_per_sm(16, 4) == 16  # CTA and warp limits
+    fmt4, fmt2 = KVFormat(4, "channel", 128), KVFormat(2, "channel", 128)
+    assert [kernels.ctas_per_sm(f, d, nh) for f in (fmt4, fmt2) for d, nh in ((128, 8), (256, 8), (128, 16))] == [
+        4, 2, 2, 3, 2, 2]

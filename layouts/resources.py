@@ -1,0 +1,25 @@
+"""Per-SM resources of the GPUs the kernels target, and the residency they allow.
+
+sm_80, sm_90 and sm_100 alike: 64K 32-bit registers per SM in four sub-partitions (16K
+each; a warp lives in one), allocated per warp in units of 256 registers; at most 64
+warps and 32 CTAs per SM.  The host uses ``ctas_per_sm`` with the register counts
+ptxas reports for a kernel to size grids (decode splits, BitNet split-K and unroll),
+so that all CTAs are resident in one wave where possible.
+"""
+
+from __future__ import annotations
+
+SUBPARTITIONS = 4
+SUBPARTITION_REGISTERS = 16384
+REGISTER_UNIT = 256  # per-warp allocation granularity
+MAX_WARPS_PER_SM = 64
+MAX_CTAS_PER_SM = 32
+WARP = 32
+
+
+def ctas_per_sm(registers: int, warps: int) -> int:
+    """CTAs of ``warps`` warps at ``registers`` per thread resident on one SM (registers
+    and the warp / CTA limits; shared memory is not the bound for these kernels)."""
+    per_warp = -(-registers * WARP // REGISTER_UNIT) * REGISTER_UNIT
+    warps_per_sm = min(MAX_WARPS_PER_SM, SUBPARTITIONS * min(16, SUBPARTITION_REGISTERS // per_warp))
+    return min(MAX_CTAS_PER_SM, warps_per_sm // warps)
