@@ -217,7 +217,7 @@ class KVCache:
         # fast path: a query like the last validated one (shape, dtype, device, options, and
         # the same split decision) reuses its compiled plan with no further Python work
         key = (q.shape, q.dtype, q.device, softmax_scale, num_splits, backend,
-               max_len // self.fmt.residual_block)
+               -(-max_len // self.fmt.residual_block))  # the tiles choose_splits counts
         fast = self._fast
         if fast is not None and fast[0] == key and q.stride(-1) == 1:
             return fast[1](q, fast[2], return_lse)
@@ -259,8 +259,9 @@ class KVCache:
 
     def _write_block(self, b: int, block: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
         """Quantize and pack one block: kb, vb ``[Nr, Hkv, D]``."""
-        k_pack, k_params = reference.pack_k(kb.transpose(0, 1), self.fmt)
-        v_pack, v_params = reference.pack_v(vb.transpose(0, 1), self.fmt)
+        # the writes checked k and v for non-finite values before the first block
+        k_pack, k_params = reference.pack_k(kb.transpose(0, 1), self.fmt, check_finite=False)
+        v_pack, v_params = reference.pack_v(vb.transpose(0, 1), self.fmt, check_finite=False)
         kp, kq, vp, vq = self._block_slices(b, block)
         self.k_pack[kp] = k_pack
         self.k_params[kq] = k_params

@@ -45,16 +45,15 @@ def fingerprint() -> str:
     except ImportError:  # pragma: no cover - tvm_ffi is a dependency
         pass
     import bitdecode.kernels_sm80 as k80
+    import bitdecode.kernels_sm90 as k90
+    import bitdecode.kernels_sm100 as k100
     import bitdecode.layouts as lay
 
-    roots = [_PKG_ROOT, Path(lay.__file__).parent, Path(k80.__file__).parent.parent]
-    seen = set()
-    for root in roots:
+    # the package's own directories (layouts/ and kernels_*/ sit beside bitdecode/ in a
+    # checkout): nothing else in the tree may change the cache key
+    for root in (_PKG_ROOT, *(Path(m.__file__).resolve().parent for m in (lay, k80, k90, k100))):
         for src in sorted(root.rglob("*.py")):
-            if src in seen or "tests" in src.parts or "profiles" in src.parts:
-                continue
-            seen.add(src)
-            h.update(src.name.encode())
+            h.update(src.relative_to(root).as_posix().encode())
             h.update(src.read_bytes())
     return h.hexdigest()[:16]
 
