@@ -33,7 +33,6 @@ capture them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import warnings
 from typing import List, Optional, Sequence, Tuple
@@ -41,7 +40,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import _validate
+from . import _validate, dispatch
+from .kernels import num_sms
+from .reference import _to_int32
 from .layouts import bitnet as layout
 
 __all__ = [
@@ -54,14 +55,28 @@ __all__ = [
     "reference_gemm",
     "gemm_kernel_for",
     "gemv_config_for",
+    "gemv_configs",
     "pdl_enabled",
     "accumulate",
     "OUT_DTYPES",
     "BitLinear",
     "MAX_SEGMENTS",
+    "MODEL_SHAPES",
 ]
 
-MAX_SEGMENTS = 4
+# The (N, K) of BitNet b1.58 2B's linear layers (fused q/k/v, o, fused w1/w3, w2, for the
+# 2560- and 3200-wide variants): the shapes the tests and `bitdecode bench bitnet` use.
+MODEL_SHAPES = (
+    (2560, 2560),
+    (3840, 2560),
+    (13824, 2560),
+    (2560, 6912),
+    (3200, 3200),
+    (4800, 3200),
+    (3200, 10240),
+    (20480, 3200),
+)
+MAX_SEGMENTS = layout.MAX_SEGMENTS
 WEIGHT_EPS = 1e-5
 ACT_EPS = 1e-5
 BACKENDS = ("auto", "reference", "kernel")
@@ -169,8 +184,7 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     # permuted position p = 16 * word + element holds tile offset perm[p]
     words = tiles[..., perm].reshape(nt, kt, layout.TILE_WORDS, layout.CODES_PER_WORD)
     words = (words << shifts).sum(dim=-1)  # disjoint bit fields: sum == or
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.reshape(n, k // 16).view(torch.int8).reshape(n, k // layout.CODES_PER_BYTE)
+    return _to_int32(words).reshape(n, k // layout.CODES_PER_WORD).view(torch.int8).reshape(n, k // layout.CODES_PER_BYTE)
 
 
 def unpack_weight(w_packed: torch.Tensor) -> torch.Tensor:
@@ -265,33 +279,29 @@ def reference_gemm(
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
 def _arch(device: torch.device) -> str:
     from . import jit
 
-    return jit.target_arch(device.index)
+    return jit.target_arch(device.index)  # cached there
 
 
 def _check_kernel_device(device: torch.device, what: str) -> None:
     if device.type != "cuda":
         raise ValueError(f"the {what} kernel runs on CUDA tensors, got tensors on {device}")
-    major = _major(device)
-    if major < 8:
+    major = dispatch.device_capability(device)[0]
+    if major < dispatch.MIN_CAPABILITY["sm80"][0]:
         raise ValueError(
             f"the {what} kernel needs compute capability 8.0 or newer (dp4a / int8 mma.sync), "
             f"{torch.cuda.get_device_name(device)} is sm_{major}x"
         )
 
 
-@functools.lru_cache(maxsize=None)
-def _major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """The kernels load 16 bytes at a time: contiguous, 16-byte aligned storage."""
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        t = t.contiguous().clone()
+    if not t.is_contiguous():
+        t = t.contiguous()  # a fresh allocation: aligned
+    elif t.data_ptr() % 16:
+        t = t.clone()
     return t
 
 
@@ -323,11 +333,18 @@ def pdl_enabled() -> bool:
     return os.environ.get(ENV_PDL, "1").strip() != "0"
 
 
+def _with_pdl(cfg, arch: str):
+    """``cfg`` with programmatic dependent launch on Hopper unless ``BITDECODE_PDL=0``: the
+    GEMV and the mma.sync GEMM stream weights while the previous kernel drains
+    (profiles/NOTES.md); the weights must not come from that kernel."""
+    return dataclasses.replace(cfg, pdl=arch == "sm_90a" and pdl_enabled())
+
+
 def gemv_config_for(device: torch.device, n: int, k: int):
     """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights."""
     device = torch.device(device)
-    cfg = _gemv_module(_arch(device)).config_for(n, k, _sm_count(device))
-    return cfg if pdl_enabled() else dataclasses.replace(cfg, pdl=False)
+    arch = _arch(device)
+    return _with_pdl(_gemv_module(arch).config_for(n, k, num_sms(device)), arch)
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None) -> str:
@@ -345,22 +362,38 @@ def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
 _LAUNCHERS: dict = {}
 
 
-def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int):
-    key = ("gemv", device.index, raw, n, k, pdl_enabled())
+def gemv_configs(device: torch.device) -> list:
+    """Every GEMV configuration ``device`` can run (benchmarks and tests time / check them
+    side by side): unroll 4 and 8 plain, and on Hopper the PDL candidates the host picks from."""
+    from .kernels_sm80 import bitnet_gemv as v80
+
+    configs = [v80.GemvConfig(unroll=u) for u in (4, 8)]
+    if _arch(torch.device(device)) == "sm_90a":
+        from .kernels_sm90 import bitnet_gemv as v90
+
+        configs += list(v90.CANDIDATES)
+    return configs
+
+
+def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
+    """(compiled kernel, launch size) for this shape: the host's configuration, or ``cfg``."""
+    key = ("gemv", device.index, raw, n, k, pdl_enabled() if cfg is None else cfg)
     hit = _LAUNCHERS.get(key)
     if hit is None:
         from . import jit
+        from .kernels_sm80 import bitnet_gemv as mod  # every GEMV configuration is this kernel
 
         arch = _arch(device)
-        mod = _gemv_module(arch)
-        cfg = dataclasses.replace(gemv_config_for(device, n, k), raw=raw)
+        cfg = dataclasses.replace(cfg or gemv_config_for(device, n, k), raw=raw)
         fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
-        hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, _sm_count(device)))
+        hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, num_sms(device)))
     return hit
 
 
-def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.Tensor:
-    fn, size = _gemv_kernel(x.device, raw, w.shape[0], x.shape[1])
+def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool, cfg=None) -> torch.Tensor:
+    """Launch the GEMV (``cfg``: a configuration from ``gemv_configs`` instead of the
+    host's choice; benchmarks and tests)."""
+    fn, size = _gemv_kernel(x.device, raw, w.shape[0], x.shape[1], cfg)
     x, w = _aligned(x), _aligned(w)
     x_scale, w_scales = x_scale.contiguous(), w_scales.contiguous()
     out = _out(1, w.shape[0], raw, x.device)
@@ -369,30 +402,29 @@ def _gemv_launch(x, w, x_scale, w_scales, ends: List[int], raw: bool) -> torch.T
 
 
 def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw: bool):
-    """(compiled kernel, its trailing launch arguments) for this call's shape."""
-    arch = _arch(device)
-    if kernel == "auto":
-        kernel = _default_gemm_kernel(arch, m, n)
-    if kernel == "wgmma":
-        from .kernels_sm90 import bitnet_gemm as mod
-    else:
-        from .kernels_sm80 import bitnet_gemm as mod
-    sms = _sm_count(device)
-    cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
-    if kernel == "mma" and arch == "sm_90a" and pdl_enabled():
-        # programmatic dependent launch: start streaming weights while the previous
-        # kernel drains (profiles/NOTES.md); weights must not come from that kernel
-        cfg = dataclasses.replace(cfg, pdl=True)
-    # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
-    extra = (mod.split_for(cfg, m, n, k, sms),) if kernel == "mma" else ()
-    key = ("gemm", device.index, kernel, cfg)
-    fn = _LAUNCHERS.get(key)
-    if fn is None:
+    """(compiled kernel, its trailing launch arguments) for this call's shape; the tile and
+    split choice is made once per shape."""
+    key = ("gemm", device.index, m, n, k, kernel, raw, pdl_enabled())
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
         from . import jit
 
+        arch = _arch(device)
+        if kernel == "auto":
+            kernel = _default_gemm_kernel(arch, m, n)
+        if kernel == "wgmma":
+            from .kernels_sm90 import bitnet_gemm as mod
+        else:
+            from .kernels_sm80 import bitnet_gemm as mod
+        sms = num_sms(device)
+        cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
+        if kernel == "mma":
+            cfg = _with_pdl(cfg, arch)
+        # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
+        extra = (mod.split_for(cfg, m, n, k, sms),) if kernel == "mma" else ()
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
-        _LAUNCHERS[key] = fn
-    return fn, extra
+        hit = _LAUNCHERS[key] = (fn, extra)
+    return hit
 
 
 def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:
@@ -403,11 +435,6 @@ def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: boo
     out = _out(m, n, raw, x.device)
     fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], *extra)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 GEMM_KERNELS = ("auto", "mma", "wgmma")

@@ -19,7 +19,6 @@ from ..layouts import bitnet as fmt
 from .ptx import _asm
 
 WARP = 32
-MAX_SEGMENTS = 4
 
 # --------------------------------------------------------------------------------------
 

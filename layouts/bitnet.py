@@ -61,6 +61,9 @@ CODES_PER_BYTE = 8 // BITS  # 4
 # mma.sync.m16n8k32 (int8): a 16 x 32 weight tile is one MMA's A operand, 8 tokens its B
 MMA_M = TILE_N
 MMA_N = 8  # tokens per MMA
+# fused projections (q/k/v, w1/w3): the kernels take the row ends of the first three
+# segments (e1, e2, e3) and pick a segment's scale by comparing against them
+MAX_SEGMENTS = 4
 TILE_WORDS = TILE_BYTES // 4  # 32
 TILE_BITS = TILE_BYTES * 8  # 1024
 # The 4-per-byte field a decode step isolates: bytes (e, e+1, e+2, e+3) = elements 4i..4i+3.

@@ -37,16 +37,7 @@ import torch
 
 from bitdecode import bitnet as bn
 
-SHAPES = [
-    (2560, 2560),
-    (3840, 2560),
-    (13824, 2560),
-    (2560, 6912),
-    (3200, 3200),
-    (4800, 3200),
-    (3200, 10240),
-    (20480, 3200),
-]
+SHAPES = bn.MODEL_SHAPES
 GEMM_M = (16, 64, 256)
 MIN_CALLS = 32
 # Targets of the issue (H200): fraction of the roofline and speed-up over bf16 on the three
@@ -108,27 +99,15 @@ def copies_for(nbytes: int, l2_bytes: int) -> int:
     return max(2, math.ceil(4 * l2_bytes / nbytes))
 
 
-def gemv_variants(device) -> Dict[str, Callable]:
-    """Every GEMV configuration this GPU can run, by name, for the side-by-side columns:
-    unroll 4 and 8 without, and on Hopper unroll 4 / 5 / 8 / 10 with programmatic
-    dependent launch: name -> (config, ``call(x, w, xs, ws) -> out`` running it)."""
-    from bitdecode import jit
-    from bitdecode.kernels_sm80 import bitnet_gemv as mod
-
-    arch = jit.target_arch(device.index)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    configs = [mod.GemvConfig(unroll=u) for u in (4, 8)]
-    if arch == "sm_90a":
-        configs += [mod.GemvConfig(unroll=u, pdl=True) for u in (4, 5, 8, 10)]
+def gemv_variants(device) -> Dict[str, tuple]:
+    """Every GEMV configuration this GPU runs (``bitnet.gemv_configs``) by column name:
+    ``unrollU_us`` plain, ``pdl_unrollU_us`` with programmatic dependent launch ->
+    (config, ``call(x, w, xs, ws) -> out`` running it)."""
     out = {}
-    for cfg in configs:
-        fn = jit.KERNELS.get(("bitnet_gemv", arch, cfg), lambda cfg=cfg: mod.compile_gemv(cfg, jit.compile_options(arch)))
-
-        def call(x, w, xs, ws, fn=fn, cfg=cfg):
-            out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device=x.device)
+    for cfg in bn.gemv_configs(device):
+        def call(x, w, xs, ws, cfg=cfg):
             n = w.shape[0]
-            fn(x, w, xs, ws, out, n, n, n, mod.launch_size(cfg, n, x.shape[1], sms))
-            return out
+            return bn._gemv_launch(x, w, xs, ws, [n, n, n], False, cfg)
 
         out[("pdl_" if cfg.pdl else "") + f"unroll{cfg.unroll}_us"] = (cfg, call)
     return out
@@ -327,14 +306,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
     return results
 
 
-if __name__ == "__main__":  # pragma: no cover
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("profiles") / "h200")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    res = run(args.out, quick=args.quick)
+def print_summary(res: dict) -> None:
     for r in res["gemv"]:
         print(
             f"gemv {r['n']:>5}x{r['k']:<5} {r['us']:7.2f} us  bf16 {r['bf16_us']:7.2f} us  "
@@ -347,3 +319,11 @@ if __name__ == "__main__":  # pragma: no cover
             f"bf16 {r['bf16_us']:8.2f} us  x{r['speedup']:5.2f}  {r['tops']:6.1f} TOPS"
         )
     print(json.dumps(res["summary"], indent=1))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    from bitdecode import cli
+
+    sys.exit(cli.main(["bench", "bitnet", *sys.argv[1:]]))

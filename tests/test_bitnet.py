@@ -22,16 +22,7 @@ from bitdecode import bitnet as bn
 from bitdecode import jit
 from bitdecode.layouts import bitnet as L
 
-MODEL_SHAPES = [
-    (2560, 2560),
-    (3840, 2560),
-    (13824, 2560),
-    (2560, 6912),
-    (3200, 3200),
-    (4800, 3200),
-    (3200, 10240),
-    (20480, 3200),
-]
+MODEL_SHAPES = list(bn.MODEL_SHAPES)
 # plus: a padded last batch at both unroll depths, long K (several batches), many stripes
 ODD_SHAPES = [(16, 128), (4096 + 16, 2560), (48, 384), (1040, 1152), (272, 40960), (16 * 17000, 128)]
 
@@ -624,22 +615,11 @@ def _check(y_kernel, y_ref, raw_kernel, raw_ref):
 def test_gpu_gemv_every_config(n, k):
     """Each compiled GEMV configuration (not only the one the host picks for this shape):
     exact int32 sums, including padded last batches and several batches per warp."""
-    from bitdecode.kernels_sm80 import bitnet_gemv as v80
-    from bitdecode.kernels_sm90 import bitnet_gemv as v90
-
-    arch = jit.target_arch(torch.cuda.current_device())
-    configs = [v80.GemvConfig(unroll=u) for u in (4, 8)]
-    if arch == "sm_90a":
-        configs += list(v90.CANDIDATES)
     w, wp = _weights(n, k)
     x, xs = _acts(1, k, n + k)
     ref = bn.accumulate(x, w)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in configs:
-        cfg = v80.GemvConfig(unroll=cfg.unroll, pdl=cfg.pdl, raw=True)
-        fn = jit.KERNELS.get(("bitnet_gemv", arch, cfg), lambda: v80.compile_gemv(cfg, jit.compile_options(arch)))
-        out = torch.full((1, n), -7, dtype=torch.int32, device="cuda")
-        fn(x, wp, xs, torch.ones(1, device="cuda"), out, n, n, n, v80.launch_size(cfg, n, k, sms))
+    for cfg in bn.gemv_configs("cuda"):
+        out = bn._gemv_launch(x, wp, xs, torch.ones(1, device="cuda"), [n, n, n], True, cfg)
         assert torch.equal(out, ref), (cfg, (out - ref).abs().max())
 
 
