@@ -171,8 +171,7 @@ def check_splits(num_splits) -> int:
     return num_splits
 
 
-def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse, max_seqlen=None,
-        plans=None):
+def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse):
     """Validated dispatch shared by ``decode`` and ``decode_attention``."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     splits = check_splits(num_splits)
@@ -183,8 +182,7 @@ def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_ls
         )
     from . import kernels
 
-    return kernels.decode(q, cache, scale, splits, return_lse, backend=backend, max_seqlen=max_seqlen,
-                          plans=plans)
+    return kernels.decode(q, cache, scale, splits, return_lse)
 
 
 def decode_attention(

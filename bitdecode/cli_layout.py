@@ -182,7 +182,7 @@ def render_svg(fig: Figure) -> str:
     height = y + 12
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
             f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="monospace" font-size="11">')
-    return "\n".join([head, f'<rect width="100%" height="100%" fill="#ffffff"/>', *parts, "</svg>"]) + "\n"
+    return "\n".join([head, '<rect width="100%" height="100%" fill="#ffffff"/>', *parts, "</svg>"]) + "\n"
 
 
 # --------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def view_packed(args) -> Figure:
     fig.grids.append(Grid(f"word w = 4*chunk j + quad lane c; each field holds the {cname} shown",
                           labels, [_field_label(args.bits, fld, e) for fld, e in fields],
                           _lane_cells(words, fields, elements, lambda w: w % 4),
-                          f"columns: bit field (msb..lsb) and the element it holds; colour = quad lane c"))
+                          "columns: bit field (msb..lsb) and the element it holds; colour = quad lane c"))
     pairs = f // 2
     pcells = [[Cell(f"{elements[w][2 * p]},{elements[w][2 * p + 1]}", w % 4) for p in range(pairs)]
               for w in range(sm80.CHUNK_WORDS)]
@@ -457,7 +457,6 @@ def view_remap(args) -> Figure:
         raise LayoutError(f"{args.format} codes go to the block-scaled MMA as they are: there is no remap")
     _packed_operand(args)
     bits, dtype = args.bits, args.dtype
-    f = packing.codes_per_word(bits)
     fields = _field_columns(bits)
     fig = Figure(f"remap of a {bits}-bit word for {dtype}: interleave \"{packing.interleave_string(bits)}\" "
                  f"(fields msb -> lsb hold these elements)")

@@ -77,10 +77,8 @@ def _target_arch(device_index: int) -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
-def compile_options(arch: str, *, tvm_ffi: bool = True, keep_ptx: bool = False) -> str:
-    opts = [f"--gpu-arch {arch}"]
-    if tvm_ffi:
-        opts.append("--enable-tvm-ffi")
+def compile_options(arch: str, *, keep_ptx: bool = False) -> str:
+    opts = [f"--gpu-arch {arch}", "--enable-tvm-ffi"]  # every kernel is called through TVM-FFI
     if keep_ptx:
         # the PTX text comes back in ``compiled.artifacts.PTX``; the file CuTe DSL also
         # writes goes to a scratch dir rather than the current directory
@@ -101,12 +99,6 @@ class KernelCache:
     def __init__(self) -> None:
         self._mem: Dict[Tuple[Hashable, ...], Any] = {}
         self._lock = threading.Lock()
-
-    def __contains__(self, key) -> bool:
-        return key in self._mem
-
-    def __len__(self) -> int:
-        return len(self._mem)
 
     def get(self, key: Tuple[Hashable, ...], build: Callable[[], Any]) -> Any:
         fn = self._mem.get(key)

@@ -20,7 +20,6 @@ from .formats import KVFormat
 from .layouts import resources, sm80
 
 LOG2_E = 1.4426950408889634
-CTAS_PER_SM = 3  # default decode CTAs resident per SM (see ctas_per_sm)
 MIN_TILES_PER_SPLIT = 2
 
 _TORCH_TO_CUTE = {}
@@ -224,8 +223,7 @@ def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int) -> int:
     return resources.ctas_per_sm(decode_registers(fmt, head_dim, nh), sm80.WARPS_N)
 
 
-def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int,
-                  per_sm: int = CTAS_PER_SM) -> int:
+def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int, per_sm: int) -> int:
     """Enough CTAs to fill the GPU (``per_sm`` per SM), at least two tiles per split."""
     tiles = max(1, -(-max_len // fmt.residual_block))
     base = batch * kv_heads
@@ -297,9 +295,10 @@ def plan_for(cache: CacheTensors, q: torch.Tensor, num_splits: int, max_seqlen: 
 
 
 def decode(q: torch.Tensor, cache: CacheTensors, softmax_scale: float, num_splits: int,
-           return_lse: bool, backend: str = "sm80", max_seqlen: Optional[int] = None,
-           plans: Optional[dict] = None):
-    plan = plan_for(cache, q, num_splits, max_seqlen, plans)
+           return_lse: bool):
+    """One validated decode call without a cache object (``decode_attention``): the split
+    count for the cache's capacity, a fresh plan.  ``KVCache.decode`` keeps its plans."""
+    plan = plan_for(cache, q, num_splits, None)
     return plan(q, softmax_scale * LOG2_E, return_lse)
 
 
