@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
+from .layouts import sm80
+
 ARCHS = ("sm80", "sm90", "sm100")
 OPERANDS = ("q", "k", "p", "v")
 FORMATS = ("int", "nvfp4", "mxfp4")
@@ -567,9 +569,15 @@ class _Tile:
 def _chunk_starts(tile: _Tile):
     """Physical byte address of each 16-byte chunk of each row."""
     offs = tile.offsets()
-    per_chunk = 128 // tile.elem_bits
-    return [[offs[r][q * per_chunk] * tile.elem_bits // 8 for q in range(tile.row_bytes // 16)]
+    per_chunk = 8 * sm80.CHUNK_BYTES // tile.elem_bits
+    return [[offs[r][q * per_chunk] * tile.elem_bits // 8 for q in range(tile.row_bytes // sm80.CHUNK_BYTES)]
             for r in range(tile.rows)]
+
+
+def _bank_span(addr: int) -> str:
+    """The banks a 16-byte chunk at byte address ``addr`` covers, e.g. ``8-11``."""
+    first = (addr // sm80.BANK_BYTES) % sm80.SMEM_BANKS
+    return f"{first}-{first + sm80.CHUNK_BYTES // sm80.BANK_BYTES - 1}"
 
 
 def conflicts(starts, phase: str) -> int:
@@ -584,11 +592,12 @@ def conflicts(starts, phase: str) -> int:
         flat = [starts[r][q] for r in range(rows) for q in range(chunks)]
         groups = [flat[i:i + 8] for i in range(0, len(flat) - len(flat) % 8, 8)]
     extra = 0
+    banks, words = sm80.SMEM_BANKS, sm80.CHUNK_BYTES // sm80.BANK_BYTES
     for g in groups:
-        count = [0] * 32
+        count = [0] * banks
         for addr in g:
-            for k in range(4):
-                count[(addr // 4 + k) % 32] += 1
+            for k in range(words):
+                count[(addr // sm80.BANK_BYTES + k) % banks] += 1
         extra += max(count) - 1
     return extra
 
@@ -656,7 +665,7 @@ def view_swizzle(args) -> Figure:
     for tile in tiles:
         starts = _chunk_starts(tile)
         shown_chunks = min(len(starts[0]), 16)
-        cells = [[Cell(f"{(a // 4) % 32}-{(a // 4) % 32 + 3}", (a // 16) % 8) for a in row[:shown_chunks]]
+        cells = [[Cell(_bank_span(a), (a // sm80.CHUNK_BYTES) % 8) for a in row[:shown_chunks]]
                  for row in starts]
         checks = ", ".join(f"{p}: {conflicts(starts, p)} conflicts" for p in tile.phases)
         more = "" if shown_chunks == len(starts[0]) else f" (first {shown_chunks} of {len(starts[0])} chunks)"

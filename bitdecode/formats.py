@@ -49,7 +49,7 @@ class KVFormat:
     # ---- derived quantities -----------------------------------------------------------
     @property
     def qmax(self) -> int:
-        return (1 << self.bits) - 1
+        return packing.qmax(self.bits)
 
     @property
     def codes_per_word(self) -> int:

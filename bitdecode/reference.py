@@ -56,9 +56,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 
-def inv_qmax(bits: int) -> float:
-    """fp32(1 / (2^bits - 1)), the constant kernels multiply the range by."""
-    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
+inv_qmax = packing.inv_qmax  # fp32(1 / (2^bits - 1)), shared with the kernels
 
 
 def quantize(

@@ -74,6 +74,26 @@ def copy_rows_two_sources(g_first: cute.Tensor, g_second: cute.Tensor, sdst: cut
                 cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
 
 
+def wait_all():
+    """Commit the thread's cp.async copies, wait for all of them, then the CTA barrier:
+    the staged tile is visible to every thread."""
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.sync_threads()
+
+
+def load_packed_words(tile16: cute.Tensor, lane):
+    """ldmatrix x4 over every 32-row block and chunk of a packed smem slice (16-bit view).
+
+    Returns uint32 words indexed [(i, 0), r32, chunk] = word of row 32*r32 + 8*i + lane//4.
+    """
+    copy = sm80.make_packed_ldmatrix_copy(cutlass.Float16)
+    src = copy.get_slice(lane).partition_S(tile16)
+    regs = cute.make_fragment_like(src, cutlass.Float16)
+    cute.copy(copy, src, regs)
+    return cute.recast_tensor(regs, cutlass.Uint32)
+
+
 def load_a_fragments(mma, view: cute.Tensor, lane, transpose: bool):
     """MMA A-operand fragments of a (16*m, 16*k) smem view, loaded with ldmatrix x4
     (``transpose`` for a view whose rows are contiguous along M, e.g. V^T)."""

@@ -27,16 +27,15 @@ from typing import Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..layouts import sm80
 from . import ptx
-from .copy import copy_rows, g2s_atom, load_a_fragments
+from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
-from .tensors import aligned_ptr, assume_aligned
+from .tensors import aligned_ptr, assume_aligned, page_of
 
-LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 NUM_WARPS = sm80.WARPS_N
 NUM_THREADS = 32 * NUM_WARPS
@@ -211,21 +210,12 @@ class DecodeSm80:
     # ---------------------------------------------------------------------------------
     # Loads
     # ---------------------------------------------------------------------------------
-    @cute.jit
-    def copy_words(self, gsrc: cute.Tensor, sdst: cute.Tensor, tid: Int32):
-        """cp.async a contiguous run of int32 words (a multiple of 4) in 16-byte chunks."""
-        n = cute.size(gsrc)
-        chunks = n // 4
-        threads = min(chunks, NUM_THREADS)
-        copy = cute.make_tiled_copy_tv(g2s_atom(cutlass.Int32), cute.make_layout((threads,)),
-                                       cute.make_layout((4,)))
-        if const_expr(threads == NUM_THREADS):
-            thr = copy.get_slice(tid)
-            cute.copy(copy, thr.partition_S(gsrc), thr.partition_D(sdst))
-        else:
-            if tid < threads:
-                thr = copy.get_slice(tid)
-                cute.copy(copy, thr.partition_S(gsrc), thr.partition_D(sdst))
+    def copy_words(self, gsrc, sdst, words: int, tid):
+        """cp.async a contiguous run of ``words`` int32 words (a multiple of 4), seen as rows
+        of one 16-byte chunk."""
+        rows = cute.make_layout((words // 4, 4), stride=(4, 1))
+        copy_rows(assume_aligned(cute.make_tensor(gsrc, rows)), cute.make_tensor(sdst, rows), tid, NUM_THREADS,
+                  0, False)
 
     def stage_tensors(self, stage):
         """The four smem tensors of one pipeline stage (stage bases are 128-byte aligned)."""
@@ -246,10 +236,7 @@ class DecodeSm80:
 
     @cute.jit
     def load_tile(self, mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile, stage, tid):
-        page_size = mKp.shape[2]
-        tok = tile * self.nr
-        page = mBlockTable[batch, tok // page_size]
-        off = tok - (tok // page_size) * page_size
+        page, off = page_of(mBlockTable, batch, tile * self.nr, mKp.shape[2])
         kp, vp, ks, vs = self.stage_tensors(stage)
         gkp = cute.local_tile(mKp[page, head_kv, None, None], (self.nr, 2 * self.wk), (off // self.nr, 0))
         copy_rows(assume_aligned(gkp), kp, tid, NUM_THREADS, 0, False)
@@ -260,12 +247,10 @@ class DecodeSm80:
                                   (off // self.nr, 0))
         else:
             gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr, self.groups_v), (off // self.nr, 0))
-        self.copy_words(assume_aligned(cute.make_tensor(gks.iterator, cute.make_layout(self.words_ks))),
-                        cute.make_tensor(ks.iterator, cute.make_layout(self.words_ks)), tid)
+        self.copy_words(gks.iterator, ks.iterator, self.words_ks, tid)
         gvs = cute.local_tile(mVs[page, head_kv, None, None, None], (self.nr // 16, self.groups_v, 16),
                               (off // self.nr, 0, 0))
-        self.copy_words(assume_aligned(cute.make_tensor(gvs.iterator, cute.make_layout(self.words_vs))),
-                        cute.make_tensor(vs.iterator, cute.make_layout(self.words_vs)), tid)
+        self.copy_words(gvs.iterator, vs.iterator, self.words_vs, tid)
 
     @cute.jit
     def load_q(self, mQ, sQ, batch, head_kv, gq, tid):
@@ -287,18 +272,6 @@ class DecodeSm80:
     # ---------------------------------------------------------------------------------
     # Packed tile: S^T = K Q^T
     # ---------------------------------------------------------------------------------
-    def load_packed_words(self, tile16, lane):
-        """ldmatrix x4 over every 32-row block and chunk of a warp's packed slice.
-
-        Returns uint32 words indexed [(i, 0), r32, chunk] = word of row 32*r32 + 8*i + lane//4.
-        """
-        copy = sm80.make_packed_ldmatrix_copy(cutlass.Float16)
-        thr = copy.get_slice(lane)
-        src = thr.partition_S(tile16)
-        regs = cute.make_fragment_like(src, cutlass.Float16)
-        cute.copy(copy, src, regs)
-        return cute.recast_tensor(regs, Uint32)
-
     def k_param_pairs(self, ks, tok0, kt, lane):
         """(scale, zero) half2 pairs for the A fragment's column halves of k-block ``kt``.
 
@@ -312,11 +285,11 @@ class DecodeSm80:
             base = tok0 // self.group
 
             def pairs(mt, h, ch):
-                local = (16 * mt) // self.group if self.group < self.t else 0
+                local = (16 * mt) // self.group  # 0 when G >= T (16 * mt < T)
                 if (local, ch) not in cache:
                     row = ks[base + local, None]
-                    p0 = Uint32(row[16 * kt + 4 * c + 2 * ch])
-                    p1 = Uint32(row[16 * kt + 4 * c + 2 * ch + 1])
+                    pos = sm80.param_position(kt, c, 2 * ch)
+                    p0, p1 = Uint32(row[pos]), Uint32(row[pos + 1])
                     cache[(local, ch)] = split_params(p0, p1)
                 return cache[(local, ch)]
 
@@ -335,7 +308,7 @@ class DecodeSm80:
     def scores_packed(self, mma, thr_mma, dq, tQrQ, stage, warp_idx, lane):
         kp, _, ks, _ = self.stage_tensors(stage)
         slice_k = cute.local_tile(kp, (self.t, 2 * self.wk), (warp_idx, 0))
-        words = self.load_packed_words(slice_k, lane)
+        words = load_packed_words(slice_k, lane)
         acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.t, self.nh)), Float32)
         acc_s.fill(0.0)
         mt_count = self.t // 16
@@ -411,7 +384,7 @@ class DecodeSm80:
     def load_v_words(self, stage, warp_idx, lane):
         _, vp, _, _ = self.stage_tensors(stage)
         slice_v = cute.local_tile(vp, (self.d, 8), (0, warp_idx))  # chunk `warp` of every row
-        return self.load_packed_words(slice_v, lane)
+        return load_packed_words(slice_v, lane)
 
     @cute.jit
     def pv_packed(self, mma, thr_mma, dq, acc_s, acc_o, stage, words, warp_idx, lane):
@@ -455,9 +428,7 @@ class DecodeSm80:
         gV = cute.local_tile(mVr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
         copy_rows(assume_aligned(gK), sK, tid, NUM_THREADS, valid, True)
         copy_rows(assume_aligned(gV), sV, tid, NUM_THREADS, valid, True)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
+        wait_all()
 
         # S^T = K Q^T over this warp's 16 tokens
         sK_w = cute.local_tile(sK, (RES_ROWS_PER_WARP, self.d), (warp_idx, 0))

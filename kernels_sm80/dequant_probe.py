@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
 from ..layouts import packing, sm80
-from .copy import copy_rows
+from .copy import copy_rows, load_packed_words, wait_all
 from .dequant import WordDequant, split_params
 
 ROWS = 32
@@ -45,14 +45,8 @@ class DequantProbe:
         tile = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.Float16),
                                 sm80.make_smem_layout(ROWS, 4 * self.words))
         copy_rows(mPacked, tile, lane, 32, 0, False)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        copy = sm80.make_packed_ldmatrix_copy(cutlass.Float16)
-        src = copy.get_slice(lane).partition_S(tile)
-        regs = cute.make_fragment_like(src, cutlass.Float16)
-        cute.copy(copy, src, regs)
-        words = cute.recast_tensor(regs, Uint32)
+        wait_all()
+        words = load_packed_words(tile, lane)  # the decode kernel's own packed load
         dq = WordDequant(self.bits, self.is_bf16)
         c = lane % 4
         for chunk in cutlass.range_constexpr(self.words // sm80.CHUNK_WORDS):
@@ -61,6 +55,6 @@ class DequantProbe:
                 codes = dq.codes(words[(i, 0), 0, chunk], range(self.pairs))
                 for p in cutlass.range_constexpr(self.pairs):
                     # pair p = elements 2p, 2p+1: fragment columns of k-block p//2, half p%2
-                    pos = sm80.MMA_SHAPE[2] * (chunk * sm80.k_blocks_per_word(self.bits) + p // 2) + 4 * c + 2 * (p % 2)
+                    pos = sm80.param_position(chunk * sm80.k_blocks_per_word(self.bits) + p // 2, c, 2 * (p % 2))
                     s2, z2 = split_params(Uint32(mParams[row, pos]), Uint32(mParams[row, pos + 1]))
                     mOut[lane, i, chunk, p] = Int32(dq.scale(codes[p], s2, z2))

@@ -29,18 +29,12 @@ from cutlass import Float32, Int32, Uint32, const_expr
 
 from ..layouts import packing, sm80
 from . import ptx
-from .copy import copy_rows, copy_rows_two_sources, load_a_fragments
-from .tensors import assume_aligned
+from .copy import copy_rows, copy_rows_two_sources, load_a_fragments, wait_all
+from .tensors import assume_aligned, page_of
 
 NUM_WARPS = sm80.WARPS_N
 NUM_THREADS = 32 * NUM_WARPS
 CHUNK = sm80.CHUNK_BYTES // 2  # 16-bit elements per 16-byte chunk
-
-
-def _inv_qmax(bits: int) -> float:
-    import struct
-
-    return struct.unpack("<f", struct.pack("<f", 1.0 / ((1 << bits) - 1)))[0]
 
 
 class PackSm80:
@@ -50,8 +44,8 @@ class PackSm80:
         self.dtype = dtype
         self.is_bf16 = dtype is cutlass.BFloat16
         self.bits = bits
-        self.qmax = (1 << bits) - 1
-        self.inv_qmax = _inv_qmax(bits)
+        self.qmax = packing.qmax(bits)
+        self.inv_qmax = packing.inv_qmax(bits)
         self.k_channel = k_mode == "channel"
         self.group = group_size
         self.d = head_dim
@@ -93,11 +87,11 @@ class PackSm80:
             if (blk + 1) * self.nr <= length:
                 if which == 0:
                     self.load_rows(s_tile, mSrcK, mSrcK, b, head, blk * self.nr, Int32(0), tid)
-                    self.finish_load()
+                    wait_all()
                     self.pack_k(s_tile, s_red, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane)
                 else:
                     self.load_rows(s_tile, mSrcV, mSrcV, b, head, blk * self.nr, Int32(0), tid)
-                    self.finish_load()
+                    wait_all()
                     self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
         else:
             if x == 0:
@@ -110,11 +104,6 @@ class PackSm80:
     # ---------------------------------------------------------------------------------
     # Staging the 16-bit block
     # ---------------------------------------------------------------------------------
-    def finish_load(self):
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-
     def block_rows(self, m: cute.Tensor, b, head, row0):
         """The (Nr, D) window of ``m[b, :, head, :]`` starting at token ``row0`` (which may
         lie before the first token: rows there are never read)."""
@@ -142,7 +131,7 @@ class PackSm80:
         for blk in cutlass.range(first, last, unroll=1):
             # tokens of this block already in the residual buffer are those below `length`
             self.load_rows(s_tile, mRes, mNew, b, head, blk * self.nr, length, tid)
-            self.finish_load()
+            wait_all()
             if const_expr(is_k):
                 self.pack_k(s_tile, s_red, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane)
             else:
@@ -185,9 +174,7 @@ class PackSm80:
         return ptx.f32_to_u32(q)
 
     def locate(self, mBlockTable, page_size, b, blk):
-        tok = blk * self.nr
-        page = mBlockTable[b, tok // page_size]
-        return page, tok - (tok // page_size) * page_size
+        return page_of(mBlockTable, b, blk * self.nr, page_size)
 
     def fragments(self, view, lane, transpose: bool):
         """A-operand fragments of a smem view, loaded exactly as the decode kernel loads them."""
@@ -226,7 +213,7 @@ class PackSm80:
                         zinv[(1, kt, v)] = (zero, inv)
                         # the segment that starts a group writes its params (fragment order)
                         if ((row0 + 16 * mt) % self.group == 0) & (g == 0):
-                            mKs[page, head, (off + row0 + 16 * mt) // self.group, 16 * kt + 4 * c + v] = Int32(word)
+                            mKs[page, head, (off + row0 + 16 * mt) // self.group, sm80.param_position(kt, c, v)] = Int32(word)
             else:
                 gk = self.group // 16  # k-blocks per channel group
                 for h in cutlass.range_constexpr(2):
@@ -326,7 +313,7 @@ class PackSm80:
                     word, zero, inv = self.params(mn, mx)
                     if g == 0:
                         tile16 = (off + warp_idx * self.t) // 16 + kt
-                        mVs[page, head, tile16, gi, 4 * c + v] = Int32(word)
+                        mVs[page, head, tile16, gi, sm80.param_position(0, c, v)] = Int32(word)
                     shift = packing.shift_of_element(self.bits, 4 * kt + v)
                     for mm in cutlass.range_constexpr(gm):
                         for h in cutlass.range_constexpr(2):

@@ -12,6 +12,8 @@ from cutlass import Float32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ..layouts import packing
+
 
 def _asm(ret, operands, text, constraints, side_effects=False, loc=None, ip=None):
     return llvm.inline_asm(ret, operands, text, constraints, has_side_effects=side_effects,
@@ -29,7 +31,7 @@ def lop3_and_or(a, mask: int, c: int, *, loc=None, ip=None) -> Uint32:
     res = _asm(T.i32(), [_u32(a, loc, ip)],
                "{.reg .b32 m, k;\n"
                f"mov.b32 m, {mask & 0xFFFFFFFF};\nmov.b32 k, {c & 0xFFFFFFFF};\n"
-               "lop3.b32 $0, $1, m, k, 0xEA;}", "=r,r", loc=loc, ip=ip)
+               f"lop3.b32 $0, $1, m, k, 0x{packing.LOP3_AND_OR:X};}}", "=r,r", loc=loc, ip=ip)
     return Uint32(res)
 
 

@@ -16,6 +16,12 @@ def assume_aligned(t: cute.Tensor, align_bytes: int = 16) -> cute.Tensor:
     return cute.make_tensor(ptr, t.layout)
 
 
+def page_of(block_table: cute.Tensor, batch, tok, page_size):
+    """(page, offset in the page) of token ``tok`` of sequence ``batch`` (paged cache)."""
+    slot = tok // page_size
+    return block_table[batch, slot], tok - slot * page_size
+
+
 def aligned_ptr(ptr, align_bytes: int):
     """``ptr`` re-tagged as ``align_bytes``-aligned (a stage base: static multiple of it)."""
     return cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace, assumed_align=align_bytes)

@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
-from ..kernels_sm80.copy import copy_rows
+from ..kernels_sm80.copy import copy_rows, wait_all
 from ..kernels_sm80.dequant import WordDequant, split_params
 from ..layouts import packing, sm80, sm90
 
@@ -87,9 +87,7 @@ class DequantProbeSm90:
 
         copy_rows(mPacked, sPacked, tidx, THREADS, 0, False)
         copy_rows(mParams, sParams, tidx, THREADS, 0, False)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
+        wait_all()
 
         # (8 values, rows/32, chunks) and (8 values, rows/16, cols/16): one x4 load / 16x16 block
         ld_src = sm90.make_packed_ldmatrix_copy(cutlass.Float16).get_slice(lane).partition_S(sPacked)
@@ -156,7 +154,7 @@ class DequantProbeSm90:
                 for p in range(self.pairs):
                     mt, kb, v = self.targets[i][p]
                     # params of the pair's two columns, adjacent in fragment order
-                    pos = sm80.MMA_SHAPE[2] * (self.kpw * chunk + kb) + 4 * c + 2 * (p % 2)
+                    pos = sm80.param_position(self.kpw * chunk + kb, c, 2 * (p % 2))
                     s2, z2 = split_params(Uint32(sParams[row, pos]), Uint32(sParams[row, pos + 1]))
                     block_words[mt * self.kpw + kb][v // 2] = dq.scale(codes[p], s2, z2)
             for mt in range(2):

@@ -30,12 +30,19 @@ def evaluate(builder: Callable[[], Any], arch: str = DEFAULT_TRACE_ARCH) -> Any:
     return box["value"]
 
 
-def traced(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: evaluate ``fn(*args)`` inside a trace, cached on its (hashable) args."""
+def traced_for(arch: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: evaluate ``fn(*args)`` inside a trace for ``arch``, cached on its
+    (hashable) args."""
 
-    @functools.lru_cache(maxsize=None)
-    def cached(*args):
-        return evaluate(lambda: fn(*args))
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.lru_cache(maxsize=None)
+        def cached(*args):
+            return evaluate(lambda: fn(*args), arch=arch)
 
-    functools.update_wrapper(cached, fn)
-    return cached
+        functools.update_wrapper(cached, fn)
+        return cached
+
+    return decorate
+
+
+traced = traced_for(DEFAULT_TRACE_ARCH)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
+from . import packing, sm90
 from ._trace import evaluate, traced
 
 BITS = 2
@@ -65,12 +66,10 @@ MMA_N = 8  # tokens per MMA
 # segments (e1, e2, e3) and pick a segment's scale by comparing against them
 MAX_SEGMENTS = 4
 TILE_WORDS = TILE_BYTES // 4  # 32
-TILE_BITS = TILE_BYTES * 8  # 1024
 # The 4-per-byte field a decode step isolates: bytes (e, e+1, e+2, e+3) = elements 4i..4i+3.
 DECODE_MASK = 0x03030303
 DECODE_STEPS = CODES_PER_WORD // 4  # 4 shifts of 2 bits
-# lop3 lookup table for a & b with PTX's operand convention (a=0xF0, b=0xCC, c=0xAA).
-LOP3_AND = 0xF0 & 0xCC
+LOP3_AND = packing.LOP3_A & packing.LOP3_B  # lop3 lookup table of a & b
 
 # Kernel granularity: a GEMV step and an MMA k-group both cover 128 columns = 4 tiles.
 GROUP_K = 4 * TILE_K
@@ -122,23 +121,6 @@ def make_tile_bit_layout():
     offset_to_position = cute.right_inverse(make_tile_permutation())
     row_major = cute.make_layout((TILE_N, TILE_K), stride=(TILE_K, 1))
     return cute.composition(cute.composition(position_bits, offset_to_position), row_major)
-
-
-def make_packed_bit_layout(n: int, k: int):
-    """Weight (row, col) -> bit offset in the whole packed buffer, for a static (n, k).
-
-    The tile layout with two more modes: tiles are 1024 bits apart along k and
-    ``1024 * k/32`` bits apart along n.
-    """
-    import cutlass.cute as cute
-
-    check_shape(n, k, k_multiple=TILE_K)
-    tile = make_tile_bit_layout()
-    (rs, cs) = tile.shape, tile.stride
-    return cute.make_layout(
-        ((*rs[0], n // TILE_N), (*rs[1], k // TILE_K)),
-        stride=((*cs[0], TILE_BITS * (k // TILE_K)), (*cs[1], TILE_BITS)),
-    )
 
 
 def make_word_row():
@@ -257,7 +239,7 @@ def int8_a_fragment() -> Tuple[Tuple[Tuple[int, int], ...], ...]:
     Read off CuTe's int8 wgmma atom (warp 0 of the warpgroup holds rows 0..15 exactly as
     ``mma.sync.m16n8k32`` lays them out): bytes ``4j .. 4j+3`` are register ``j``.
     """
-    return evaluate(_int8_a_fragment_builder, arch="sm_90a")  # the wgmma atom needs sm_90a
+    return evaluate(_int8_a_fragment_builder, arch=sm90.TRACE_ARCH)  # the wgmma atom needs sm_90a
 
 
 # --------------------------------------------------------------------------------------

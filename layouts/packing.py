@@ -38,8 +38,9 @@ MAGIC_BITS = {"fp16": 0x6400, "bf16": 0x4300}
 MAGIC_VALUE = {"fp16": 1024.0, "bf16": 128.0}
 MANTISSA_BITS = {"fp16": 10, "bf16": 7}
 
-# lop3 immediate for (a & b) | c with PTX's convention a=0xF0, b=0xCC, c=0xAA.
-LOP3_AND_OR = (0xF0 & 0xCC) | 0xAA
+# lop3 lookup tables are written with PTX's operand convention a=0xF0, b=0xCC, c=0xAA.
+LOP3_A, LOP3_B, LOP3_C = 0xF0, 0xCC, 0xAA
+LOP3_AND_OR = (LOP3_A & LOP3_B) | LOP3_C  # (a & b) | c: 0xEA
 
 
 def _check_bits(bits: int) -> None:
@@ -50,6 +51,19 @@ def _check_bits(bits: int) -> None:
 def _check_dtype(dtype: str) -> None:
     if dtype not in MAGIC_BITS:
         raise ValueError(f"dtype must be one of {tuple(MAGIC_BITS)}, got {dtype!r}")
+
+
+def qmax(bits: int) -> int:
+    """Largest code: ``2^bits - 1``."""
+    return (1 << bits) - 1
+
+
+def inv_qmax(bits: int) -> float:
+    """fp32(1 / (2^bits - 1)), the constant the kernels and the reference multiply the
+    range by (rounded to fp32 once, here)."""
+    import struct
+
+    return struct.unpack("<f", struct.pack("<f", 1.0 / qmax(bits)))[0]
 
 
 def codes_per_word(bits: int) -> int:

@@ -37,11 +37,10 @@ query heads are the N side of the MMA (``query_tile_cols``: a multiple of 8, at 
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, Tuple
+from typing import Tuple
 
 from . import sm90
-from ._trace import evaluate
+from ._trace import traced_for
 
 ARCH = "sm100"
 TRACE_ARCH = "sm_100a"
@@ -52,20 +51,11 @@ SF_VEC = {"nvfp4": 16, "mxfp4": 32}  # values per scale factor along the contrac
 SF_NAME = {"nvfp4": "ue4m3", "mxfp4": "ue8m0"}
 SF_ATOM_ROWS = 128  # rows of one scale-factor basic chunk
 SF_ATOM_COLS = 4  # scale factors per row in one basic chunk
-HEAD_SCALE = "fp32"  # one per KV head, multiplies the fp32 accumulator
 OPERAND_DTYPES = ("e2m1", "fp16", "bf16")
 ELEM_BITS = {"e2m1": 4, "fp16": 16, "bf16": 16}
 
 
-def _traced(fn: Callable) -> Callable:
-    """Evaluate ``fn(*args)`` inside an sm_100a trace, cached per process."""
-
-    @functools.lru_cache(maxsize=None)
-    def cached(*args):
-        return evaluate(lambda: fn(*args), arch=TRACE_ARCH)
-
-    functools.update_wrapper(cached, fn)
-    return cached
+_traced = traced_for(TRACE_ARCH)
 
 
 def _check_format(fmt: str) -> None:

@@ -70,6 +70,13 @@ def tokens_per_warp(bits: int) -> int:
     return residual_block(bits) // WARPS_N
 
 
+def param_position(kblock, c, v):
+    """Fragment-order position of the (scale, zero) word of value ``v`` (0..3) of quad lane
+    ``c`` in 16-wide k-block ``kblock`` of a parameter row (module docstring, "Params");
+    element pair p of a word takes values 2*(p % 2) and 2*(p % 2) + 1."""
+    return MMA_SHAPE[2] * kblock + 4 * c + v
+
+
 def k_blocks_per_word(bits: int) -> int:
     """16-wide k blocks whose fragment values one 32-bit word carries (2 or 4)."""
     return packing.codes_per_word(bits) // 4

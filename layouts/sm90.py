@@ -52,10 +52,10 @@ physical placement equals sm80's ``smem_offsets``.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Tuple
+from typing import Tuple
 
 from . import packing, sm80
-from ._trace import evaluate
+from ._trace import traced_for
 
 ARCH = "sm90"
 TRACE_ARCH = "sm_90a"
@@ -71,15 +71,7 @@ LDSM_BLOCK_ROWS = 4 * sm80.LDSM_ROWS  # rows of one packed ldmatrix x4 (four 8-r
 OPERANDS = ("k", "v")
 
 
-def _traced(fn: Callable) -> Callable:
-    """Evaluate ``fn(*args)`` inside an sm_90a trace, cached per process."""
-
-    @functools.lru_cache(maxsize=None)
-    def cached(*args):
-        return evaluate(lambda: fn(*args), arch=TRACE_ARCH)
-
-    functools.update_wrapper(cached, fn)
-    return cached
+_traced = traced_for(TRACE_ARCH)
 
 
 # --------------------------------------------------------------------------------------
