@@ -15,7 +15,7 @@ from .layouts import sm80
 if TYPE_CHECKING:  # pragma: no cover
     from .cache import KVCache
 
-MAX_GQA_KERNEL = 16  # query heads per KV head that one kernel tile holds
+MAX_GQA_KERNEL = sm80.HEADS_TILES[-1]  # query heads per KV head that one kernel tile holds
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
 
 def variants(args) -> List[Variant]:
     from .formats import KVFormat
+    from .layouts import sm80
 
     out: List[Variant] = []
     for dtype, d in itertools.product(args.dtype, args.head_dim):
@@ -73,7 +74,7 @@ def variants(args) -> List[Variant]:
             except ValueError:
                 continue
             if "decode" in args.kernels:
-                for nh, split in itertools.product((8, 16), (False, True)):
+                for nh, split in itertools.product(sm80.HEADS_TILES, (False, True)):
                     out.append(Variant("decode", dtype, d, bits, mode, g, (f"h{nh}", "split" if split else "direct")))
             if "pack" in args.kernels:
                 for mode_ in ("prefill", "append"):

@@ -83,10 +83,6 @@ def _stream():
 # --------------------------------------------------------------------------------------
 
 
-def heads_tile(gq: int) -> int:
-    return 8 if gq <= 8 else 16
-
-
 def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     """Fake arguments of DecodeSm80 (same order as the call)."""
     import cutlass
@@ -101,7 +97,7 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
         fake_tensor(f16, (None, None, None, 2 * wk)),              # k_pack (16-bit view)
         fake_tensor(i32, (None, None, None, ks_last)),             # k_params
         fake_tensor(f16, (None, None, None, d, 2 * wv)),           # v_pack (16-bit view)
-        fake_tensor(i32, (None, None, None, d // g, 16)),          # v_params
+        fake_tensor(i32, (None, None, None, d // g, sm80.MMA_SHAPE[2])),  # v_params
         fake_tensor(dtype, (None, nr, None, d)),                   # k_res
         fake_tensor(dtype, (None, nr, None, d)),                   # v_res
         fake_vector(i32, 1),                                       # cache_seqlens
@@ -162,7 +158,7 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
         fake_tensor(i32, (None, None, None, wk)),       # k_pack
         fake_tensor(i32, (None, None, None, ks_last)),  # k_params
         fake_tensor(i32, (None, None, None, d, wv)),    # v_pack
-        fake_tensor(i32, (None, None, None, d // g, 16)),  # v_params
+        fake_tensor(i32, (None, None, None, d // g, sm80.MMA_SHAPE[2])),  # v_params
     ]
 
 
@@ -256,7 +252,7 @@ class DecodePlan:
         self.splits = splits
         self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
                        cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
-        nh = heads_tile(hq // hkv)
+        nh = sm80.heads_tile(hq // hkv)
         self.decode_fn = _decode_kernel(arch, fmt, dtype, d, nh, splits > 1)
         if splits > 1:
             self.combine_fn = _combine_kernel(arch, dtype, d)
@@ -284,7 +280,7 @@ def plan_for(cache: CacheTensors, q: torch.Tensor, num_splits: int, max_seqlen: 
     max_len = max_seqlen if max_seqlen is not None else cache.max_packed_tokens + fmt.residual_block
     hkv, d = cache.k_res.shape[2], q.shape[3]
     splits = num_splits or choose_splits(bsz, hkv, max_len, fmt, num_sms(q.device),
-                                         ctas_per_sm(fmt, d, heads_tile(hq // hkv)))
+                                         ctas_per_sm(fmt, d, sm80.heads_tile(hq // hkv)))
     if plans is None:
         return DecodePlan(cache, tuple(q.shape), q.dtype, q.device, splits)
     key = (tuple(q.shape), q.dtype, splits)

@@ -64,7 +64,7 @@ class DecodeSm80:
         min_blocks_per_sm: int = 0,
     ):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
-        assert heads_tile in (8, 16)
+        assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
         self.is_bf16 = dtype is cutlass.BFloat16
         self.bits = bits

@@ -47,6 +47,9 @@ from ._trace import traced
 ARCH = "sm80"
 MMA_SHAPE = (16, 8, 16)  # m, n, k of mma.sync
 WARPS_N = 4  # warps along the sequence (Wm = 1)
+# query heads of one KV head a decode tile holds: the N of the transposed products (one or
+# two m16n8k16 N blocks); GQA groups up to 8 use 8, up to 16 use 16
+HEADS_TILES = (8, 16)
 LDSM_ROWS = 8  # rows of one 8x8 ldmatrix tile
 CHUNK_WORDS = 4  # 32-bit words in one 16-byte ldmatrix row (one per quad lane)
 CHUNK_BYTES = 16
@@ -68,6 +71,11 @@ def residual_block(bits: int) -> int:
 def tokens_per_warp(bits: int) -> int:
     """T: tokens of one packed chunk, the share of one warp in a residual block."""
     return residual_block(bits) // WARPS_N
+
+
+def heads_tile(group: int) -> int:
+    """The decode tile's query-head count for ``group`` query heads per KV head."""
+    return next(n for n in HEADS_TILES if group <= n)
 
 
 def param_position(kblock, c, v):
