@@ -16,7 +16,7 @@ COMMANDS = {
     "info": "versions, GPU and arch, available kernels, compile cache dir",
     "demo": "build an LLM-like KV cache, quantize at 4 and 2 bits, decode; accuracy, memory, speed",
     "layout": "draw fragment / packed / remap / params / swizzle layouts as thread-value grids",
-    "bench": "benchmark sweeps (decode, pack, bitnet) written to profiles/<gpu>/",
+    "bench": "benchmark sweeps (decode incl. prefill packing, bitnet) written to profiles/<gpu>/",
     "compile": "ahead-of-time compile the kernels for an arch and dump their PTX (no GPU needed)",
 }
 

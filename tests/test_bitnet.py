@@ -464,7 +464,9 @@ def test_kernel_configs():
         for unroll in (4, 8):
             warps = v80.warps_for(k, unroll)
             assert 1 <= warps <= v80.MAX_WARPS
-            assert warps * unroll * -(-groups // (warps * unroll)) >= groups
+            iters = -(-groups // (warps * unroll))
+            assert warps * unroll * iters >= groups  # every group has a warp
+            assert (warps - 1) * unroll * iters < groups  # and every warp has a group
     for m in (1, 2, 16, 17, 64, 256, 1000):
         for n in (16, 2560, 20480):
             cfg = g80.config_for(m, n, 132)

@@ -29,11 +29,6 @@ def assert_out_close(out, ref_out, dtype):
     torch.testing.assert_close(out.float(), ref_out, rtol=2.0 ** -kvdata.MANTISSA_BITS[dtype], atol=1e-6)
 
 
-def state(cache):
-    return [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params,
-                                cache.k_res, cache.v_res, cache.seqlens, cache.block_table)]
-
-
 # --------------------------------------------------------------------------------------
 # Accuracy
 # --------------------------------------------------------------------------------------

@@ -271,8 +271,9 @@ def test_decode_attention_errors(cache, case):
 
 
 def test_decode_attention_accepts_the_cache_tensors(cache):
-    out = bd.decode_attention(q(), **_args(cache), backend="reference")
+    query = q()
+    out = bd.decode_attention(query, **_args(cache), backend="reference")
     assert out.shape == (B, 1, HQ, D)
     # unused block-table entries may hold anything: only the pages in use are checked
     args = _args(cache) | dict(block_table=torch.tensor([[0, -7], [1, 99]], dtype=torch.int32))
-    bd.decode_attention(q(), **args, backend="reference")
+    assert torch.equal(bd.decode_attention(query, **args, backend="reference"), out)
