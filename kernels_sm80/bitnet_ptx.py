@@ -16,9 +16,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
+from ..layouts import resources
 from .ptx import _asm
 
-WARP = 32
+WARP = resources.WARP
 
 # --------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp
 
-from ..layouts import sm80
+from ..layouts import resources, sm80
 from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
@@ -38,7 +38,7 @@ from .tensors import aligned_ptr, assume_aligned, page_of
 
 LN_2 = 0.6931471805599453
 NUM_WARPS = sm80.WARPS_N
-NUM_THREADS = 32 * NUM_WARPS
+NUM_THREADS = resources.WARP * NUM_WARPS
 RES_ROWS_PER_WARP = 16  # residual sub-tile: one m16 tile of tokens per warp
 RES_SUBTILE = RES_ROWS_PER_WARP * NUM_WARPS
 SMEM_ALIGN = 1024

@@ -27,13 +27,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
-from ..layouts import packing, sm80
+from ..layouts import packing, resources, sm80
 from . import ptx
 from .copy import copy_rows, copy_rows_two_sources, load_a_fragments, wait_all
 from .tensors import assume_aligned, page_of
 
 NUM_WARPS = sm80.WARPS_N
-NUM_THREADS = 32 * NUM_WARPS
+NUM_THREADS = resources.WARP * NUM_WARPS
 CHUNK = sm80.CHUNK_BYTES // 2  # 16-bit elements per 16-byte chunk
 
 

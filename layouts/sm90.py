@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
-from . import packing, sm80
+from . import packing, resources, sm80
 from ._trace import traced_for
 
 ARCH = "sm90"
@@ -62,7 +62,7 @@ TRACE_ARCH = "sm_90a"
 WGMMA_M = 64  # rows of one wgmma (and of the padded query tile)
 WGMMA_K = 16  # contraction of one 16-bit wgmma
 WARPGROUP_WARPS = 4
-WARP_THREADS = 32
+WARP_THREADS = resources.WARP
 WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_THREADS
 STSM_BLOCK = 16  # one stmatrix x4 stores a 16 x 16 block (four 8 x 8 matrices)
 ELEM_BYTES = 2
