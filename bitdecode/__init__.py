@@ -13,8 +13,8 @@ from PyTorch.  Quick start::
 
 from . import layouts, reference
 from . import bitnet  # BitNet W2A8: bd.bitnet.quantize_weight / pack_weight / gemv / gemm / BitLinear
-from .attention import decode, decode_attention
-from .cache import KVCache
+from .attention import decode_attention
+from .cache import KVCache, decode
 from .formats import KVFormat
 
 __version__ = "0.1.0"

@@ -3,46 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from . import _validate, dispatch, reference
+from . import _validate, backend as backends, dispatch, reference
+from .backend import CacheTensors
 from .formats import KVFormat
-from .layouts import sm80
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .cache import KVCache
-
-MAX_GQA_KERNEL = sm80.HEADS_TILES[-1]  # query heads per KV head that one kernel tile holds
-
-
-@dataclass(frozen=True)
-class CacheTensors:
-    """The validated tensors of a packed cache, as the kernels and the reference take them."""
-
-    k_pack: torch.Tensor
-    k_params: torch.Tensor
-    v_pack: torch.Tensor
-    v_params: torch.Tensor
-    k_res: torch.Tensor
-    v_res: torch.Tensor
-    cache_seqlens: torch.Tensor
-    block_table: torch.Tensor
-    fmt: KVFormat
-
-    @property
-    def page_size(self) -> int:
-        return self.k_pack.shape[2]
-
-    @property
-    def num_pages(self) -> int:
-        return self.k_pack.shape[0]
-
-    @property
-    def max_packed_tokens(self) -> int:
-        return self.block_table.shape[1] * self.page_size
+LOG2_E = 1.4426950408889634
+REFERENCE_MAX_SPLITS = 256  # the reference ignores the split count; it validates it alike
 
 
 def check_cache(
@@ -143,10 +113,13 @@ def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
     hq, hkv = q.shape[2], cache.k_res.shape[2]
     if hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} KV heads")
-    if backend != "reference" and hq // hkv > MAX_GQA_KERNEL:
+    if backend == "reference":
+        return
+    max_gqa = backends.get(backend).limits.max_gqa
+    if hq // hkv > max_gqa:
         raise ValueError(
             f"q has {hq // hkv} query heads per KV head; the {backend} kernels support 1 to "
-            f"{MAX_GQA_KERNEL} (use backend='reference' for more)"
+            f"{max_gqa} (use backend='reference' for more)"
         )
 
 
@@ -160,29 +133,34 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-MAX_SPLITS = sm80.MAX_SPLITS
-
-
-def check_splits(num_splits) -> int:
+def check_splits(num_splits, backend: str) -> int:
+    top = REFERENCE_MAX_SPLITS if backend == "reference" else backends.get(backend).limits.max_splits
     if (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
-            or num_splits > MAX_SPLITS):
-        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 picks a heuristic), "
+            or num_splits > top):
+        raise ValueError(f"num_splits must be an int in [0, {top}] (0 picks a heuristic), "
                          f"got {num_splits!r}")
     return num_splits
+
+
+def plan_decode(cache: CacheTensors, q: torch.Tensor, backend: str, num_splits: int, max_len: int):
+    """The kernel backend's decode plan for this query shape (splits chosen when 0)."""
+    kernels = backends.get(backend)
+    splits = num_splits or kernels.choose_splits(cache, tuple(q.shape), max_len, q.device)
+    return kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits)
 
 
 def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse):
     """Validated dispatch shared by ``decode`` and ``decode_attention``."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    splits = check_splits(num_splits)
+    splits = check_splits(num_splits, backend)
     if backend == "reference":
         return reference.decode(
             q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.v_res,
             cache.cache_seqlens, cache.fmt, cache.block_table, scale, return_lse,
         )
-    from . import kernels
-
-    return kernels.decode(q, cache, scale, splits, return_lse)
+    # no cache object: a fresh plan, split for the cache's capacity
+    plan = plan_decode(cache, q, backend, splits, cache.max_packed_tokens + cache.fmt.residual_block)
+    return plan(q, scale * LOG2_E, return_lse)
 
 
 def decode_attention(
@@ -218,21 +196,3 @@ def decode_attention(
     check_query(q, cache, backend)
     return run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                return_lse=return_lse)
-
-
-def decode(
-    q: torch.Tensor,
-    cache: "KVCache",
-    softmax_scale: Optional[float] = None,
-    num_splits: int = 0,
-    *,
-    backend: str = "auto",
-    return_lse: bool = False,
-):
-    """Decode one query token per sequence against a ``KVCache``: q ``[B, 1, Hq, D]``."""
-    from .cache import KVCache
-
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
-    return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
-                        return_lse=return_lse)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import _validate, dispatch
-from .kernels import num_sms
+from .backend import num_sms
 from .reference import _to_int32
 from .layouts import bitnet as layout
 
@@ -288,8 +288,8 @@ def _arch(device: torch.device) -> str:
 def _check_kernel_device(device: torch.device, what: str) -> None:
     if device.type != "cuda":
         raise ValueError(f"the {what} kernel runs on CUDA tensors, got tensors on {device}")
-    major = dispatch.device_capability(device)[0]
-    if major < dispatch.MIN_CAPABILITY["sm80"][0]:
+    if not dispatch.capability_at_least(device, 8):
+        major = dispatch.device_capability(device)[0]
         raise ValueError(
             f"the {what} kernel needs compute capability 8.0 or newer (dp4a / int8 mma.sync), "
             f"{torch.cuda.get_device_name(device)} is sm_{major}x"

@@ -6,7 +6,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import _validate, attention, dispatch, reference
+from . import _validate, attention, backend as backends, dispatch, reference
+from .backend import CacheTensors
 from .formats import KVFormat
 
 
@@ -44,7 +45,7 @@ class KVCache:
         self._host_lens: List[int] = [0] * k_res.shape[0]
         # the storage tensors are fixed for the cache's lifetime (written in place only), so
         # compiled-kernel plans built for them can be reused call after call
-        self._tensors = attention.CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res,
+        self._tensors = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res,
                                                seqlens, block_table, fmt)
         self._plans: dict = {}
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
@@ -130,7 +131,7 @@ class KVCache:
         """Tokens per sequence as the host tracks them (no device sync)."""
         return list(self._host_lens)
 
-    def tensors(self) -> attention.CacheTensors:
+    def tensors(self) -> CacheTensors:
         return self._tensors
 
     def memory_bytes(self) -> int:
@@ -172,9 +173,7 @@ class KVCache:
         if self.backend == "reference":
             self._prefill_reference(k, v, lens)
         else:
-            from . import kernels
-
-            kernels.prefill(self, k, v, lens)
+            backends.get(self.backend).prefill(self._tensors, k, v, lens)
         self._host_lens = lens
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -198,9 +197,7 @@ class KVCache:
         if self.backend == "reference":
             self._append_reference(k, v)
         else:
-            from . import kernels
-
-            kernels.append(self, k, v)
+            backends.get(self.backend).append(self._tensors, k, v)
         self._host_lens = [n + t for n in self._host_lens]
 
     def reset(self) -> None:
@@ -228,11 +225,15 @@ class KVCache:
         if backend == "reference":
             return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
                                  backend=backend, return_lse=return_lse)
-        from . import kernels
-
         scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
-        plan = kernels.plan_for(cache, q, attention.check_splits(num_splits), max_len, self._plans)
-        self._fast = (key, plan, scale * kernels.LOG2_E)
+        kernels = backends.get(backend)
+        splits = (attention.check_splits(num_splits, backend)
+                  or kernels.choose_splits(cache, tuple(q.shape), max_len, q.device))
+        plan_key = (tuple(q.shape), q.dtype, backend, splits)
+        plan = self._plans.get(plan_key)
+        if plan is None:
+            plan = self._plans[plan_key] = kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits)
+        self._fast = (key, plan, scale * attention.LOG2_E)
         return plan(q, self._fast[2], return_lse)
 
     def dequantized(self, b: int):
@@ -293,3 +294,19 @@ class KVCache:
                 if slot == nr - 1:
                     self._write_block(b, pos // nr, self.k_res[b], self.v_res[b])
         self.seqlens.add_(k.shape[1])
+
+
+def decode(
+    q: torch.Tensor,
+    cache: KVCache,
+    softmax_scale: Optional[float] = None,
+    num_splits: int = 0,
+    *,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """Decode one query token per sequence against a ``KVCache``: q ``[B, 1, Hq, D]``."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
+    return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+                        return_lse=return_lse)

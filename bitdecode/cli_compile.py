@@ -12,28 +12,14 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, Tuple
+
+from .backend import Variant
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
 KINDS = ("decode", "pack", "combine")
-
-
-class Variant(NamedTuple):
-    kind: str
-    dtype: str
-    head_dim: int
-    bits: int = 0
-    k_mode: str = ""
-    group_size: int = 0
-    extra: Tuple = ()
-
-    @property
-    def name(self) -> str:
-        parts = [self.kind, self.dtype, f"d{self.head_dim}"]
-        if self.bits:
-            parts += [f"{self.bits}bit", self.k_mode, f"g{self.group_size}"]
-        parts += [str(e) for e in self.extra]
-        return "_".join(parts)
+# instructions counted per variant: sm80 MMAs, sm90 MMAs, the dequant, the loads
+COUNTED = ("mma.sync.aligned.m16n8k16", "wgmma.mma_async", "ldmatrix", "lop3.b32", "cp.async.bulk", "cp.async")
 
 
 def _csv(kind):
@@ -59,58 +45,30 @@ def add_parser(sub, name: str, help_text: str) -> None:
                    help="compile for this machine's GPU into the JIT disk cache instead of writing PTX")
 
 
+def _backend_for(arch: str):
+    from . import backend as backends
+
+    return backends.get(backends.for_arch(arch))
+
+
 def variants(args) -> List[Variant]:
     from .formats import KVFormat
-    from .layouts import sm80
 
-    out: List[Variant] = []
-    for dtype, d in itertools.product(args.dtype, args.head_dim):
-        if "combine" in args.kernels:
-            out.append(Variant("combine", dtype, d))
-        for bits, mode, g in itertools.product(args.bits, args.k_mode, args.group_size):
-            fmt = KVFormat(bits=bits, k_mode=mode, group_size=g)
-            try:
-                fmt.check_head_dim(d)
-            except ValueError:
-                continue
-            if "decode" in args.kernels:
-                for nh, split in itertools.product(sm80.HEADS_TILES, (False, True)):
-                    out.append(Variant("decode", dtype, d, bits, mode, g, (f"h{nh}", "split" if split else "direct")))
-            if "pack" in args.kernels:
-                for mode_ in ("prefill", "append"):
-                    out.append(Variant("pack", dtype, d, bits, mode, g, (mode_,)))
-    return out
+    formats = []
+    for bits, mode, g in itertools.product(args.bits, args.k_mode, args.group_size):
+        formats.append(KVFormat(bits=bits, k_mode=mode, group_size=g))
+    return _backend_for(args.arch).variants(args.kernels, formats, args.head_dim, args.dtype)
 
 
 def _compile_one(v: Variant, arch: str, out: str, warm: bool) -> Tuple[str, float, Dict[str, int]]:
-    import cutlass
-
-    from . import kernels
-    from .formats import KVFormat
-
-    dtype = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[v.dtype]
+    kernels = _backend_for(arch)
     t0 = time.time()
     if warm:
-        if v.kind == "decode":
-            fmt = KVFormat(v.bits, v.k_mode, v.group_size)
-            kernels._decode_kernel(arch, fmt, dtype, v.head_dim, int(v.extra[0][1:]), v.extra[1] == "split")
-        elif v.kind == "pack":
-            kernels._pack_kernel(arch, KVFormat(v.bits, v.k_mode, v.group_size), dtype, v.head_dim, v.extra[0])
-        else:
-            kernels._combine_kernel(arch, dtype, v.head_dim)
+        kernels.compile_variant(arch, v, cached=True)
         return v.name, time.time() - t0, {}
-    if v.kind == "decode":
-        fmt = KVFormat(v.bits, v.k_mode, v.group_size)
-        fn = kernels.compile_decode(arch, fmt, dtype, v.head_dim, int(v.extra[0][1:]),
-                                    v.extra[1] == "split", keep_ptx=True)
-    elif v.kind == "pack":
-        fn = kernels.compile_pack(arch, KVFormat(v.bits, v.k_mode, v.group_size), dtype, v.head_dim,
-                                  v.extra[0], keep_ptx=True)
-    else:
-        fn = kernels.compile_combine(arch, dtype, v.head_dim, keep_ptx=True)
-    ptx = fn.artifacts.PTX
+    ptx = kernels.compile_variant(arch, v, keep_ptx=True).artifacts.PTX
     Path(out, f"{v.name}.{arch}.ptx").write_text(ptx)
-    counts = {k: ptx.count(k) for k in ("mma.sync.aligned.m16n8k16", "ldmatrix", "lop3.b32", "cp.async")}
+    counts = {k: ptx.count(k) for k in COUNTED}
     return v.name, time.time() - t0, counts
 
 
@@ -150,11 +108,10 @@ def run(args) -> int:
                     results.append(fut.result())
                     progress.advance(task)
     table = Table(title=f"{len(results)} kernel variants for {args.arch}")
-    for col in ("variant", "seconds", "mma.sync", "ldmatrix", "lop3", "cp.async"):
+    for col in ("variant", "seconds", "mma.sync", "wgmma", "ldmatrix", "lop3", "cp.async.bulk", "cp.async"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     for name, secs, counts in sorted(results):
-        table.add_row(name, f"{secs:.1f}", *(str(counts.get(k, "")) for k in
-                                             ("mma.sync.aligned.m16n8k16", "ldmatrix", "lop3.b32", "cp.async")))
+        table.add_row(name, f"{secs:.1f}", *(str(counts.get(k, "")) for k in COUNTED))
     console.print(table)
     where = "the JIT disk cache" if args.warm_cache else str(args.out)
     console.print(f"wrote {len(results)} variants to {where}")

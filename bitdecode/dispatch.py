@@ -1,41 +1,48 @@
-"""Which implementation runs a call: the torch reference or a compiled kernel family."""
+"""Which implementation runs a call: the torch reference or a kernel backend (``backend.py``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 
-BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
-KERNEL_BACKENDS = ("sm80", "sm90", "sm100")
+from . import backend as backends
 
-# Kernel families this build ships for decode attention, best first.  A family runs on
-# every GPU at least as new as its arch (sm80 code runs on Hopper and Blackwell too).
-SHIPPED = ("sm80",)
-MIN_CAPABILITY = {"sm80": (8, 0), "sm90": (9, 0), "sm100": (10, 0)}
+BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
+KERNEL_BACKENDS = tuple(backends.REGISTRY)
+
+# What ``auto`` picks on a GPU, best first, among the shipped backends that support it.
+# sm90 is correct on Hopper but measured slower than the sm80 kernels there (H200:
+# profiles/NOTES.md), so Hopper users get it by asking for ``backend="sm90"`` until it wins.
+AUTO_ORDER = ("sm100", "sm80", "sm90")
 
 
 def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def capability_at_least(device: torch.device, major: int) -> bool:
+    """True on a CUDA device of compute capability ``major``.x or newer."""
+    cap = device_capability(device)
+    return cap is not None and cap[0] >= major
 
 
 def runnable(backend: str, device: torch.device) -> bool:
     cap = device_capability(device)
-    if cap is None:
-        return False
-    lo = MIN_CAPABILITY[backend]
-    if backend == "sm90":  # wgmma / sm_90a code runs on Hopper only
-        return cap[0] == 9
-    if backend == "sm100":
-        return cap[0] == 10
-    return cap >= lo
+    return cap is not None and backend in backends.shipped() and backends.get(backend).supports(cap)
 
 
 def available(device: torch.device) -> Tuple[str, ...]:
-    """Backends usable on ``device`` with this build, best first."""
-    kernels = tuple(b for b in SHIPPED if runnable(b, device))
+    """Backends usable on ``device`` with this build, ``auto``'s choice first."""
+    kernels = tuple(b for b in AUTO_ORDER if runnable(b, device))
     return kernels + ("reference",)
 
 
@@ -47,26 +54,26 @@ def resolve(backend: str, device: torch.device, what: str = "decode") -> str:
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
-        kernels = [b for b in SHIPPED if runnable(b, device)]
+        kernels = [b for b in AUTO_ORDER if runnable(b, device)]
         if not kernels:
             cap = device_capability(device)
             raise ValueError(
                 f"no compiled {what} kernel supports {torch.cuda.get_device_name(device)} "
-                f"(sm_{cap[0]}{cap[1]}); this build ships {SHIPPED} (needs sm_80 or newer); "
+                f"(sm_{cap[0]}{cap[1]}); this build ships {backends.shipped()} (needs sm_80 or newer); "
                 "use backend='reference' to run the torch reference"
             )
         return kernels[0]
-    if backend not in SHIPPED:
+    if backend not in backends.shipped():
         raise ValueError(
             f"backend {backend!r} is not available for {what} in this build; "
-            f"available kernel backends: {SHIPPED}, or 'reference'"
+            f"available kernel backends: {backends.shipped()}, or 'reference'"
         )
     if device.type != "cuda":
         raise ValueError(f"backend {backend!r} runs CUDA kernels, but the tensors are on {device}")
     if not runnable(backend, device):
         cap = device_capability(device)
         raise ValueError(
-            f"backend {backend!r} needs compute capability >= {MIN_CAPABILITY[backend]}, "
-            f"{torch.cuda.get_device_name(device)} has {cap}"
+            f"backend {backend!r} does not run on {torch.cuda.get_device_name(device)} "
+            f"(compute capability {cap})"
         )
     return backend

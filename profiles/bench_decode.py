@@ -85,6 +85,12 @@ def cache_bytes(fmt: bd.KVFormat, lengths: List[int], hkv: int, d: int) -> int:
     return int(total)
 
 
+def kernel_backends(device) -> List[str]:
+    from bitdecode import dispatch
+
+    return [b for b in dispatch.available(device) if b != "reference"]
+
+
 def build(fmt, b, hkv, d, n, device, gen):
     k = torch.randn(b, n, hkv, d, device=device, dtype=torch.float16, generator=gen)
     v = torch.randn(b, n, hkv, d, device=device, dtype=torch.float16, generator=gen)
@@ -127,6 +133,10 @@ def bench_shape(timer, shape, seqlens, bits_list, device, progress=None, task=No
             row[f"bd{bits}_us"] = t
             row[f"bd{bits}_bw"] = nbytes / (t * 1e-6)
             row[f"bd{bits}_speedup"] = t_sdpa / t
+            for name in kernel_backends(device):  # every backend side by side (auto's is above)
+                tb = _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
+                row[f"bd{bits}_{name}_us"] = tb
+                row[f"bd{bits}_{name}_bw"] = nbytes / (tb * 1e-6)
             row[f"bd{bits}_prefill_bw"] = pre_bytes / (t_pre * 1e-6) if t_pre == t_pre else None
             row[f"bd{bits}_first_prefill_s"] = first_prefill_s
             del cache
@@ -154,6 +164,8 @@ def bench_graph_small(timer, device) -> dict:
         cache.prefill(k, v)
         out[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache))
         out[f"bd{bits}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache))
+        for name in kernel_backends(device):
+            out[f"bd{bits}_{name}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
         # append latency: one token into the residual (no flush of a block), eager
         k1 = torch.randn(b, 1, hkv, d, device=device, dtype=torch.float16, generator=gen)
         cache2 = bd.KVCache.allocate(b, hkv, d, n + 10 ** 6, fmt, device=device)
@@ -191,9 +203,11 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         rows = [r for r in result["rows"] if (r["B"], r["Hq"], r["Hkv"], r["D"]) == shape]
         ns = [r["N"] for r in rows]
         ax.plot(ns, [r["sdpa_us"] for r in rows], "k-o", label="SDPA fp16", ms=3)
-        for bits, style in ((4, "b-s"), (2, "r-^")):
-            if f"bd{bits}_us" in rows[0]:
-                ax.plot(ns, [r[f"bd{bits}_us"] for r in rows], style, label=f"bitdecode {bits}-bit", ms=3)
+        for bits, color in ((4, "b"), (2, "r")):
+            for name, style in zip(result.get("backends", []), ("-s", "--^", ":o")):
+                if f"bd{bits}_{name}_us" in rows[0]:
+                    ax.plot(ns, [r[f"bd{bits}_{name}_us"] for r in rows], color + style,
+                            label=f"bitdecode {bits}-bit {name}", ms=3)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title("B=%d Hq/Hkv=%d/%d D=%d" % shape, fontsize=9)
@@ -228,6 +242,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
     for r in rows:
         for bits in (4, 2):
             r[f"bd{bits}_roofline"] = r[f"bd{bits}_bw"] / best
+            for name in kernel_backends(device):
+                r[f"bd{bits}_{name}_roofline"] = r[f"bd{bits}_{name}_bw"] / best
     gen = torch.Generator(device=device).manual_seed(3)
     qb = torch.randn(1, 32, 1, 128, device=device, dtype=torch.float16, generator=gen)
     kb = torch.randn(1, 8, 4096, 128, device=device, dtype=torch.float16, generator=gen)
@@ -235,6 +251,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "sdpa_backend": sdpa_backend(qb, kb, kb),
+        "auto_backend": kernel_backends(device)[0],
+        "backends": kernel_backends(device),
         "roofline": roofline,
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
                "L2 flushed before each call; *_eager_us: the same with plain eager calls"),
@@ -256,6 +274,13 @@ def print_summary(res: dict) -> None:
         print(f"{r['B']:3d} {r['Hq']:3d} {r['Hkv']:3d} {r['N']:7d} {r['sdpa_us']:8.1f} "
               f"{r['bd4_us']:8.1f} {r['bd4_speedup']:5.2f} {r['bd4_roofline']:5.2f} "
               f"{r['bd2_us']:8.1f} {r['bd2_speedup']:5.2f} {r['bd2_roofline']:5.2f}")
+    names = res.get("backends", [])
+    if names:
+        print("per backend (us, fraction of the roofline), auto =", res.get("auto_backend"))
+        for r in res["rows"]:
+            cells = [f"{bits}b {n}: {r[f'bd{bits}_{n}_us']:7.1f} ({r[f'bd{bits}_{n}_roofline']:.2f})"
+                     for bits in (4, 2) for n in names if f"bd{bits}_{n}_us" in r]
+            print(f"{r['B']:3d} {r['N']:7d}  " + "  ".join(cells))
     print("small/graph:", {k: round(v, 1) for k, v in res["small_graph"].items()})
 
 

@@ -15,7 +15,8 @@ import pytest
 
 cutlass = pytest.importorskip("cutlass")
 
-from bitdecode import KVFormat, kernels  # noqa: E402
+from bitdecode import KVFormat  # noqa: E402
+from bitdecode.kernels_sm80 import backend as kernels  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
@@ -92,3 +93,34 @@ def test_dequant_probe_sm90_ptx(cfg):
     for instr in ("ldmatrix.sync.aligned", "lop3.b32", "stmatrix.sync.aligned.m8n8.x4", "wgmma.mma_async",
                   "fence.proxy.async.shared::cta"):
         assert instr in ptx, f"{instr} missing from the sm90 dequant probe PTX"
+
+
+# (bits, k_mode, group, dtype, head_dim, heads per tile, split): the sm90 decode kernel
+SM90_DECODE = [
+    (4, "channel", 128, "fp16", 128, 8, True),
+    (2, "channel", 32, "bf16", 128, 8, False),
+    (4, "token", 64, "fp16", 64, 16, True),
+]
+
+
+@pytest.mark.parametrize("cfg", SM90_DECODE, ids=lambda c: f"{c[0]}b-{c[1]}-g{c[2]}-{c[3]}-d{c[4]}-h{c[5]}-{'split' if c[6] else 'direct'}")
+def test_sm90_decode_ptx(cfg, tmp_path):
+    """TMA + mbarrier ring, warp-specialized setmaxnreg, ldmatrix + lop3 dequant, wgmma RS."""
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    bits, mode, g, dtype, d, nh, split = cfg
+    fn = sm90.compile_decode("sm_90a", KVFormat(bits, mode, g), _dtype(dtype), d, nh, split, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    for instr in ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.tensor", "cp.async.bulk.shared",
+                  "mbarrier.try_wait", "setmaxnreg.inc", "setmaxnreg.dec", "ldmatrix.sync.aligned", "lop3.b32",
+                  "fence.proxy.async.shared::cta", "wgmma.wait_group"):
+        assert instr in ptx, f"{instr} missing from the sm90 decode PTX"
+    assert ".local" not in ptx, "the sm90 decode kernel keeps a local-memory array"
+    assert _spills(ptx, "sm_90a", tmp_path) == 0, "ptxas spills registers in the sm90 decode kernel"
+
+
+def test_sm90_decode_refuses_other_archs():
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    with pytest.raises(ValueError, match="compiles for sm_90a only"):
+        sm90.compile_decode("sm_80", KVFormat(4, "channel", 128), cutlass.Float16, 128, 8, True)

@@ -1,4 +1,5 @@
-"""The sm80 kernels on a GPU against the torch reference (marker ``gpu``).
+"""The kernel backends (``backend`` fixture: sm80, sm90, ...) on a GPU against the torch
+reference (marker ``gpu``).
 
 Decode is checked on caches packed by the reference (so it is tested independently of
 the pack kernel) with FlashAttention's tolerance rule: the kernel's error against an fp32
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import bitdecode as bd
+from bitdecode import dispatch
 
 from kvdata import kv, on_grid
 
@@ -79,9 +81,9 @@ def lowprec_reference(q, cache, scale):
     return torch.stack(outs).view(q.shape)
 
 
-def check_decode(q, cache, num_splits=0):
+def check_decode(q, cache, backend, num_splits=0):
     scale = q.shape[-1] ** -0.5
-    out, lse = bd.decode(q, cache, num_splits=num_splits, backend="sm80", return_lse=True)
+    out, lse = bd.decode(q, cache, num_splits=num_splits, backend=backend, return_lse=True)
     ref, ref_lse = bd.decode(q, cache, backend="reference", return_lse=True)
     ref = ref.float()  # reference keeps fp32 maths, rounded once at the end
     lp = lowprec_reference(q, cache, scale)
@@ -99,7 +101,7 @@ def check_decode(q, cache, num_splits=0):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
-def test_decode_matches_reference(cfg):
+def test_decode_matches_reference(cfg, backend):
     bits, mode, g, dtype, d, gq = cfg
     fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
     nr = fmt.residual_block
@@ -109,11 +111,11 @@ def test_decode_matches_reference(cfg):
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(len(lens), 1, hkv * gq, d, generator=gen).to(dtype).to(DEV)
     for splits in (0, 1, 3):
-        check_decode(q, cache, num_splits=splits)
+        check_decode(q, cache, backend, num_splits=splits)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:4], ids=_ids)
-def test_paged_equals_dense(cfg):
+def test_paged_equals_dense(cfg, backend):
     bits, mode, g, dtype, d, gq = cfg
     fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
     nr = fmt.residual_block
@@ -121,9 +123,29 @@ def test_paged_equals_dense(cfg):
     dense, _, _ = make_cache(fmt, lens, 2, d, dtype, seed=3)
     paged, _, _ = make_cache(fmt, lens, 2, d, dtype, seed=3, page_size=2 * nr, shuffle=True)
     q = torch.randn(len(lens), 1, 2 * gq, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
-    a = bd.decode(q, dense, backend="sm80", num_splits=2)
-    b = bd.decode(q, paged, backend="sm80", num_splits=2)
+    a = bd.decode(q, dense, backend=backend, num_splits=2)
+    b = bd.decode(q, paged, backend=backend, num_splits=2)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:4], ids=_ids)
+def test_backends_agree(cfg):
+    """Every backend the GPU runs gives the sm80 result within the format's tolerance."""
+    runs = [b for b in dispatch.available(DEV) if b != "reference"]
+    if len(runs) < 2:
+        pytest.skip("one kernel backend on this GPU")
+    bits, mode, g, dtype, d, gq = cfg
+    fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
+    nr = fmt.residual_block
+    cache, _, _ = make_cache(fmt, [9 * nr + 17, 2 * nr, 3], 2, d, dtype, seed=4)
+    q = torch.randn(3, 1, 2 * gq, d, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEV)
+    outs = {b: bd.decode(q, cache, backend=b).float() for b in runs}
+    ref = bd.decode(q, cache, backend="reference").float()
+    lp = lowprec_reference(q, cache, q.shape[-1] ** -0.5)
+    tol = 4 * (lp - ref).abs().max().item() + 4e-3 * max(ref.abs().max().item(), 1.0)
+    for b in runs[1:]:
+        err = (outs[b] - outs[runs[0]]).abs().max().item()
+        assert err <= tol, f"{b} vs {runs[0]}: {err:.3g} > {tol:.3g}"
 
 
 def _valid_regions(cache):
@@ -203,13 +225,13 @@ def test_append_token_by_token_equals_prefill(cfg):
     _assert_same_cache(full, ref)
 
 
-def test_cuda_graph_replay_equals_eager():
+def test_cuda_graph_replay_equals_eager(backend):
     fmt = bd.KVFormat(bits=4)
     nr = fmt.residual_block
     lens = [4 * nr - 2, nr + 1]
     d, hkv, gq = 128, 2, 4
-    eager, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend="sm80", seed=21)
-    graphed, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend="sm80", seed=21)
+    eager, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend=backend, seed=21)
+    graphed, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend=backend, seed=21)
     gen = torch.Generator().manual_seed(2)
     steps = 5
     ks = torch.randn(steps, 2, 1, hkv, d, generator=gen).half().to(DEV)
@@ -242,7 +264,8 @@ def test_cuda_graph_replay_equals_eager():
     assert torch.equal(graphed.seqlens, eager.seqlens)
 
 
-def test_compute_sanitizer_memcheck_clean(tmp_path):
+@pytest.mark.parametrize("tool_name", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tmp_path, backend, tool_name):
     tool = shutil.which("compute-sanitizer")
     if tool is None:
         pytest.skip("compute-sanitizer not on PATH")
@@ -250,7 +273,7 @@ def test_compute_sanitizer_memcheck_clean(tmp_path):
     script.write_text(
         "import torch, bitdecode as bd\n"
         "fmt = bd.KVFormat(bits=2, k_mode='token', group_size=64)\n"
-        "c = bd.KVCache.allocate(2, 2, 128, 700, fmt, device='cuda', page_size=256, backend='sm80')\n"
+        f"c = bd.KVCache.allocate(2, 2, 128, 700, fmt, device='cuda', page_size=256, backend='{backend}')\n"
         "k = torch.randn(2, 600, 2, 128, device='cuda').half(); v = torch.randn_like(k)\n"
         "c.prefill(k, v, [600, 257])\n"
         "c.append(k[:, :3], v[:, :3])\n"
@@ -258,7 +281,7 @@ def test_compute_sanitizer_memcheck_clean(tmp_path):
         "o = bd.decode(q, c, num_splits=3); torch.cuda.synchronize(); print('ok', float(o.float().abs().sum()))\n"
     )
     env = dict(os.environ)
-    res = subprocess.run([tool, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "3",
+    res = subprocess.run([tool, "--tool", tool_name, "--report-api-errors", "no", "--error-exitcode", "3",
                           sys.executable, str(script)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

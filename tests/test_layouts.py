@@ -701,7 +701,7 @@ def test_sm100_constructors_trace():
 def test_residency_from_registers():
     """layouts.resources: CTAs per SM from registers and warps (the decode split count and
     the BitNet grids rely on it); the decode kernel's ptxas counts give 4 / 3 / 2."""
-    from bitdecode import kernels
+    from bitdecode.kernels_sm80 import backend as kernels
     from bitdecode.layouts.resources import ctas_per_sm
 
     assert ctas_per_sm(128, 4) == 4 and ctas_per_sm(168, 4) == 3 and ctas_per_sm(255, 4) == 2

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitdecode import jit, kernels, reference
+from bitdecode import jit, reference
+from bitdecode.kernels_sm80 import backend as kernels
 from bitdecode.formats import KVFormat
 from bitdecode.layouts import packing, sm80, sm90
 

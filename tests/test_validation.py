@@ -66,7 +66,8 @@ FMT = bd.KVFormat(bits=4, group_size=32)
         (dict(page_size=0), ValueError, "page_size must be positive, got 0"),
         (dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'reference', 'sm80', 'sm90', 'sm100'\), got 'cuda'"),
         (dict(backend="sm80"), ValueError, "backend 'sm80' runs CUDA kernels, but the tensors are on cpu"),
-        (dict(backend="sm90"), ValueError, "backend 'sm90' is not available for KV cache in this build"),
+        (dict(backend="sm90"), ValueError, "backend 'sm90' runs CUDA kernels, but the tensors are on cpu"),
+        (dict(backend="sm100"), ValueError, "backend 'sm100' is not available for KV cache in this build"),
     ],
 )
 def test_allocate_errors(kwargs, exc, msg):

@@ -1,4 +1,4 @@
-"""Compiled-kernel backend: compile (once) and launch the CuTe DSL kernels from torch.
+"""The sm80 backend: compile (once) and launch the Ampere-path kernels from torch.
 
 Every kernel is compiled against fake tensors whose sizes are symbolic (batch, heads,
 pages, page size, lengths, splits) and whose head dim and packing dims are static, so one
@@ -9,74 +9,19 @@ they can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import functools
-from typing import Optional, Tuple
+import itertools
+from typing import List, Tuple
 
 import torch
 
-from . import jit
-from .attention import CacheTensors
-from .formats import KVFormat
-from .layouts import resources, sm80
+from .. import jit
+from ..backend import CacheTensors, Limits, Variant
+from ..formats import KVFormat
+from ..backend import num_sms
+from ..layouts import resources, sm80
+from .host import cute_dtype as _cute_dtype, fake_tensor, fake_vector, stream as _stream
 
-LOG2_E = 1.4426950408889634
 MIN_TILES_PER_SPLIT = 2
-
-_TORCH_TO_CUTE = {}
-
-
-def _cute_dtype(dtype: torch.dtype):
-    import cutlass
-
-    if not _TORCH_TO_CUTE:
-        _TORCH_TO_CUTE.update({
-            torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
-            torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
-        })
-    return _TORCH_TO_CUTE[dtype]
-
-
-# --------------------------------------------------------------------------------------
-# Fake tensors for compilation
-# --------------------------------------------------------------------------------------
-
-
-def fake_tensor(dtype, shape):
-    """Row-major fake tensor: ``None`` dims are symbolic; strides are static while every
-    dim to their right is static, symbolic (16-byte divisible) beyond that."""
-    import cutlass.cute as cute
-
-    div = max(128 // dtype.width, 1)
-    sizes = tuple(cute.sym_int() if s is None else s for s in shape)
-    strides = []
-    acc, dynamic = 1, False
-    for i in reversed(range(len(shape))):
-        if i == len(shape) - 1:
-            strides.append(1)
-            continue
-        if not dynamic and shape[i + 1] is not None:
-            acc *= shape[i + 1]
-            strides.append(acc)
-        else:
-            dynamic = True
-            strides.append(cute.sym_int64(divisibility=div))
-    return cute.runtime.make_fake_tensor(dtype, sizes, stride=tuple(reversed(strides)), assumed_align=16)
-
-
-def fake_vector(dtype, ndim: int):
-    """Fake tensor with all sizes symbolic and only the last dim contiguous (4-byte aligned)."""
-    import cutlass.cute as cute
-
-    sizes = tuple(cute.sym_int() for _ in range(ndim))
-    strides = tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,)
-    return cute.runtime.make_fake_tensor(dtype, sizes, stride=strides, assumed_align=4)
-
-
-def _stream():
-    import cutlass.cute as cute
-
-    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-
 
 # --------------------------------------------------------------------------------------
 # Kernel configurations
@@ -115,7 +60,7 @@ def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, spli
     import cutlass
     import cutlass.cute as cute
 
-    from .kernels_sm80.decode import DecodeSm80
+    from .decode import DecodeSm80
 
     # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
     per_sm = ctas_per_sm(fmt, head_dim, nh)
@@ -131,7 +76,7 @@ def compile_combine(arch: str, dtype, head_dim: int, keep_ptx: bool = False):
     import cutlass
     import cutlass.cute as cute
 
-    from .kernels_sm80.combine import CombineSm80
+    from .combine import CombineSm80
 
     f32 = cutlass.Float32
     kernel = CombineSm80(dtype, head_dim)
@@ -165,7 +110,7 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
 def compile_pack(arch: str, fmt: KVFormat, dtype, head_dim: int, mode: str, keep_ptx: bool = False):
     import cutlass.cute as cute
 
-    from .kernels_sm80.pack import PackSm80
+    from .pack import PackSm80
 
     kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode)
     return cute.compile(kernel, *pack_args(fmt, dtype, head_dim), _stream(),
@@ -196,15 +141,6 @@ def _pack_kernel(arch, fmt, dtype, d, mode):
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def decode_registers(fmt: KVFormat, head_dim: int, nh: int) -> int:
     """Registers per thread of the decode kernel as ptxas reports them for sm_90a (4-bit
     D<=128 with 8 head columns: capped at 128; 2-bit: 168; D=256 or 16 head columns:
@@ -231,7 +167,7 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
 
 
 # --------------------------------------------------------------------------------------
-# Entry points used by the API
+# The backend object
 # --------------------------------------------------------------------------------------
 
 
@@ -239,23 +175,20 @@ class DecodePlan:
     """What a decode call needs that does not change between calls: the compiled kernels,
     the split count, the cache tensors in the form the kernels take, and the split-KV
     workspace.  Building it once per (cache, query shape, splits) keeps the per-call host
-    work to one output allocation and one or two TVM-FFI launches."""
+    work to one output allocation and one or two TVM-FFI launches.  Every backend whose
+    decode kernel takes the sm80 argument list (and writes fp32 partials merged by the
+    combine kernel when split) uses it."""
 
-    def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int):
-        fmt = cache.fmt
+    def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
         bsz, _, hq, d = q_shape
-        hkv = cache.k_res.shape[2]
-        dtype = _cute_dtype(q_dtype)
-        arch = jit.target_arch(device.index)
         self.shape3 = (bsz, hq, d)
         self.dtype = q_dtype
         self.splits = splits
         self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
                        cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
-        nh = sm80.heads_tile(hq // hkv)
-        self.decode_fn = _decode_kernel(arch, fmt, dtype, d, nh, splits > 1)
+        self.decode_fn = decode_fn
         if splits > 1:
-            self.combine_fn = _combine_kernel(arch, dtype, d)
+            self.combine_fn = combine_fn
             self.o_part = torch.empty(splits, bsz, hq, d, dtype=torch.float32, device=device)
             self.l_part = torch.empty(splits, bsz, hq, dtype=torch.float32, device=device)
         self.lse = torch.empty(bsz, hq, dtype=torch.float32, device=device)
@@ -273,56 +206,109 @@ class DecodePlan:
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 
-def plan_for(cache: CacheTensors, q: torch.Tensor, num_splits: int, max_seqlen: Optional[int],
-             plans: Optional[dict] = None) -> DecodePlan:
-    fmt = cache.fmt
-    bsz, _, hq, _ = q.shape
-    max_len = max_seqlen if max_seqlen is not None else cache.max_packed_tokens + fmt.residual_block
-    hkv, d = cache.k_res.shape[2], q.shape[3]
-    splits = num_splits or choose_splits(bsz, hkv, max_len, fmt, num_sms(q.device),
-                                         ctas_per_sm(fmt, d, sm80.heads_tile(hq // hkv)))
-    if plans is None:
-        return DecodePlan(cache, tuple(q.shape), q.dtype, q.device, splits)
-    key = (tuple(q.shape), q.dtype, splits)
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = DecodePlan(cache, key[0], q.dtype, q.device, splits)
-    return plan
-
-
-def decode(q: torch.Tensor, cache: CacheTensors, softmax_scale: float, num_splits: int,
-           return_lse: bool):
-    """One validated decode call without a cache object (``decode_attention``): the split
-    count for the cache's capacity, a fresh plan.  ``KVCache.decode`` keeps its plans."""
-    plan = plan_for(cache, q, num_splits, None)
-    return plan(q, softmax_scale * LOG2_E, return_lse)
-
-
-def _pack_call(cache, mode: str, src_k, src_v, lengths):
+def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
     arch = jit.target_arch(cache.device.index)
     kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, mode)
     kern(src_k, src_v, cache.k_res, cache.v_res, lengths, cache.block_table,
          cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)
 
 
-def prefill(cache, k: torch.Tensor, v: torch.Tensor, lens) -> None:
-    """Pack every full block of the prompt; the tail goes to the residual buffer."""
-    nr = cache.fmt.residual_block
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=cache.device)
-    if k.shape[1] >= nr:
-        _pack_call(cache, "prefill", k.contiguous(), v.contiguous(), lens_t)
-    for b, n in enumerate(lens):
-        r = n % nr
-        if r:
-            cache.k_res[b, :r].copy_(k[b, n - r:n])
-            cache.v_res[b, :r].copy_(v[b, n - r:n])
-    cache.seqlens.copy_(lens_t)
+class Sm80Backend:
+    """cp.async + ldmatrix + mma.sync kernels; they run on every GPU from sm_80 up."""
+
+    name = "sm80"
+    limits = Limits(max_gqa=sm80.HEADS_TILES[-1], max_splits=sm80.MAX_SPLITS, head_dims=(64, 128, 256))
+    decode_kinds = ("decode",)
+
+    def supports(self, capability: Tuple[int, int]) -> bool:
+        return tuple(capability) >= (8, 0)
+
+    # ---- decode -------------------------------------------------------------------------
+    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
+        return ctas_per_sm(fmt, head_dim, nh)
+
+    def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool):
+        return _decode_kernel(arch, fmt, dtype, head_dim, nh, split)
+
+    def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
+        bsz, _, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        per_sm = self.ctas_per_sm(cache.fmt, d, sm80.heads_tile(hq // hkv))
+        return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm)
+
+    def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int) -> DecodePlan:
+        arch = jit.target_arch(device.index)
+        dtype = _cute_dtype(q_dtype)
+        _, _, hq, d = q_shape
+        nh = sm80.heads_tile(hq // cache.k_res.shape[2])
+        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1)
+        combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
+        return DecodePlan(cache, tuple(q_shape), q_dtype, device, splits, decode_fn, combine_fn)
+
+    # ---- writes (the packed format is the same bytes on every arch) ---------------------
+    def prefill(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens) -> None:
+        """Pack every full block of the prompt; the tail goes to the residual buffer."""
+        nr = cache.fmt.residual_block
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=cache.device)
+        if k.shape[1] >= nr:
+            _pack_call(cache, "prefill", k.contiguous(), v.contiguous(), lens_t)
+        for b, n in enumerate(lens):
+            r = n % nr
+            if r:
+                cache.k_res[b, :r].copy_(k[b, n - r:n])
+                cache.v_res[b, :r].copy_(v[b, n - r:n])
+        cache.cache_seqlens.copy_(lens_t)
+
+    def append(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One pack launch (fill the residual blocks, pack the ones that complete), then
+        lengths += T."""
+        _pack_call(cache, "append", k.contiguous(), v.contiguous(), cache.cache_seqlens)
+        cache.cache_seqlens.add_(k.shape[1])
+
+    # ---- ahead-of-time compilation (``bitdecode compile``) ------------------------------
+    def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:
+        out: List[Variant] = []
+        for dtype, d in itertools.product(dtypes, head_dims):
+            if "combine" in kinds:
+                out.append(Variant("combine", dtype, d))
+            for fmt in formats:
+                try:
+                    fmt.check_head_dim(d)
+                except ValueError:
+                    continue
+                fkey = (fmt.bits, fmt.k_mode, fmt.group_size)
+                if "decode" in kinds:
+                    for nh, split in itertools.product(sm80.HEADS_TILES, (False, True)):
+                        out.append(Variant("decode", dtype, d, *fkey, (f"h{nh}", "split" if split else "direct")))
+                if "pack" in kinds:
+                    for mode in ("prefill", "append"):
+                        out.append(Variant("pack", dtype, d, *fkey, (mode,)))
+        return out
+
+    def compile_decode(self, arch, fmt, dtype, head_dim, nh, split, keep_ptx=False):
+        return compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx)
+
+    def compile_variant(self, arch: str, v: Variant, keep_ptx: bool = False, cached: bool = False):
+        """Compile ``v`` for ``arch`` (with its PTX), or fetch it through the JIT cache."""
+        import cutlass
+
+        dtype = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[v.dtype]
+        fmt = KVFormat(v.bits, v.k_mode, v.group_size) if v.bits else None
+        if v.kind == "decode":
+            nh, split = int(v.extra[0][1:]), v.extra[1] == "split"
+            if cached:
+                return self.decode_kernel(arch, fmt, dtype, v.head_dim, nh, split)
+            return self.compile_decode(arch, fmt, dtype, v.head_dim, nh, split, keep_ptx=keep_ptx)
+        if v.kind == "pack":
+            if cached:
+                return _pack_kernel(arch, fmt, dtype, v.head_dim, v.extra[0])
+            return compile_pack(arch, fmt, dtype, v.head_dim, v.extra[0], keep_ptx=keep_ptx)
+        if cached:
+            return _combine_kernel(arch, dtype, v.head_dim)
+        return compile_combine(arch, dtype, v.head_dim, keep_ptx=keep_ptx)
 
 
-def append(cache, k: torch.Tensor, v: torch.Tensor) -> None:
-    """One launch: fill the residual blocks, pack the ones that complete; then lengths += T."""
-    _pack_call(cache, "append", k.contiguous(), v.contiguous(), cache.seqlens)
-    cache.seqlens.add_(k.shape[1])
+BACKEND = Sm80Backend()
 
 
 def compile_dequant_probe(arch: str, dtype, bits: int, length: int, keep_ptx: bool = False):
@@ -330,7 +316,7 @@ def compile_dequant_probe(arch: str, dtype, bits: int, length: int, keep_ptx: bo
     import cutlass
     import cutlass.cute as cute
 
-    from .kernels_sm80.dequant_probe import DequantProbe
+    from .dequant_probe import DequantProbe
 
     probe = DequantProbe(dtype, bits, length)
     words = sm80.words_per_row(bits, length)
@@ -346,8 +332,8 @@ def compile_dequant_probe_sm90(arch: str, dtype, bits: int, operand: str, head_d
     import cutlass
     import cutlass.cute as cute
 
-    from .kernels_sm90.dequant_probe import DequantProbeSm90
-    from .layouts import sm90
+    from ..kernels_sm90.dequant_probe import DequantProbeSm90
+    from ..layouts import sm90
 
     probe = DequantProbeSm90(dtype, bits, operand, head_dim)
     rows, cols = sm90.tile_shape(bits, operand, head_dim)

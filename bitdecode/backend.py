@@ -1,0 +1,165 @@
+"""The backend interface: what the API asks of a kernel family, and the registry of them.
+
+Each ``kernels_smXX`` package owns one backend object (its host glue: decode plans, the
+split heuristic, compile functions next to the kernel classes, prefill / append).  The
+API (``attention``, ``cache``, ``dispatch``) talks to backends only through this module,
+so imports run one way: API -> ``backend`` <- ``kernels_smXX`` -> ``layouts``.  Backend
+modules are imported lazily: ``import bitdecode`` never imports CuTe DSL.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, List, NamedTuple, Optional, Protocol, Tuple
+
+import torch
+
+from .formats import KVFormat
+
+# kernel families, each run on every GPU at least as new as its arch (sm80 code runs on
+# Hopper and Blackwell too; sm_90a / sm_100a code only on its own arch)
+REGISTRY = {
+    "sm100": "kernels_sm100.backend",
+    "sm90": "kernels_sm90.backend",
+    "sm80": "kernels_sm80.backend",
+}
+
+
+@dataclass(frozen=True)
+class CacheTensors:
+    """The validated tensors of a packed cache, as the kernels and the reference take them."""
+
+    k_pack: torch.Tensor
+    k_params: torch.Tensor
+    v_pack: torch.Tensor
+    v_params: torch.Tensor
+    k_res: torch.Tensor
+    v_res: torch.Tensor
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor
+    fmt: KVFormat
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pack.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pack.shape[0]
+
+    @property
+    def max_packed_tokens(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_res.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_res.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_res.shape[3]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_gqa: int  # query heads per KV head that one kernel tile holds
+    max_splits: int  # the largest num_splits a decode call accepts
+    head_dims: Tuple[int, ...]
+
+
+class Variant(NamedTuple):
+    """One compiled kernel configuration (what ``bitdecode compile`` builds)."""
+
+    kind: str
+    dtype: str
+    head_dim: int
+    bits: int = 0
+    k_mode: str = ""
+    group_size: int = 0
+    extra: Tuple = ()
+
+    @property
+    def name(self) -> str:
+        parts = [self.kind, self.dtype, f"d{self.head_dim}"]
+        if self.bits:
+            parts += [f"{self.bits}bit", self.k_mode, f"g{self.group_size}"]
+        parts += [str(e) for e in self.extra]
+        return "_".join(parts)
+
+
+DecodeFn = Callable[[torch.Tensor, float, bool], object]  # (q, scale_log2, return_lse) -> out | (out, lse)
+
+
+class Backend(Protocol):
+    name: str
+    limits: Limits
+
+    def supports(self, capability: Tuple[int, int]) -> bool: ...
+
+    def choose_splits(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int,
+                      device: torch.device) -> int: ...
+
+    def plan(self, cache: CacheTensors, q_shape: Tuple[int, ...], q_dtype: torch.dtype,
+             device: torch.device, splits: int) -> DecodeFn: ...
+
+    def prefill(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: List[int]) -> None: ...
+
+    def append(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def variants(self, arch: str, kinds, formats, head_dims, dtypes) -> List[Variant]: ...
+
+    def compile_variant(self, arch: str, variant: Variant, keep_ptx: bool = False): ...
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _module_name(name: str) -> str:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown kernel backend {name!r}; known: {tuple(REGISTRY)}")
+    return f"{__package__}.{REGISTRY[name]}"
+
+
+@functools.lru_cache(maxsize=None)
+def shipped() -> Tuple[str, ...]:
+    """Registry names whose backend module is installed, best first."""
+    out = []
+    for name in REGISTRY:
+        try:
+            if importlib.util.find_spec(_module_name(name)) is not None:
+                out.append(name)
+        except ModuleNotFoundError:
+            pass
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def get(name: str) -> Backend:
+    """The backend object of ``name`` (imports its kernel package on first use)."""
+    if name not in shipped():
+        raise ValueError(f"backend {name!r} is not available in this build; shipped: {shipped()}")
+    return importlib.import_module(_module_name(name)).BACKEND
+
+
+def for_arch(arch: str) -> Optional[str]:
+    """The backend whose kernels ``bitdecode compile --arch`` builds for a CuTe DSL target."""
+    major = int(arch[3:].rstrip("a")) // 10
+    if major == 10 and "sm100" in shipped():
+        return "sm100"
+    if major == 9 and "sm90" in shipped():
+        return "sm90"
+    return "sm80" if major >= 8 else None

@@ -1,0 +1,568 @@
+"""Split-KV decode attention over a packed low-bit KV cache on Hopper (sm_90a).
+
+One CTA = (split, KV head, sequence), two warpgroups with fixed roles:
+
+* **producer** (warpgroup 0, registers given back with ``setmaxnreg``): one warp walks the
+  split's packed tiles and, per tile, issues a TMA tensor load of the packed K rows and of
+  the packed V rows (into the 16-byte-granule swizzle ``layouts.sm90`` reads them with) and
+  two bulk copies of their (scale, zero) words, all completing on the stage's mbarrier of a
+  ``cutlass.pipeline.PipelineTmaAsync`` ring;
+* **consumer** (warpgroup 1): dequantizes each stage in registers and runs both products
+  on ``wgmma`` with the dequantized operand read from registers (RS)::
+
+      S^T = K . Q^T    A = K   (64 tokens x 16 channels per wgmma, registers), B = Q  (smem)
+      O^T = V^T . P^T  A = V^T (64 channels x 16 tokens, registers),           B = P  (smem)
+
+  The query heads that share the KV head are the N = 8 (or 16) side, so GQA wastes no MMA
+  rows on padding queries, and the wgmma RS A fragment of warp ``w`` is the m16n8k16 A
+  fragment of rows ``16 w ..`` (``layouts.sm90.wgmma_fragment``): the lop3 dequant of the
+  sm80 path produces it unchanged.  Warp ``w`` of the consumer dequantizes rows
+  ``64 m + 16 w .. + 15`` of M-block ``m`` of K (tokens) and of V (channels), loading each
+  16-row slab with ldmatrix x4 over two 16-byte chunks (the A-operand copy of m16n8k16).
+
+Softmax is online over the whole warpgroup: the four warps hold different tokens of a
+step, so each step exchanges the per-head maxima through shared memory (one named
+barrier) and publishes P^T to shared memory for the second product (a proxy fence and a
+second named barrier); the O^T accumulators are split by channels and need no merge.
+The 16-bit residual block (``len % Nr`` tokens) is the last tile, in 64-token sub-tiles
+read from the (by then idle) stage buffers.  The output of a split is the fp32 partial O
+and its LSE, merged by the combine kernel; one split writes O in the model dtype.
+"""
+
+# no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
+from typing import Type
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..kernels_sm80 import ptx
+from ..kernels_sm80.copy import copy_rows, load_a_fragments
+from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
+from ..kernels_sm80.tensors import assume_aligned, page_of
+from ..layouts import sm80, sm90
+from . import ptx90
+
+LN_2 = 0.6931471805599453
+WG = sm90.WARPGROUP_THREADS
+WARPS = sm90.WARPGROUP_WARPS
+M_BLOCK = sm90.WGMMA_M  # rows of one wgmma: tokens of S^T, channels of O^T
+K_BLOCK = sm90.WGMMA_K
+SLAB = sm80.MMA_SHAPE[0]  # rows of one warp in an M-block
+# Registers per thread after setmaxnreg: a CTA enters with its share of the register file
+# (the cap ``min_blocks_per_mp`` sets) and the producer warpgroup, which needs few, hands
+# the rest to the consumers.
+PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
+REG_FILE = 65536
+
+
+class Barrier:
+    """Named barriers of the consumer warpgroup (id 0 is __syncthreads)."""
+
+    MAX = 1  # the per-warp maxima of a step are in shared memory
+    P = 2  # P^T of a step is in shared memory (and the previous PV product is done)
+    EPI = 3
+
+
+def default_ctas_per_sm(head_dim: int) -> int:
+    """CTAs one SM holds by default: two up to head_dim 128 (registers: 128 per thread at
+    entry), one for 256 (its consumers need 240 registers)."""
+    return 2 if head_dim <= 128 else 1
+
+
+class DecodeSm90:
+    """Packed-cache decode attention, warp-specialized TMA + wgmma; constexpr config here."""
+
+    def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
+                 head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
+                 ctas_per_sm: int = 0):
+        assert dtype in (cutlass.Float16, cutlass.BFloat16)
+        assert heads_tile in sm80.HEADS_TILES
+        self.dtype = dtype
+        self.is_bf16 = dtype is cutlass.BFloat16
+        self.bits = bits
+        self.k_channel = k_mode == "channel"
+        self.group = group_size
+        self.d = head_dim
+        self.nh = heads_tile
+        self.split = split
+        self.nr = sm80.residual_block(bits)  # tokens of one packed tile
+        self.kpw = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed word
+        self.wk = sm80.words_per_row(bits, head_dim)  # words of a packed K row (a token)
+        self.wv = sm80.words_per_row(bits, self.nr)  # words of a packed V row (a channel)
+        self.groups_v = head_dim // group_size
+        # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
+        # head columns, of its accumulators) bound it
+        self.step = step or (128 if head_dim <= 128 and heads_tile == 8 else 64)
+        self.steps = self.nr // self.step
+        self.m_k = self.step // M_BLOCK  # M-blocks of S^T per step
+        self.m_v = head_dim // M_BLOCK if head_dim >= M_BLOCK else 1  # M-blocks of O^T
+        assert head_dim % M_BLOCK == 0, "head_dim must be a multiple of 64"
+        # shared memory per stage (bytes)
+        self.bytes_kp = self.nr * self.wk * 4
+        self.bytes_vp = head_dim * self.wv * 4
+        self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
+        self.words_vs = self.nr * self.groups_v
+        self.tx_bytes = self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs)
+        stage_bytes = self.tx_bytes
+        self.ctas_per_sm = ctas_per_sm or default_ctas_per_sm(head_dim)
+        if num_stages == 0:
+            num_stages = max(2, min(6, (192 * 1024 // self.ctas_per_sm) // stage_bytes))
+        self.num_stages = num_stages
+        entry = REG_FILE // (self.ctas_per_sm * 2 * WG) // 8 * 8
+        self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
+        self.consumer_regs = min(256, 2 * entry - self.producer_regs) // 8 * 8
+        # the residual sub-tile (64 tokens of K and of V, 16-bit) reuses the K / V rings
+        res_bytes = M_BLOCK * head_dim * 2
+        assert num_stages * self.bytes_kp >= res_bytes and num_stages * self.bytes_vp >= res_bytes
+
+    # ---------------------------------------------------------------------------------
+    # Host side
+    # ---------------------------------------------------------------------------------
+    def _layouts(self):
+        """Shared-memory layouts (call in a trace): Q and P^T (K-major wgmma B operands) and
+        the packed K / V rings (TMA swizzle atoms, a stage mode last)."""
+        return (sm90.make_operand_smem_layout(self.dtype, self.nh, self.d),
+                sm90.make_operand_smem_layout(self.dtype, self.nh, self.step),
+                sm90.make_packed_smem_layout(self.nr, 4 * self.wk, self.num_stages),
+                sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages))
+
+    def _shared_storage(self):
+        stages = self.num_stages
+        q_layout, p_layout, kp_layout, vp_layout = self._layouts()
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            red: cute.struct.MemRange[Float32, 2 * WARPS * self.nh]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(p_layout)], 1024]
+            sKp: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(kp_layout)], 1024]
+            sVp: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(vp_layout)], 1024]
+            sKs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_ks], 128]
+            sVs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_vs], 128]
+
+        return Storage
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Hq, D) dtype
+        mKp: cute.Tensor,  # (P, Hkv, page, 2*wk) f16 view of the packed K words
+        mKs: cute.Tensor,  # K params (int32), see KVFormat.k_params_shape
+        mVp: cute.Tensor,  # (P, Hkv, page/Nr, D, 2*wv) f16 view of the packed V words
+        mVs: cute.Tensor,  # (P, Hkv, page/16, D/G, 16) int32
+        mKr: cute.Tensor,  # (B, Nr, Hkv, D) dtype residual
+        mVr: cute.Tensor,
+        mSeqlens: cute.Tensor,  # (B,) int32
+        mBlockTable: cute.Tensor,  # (B, max_pages) int32
+        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, Hq, D) dtype
+        mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
+        softmax_scale_log2: Float32,
+        stream,
+    ):
+        Storage = self._shared_storage()
+        _, _, kp_layout, vp_layout = self._layouts()
+        # TMA views with the tile's two modes first: K (page rows, words, Hkv, P) and
+        # V (channels, words, blocks, Hkv, P); each tile is one box of the swizzled stage
+        k_view = cute.make_tensor(mKp.iterator, cute.select(mKp.layout, mode=[2, 3, 1, 0]))
+        v_view = cute.make_tensor(mVp.iterator, cute.select(mVp.layout, mode=[3, 4, 2, 1, 0]))
+        tma_k, tma_tk = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), k_view, cute.select(kp_layout, mode=[0, 1]), (self.nr, 2 * self.wk))
+        tma_v, tma_tv = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), v_view, cute.select(vp_layout, mode=[0, 1]), (self.d, 2 * self.wv))
+        num_splits = mO.shape[0] if const_expr(self.split) else 1
+        grid = (num_splits, mKr.shape[2], mKr.shape[0])
+        # the register cap at entry (from the CTAs per SM) is what setmaxnreg redistributes
+        self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, Storage).launch(
+            grid=grid, block=[2 * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100)
+
+    # ---------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ, tma_k: cute.CopyAtom, mKt: cute.Tensor, mKs, tma_v: cute.CopyAtom, mVt: cute.Tensor,
+               mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE, softmax_scale_log2: Float32,
+               Storage: cutlass.Constexpr):
+        q_layout, p_layout, kp_layout, vp_layout = self._layouts()
+        tid, _, _ = cute.arch.thread_idx()
+        split_idx, head_kv, batch = cute.arch.block_idx()
+        num_splits, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(Storage)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPS),
+            tx_count=self.tx_bytes,
+        )
+        sKp = storage.sKp.get_tensor(kp_layout.outer, swizzle=kp_layout.inner)
+        sVp = storage.sVp.get_tensor(vp_layout.outer, swizzle=vp_layout.inner)
+        sKs = storage.sKs.get_tensor(cute.make_layout((self.words_ks, self.num_stages)))
+        sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
+
+        # ---- which tiles this split owns (same rule as the sm80 kernel) --------------
+        seqlen = mSeqlens[batch]
+        n_full = seqlen // self.nr
+        n_res = seqlen - n_full * self.nr
+        n_tiles = n_full + (n_res + self.nr - 1) // self.nr  # the residual is one more tile
+        per_split = (n_tiles + num_splits - 1) // num_splits
+        tile_begin = split_idx * per_split
+        tile_end = cutlass.min(tile_begin + per_split, n_tiles)
+        packed_end = cutlass.min(tile_end, n_full)
+        has_residual = (n_res > 0) & (tile_begin <= n_full) & (n_full < tile_end)
+
+        if warp_idx < WARPS:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
+                             batch, head_kv, tile_begin, packed_end)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mO, mLSE,
+                         batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
+                         softmax_scale_log2)
+
+    # ---------------------------------------------------------------------------------
+    # Producer: TMA of packed K / V rows, bulk copies of their params
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
+                batch, head_kv, tile_begin, packed_end):
+        # (TMA values, stage) and (TMA values, row block, Hkv, P) / (TMA values, block, Hkv, P)
+        gK = cute.flat_divide(mKt, (self.nr, 2 * self.wk))[None, None, None, 0, None, None]
+        gV = cute.flat_divide(mVt, (self.d, 2 * self.wv))[None, None, 0, 0, None, None, None]
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sKp, 0, 2),
+                                         cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sVp, 0, 2),
+                                         cute.group_modes(gV, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
+            page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0])
+            blk = off // self.nr
+            ring.producer_acquire(state)
+            bar = ring.producer_get_barrier(state)
+            cute.copy(tma_k, tKg[None, blk, head_kv, page], tKs[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_v, tVg[None, blk, head_kv, page], tVs[None, state.index], tma_bar_ptr=bar)
+            with cute.arch.elect_one():
+                ks_words = self.words_ks
+                ks_first = mKs[page, head_kv, None, None]
+                ks_src = ks_first.iterator + (off // self.group if const_expr(self.k_channel) else off) * ks_first.stride[0]
+                ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_src, 4 * ks_words, bar)
+                vs_first = mVs[page, head_kv, None, None, None]
+                vs_src = vs_first.iterator + (off // 16) * vs_first.stride[0]
+                ptx90.bulk_g2s(sVs[None, state.index].iterator, vs_src, 4 * self.words_vs, bar)
+            state.advance()
+
+    # ---------------------------------------------------------------------------------
+    # Consumer warpgroup
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mO, mLSE,
+                batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, scale_log2):
+        tid = cute.arch.thread_idx()[0] - WG
+        warp = cute.arch.make_warp_uniform(tid // 32)
+        lane = tid % 32
+        gq = mQ.shape[1] // mKr.shape[2]
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        red = storage.red.get_tensor(cute.make_layout((self.nh, WARPS, 2)))
+
+        # ---- Q: global -> smem (rows >= gq zero) ---------------------------------------
+        q_rows = mQ[batch, None, None]
+        gQ = cute.local_tile(q_rows, (self.nh, self.d), (0, 0))
+        gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
+        copy_rows(gQ, sQ, tid, WG, gq, True)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.bar(Barrier.P)
+
+        mma_s = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
+        mma_o = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
+        thr_s = mma_s.get_slice(tid)
+        thr_o = mma_o.get_slice(tid)
+        tSrQ = mma_s.make_fragment_B(thr_s.partition_B(sQ))
+        tOrP = mma_o.make_fragment_B(thr_o.partition_B(sP))
+        acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
+        acc_o.fill(0.0)
+        ncols = 2 * (self.nh // 8)  # head columns a thread holds
+        row_max = cute.make_rmem_tensor((ncols,), Float32)
+        row_sum = cute.make_rmem_tensor((ncols,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        dq = WordDequant(self.bits, self.is_bf16)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for _tile in cutlass.range(tile_begin, packed_end, unroll=1):
+            ring.consumer_wait(state)
+            kp = sKp[None, None, state.index]
+            vp = sVp[None, None, state.index]
+            ks = sKs[None, state.index]
+            vs = sVs[None, state.index]
+            for st in cutlass.range_constexpr(self.steps):
+                k_frag = self.k_fragments(thr_s, kp, ks, st, dq, warp, lane)
+                acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
+                v_frag = self.v_fragments(thr_o, vp, vs, st, dq, warp, lane)
+                if const_expr(st == self.steps - 1):
+                    ring.consumer_release(state)  # this stage's words are all in registers
+                warpgroup.wait_group(0)
+                self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, 0)
+                self.store_p(acc_s, sP, warp, lane)
+                self.pv(v_frag, tOrP, acc_o)
+            state.advance()
+
+        if has_residual:
+            self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
+                          acc_o, row_max, row_sum, scale_log2, red, warp, lane, tid)
+        warpgroup.wait_group(0)
+        self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane)
+
+    def bar(self, barrier_id: int):
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG)
+
+    # ---- fragments ----------------------------------------------------------------------
+    def slab_words(self, tile16, row0, chunk0: int, chunks: int, lane):
+        """ldmatrix x4 words of the 16-row slab at ``row0`` of a packed 16-bit tile view,
+        16-byte chunks ``chunk0 ..``: ``[(h, j)]`` = the word of row ``row0 + 8 h + lane // 4``,
+        chunk ``chunk0 + j`` (the A-operand copy of m16n8k16 takes two chunks per x4)."""
+        cols = chunks * sm80.CHUNK_BYTES // 2
+        slab = cute.local_tile(tile16, (SLAB, cols), (row0 // SLAB, chunk0 * sm80.CHUNK_BYTES // 2 // cols))
+        frag = load_a_fragments(sm80.make_mma(cutlass.Float16), slab, lane, False)
+        words = cute.recast_tensor(frag, Uint32)  # [(h, j % 2), 0, j // 2]
+        return {(h, chunk0 + j): words[(0, h, j % 2), 0, j // 2] for h in range(2) for j in range(chunks)}
+
+    def k_params(self, ks, tok0, kt, lane):
+        """(scale2, zero2) for row half h, column half ch of k-block ``kt`` (channels) of the
+        16 tokens from ``tok0``."""
+        c = lane % 4
+        out = {}
+        if const_expr(self.k_channel):
+            row = tok0 // self.group
+            for ch in range(2):
+                pos = row * self.d + sm80.param_position(kt, c, 2 * ch)
+                pair = split_params(Uint32(ks[pos]), Uint32(ks[pos + 1]))
+                out[(0, ch)] = out[(1, ch)] = pair
+        else:
+            gi = (16 * kt) // self.group
+            for h in range(2):
+                pair = broadcast_params(Uint32(ks[(tok0 + 8 * h + lane // 4) * self.groups_v + gi]))
+                out[(h, 0)] = out[(h, 1)] = pair
+        return out
+
+    @cute.jit
+    def k_fragments(self, thr_s, kp, ks, st, dq, warp, lane):
+        """Dequantized K A-fragments of step ``st``: ``(regs, M-blocks, D/16)``."""
+        frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.dtype)
+        frag32 = cute.recast_tensor(frag, Uint32)
+        for mb in cutlass.range_constexpr(self.m_k):
+            tok0 = st * self.step + mb * M_BLOCK + warp * SLAB
+            words = self.slab_words(kp, tok0, 0, self.wk // sm80.CHUNK_WORDS, lane)
+            for kt in cutlass.range_constexpr(self.d // K_BLOCK):
+                j, kb = kt // self.kpw, kt % self.kpw
+                params = self.k_params(ks, tok0, kt, lane)
+                for h in cutlass.range_constexpr(2):
+                    codes = dq.codes(words[(h, j)], (2 * kb, 2 * kb + 1))
+                    for ch in cutlass.range_constexpr(2):
+                        s2, z2 = params[(h, ch)]
+                        frag32[(0, h, ch), mb, kt] = dq.scale(codes[2 * kb + ch], s2, z2)
+        return frag
+
+    @cute.jit
+    def v_fragments(self, thr_o, vp, vs, st, dq, warp, lane):
+        """Dequantized V^T A-fragments of step ``st``: ``(regs, channel M-blocks, step/16)``."""
+        c = lane % 4
+        frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, self.step)), self.dtype)
+        frag32 = cute.recast_tensor(frag, Uint32)
+        kt0 = st * (self.step // K_BLOCK)
+        for mb in cutlass.range_constexpr(self.m_v):
+            ch0 = mb * M_BLOCK + warp * SLAB
+            per_step = self.step // sm80.chunk_columns(self.bits)  # chunks of a V row per step
+            words = self.slab_words(vp, ch0, st * per_step, per_step, lane)
+            gi = ch0 // self.group
+            for k in cutlass.range_constexpr(self.step // K_BLOCK):
+                kt = kt0 + k  # k-block of tokens in the tile
+                j, kb = kt // self.kpw, kt % self.kpw
+                base = (kt * self.groups_v + gi) * 16 + 4 * c
+                pairs = (split_params(Uint32(vs[base]), Uint32(vs[base + 1])),
+                         split_params(Uint32(vs[base + 2]), Uint32(vs[base + 3])))
+                for h in cutlass.range_constexpr(2):
+                    codes = dq.codes(words[(h, j)], (2 * kb, 2 * kb + 1))
+                    for ch in cutlass.range_constexpr(2):
+                        s2, z2 = pairs[ch]
+                        frag32[(0, h, ch), mb, k] = dq.scale(codes[2 * kb + ch], s2, z2)
+        return frag
+
+    # ---- products ------------------------------------------------------------------------
+    @cute.jit
+    def scores(self, thr_s, k_frag, tSrQ):
+        # a fresh tiled MMA per product: its ACCUMULATE field is state that must not
+        # escape the loop body it is set in
+        mma_s = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((M_BLOCK * cute.size(k_frag, mode=[1]), self.nh)),
+                                      Float32)
+        warpgroup.fence()
+        for kt in cutlass.range_constexpr(self.d // K_BLOCK):
+            mma_s.set(warpgroup.Field.ACCUMULATE, kt != 0)
+            cute.gemm(mma_s, acc_s, k_frag[None, None, kt], tSrQ[None, None, kt], acc_s)
+        warpgroup.commit_group()
+        return acc_s
+
+    @cute.jit
+    def pv(self, v_frag, tOrP, acc_o):
+        mma_o = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
+        warpgroup.fence()
+        mma_o.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(v_frag, mode=[2])):
+            cute.gemm(mma_o, acc_o, v_frag[None, None, k], tOrP[None, None, k], acc_o)
+        warpgroup.commit_group()
+
+    def cv(self, v0: int, v1: int, nt: int):
+        """Value index of (head 2c + v0 + 8 nt, row g + 8 v1) in a wgmma C fragment."""
+        return (v0, v1) if self.nh == 8 else (v0, v1, nt)
+
+    # ---- softmax ------------------------------------------------------------------------
+    @cute.jit
+    def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0):
+        """Online softmax over one step's S^T (rows = tokens of all four warps).  Masks
+        tokens ``>= valid`` (residual) when ``valid`` is given."""
+        c, g = lane % 4, lane // 4
+        m_blocks = cute.size(acc_s, mode=[1])
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                m_local = -Float32.inf
+                for mb in cutlass.range_constexpr(m_blocks):
+                    for v1 in cutlass.range_constexpr(2):
+                        x = acc_s[self.cv(v0, v1, nt), mb, 0] * scale_log2
+                        if const_expr(valid is not None):
+                            if tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g >= valid:
+                                x = -Float32.inf
+                        acc_s[self.cv(v0, v1, nt), mb, 0] = x
+                        m_local = ptx.fmax(m_local, x)
+                for off in cutlass.range_constexpr(3):
+                    m_local = ptx.fmax(m_local, ptx.shfl_bfly(m_local, 4 << off))
+                if g == 0:
+                    red[8 * nt + 2 * c + v0, warp, 0] = m_local
+        self.bar(Barrier.MAX)
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                col = 2 * nt + v0
+                head = 8 * nt + 2 * c + v0
+                m_new = row_max[col]
+                for w in cutlass.range_constexpr(WARPS):
+                    m_new = ptx.fmax(m_new, red[head, w, 0])
+                # a column that has seen only masked tokens keeps -inf; exponentiate against 0
+                m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                alpha = ptx.ex2(row_max[col] - m_use)
+                part = Float32(0.0)
+                for mb in cutlass.range_constexpr(m_blocks):
+                    for v1 in cutlass.range_constexpr(2):
+                        p = ptx.ex2(acc_s[self.cv(v0, v1, nt), mb, 0] - m_use)
+                        acc_s[self.cv(v0, v1, nt), mb, 0] = p
+                        part += p
+                row_sum[col] = row_sum[col] * alpha + part
+                row_max[col] = m_new
+                for mo in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                    for v1 in cutlass.range_constexpr(2):
+                        acc_o[self.cv(v0, v1, nt), mo, 0] = acc_o[self.cv(v0, v1, nt), mo, 0] * alpha
+
+    @cute.jit
+    def store_p(self, acc_s, sP, warp, lane):
+        """P^T (heads x tokens of the step, K-major) from the S^T accumulators."""
+        c, g = lane % 4, lane // 4
+        for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
+            for nt in cutlass.range_constexpr(self.nh // 8):
+                for v1 in cutlass.range_constexpr(2):
+                    tok = mb * M_BLOCK + warp * SLAB + 8 * v1 + g
+                    for v0 in cutlass.range_constexpr(2):
+                        sP[8 * nt + 2 * c + v0, tok] = self.dtype(acc_s[self.cv(v0, v1, nt), mb, 0])
+        cute.arch.fence_proxy("async.shared", space="cta")  # wgmma reads sP through the async proxy
+        self.bar(Barrier.P)
+
+    # ---- the 16-bit residual block --------------------------------------------------------
+    @cute.jit
+    def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
+                 acc_o, row_max, row_sum, scale_log2, red, warp, lane, tid):
+        """The ``n_res`` 16-bit tokens in 64-token sub-tiles, staged in the idle K / V rings."""
+        # K-major 128B-swizzled 16-bit tiles (the swizzle on the pointer, as for every sm90 tile)
+        layout = sm90.make_operand_smem_layout(self.dtype, M_BLOCK, self.d)
+        sK = cute.make_tensor(cute.recast_ptr(storage.sKp.data_ptr(), layout.inner, dtype=self.dtype), layout.outer)
+        sV = cute.make_tensor(cute.recast_ptr(storage.sVp.data_ptr(), layout.inner, dtype=self.dtype), layout.outer)
+        sVt = cute.composition(sV, cute.make_layout((self.d, M_BLOCK), stride=(M_BLOCK, 1)))  # (channels, tokens)
+        mma16 = sm80.make_mma(self.dtype)
+        for sub in cutlass.range(0, (n_res + M_BLOCK - 1) // M_BLOCK, unroll=1):
+            warpgroup.wait_group(0)  # the previous PV product has read sP and its V^T registers
+            self.bar(Barrier.EPI)  # every warp is done with the previous sub-tile's smem
+            valid = n_res - sub * M_BLOCK
+            gK = cute.local_tile(mKr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
+            gV = cute.local_tile(mVr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
+            copy_rows(assume_aligned(gK), sK, tid, WG, valid, True)
+            copy_rows(assume_aligned(gV), sV, tid, WG, valid, True)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            self.bar(Barrier.EPI)
+            k_frag = load_a_fragments(mma16, cute.local_tile(sK, (SLAB, self.d), (warp, 0)), lane, False)
+            acc_s = self.scores(thr_s, k_frag, tSrQ)
+            v_frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, M_BLOCK)), self.dtype)
+            for mb in cutlass.range_constexpr(self.m_v):
+                part = load_a_fragments(mma16, cute.local_tile(sVt, (SLAB, M_BLOCK), (mb * WARPS + warp, 0)),
+                                        lane, True)
+                dst = v_frag[None, mb, None]
+                for i in cutlass.range_constexpr(cute.size(part)):
+                    dst[i] = part[i]
+            warpgroup.wait_group(0)
+            self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, 0)
+            self.store_p(acc_s, sP, warp, lane)
+            self.pv(v_frag, tOrP, acc_o)
+
+    # ---- epilogue -----------------------------------------------------------------------
+    @cute.jit
+    def epilogue(self, acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane):
+        c, g = lane % 4, lane // 4
+        nt_count = self.nh // 8
+        for col in cutlass.range_constexpr(2 * nt_count):
+            s = row_sum[col]
+            for off in cutlass.range_constexpr(3):
+                s += ptx.shfl_bfly(s, 4 << off)
+            row_sum[col] = s
+        if g == 0:
+            for nt in cutlass.range_constexpr(nt_count):
+                for v0 in cutlass.range_constexpr(2):
+                    red[8 * nt + 2 * c + v0, warp, 1] = row_sum[2 * nt + v0]
+        self.bar(Barrier.EPI)
+        for nt in cutlass.range_constexpr(nt_count):
+            for v0 in cutlass.range_constexpr(2):
+                head = 8 * nt + 2 * c + v0
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(WARPS):
+                    total += red[head, w, 1]
+                inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
+                if head < gq:
+                    qh = head_kv * gq + head
+                    for mo in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                        for v1 in cutlass.range_constexpr(2):
+                            d = mo * M_BLOCK + warp * SLAB + 8 * v1 + g
+                            o = acc_o[self.cv(v0, v1, nt), mo, 0] * inv
+                            if const_expr(self.split):
+                                mO[split_idx, batch, qh, d] = o
+                            else:
+                                mO[batch, qh, d] = self.dtype(o)
+                    if warp == 0 and g == 0:
+                        lse = -Float32.inf
+                        if total > Float32(0.0):
+                            lse = (row_max[2 * nt + v0] + ptx.lg2(total)) * LN_2
+                        if const_expr(self.split):
+                            mLSE[split_idx, batch, qh] = lse
+                        else:
+                            mLSE[batch, qh] = lse
+
