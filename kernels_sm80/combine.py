@@ -17,7 +17,6 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from ..layouts import sm80
-from . import ptx
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -43,9 +42,9 @@ class CombineSm80:
     @cute.jit
     def block_reduce(self, x: Float32, s_red, tid, is_max: cutlass.Constexpr[bool]) -> Float32:
         for off in cutlass.range_constexpr(5):
-            y = ptx.shfl_bfly(x, 1 << off)
+            y = cute.arch.shuffle_sync_bfly(x, 1 << off)
             if const_expr(is_max):
-                x = ptx.fmax(x, y)
+                x = cute.arch.fmax(x, y)
             else:
                 x = x + y
         if tid % 32 == 0:
@@ -54,7 +53,7 @@ class CombineSm80:
         r = s_red[0]
         for w in cutlass.range_constexpr(1, NUM_WARPS):
             if const_expr(is_max):
-                r = ptx.fmax(r, s_red[w])
+                r = cute.arch.fmax(r, s_red[w])
             else:
                 r = r + s_red[w]
         cute.arch.sync_threads()
@@ -75,12 +74,12 @@ class CombineSm80:
         # 1. the splits' LSEs: CTA-wide max, then weights exp(lse_s - max) and their sum
         m = -Float32.inf
         for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
-            m = ptx.fmax(m, mLp[s, b, h])
+            m = cute.arch.fmax(m, mLp[s, b, h])
         m = self.block_reduce(m, s_red, tid, True)
         m_use = m if m != -Float32.inf else Float32(0.0)
         total = Float32(0.0)
         for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
-            w = ptx.ex2((mLp[s, b, h] - m_use) * LOG2_E)
+            w = cute.math.exp2((mLp[s, b, h] - m_use) * LOG2_E, fastmath=True)
             s_w[s] = w
             total += w
         total = self.block_reduce(total, s_red, tid, False)
@@ -110,5 +109,5 @@ class CombineSm80:
             if vec == 0:
                 lse = -Float32.inf
                 if total > Float32(0.0):
-                    lse = m + ptx.lg2(total) * LN_2
+                    lse = m + cute.math.log2(total, fastmath=True) * LN_2
                 mL[b, h] = lse

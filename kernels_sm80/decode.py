@@ -347,18 +347,18 @@ class DecodeSm80:
                             if tok0 + 16 * mt + 8 * v1 + (cute.arch.lane_idx() // 4) >= valid_tokens:
                                 x = -Float32.inf
                         acc_s[(v0, v1), mt, nt] = x
-                        m_tile = ptx.fmax(m_tile, x)
+                        m_tile = cute.arch.fmax(m_tile, x)
                 for off in cutlass.range_constexpr(3):
-                    m_tile = ptx.fmax(m_tile, ptx.shfl_bfly(m_tile, 4 << off))
+                    m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, 4 << off))
                 m_old = row_max[col]
-                m_new = ptx.fmax(m_old, m_tile)
+                m_new = cute.arch.fmax(m_old, m_tile)
                 # a column that has seen only masked tokens keeps -inf; exponentiate against 0
                 m_use = m_new if m_new != -Float32.inf else Float32(0.0)
-                alpha = ptx.ex2(m_old - m_use)
+                alpha = cute.math.exp2(m_old - m_use, fastmath=True)
                 tile_sum = Float32(0.0)
                 for mt in cutlass.range_constexpr(mt_count):
                     for v1 in cutlass.range_constexpr(2):
-                        p = ptx.ex2(acc_s[(v0, v1), mt, nt] - m_use)
+                        p = cute.math.exp2(acc_s[(v0, v1), mt, nt] - m_use, fastmath=True)
                         acc_s[(v0, v1), mt, nt] = p
                         tile_sum += p
                 row_sum[col] = row_sum[col] * alpha + tile_sum
@@ -457,7 +457,7 @@ class DecodeSm80:
         for col in cutlass.range_constexpr(2 * nt_count):
             s = row_sum[col]
             for off in cutlass.range_constexpr(3):
-                s += ptx.shfl_bfly(s, 4 << off)
+                s += cute.arch.shuffle_sync_bfly(s, 4 << off)
             row_sum[col] = s
         cute.arch.sync_threads()  # everyone is done with the pipeline / residual smem
         f32 = cute.recast_ptr(aligned_ptr(union, 128), dtype=Float32)
@@ -479,9 +479,9 @@ class DecodeSm80:
                 head = 8 * nt + 2 * c + v0
                 m_all = s_ml[0, head, 0]
                 for w in cutlass.range_constexpr(1, NUM_WARPS):
-                    m_all = ptx.fmax(m_all, s_ml[0, head, w])
+                    m_all = cute.arch.fmax(m_all, s_ml[0, head, w])
                 m_use = m_all if m_all != -Float32.inf else Float32(0.0)
-                weight = ptx.ex2(row_max[2 * nt + v0] - m_use)
+                weight = cute.math.exp2(row_max[2 * nt + v0] - m_use, fastmath=True)
                 for mo in cutlass.range_constexpr(self.d // 16):
                     for v1 in cutlass.range_constexpr(2):
                         d = 16 * mo + 8 * v1 + g
@@ -496,12 +496,12 @@ class DecodeSm80:
                 d = idx - head * self.d
                 m_all = s_ml[0, head, 0]
                 for w in cutlass.range_constexpr(1, NUM_WARPS):
-                    m_all = ptx.fmax(m_all, s_ml[0, head, w])
+                    m_all = cute.arch.fmax(m_all, s_ml[0, head, w])
                 m_use = m_all if m_all != -Float32.inf else Float32(0.0)
                 l_all = Float32(0.0)
                 o = Float32(0.0)
                 for w in cutlass.range_constexpr(NUM_WARPS):
-                    l_all += s_ml[1, head, w] * ptx.ex2(s_ml[0, head, w] - m_use)
+                    l_all += s_ml[1, head, w] * cute.math.exp2(s_ml[0, head, w] - m_use, fastmath=True)
                     o += s_o[d, head, w]
                 inv = Float32(0.0) if l_all == Float32(0.0) else 1.0 / l_all
                 if head < gq:
@@ -513,7 +513,7 @@ class DecodeSm80:
                     if d == 0:
                         lse = -Float32.inf
                         if l_all > Float32(0.0):
-                            lse = (m_all + ptx.lg2(l_all)) * LN_2
+                            lse = (m_all + cute.math.log2(l_all, fastmath=True)) * LN_2
                         if const_expr(self.split):
                             mLSE[split_idx, batch, qh] = lse
                         else:

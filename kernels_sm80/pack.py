@@ -170,7 +170,7 @@ class PackSm80:
     @cute.jit
     def code(self, x: Float32, zero: Float32, inv: Float32) -> Uint32:
         q = ptx.round_even((x - zero) * inv)
-        q = ptx.fmin(ptx.fmax(q, Float32(0.0)), Float32(self.qmax))
+        q = cute.arch.fmin(cute.arch.fmax(q, Float32(0.0)), Float32(self.qmax))
         return ptx.f32_to_u32(q)
 
     def locate(self, mBlockTable, page_size, b, blk):
@@ -206,8 +206,8 @@ class PackSm80:
                         mn = s_red[(2 * first_seg) * self.d + col]
                         mx = s_red[(2 * first_seg + 1) * self.d + col]
                         for sg in cutlass.range_constexpr(1, self.group // self.seg):
-                            mn = ptx.fmin(mn, s_red[(2 * (first_seg + sg)) * self.d + col])
-                            mx = ptx.fmax(mx, s_red[(2 * (first_seg + sg) + 1) * self.d + col])
+                            mn = cute.arch.fmin(mn, s_red[(2 * (first_seg + sg)) * self.d + col])
+                            mx = cute.arch.fmax(mx, s_red[(2 * (first_seg + sg) + 1) * self.d + col])
                         word, zero, inv = self.params(mn, mx)
                         zinv[(0, kt, v)] = (zero, inv)
                         zinv[(1, kt, v)] = (zero, inv)
@@ -223,11 +223,11 @@ class PackSm80:
                         for kk in cutlass.range_constexpr(gk):
                             for v in cutlass.range_constexpr(4):
                                 x = Float32(frag[(v % 2, h, v // 2), 0, gi * gk + kk])
-                                mn = ptx.fmin(mn, x)
-                                mx = ptx.fmax(mx, x)
+                                mn = cute.arch.fmin(mn, x)
+                                mx = cute.arch.fmax(mx, x)
                         for off_c in cutlass.range_constexpr(2):  # the 4 lanes of a quad share a row
-                            mn = ptx.fmin(mn, ptx.shfl_bfly(mn, 1 << off_c))
-                            mx = ptx.fmax(mx, ptx.shfl_bfly(mx, 1 << off_c))
+                            mn = cute.arch.fmin(mn, cute.arch.shuffle_sync_bfly(mn, 1 << off_c))
+                            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1 << off_c))
                         word, zero, inv = self.params(mn, mx)
                         for kk in cutlass.range_constexpr(gk):
                             for v in cutlass.range_constexpr(4):
@@ -265,8 +265,8 @@ class PackSm80:
                             x = Float32(frag[(v % 2, h, v // 2), 0, kt])
                             key = (kt, v)
                             if const_expr(key in mins):
-                                mins[key] = ptx.fmin(mins[key], x)
-                                maxs[key] = ptx.fmax(maxs[key], x)
+                                mins[key] = cute.arch.fmin(mins[key], x)
+                                maxs[key] = cute.arch.fmax(maxs[key], x)
                             else:
                                 mins[key] = x
                                 maxs[key] = x
@@ -276,8 +276,8 @@ class PackSm80:
                     mn = mins[(kt, v)]
                     mx = maxs[(kt, v)]
                     for o in cutlass.range_constexpr(3):  # lanes with the same quad lane share columns
-                        mn = ptx.fmin(mn, ptx.shfl_bfly(mn, 4 << o))
-                        mx = ptx.fmax(mx, ptx.shfl_bfly(mx, 4 << o))
+                        mn = cute.arch.fmin(mn, cute.arch.shuffle_sync_bfly(mn, 4 << o))
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 4 << o))
                     if g == 0:
                         col = 16 * kt + 2 * c + (v % 2) + 8 * (v // 2)
                         s_red[(2 * seg_idx) * self.d + col] = mn
@@ -305,11 +305,11 @@ class PackSm80:
                     for mm in cutlass.range_constexpr(gm):
                         for h in cutlass.range_constexpr(2):
                             x = Float32(frag[(v % 2, h, v // 2), gi * gm + mm, 0])
-                            mn = ptx.fmin(mn, x)
-                            mx = ptx.fmax(mx, x)
+                            mn = cute.arch.fmin(mn, x)
+                            mx = cute.arch.fmax(mx, x)
                     for o in cutlass.range_constexpr(3):
-                        mn = ptx.fmin(mn, ptx.shfl_bfly(mn, 4 << o))
-                        mx = ptx.fmax(mx, ptx.shfl_bfly(mx, 4 << o))
+                        mn = cute.arch.fmin(mn, cute.arch.shuffle_sync_bfly(mn, 4 << o))
+                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 4 << o))
                     word, zero, inv = self.params(mn, mx)
                     if g == 0:
                         tile16 = (off + warp_idx * self.t) // 16 + kt

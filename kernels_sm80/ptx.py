@@ -4,6 +4,12 @@ Everything here is one instruction (or a tight group that ptxas turns into one S
 wrapped with ``llvm.inline_asm``.  Pure ops are marked side-effect free so LLVM can CSE
 and schedule them; warp-collective ops (movmatrix) are not, so they are never moved
 into divergent code.
+
+Where CuTe DSL 4.8.1 has the op the kernels call it instead (the same instruction, and
+LLVM can schedule around it): ``cute.arch.fmax`` / ``fmin``, ``cute.arch.shuffle_sync_bfly``,
+``cute.math.exp2`` / ``log2`` with ``fastmath=True``.  Kept here: prmt (the DSL's has side
+effects, which block CSE), lop3 with immediate masks, movmatrix, the exact-rounding packed
+fma, the cvt packs and rounding conversions.
 """
 
 from __future__ import annotations
@@ -123,39 +129,3 @@ def f32_to_half_bits(x, is_bf16: bool, toward_zero: bool = False, *, loc=None, i
     res = _asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)],
                f"{{.reg .b16 h;\ncvt.{rnd}.{kind}.f32 h, $1;\ncvt.u32.u16 $0, h;}}", "=r,f", loc=loc, ip=ip)
     return Uint32(res)
-
-
-@dsl_user_op
-def shfl_bfly(x, offset: int, *, loc=None, ip=None) -> Float32:
-    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
-               f"shfl.sync.bfly.b32 $0, $1, {offset}, 31, -1;", "=f,f", side_effects=True, loc=loc, ip=ip)
-    return Float32(res)
-
-
-
-@dsl_user_op
-def ex2(x, *, loc=None, ip=None) -> Float32:
-    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
-               loc=loc, ip=ip)
-    return Float32(res)
-
-
-@dsl_user_op
-def fmax(a, b, *, loc=None, ip=None) -> Float32:
-    res = _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-               "max.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
-    return Float32(res)
-
-
-@dsl_user_op
-def fmin(a, b, *, loc=None, ip=None) -> Float32:
-    res = _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-               "min.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
-    return Float32(res)
-
-
-@dsl_user_op
-def lg2(x, *, loc=None, ip=None) -> Float32:
-    res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "lg2.approx.ftz.f32 $0, $1;", "=f,f",
-               loc=loc, ip=ip)
-    return Float32(res)
