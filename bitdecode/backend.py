@@ -103,6 +103,8 @@ class Backend(Protocol):
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 
+    def auto_picks(self, fmt: KVFormat) -> bool: ...  # whether ``auto`` takes it for this format
+
     def choose_splits(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int,
                       device: torch.device) -> int: ...
 

@@ -155,10 +155,11 @@ def measure(args, device: str, n: int, backend: str):
             dense_bytes, cuda_time_ms(sdpa) if on_gpu else None)
     del ks, vs
 
-    rows = []
+    rows, used = [], []
     for bits in args.bits:
         fmt = KVFormat(bits=bits, k_mode=args.k_mode, group_size=args.group_size)
         cache = KVCache.allocate(bsz, KV_HEADS, HEAD_DIM, n, fmt, dtype=dtype, device=device, backend=backend)
+        used.append(cache.backend)
         first = max(n - APPENDED, 0)
         cache.prefill(k[:, :first], v[:, :first])
         for t in range(first, n):  # decode steps: one token at a time, in place
@@ -167,7 +168,7 @@ def measure(args, device: str, n: int, backend: str):
         ms = cuda_time_ms(lambda: cache.decode(q)) if on_gpu else None
         rows.append((fmt, rel_error(out, ref), cache.memory_bytes(), ms))
         del cache
-    return base, rows
+    return base, rows, used
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,14 +182,16 @@ def run(args: argparse.Namespace) -> int:
         console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
         return 2
     try:  # before any work: a backend this device or build does not have
-        backend = dispatch.resolve(args.backend, torch.device(device), what="KV cache")
+        dispatch.resolve(args.backend, torch.device(device), what="KV cache")
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
     on_gpu = device == "cuda"
     n = args.seqlen or (32768 if on_gpu else 4096)
     t0 = time.perf_counter()
-    base, rows = measure(args, device, n, backend)
+    base, rows, used = measure(args, device, n, args.backend)
+    # auto may pick a different backend per bit width (dispatch.AUTO_ORDER)
+    backend = used[0] if len(set(used)) == 1 else ", ".join(f"{b}-bit {u}" for b, u in zip(args.bits, used))
 
     table = Table(title="decode attention: low-bit KV cache vs 16-bit", header_style="bold")
     table.add_column("KV cache", no_wrap=True)

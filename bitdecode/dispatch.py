@@ -12,10 +12,10 @@ from . import backend as backends
 BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
 KERNEL_BACKENDS = tuple(backends.REGISTRY)
 
-# What ``auto`` picks on a GPU, best first, among the shipped backends that support it.
-# sm90 is correct on Hopper but measured slower than the sm80 kernels there (H200:
-# profiles/NOTES.md), so Hopper users get it by asking for ``backend="sm90"`` until it wins.
-AUTO_ORDER = ("sm100", "sm80", "sm90")
+# What ``auto`` picks on a GPU, best first, among the shipped backends that support the
+# device and say ``auto_picks(fmt)`` for the cache's format (on the H200 the sm90 kernel is
+# the faster one at 4 bits, the sm80 one at 2 bits: profiles/NOTES.md).
+AUTO_ORDER = ("sm100", "sm90", "sm80")
 
 
 def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
@@ -46,7 +46,9 @@ def available(device: torch.device) -> Tuple[str, ...]:
     return kernels + ("reference",)
 
 
-def resolve(backend: str, device: torch.device, what: str = "decode") -> str:
+def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None) -> str:
+    """The backend a call runs: ``backend`` checked against the device, or ``auto``'s choice
+    (for the format ``fmt`` when given)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -55,6 +57,8 @@ def resolve(backend: str, device: torch.device, what: str = "decode") -> str:
         if device.type != "cuda":
             return "reference"
         kernels = [b for b in AUTO_ORDER if runnable(b, device)]
+        if fmt is not None:
+            kernels = [b for b in kernels if backends.get(b).auto_picks(fmt)] or kernels
         if not kernels:
             cap = device_capability(device)
             raise ValueError(

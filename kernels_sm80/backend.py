@@ -223,6 +223,9 @@ class Sm80Backend:
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)
 
+    def auto_picks(self, fmt: KVFormat) -> bool:
+        return True
+
     # ---- decode -------------------------------------------------------------------------
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         return ctas_per_sm(fmt, head_dim, nh)

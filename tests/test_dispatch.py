@@ -1,0 +1,69 @@
+"""Backend choice by the registry (CPU: the GPU's compute capability is faked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bitdecode as bd
+from bitdecode import backend as backends, dispatch
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    def use(cap):
+        monkeypatch.setattr(dispatch, "device_capability", lambda device: cap if device.type == "cuda" else None)
+    return use
+
+
+def test_shipped_backends_best_first():
+    assert backends.shipped()[-1] == "sm80"
+    assert "sm90" in backends.shipped()
+
+
+@pytest.mark.parametrize("cap, bits, expect", [
+    ((9, 0), 4, "sm90"),  # Hopper: the TMA + wgmma kernel for 4-bit caches
+    ((9, 0), 2, "sm80"),  # ... and the sm80 kernels for 2-bit, where sm90 measured slower
+    ((8, 0), 4, "sm80"),
+    ((8, 9), 2, "sm80"),
+    ((10, 0), 4, "sm80"),  # no sm100 kernels yet: sm80 code runs on Blackwell
+])
+def test_auto_by_capability_and_format(capability, cap, bits, expect):
+    capability(cap)
+    assert dispatch.resolve("auto", CUDA0, fmt=bd.KVFormat(bits=bits)) == expect
+
+
+def test_auto_without_format_takes_the_first_usable(capability):
+    capability((9, 0))
+    assert dispatch.resolve("auto", CUDA0) == "sm90"
+    assert dispatch.available(CUDA0) == ("sm90", "sm80", "reference")
+
+
+def test_explicit_backend_checked_against_the_device(capability, monkeypatch):
+    capability((8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
+    with pytest.raises(ValueError, match="backend 'sm90' does not run on"):
+        dispatch.resolve("sm90", CUDA0)
+    assert dispatch.resolve("sm80", CUDA0) == "sm80"
+
+
+def test_too_old_gpu(capability, monkeypatch):
+    capability((7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ValueError, match="no compiled decode kernel supports Tesla T4"):
+        dispatch.resolve("auto", CUDA0)
+
+
+def test_compile_arch_maps_to_its_backend():
+    assert backends.for_arch("sm_90a") == "sm90"
+    assert backends.for_arch("sm_80") == "sm80"
+    assert backends.for_arch("sm_86") == "sm80"
+    assert backends.for_arch("sm_100a") == "sm80"  # until kernels_sm100 ships
+
+
+def test_limits_come_from_the_backend():
+    for name in backends.shipped():
+        lim = backends.get(name).limits
+        assert lim.max_gqa == 16 and lim.max_splits == 256 and lim.head_dims == (64, 128, 256)
