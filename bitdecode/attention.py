@@ -93,8 +93,14 @@ def _check_values(cache: CacheTensors) -> None:
                 f"({cache.block_table.shape[1]} pages of {cache.page_size} tokens + a "
                 f"{nr}-token residual), got min {lo}, max {hi}"
             )
+    check_block_table(cache, lens)
+
+
+def check_block_table(cache: CacheTensors, lens: torch.Tensor) -> None:
+    """The pages sequences of lengths ``lens`` use (their packed blocks) must be valid,
+    distinct pages (one device sync); unused entries may hold anything."""
+    nr = cache.fmt.residual_block
     if cache.block_table.numel():
-        # only the pages a sequence actually uses need to be valid
         used = (lens.long() // nr * nr + cache.page_size - 1) // cache.page_size
         cols = torch.arange(cache.block_table.shape[1], device=lens.device)
         mask = cols[None, :] < used[:, None]
@@ -103,6 +109,15 @@ def _check_values(cache: CacheTensors) -> None:
             raise ValueError(
                 f"block_table entries in use must lie in [0, {cache.num_pages}), got "
                 f"[{int(vals.min())}, {int(vals.max())}]"
+            )
+        # a page in use by two sequences (or twice by one) would be packed over by both
+        pages, counts = torch.unique(vals, return_counts=True)
+        if counts.numel() and int(counts.max()) > 1:
+            shared = int(pages[counts > 1][0])
+            users = sorted(set(((cache.block_table == shared) & mask).nonzero()[:, 0].tolist()))
+            raise ValueError(
+                f"block_table entries in use must be distinct pages: page {shared} is used "
+                f"more than once (sequences {users})"
             )
 
 

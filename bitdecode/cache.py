@@ -170,6 +170,8 @@ class KVCache:
             bad = [x for x in lens if not 0 <= x <= n]
             if bad:
                 raise ValueError(f"seqlens must lie in [0, {n}] (tokens given), got {bad[0]}")
+        # the pages the prompt will be packed into (a block table edited by the caller)
+        attention.check_block_table(self._tensors, torch.tensor(lens, dtype=torch.int32, device=self.device))
         if self.backend == "reference":
             self._prefill_reference(k, v, lens)
         else:

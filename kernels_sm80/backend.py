@@ -173,36 +173,38 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
 
 class DecodePlan:
     """What a decode call needs that does not change between calls: the compiled kernels,
-    the split count, the cache tensors in the form the kernels take, and the split-KV
-    workspace.  Building it once per (cache, query shape, splits) keeps the per-call host
-    work to one output allocation and one or two TVM-FFI launches.  Every backend whose
-    decode kernel takes the sm80 argument list (and writes fp32 partials merged by the
-    combine kernel when split) uses it."""
+    the split count and the cache tensors in the form the kernels take.  Building it once
+    per (cache, query shape, splits) keeps the per-call host work to the allocations below
+    and one or two TVM-FFI launches.  Every backend whose decode kernel takes the sm80
+    argument list (and writes fp32 partials merged by the combine kernel when split) uses it.
+
+    The split-KV workspace is allocated per call from torch's caching allocator, which is
+    stream-ordered: calls on different streams (one cache decoded by parallel samplers)
+    never share it, and a CUDA-graph capture takes its own from the graph's pool."""
 
     def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
         bsz, _, hq, d = q_shape
         self.shape3 = (bsz, hq, d)
+        self.part_shape = (splits, bsz, hq, d)
         self.dtype = q_dtype
         self.splits = splits
         self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
                        cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
         self.decode_fn = decode_fn
-        if splits > 1:
-            self.combine_fn = combine_fn
-            self.o_part = torch.empty(splits, bsz, hq, d, dtype=torch.float32, device=device)
-            self.l_part = torch.empty(splits, bsz, hq, dtype=torch.float32, device=device)
-        self.lse = torch.empty(bsz, hq, dtype=torch.float32, device=device)
+        self.combine_fn = combine_fn
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         q3 = q.reshape(self.shape3)
         out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
         out3 = out.view(self.shape3)
-        lse = torch.empty_like(self.lse) if return_lse else self.lse
+        lse = torch.empty(self.shape3[:2], dtype=torch.float32, device=q.device)
         if self.splits == 1:
             self.decode_fn(q3, *self.static, out3, lse, scale_log2)
         else:
-            self.decode_fn(q3, *self.static, self.o_part, self.l_part, scale_log2)
-            self.combine_fn(self.o_part, self.l_part, out3, lse)
+            o_part = torch.empty(self.part_shape, dtype=torch.float32, device=q.device)
+            l_part = torch.empty(self.part_shape[:3], dtype=torch.float32, device=q.device)
+            self.decode_fn(q3, *self.static, o_part, l_part, scale_log2)
+            self.combine_fn(o_part, l_part, out3, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 

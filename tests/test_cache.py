@@ -215,3 +215,21 @@ def test_reset_then_reuse(gen):
     assert torch.equal(bd.decode(q, cache), torch.zeros_like(first))
     cache.append(k, v)
     assert torch.equal(bd.decode(q, cache), first)
+
+
+def test_prefill_rejects_a_block_table_that_shares_or_leaves_the_pages(gen):
+    """A caller-edited block table is checked before the prompt is packed into it."""
+    cache = allocate(4, batch=2, max_seqlen=512, page_size=256)
+    k = torch.randn(2, 512, HKV, D, generator=gen).half()
+    snap = [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)]
+    cache.block_table[1, 0] = cache.block_table[0, 1]  # sequence 1's first page is sequence 0's second
+    with pytest.raises(ValueError, match=r"page 1 is used more than once \(sequences \[0, 1\]\)"):
+        cache.prefill(k, k)
+    cache.block_table[1, 0] = 7
+    with pytest.raises(ValueError, match=r"block_table entries in use must lie in \[0, 4\), got \[0, 7\]"):
+        cache.prefill(k, k)
+    assert all(torch.equal(a, b) for a, b in zip(snap, (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)))
+    assert cache.lengths == [0, 0]
+    # only the pages the lengths use are checked: a short second sequence may keep a bad entry
+    cache.prefill(k, k, seqlens=[512, 100])
+    assert cache.lengths == [512, 100]

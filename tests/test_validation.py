@@ -256,6 +256,8 @@ _functional_cases = [
      r"block_table must have shape \(2, \*\), got \(3, 1\)"),
     ("table range", lambda a: dict(block_table=torch.tensor([[0], [2]], dtype=torch.int32)), ValueError,
      r"block_table entries in use must lie in \[0, 2\), got \[0, 2\]"),
+    ("table shared page", lambda a: dict(block_table=torch.tensor([[1], [1]], dtype=torch.int32)), ValueError,
+     r"block_table entries in use must be distinct pages: page 1 is used more than once \(sequences \[0, 1\]\)"),
     ("device", lambda a: dict(v_params=a["v_params"].to("meta")), ValueError, "v_params is on meta but k_res is on cpu"),
 ]
 
