@@ -9,6 +9,7 @@ import platform
 import torch
 
 from . import __version__, dispatch, jit
+from .formats import KVFormat
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     return subparsers.add_parser(name, help=help_text, description=help_text)
@@ -23,15 +24,16 @@ def _version(module: str) -> str:
 
 
 def _gpus():
-    """(label, backends) for every visible GPU; one ("no GPU", ...) row without one."""
+    """(label, backends, device) for every visible GPU; one ("no GPU", ...) row without one."""
     if not torch.cuda.is_available():
-        return [("no GPU", dispatch.available(torch.device("cpu")))]
+        cpu = torch.device("cpu")
+        return [("no GPU", dispatch.available(cpu), cpu)]
     rows = []
     for i in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(i)
         label = (f"cuda:{i} {torch.cuda.get_device_name(i)}, compute capability "
                  f"{major}.{minor} (sm_{major}{minor})")
-        rows.append((label, dispatch.available(torch.device("cuda", i))))
+        rows.append((label, dispatch.available(torch.device("cuda", i)), torch.device("cuda", i)))
     return rows
 
 
@@ -47,9 +49,11 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("torch", f"{torch.__version__} ({cuda})")
     table.add_row("CuTe DSL (nvidia-cutlass-dsl)", _version("cutlass"))
     table.add_row("TVM-FFI (apache-tvm-ffi)", _version("tvm_ffi"))
-    for label, backends in _gpus():
+    for label, backends, device in _gpus():
         table.add_row("GPU", label)
         table.add_row("  backends", ", ".join(backends))
+        picks = {bits: dispatch.resolve("auto", device, fmt=KVFormat(bits=bits)) for bits in (4, 2)}
+        table.add_row("  auto picks", ", ".join(f"{bits}-bit: {b}" for bits, b in picks.items()))
     path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
     env = jit.ENV_CACHE_DIR
     source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"
