@@ -34,7 +34,7 @@ from ..layouts import resources, sm80
 from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
-from .tensors import aligned_ptr, assume_aligned, page_of
+from .tensors import aligned_ptr, assume_aligned, page_of, split_tiles
 
 LN_2 = 0.6931471805599453
 NUM_WARPS = sm80.WARPS_N
@@ -133,16 +133,7 @@ class DecodeSm80:
         lane = tid % 32
         gq = mQ.shape[1] // mKr.shape[2]
 
-        # ---- which tiles this split owns ------------------------------------------
-        seqlen = mSeqlens[batch]
-        n_full = seqlen // self.nr
-        n_res = seqlen - n_full * self.nr
-        n_tiles = n_full + (n_res + self.nr - 1) // self.nr  # the residual is one more tile
-        per_split = (n_tiles + num_splits - 1) // num_splits
-        tile_begin = split_idx * per_split
-        tile_end = cutlass.min(tile_begin + per_split, n_tiles)
-        packed_end = cutlass.min(tile_end, n_full)
-        has_residual = (n_res > 0) & (tile_begin <= n_full) & (n_full < tile_end)
+        tile_begin, packed_end, has_residual, n_res = split_tiles(mSeqlens[batch], self.nr, split_idx, num_splits)
 
         # ---- shared memory --------------------------------------------------------
         smem = cutlass.memory.SmemAllocator()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 
 
@@ -25,3 +26,19 @@ def page_of(block_table: cute.Tensor, batch, tok, page_size):
 def aligned_ptr(ptr, align_bytes: int):
     """``ptr`` re-tagged as ``align_bytes``-aligned (a stage base: static multiple of it)."""
     return cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace, assumed_align=align_bytes)
+
+
+def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits):
+    """The tiles split ``split_idx`` of ``num_splits`` owns in a sequence of ``seqlen``
+    tokens: full packed tiles ``[tile_begin, packed_end)``, and the 16-bit residual
+    (``n_res`` tokens) as one more tile when ``has_residual``.  Every decode kernel splits
+    the same way, so any split count gives the same partial results to combine."""
+    n_full = seqlen // tile_tokens
+    n_res = seqlen - n_full * tile_tokens
+    n_tiles = n_full + (n_res + tile_tokens - 1) // tile_tokens  # the residual is one more tile
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    tile_begin = split_idx * per_split
+    tile_end = cutlass.min(tile_begin + per_split, n_tiles)
+    packed_end = cutlass.min(tile_end, n_full)
+    has_residual = (n_res > 0) & (tile_begin <= n_full) & (n_full < tile_end)
+    return tile_begin, packed_end, has_residual, n_res

@@ -14,7 +14,7 @@ from ..backend import num_sms
 from ..formats import KVFormat
 from ..layouts import sm80
 from ..kernels_sm80 import backend as sm80_backend
-from ..kernels_sm80.host import fake_tensor, stream
+from ..kernels_sm80.host import stream
 
 
 def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, keep_ptx: bool = False):

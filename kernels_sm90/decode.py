@@ -35,12 +35,12 @@ from typing import Type
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
-from ..kernels_sm80.tensors import assume_aligned, page_of
+from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles
 from ..layouts import sm80, sm90
 from . import ptx90
 
@@ -108,7 +108,6 @@ class DecodeSm90:
         self.tx_bytes = self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs)
         stage_bytes = self.tx_bytes
         self.ctas_per_sm = ctas_per_sm or default_ctas_per_sm(head_dim)
-
         if num_stages == 0:
             # four stages measured best on the H200 (5 or 8 were slower at B=1; 3 no better)
             num_stages = max(2, min(4, (192 * 1024 // self.ctas_per_sm) // stage_bytes))
@@ -213,16 +212,7 @@ class DecodeSm90:
         sKs = storage.sKs.get_tensor(cute.make_layout((self.words_ks, self.num_stages)))
         sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
 
-        # ---- which tiles this split owns (same rule as the sm80 kernel) --------------
-        seqlen = mSeqlens[batch]
-        n_full = seqlen // self.nr
-        n_res = seqlen - n_full * self.nr
-        n_tiles = n_full + (n_res + self.nr - 1) // self.nr  # the residual is one more tile
-        per_split = (n_tiles + num_splits - 1) // num_splits
-        tile_begin = split_idx * per_split
-        tile_end = cutlass.min(tile_begin + per_split, n_tiles)
-        packed_end = cutlass.min(tile_end, n_full)
-        has_residual = (n_res > 0) & (tile_begin <= n_full) & (n_full < tile_end)
+        tile_begin, packed_end, has_residual, n_res = split_tiles(mSeqlens[batch], self.nr, split_idx, num_splits)
 
         if warp_idx < WARPS:
             cute.arch.setmaxregister_decrease(self.producer_regs)
