@@ -1,0 +1,195 @@
+"""Hugging Face transformers drop-in: a ``Cache`` backed by one ``KVCache`` per layer and an
+attention function registered as ``attn_implementation="bitdecode"``.
+
+    import bitdecode as bd
+    from bitdecode.hf import BitDecodingCache
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="bitdecode")
+    cache = BitDecodingCache(model, bd.KVFormat(bits=4), max_seqlen=32768)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+
+What runs where:
+
+* prefill (a layer's first call): attention on the 16-bit K / V in hand (torch SDPA with
+  transformers' mask), and the prompt stored packed.  Left padding is read off the mask:
+  each sequence's pads are dropped before packing, so they never enter a later attention;
+* decode (one new token per sequence): the token is appended in place and attention runs
+  over the packed cache through ``bitdecode.decode``;
+* a later multi-token chunk (a second chat turn, a verification block): the packed cache
+  is dequantized to 16 bits for that call and attended with SDPA and a causal mask over
+  the chunk; the chunk is then appended.
+
+The cache binds itself to the model's attention modules when it is made (that is how the
+attention function finds it), so one model runs one ``BitDecodingCache`` at a time.
+Importing this module imports transformers (it is not a dependency of ``bitdecode``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from .cache import KVCache, decode
+from .formats import KVFormat
+
+ATTN_IMPLEMENTATION = "bitdecode"
+_CACHE_ATTR = "_bitdecode_cache"
+
+
+class BitDecodingLayer(CacheLayerMixin):
+    """One attention layer's packed cache, allocated from the first update's shapes."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, fmt: KVFormat, max_seqlen: int, page_size: Optional[int], backend: str):
+        super().__init__()
+        self.fmt, self.max_seqlen, self.page_size, self.backend = fmt, max_seqlen, page_size, backend
+        self.kv: Optional[KVCache] = None
+        self.seen = 0  # positions transformers has fed (pads included): its view of the length
+        self.pending = None  # (k, v) of a first call, packed once its mask is known
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        bsz, hkv, _, d = key_states.shape
+        self.kv = KVCache.allocate(bsz, hkv, d, self.max_seqlen, self.fmt, dtype=key_states.dtype,
+                                   device=key_states.device, page_size=self.page_size, backend=self.backend)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens ([B, Hkv, T, D], RoPE applied); returns them unchanged (the
+        attention function reads the packed cache itself)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.seen == 0:
+            self.pending = (key_states, value_states)  # packed by the attention call (needs the mask)
+        else:
+            self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
+        self.seen += key_states.shape[2]
+        return key_states, value_states
+
+    def store_prompt(self, key_states, value_states, valid: torch.Tensor) -> None:
+        """Pack the first call's tokens, each sequence without its left pads (``valid``:
+        [B, T] bool, True for real tokens; right-aligned after left padding)."""
+        lens = valid.sum(dim=1).tolist()
+        k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [B, T, Hkv, D]
+        t = k.shape[1]
+        if any(n != t for n in lens):  # shift every sequence's real tokens to the front
+            idx = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+            k = torch.take_along_dim(k, idx[:, :, None, None], dim=1)
+            v = torch.take_along_dim(v, idx[:, :, None, None], dim=1)
+        self.kv.prefill(k.contiguous(), v.contiguous(), seqlens=lens)
+        self.pending = None
+
+    def dequantized(self):
+        """Every sequence's cached K, V as [len, Hkv, D] 16-bit tensors."""
+        return [self.kv.dequantized(b) for b in range(self.kv.batch)]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.max_seqlen
+
+    def reset(self) -> None:
+        if self.kv is not None:
+            self.kv.reset()
+        self.seen = 0
+        self.pending = None
+
+
+class BitDecodingCache(Cache):
+    """A transformers ``Cache`` whose layers hold packed low-bit K / V (``KVFormat``).
+
+    ``max_seqlen`` bounds the tokens per sequence (prompt + generated; an append past it
+    raises before anything is written); ``page_size`` makes the layers' caches paged;
+    ``backend`` picks the kernels as everywhere in bitdecode ("auto", "sm80", "sm90",
+    "reference").  The model must run ``attn_implementation="bitdecode"``.
+    """
+
+    def __init__(self, model: torch.nn.Module, fmt: KVFormat, max_seqlen: int = 32768,
+                 page_size: Optional[int] = None, backend: str = "auto"):
+        if not isinstance(fmt, KVFormat):
+            raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
+        config = getattr(model, "config", None)
+        if config is None or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                "model must be loaded with attn_implementation='bitdecode' (import bitdecode.hf first), got "
+                f"{getattr(config, '_attn_implementation', None)!r}"
+            )
+        layer = functools.partial(BitDecodingLayer, fmt, max_seqlen, page_size, backend)
+        super().__init__(layer_class_to_replicate=layer)
+        self.fmt = fmt
+        bound = 0
+        for module in model.modules():  # the attention modules find their layer through this
+            if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+                setattr(module, _CACHE_ATTR, weakref.ref(self))
+                bound += 1
+        if bound == 0:
+            raise ValueError("found no attention module (with layer_idx and q_proj) in the model")
+
+    def memory_bytes(self) -> int:
+        return sum(layer.kv.memory_bytes() for layer in self.layers if layer.kv is not None)
+
+
+def _valid_tokens(attention_mask: Optional[torch.Tensor], bsz: int, t: int, device) -> torch.Tensor:
+    """[B, T] bool: the prompt tokens that are not left padding (from transformers' 4D
+    boolean / additive mask, last query row; no mask means no padding)."""
+    if attention_mask is None:
+        return torch.ones(bsz, t, dtype=torch.bool, device=device)
+    last = attention_mask[:, 0, -1, -t:]
+    return last if last.dtype == torch.bool else last == 0
+
+
+def bitdecode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                        scaling: Optional[float] = None, **kwargs):
+    """transformers attention function: query [B, Hq, Tq, D]; returns ([B, Tq, Hq, D], None)."""
+    ref = getattr(module, _CACHE_ATTR, None)
+    cache = ref() if ref is not None else None
+    if cache is None or module.layer_idx >= len(cache.layers):
+        # no bitdecode cache in use (use_cache=False, or a forward without one): plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    layer = cache.layers[module.layer_idx]
+    bsz, hq, tq, d = query.shape
+    if layer.pending is not None:  # prefill: 16-bit attention, then pack without the pads
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                     scaling=scaling, **kwargs)
+        layer.store_prompt(key, value, _valid_tokens(attention_mask, bsz, key.shape[2], key.device))
+        return out
+    if tq == 1:  # decode over the packed cache
+        out = decode(query.transpose(1, 2), layer.kv, softmax_scale=scaling)
+        return out, None
+    return _chunk_attention(layer, query, scaling), None
+
+
+def _chunk_attention(layer: BitDecodingLayer, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
+    """Several new tokens over the (already appended) cache: dequantize each sequence,
+    causal over the chunk, attend in fp32 (the reference maths)."""
+    bsz, hq, tq, d = query.shape
+    outs = []
+    for (k, v), q in zip(layer.dequantized(), query):
+        n = k.shape[0]
+        hkv = k.shape[1]
+        qg = q.float().view(hkv, hq // hkv, tq, d)
+        s = torch.einsum("hgtd,nhd->hgtn", qg, k.float()) * (scaling if scaling is not None else d ** -0.5)
+        pos = torch.arange(n, device=q.device)
+        causal = pos[None, :] <= (n - tq + torch.arange(tq, device=q.device))[:, None]
+        s = s.masked_fill(~causal, float("-inf"))
+        o = torch.einsum("hgtn,nhd->hgtd", torch.softmax(s, dim=-1), v.float())
+        outs.append(o.reshape(hq, tq, d).transpose(0, 1).to(query.dtype))
+    return torch.stack(outs)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, bitdecode_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+__all__ = ["BitDecodingCache", "BitDecodingLayer", "bitdecode_attention", "ATTN_IMPLEMENTATION"]

@@ -1,0 +1,154 @@
+"""The transformers drop-in (``bitdecode.hf``) on a tiny random Llama, reference backend (CPU).
+
+Prefill attention runs on the 16-bit K / V, so prefill logits equal the SDPA model's
+exactly; decode steps read the packed cache, so they differ from the 16-bit cache by the
+format's error (4-bit closer than 2-bit); left pads are dropped before packing, so a
+padded sequence decodes like the same sequence alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import bitdecode as bd  # noqa: E402
+from bitdecode import hf  # noqa: E402
+
+VOCAB = 128
+
+
+def _models():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=4096)
+    base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    assert base.config._attn_implementation != hf.ATTN_IMPLEMENTATION
+    packed = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation=hf.ATTN_IMPLEMENTATION)
+    packed = packed.to(torch.bfloat16).eval()
+    packed.load_state_dict(base.state_dict())
+    assert base.config._attn_implementation != hf.ATTN_IMPLEMENTATION  # configs are not shared
+    return base, packed
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _models()
+
+
+def _cache(model, bits, **kw):
+    return hf.BitDecodingCache(model, bd.KVFormat(bits=bits, group_size=64), max_seqlen=1024,
+                               backend="reference", **kw)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@torch.no_grad()
+def test_prefill_exact_and_decode_within_the_format_error(models):
+    base, packed = models
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 300), generator=gen)
+    steps = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    errs = {}
+    for bits in (4, 2):
+        c16, cbd = transformers.DynamicCache(config=base.config), _cache(packed, bits)
+        a = base(ids, past_key_values=c16, use_cache=True).logits
+        b = packed(ids, past_key_values=cbd, use_cache=True).logits
+        assert torch.equal(a, b), "prefill attention runs on the 16-bit K/V"
+        worst = 0.0
+        for t in range(steps.shape[1]):
+            a = base(steps[:, t:t + 1], past_key_values=c16, use_cache=True).logits
+            b = packed(steps[:, t:t + 1], past_key_values=cbd, use_cache=True).logits
+            worst = max(worst, _rel(b, a))
+        errs[bits] = worst
+        assert cbd.get_seq_length() == 306
+        assert [layer.kv.lengths for layer in cbd.layers] == [[306, 306]] * 2
+    assert errs[4] < 0.06 and errs[4] < errs[2], errs
+
+
+@torch.no_grad()
+def test_left_padded_sequence_decodes_like_itself_alone(models):
+    _, packed = models
+    gen = torch.Generator().manual_seed(2)
+    long = torch.randint(0, VOCAB, (1, 200), generator=gen)
+    short = torch.randint(0, VOCAB, (1, 137), generator=gen)
+    pad = long.shape[1] - short.shape[1]
+    ids = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    cache = _cache(packed, 4)
+    batched = packed.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+    assert cache.layers[0].kv.lengths == [137 + 3, 200 + 3]  # pads were never stored
+    alone = packed.generate(short, past_key_values=_cache(packed, 4), max_new_tokens=4, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True)
+    for a, b in zip(batched.logits, alone.logits):
+        assert _rel(a[0], b[0]) < 2e-2
+    assert torch.equal(batched.sequences[0, -4:], alone.sequences[0, -4:])
+
+
+@torch.no_grad()
+def test_generate_agrees_with_the_16bit_cache(models):
+    base, packed = models
+    ids = torch.randint(0, VOCAB, (2, 160), generator=torch.Generator().manual_seed(3))
+    g16 = base.generate(ids, max_new_tokens=8, do_sample=False)
+    gbd = packed.generate(ids, past_key_values=_cache(packed, 4), max_new_tokens=8, do_sample=False)
+    agree = (g16[:, 160:] == gbd[:, 160:]).float().mean().item()
+    assert agree >= 0.75, agree
+
+
+@torch.no_grad()
+def test_multi_token_chunk_over_the_packed_cache(models):
+    base, packed = models
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, 270), generator=gen)
+    chunk = torch.randint(0, VOCAB, (2, 5), generator=gen)
+    c16, cbd = transformers.DynamicCache(config=base.config), _cache(packed, 4)
+    base(ids, past_key_values=c16, use_cache=True)
+    packed(ids, past_key_values=cbd, use_cache=True)
+    a = base(chunk, past_key_values=c16, use_cache=True).logits
+    b = packed(chunk, past_key_values=cbd, use_cache=True).logits
+    assert _rel(b, a) < 0.06
+    assert cbd.layers[1].kv.lengths == [275, 275]
+
+
+def test_cache_needs_the_bitdecode_attention(models):
+    base, _ = models
+    with pytest.raises(ValueError, match="attn_implementation='bitdecode'"):
+        hf.BitDecodingCache(base, bd.KVFormat(bits=4))
+    with pytest.raises(TypeError, match="fmt must be a bitdecode.KVFormat"):
+        hf.BitDecodingCache(models[1], "4bit")
+
+
+def test_import_bitdecode_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, bitdecode; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_kernels_decode_within_the_format_error(backend):
+    """The same drop-in over the GPU kernels (``backend`` fixture)."""
+    base, packed = _models()
+    base, packed = base.cuda(), packed.cuda()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 700), generator=gen).cuda()
+    steps = torch.randint(0, VOCAB, (2, 4), generator=gen).cuda()
+    c16 = transformers.DynamicCache(config=base.config)
+    cbd = hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=64), max_seqlen=1024, backend=backend)
+    base(ids, past_key_values=c16, use_cache=True)
+    packed(ids, past_key_values=cbd, use_cache=True)
+    for t in range(steps.shape[1]):
+        a = base(steps[:, t:t + 1], past_key_values=c16, use_cache=True).logits
+        b = packed(steps[:, t:t + 1], past_key_values=cbd, use_cache=True).logits
+        assert _rel(b, a) < 0.06
+    assert cbd.layers[0].kv.backend == backend
