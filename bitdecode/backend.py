@@ -103,7 +103,7 @@ class Backend(Protocol):
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 
-    def auto_picks(self, fmt: KVFormat) -> bool: ...  # whether ``auto`` takes it for this format
+    def auto_picks(self, fmt: KVFormat, head_dim: int) -> bool: ...  # whether ``auto`` takes it for this cache
 
     def choose_splits(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int,
                       device: torch.device) -> int: ...

@@ -77,7 +77,7 @@ class KVCache:
             raise ValueError(f"device must be a usable torch device, got {device!r} but CUDA is not available")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt)
+        backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt, head_dim=head_dim)
         nr = fmt.residual_block
         packed_cap = -(-max_seqlen // nr) * nr
         if page_size is None:
@@ -221,7 +221,7 @@ class KVCache:
         if fast is not None and fast[0] == key and q.stride(-1) == 1:
             return fast[1](q, fast[2], return_lse)
         if backend != self.backend:
-            backend = dispatch.resolve(backend, self.device, fmt=self.fmt)
+            backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim)
         cache = self._tensors
         attention.check_query(q, cache, backend)
         if backend == "reference":

@@ -13,8 +13,9 @@ BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
 KERNEL_BACKENDS = tuple(backends.REGISTRY)
 
 # What ``auto`` picks on a GPU, best first, among the shipped backends that support the
-# device and say ``auto_picks(fmt)`` for the cache's format (on the H200 the sm90 kernel is
-# the faster one at 4 bits, the sm80 one at 2 bits: profiles/NOTES.md).
+# device and say ``auto_picks(fmt, head_dim)`` for the cache (on the H200 the sm90 kernel
+# is the faster one at 4 bits and head dims up to 128, the sm80 one otherwise:
+# profiles/NOTES.md).
 AUTO_ORDER = ("sm100", "sm90", "sm80")
 
 
@@ -46,9 +47,9 @@ def available(device: torch.device) -> Tuple[str, ...]:
     return kernels + ("reference",)
 
 
-def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None) -> str:
+def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, head_dim: int = 0) -> str:
     """The backend a call runs: ``backend`` checked against the device, or ``auto``'s choice
-    (for the format ``fmt`` when given)."""
+    (for a cache of format ``fmt`` and ``head_dim`` when given)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -58,7 +59,7 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None) 
             return "reference"
         kernels = [b for b in AUTO_ORDER if runnable(b, device)]
         if fmt is not None:
-            kernels = [b for b in kernels if backends.get(b).auto_picks(fmt)] or kernels
+            kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim)] or kernels
         if not kernels:
             cap = device_capability(device)
             raise ValueError(

@@ -225,7 +225,7 @@ class Sm80Backend:
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)
 
-    def auto_picks(self, fmt: KVFormat) -> bool:
+    def auto_picks(self, fmt: KVFormat, head_dim: int) -> bool:
         return True
 
     # ---- decode -------------------------------------------------------------------------

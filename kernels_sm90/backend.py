@@ -43,9 +43,10 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def supports(self, capability: Tuple[int, int]) -> bool:
         return capability[0] == 9
 
-    def auto_picks(self, fmt: KVFormat) -> bool:
-        """4-bit: faster than the sm80 kernels on the H200; 2-bit: not yet (profiles/NOTES.md)."""
-        return fmt.bits == 4
+    def auto_picks(self, fmt: KVFormat, head_dim: int) -> bool:
+        """4-bit up to head dim 128: faster than the sm80 kernels on the H200.  2-bit: not yet;
+        head dim 256: its variants spill registers and are not measured (profiles/NOTES.md)."""
+        return fmt.bits == 4 and head_dim <= 128
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm

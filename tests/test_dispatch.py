@@ -23,16 +23,18 @@ def test_shipped_backends_best_first():
     assert "sm90" in backends.shipped()
 
 
-@pytest.mark.parametrize("cap, bits, expect", [
-    ((9, 0), 4, "sm90"),  # Hopper: the TMA + wgmma kernel for 4-bit caches
-    ((9, 0), 2, "sm80"),  # ... and the sm80 kernels for 2-bit, where sm90 measured slower
-    ((8, 0), 4, "sm80"),
-    ((8, 9), 2, "sm80"),
-    ((10, 0), 4, "sm80"),  # no sm100 kernels yet: sm80 code runs on Blackwell
+@pytest.mark.parametrize("cap, bits, head_dim, expect", [
+    ((9, 0), 4, 128, "sm90"),  # Hopper: the TMA + wgmma kernel for 4-bit caches
+    ((9, 0), 4, 64, "sm90"),
+    ((9, 0), 4, 256, "sm80"),  # ... not at head dim 256 (spills, unmeasured)
+    ((9, 0), 2, 128, "sm80"),  # ... nor for 2-bit, where sm90 measured slower
+    ((8, 0), 4, 128, "sm80"),
+    ((8, 9), 2, 64, "sm80"),
+    ((10, 0), 4, 128, "sm80"),  # no sm100 kernels yet: sm80 code runs on Blackwell
 ])
-def test_auto_by_capability_and_format(capability, cap, bits, expect):
+def test_auto_by_capability_and_format(capability, cap, bits, head_dim, expect):
     capability(cap)
-    assert dispatch.resolve("auto", CUDA0, fmt=bd.KVFormat(bits=bits)) == expect
+    assert dispatch.resolve("auto", CUDA0, fmt=bd.KVFormat(bits=bits), head_dim=head_dim) == expect
 
 
 def test_auto_without_format_takes_the_first_usable(capability):
