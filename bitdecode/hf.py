@@ -35,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from . import ops
 from .cache import KVCache, decode
 from .formats import KVFormat
 
@@ -166,8 +167,11 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
         layer.store_prompt(key, value, _valid_tokens(attention_mask, bsz, key.shape[2], key.device))
         return out
     if tq == 1:  # decode over the packed cache
-        out = decode(query.transpose(1, 2), layer.kv, softmax_scale=scaling)
-        return out, None
+        q = query.transpose(1, 2)
+        if torch.compiler.is_compiling():  # one opaque op node instead of the Python dispatch
+            scale = scaling if scaling is not None else d ** -0.5
+            return ops.decode_cache(q.contiguous(), layer.kv, scale), None
+        return decode(q, layer.kv, softmax_scale=scaling), None
     return _chunk_attention(layer, query, scaling), None
 
 
