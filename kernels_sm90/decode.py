@@ -148,22 +148,11 @@ class DecodeSm90:
         return Storage
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, Hq, D) dtype
-        mKp: cute.Tensor,  # (P, Hkv, page, 2*wk) f16 view of the packed K words
-        mKs: cute.Tensor,  # K params (int32), see KVFormat.k_params_shape
-        mVp: cute.Tensor,  # (P, Hkv, page/Nr, D, 2*wv) f16 view of the packed V words
-        mVs: cute.Tensor,  # (P, Hkv, page/16, D/G, 16) int32
-        mKr: cute.Tensor,  # (B, Nr, Hkv, D) dtype residual
-        mVr: cute.Tensor,
-        mSeqlens: cute.Tensor,  # (B,) int32
-        mBlockTable: cute.Tensor,  # (B, max_pages) int32
-        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, Hq, D) dtype
-        mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
-        softmax_scale_log2: Float32,
-        stream,
-    ):
+    def __call__(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
+                 mKr: cute.Tensor, mVr: cute.Tensor, mSeqlens: cute.Tensor, mBlockTable: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+        """The decode calling convention of ``DecodeSm80.__call__`` (shapes documented there),
+        so the backends share one ``DecodePlan``."""
         Storage = self._shared_storage()
         _, _, kp_layout, vp_layout = self._layouts()
         # TMA views with the tile's two modes first: K (page rows, words, Hkv, P) and
