@@ -19,8 +19,9 @@ import torch
 
 from .formats import KVFormat
 
-# kernel families, each run on every GPU at least as new as its arch (sm80 code runs on
-# Hopper and Blackwell too; sm_90a / sm_100a code only on its own arch)
+# kernel families, best first (``auto`` takes the first that supports the device and the
+# cache: ``Backend.supports`` / ``auto_picks``); sm80 code runs on Hopper and Blackwell too,
+# sm_90a / sm_100a code only on its own arch
 REGISTRY = {
     "sm100": "kernels_sm100.backend",
     "sm90": "kernels_sm90.backend",
@@ -71,7 +72,6 @@ class CacheTensors:
 class Limits:
     max_gqa: int  # query heads per KV head that one kernel tile holds
     max_splits: int  # the largest num_splits a decode call accepts
-    head_dims: Tuple[int, ...]
 
 
 class Variant(NamedTuple):
@@ -115,9 +115,9 @@ class Backend(Protocol):
 
     def append(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def variants(self, arch: str, kinds, formats, head_dims, dtypes) -> List[Variant]: ...
+    def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]: ...
 
-    def compile_variant(self, arch: str, variant: Variant, keep_ptx: bool = False): ...
+    def compile_variant(self, arch: str, variant: Variant, keep_ptx: bool = False, cached: bool = False): ...
 
 
 def num_sms(device: torch.device) -> int:

@@ -15,9 +15,8 @@ from typing import List, Tuple
 import torch
 
 from .. import jit
-from ..backend import CacheTensors, Limits, Variant
+from ..backend import CacheTensors, Limits, Variant, num_sms
 from ..formats import KVFormat
-from ..backend import num_sms
 from ..layouts import resources, sm80
 from .host import cute_dtype as _cute_dtype, fake_tensor, fake_vector, stream as _stream
 
@@ -57,19 +56,8 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 
 def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
                    keep_ptx: bool = False):
-    import cutlass
-    import cutlass.cute as cute
-
-    from .decode import DecodeSm80
-
-    # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
-    per_sm = ctas_per_sm(fmt, head_dim, nh)
-    min_blocks = per_sm if per_sm == 4 else 0
-    kernel = DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
-                        min_blocks_per_sm=min_blocks)
-    args = decode_args(fmt, dtype, head_dim, split)
-    return cute.compile(kernel, *args, cutlass.Float32(1.0), _stream(),
-                        options=jit.compile_options(arch, keep_ptx=keep_ptx))
+    """The sm80 decode kernel for ``arch`` (``Sm80Backend.compile_decode``)."""
+    return BACKEND.compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx)
 
 
 def compile_combine(arch: str, dtype, head_dim: int, keep_ptx: bool = False):
@@ -121,11 +109,6 @@ def _fmt_key(fmt: KVFormat) -> Tuple:
     return (fmt.bits, fmt.k_mode, fmt.group_size)
 
 
-def _decode_kernel(arch, fmt, dtype, d, nh, split):
-    key = ("decode_sm80", arch, str(dtype), _fmt_key(fmt), d, nh, split)
-    return jit.KERNELS.get(key, lambda: compile_decode(arch, fmt, dtype, d, nh, split))
-
-
 def _combine_kernel(arch, dtype, d):
     key = ("combine_sm80", arch, str(dtype), d)
     return jit.KERNELS.get(key, lambda: compile_combine(arch, dtype, d))
@@ -155,14 +138,17 @@ def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int) -> int:
     return resources.ctas_per_sm(decode_registers(fmt, head_dim, nh), sm80.WARPS_N)
 
 
-def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int, per_sm: int) -> int:
-    """Enough CTAs to fill the GPU (``per_sm`` per SM), at least two tiles per split."""
+def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int, per_sm: int,
+                  whole_waves: bool = False) -> int:
+    """Enough CTAs to fill the GPU (``per_sm`` per SM), at least two tiles per split.
+    ``whole_waves`` rounds down instead of up: with few CTAs per SM a partial second wave
+    costs as much as a full one (sm90, B=16 Hkv=8 on 132 SMs: 2 splits, not 3)."""
     tiles = max(1, -(-max_len // fmt.residual_block))
     base = batch * kv_heads
     target = sms * per_sm
     if base >= target:
         return 1
-    splits = -(-target // base)
+    splits = target // base if whole_waves else -(-target // base)
     return max(1, min(splits, tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
 
 
@@ -219,8 +205,8 @@ class Sm80Backend:
     """cp.async + ldmatrix + mma.sync kernels; they run on every GPU from sm_80 up."""
 
     name = "sm80"
-    limits = Limits(max_gqa=sm80.HEADS_TILES[-1], max_splits=sm80.MAX_SPLITS, head_dims=(64, 128, 256))
-    decode_kinds = ("decode",)
+    limits = Limits(max_gqa=sm80.HEADS_TILES[-1], max_splits=sm80.MAX_SPLITS)
+    whole_waves = False  # split rounding (choose_splits)
 
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)
@@ -232,14 +218,34 @@ class Sm80Backend:
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         return ctas_per_sm(fmt, head_dim, nh)
 
+    def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool):
+        """The decode kernel object (its constexpr configuration) for ``arch``."""
+        from .decode import DecodeSm80
+
+        # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
+        per_sm = ctas_per_sm(fmt, head_dim, nh)
+        return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
+                          min_blocks_per_sm=per_sm if per_sm == 4 else 0)
+
+    def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
+                       keep_ptx: bool = False):
+        import cutlass
+        import cutlass.cute as cute
+
+        kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split)
+        return cute.compile(kernel, *decode_args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), _stream(),
+                            options=jit.compile_options(arch, keep_ptx=keep_ptx))
+
     def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool):
-        return _decode_kernel(arch, fmt, dtype, head_dim, nh, split)
+        """``compile_decode`` through the JIT cache (memory, then disk)."""
+        key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split)
+        return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split))
 
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
         bsz, _, hq, d = q_shape
         hkv = cache.k_res.shape[2]
         per_sm = self.ctas_per_sm(cache.fmt, d, sm80.heads_tile(hq // hkv))
-        return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm)
+        return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)
 
     def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int) -> DecodePlan:
         arch = jit.target_arch(device.index)
@@ -289,9 +295,6 @@ class Sm80Backend:
                     for mode in ("prefill", "append"):
                         out.append(Variant("pack", dtype, d, *fkey, (mode,)))
         return out
-
-    def compile_decode(self, arch, fmt, dtype, head_dim, nh, split, keep_ptx=False):
-        return compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx)
 
     def compile_variant(self, arch: str, v: Variant, keep_ptx: bool = False, cached: bool = False):
         """Compile ``v`` for ``arch`` (with its PTX), or fetch it through the JIT cache."""

@@ -48,7 +48,36 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-class DecodeSm80:
+class PackedDecodeConfig:
+    """The constexpr facts every packed-cache decode kernel derives from its configuration:
+    the packed tile (``Nr`` tokens) and the bytes its K / V words and params take.  The
+    sm80 and sm90 decode kernels both start from it."""
+
+    def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
+                 head_dim: int, heads_tile: int, split: bool):
+        assert dtype in (cutlass.Float16, cutlass.BFloat16)
+        assert heads_tile in sm80.HEADS_TILES
+        self.dtype = dtype
+        self.is_bf16 = dtype is cutlass.BFloat16
+        self.bits = bits
+        self.k_channel = k_mode == "channel"
+        self.group = group_size
+        self.d = head_dim
+        self.nh = heads_tile
+        self.split = split
+        self.nr = sm80.residual_block(bits)  # tokens of one packed tile
+        self.kpw = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed word
+        self.wk = sm80.words_per_row(bits, head_dim)  # words of a packed K row (a token)
+        self.wv = sm80.words_per_row(bits, self.nr)  # words of a packed V row (a channel)
+        self.groups_v = head_dim // group_size
+        # one tile's packed words and (scale, zero) words
+        self.bytes_kp = self.nr * self.wk * 4
+        self.bytes_vp = head_dim * self.wv * 4
+        self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
+        self.words_vs = self.nr * self.groups_v
+
+
+class DecodeSm80(PackedDecodeConfig):
     """Packed-cache decode attention; constexpr configuration in ``__init__``."""
 
     def __init__(
@@ -63,28 +92,10 @@ class DecodeSm80:
         num_stages: int = 0,
         min_blocks_per_sm: int = 0,
     ):
-        assert dtype in (cutlass.Float16, cutlass.BFloat16)
-        assert heads_tile in sm80.HEADS_TILES
-        self.dtype = dtype
-        self.is_bf16 = dtype is cutlass.BFloat16
-        self.bits = bits
-        self.k_channel = k_mode == "channel"
-        self.group = group_size
-        self.d = head_dim
-        self.nh = heads_tile
-        self.split = split
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
-        self.nr = sm80.residual_block(bits)
         self.t = sm80.tokens_per_warp(bits)  # tokens per warp per tile
-        self.kpw = sm80.k_blocks_per_word(bits)  # token k-blocks per V word
-        self.wk = sm80.words_per_row(bits, head_dim)  # words per packed K row
-        self.wv = sm80.words_per_row(bits, self.nr)  # words per packed V row (16)
-        self.groups_v = head_dim // group_size
         # shared memory per stage (bytes)
-        self.bytes_kp = self.nr * self.wk * 4
-        self.bytes_vp = head_dim * self.wv * 4
-        self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
-        self.words_vs = self.nr * self.groups_v
         self.stage_bytes = _round_up(self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs), 128)
         self.num_stages = num_stages or (3 if head_dim <= 128 else 2)
         self.q_bytes = _round_up(heads_tile * head_dim * 2, 128)

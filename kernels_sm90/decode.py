@@ -39,9 +39,10 @@ from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
+from ..kernels_sm80.decode import PackedDecodeConfig
 from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
 from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles
-from ..layouts import sm80, sm90
+from ..layouts import resources, sm80, sm90
 from . import ptx90
 
 LN_2 = 0.6931471805599453
@@ -54,7 +55,8 @@ SLAB = sm80.MMA_SHAPE[0]  # rows of one warp in an M-block
 # (the cap ``min_blocks_per_mp`` sets) and the producer warpgroup, which needs few, hands
 # the rest to the consumers.
 PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
-REG_FILE = 65536
+REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
+SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its CTAs may take
 
 
 class Barrier:
@@ -71,27 +73,13 @@ def default_ctas_per_sm(head_dim: int) -> int:
     return 2 if head_dim <= 128 else 1
 
 
-class DecodeSm90:
+class DecodeSm90(PackedDecodeConfig):
     """Packed-cache decode attention, warp-specialized TMA + wgmma; constexpr config here."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0):
-        assert dtype in (cutlass.Float16, cutlass.BFloat16)
-        assert heads_tile in sm80.HEADS_TILES
-        self.dtype = dtype
-        self.is_bf16 = dtype is cutlass.BFloat16
-        self.bits = bits
-        self.k_channel = k_mode == "channel"
-        self.group = group_size
-        self.d = head_dim
-        self.nh = heads_tile
-        self.split = split
-        self.nr = sm80.residual_block(bits)  # tokens of one packed tile
-        self.kpw = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed word
-        self.wk = sm80.words_per_row(bits, head_dim)  # words of a packed K row (a token)
-        self.wv = sm80.words_per_row(bits, self.nr)  # words of a packed V row (a channel)
-        self.groups_v = head_dim // group_size
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
         # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
@@ -100,17 +88,12 @@ class DecodeSm90:
         self.m_k = self.step // M_BLOCK  # M-blocks of S^T per step
         self.m_v = head_dim // M_BLOCK if head_dim >= M_BLOCK else 1  # M-blocks of O^T
         assert head_dim % M_BLOCK == 0, "head_dim must be a multiple of 64"
-        # shared memory per stage (bytes)
-        self.bytes_kp = self.nr * self.wk * 4
-        self.bytes_vp = head_dim * self.wv * 4
-        self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
-        self.words_vs = self.nr * self.groups_v
+        # bytes one stage's TMA and bulk copies bring (the mbarrier's transaction count)
         self.tx_bytes = self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs)
-        stage_bytes = self.tx_bytes
         self.ctas_per_sm = ctas_per_sm or default_ctas_per_sm(head_dim)
         if num_stages == 0:
             # four stages measured best on the H200 (5 or 8 were slower at B=1; 3 no better)
-            num_stages = max(2, min(4, (192 * 1024 // self.ctas_per_sm) // stage_bytes))
+            num_stages = max(2, min(4, SMEM_BUDGET // self.ctas_per_sm // self.tx_bytes))
         self.num_stages = num_stages
         entry = REG_FILE // (self.ctas_per_sm * 2 * WG) // 8 * 8
         self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
