@@ -12,7 +12,6 @@ from .backend import CacheTensors
 from .formats import KVFormat
 
 LOG2_E = 1.4426950408889634
-REFERENCE_MAX_SPLITS = 256  # the reference ignores the split count; it validates it alike
 
 
 def check_cache(
@@ -149,7 +148,9 @@ def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
 
 
 def check_splits(num_splits, backend: str) -> int:
-    top = REFERENCE_MAX_SPLITS if backend == "reference" else backends.get(backend).limits.max_splits
+    # the reference ignores the split count; it accepts what the kernel backends accept
+    names = backends.shipped() if backend == "reference" else (backend,)
+    top = max(backends.get(name).limits.max_splits for name in names)
     if (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
             or num_splits > top):
         raise ValueError(f"num_splits must be an int in [0, {top}] (0 picks a heuristic), "
@@ -157,11 +158,19 @@ def check_splits(num_splits, backend: str) -> int:
     return num_splits
 
 
-def plan_decode(cache: CacheTensors, q: torch.Tensor, backend: str, num_splits: int, max_len: int):
-    """The kernel backend's decode plan for this query shape (splits chosen when 0)."""
+def plan_decode(cache: CacheTensors, q: torch.Tensor, backend: str, num_splits: int, max_len: int,
+                plans: Optional[dict] = None):
+    """The kernel backend's decode plan for this query shape (splits chosen when 0 for
+    sequences of up to ``max_len`` tokens), kept in ``plans`` when given."""
     kernels = backends.get(backend)
     splits = num_splits or kernels.choose_splits(cache, tuple(q.shape), max_len, q.device)
-    return kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits)
+    key = (tuple(q.shape), q.dtype, backend, splits)
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        plan = kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits)
+        if plans is not None:
+            plans[key] = plan
+    return plan
 
 
 def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse):

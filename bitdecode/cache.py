@@ -45,8 +45,7 @@ class KVCache:
         self._host_lens: List[int] = [0] * k_res.shape[0]
         # the storage tensors are fixed for the cache's lifetime (written in place only), so
         # compiled-kernel plans built for them can be reused call after call
-        self._tensors = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res,
-                                               seqlens, block_table, fmt)
+        self._tensors = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, seqlens, block_table, fmt)
         self._plans: dict = {}
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
 
@@ -228,13 +227,8 @@ class KVCache:
             return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
                                  backend=backend, return_lse=return_lse)
         scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
-        kernels = backends.get(backend)
-        splits = (attention.check_splits(num_splits, backend)
-                  or kernels.choose_splits(cache, tuple(q.shape), max_len, q.device))
-        plan_key = (tuple(q.shape), q.dtype, backend, splits)
-        plan = self._plans.get(plan_key)
-        if plan is None:
-            plan = self._plans[plan_key] = kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits)
+        plan = attention.plan_decode(cache, q, backend, attention.check_splits(num_splits, backend), max_len,
+                                     self._plans)
         self._fast = (key, plan, scale * attention.LOG2_E)
         return plan(q, self._fast[2], return_lse)
 

@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     n = args.seqlen or (32768 if on_gpu else 4096)
     t0 = time.perf_counter()
     base, rows, used = measure(args, device, n, args.backend)
-    # auto may pick a different backend per bit width (dispatch.AUTO_ORDER)
+    # auto may pick a different backend per bit width (Backend.auto_picks)
     backend = used[0] if len(set(used)) == 1 else ", ".join(f"{b}-bit {u}" for b, u in zip(args.bits, used))
 
     table = Table(title="decode attention: low-bit KV cache vs 16-bit", header_style="bold")

@@ -10,13 +10,6 @@ import torch
 from . import backend as backends
 
 BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
-KERNEL_BACKENDS = tuple(backends.REGISTRY)
-
-# What ``auto`` picks on a GPU, best first, among the shipped backends that support the
-# device and say ``auto_picks(fmt, head_dim)`` for the cache (on the H200 the sm90 kernel
-# is the faster one at 4 bits and head dims up to 128, the sm80 one otherwise:
-# profiles/NOTES.md).
-AUTO_ORDER = ("sm100", "sm90", "sm80")
 
 
 def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
@@ -43,7 +36,7 @@ def runnable(backend: str, device: torch.device) -> bool:
 
 def available(device: torch.device) -> Tuple[str, ...]:
     """Backends usable on ``device`` with this build, ``auto``'s choice first."""
-    kernels = tuple(b for b in AUTO_ORDER if runnable(b, device))
+    kernels = tuple(b for b in backends.shipped() if runnable(b, device))
     return kernels + ("reference",)
 
 
@@ -57,7 +50,9 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
-        kernels = [b for b in AUTO_ORDER if runnable(b, device)]
+        # the registry's order (best first), among the backends that take this cache (on
+        # the H200 sm90 is the faster one at 4 bits and head dims up to 128: NOTES.md)
+        kernels = [b for b in backends.shipped() if runnable(b, device)]
         if fmt is not None:
             kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim)] or kernels
         if not kernels:

@@ -29,7 +29,7 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
                                           block_table, fmt=fmt, softmax_scale=softmax_scale,
                                           num_splits=num_splits, backend=backend, return_lse=True,
                                           check_values=False)
-    return out, lse.float()
+    return out, lse
 
 
 @decode.register_fake
