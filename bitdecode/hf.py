@@ -35,7 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import ops
+from . import ops, reference
 from .cache import KVCache, decode
 from .formats import KVFormat
 
@@ -176,21 +176,15 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
 
 
 def _chunk_attention(layer: BitDecodingLayer, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
-    """Several new tokens over the (already appended) cache: dequantize each sequence,
-    causal over the chunk, attend in fp32 (the reference maths)."""
-    bsz, hq, tq, d = query.shape
+    """Several new tokens over the (already appended) cache, each over the cache up to
+    itself: the reference attention on the dequantized K / V."""
+    tq = query.shape[2]
     outs = []
-    for (k, v), q in zip(layer.dequantized(), query):
+    for (k, v), q in zip(layer.dequantized(), query.transpose(1, 2)):  # q [Tq, Hq, D]
         n = k.shape[0]
-        hkv = k.shape[1]
-        qg = q.float().view(hkv, hq // hkv, tq, d)
-        s = torch.einsum("hgtd,nhd->hgtn", qg, k.float()) * (scaling if scaling is not None else d ** -0.5)
-        pos = torch.arange(n, device=q.device)
-        causal = pos[None, :] <= (n - tq + torch.arange(tq, device=q.device))[:, None]
-        s = s.masked_fill(~causal, float("-inf"))
-        o = torch.einsum("hgtn,nhd->hgtd", torch.softmax(s, dim=-1), v.float())
-        outs.append(o.reshape(hq, tq, d).transpose(0, 1).to(query.dtype))
-    return torch.stack(outs)
+        outs.append(torch.stack([reference.attention(q[t], k[:n - tq + t + 1], v[:n - tq + t + 1], scaling)[0]
+                                 for t in range(tq)]))
+    return torch.stack(outs).to(query.dtype)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, bitdecode_attention)

@@ -49,6 +49,13 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _feed(base, packed, c16, cbd, blocks):
+    """Each token block through both models, the 16-bit cache beside the packed one:
+    their logits, (16-bit, packed) per block."""
+    return [(base(x, past_key_values=c16, use_cache=True).logits,
+             packed(x, past_key_values=cbd, use_cache=True).logits) for x in blocks]
+
+
 @torch.no_grad()
 def test_prefill_exact_and_decode_within_the_format_error(models):
     base, packed = models
@@ -57,16 +64,11 @@ def test_prefill_exact_and_decode_within_the_format_error(models):
     steps = torch.randint(0, VOCAB, (2, 6), generator=gen)
     errs = {}
     for bits in (4, 2):
-        c16, cbd = transformers.DynamicCache(config=base.config), _cache(packed, bits)
-        a = base(ids, past_key_values=c16, use_cache=True).logits
-        b = packed(ids, past_key_values=cbd, use_cache=True).logits
+        cbd = _cache(packed, bits)
+        (a, b), *decoded = _feed(base, packed, transformers.DynamicCache(config=base.config), cbd,
+                                 [ids, *steps.split(1, dim=1)])
         assert torch.equal(a, b), "prefill attention runs on the 16-bit K/V"
-        worst = 0.0
-        for t in range(steps.shape[1]):
-            a = base(steps[:, t:t + 1], past_key_values=c16, use_cache=True).logits
-            b = packed(steps[:, t:t + 1], past_key_values=cbd, use_cache=True).logits
-            worst = max(worst, _rel(b, a))
-        errs[bits] = worst
+        errs[bits] = max(_rel(b, a) for a, b in decoded)
         assert cbd.get_seq_length() == 306
         assert [layer.kv.lengths for layer in cbd.layers] == [[306, 306]] * 2
     assert errs[4] < 0.06 and errs[4] < errs[2], errs
@@ -109,11 +111,8 @@ def test_multi_token_chunk_over_the_packed_cache(models):
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, VOCAB, (2, 270), generator=gen)
     chunk = torch.randint(0, VOCAB, (2, 5), generator=gen)
-    c16, cbd = transformers.DynamicCache(config=base.config), _cache(packed, 4)
-    base(ids, past_key_values=c16, use_cache=True)
-    packed(ids, past_key_values=cbd, use_cache=True)
-    a = base(chunk, past_key_values=c16, use_cache=True).logits
-    b = packed(chunk, past_key_values=cbd, use_cache=True).logits
+    cbd = _cache(packed, 4)
+    _, (a, b) = _feed(base, packed, transformers.DynamicCache(config=base.config), cbd, [ids, chunk])
     assert _rel(b, a) < 0.06
     assert cbd.layers[1].kv.lengths == [275, 275]
 
@@ -143,12 +142,9 @@ def test_kernels_decode_within_the_format_error(backend):
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (2, 700), generator=gen).cuda()
     steps = torch.randint(0, VOCAB, (2, 4), generator=gen).cuda()
-    c16 = transformers.DynamicCache(config=base.config)
     cbd = hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=64), max_seqlen=1024, backend=backend)
-    base(ids, past_key_values=c16, use_cache=True)
-    packed(ids, past_key_values=cbd, use_cache=True)
-    for t in range(steps.shape[1]):
-        a = base(steps[:, t:t + 1], past_key_values=c16, use_cache=True).logits
-        b = packed(steps[:, t:t + 1], past_key_values=cbd, use_cache=True).logits
+    _, *decoded = _feed(base, packed, transformers.DynamicCache(config=base.config), cbd,
+                        [ids, *steps.split(1, dim=1)])
+    for a, b in decoded:
         assert _rel(b, a) < 0.06
     assert cbd.layers[0].kv.backend == backend
