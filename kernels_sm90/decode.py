@@ -219,10 +219,10 @@ class DecodeSm90(PackedDecodeConfig):
             cute.copy(tma_k, tKg[None, blk, head_kv, page], tKs[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_v, tVg[None, blk, head_kv, page], tVs[None, state.index], tma_bar_ptr=bar)
             with cute.arch.elect_one():
-                ks_words = self.words_ks
-                ks_first = mKs[page, head_kv, None, None]
-                ks_src = ks_first.iterator + (off // self.group if const_expr(self.k_channel) else off) * ks_first.stride[0]
-                ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_src, 4 * ks_words, bar)
+                ks_first = mKs[page, head_kv, None, None]  # rows: groups of tokens (K per channel) or tokens
+                ks_row = off // self.group if const_expr(self.k_channel) else off
+                ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_first.iterator + ks_row * ks_first.stride[0],
+                               4 * self.words_ks, bar)
                 vs_first = mVs[page, head_kv, None, None, None]
                 vs_src = vs_first.iterator + (off // 16) * vs_first.stride[0]
                 ptx90.bulk_g2s(sVs[None, state.index].iterator, vs_src, 4 * self.words_vs, bar)
@@ -252,12 +252,12 @@ class DecodeSm90(PackedDecodeConfig):
         cute.arch.fence_proxy("async.shared", space="cta")
         self.bar(Barrier.P)
 
-        mma_s = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
-        mma_o = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
-        thr_s = mma_s.get_slice(tid)
-        thr_o = mma_o.get_slice(tid)
-        tSrQ = mma_s.make_fragment_B(thr_s.partition_B(sQ))
-        tOrP = mma_o.make_fragment_B(thr_o.partition_B(sP))
+        # both products are wgmma 64 x nh x 16 with A from registers: one partitioning serves
+        # both (the MMA objects that issue them are made per product, see ``scores``)
+        mma = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
+        thr_s = thr_o = mma.get_slice(tid)
+        tSrQ = mma.make_fragment_B(thr_s.partition_B(sQ))
+        tOrP = mma.make_fragment_B(thr_o.partition_B(sP))
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
         ncols = 2 * (self.nh // 8)  # head columns a thread holds
