@@ -49,7 +49,8 @@ LN_2 = 0.6931471805599453
 WG = sm90.WARPGROUP_THREADS
 WARPS = sm90.WARPGROUP_WARPS
 M_BLOCK = sm90.WGMMA_M  # rows of one wgmma: tokens of S^T, channels of O^T
-K_BLOCK = sm90.WGMMA_K
+K_BLOCK = sm90.WGMMA_K  # = sm80.MMA_SHAPE[2]: tokens of a V params row, channels of a K k-block
+assert K_BLOCK == sm80.MMA_SHAPE[2]
 SLAB = sm80.MMA_SHAPE[0]  # rows of one warp in an M-block
 # Registers per thread after setmaxnreg: a CTA enters with its share of the register file
 # (the cap ``min_blocks_per_mp`` sets) and the producer warpgroup, which needs few, hands
@@ -224,7 +225,7 @@ class DecodeSm90(PackedDecodeConfig):
                 ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_first.iterator + ks_row * ks_first.stride[0],
                                4 * self.words_ks, bar)
                 vs_first = mVs[page, head_kv, None, None, None]
-                vs_src = vs_first.iterator + (off // 16) * vs_first.stride[0]
+                vs_src = vs_first.iterator + (off // K_BLOCK) * vs_first.stride[0]  # a row per 16-token k-block
                 ptx90.bulk_g2s(sVs[None, state.index].iterator, vs_src, 4 * self.words_vs, bar)
             state.advance()
 
@@ -326,7 +327,7 @@ class DecodeSm90(PackedDecodeConfig):
             if static_row:
                 shared[key] = out
         else:
-            gi = (16 * kt) // self.group
+            gi = (K_BLOCK * kt) // self.group
             for h in range(2):
                 pair = broadcast_params(Uint32(ks[(tok0 + 8 * h + lane // 4) * self.groups_v + gi]))
                 out[(h, 0)] = out[(h, 1)] = pair
@@ -376,7 +377,7 @@ class DecodeSm90(PackedDecodeConfig):
                 if const_expr(static_gi and key in shared):
                     pairs = shared[key]
                 else:
-                    base = (kt * self.groups_v + gi) * 16 + 4 * c
+                    base = sm80.param_position(kt * self.groups_v + gi, c, 0)  # fragment-order row
                     pairs = (split_params(Uint32(vs[base]), Uint32(vs[base + 1])),
                              split_params(Uint32(vs[base + 2]), Uint32(vs[base + 3])))
                     if const_expr(static_gi):
