@@ -54,7 +54,7 @@ class BitDecodingLayer(CacheLayerMixin):
         self.fmt, self.max_seqlen, self.page_size, self.backend = fmt, max_seqlen, page_size, backend
         self.kv: Optional[KVCache] = None
         self.seen = 0  # positions transformers has fed (pads included): its view of the length
-        self.pending = None  # (k, v) of a first call, packed once its mask is known
+        self.prompt_pending = False  # a first call's K / V await packing (its mask shows the pads)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bsz, hkv, _, d = key_states.shape
@@ -68,7 +68,7 @@ class BitDecodingLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.seen == 0:
-            self.pending = (key_states, value_states)  # packed by the attention call (needs the mask)
+            self.prompt_pending = True  # packed by the attention call, which has the mask
         else:
             self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
         self.seen += key_states.shape[2]
@@ -85,7 +85,7 @@ class BitDecodingLayer(CacheLayerMixin):
             k = torch.take_along_dim(k, idx[:, :, None, None], dim=1)
             v = torch.take_along_dim(v, idx[:, :, None, None], dim=1)
         self.kv.prefill(k.contiguous(), v.contiguous(), seqlens=lens)
-        self.pending = None
+        self.prompt_pending = False
 
     def dequantized(self):
         """Every sequence's cached K, V as [len, Hkv, D] 16-bit tensors."""
@@ -104,7 +104,7 @@ class BitDecodingLayer(CacheLayerMixin):
         if self.kv is not None:
             self.kv.reset()
         self.seen = 0
-        self.pending = None
+        self.prompt_pending = False
 
 
 class BitDecodingCache(Cache):
@@ -161,7 +161,7 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
                                       scaling=scaling, **kwargs)
     layer = cache.layers[module.layer_idx]
     bsz, hq, tq, d = query.shape
-    if layer.pending is not None:  # prefill: 16-bit attention, then pack without the pads
+    if layer.prompt_pending:  # prefill: 16-bit attention, then pack without the pads
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)
         layer.store_prompt(key, value, _valid_tokens(attention_mask, bsz, key.shape[2], key.device))
