@@ -317,39 +317,3 @@ class Sm80Backend:
 
 
 BACKEND = Sm80Backend()
-
-
-def compile_dequant_probe(arch: str, dtype, bits: int, length: int, keep_ptx: bool = False):
-    """The one-warp ldmatrix + lop3 probe of ``kernels_sm80.dequant_probe`` (a layout test)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from .dequant_probe import DequantProbe
-
-    probe = DequantProbe(dtype, bits, length)
-    words = sm80.words_per_row(bits, length)
-    args = [fake_tensor(cutlass.Float16, (32, 2 * words)), fake_tensor(cutlass.Int32, (32, length)),
-            fake_tensor(cutlass.Int32, (32, 4, words // sm80.CHUNK_WORDS, probe.pairs))]
-    return cute.compile(probe, *args, _stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
-
-
-def compile_dequant_probe_sm90(arch: str, dtype, bits: int, operand: str, head_dim: int,
-                               keep_ptx: bool = False):
-    """The one-warpgroup ldmatrix -> lop3 -> stmatrix -> wgmma probe of
-    ``kernels_sm90.dequant_probe`` for one K or V tile (a layout test; sm_90a only)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from ..kernels_sm90.dequant_probe import DequantProbeSm90
-    from ..layouts import sm90
-
-    probe = DequantProbeSm90(dtype, bits, operand, head_dim)
-    rows, cols = sm90.tile_shape(bits, operand, head_dim)
-    args = [fake_tensor(cutlass.Float16, (rows, 2 * probe.words)), fake_tensor(cutlass.Int32, (rows, cols)),
-            fake_tensor(cutlass.Float32, (rows, cols))]
-    return cute.compile(probe, *args, _stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
-
-
-def dequant_probe_sm90(arch: str, dtype, bits: int, operand: str, head_dim: int):
-    key = ("dequant_probe_sm90", arch, str(dtype), bits, operand, head_dim)
-    return jit.KERNELS.get(key, lambda: compile_dequant_probe_sm90(arch, dtype, bits, operand, head_dim))

@@ -15,9 +15,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
+from .. import jit
 from ..layouts import packing, sm80
 from .copy import copy_rows, load_packed_words, wait_all
 from .dequant import WordDequant, split_params
+from .host import fake_tensor, stream
 
 ROWS = 32
 
@@ -30,6 +32,15 @@ class DequantProbe:
         self.length = length  # columns of a packed row
         self.words = sm80.words_per_row(bits, length)
         self.pairs = packing.codes_per_word(bits) // 2
+
+    @staticmethod
+    def compile(arch: str, dtype, bits: int, length: int, keep_ptx: bool = False):
+        """Compiled against fake tensors (32 packed rows of ``length`` codes)."""
+        probe = DequantProbe(dtype, bits, length)
+        words = sm80.words_per_row(bits, length)
+        args = [fake_tensor(cutlass.Float16, (32, 2 * words)), fake_tensor(cutlass.Int32, (32, length)),
+                fake_tensor(cutlass.Int32, (32, 4, words // sm80.CHUNK_WORDS, probe.pairs))]
+        return cute.compile(probe, *args, stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
     @cute.jit
     def __call__(self, mPacked: cute.Tensor, mParams: cute.Tensor, mOut: cute.Tensor, stream):

@@ -29,8 +29,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
+from .. import jit
 from ..kernels_sm80.copy import copy_rows, wait_all
 from ..kernels_sm80.dequant import WordDequant, split_params
+from ..kernels_sm80.host import fake_tensor, stream
 from ..layouts import packing, sm80, sm90
 
 THREADS = sm90.WARPGROUP_THREADS
@@ -55,6 +57,21 @@ class DequantProbeSm90:
         self.loads = sm90.warp_loads(bits, operand, head_dim)
         self.targets = sm90.dequant_pair_targets(bits)
         self.passes = self.cols // sm90.WGMMA_M  # one 64-column slice of B per one-hot A
+
+    @staticmethod
+    def compile(arch: str, dtype, bits: int, operand: str, head_dim: int, keep_ptx: bool = False):
+        """Compiled against fake tensors of one K or V tile (sm_90a only)."""
+        probe = DequantProbeSm90(dtype, bits, operand, head_dim)
+        rows, cols = sm90.tile_shape(bits, operand, head_dim)
+        args = [fake_tensor(cutlass.Float16, (rows, 2 * probe.words)), fake_tensor(cutlass.Int32, (rows, cols)),
+                fake_tensor(Float32, (rows, cols))]
+        return cute.compile(probe, *args, stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
+
+    @staticmethod
+    def cached(arch: str, dtype, bits: int, operand: str, head_dim: int):
+        """``compile`` through the JIT cache."""
+        key = ("dequant_probe_sm90", arch, str(dtype), bits, operand, head_dim)
+        return jit.KERNELS.get(key, lambda: DequantProbeSm90.compile(arch, dtype, bits, operand, head_dim))
 
     @cute.jit
     def __call__(self, mPacked: cute.Tensor, mParams: cute.Tensor, mOut: cute.Tensor, stream):

@@ -79,7 +79,9 @@ def test_combine_ptx():
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
 def test_dequant_probe_ptx(arch):
-    fn = kernels.compile_dequant_probe(arch, cutlass.BFloat16, 2, 256, keep_ptx=True)
+    from bitdecode.kernels_sm80.dequant_probe import DequantProbe
+
+    fn = DequantProbe.compile(arch, cutlass.BFloat16, 2, 256, keep_ptx=True)
     ptx = fn.artifacts.PTX
     assert "ldmatrix.sync.aligned" in ptx and "lop3.b32" in ptx and "fma.rn.bf16x2" in ptx
 
@@ -88,7 +90,9 @@ def test_dequant_probe_ptx(arch):
 def test_dequant_probe_sm90_ptx(cfg):
     """The sm90 operand path: ldmatrix -> lop3 -> stmatrix -> wgmma (sm_90a only)."""
     bits, operand, d, dtype = cfg
-    fn = kernels.compile_dequant_probe_sm90("sm_90a", _dtype(dtype), bits, operand, d, keep_ptx=True)
+    from bitdecode.kernels_sm90.dequant_probe import DequantProbeSm90
+
+    fn = DequantProbeSm90.compile("sm_90a", _dtype(dtype), bits, operand, d, keep_ptx=True)
     ptx = fn.artifacts.PTX
     for instr in ("ldmatrix.sync.aligned", "lop3.b32", "stmatrix.sync.aligned.m8n8.x4", "wgmma.mma_async",
                   "fence.proxy.async.shared::cta"):

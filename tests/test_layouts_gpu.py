@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from bitdecode import jit, reference
-from bitdecode.kernels_sm80 import backend as kernels
 from bitdecode.formats import KVFormat
 from bitdecode.layouts import packing, sm80, sm90
 
@@ -17,6 +16,9 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from bitdecode.kernels_sm80.dequant_probe import DequantProbe  # noqa: E402
+from bitdecode.kernels_sm90.dequant_probe import DequantProbeSm90  # noqa: E402
 
 
 def _bits16(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +40,7 @@ def test_ldmatrix_lop3_dequant_matches_reference(bits, dtype, length):
     order = torch.tensor(sm80.fragment_order(length))
     params = words_per_elem[:, order].contiguous()
     cute_dtype = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
-    probe = kernels.compile_dequant_probe(jit.target_arch(), cute_dtype, bits, length)
+    probe = DequantProbe.compile(jit.target_arch(), cute_dtype, bits, length)
     pairs = packing.codes_per_word(bits) // 2
     chunks = sm80.words_per_row(bits, length) // sm80.CHUNK_WORDS
     out = torch.empty(32, 4, chunks, pairs, dtype=torch.int32, device="cuda")
@@ -98,7 +100,7 @@ def test_sm90_stmatrix_wgmma_operand_matches_reference(bits, dtype, operand, k_m
     assert expect.shape == (rows, cols)
     per_elem = _element_params(operand, fmt, params, rows, cols).contiguous()
     cute_dtype = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
-    probe = kernels.dequant_probe_sm90(arch, cute_dtype, bits, operand, head_dim)
+    probe = DequantProbeSm90.cached(arch, cute_dtype, bits, operand, head_dim)
     out = torch.full((rows, cols), float("nan"), dtype=torch.float32, device="cuda")
     probe(packed.contiguous().cuda().view(torch.float16), per_elem.cuda(), out)
     got = out.cpu()
