@@ -23,6 +23,7 @@ four warps share one barrier per tile.
 
 from __future__ import annotations
 
+import operator
 from typing import Type
 
 import cutlass
@@ -34,6 +35,7 @@ from ..layouts import resources, sm80
 from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
+from .reduce import across_rows
 from .tensors import aligned_ptr, assume_aligned, page_of, split_tiles
 
 LN_2 = 0.6931471805599453
@@ -350,8 +352,7 @@ class DecodeSm80(PackedDecodeConfig):
                                 x = -Float32.inf
                         acc_s[(v0, v1), mt, nt] = x
                         m_tile = cute.arch.fmax(m_tile, x)
-                for off in cutlass.range_constexpr(3):
-                    m_tile = cute.arch.fmax(m_tile, cute.arch.shuffle_sync_bfly(m_tile, 4 << off))
+                m_tile = across_rows(m_tile, cute.arch.fmax)
                 m_old = row_max[col]
                 m_new = cute.arch.fmax(m_old, m_tile)
                 # a column that has seen only masked tokens keeps -inf; exponentiate against 0
@@ -457,10 +458,7 @@ class DecodeSm80(PackedDecodeConfig):
         nt_count = self.nh // 8
         # full row sums of this warp: lanes that share a head column differ in lane // 4
         for col in cutlass.range_constexpr(2 * nt_count):
-            s = row_sum[col]
-            for off in cutlass.range_constexpr(3):
-                s += cute.arch.shuffle_sync_bfly(s, 4 << off)
-            row_sum[col] = s
+            row_sum[col] = across_rows(row_sum[col], operator.add)
         cute.arch.sync_threads()  # everyone is done with the pipeline / residual smem
         f32 = cute.recast_ptr(aligned_ptr(union, 128), dtype=Float32)
         s_ml = cute.make_tensor(f32, cute.make_layout((2, self.nh, NUM_WARPS), stride=(1, 2, 2 * self.nh)))

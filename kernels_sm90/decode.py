@@ -30,6 +30,7 @@ and its LSE, merged by the combine kernel; one split writes O in the model dtype
 """
 
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
+import operator
 from typing import Type
 
 import cutlass
@@ -41,6 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig
 from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
+from ..kernels_sm80.reduce import across_rows
 from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles
 from ..layouts import resources, sm80, sm90
 from . import ptx90
@@ -435,8 +437,7 @@ class DecodeSm90(PackedDecodeConfig):
                                 x = -Float32.inf
                         acc_s[self.cv(v0, v1, nt), mb, 0] = x
                         m_local = cute.arch.fmax(m_local, x)
-                for off in cutlass.range_constexpr(3):
-                    m_local = cute.arch.fmax(m_local, cute.arch.shuffle_sync_bfly(m_local, 4 << off))
+                m_local = across_rows(m_local, cute.arch.fmax)
                 if g == 0:
                     red[8 * nt + 2 * c + v0, warp, 0] = m_local
         self.bar(Barrier.MAX)
@@ -517,10 +518,7 @@ class DecodeSm90(PackedDecodeConfig):
         c, g = lane % 4, lane // 4
         nt_count = self.nh // 8
         for col in cutlass.range_constexpr(2 * nt_count):
-            s = row_sum[col]
-            for off in cutlass.range_constexpr(3):
-                s += cute.arch.shuffle_sync_bfly(s, 4 << off)
-            row_sum[col] = s
+            row_sum[col] = across_rows(row_sum[col], operator.add)
         if g == 0:
             for nt in cutlass.range_constexpr(nt_count):
                 for v0 in cutlass.range_constexpr(2):
