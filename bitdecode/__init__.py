@@ -14,9 +14,9 @@ from PyTorch.  Quick start::
 from . import layouts, reference
 from . import bitnet  # BitNet W2A8: bd.bitnet.quantize_weight / pack_weight / gemv / gemm / BitLinear
 from .attention import decode_attention
-from .cache import KVCache, decode
+from .cache import CacheOverflowError, KVCache, decode
 from .formats import KVFormat
 
 __version__ = "0.1.0"
 
-__all__ = ["KVFormat", "KVCache", "decode", "decode_attention", "reference", "layouts", "__version__"]
+__all__ = ["KVFormat", "KVCache", "CacheOverflowError", "decode", "decode_attention", "reference", "layouts", "__version__"]

@@ -42,6 +42,12 @@ class CacheTensors:
     cache_seqlens: torch.Tensor
     block_table: torch.Tensor
     fmt: KVFormat
+    # what the writes need beyond the storage (a KVCache's; None for bare tensors, which
+    # are only read): tokens a sequence may hold, the lengths refused appends asked for
+    # (int32 [B], 0 = none) and the append kernel's per-sequence commit counters (int32 [B])
+    capacity: Optional[int] = None
+    overflow: Optional[torch.Tensor] = None
+    commits: Optional[torch.Tensor] = None
 
     @property
     def page_size(self) -> int:

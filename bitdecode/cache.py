@@ -11,6 +11,10 @@ from .backend import CacheTensors
 from .formats import KVFormat
 
 
+class CacheOverflowError(RuntimeError):
+    """An append was refused on the device: it would have passed the cache's capacity."""
+
+
 class KVCache:
     """Packed K/V pages + params + a 16-bit residual block per sequence.
 
@@ -24,11 +28,14 @@ class KVCache:
         v_res     dtype [B, Nr, Hkv, D]
         seqlens   int32 [B]               tokens per sequence (device)
         block_table int32 [B, pages per sequence]
+        overflow  int32 [B]               0, or the length a refused append asked for
 
     Without ``page_size`` every sequence owns one page of ``max_seqlen`` (rounded up to Nr)
     tokens.  Appends write in place; a residual block that fills is quantized and packed
     into the pages.  Host-side copies of the lengths let every call check capacity before
-    anything is written, without a device sync.
+    anything is written, without a device sync.  A CUDA graph replays an append without
+    the host, so the kernels check capacity again: a sequence that would pass ``capacity``
+    is not written and keeps its length, and ``check()`` reports it.
     """
 
     def __init__(self, fmt: KVFormat, dtype: torch.dtype, max_seqlen: int, backend: str,
@@ -43,9 +50,12 @@ class KVCache:
         self.seqlens = seqlens
         self.block_table = block_table
         self._host_lens: List[int] = [0] * k_res.shape[0]
+        self.overflow = torch.zeros_like(seqlens)
         # the storage tensors are fixed for the cache's lifetime (written in place only), so
         # compiled-kernel plans built for them can be reused call after call
-        self._tensors = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, seqlens, block_table, fmt)
+        self._tensors = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, seqlens, block_table, fmt,
+                                     capacity=max_seqlen, overflow=self.overflow,
+                                     commits=torch.zeros_like(seqlens))
         self._plans: dict = {}
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
 
@@ -126,9 +136,34 @@ class KVCache:
         return self.k_pack.shape[2]
 
     @property
+    def capacity(self) -> int:
+        """Tokens each sequence can hold (``max_seqlen``)."""
+        return self.max_seqlen
+
+    @property
     def lengths(self) -> List[int]:
-        """Tokens per sequence as the host tracks them (no device sync)."""
+        """Tokens per sequence as the host tracks them (no device sync; after CUDA-graph
+        replays, ``check()`` brings them up to date)."""
         return list(self._host_lens)
+
+    def check(self) -> None:
+        """Wait for the cache's work on the current stream and confirm no append was refused.
+
+        Raises ``CacheOverflowError`` naming each sequence whose append was refused on the
+        device because it would pass ``capacity`` (only a replayed CUDA graph can get
+        there: eager appends are refused on the host first).  Those sequences kept their
+        content and length; the flags stay until ``reset()``.  Otherwise the host-side
+        ``lengths`` are refreshed from the device (graph replays advance them there only).
+        """
+        asked = self.overflow.tolist()
+        over = [(b, n) for b, n in enumerate(asked) if n]
+        if over:
+            listed = ", ".join(f"sequence {b} (asked for {n} tokens)" for b, n in over)
+            raise CacheOverflowError(
+                f"append refused on the device for {listed}: capacity is {self.capacity} tokens "
+                "per sequence; those sequences were not written (reset() clears this)"
+            )
+        self._host_lens = self.seqlens.tolist()
 
     def tensors(self) -> CacheTensors:
         return self._tensors
@@ -202,7 +237,9 @@ class KVCache:
         self._host_lens = [n + t for n in self._host_lens]
 
     def reset(self) -> None:
+        """Empty every sequence and clear the overflow flags."""
         self.seqlens.zero_()
+        self.overflow.zero_()
         self._host_lens = [0] * self.batch
 
     # ---- reads -------------------------------------------------------------------------
@@ -233,7 +270,9 @@ class KVCache:
         return plan(q, self._fast[2], return_lse)
 
     def dequantized(self, b: int):
-        """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them (for inspection)."""
+        """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them (for inspection;
+        synchronizes, and raises like ``check()``)."""
+        self.check()
         c = self.tensors()
         return reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
                                    c.k_res, c.v_res, c.block_table.cpu(), self.fmt)
@@ -256,7 +295,8 @@ class KVCache:
 
     def _write_block(self, b: int, block: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
         """Quantize and pack one block: kb, vb ``[Nr, Hkv, D]``."""
-        # the writes checked k and v for non-finite values before the first block
+        # non-finite values are not checked (the kernels cannot without a sync): their
+        # groups pack as NaN, as the kernels pack them
         k_pack, k_params = reference.pack_k(kb.transpose(0, 1), self.fmt, check_finite=False)
         v_pack, v_params = reference.pack_v(vb.transpose(0, 1), self.fmt, check_finite=False)
         kp, kq, vp, vq = self._block_slices(b, block)
@@ -266,8 +306,6 @@ class KVCache:
         self.v_params[vq] = v_params
 
     def _prefill_reference(self, k, v, lens: List[int]) -> None:
-        _validate.finite("k", k)  # checked before the first write, not per packed block
-        _validate.finite("v", v)
         nr = self.fmt.residual_block
         for b, n in enumerate(lens):
             for blk in range(n // nr):
@@ -278,8 +316,6 @@ class KVCache:
         self.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
 
     def _append_reference(self, k, v) -> None:
-        _validate.finite("k", k)
-        _validate.finite("v", v)
         nr = self.fmt.residual_block
         for b, n in enumerate(self._host_lens):
             for i in range(k.shape[1]):

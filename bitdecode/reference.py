@@ -12,9 +12,13 @@ Quantization (per group, asymmetric, computed in fp32 exactly as the kernels do)
 ``rint`` rounds half to even.  Rounding the scale toward zero keeps
 ``zero + (2^bits - 1) * scale <= max``, so the largest code never dequantizes past the
 group's range (an fp16 group spanning +-65504 would otherwise give inf).  A group whose
-values are all equal gets scale 0 and dequantizes to exactly ``zero``, never NaN.  NaN/Inf inputs raise ``ValueError`` here when
-``check_finite`` is on (the default); the kernels do not check (that would need a device
-sync) and give unspecified codes for such groups.
+values are all equal gets scale 0 and dequantizes to exactly ``zero``, never NaN.
+
+Non-finite inputs: ``quantize`` raises ``ValueError`` when ``check_finite`` is on (the
+default).  Off (what the caches do, on every backend, since a check would need a device
+sync), a group whose range ``mx - mn`` is not finite (a NaN or an infinity inside) gets
+the 16-bit NaN as scale and zero and code 0, exactly as the kernels pack it: every value
+of the group dequantizes to NaN, and attention over it gives NaN in the outputs it feeds.
 
 Packing into 32-bit words and the order of params follow ``bitdecode.layouts.sm80``
 (the single definition the kernels use).  Attention is computed in fp32 over the
@@ -87,10 +91,13 @@ def quantize(
     below = (scale.view(torch.int16) - 1).view(x.dtype)  # next 16-bit value toward 0 (scale > 0)
     scale = torch.where(scale.float() > scale32, below, scale)
     zero = mn.to(x.dtype)
+    bad = ~((mx - mn) < math.inf)  # a NaN or an infinity in the group
+    nan = torch.full_like(scale, math.nan)
+    scale, zero = torch.where(bad, nan, scale), torch.where(bad, nan, zero)
     s32 = scale.float()
     inv = torch.where(s32 > 0, torch.reciprocal(s32), torch.zeros_like(s32))
     q = ((grouped - zero.float()[..., None]) * inv[..., None]).round()
-    q = q.clamp(0, (1 << bits) - 1).to(torch.uint8)
+    q = q.nan_to_num(0.0).clamp(0, (1 << bits) - 1).to(torch.uint8)
     codes = q.reshape(xs.shape).movedim(-1, dim)
     return codes, scale.movedim(-1, dim), zero.movedim(-1, dim)
 

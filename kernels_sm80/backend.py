@@ -92,6 +92,9 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
         fake_tensor(i32, (None, None, None, ks_last)),  # k_params
         fake_tensor(i32, (None, None, None, d, wv)),    # v_pack
         fake_tensor(i32, (None, None, None, d // g, sm80.MMA_SHAPE[2])),  # v_params
+        fake_vector(i32, 1),                            # overflow (lengths refused appends asked for)
+        fake_vector(i32, 1),                            # commit counters
+        cutlass.Int32(0),                               # capacity (tokens per sequence)
     ]
 
 
@@ -198,7 +201,8 @@ def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
     arch = jit.target_arch(cache.device.index)
     kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, mode)
     kern(src_k, src_v, cache.k_res, cache.v_res, lengths, cache.block_table,
-         cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)
+         cache.k_pack, cache.k_params, cache.v_pack, cache.v_params,
+         cache.overflow, cache.commits, cache.capacity)
 
 
 class Sm80Backend:
@@ -271,10 +275,11 @@ class Sm80Backend:
         cache.cache_seqlens.copy_(lens_t)
 
     def append(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One pack launch (fill the residual blocks, pack the ones that complete), then
-        lengths += T."""
+        """One pack launch: fill the residual blocks, pack the ones that complete, and
+        store the new lengths; a sequence that would pass ``cache.capacity`` (a replayed
+        graph: the host checked only the capture) is left as it was and flagged in
+        ``cache.overflow``."""
         _pack_call(cache, "append", k.contiguous(), v.contiguous(), cache.cache_seqlens)
-        cache.cache_seqlens.add_(k.shape[1])
 
     # ---- ahead-of-time compilation (``bitdecode compile``) ------------------------------
     def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:

@@ -16,7 +16,17 @@ Modes:
 * ``append``: source = new tokens ``[B, T, Hkv, D]`` with ``lens`` = lengths before the
   append.  Blocks completed by the new tokens are assembled from the residual buffer and
   the new tokens and packed; the remaining new tokens go to the residual buffer.  Grid
-  ``(2, Hkv, B)``; one launch, no host sync (CUDA-graph safe).
+  ``(2, Hkv, B)``; one launch, no host sync (CUDA-graph safe).  The kernel also commits the
+  lengths: the last CTA of a sequence to finish stores ``lens[b] + T``.
+
+Capacity guard (both modes): the host checks capacity before a launch, but a CUDA graph
+replays an append without the host, so the kernel checks again.  A sequence whose new
+length would pass ``capacity`` is not written at all and keeps its length; the length it
+asked for goes to ``overflow[b]`` for the host to report (``KVCache.check``).
+
+Non-finite values: min / max propagate NaN, and a group whose range is not finite (NaN,
+or an infinity) gets NaN scale and zero, so each of its values dequantizes to NaN and
+reaches every output that attends to it (``reference.quantize`` does the same).
 """
 
 from __future__ import annotations
@@ -33,6 +43,22 @@ from .copy import copy_rows, copy_rows_two_sources, load_a_fragments, wait_all
 from .tensors import assume_aligned, page_of
 
 NUM_WARPS = sm80.WARPS_N
+
+
+# Rounding without a conversion: adding 1.5 * 2^23 to t in [0, 2^22) leaves rint(t) (ties to
+# even, as torch.round) in the low mantissa bits, on the fp32 pipe instead of the two
+# conversions (cvt.rni + cvt.rzi) per element, which ran at a quarter of its rate
+ROUND_MAGIC = 12582912.0
+ROUND_MAGIC_BITS = 0x4B400000
+
+
+def _min(a, b):
+    """Group minimum: NaN-propagating, so a NaN makes its group's params NaN."""
+    return cute.arch.fmin(a, b, nan=True)
+
+
+def _max(a, b):
+    return cute.arch.fmax(a, b, nan=True)
 NUM_THREADS = resources.WARP * NUM_WARPS
 CHUNK = sm80.CHUNK_BYTES // 2  # 16-bit elements per 16-byte chunk
 
@@ -43,6 +69,7 @@ class PackSm80:
         assert mode in ("prefill", "append")
         self.dtype = dtype
         self.is_bf16 = dtype is cutlass.BFloat16
+        self.nan16 = packing.nan16(self.is_bf16)
         self.bits = bits
         self.qmax = packing.qmax(bits)
         self.inv_qmax = packing.inv_qmax(bits)
@@ -55,21 +82,28 @@ class PackSm80:
         self.kpw = sm80.k_blocks_per_word(bits)
         self.wk = sm80.words_per_row(bits, head_dim)
         self.seg = min(group_size, self.t)  # K per channel: one warp's share of a group
+        # every code arrives biased by ROUND_MAGIC_BITS: a word starts at minus the sum of
+        # the biases at its fields' shifts, so summing the shifted codes leaves the word
+        cpw = packing.codes_per_word(bits)
+        bias = sum(ROUND_MAGIC_BITS << packing.shift_of_element(bits, e) for e in range(cpw))
+        self.word_start = -bias % (1 << 32)
         self.tile_bytes = self.nr * head_dim * 2
         self.red_bytes = (self.nr // self.seg) * head_dim * 2 * 4 if self.k_channel else 0
 
     @cute.jit
-    def __call__(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs, stream):
+    def __call__(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
+                 mOverflow, mCommits, capacity: Int32, stream):
         if const_expr(self.mode == "prefill"):
             blocks = (mSrcK.shape[1] + self.nr - 1) // self.nr
             grid = (2 * blocks, mSrcK.shape[2], mSrcK.shape[0])
         else:
             grid = (2, mSrcK.shape[2], mSrcK.shape[0])
-        self.kernel(mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs).launch(
-            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        self.kernel(mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
+                    mOverflow, mCommits, capacity).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs):
+    def kernel(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
+               mOverflow, mCommits, capacity: Int32):
         tid, _, _ = cute.arch.thread_idx()
         x, head, b = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(tid // 32)
@@ -82,9 +116,14 @@ class PackSm80:
                                  cute.make_layout(max(self.red_bytes // 4, 4)))
         length = mLens[b]
         if const_expr(self.mode == "prefill"):
-            blk = x // 2
-            which = x - 2 * blk
-            if (blk + 1) * self.nr <= length:
+            # K blocks first, then V: CTAs resident together mostly run the same half of
+            # the code (the instruction cache holds one half, not both)
+            blocks = (mSrcK.shape[1] + self.nr - 1) // self.nr
+            which = x // blocks
+            blk = x - which * blocks
+            # the host checked the lengths; the clamp keeps any other from reaching past
+            # the sequence's pages
+            if (blk + 1) * self.nr <= cutlass.min(length, capacity):
                 if which == 0:
                     self.load_rows(s_tile, mSrcK, mSrcK, b, head, blk * self.nr, Int32(0), tid)
                     wait_all()
@@ -94,12 +133,33 @@ class PackSm80:
                     wait_all()
                     self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
         else:
-            if x == 0:
-                self.append(s_tile, s_red, mSrcK, mKr, length, mBlockTable, mKp, mKs, mVp, mVs,
-                            b, head, warp_idx, lane, tid, True)
-            else:
-                self.append(s_tile, s_red, mSrcV, mVr, length, mBlockTable, mKp, mKs, mVp, mVs,
-                            b, head, warp_idx, lane, tid, False)
+            new_len = length + mSrcK.shape[1]
+            fits = new_len <= capacity
+            if fits:
+                if x == 0:
+                    self.append(s_tile, s_red, mSrcK, mKr, length, mBlockTable, mKp, mKs, mVp, mVs,
+                                b, head, warp_idx, lane, tid, True)
+                else:
+                    self.append(s_tile, s_red, mSrcV, mVr, length, mBlockTable, mKp, mKs, mVp, mVs,
+                                b, head, warp_idx, lane, tid, False)
+            self.commit_length(mLens, mOverflow, mCommits, b, new_len, fits, tid)
+
+    @cute.jit
+    def commit_length(self, mLens, mOverflow, mCommits, b, new_len, fits, tid):
+        """The last of sequence ``b``'s CTAs to finish stores its new length (or, refused,
+        the overflow).  Every CTA read the old length before counting itself (the barrier
+        and the acq_rel atomic order the two), so none can see the new one; the counter
+        goes back to zero for the next launch (a replayed graph reuses it)."""
+        cute.arch.sync_threads()
+        if tid == 0:
+            _, heads, _ = cute.arch.grid_dim()
+            done = cute.arch.atomic_add(mCommits.iterator + b, Int32(1), sem="acq_rel", scope="gpu")
+            if done == 2 * heads - 1:
+                mCommits[b] = Int32(0)
+                if fits:
+                    mLens[b] = new_len
+                else:
+                    mOverflow[b] = new_len
 
     # ---------------------------------------------------------------------------------
     # Staging the 16-bit block
@@ -156,10 +216,14 @@ class PackSm80:
     def params(self, mn: Float32, mx: Float32):
         """(scale, zero) word, zero (fp32) and 1/scale (0 for a constant group), as the
         reference computes them (the scale rounds toward zero so that zero + qmax*scale
-        never passes the group's max)."""
-        scale = (mx - mn) * Float32(self.inv_qmax)
-        s_bits = ptx.f32_to_half_bits(scale, self.is_bf16, True)
+        never passes the group's max).  A range that is not finite (NaN or an infinity
+        in the group) gives the 16-bit NaN for both, 1/scale 0 and so code 0."""
+        spread = mx - mn
+        s_bits = ptx.f32_to_half_bits(spread * Float32(self.inv_qmax), self.is_bf16, True)
         z_bits = ptx.f32_to_half_bits(mn, self.is_bf16)
+        if not (spread < Float32.inf):  # false for NaN too
+            s_bits = Uint32(self.nan16)
+            z_bits = Uint32(self.nan16)
         s16 = ptx.half_to_f32(s_bits, self.is_bf16)
         inv = Float32(0.0)
         if s16 > Float32(0.0):
@@ -169,9 +233,26 @@ class PackSm80:
 
     @cute.jit
     def code(self, x: Float32, zero: Float32, inv: Float32) -> Uint32:
-        q = ptx.round_even((x - zero) * inv)
-        q = cute.arch.fmin(cute.arch.fmax(q, Float32(0.0)), Float32(self.qmax))
-        return ptx.f32_to_u32(q)
+        """rint((x - zero) * inv) clamped to [0, qmax], plus ROUND_MAGIC_BITS (see
+        ``word_start``).  x >= zero, so only the top clamp does work; the bottom one, which
+        drops NaN, makes a non-finite group's codes 0."""
+        r = ptx.add_rn((x - zero) * inv, Float32(ROUND_MAGIC))
+        r = cute.arch.fmin(cute.arch.fmax(r, Float32(ROUND_MAGIC)), Float32(ROUND_MAGIC + self.qmax))
+        return ptx.f32_bits(r)
+
+    def low(self, x2) -> Float32:
+        return ptx.half_to_f32(x2, self.is_bf16)
+
+    def high(self, x2) -> Float32:
+        return ptx.half_to_f32(x2 >> 16, self.is_bf16)
+
+    @cute.jit
+    def pair_reduce(self, mn2, mx2, lane_masks):
+        """Min / max pairs combined across the lanes of ``lane_masks`` (xor shuffles)."""
+        for m in cutlass.range_constexpr(len(lane_masks)):
+            mn2 = ptx.min_x2(mn2, cute.arch.shuffle_sync_bfly(mn2, lane_masks[m]), self.is_bf16)
+            mx2 = ptx.max_x2(mx2, cute.arch.shuffle_sync_bfly(mx2, lane_masks[m]), self.is_bf16)
+        return mn2, mx2
 
     def locate(self, mBlockTable, page_size, b, blk):
         return page_of(mBlockTable, b, blk * self.nr, page_size)
@@ -206,8 +287,8 @@ class PackSm80:
                         mn = s_red[(2 * first_seg) * self.d + col]
                         mx = s_red[(2 * first_seg + 1) * self.d + col]
                         for sg in cutlass.range_constexpr(1, self.group // self.seg):
-                            mn = cute.arch.fmin(mn, s_red[(2 * (first_seg + sg)) * self.d + col])
-                            mx = cute.arch.fmax(mx, s_red[(2 * (first_seg + sg) + 1) * self.d + col])
+                            mn = _min(mn, s_red[(2 * (first_seg + sg)) * self.d + col])
+                            mx = _max(mx, s_red[(2 * (first_seg + sg) + 1) * self.d + col])
                         word, zero, inv = self.params(mn, mx)
                         zinv[(0, kt, v)] = (zero, inv)
                         zinv[(1, kt, v)] = (zero, inv)
@@ -216,19 +297,21 @@ class PackSm80:
                             mKs[page, head, (off + row0 + 16 * mt) // self.group, sm80.param_position(kt, c, v)] = Int32(word)
             else:
                 gk = self.group // 16  # k-blocks per channel group
+                frag32 = cute.recast_tensor(frag, Uint32)
                 for h in cutlass.range_constexpr(2):
                     for gi in cutlass.range_constexpr(self.d // self.group):
-                        mn = Float32.inf
-                        mx = -Float32.inf
+                        # min / max of the row's group on 16-bit pairs (exact), then the pair
+                        mn2 = frag32[(0, h, 0), 0, gi * gk]
+                        mx2 = mn2
                         for kk in cutlass.range_constexpr(gk):
-                            for v in cutlass.range_constexpr(4):
-                                x = Float32(frag[(v % 2, h, v // 2), 0, gi * gk + kk])
-                                mn = cute.arch.fmin(mn, x)
-                                mx = cute.arch.fmax(mx, x)
-                        for off_c in cutlass.range_constexpr(2):  # the 4 lanes of a quad share a row
-                            mn = cute.arch.fmin(mn, cute.arch.shuffle_sync_bfly(mn, 1 << off_c))
-                            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1 << off_c))
-                        word, zero, inv = self.params(mn, mx)
+                            for p in cutlass.range_constexpr(2):
+                                if const_expr(kk + p > 0):
+                                    x2 = frag32[(0, h, p), 0, gi * gk + kk]
+                                    mn2 = ptx.min_x2(mn2, x2, self.is_bf16)
+                                    mx2 = ptx.max_x2(mx2, x2, self.is_bf16)
+                        mn2, mx2 = self.pair_reduce(mn2, mx2, (1, 2))  # the 4 lanes of a quad share a row
+                        word, zero, inv = self.params(_min(self.low(mn2), self.high(mn2)),
+                                                      _max(self.low(mx2), self.high(mx2)))
                         for kk in cutlass.range_constexpr(gk):
                             for v in cutlass.range_constexpr(4):
                                 zinv[(h, gi * gk + kk, v)] = (zero, inv)
@@ -237,19 +320,20 @@ class PackSm80:
             # quantize and pack: word 4*chunk + c of rows g and g+8
             for h in cutlass.range_constexpr(2):
                 for chunk in cutlass.range_constexpr(self.wk // 4):
-                    word = Uint32(0)
+                    word = Uint32(self.word_start)
                     for kl in cutlass.range_constexpr(self.kpw):
                         kt = chunk * self.kpw + kl
                         for v in cutlass.range_constexpr(4):
                             x = Float32(frag[(v % 2, h, v // 2), 0, kt])
                             zero, inv = zinv[(h, kt, v)]
                             shift = packing.shift_of_element(self.bits, 4 * kl + v)
-                            word = word | (self.code(x, zero, inv) << shift)
+                            word = word + (self.code(x, zero, inv) << shift)
                     mKp[page, head, off + row0 + 16 * mt + 8 * h + g, 4 * chunk + c] = Int32(word)
 
     @cute.jit
     def k_channel_minmax(self, s_tile, s_red, warp_idx, lane):
-        """Per channel min/max over each ``seg``-token segment of this warp -> s_red."""
+        """Per channel min/max over each ``seg``-token segment of this warp -> s_red.
+        Reduced on 16-bit pairs (two adjacent channels per register, exact), widened once."""
         g = lane // 4
         c = lane % 4
         row0 = warp_idx * self.t
@@ -258,30 +342,29 @@ class PackSm80:
             maxs = {}
             for m in cutlass.range_constexpr(self.seg // 16):
                 rows = cute.local_tile(s_tile, (16, self.d), ((row0 + s * self.seg) // 16 + m, 0))
-                frag = self.fragments(rows, lane, False)
+                frag32 = cute.recast_tensor(self.fragments(rows, lane, False), Uint32)
                 for kt in cutlass.range_constexpr(self.d // 16):
-                    for v in cutlass.range_constexpr(4):
+                    for p in cutlass.range_constexpr(2):
                         for h in cutlass.range_constexpr(2):
-                            x = Float32(frag[(v % 2, h, v // 2), 0, kt])
-                            key = (kt, v)
+                            x2 = frag32[(0, h, p), 0, kt]
+                            key = (kt, p)
                             if const_expr(key in mins):
-                                mins[key] = cute.arch.fmin(mins[key], x)
-                                maxs[key] = cute.arch.fmax(maxs[key], x)
+                                mins[key] = ptx.min_x2(mins[key], x2, self.is_bf16)
+                                maxs[key] = ptx.max_x2(maxs[key], x2, self.is_bf16)
                             else:
-                                mins[key] = x
-                                maxs[key] = x
+                                mins[key] = x2
+                                maxs[key] = x2
             seg_idx = (row0 + s * self.seg) // self.seg
             for kt in cutlass.range_constexpr(self.d // 16):
-                for v in cutlass.range_constexpr(4):
-                    mn = mins[(kt, v)]
-                    mx = maxs[(kt, v)]
-                    for o in cutlass.range_constexpr(3):  # lanes with the same quad lane share columns
-                        mn = cute.arch.fmin(mn, cute.arch.shuffle_sync_bfly(mn, 4 << o))
-                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 4 << o))
+                for p in cutlass.range_constexpr(2):
+                    # lanes with the same quad lane share columns
+                    mn2, mx2 = self.pair_reduce(mins[(kt, p)], maxs[(kt, p)], (4, 8, 16))
                     if g == 0:
-                        col = 16 * kt + 2 * c + (v % 2) + 8 * (v // 2)
-                        s_red[(2 * seg_idx) * self.d + col] = mn
-                        s_red[(2 * seg_idx + 1) * self.d + col] = mx
+                        col = 16 * kt + 2 * c + 8 * p
+                        s_red[(2 * seg_idx) * self.d + col] = self.low(mn2)
+                        s_red[(2 * seg_idx) * self.d + col + 1] = self.high(mn2)
+                        s_red[(2 * seg_idx + 1) * self.d + col] = self.low(mx2)
+                        s_red[(2 * seg_idx + 1) * self.d + col + 1] = self.high(mx2)
 
     # ---------------------------------------------------------------------------------
     # V: rows = channels, columns = the block's tokens (warp w: chunk w)
@@ -297,20 +380,25 @@ class PackSm80:
             # V^T (all D channels x one 16-token k-block), loaded exactly as decode loads it
             view = cute.local_tile(s_vt, (self.d, 16), (0, warp_idx * self.kpw + kt))
             frag = self.fragments(view, lane, True)  # ((2,2,2), D/16, 1)
+            frag32 = cute.recast_tensor(frag, Uint32)
             for gi in cutlass.range_constexpr(self.d // self.group):
-                for v in cutlass.range_constexpr(4):
-                    # one token: min/max over the group's channels (rows g, g+8 of each m-tile)
-                    mn = Float32.inf
-                    mx = -Float32.inf
+                prm = {}
+                for p in cutlass.range_constexpr(2):
+                    # tokens 2p, 2p+1 of the quad: min/max over the group's channels (rows
+                    # g, g+8 of each m-tile) on 16-bit pairs, then across the rows' lanes
+                    mn2 = frag32[(0, 0, p), gi * gm, 0]
+                    mx2 = mn2
                     for mm in cutlass.range_constexpr(gm):
                         for h in cutlass.range_constexpr(2):
-                            x = Float32(frag[(v % 2, h, v // 2), gi * gm + mm, 0])
-                            mn = cute.arch.fmin(mn, x)
-                            mx = cute.arch.fmax(mx, x)
-                    for o in cutlass.range_constexpr(3):
-                        mn = cute.arch.fmin(mn, cute.arch.shuffle_sync_bfly(mn, 4 << o))
-                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 4 << o))
-                    word, zero, inv = self.params(mn, mx)
+                            if const_expr(mm + h > 0):
+                                x2 = frag32[(0, h, p), gi * gm + mm, 0]
+                                mn2 = ptx.min_x2(mn2, x2, self.is_bf16)
+                                mx2 = ptx.max_x2(mx2, x2, self.is_bf16)
+                    mn2, mx2 = self.pair_reduce(mn2, mx2, (4, 8, 16))
+                    prm[2 * p] = self.params(self.low(mn2), self.low(mx2))
+                    prm[2 * p + 1] = self.params(self.high(mn2), self.high(mx2))
+                for v in cutlass.range_constexpr(4):
+                    word, zero, inv = prm[v]
                     if g == 0:
                         tile16 = (off + warp_idx * self.t) // 16 + kt
                         mVs[page, head, tile16, gi, sm80.param_position(0, c, v)] = Int32(word)
@@ -320,7 +408,7 @@ class PackSm80:
                             x = Float32(frag[(v % 2, h, v // 2), gi * gm + mm, 0])
                             bits = self.code(x, zero, inv) << shift
                             key = (gi, mm, h)
-                            words[key] = bits if const_expr(key not in words) else words[key] | bits
+                            words[key] = (Uint32(self.word_start) if const_expr(key not in words) else words[key]) + bits
         for gi in cutlass.range_constexpr(self.d // self.group):
             for mm in cutlass.range_constexpr(gm):
                 for h in cutlass.range_constexpr(2):

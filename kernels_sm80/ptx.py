@@ -129,3 +129,36 @@ def f32_to_half_bits(x, is_bf16: bool, toward_zero: bool = False, *, loc=None, i
     res = _asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)],
                f"{{.reg .b16 h;\ncvt.{rnd}.{kind}.f32 h, $1;\ncvt.u32.u16 $0, h;}}", "=r,f", loc=loc, ip=ip)
     return Uint32(res)
+
+
+@dsl_user_op
+def add_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """fp32 add with an explicit rounding mode, which ptxas never fuses with the multiply
+    before it (the quantizer needs the product rounded on its own, as the reference)."""
+    res = _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+               "add.rn.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None) -> Uint32:
+    res = _asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f", loc=loc, ip=ip)
+    return Uint32(res)
+
+
+def _minmax_x2(op: str, a, b, is_bf16: bool, loc, ip) -> Uint32:
+    kind = "bf16x2" if is_bf16 else "f16x2"
+    res = _asm(T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip)], f"{op}.NaN.{kind} $0, $1, $2;", "=r,r,r",
+               loc=loc, ip=ip)
+    return Uint32(res)
+
+
+@dsl_user_op
+def min_x2(a, b, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
+    """Lane-wise minimum of two 16-bit pairs, NaN-propagating (exact: no rounding)."""
+    return _minmax_x2("min", a, b, is_bf16, loc, ip)
+
+
+@dsl_user_op
+def max_x2(a, b, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
+    return _minmax_x2("max", a, b, is_bf16, loc, ip)

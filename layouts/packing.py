@@ -157,3 +157,12 @@ PRMT_LOW_HALVES = 0x5410  # (a.lo, b.lo): the scales of two words
 PRMT_HIGH_HALVES = 0x7632  # (a.hi, b.hi): the zeros of two words
 PRMT_LOW_BROADCAST = 0x1010  # (a.lo, a.lo): one word's scale in both lanes
 PRMT_HIGH_BROADCAST = 0x3232  # (a.hi, a.hi): one word's zero in both lanes
+# the scale and zero of a group whose range is not finite (NaN / Inf inside): the quiet NaN
+# torch gives when it rounds a float NaN to the 16-bit type, so kernel and reference
+# params are the same bytes
+NAN_FP16 = 0x7E00
+NAN_BF16 = 0x7FC0
+
+
+def nan16(is_bf16: bool) -> int:
+    return NAN_BF16 if is_bf16 else NAN_FP16

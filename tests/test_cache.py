@@ -233,3 +233,29 @@ def test_prefill_rejects_a_block_table_that_shares_or_leaves_the_pages(gen):
     # only the pages the lengths use are checked: a short second sequence may keep a bad entry
     cache.prefill(k, k, seqlens=[512, 100])
     assert cache.lengths == [512, 100]
+
+
+# --------------------------------------------------------------------------------------
+# capacity flags (the device side runs in test_reliability_gpu.py)
+# --------------------------------------------------------------------------------------
+
+
+def test_check_reports_refused_appends_by_sequence():
+    """``check()`` names every sequence the device flagged, keeps the flags until reset,
+    and otherwise brings the host lengths up to the device's."""
+    c = bd.KVCache.allocate(3, 2, 64, 300, bd.KVFormat(bits=4, group_size=64), device="cpu", backend="reference")
+    assert c.capacity == 300
+    c.check()
+    c.seqlens.copy_(torch.tensor([5, 6, 7], dtype=torch.int32))  # as graph replays would leave them
+    c.check()
+    assert c.lengths == [5, 6, 7]
+    c.overflow[1] = 301
+    c.overflow[2] = 302
+    for _ in range(2):
+        with pytest.raises(bd.CacheOverflowError, match=r"sequence 1 \(asked for 301 tokens\), sequence 2 "
+                                                        r"\(asked for 302 tokens\): capacity is 300"):
+            c.check()
+    assert c.lengths == [5, 6, 7]
+    c.reset()
+    c.check()
+    assert c.lengths == [0, 0, 0]

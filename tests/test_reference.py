@@ -140,8 +140,17 @@ def test_quantize_rejects_non_finite(bad, dtype):
     x[2, 17] = bad
     with pytest.raises(ValueError, match="x contains NaN or Inf"):
         reference.quantize(x, 4, 32)
-    codes, scale, zero = reference.quantize(x, 4, 32, check_finite=False)  # documented opt-out
-    assert codes.shape == x.shape
+    # opted out (what the caches do): the group holding it packs as NaN, the others as before
+    codes, scale, zero = reference.quantize(x, 4, 32, check_finite=False)
+    clean_codes, clean_scale, clean_zero = reference.quantize(torch.zeros_like(x), 4, 32)
+    nan = torch.tensor(float("nan"), dtype=dtype)
+    assert scale[2, 0].view(torch.int16) == nan.view(torch.int16) and zero[2, 0].isnan()
+    assert (codes[2, :32] == 0).all()
+    keep = torch.ones_like(scale, dtype=torch.bool)
+    keep[2, 0] = False
+    assert torch.equal(scale[keep], clean_scale[keep]) and torch.equal(zero[keep], clean_zero[keep])
+    assert torch.equal(codes[:, 32:], clean_codes[:, 32:]) and torch.equal(codes[:2], clean_codes[:2])
+    assert reference.dequantize(codes, scale, zero, 32)[2, :32].isnan().all()
 
 
 @pytest.mark.parametrize(
