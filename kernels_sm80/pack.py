@@ -89,6 +89,8 @@ class PackSm80:
         self.word_start = -bias % (1 << 32)
         self.tile_bytes = self.nr * head_dim * 2
         self.red_bytes = (self.nr // self.seg) * head_dim * 2 * 4 if self.k_channel else 0
+        # K per channel: each group's (zero, 1/scale) per column, in fragment order
+        self.zi_bytes = (self.nr // group_size) * head_dim * 2 * 4 if self.k_channel else 0
 
     @cute.jit
     def __call__(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
@@ -109,11 +111,17 @@ class PackSm80:
         warp_idx = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
         smem = cutlass.memory.SmemAllocator()
-        base = smem.allocate_array(cutlass.Uint8, self.tile_bytes + max(self.red_bytes, 16), byte_alignment=1024)
+        base = smem.allocate_array(cutlass.Uint8, self.tile_bytes + max(self.red_bytes, 16) + self.zi_bytes,
+                                   byte_alignment=1024)
         # the swizzle stays in the layout (16-bit element units), as the kernels' tables assume
         s_tile = cute.make_tensor(cute.recast_ptr(base, dtype=self.dtype), sm80.make_smem_layout(self.nr, 2 * self.d))
         s_red = cute.make_tensor(cute.recast_ptr(base + self.tile_bytes, dtype=Float32),
                                  cute.make_layout(max(self.red_bytes // 4, 4)))
+        s_zi = s_red  # unused unless K is per channel
+        if const_expr(self.k_channel):
+            groups = self.nr // self.group
+            s_zi = cute.make_tensor(cute.recast_ptr(base + self.tile_bytes + self.red_bytes, dtype=Float32),
+                                    cute.make_layout((2, self.d, groups), stride=(1, 2, 2 * self.d)))
         length = mLens[b]
         if const_expr(self.mode == "prefill"):
             # K blocks first, then V: CTAs resident together mostly run the same half of
@@ -127,7 +135,7 @@ class PackSm80:
                 if which == 0:
                     self.load_rows(s_tile, mSrcK, mSrcK, b, head, blk * self.nr, Int32(0), tid)
                     wait_all()
-                    self.pack_k(s_tile, s_red, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane)
+                    self.pack_k(s_tile, s_red, s_zi, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane, tid)
                 else:
                     self.load_rows(s_tile, mSrcV, mSrcV, b, head, blk * self.nr, Int32(0), tid)
                     wait_all()
@@ -137,10 +145,10 @@ class PackSm80:
             fits = new_len <= capacity
             if fits:
                 if x == 0:
-                    self.append(s_tile, s_red, mSrcK, mKr, length, mBlockTable, mKp, mKs, mVp, mVs,
+                    self.append(s_tile, s_red, s_zi, mSrcK, mKr, length, mBlockTable, mKp, mKs, mVp, mVs,
                                 b, head, warp_idx, lane, tid, True)
                 else:
-                    self.append(s_tile, s_red, mSrcV, mVr, length, mBlockTable, mKp, mKs, mVp, mVs,
+                    self.append(s_tile, s_red, s_zi, mSrcV, mVr, length, mBlockTable, mKp, mKs, mVp, mVs,
                                 b, head, warp_idx, lane, tid, False)
             self.commit_length(mLens, mOverflow, mCommits, b, new_len, fits, tid)
 
@@ -183,7 +191,7 @@ class PackSm80:
                                   s_tile, tid, NUM_THREADS, length - tok0)
 
     @cute.jit
-    def append(self, s_tile, s_red, mNew, mRes, length, mBlockTable, mKp, mKs, mVp, mVs,
+    def append(self, s_tile, s_red, s_zi, mNew, mRes, length, mBlockTable, mKp, mKs, mVp, mVs,
                b, head, warp_idx, lane, tid, is_k: cutlass.Constexpr[bool]):
         new = mNew.shape[1]
         first = length // self.nr
@@ -193,7 +201,7 @@ class PackSm80:
             self.load_rows(s_tile, mRes, mNew, b, head, blk * self.nr, length, tid)
             wait_all()
             if const_expr(is_k):
-                self.pack_k(s_tile, s_red, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane)
+                self.pack_k(s_tile, s_red, s_zi, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane, tid)
             else:
                 self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
             cute.arch.sync_threads()  # s_tile (and the residual rows it came from) are free again
@@ -265,7 +273,7 @@ class PackSm80:
     # K: rows = tokens, columns = channels
     # ---------------------------------------------------------------------------------
     @cute.jit
-    def pack_k(self, s_tile, s_red, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane):
+    def pack_k(self, s_tile, s_red, s_zi, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane, tid):
         page, off = self.locate(mBlockTable, mKp.shape[2], b, blk)
         c, g = lane % 4, lane // 4
         row0 = warp_idx * self.t
@@ -273,28 +281,23 @@ class PackSm80:
         if const_expr(self.k_channel):
             self.k_channel_minmax(s_tile, s_red, warp_idx, lane)
             cute.arch.sync_threads()
+            self.k_channel_params(s_red, s_zi, mKs, page, head, off, tid)
+            cute.arch.sync_threads()
+        zinv = {}
         for mt in cutlass.range_constexpr(self.t // 16):
             rows = cute.local_tile(s_tile, (16, self.d), (warp_idx * (self.t // 16) + mt, 0))
             frag = self.fragments(rows, lane, False)  # ((2,2,2), 1, D/16)
             # per (row half, k-block, column): the value's (zero, 1/scale)
-            zinv = {}
             if const_expr(self.k_channel):
-                grp = (row0 + 16 * mt) // self.group
-                first_seg = grp * (self.group // self.seg)
-                for kt in cutlass.range_constexpr(kt_count):
-                    for v in cutlass.range_constexpr(4):
-                        col = 16 * kt + 2 * c + (v % 2) + 8 * (v // 2)
-                        mn = s_red[(2 * first_seg) * self.d + col]
-                        mx = s_red[(2 * first_seg + 1) * self.d + col]
-                        for sg in cutlass.range_constexpr(1, self.group // self.seg):
-                            mn = _min(mn, s_red[(2 * (first_seg + sg)) * self.d + col])
-                            mx = _max(mx, s_red[(2 * (first_seg + sg) + 1) * self.d + col])
-                        word, zero, inv = self.params(mn, mx)
-                        zinv[(0, kt, v)] = (zero, inv)
-                        zinv[(1, kt, v)] = (zero, inv)
-                        # the segment that starts a group writes its params (fragment order)
-                        if ((row0 + 16 * mt) % self.group == 0) & (g == 0):
-                            mKs[page, head, (off + row0 + 16 * mt) // self.group, sm80.param_position(kt, c, v)] = Int32(word)
+                if const_expr(mt == 0 or (16 * mt) % self.group == 0):  # the group changes
+                    grp = (row0 + 16 * mt) // self.group
+                    for kt in cutlass.range_constexpr(kt_count):
+                        # (zero, 1/scale) of the lane's 4 values of the k-block: 8 floats in a row
+                        zi = cute.make_rmem_tensor((8,), Float32)
+                        cute.autovec_copy(cute.local_tile(s_zi[None, None, grp], (2, 4), (0, 4 * kt + c)), zi)
+                        for v in cutlass.range_constexpr(4):
+                            zinv[(0, kt, v)] = (zi[2 * v], zi[2 * v + 1])
+                            zinv[(1, kt, v)] = zinv[(0, kt, v)]
             else:
                 gk = self.group // 16  # k-blocks per channel group
                 frag32 = cute.recast_tensor(frag, Uint32)
@@ -365,6 +368,30 @@ class PackSm80:
                         s_red[(2 * seg_idx) * self.d + col + 1] = self.high(mn2)
                         s_red[(2 * seg_idx + 1) * self.d + col] = self.low(mx2)
                         s_red[(2 * seg_idx + 1) * self.d + col + 1] = self.high(mx2)
+
+    @cute.jit
+    def k_channel_params(self, s_red, s_zi, mKs, page, head, off, tid):
+        """K per channel: every (group, column) of the block once, thread by thread: the
+        group's min / max from its segments (s_red), its params word to global memory
+        (consecutive threads, consecutive words) and (zero, 1/scale) to s_zi."""
+        groups = self.nr // self.group
+        segs = self.group // self.seg
+        for j in cutlass.range_constexpr((groups * self.d + NUM_THREADS - 1) // NUM_THREADS):
+            i = cutlass.min(tid + j * NUM_THREADS, groups * self.d - 1)  # a spare thread repeats the last
+            grp = i // self.d
+            pos = i - grp * self.d  # fragment-order position 16 kt + 4 c + v
+            r = pos % 16
+            v = r % 4
+            col = pos - r + 2 * (r // 4) + (v % 2) + 8 * (v // 2)
+            mn = s_red[(2 * grp * segs) * self.d + col]
+            mx = s_red[(2 * grp * segs + 1) * self.d + col]
+            for sg in cutlass.range_constexpr(1, segs):
+                mn = _min(mn, s_red[(2 * (grp * segs + sg)) * self.d + col])
+                mx = _max(mx, s_red[(2 * (grp * segs + sg) + 1) * self.d + col])
+            word, zero, inv = self.params(mn, mx)
+            mKs[page, head, off // self.group + grp, pos] = Int32(word)
+            s_zi[0, pos, grp] = zero
+            s_zi[1, pos, grp] = inv
 
     # ---------------------------------------------------------------------------------
     # V: rows = channels, columns = the block's tokens (warp w: chunk w)
