@@ -240,7 +240,7 @@ class DecodeSm80(PackedDecodeConfig):
 
     @cute.jit
     def load_tile(self, mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile, stage, tid):
-        page, off = page_of(mBlockTable, batch, tile * self.nr, mKp.shape[2])
+        page, off = page_of(mBlockTable, batch, tile * self.nr, mKp.shape[2], mKp.shape[0])
         kp, vp, ks, vs = self.stage_tensors(stage)
         gkp = cute.local_tile(mKp[page, head_kv, None, None], (self.nr, 2 * self.wk), (off // self.nr, 0))
         copy_rows(assume_aligned(gkp), kp, tid, NUM_THREADS, 0, False)

@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from ..layouts import packing, resources, sm80
 from . import ptx
 from .copy import copy_rows, copy_rows_two_sources, load_a_fragments, wait_all
-from .tensors import assume_aligned, page_of
+from .tensors import assume_aligned, page_in_range, page_of
 
 NUM_WARPS = sm80.WARPS_N
 
@@ -131,7 +131,7 @@ class PackSm80:
             blk = x - which * blocks
             # the host checked the lengths; the clamp keeps any other from reaching past
             # the sequence's pages
-            if (blk + 1) * self.nr <= cutlass.min(length, capacity):
+            if ((blk + 1) * self.nr <= cutlass.min(length, capacity)) & self.page_ok(mBlockTable, mKp, b, blk):
                 if which == 0:
                     self.load_rows(s_tile, mSrcK, mSrcK, b, head, blk * self.nr, Int32(0), tid)
                     wait_all()
@@ -200,10 +200,11 @@ class PackSm80:
             # tokens of this block already in the residual buffer are those below `length`
             self.load_rows(s_tile, mRes, mNew, b, head, blk * self.nr, length, tid)
             wait_all()
-            if const_expr(is_k):
-                self.pack_k(s_tile, s_red, s_zi, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane, tid)
-            else:
-                self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
+            if self.page_ok(mBlockTable, mKp, b, blk):
+                if const_expr(is_k):
+                    self.pack_k(s_tile, s_red, s_zi, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane, tid)
+                else:
+                    self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
             cute.arch.sync_threads()  # s_tile (and the residual rows it came from) are free again
         # the tokens that do not complete a block stay 16-bit in the residual buffer
         tail0 = cutlass.max(length, last * self.nr)
@@ -261,6 +262,9 @@ class PackSm80:
             mn2 = ptx.min_x2(mn2, cute.arch.shuffle_sync_bfly(mn2, lane_masks[m]), self.is_bf16)
             mx2 = ptx.max_x2(mx2, cute.arch.shuffle_sync_bfly(mx2, lane_masks[m]), self.is_bf16)
         return mn2, mx2
+
+    def page_ok(self, mBlockTable, mKp, b, blk):
+        return page_in_range(mBlockTable, b, blk * self.nr, mKp.shape[2], mKp.shape[0])
 
     def locate(self, mBlockTable, page_size, b, blk):
         return page_of(mBlockTable, b, blk * self.nr, page_size)

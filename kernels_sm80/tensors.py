@@ -17,10 +17,23 @@ def assume_aligned(t: cute.Tensor, align_bytes: int = 16) -> cute.Tensor:
     return cute.make_tensor(ptr, t.layout)
 
 
-def page_of(block_table: cute.Tensor, batch, tok, page_size):
-    """(page, offset in the page) of token ``tok`` of sequence ``batch`` (paged cache)."""
+def page_of(block_table: cute.Tensor, batch, tok, page_size, num_pages=None):
+    """(page, offset in the page) of token ``tok`` of sequence ``batch`` (paged cache).
+
+    The host rejects block tables with entries outside ``[0, num_pages)``; a table edited
+    after that check must still not send a kernel outside the cache, so with ``num_pages``
+    such an entry reads the last page instead (one unsigned min)."""
     slot = tok // page_size
-    return block_table[batch, slot], tok - slot * page_size
+    page = block_table[batch, slot]
+    if num_pages is not None:
+        page = cutlass.Int32(cutlass.min(cutlass.Uint32(page), cutlass.Uint32(num_pages - 1)))
+    return page, tok - slot * page_size
+
+
+def page_in_range(block_table: cute.Tensor, batch, tok, page_size, num_pages):
+    """Whether the block-table entry of token ``tok`` names a page of the cache (writers
+    skip a block whose page does not: clamping would write into another sequence)."""
+    return cutlass.Uint32(block_table[batch, tok // page_size]) < cutlass.Uint32(num_pages)
 
 
 def aligned_ptr(ptr, align_bytes: int):

@@ -215,7 +215,7 @@ class DecodeSm90(PackedDecodeConfig):
                                          cute.group_modes(gV, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for tile in cutlass.range(tile_begin, packed_end, unroll=1):
-            page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0])
+            page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0])
             blk = off // self.nr
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)

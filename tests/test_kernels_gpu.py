@@ -308,3 +308,29 @@ def test_one_cache_decoded_on_two_streams_equals_serial(backend):
     for i in range(2):
         for o in outs[i]:
             assert torch.equal(o, serial[i])
+
+
+def test_edited_block_table_never_takes_a_kernel_outside_the_cache(backend):
+    """A block table edited after prefill (the host check has passed) to hold page ids
+    outside the cache: the append kernel skips those blocks (writes nothing anywhere) and the
+    decode reads stay inside the cache (the run completes; sanitizer tests cover the rest)."""
+    fmt = bd.KVFormat(bits=4)
+    nr = fmt.residual_block
+    cache, _, _ = make_cache(fmt, [3 * nr, 3 * nr], 2, 128, torch.float16, page_size=nr, backend=backend, seed=3)
+    pages = cache.k_pack.shape[0]
+    cache.block_table[1, 3] = pages + 1000  # the block the append completes
+    cache.block_table[1, 0] = -5  # read by the decode
+    before = [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)]
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(2, nr, 2, 128, generator=gen).half().to(DEV)
+    cache.append(k, k)
+    out = bd.decode(torch.randn(2, 1, 8, 128, generator=gen).half().to(DEV), cache, num_splits=2)
+    torch.cuda.synchronize()
+    written = int(cache.block_table[0, 3])  # the only page the append may write
+    for t, b in zip((cache.k_pack, cache.k_params, cache.v_pack, cache.v_params), before):
+        keep = torch.ones(pages, dtype=torch.bool)
+        keep[written] = False
+        assert torch.equal(t[keep.to(DEV)], b[keep.to(DEV)])
+        assert not torch.equal(t[written], b[written])
+    assert out.shape == (2, 1, 8, 128)
+    assert cache.seqlens.tolist() == [4 * nr, 4 * nr]
