@@ -49,7 +49,13 @@ class KVCache:
         self.k_res, self.v_res = k_res, v_res
         self.seqlens = seqlens
         self.block_table = block_table
-        self._host_lens: List[int] = [0] * k_res.shape[0]
+        # host-side lengths without a device sync: per-sequence base + the tokens appended
+        # since (an append adds the same count to every sequence), and their maximum
+        self._host_base: List[int] = [0] * k_res.shape[0]
+        self._host_added = 0
+        self._host_max = 0
+        self._append_key = None  # (k, v) shapes / dtypes / devices / strides last validated
+        self._appender = None  # the backend's compiled append, bound to this cache
         self.overflow = torch.zeros_like(seqlens)
         # the storage tensors are fixed for the cache's lifetime (written in place only), so
         # compiled-kernel plans built for them can be reused call after call
@@ -165,6 +171,15 @@ class KVCache:
             )
         self._host_lens = self.seqlens.tolist()
 
+    @property
+    def _host_lens(self) -> List[int]:
+        return [n + self._host_added for n in self._host_base]
+
+    @_host_lens.setter
+    def _host_lens(self, lens: List[int]) -> None:
+        self._host_base, self._host_added = list(lens), 0
+        self._host_max = max(self._host_base, default=0)
+
     def tensors(self) -> CacheTensors:
         return self._tensors
 
@@ -204,12 +219,13 @@ class KVCache:
             bad = [x for x in lens if not 0 <= x <= n]
             if bad:
                 raise ValueError(f"seqlens must lie in [0, {n}] (tokens given), got {bad[0]}")
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # the pages the prompt will be packed into (a block table edited by the caller)
-        attention.check_block_table(self._tensors, torch.tensor(lens, dtype=torch.int32, device=self.device))
+        attention.check_block_table(self._tensors, lens_t)
         if self.backend == "reference":
-            self._prefill_reference(k, v, lens)
+            reference_prefill(self._tensors, k, v, lens)
         else:
-            backends.get(self.backend).prefill(self._tensors, k, v, lens)
+            backends.get(self.backend).prefill(self._tensors, k, v, lens_t)
         self._host_lens = lens
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -219,22 +235,31 @@ class KVCache:
         With a kernel backend this is one launch and can be captured in a CUDA graph
         (the host-side capacity check then only sees the capture, not the replays).
         """
-        self._check_kv(k, v, "append")
+        # the checks of k and v run once per new (shape, dtype, device, strides): a decode
+        # loop's appends cost one tuple compare, one max and the launch
+        key = (k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype, k.device, v.device) \
+            if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else None
+        if key is None or key != self._append_key:
+            self._check_kv(k, v, "append")
+            self._append_key = key
         t = k.shape[1]
-        over = [b for b, n in enumerate(self._host_lens) if n + t > self.max_seqlen]
-        if over:
-            b = over[0]
+        if self._host_max + t > self.max_seqlen:
+            lens = self._host_lens
+            b = next(i for i, n in enumerate(lens) if n + t > self.max_seqlen)
             raise ValueError(
-                f"append of {t} tokens would grow sequence {b} from {self._host_lens[b]} to "
-                f"{self._host_lens[b] + t} tokens, beyond max_seqlen={self.max_seqlen}; nothing was written"
+                f"append of {t} tokens would grow sequence {b} from {lens[b]} to "
+                f"{lens[b] + t} tokens, beyond max_seqlen={self.max_seqlen}; nothing was written"
             )
         if t == 0:
             return
         if self.backend == "reference":
-            self._append_reference(k, v)
+            reference_append(self._tensors, k, v)
         else:
-            backends.get(self.backend).append(self._tensors, k, v)
-        self._host_lens = [n + t for n in self._host_lens]
+            if self._appender is None:
+                self._appender = backends.get(self.backend).appender(self._tensors)
+            self._appender(k, v)
+        self._host_added += t
+        self._host_max += t
 
     def reset(self) -> None:
         """Empty every sequence and clear the overflow flags."""
@@ -246,7 +271,7 @@ class KVCache:
     def decode(self, q: torch.Tensor, softmax_scale: Optional[float] = None, num_splits: int = 0,
                *, backend: str = "auto", return_lse: bool = False):
         """Attention of ``q`` ``[B, 1, Hq, D]`` over the cache (see ``bitdecode.decode``)."""
-        max_len = max(self._host_lens, default=0)
+        max_len = self._host_max
         if backend == "auto":
             backend = self.backend
         # fast path: a query like the last validated one (shape, dtype, device, options, and
@@ -277,56 +302,6 @@ class KVCache:
         return reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
                                    c.k_res, c.v_res, c.block_table.cpu(), self.fmt)
 
-    # ---- reference implementations of the writes ---------------------------------------
-    def _block_slices(self, b: int, block: int):
-        """Where packed block ``block`` (Nr tokens) of sequence ``b`` lives."""
-        nr, g = self.fmt.residual_block, self.fmt.group_size
-        start = block * nr
-        page = int(self.block_table[b, start // self.page_size])
-        off = start % self.page_size
-        kp = (page, slice(None), slice(off, off + nr))
-        if self.fmt.k_mode == "channel":
-            kq = (page, slice(None), slice(off // g, (off + nr) // g))
-        else:
-            kq = kp
-        vp = (page, slice(None), off // nr)
-        vq = (page, slice(None), slice(off // 16, (off + nr) // 16))
-        return kp, kq, vp, vq
-
-    def _write_block(self, b: int, block: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
-        """Quantize and pack one block: kb, vb ``[Nr, Hkv, D]``."""
-        # non-finite values are not checked (the kernels cannot without a sync): their
-        # groups pack as NaN, as the kernels pack them
-        k_pack, k_params = reference.pack_k(kb.transpose(0, 1), self.fmt, check_finite=False)
-        v_pack, v_params = reference.pack_v(vb.transpose(0, 1), self.fmt, check_finite=False)
-        kp, kq, vp, vq = self._block_slices(b, block)
-        self.k_pack[kp] = k_pack
-        self.k_params[kq] = k_params
-        self.v_pack[vp] = v_pack[:, 0]
-        self.v_params[vq] = v_params
-
-    def _prefill_reference(self, k, v, lens: List[int]) -> None:
-        nr = self.fmt.residual_block
-        for b, n in enumerate(lens):
-            for blk in range(n // nr):
-                self._write_block(b, blk, k[b, blk * nr:(blk + 1) * nr], v[b, blk * nr:(blk + 1) * nr])
-            r = n % nr
-            self.k_res[b, :r] = k[b, n - r:n]
-            self.v_res[b, :r] = v[b, n - r:n]
-        self.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
-
-    def _append_reference(self, k, v) -> None:
-        nr = self.fmt.residual_block
-        for b, n in enumerate(self._host_lens):
-            for i in range(k.shape[1]):
-                pos = n + i
-                slot = pos % nr
-                self.k_res[b, slot] = k[b, i]
-                self.v_res[b, slot] = v[b, i]
-                if slot == nr - 1:
-                    self._write_block(b, pos // nr, self.k_res[b], self.v_res[b])
-        self.seqlens.add_(k.shape[1])
-
 
 def decode(
     q: torch.Tensor,
@@ -342,3 +317,63 @@ def decode(
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                         return_lse=return_lse)
+
+
+# --------------------------------------------------------------------------------------
+# The writes in plain torch (the reference backend; what the pack kernels are tested against)
+# --------------------------------------------------------------------------------------
+
+
+def _block_slices(c: CacheTensors, b: int, block: int):
+    """Where packed block ``block`` (Nr tokens) of sequence ``b`` lives."""
+    nr, g = c.fmt.residual_block, c.fmt.group_size
+    start = block * nr
+    page = int(c.block_table[b, start // c.page_size])
+    off = start % c.page_size
+    kp = (page, slice(None), slice(off, off + nr))
+    kq = (page, slice(None), slice(off // g, (off + nr) // g)) if c.fmt.k_mode == "channel" else kp
+    vp = (page, slice(None), off // nr)
+    vq = (page, slice(None), slice(off // 16, (off + nr) // 16))
+    return kp, kq, vp, vq
+
+
+def _write_block(c: CacheTensors, b: int, block: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
+    """Quantize and pack one block: kb, vb ``[Nr, Hkv, D]``.  Non-finite values are not
+    checked (the kernels cannot without a sync): their groups pack as NaN, as the kernels
+    pack them."""
+    k_pack, k_params = reference.pack_k(kb.transpose(0, 1), c.fmt, check_finite=False)
+    v_pack, v_params = reference.pack_v(vb.transpose(0, 1), c.fmt, check_finite=False)
+    kp, kq, vp, vq = _block_slices(c, b, block)
+    c.k_pack[kp] = k_pack
+    c.k_params[kq] = k_params
+    c.v_pack[vp] = v_pack[:, 0]
+    c.v_params[vq] = v_params
+
+
+def reference_prefill(c: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: List[int]) -> None:
+    nr = c.fmt.residual_block
+    for b, n in enumerate(lens):
+        for blk in range(n // nr):
+            _write_block(c, b, blk, k[b, blk * nr:(blk + 1) * nr], v[b, blk * nr:(blk + 1) * nr])
+        r = n % nr
+        c.k_res[b, :r] = k[b, n - r:n]
+        c.v_res[b, :r] = v[b, n - r:n]
+    c.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+
+
+def reference_append(c: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The append kernel's semantics, from the lengths on the cache's device: a sequence
+    that would pass ``c.capacity`` is not written and is flagged in ``c.overflow``."""
+    nr, t = c.fmt.residual_block, k.shape[1]
+    for b, n in enumerate(c.cache_seqlens.tolist()):
+        if n + t > c.capacity:
+            c.overflow[b] = n + t
+            continue
+        for i in range(t):
+            pos = n + i
+            slot = pos % nr
+            c.k_res[b, slot] = k[b, i]
+            c.v_res[b, slot] = v[b, i]
+            if slot == nr - 1:
+                _write_block(c, b, pos // nr, c.k_res[b], c.v_res[b])
+        c.cache_seqlens[b] = n + t

@@ -21,6 +21,13 @@ What runs where:
 The cache binds itself to the model's attention modules when it is made (that is how the
 attention function finds it), so one model runs one ``BitDecodingCache`` at a time.
 Importing this module imports transformers (it is not a dependency of ``bitdecode``).
+
+Tensor parallelism is transformers' own (``from_pretrained(..., tp_plan="auto")``, or
+``distributed_config=DistributedConfig(tp_plan="auto")``, under ``torchrun``): q/k/v are
+split by heads, so each rank's attention sees only its query and KV heads, each layer's
+``KVCache`` (allocated from the first update's shapes) holds only this rank's KV heads on
+this rank's device, and ``memory_bytes()`` counts this rank's share.  Nothing here is
+collective; the ranks meet only in the model's own all-reduces (``tests/test_tp.py``).
 """
 
 from __future__ import annotations
@@ -69,6 +76,9 @@ class BitDecodingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.seen == 0:
             self.prompt_pending = True  # packed by the attention call, which has the mask
+        elif torch.compiler.is_compiling():  # one op node; capacity checked on the device
+            ops.append_cache(key_states.transpose(1, 2).contiguous(), value_states.transpose(1, 2).contiguous(),
+                             self.kv)
         else:
             self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
         self.seen += key_states.shape[2]
@@ -139,6 +149,16 @@ class BitDecodingCache(Cache):
 
     def memory_bytes(self) -> int:
         return sum(layer.kv.memory_bytes() for layer in self.layers if layer.kv is not None)
+
+    def check(self) -> None:
+        """After CUDA-graph replays (or compiled steps) of decode steps: raise
+        ``bitdecode.CacheOverflowError`` if any layer refused an append on the device, else
+        bring each layer's host-side lengths (and ``get_seq_length``) up to the device's."""
+        for layer in self.layers:
+            if layer.kv is not None:
+                before = max(layer.kv.lengths, default=0)
+                layer.kv.check()
+                layer.seen += max(layer.kv.lengths, default=0) - before
 
 
 def _valid_tokens(attention_mask: Optional[torch.Tensor], bsz: int, t: int, device) -> torch.Tensor:

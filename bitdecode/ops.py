@@ -2,9 +2,13 @@
 
 ``torch.ops.bitdecode.decode`` is ``decode_attention`` as an opaque op with a fake
 (meta) implementation: a compiled graph keeps it as one node instead of breaking at the
-Python dispatch, the kernel plans and the TVM-FFI launch.  The cache writes (append /
-prefill) are not ops yet: their capacity check reads host-side lengths, which a compiled
-graph cannot (issue 14's device-side guard comes first).
+Python dispatch, the kernel plans and the TVM-FFI launch.  ``bitdecode::append`` and
+``bitdecode::prefill`` are the cache writes, mutating the cache tensors in place.  They
+read the lengths on the device, not the host: an append that would pass the capacity is
+refused there and flagged in the cache's ``overflow`` (``KVCache.check`` reports it), so a
+compiled or graph-captured step stays safe without the host-side check of
+``KVCache.append``.  The ``KVCache`` host-side lengths do not follow these ops;
+``KVCache.check()`` brings them up to date.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ from typing import Tuple
 
 import torch
 
-from . import attention
+from . import attention, backend as backends
+from .backend import CacheTensors
 from .formats import KVFormat
+
+_WRITES = ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res", "cache_seqlens", "overflow", "commits")
 
 
 @torch.library.custom_op("bitdecode::decode", mutates_args=())
@@ -46,3 +53,72 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
                                         t.fmt.group_size, float(softmax_scale),
                                         0, cache.backend if backend == "auto" else backend)
     return out
+
+
+def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
+                   commits, bits, k_mode, group_size, capacity) -> CacheTensors:
+    return CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                        KVFormat(bits=bits, k_mode=k_mode, group_size=group_size), capacity=capacity,
+                        overflow=overflow, commits=commits)
+
+
+@torch.library.custom_op("bitdecode::append", mutates_args=_WRITES)
+def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack: torch.Tensor,
+           v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
+           block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor, bits: int, k_mode: str,
+           group_size: int, capacity: int, backend: str) -> None:
+    """``KVCache.append`` of ``k``, ``v`` ``[B, T, Hkv, D]`` on the cache tensors, with the
+    capacity checked on the device (no host sync)."""
+    from .cache import reference_append
+
+    c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
+                       commits, bits, k_mode, group_size, capacity)
+    if backend == "reference":
+        reference_append(c, k, v)
+    else:
+        backends.get(backend).append(c, k, v)
+
+
+@append.register_fake
+def _append_fake(*args) -> None:
+    return None
+
+
+@torch.library.custom_op("bitdecode::prefill", mutates_args=_WRITES)
+def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor,
+            v_pack: torch.Tensor, v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor,
+            bits: int, k_mode: str, group_size: int, capacity: int, backend: str) -> None:
+    """``KVCache.prefill``: the first ``seqlens[b]`` (int32, on the cache's device) tokens of
+    ``k``, ``v`` ``[B, N, Hkv, D]`` replace each sequence's content.  Lengths and the block
+    table are not re-checked here (``KVCache.prefill`` checks them)."""
+    from .cache import reference_prefill
+
+    c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
+                       commits, bits, k_mode, group_size, capacity)
+    if backend == "reference":
+        reference_prefill(c, k, v, seqlens.tolist())
+    else:
+        backends.get(backend).prefill(c, k, v, seqlens)
+
+
+@prefill.register_fake
+def _prefill_fake(*args) -> None:
+    return None
+
+
+def _write_args(cache):
+    t = cache.tensors()
+    return (t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
+            t.overflow, t.commits, t.fmt.bits, t.fmt.k_mode, t.fmt.group_size, t.capacity, cache.backend)
+
+
+def append_cache(k: torch.Tensor, v: torch.Tensor, cache) -> None:
+    """``cache.append(k, v)`` through the op (for compiled code): ``cache`` is a ``KVCache``;
+    its host-side lengths are not advanced (``cache.check()`` does that)."""
+    torch.ops.bitdecode.append(k, v, *_write_args(cache))
+
+
+def prefill_cache(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, cache) -> None:
+    """``cache.prefill(k, v, seqlens)`` through the op, ``seqlens`` an int32 device tensor."""
+    torch.ops.bitdecode.prefill(k, v, seqlens, *_write_args(cache))

@@ -10,7 +10,7 @@ they can be captured in CUDA graphs.
 from __future__ import annotations
 
 import itertools
-from typing import List, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -261,25 +261,33 @@ class Sm80Backend:
         return DecodePlan(cache, tuple(q_shape), q_dtype, device, splits, decode_fn, combine_fn)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------
-    def prefill(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens) -> None:
-        """Pack every full block of the prompt; the tail goes to the residual buffer."""
-        nr = cache.fmt.residual_block
-        lens_t = torch.tensor(lens, dtype=torch.int32, device=cache.device)
-        if k.shape[1] >= nr:
-            _pack_call(cache, "prefill", k.contiguous(), v.contiguous(), lens_t)
-        for b, n in enumerate(lens):
-            r = n % nr
-            if r:
-                cache.k_res[b, :r].copy_(k[b, n - r:n])
-                cache.v_res[b, :r].copy_(v[b, n - r:n])
-        cache.cache_seqlens.copy_(lens_t)
+    def prefill(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> None:
+        """One launch packs every full block of the prompt and copies each sequence's
+        tail to the residual buffer; ``lens`` (int32, on the cache's device) become the
+        lengths."""
+        if k.shape[1]:
+            _pack_call(cache, "prefill", k.contiguous(), v.contiguous(), lens)
+        cache.cache_seqlens.copy_(lens)
 
     def append(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None:
         """One pack launch: fill the residual blocks, pack the ones that complete, and
         store the new lengths; a sequence that would pass ``cache.capacity`` (a replayed
         graph: the host checked only the capture) is left as it was and flagged in
         ``cache.overflow``."""
-        _pack_call(cache, "append", k.contiguous(), v.contiguous(), cache.cache_seqlens)
+        self.appender(cache)(k, v)
+
+    def appender(self, cache: CacheTensors) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """``append`` for this cache with the kernel and its fixed arguments bound once."""
+        arch = jit.target_arch(cache.device.index)
+        kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, "append")
+        before = (cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
+        after = (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.overflow, cache.commits,
+                 cache.capacity)
+
+        def append(k: torch.Tensor, v: torch.Tensor) -> None:
+            kern(k.contiguous(), v.contiguous(), *before, *after)
+
+        return append
 
     # ---- ahead-of-time compilation (``bitdecode compile``) ------------------------------
     def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:

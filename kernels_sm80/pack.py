@@ -12,7 +12,9 @@ registers with the element-to-field interleave and written as words, params as
 
 Modes:
 * ``prefill``: source = the prompt ``[B, N, Hkv, D]``; block ``blk`` of sequence ``b`` is
-  packed when it is full (``(blk + 1) * Nr <= lens[b]``).  Grid ``(2 * blocks, Hkv, B)``.
+  packed when it is full (``(blk + 1) * Nr <= lens[b]``), and the CTAs of its last,
+  partial block copy those tokens to the residual buffer.  Grid ``(2 * blocks, Hkv, B)``
+  (K blocks, then V blocks); one launch whatever the lengths.
 * ``append``: source = new tokens ``[B, T, Hkv, D]`` with ``lens`` = lengths before the
   append.  Blocks completed by the new tokens are assembled from the residual buffer and
   the new tokens and packed; the remaining new tokens go to the residual buffer.  Grid
@@ -131,7 +133,8 @@ class PackSm80:
             blk = x - which * blocks
             # the host checked the lengths; the clamp keeps any other from reaching past
             # the sequence's pages
-            if ((blk + 1) * self.nr <= cutlass.min(length, capacity)) & self.page_ok(mBlockTable, mKp, b, blk):
+            length = cutlass.min(length, capacity)
+            if ((blk + 1) * self.nr <= length) & self.page_ok(mBlockTable, mKp, b, blk):
                 if which == 0:
                     self.load_rows(s_tile, mSrcK, mSrcK, b, head, blk * self.nr, Int32(0), tid)
                     wait_all()
@@ -140,6 +143,11 @@ class PackSm80:
                     self.load_rows(s_tile, mSrcV, mSrcV, b, head, blk * self.nr, Int32(0), tid)
                     wait_all()
                     self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
+            elif blk == length // self.nr:  # the sequence's last, partial block: 16-bit residual
+                if which == 0:
+                    self.copy_tail(mSrcK, mKr, b, head, blk * self.nr, length, Int32(0), tid)
+                else:
+                    self.copy_tail(mSrcV, mVr, b, head, blk * self.nr, length, Int32(0), tid)
         else:
             new_len = length + mSrcK.shape[1]
             fits = new_len <= capacity
@@ -207,14 +215,18 @@ class PackSm80:
                     self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
             cute.arch.sync_threads()  # s_tile (and the residual rows it came from) are free again
         # the tokens that do not complete a block stay 16-bit in the residual buffer
-        tail0 = cutlass.max(length, last * self.nr)
+        self.copy_tail(mNew, mRes, b, head, cutlass.max(length, last * self.nr), length + new, length, tid)
+
+    @cute.jit
+    def copy_tail(self, mSrc, mRes, b, head, begin, end, src0, tid):
+        """Tokens ``[begin, end)`` of the sequence (source row ``pos - src0``) to residual
+        rows ``pos % Nr``, 16 bytes per thread and step."""
         per_row = self.d // CHUNK
-        count = (length + new - tail0) * per_row
-        for q in cutlass.range(tid, count, NUM_THREADS, unroll=1):
+        for q in cutlass.range(tid, (end - begin) * per_row, NUM_THREADS, unroll=1):
             r = q // per_row
             col = q - r * per_row
-            pos = tail0 + r
-            src = cute.local_tile(mNew[b, None, head, None], (1, CHUNK), (pos - length, col))
+            pos = begin + r
+            src = cute.local_tile(mSrc[b, None, head, None], (1, CHUNK), (pos - src0, col))
             dst = cute.local_tile(mRes[b, None, head, None], (1, CHUNK), (pos % self.nr, col))
             cute.autovec_copy(assume_aligned(src), assume_aligned(dst))
 
@@ -287,21 +299,22 @@ class PackSm80:
             cute.arch.sync_threads()
             self.k_channel_params(s_red, s_zi, mKs, page, head, off, tid)
             cute.arch.sync_threads()
-        zinv = {}
-        for mt in cutlass.range_constexpr(self.t // 16):
+        # a runtime loop over the warp's m-tiles: one copy of the body keeps the code small
+        # enough for the instruction cache (unrolled, fetch stalls bound the kernel)
+        for mt in cutlass.range(self.t // 16, unroll=1):
             rows = cute.local_tile(s_tile, (16, self.d), (warp_idx * (self.t // 16) + mt, 0))
             frag = self.fragments(rows, lane, False)  # ((2,2,2), 1, D/16)
             # per (row half, k-block, column): the value's (zero, 1/scale)
+            zinv = {}
             if const_expr(self.k_channel):
-                if const_expr(mt == 0 or (16 * mt) % self.group == 0):  # the group changes
-                    grp = (row0 + 16 * mt) // self.group
-                    for kt in cutlass.range_constexpr(kt_count):
-                        # (zero, 1/scale) of the lane's 4 values of the k-block: 8 floats in a row
-                        zi = cute.make_rmem_tensor((8,), Float32)
-                        cute.autovec_copy(cute.local_tile(s_zi[None, None, grp], (2, 4), (0, 4 * kt + c)), zi)
-                        for v in cutlass.range_constexpr(4):
-                            zinv[(0, kt, v)] = (zi[2 * v], zi[2 * v + 1])
-                            zinv[(1, kt, v)] = zinv[(0, kt, v)]
+                grp = (row0 + 16 * mt) // self.group
+                for kt in cutlass.range_constexpr(kt_count):
+                    # (zero, 1/scale) of the lane's 4 values of the k-block: 8 floats in a row
+                    zi = cute.make_rmem_tensor((8,), Float32)
+                    cute.autovec_copy(cute.local_tile(s_zi[None, None, grp], (2, 4), (0, 4 * kt + c)), zi)
+                    for v in cutlass.range_constexpr(4):
+                        zinv[(0, kt, v)] = (zi[2 * v], zi[2 * v + 1])
+                        zinv[(1, kt, v)] = zinv[(0, kt, v)]
             else:
                 gk = self.group // 16  # k-blocks per channel group
                 frag32 = cute.recast_tensor(frag, Uint32)
@@ -406,8 +419,12 @@ class PackSm80:
         c, g = lane % 4, lane // 4
         s_vt = cute.composition(s_tile, cute.make_layout((self.d, self.nr), stride=(self.nr, 1)))
         gm = self.group // 16  # channel m-tiles per group
-        words = {}
-        for kt in cutlass.range_constexpr(self.kpw):
+        # the lane's words: rows g and g+8 of every channel m-tile, word c of the warp's chunk
+        words = cute.make_rmem_tensor((2, gm, self.d // self.group), Uint32)
+        words.fill(self.word_start)
+        # a runtime loop over the word's k-blocks (small code, see pack_k): the fields of
+        # k-block kt sit 2 * bits * kt above those of k-block 0
+        for kt in cutlass.range(self.kpw, unroll=1):
             # V^T (all D channels x one 16-token k-block), loaded exactly as decode loads it
             view = cute.local_tile(s_vt, (self.d, 16), (0, warp_idx * self.kpw + kt))
             frag = self.fragments(view, lane, True)  # ((2,2,2), D/16, 1)
@@ -428,20 +445,20 @@ class PackSm80:
                     mn2, mx2 = self.pair_reduce(mn2, mx2, (4, 8, 16))
                     prm[2 * p] = self.params(self.low(mn2), self.low(mx2))
                     prm[2 * p + 1] = self.params(self.high(mn2), self.high(mx2))
-                for v in cutlass.range_constexpr(4):
-                    word, zero, inv = prm[v]
-                    if g == 0:
-                        tile16 = (off + warp_idx * self.t) // 16 + kt
-                        mVs[page, head, tile16, gi, sm80.param_position(0, c, v)] = Int32(word)
-                    shift = packing.shift_of_element(self.bits, 4 * kt + v)
-                    for mm in cutlass.range_constexpr(gm):
-                        for h in cutlass.range_constexpr(2):
+                if g == 0:
+                    tile16 = (off + warp_idx * self.t) // 16 + kt
+                    for v in cutlass.range_constexpr(4):
+                        mVs[page, head, tile16, gi, sm80.param_position(0, c, v)] = Int32(prm[v][0])
+                for mm in cutlass.range_constexpr(gm):
+                    for h in cutlass.range_constexpr(2):
+                        part = Uint32(0)
+                        for v in cutlass.range_constexpr(4):
+                            _, zero, inv = prm[v]
                             x = Float32(frag[(v % 2, h, v // 2), gi * gm + mm, 0])
-                            bits = self.code(x, zero, inv) << shift
-                            key = (gi, mm, h)
-                            words[key] = (Uint32(self.word_start) if const_expr(key not in words) else words[key]) + bits
+                            part = part + (self.code(x, zero, inv) << packing.shift_of_element(self.bits, v))
+                        words[h, mm, gi] = words[h, mm, gi] + (part << (2 * self.bits * kt))
         for gi in cutlass.range_constexpr(self.d // self.group):
             for mm in cutlass.range_constexpr(gm):
                 for h in cutlass.range_constexpr(2):
                     d = 16 * (gi * gm + mm) + 8 * h + g
-                    mVp[page, head, off // self.nr, d, 4 * warp_idx + c] = Int32(words[(gi, mm, h)])
+                    mVp[page, head, off // self.nr, d, 4 * warp_idx + c] = Int32(words[h, mm, gi])

@@ -60,3 +60,82 @@ def test_compiled_step_traces_the_op_in_one_graph(gen):
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), step(x))
+
+
+# --------------------------------------------------------------------------------------
+# the write ops
+# --------------------------------------------------------------------------------------
+
+
+def _twins(gen, lens, max_seqlen=None):
+    fmt = bd.KVFormat(bits=4, group_size=64)
+    n = max(lens)
+    k, v = kvdata.kv(gen, len(lens), n, 2, 64, dtype=torch.float16, device="cpu")
+    caches = [bd.KVCache.allocate(len(lens), 2, 64, max_seqlen or n + 200, fmt, dtype=torch.float16, device="cpu",
+                                  backend="reference") for _ in range(2)]
+    return caches, k, v
+
+
+def _same_storage(a, b):
+    for name in ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res", "seqlens", "overflow"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_write_ops_equal_the_python_calls(gen):
+    (a, b), k, v = _twins(gen, [150, 20])
+    a.prefill(k, v, [150, 20])
+    ops.prefill_cache(k, v, torch.tensor([150, 20], dtype=torch.int32), b)
+    _same_storage(a, b)
+    new_k, new_v = kvdata.kv(gen, 2, 120, 2, 64, dtype=torch.float16, device="cpu")
+    a.append(new_k, new_v)  # completes a packed block of both sequences
+    ops.append_cache(new_k, new_v, b)
+    _same_storage(a, b)
+    b.check()  # the ops leave the host lengths behind; check() reads them back
+    assert b.lengths == a.lengths == [270, 140]
+
+
+def test_append_op_refuses_a_sequence_past_capacity_on_the_device(gen):
+    """What a replayed graph gets: no host check, the sequence is left as it was and flagged."""
+    (a, _), k, v = _twins(gen, [250, 10], max_seqlen=256)
+    a.prefill(k, v, [250, 10])
+    before = {n: getattr(a, n).clone() for n in ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res")}
+    new_k, new_v = kvdata.kv(gen, 2, 8, 2, 64, dtype=torch.float16, device="cpu")
+    ops.append_cache(new_k, new_v, a)
+    assert a.seqlens.tolist() == [250, 18] and a.overflow.tolist() == [258, 0]
+    assert torch.equal(a.k_res[0], before["k_res"][0]) and torch.equal(a.v_res[0], before["v_res"][0])
+    with pytest.raises(bd.CacheOverflowError, match=r"sequence 0 \(asked for 258 tokens\)"):
+        a.check()
+
+
+@pytest.mark.parametrize("op", ["append", "prefill"])
+def test_write_op_schemas_and_fakes(gen, op):
+    (a, _), k, v = _twins(gen, [70, 3])
+    a.prefill(k, v, [70, 3])
+    args = (k[:, :2].contiguous(), v[:, :2].contiguous())
+    if op == "prefill":
+        args += (torch.tensor([2, 1], dtype=torch.int32),)
+    torch.library.opcheck(getattr(torch.ops.bitdecode, op).default, args + ops._write_args(a),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_step_traces_append_and_decode_in_one_graph(gen):
+    """A decode step that appends the new token and attends over the cache compiles with
+    fullgraph=True and does what the eager calls do."""
+    (a, b), k, v = _twins(gen, [130, 60])
+    for c in (a, b):
+        c.prefill(k, v, [130, 60])
+    x = torch.randn(2, 64, generator=gen).half()
+    w = torch.randn(64, 3 * 4 * 64, generator=gen).half() / 8
+
+    def step(x, cache):
+        q, kk, vv = (x @ w).view(2, 1, 3, 4 * 64).unbind(2)
+        kk = kk.reshape(2, 1, 4, 64)[:, :, :2].contiguous()
+        vv = vv.reshape(2, 1, 4, 64)[:, :, :2].contiguous()
+        ops.append_cache(kk, vv, cache)
+        return ops.decode_cache(q.reshape(2, 1, 4, 64).contiguous(), cache, 0.125)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(x, a)
+    want = step(x, b)
+    assert torch.equal(got, want)
+    _same_storage(a, b)

@@ -1,0 +1,362 @@
+"""``bitdecode generate``: a Hugging Face causal LM generating with the bitdecode KV cache.
+
+Loads a transformers causal LM (a local folder, or a Hugging Face id already in the local
+cache: nothing is downloaded; --gguf-file for a GGUF checkpoint, which needs the gguf
+package; --random-llama SIZE for random weights of a named Llama shape, no files at all),
+generates greedily from --prompt with a BitDecodingCache (attn_implementation
+"bitdecode") and prints the generated text (token ids without a tokenizer), the decode
+speed and the KV-cache memory.  Unless --no-baseline, the same generation first runs with
+transformers' default 16-bit cache (DynamicCache, SDPA) on the same weights, for the
+speed, the memory and how many generated tokens agree.
+
+Speed: decode tokens/s counts the generated tokens after the first (batch included)
+over the time between the first and the last generation step, each step synchronized
+(the prefill is timed apart).  KV memory: bitdecode counts all its storage (packed K/V,
+(scale, zero) params, the 16-bit residual block, lengths, block table) preallocated
+for --max-seqlen tokens; the 16-bit cache counts its K/V tensors at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from . import dispatch
+from .formats import GROUP_SIZES, K_MODES
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Llama shapes for --random-llama (and profiles/bench_e2e.py): LlamaConfig keyword arguments
+RANDOM_LLAMA = {
+    # a few MB: CPU tests and smoke runs
+    "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+    # Llama-3.2-1B
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    # Llama-3.1-8B
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+_LLAMA_COMMON = dict(max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                     rms_norm_eps=1e-5,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n", 1)[1].replace("``", ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("model", nargs="?", default=None,
+                     help="a local model folder or a Hugging Face id in the local cache (never downloaded)")
+    src.add_argument("--gguf-file", default=None, metavar="FILE",
+                     help="load this GGUF checkpoint (a file name inside MODEL, or a path; needs the gguf package)")
+    src.add_argument("--random-llama", choices=tuple(RANDOM_LLAMA), default=None, metavar="SIZE",
+                     help=f"random weights of a Llama shape ({', '.join(RANDOM_LLAMA)}: tiny = 2 layers, "
+                          "1b = Llama-3.2-1B, 8b = Llama-3.1-8B); no tokenizer, the prompt is random token ids")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 4 +
+                     "Once upon a time, in a small village by the sea,",
+                     help="the prompt (with a tokenizer)")
+    gen.add_argument("--prompt-tokens", type=_positive, default=512,
+                     help="prompt length in random token ids when there is no tokenizer (default: 512)")
+    gen.add_argument("--batch", type=_positive, default=1, help="copies of the prompt generated together (default: 1)")
+    gen.add_argument("--max-new-tokens", type=_positive, default=32, help="tokens to generate (default: 32)")
+    gen.add_argument("--max-seqlen", type=_positive, default=None,
+                     help="bitdecode cache capacity per sequence (default: prompt + max new tokens)")
+    gen.add_argument("--no-baseline", action="store_true",
+                     help="skip the run with transformers' default 16-bit cache")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the random weights / prompt (default: 0)")
+    fmt = p.add_argument_group("KV format and where it runs")
+    fmt.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4],
+                     help="bit widths to run, one generation each (default: 4)")
+    fmt.add_argument("--k-mode", choices=K_MODES, default="channel",
+                     help="K groups: per channel over tokens (KIVI) or per token over channels (default: channel)")
+    fmt.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
+                     help="values per (scale, zero) pair (default: 128, or the head dim when smaller)")
+    fmt.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                     help="where to run (default: cuda when available, else cpu)")
+    fmt.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="model and cache dtype (default: bf16)")
+    fmt.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
+                     help="auto (default): the compiled kernels on a GPU, the torch reference on the CPU")
+    return p
+
+
+# --------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------
+
+
+def llama_config(size: str, **overrides):
+    """The ``LlamaConfig`` of a ``RANDOM_LLAMA`` shape."""
+    import transformers
+
+    return transformers.LlamaConfig(**{**_LLAMA_COMMON, **RANDOM_LLAMA[size], **overrides})
+
+
+def random_llama(size: str, device, dtype: torch.dtype, attn_implementation: str = "sdpa", seed: int = 0,
+                 **overrides):
+    """A ``LlamaForCausalLM`` of shape ``size`` (``LlamaConfig`` fields in ``overrides``
+    change it) with random weights, built directly on ``device`` in ``dtype`` (no fp32
+    copy, no CPU copy of a GPU model), in eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = llama_config(size, **overrides)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation,
+                                                            dtype=dtype)
+    return model.eval()
+
+
+def cache_kwarg(model) -> str:
+    """The name under which ``model.forward`` / ``generate`` take the cache: ``cache`` from
+    transformers 5.2x on (``past_key_values`` is then deprecated), ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def use_attention(model, name: str) -> None:
+    """Switch the model's attention implementation (transformers' ``set_attn_implementation``,
+    or the config field where that method refuses a registered custom name)."""
+    try:
+        model.set_attn_implementation(name)
+    except Exception:  # noqa: BLE001 - older versions check names against their own list
+        model.config._attn_implementation = name
+    if model.config._attn_implementation != name:
+        model.config._attn_implementation = name
+
+
+def load_model(args, device: torch.device, dtype: torch.dtype):
+    """(model on ``device`` with the bitdecode attention, tokenizer or None, description)."""
+    import transformers
+
+    from . import hf
+
+    if args.random_llama:
+        if args.model or args.gguf_file:
+            raise ValueError("--random-llama builds its own model: give no MODEL and no --gguf-file")
+        model = random_llama(args.random_llama, device, dtype, hf.ATTN_IMPLEMENTATION, args.seed)
+        n = sum(p.numel() for p in model.parameters())
+        return model, None, f"random-weight Llama ({args.random_llama}, {n / 1e6:,.1f} M parameters)"
+    name, gguf = args.model, args.gguf_file
+    if name is None and gguf is None:
+        raise ValueError("give a MODEL (folder or cached Hugging Face id), --gguf-file, or --random-llama SIZE")
+    if gguf is not None and (name is None or Path(gguf).is_absolute() or Path(gguf).exists()):
+        path = Path(gguf)
+        if not path.is_file():
+            raise ValueError(f"--gguf-file {gguf}: no such file")
+        name, gguf = str(path.resolve().parent), path.name
+    kw = dict(local_files_only=True)
+    if gguf is not None:
+        kw["gguf_file"] = gguf
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, attn_implementation=hf.ATTN_IMPLEMENTATION, **kw)
+    except Exception as exc:  # noqa: BLE001 - missing files, no gguf package, an unsupported checkpoint
+        raise ValueError(f"cannot load {name!r}{f' ({gguf})' if gguf else ''} offline: {exc}") from exc
+    model = model.to(device).eval()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **kw)
+    except Exception:  # noqa: BLE001 - a model without a usable tokenizer still generates ids
+        tokenizer = None
+    what = f"{name}" + (f" ({gguf})" if gguf else "")
+    n = sum(p.numel() for p in model.parameters())
+    return model, tokenizer, f"{what}, {model.config.model_type}, {n / 1e6:,.1f} M parameters"
+
+
+# --------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------
+
+
+class StepClock:
+    """A logits processor that notes the (synchronized) time of every generation step:
+    the first is the prefill, each later one a decode step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: List[float] = []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def generate(model, ids: torch.Tensor, cache, max_new_tokens: int, pad_token_id: Optional[int]):
+    """Greedy generation; (new tokens [B, T], prefill seconds, decode tokens/s, the cache)."""
+    import transformers
+
+    clock = StepClock(ids.device)
+    kw = {} if cache is None else {cache_kwarg(model): cache}
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize(ids.device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         logits_processor=transformers.LogitsProcessorList([clock]), pad_token_id=pad_token_id,
+                         return_dict_in_generate=True, use_cache=True, **kw)
+    t = clock.times
+    new = out.sequences[:, ids.shape[1]:]
+    rate = ids.shape[0] * (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else float("nan")
+    return new, t[0] - t0, rate, getattr(out, "past_key_values", None) or getattr(out, "cache", None) or cache
+
+
+def dense_cache_bytes(cache) -> int:
+    """Bytes of a transformers cache's 16-bit K / V tensors."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor) -> str:
+    n = min(a.shape[1], b.shape[1])
+    if n == 0:
+        return "-"
+    same = (a[:, :n] == b[:, :n])
+    frac = same.float().mean().item()
+    diverge = [int((~row).nonzero()[0]) if not row.all() else None for row in same]
+    first = "none" if all(d is None for d in diverge) else str(min(d for d in diverge if d is not None))
+    return f"{frac:.0%} (first divergence: {first})"
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    console = Console()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
+        return 2
+    try:
+        backend = dispatch.resolve(args.backend, device, what="KV cache")
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        return 2
+    try:
+        import transformers
+    except ImportError:
+        console.print("[red]error:[/] bitdecode generate needs transformers: pip install -e \".[hf]\"")
+        return 2
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    import bitdecode as bd
+
+    from . import hf
+
+    dtype = DTYPES[args.dtype]
+    t_load = time.perf_counter()
+    try:
+        model, tokenizer, what = load_model(args, device, dtype)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        return 2
+    t_load = time.perf_counter() - t_load
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    group = args.group_size or min(128, head_dim)
+    try:
+        fmts = [bd.KVFormat(bits=b, k_mode=args.k_mode, group_size=group) for b in args.bits]
+        for f in fmts:
+            f.check_head_dim(head_dim)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        return 2
+
+    if tokenizer is not None:
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    else:
+        gen = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens), generator=gen)
+        pad = 0
+    ids = ids.expand(args.batch, -1).contiguous().to(device)
+    prompt_len = ids.shape[1]
+    max_seqlen = args.max_seqlen or prompt_len + args.max_new_tokens
+    if max_seqlen < prompt_len + args.max_new_tokens:
+        console.print(f"[red]error:[/] --max-seqlen {max_seqlen} is less than the prompt ({prompt_len}) plus "
+                      f"--max-new-tokens ({args.max_new_tokens})")
+        return 2
+
+    def show(tokens: torch.Tensor) -> str:
+        if tokenizer is not None:
+            return tokenizer.decode(tokens[0], skip_special_tokens=True)
+        return "token ids " + " ".join(str(int(t)) for t in tokens[0])
+
+    rows, texts = [], []
+    base = None
+    with torch.no_grad():
+        if not args.no_baseline:
+            use_attention(model, "sdpa")
+            new16, pre16, rate16, cache16 = generate(model, ids, None, args.max_new_tokens, pad)
+            base = (new16, dense_cache_bytes(cache16))
+            del cache16
+            rows.append(("16-bit (transformers DynamicCache, SDPA)", rate16, pre16, base[1], None))
+            texts.append(("16-bit", show(new16)))
+            use_attention(model, hf.ATTN_IMPLEMENTATION)
+        for fmt in fmts:
+            cache = hf.BitDecodingCache(model, fmt, max_seqlen=max_seqlen, backend=backend)
+            new, pre, rate, _ = generate(model, ids, cache, args.max_new_tokens, pad)
+            kv = cache.layers[0].kv
+            used = kv.backend if kv is not None else backend
+            rows.append((f"bitdecode {fmt.bits}-bit (K per {fmt.k_mode}, G={fmt.group_size}, {used})",
+                         rate, pre, cache.memory_bytes(), new))
+            texts.append((f"bitdecode {fmt.bits}-bit", show(new)))
+            del cache
+
+    # the 16-bit size of the same tokens, when no baseline ran
+    tokens = prompt_len + args.max_new_tokens
+    dense = base[1] if base is not None else (2 * cfg.num_hidden_layers * args.batch * cfg.num_key_value_heads *
+                                              tokens * head_dim * torch.tensor([], dtype=dtype).element_size())
+    setup = (f"{escape(what)}\n"
+             f"device {device}, {args.dtype}, backend {backend}; batch {args.batch}, prompt {prompt_len:,} tokens"
+             f"{'' if tokenizer is not None else ' (random ids)'}, {args.max_new_tokens} new tokens (greedy), "
+             f"bitdecode capacity {max_seqlen:,} tokens; model loaded in {t_load:.1f} s")
+    console.print(Panel(setup, title="bitdecode generate", expand=False))
+    if tokenizer is not None:
+        console.print(f"[bold]prompt:[/] {escape(args.prompt)}")
+    for label, text in texts:
+        console.print(f"[bold]{label}:[/] {escape(text)}")
+
+    table = Table(title="generation: bitdecode KV cache vs transformers' 16-bit cache", header_style="bold")
+    for col, just in (("KV cache", "left"), ("decode tokens/s", "right"), ("prefill", "right"),
+                      ("KV memory", "right"), ("vs 16-bit", "right"), ("tokens as 16-bit", "right")):
+        table.add_column(col, justify=just, no_wrap=(col == "KV cache"))
+    for label, rate, pre, nbytes, new in rows:
+        agree = "-" if new is None or base is None else _agreement(new, base[0])
+        table.add_row(label, f"{rate:,.1f}", f"{pre * 1e3:,.1f} ms", _mib(nbytes), f"{nbytes / dense:.3f}x", agree)
+    console.print(table)
+    notes = ["decode tokens/s: generated tokens after the first (x batch) / time from the first to the last "
+             "step, each step synchronized; prefill: time to the first step",
+             f"KV memory: bitdecode preallocates {max_seqlen:,} tokens (packed K/V + params + the 16-bit "
+             f"residual block of {', '.join(str(f.residual_block) for f in fmts)} tokens); "
+             + ("16-bit: the DynamicCache's K/V at the end" if base is not None
+                else f"vs 16-bit: against {_mib(dense)}, 16-bit K/V of {tokens:,} tokens")]
+    if base is not None:
+        notes.append("tokens as 16-bit: share of generated tokens equal to the 16-bit run's")
+    console.print("\n".join(f"[dim]{escape(n)}[/]" for n in notes))
+    return 0

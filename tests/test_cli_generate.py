@@ -1,0 +1,180 @@
+"""``bitdecode generate`` on the CPU: a tiny random-weight Llama, the torch reference backend."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from bitdecode.cli import main  # noqa: E402
+
+
+def _rows(out):
+    """{first cell: [cells]} of the rich table rows in ``out``."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("│"):
+            cells = [c.strip() for c in line.strip("│").split("│")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _run(capsys, monkeypatch, *args):
+    monkeypatch.setenv("COLUMNS", "220")
+    code = main(["generate", "--random-llama", "tiny", "--device", "cpu", "--backend", "reference", *args])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def test_generate_tiny_random_llama(capsys, monkeypatch):
+    out = _run(capsys, monkeypatch, "--max-new-tokens", "4")
+    for field in ("bitdecode generate", "random-weight Llama (tiny", "prompt 512 tokens (random ids)",
+                  "4 new tokens", "backend reference", "decode tokens/s", "prefill", "KV memory", "vs 16-bit",
+                  "tokens as 16-bit"):
+        assert field in out, field
+    rows = _rows(out)
+    base = next(v for k, v in rows.items() if k.startswith("16-bit (transformers DynamicCache"))
+    four = next(v for k, v in rows.items() if k.startswith("bitdecode 4-bit (K per channel, G=64, reference)"))
+    assert base[3] == "1.000x"
+    assert 0 < float(four[3].rstrip("x")) < 1  # packed + residual block + capacity, below 16-bit
+    assert float(four[0].replace(",", "")) > 0 and float(base[0].replace(",", "")) > 0
+    # both runs printed their 4 generated token ids; the 4-bit cache agrees with 16-bit on a tiny model
+    ids = {m.group(1): m.group(2).split()
+           for m in re.finditer(r"^(16-bit|bitdecode 4-bit): token ids (.*)$", out, re.M)}
+    assert len(ids["16-bit"]) == len(ids["bitdecode 4-bit"]) == 4
+    assert re.match(r"\d+% \(first divergence: (none|\d)\)", four[4])
+
+
+def test_generate_two_widths_without_baseline(capsys, monkeypatch):
+    out = _run(capsys, monkeypatch, "--max-new-tokens", "2", "--no-baseline", "--bits", "4", "2",
+               "--prompt-tokens", "300", "--batch", "2", "--k-mode", "token", "--group-size", "32", "--dtype", "fp16")
+    rows = _rows(out)
+    assert not any(k.startswith("16-bit") for k in rows)
+    assert any(k.startswith("bitdecode 4-bit (K per token, G=32") for k in rows)
+    assert any(k.startswith("bitdecode 2-bit (K per token, G=32") for k in rows)
+    assert "batch 2" in out and "fp16" in out and "16-bit K/V of 302 tokens" in out
+
+
+def test_generate_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    for opt in ("--gguf-file", "--random-llama", "--bits", "--k-mode", "--group-size", "--max-new-tokens",
+                "--prompt", "--device", "--dtype", "--backend", "--no-baseline", "never downloaded"):
+        assert opt in out, opt
+
+
+def test_help_lists_generate(capsys):
+    main([])
+    assert re.search(r"^\s+generate\s+\S", capsys.readouterr().out, re.M)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give a MODEL"),
+    (["--random-llama", "tiny", "--gguf-file", "x.gguf"], "--random-llama builds its own model"),
+    (["/nonexistent/model-dir"], "cannot load"),
+    (["--gguf-file", "/nonexistent/model.gguf"], "no such file"),
+    (["--random-llama", "tiny", "--backend", "sm80"], "runs CUDA kernels"),
+    (["--random-llama", "tiny", "--group-size", "128"], "group_size"),
+])
+def test_generate_errors(args, message, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["generate", "--device", "cpu", *args]) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_bench_e2e_tiny_cpu(tmp_path):
+    """profiles/bench_e2e.py's CPU smoke mode: every row recorded, the fit check skips the
+    16-bit caches at the last point (as an H200 does at B=16 N=64K), JSON + targets written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "profiles" / "bench_e2e.py"
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--configs", "dynamic,static,bd4",
+                           "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    for key in ("command", "device_name", "torch", "transformers", "bandwidth", "model", "rows", "targets", "method"):
+        assert key in res, key
+    assert res["bandwidth"]["bytes_per_s"] > 0 and res["model"]["size"] == "tiny"
+    rows = {(r["role"], r["config"], r["mode"]): r for r in res["rows"]}
+    assert all(r["status"] == "ok" for (role, _, _), r in rows.items() if role != "b16_64k")
+    assert rows[("b16_64k", "bd4", "eager")]["status"] == "ok"
+    assert rows[("b16_64k", "dynamic", "eager")]["status"].startswith("skipped: needs")
+    ok = [r for r in res["rows"] if r["status"] == "ok"]
+    assert all(r["tokens_per_s"] > 0 and r["roofline_ms"] > 0 and r["kv_bytes"] > 0 for r in ok)
+    bd4 = rows[("b1_128k", "bd4", "eager")]
+    assert bd4["kv_bytes"] < rows[("b1_128k", "static", "eager")]["kv_bytes"]
+    targets = res["targets"]
+    assert targets["meaningful"] is False and targets["b16_64k_served"]["pass"] is True
+    assert "bd4_speedup" in targets["b1_128k_speedup>=1.5"]
+
+
+def _write_tiny_gguf(path):
+    """A 2-layer random Llama GGUF (f32) with a byte-level BPE tokenizer, written with the
+    gguf package (what transformers reads GGUF with)."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(0)
+    hidden, inter, layers, heads, kv, hd = 256, 512, 2, 4, 2, 64
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    symbols = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]  # GPT-2's byte alphabet
+    tokens = symbols + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(2048)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_embedding_length(hidden)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(len(tokens) - 1)
+    w.add_eos_token_id(len(tokens) - 1)
+
+    def tensor(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    tensor("token_embd.weight", len(tokens), hidden)
+    for i in range(layers):
+        for name, shape in (("attn_norm", (hidden,)), ("attn_q", (heads * hd, hidden)), ("attn_k", (kv * hd, hidden)),
+                            ("attn_v", (kv * hd, hidden)), ("attn_output", (hidden, heads * hd)),
+                            ("ffn_norm", (hidden,)), ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)),
+                            ("ffn_down", (hidden, inter))):
+            tensor(f"blk.{i}.{name}.weight", *shape)
+    tensor("output_norm.weight", hidden)
+    tensor("output.weight", len(tokens), hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_generate_gguf_file(tmp_path, capsys, monkeypatch):
+    """--gguf-file: the model and its tokenizer come from one local GGUF file (as the
+    offline SmolLM2-135M checkpoint does); the text is printed."""
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    monkeypatch.setenv("COLUMNS", "220")
+    code = main(["generate", "--gguf-file", str(path), "--device", "cpu", "--max-new-tokens", "3",
+                 "--prompt", "the theme"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"{tmp_path} (tiny.gguf), llama" in out and "prompt: the theme" in out
+    assert re.search(r"^bitdecode 4-bit: ", out, re.M) and "token ids" not in out
+    assert any(k.startswith("bitdecode 4-bit (K per channel, G=64, reference)") for k in _rows(out))
