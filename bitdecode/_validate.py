@@ -6,6 +6,7 @@ argument, what was expected and what came.
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -76,3 +77,43 @@ def finite(name: str, t: torch.Tensor) -> None:
     """Raise on NaN/Inf (synchronizes; only used where documented)."""
     if t.numel() and not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} contains NaN or Inf; quantization needs finite values")
+
+
+def device(name: str, value) -> torch.device:
+    """A usable torch device (CUDA with an index that exists; 'cuda' means the current one)."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device, got {type(value).__name__}")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"{name} must name a torch device, got {value!r} ({err})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} must be a usable torch device, got {value!r} but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} must be a usable torch device, got {value!r} but there are "
+                             f"{torch.cuda.device_count()} CUDA devices")
+    elif dev.type not in ("cpu",):
+        raise ValueError(f"{name} must be a cpu or cuda device, got {value!r}")
+    return dev
+
+
+def int_list(name: str, values) -> list:
+    """A sequence (or 1-D integer tensor) of ints, as a list; bools and floats are refused."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got a "
+                            f"{values.dim()}-D {values.dtype} tensor")
+        return [int(x) for x in values.tolist()]
+    if type(values).__name__ == "ndarray" and getattr(values, "ndim", 0) == 1:  # numpy, not imported here
+        values = values.tolist()
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = []
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{name} must hold ints, got {type(x).__name__} ({x!r})")
+        out.append(int(x))
+    return out

@@ -578,6 +578,8 @@ class BitLinear(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
+        _validate.positive_int("in_features", in_features)
+        _validate.positive_int("out_features", out_features)
         layout.check_shape(out_features, in_features, k_multiple=layout.K_MULTIPLE, name="BitLinear")
         self.in_features = in_features
         self.out_features = out_features

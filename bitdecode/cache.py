@@ -84,14 +84,11 @@ class KVCache:
         _validate.positive_int("batch", batch)
         _validate.positive_int("num_kv_heads", num_kv_heads)
         _validate.positive_int("max_seqlen", max_seqlen)
+        _validate.positive_int("head_dim", head_dim)
         fmt.check_head_dim(head_dim)
         if dtype not in _validate.FLOAT16_DTYPES:
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-        device = torch.device(device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device must be a usable torch device, got {device!r} but CUDA is not available")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _validate.device("device", device)
         backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt, head_dim=head_dim)
         nr = fmt.residual_block
         packed_cap = -(-max_seqlen // nr) * nr
@@ -211,9 +208,7 @@ class KVCache:
         if seqlens is None:
             lens = [n] * self.batch
         else:
-            if isinstance(seqlens, torch.Tensor):
-                seqlens = seqlens.tolist()
-            lens = [int(x) for x in seqlens]
+            lens = _validate.int_list("seqlens", seqlens)
             if len(lens) != self.batch:
                 raise ValueError(f"seqlens must have {self.batch} entries, got {len(lens)}")
             bad = [x for x in lens if not 0 <= x <= n]
@@ -253,8 +248,12 @@ class KVCache:
         if t == 0:
             return
         if self.backend == "reference":
+            if self.device.type == "cpu":  # the table is visible without a sync: check it
+                attention.check_block_table(self._tensors, self.seqlens + t)
             reference_append(self._tensors, k, v)
         else:
+            if k.data_ptr() % 16 or v.data_ptr() % 16:  # the kernel reads 16-byte rows
+                k, v = k.clone(), v.clone()
             if self._appender is None:
                 self._appender = backends.get(self.backend).appender(self._tensors)
             self._appender(k, v)
@@ -274,23 +273,32 @@ class KVCache:
         max_len = self._host_max
         if backend == "auto":
             backend = self.backend
-        # fast path: a query like the last validated one (shape, dtype, device, options, and
-        # the same split decision) reuses its compiled plan with no further Python work
-        key = (q.shape, q.dtype, q.device, softmax_scale, num_splits, backend,
-               -(-max_len // self.fmt.residual_block))  # the tiles choose_splits counts
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        # fast path: a query like the last validated one (shape, strides, dtype, device,
+        # options and their types, the same split decision) reuses its compiled plan with
+        # no further Python work
+        key = (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
+               type(num_splits), backend, -(-max_len // self.fmt.residual_block))  # tiles choose_splits counts
         fast = self._fast
-        if fast is not None and fast[0] == key and q.stride(-1) == 1:
+        if fast is not None and fast[0] == key and q.data_ptr() % 16 == 0:
             return fast[1](q, fast[2], return_lse)
         if backend != self.backend:
             backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim)
         cache = self._tensors
         attention.check_query(q, cache, backend)
         if backend == "reference":
+            if self.device.type == "cpu":  # the table is visible without a sync: check it
+                attention.check_block_table(cache, self.seqlens)
             return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
                                  backend=backend, return_lse=return_lse)
         scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
         plan = attention.plan_decode(cache, q, backend, attention.check_splits(num_splits, backend), max_len,
                                      self._plans)
+        if not (q.is_contiguous() and q.data_ptr() % 16 == 0):
+            # the kernels take dense, 16-byte aligned rows (padded heads, a storage offset):
+            # a copy, every call, outside the fast path
+            return plan(q.clone(memory_format=torch.contiguous_format), scale * attention.LOG2_E, return_lse)
         self._fast = (key, plan, scale * attention.LOG2_E)
         return plan(q, self._fast[2], return_lse)
 

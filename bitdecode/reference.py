@@ -72,9 +72,17 @@ def quantize(
     shrunk by ``group_size``).
     """
     _validate.tensor("x", x, dtypes=_validate.FLOAT16_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension, got a 0-dim tensor")
     _validate.positive_int("group_size", group_size)
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int, got {type(bits).__name__}")
     if bits not in packing.SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {packing.SUPPORTED_BITS}, got {bits!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must lie in [{-x.dim()}, {x.dim() - 1}] for x of {x.dim()} dims, got {dim}")
     dim = dim % x.dim()
     if x.shape[dim] % group_size:
         raise ValueError(
@@ -180,12 +188,18 @@ def _from_fragment_order(t: torch.Tensor, dim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
+def _check_fmt(fmt) -> None:
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
+
+
 def pack_k(k: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     """K ``[..., N, D]`` -> (k_pack ``[..., N, D*bits/32]``, k_params).
 
     k_params: channel mode ``[..., N/G, D]`` (fragment order along D);
     token mode ``[..., N, D/G]``.
     """
+    _check_fmt(fmt)
     if fmt.k_mode == "channel":
         codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-2, check_finite=check_finite)
         params = _to_fragment_order(pack_params(scale, zero), dim=-1)
@@ -208,6 +222,7 @@ def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype:
 def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     """V ``[..., N, D]`` (N a multiple of Nr) -> (v_pack ``[..., N/Nr, D, 16]``,
     v_params ``[..., N/16, D/G, 16]`` with tokens in fragment order)."""
+    _check_fmt(fmt)
     nr, n = fmt.residual_block, v.shape[-2]
     if n % nr:
         raise ValueError(f"V blocks are packed {nr} tokens at a time, got {n} tokens")

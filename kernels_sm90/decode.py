@@ -280,6 +280,10 @@ class DecodeSm90(PackedDecodeConfig):
             for st in cutlass.range_constexpr(self.steps):
                 k_frag = self.k_fragments(thr_s, kp, ks, st, dq, warp, lane)
                 acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
+                # the previous step's P V wgmma reads its V^T registers asynchronously, and
+                # this step's V^T takes the same registers: wait for it (not for the scores)
+                # before writing them (without the wait, outputs varied run to run)
+                warpgroup.wait_group(1)
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq, warp, lane)
                 if const_expr(st == self.steps - 1):
                     ring.consumer_release(state)  # this stage's words are all in registers

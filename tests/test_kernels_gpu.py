@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import bitdecode as bd
+from bitdecode import cache as cache_module
 from bitdecode import dispatch
 
 from kvdata import kv, on_grid
@@ -155,7 +156,7 @@ def _valid_regions(cache):
     for b, n in enumerate(cache.lengths):
         nb = n // nr
         for blk in range(nb):
-            kp, kq, vp, vq = cache._block_slices(b, blk)
+            kp, kq, vp, vq = cache_module._block_slices(cache.tensors(), b, blk)
             out += [cache.k_pack[kp], cache.k_params[kq], cache.v_pack[vp], cache.v_params[vq]]
         out += [cache.k_res[b, :n % nr], cache.v_res[b, :n % nr]]
     return out
