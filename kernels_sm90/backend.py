@@ -23,9 +23,12 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return capability[0] == 9
 
     def auto_picks(self, fmt: KVFormat, head_dim: int) -> bool:
-        """4-bit up to head dim 128: faster than the sm80 kernels on the H200.  2-bit: not yet;
-        head dim 256: its variants spill registers and are not measured (profiles/NOTES.md)."""
-        return fmt.bits == 4 and head_dim <= 128
+        """Never, for now: correct on every cache, but since the two fixes that made it
+        deterministic and accurate over a million tokens (wait for the previous P V wgmma
+        before its V^T registers are rewritten; fold each step's P V into O in fp32) it is
+        slower than the sm80 kernels on the H200 at almost every measured shape
+        (profiles/NOTES.md).  ``backend="sm90"`` runs it."""
+        return False
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm

@@ -263,6 +263,11 @@ class DecodeSm90(PackedDecodeConfig):
         tOrP = mma.make_fragment_B(thr_o.partition_B(sP))
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
+        # each step's P V product goes to its own accumulator, folded into acc_o with fp32
+        # adds once it lands: summed inside the tensor core over a million tokens (one
+        # split), O drifted twice past the error of the reference with P in 16 bits
+        acc_pv = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
+        acc_pv.fill(0.0)
         ncols = 2 * (self.nh // 8)  # head columns a thread holds
         row_max = cute.make_rmem_tensor((ncols,), Float32)
         row_sum = cute.make_rmem_tensor((ncols,), Float32)
@@ -284,19 +289,21 @@ class DecodeSm90(PackedDecodeConfig):
                 # this step's V^T takes the same registers: wait for it (not for the scores)
                 # before writing them (without the wait, outputs varied run to run)
                 warpgroup.wait_group(1)
+                self.fold(acc_o, acc_pv)
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq, warp, lane)
                 if const_expr(st == self.steps - 1):
                     ring.consumer_release(state)  # this stage's words are all in registers
                 warpgroup.wait_group(0)
                 self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, 0)
                 self.store_p(acc_s, sP, warp, lane)
-                self.pv(v_frag, tOrP, acc_o)
+                self.pv(v_frag, tOrP, acc_pv)
             state.advance()
 
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                          acc_o, row_max, row_sum, scale_log2, red, warp, lane, tid)
+                          acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid)
         warpgroup.wait_group(0)
+        self.fold(acc_o, acc_pv)
         self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane)
 
     def bar(self, barrier_id: int):
@@ -411,13 +418,22 @@ class DecodeSm90(PackedDecodeConfig):
         return acc_s
 
     @cute.jit
-    def pv(self, v_frag, tOrP, acc_o):
+    def pv(self, v_frag, tOrP, acc_pv):
+        """acc_pv = V^T P^T of one step (a fresh sum; ``fold`` adds it to O)."""
         mma_o = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         warpgroup.fence()
-        mma_o.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(cute.size(v_frag, mode=[2])):
-            cute.gemm(mma_o, acc_o, v_frag[None, None, k], tOrP[None, None, k], acc_o)
+            mma_o.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(mma_o, acc_pv, v_frag[None, None, k], tOrP[None, None, k], acc_pv)
         warpgroup.commit_group()
+
+    @cute.jit
+    def fold(self, acc_o, acc_pv):
+        """O += the last P V product (landed: after a wait that covers its wgmma); zeroed so
+        that folding twice, or before any product, adds nothing."""
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] + acc_pv[i]
+            acc_pv[i] = Float32(0.0)
 
     def cv(self, v0: int, v1: int, nt: int):
         """Value index of (head 2c + v0 + 8 nt, row g + 8 v1) in a wgmma C fragment."""
@@ -483,7 +499,7 @@ class DecodeSm90(PackedDecodeConfig):
     # ---- the 16-bit residual block --------------------------------------------------------
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                 acc_o, row_max, row_sum, scale_log2, red, warp, lane, tid):
+                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid):
         """The ``n_res`` 16-bit tokens in 64-token sub-tiles, staged in the idle K / V rings."""
         # K-major 128B-swizzled 16-bit tiles (the swizzle on the pointer, as for every sm90 tile)
         layout = sm90.make_operand_smem_layout(self.dtype, M_BLOCK, self.d)
@@ -493,6 +509,7 @@ class DecodeSm90(PackedDecodeConfig):
         mma16 = sm80.make_mma(self.dtype)
         for sub in cutlass.range(0, (n_res + M_BLOCK - 1) // M_BLOCK, unroll=1):
             warpgroup.wait_group(0)  # the previous PV product has read sP and its V^T registers
+            self.fold(acc_o, acc_pv)
             self.bar(Barrier.EPI)  # every warp is done with the previous sub-tile's smem
             valid = n_res - sub * M_BLOCK
             gK = cute.local_tile(mKr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
@@ -514,7 +531,7 @@ class DecodeSm90(PackedDecodeConfig):
             warpgroup.wait_group(0)
             self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, 0)
             self.store_p(acc_s, sP, warp, lane)
-            self.pv(v_frag, tOrP, acc_o)
+            self.pv(v_frag, tOrP, acc_pv)
 
     # ---- epilogue -----------------------------------------------------------------------
     @cute.jit

@@ -1,0 +1,97 @@
+"""Host overhead of an eager decode step: ``cache.append`` + ``bd.decode`` per layer.
+
+A model's decode step calls, for each of its layers, one append of the new token and one
+decode over that layer's cache.  Eagerly, the step costs at least the Python and launch
+time of those calls; this measures it per layer: ``L`` caches (layers) of a small context
+(so the GPU work per call, a few microseconds, stays below the host time and the queue
+never fills), ``steps`` steps, wall time of the host loop divided by ``L * steps``.  The
+GPU time of the same calls (CUDA events around the whole loop) is reported beside it: when
+it is lower, the step is host-bound.  Issue 10's target: <= 15 us per layer per step.
+
+    python3 profiles/bench_host.py --out profiles/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import bitdecode as bd
+from bitdecode import backend as backends, dispatch
+
+TARGET_US = 15.0
+
+
+def measure(backend: str, bits: int, batch: int, layers: int, steps: int, context: int) -> dict:
+    fmt = bd.KVFormat(bits=bits)
+    hkv, hq, d = 8, 32, 128
+    caches = []
+    for _ in range(layers):
+        c = bd.KVCache.allocate(batch, hkv, d, context + 4 * steps + 64, fmt, dtype=torch.bfloat16,
+                                device="cuda", backend=backend)
+        k = torch.randn(batch, context, hkv, d, device="cuda", dtype=torch.bfloat16)
+        c.prefill(k, k)
+        caches.append(c)
+    q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(batch, 1, hkv, d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for c in caches:
+            c.append(kv, kv)
+            bd.decode(q, c)
+
+    for _ in range(3):  # compile / plan / fast-path warm-up
+        step()
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        host.append((t1 - t0) * 1e6 / (steps * layers))
+        gpu.append(start.elapsed_time(end) * 1e3 / (steps * layers))
+    return {"backend": backend, "bits": bits, "batch": batch, "layers": layers, "context": context,
+            "host_us_per_layer": statistics.median(host), "gpu_us_per_layer": statistics.median(gpu),
+            "target_us": TARGET_US, "meets_target": statistics.median(host) <= TARGET_US}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("profiles/h200"), help="output folder (host_overhead.json)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--context", type=int, default=1024, help="tokens per sequence in each layer's cache")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_host needs a CUDA GPU")
+    dev = torch.device("cuda")
+    names = [n for n in reversed(backends.shipped()) if dispatch.runnable(n, dev)]
+    rows = []
+    for name in names:
+        for bits in (4, 2):
+            for batch in (1, 16):
+                row = measure(name, bits, batch, args.layers, args.steps, args.context)
+                rows.append(row)
+                print(f"{name} {bits}-bit B={batch}: host {row['host_us_per_layer']:.1f} us/layer, "
+                      f"GPU {row['gpu_us_per_layer']:.1f} us/layer")
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join(["python3 profiles/bench_host.py", *(sys.argv[1:] if argv is None else argv)]),
+              "method": __doc__.strip().split("\n\n")[1].replace("\n", " "), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host_overhead.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
