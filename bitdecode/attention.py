@@ -32,6 +32,9 @@ def check_cache(
 ) -> CacheTensors:
     if not isinstance(fmt, KVFormat):
         raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
+    if fmt.sink_tokens:
+        raise ValueError(f"fmt has sink_tokens={fmt.sink_tokens}: the functional form takes no sink "
+                         "buffers; use a KVCache")
     _validate.tensor("k_res", k_res, dtypes=[dtype] if dtype else _validate.FLOAT16_DTYPES, ndim=4)
     bsz, nr, hkv, d = k_res.shape
     batch = bsz if batch is None else batch
@@ -100,7 +103,8 @@ def check_block_table(cache: CacheTensors, lens: torch.Tensor) -> None:
     distinct pages (one device sync); unused entries may hold anything."""
     nr = cache.fmt.residual_block
     if cache.block_table.numel():
-        used = (lens.long() // nr * nr + cache.page_size - 1) // cache.page_size
+        packed = (lens.long() - cache.fmt.sink_tokens).clamp(min=0)  # sink tokens hold no page
+        used = (packed // nr * nr + cache.page_size - 1) // cache.page_size
         cols = torch.arange(cache.block_table.shape[1], device=lens.device)
         mask = cols[None, :] < used[:, None]
         vals = cache.block_table[mask]
@@ -180,7 +184,7 @@ def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_ls
     if backend == "reference":
         return reference.decode(
             q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.v_res,
-            cache.cache_seqlens, cache.fmt, cache.block_table, scale, return_lse,
+            cache.cache_seqlens, cache.fmt, cache.block_table, scale, return_lse, cache.sinks,
         )
     # no cache object: a fresh plan, split for the cache's capacity
     plan = plan_decode(cache, q, backend, splits, cache.max_packed_tokens + cache.fmt.residual_block)

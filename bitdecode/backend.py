@@ -48,6 +48,8 @@ class CacheTensors:
     capacity: Optional[int] = None
     overflow: Optional[torch.Tensor] = None
     commits: Optional[torch.Tensor] = None
+    # a format with sink tokens: their 16-bit K, V ``[B, S, Hkv, D]`` (reference backend)
+    sinks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def page_size(self) -> int:

@@ -39,7 +39,8 @@ class KVCache:
     """
 
     def __init__(self, fmt: KVFormat, dtype: torch.dtype, max_seqlen: int, backend: str,
-                 k_pack, k_params, v_pack, v_params, k_res, v_res, seqlens, block_table):
+                 k_pack, k_params, v_pack, v_params, k_res, v_res, seqlens, block_table,
+                 k_sink: Optional[torch.Tensor] = None, v_sink: Optional[torch.Tensor] = None):
         self.fmt = fmt
         self.dtype = dtype
         self.max_seqlen = max_seqlen
@@ -49,6 +50,7 @@ class KVCache:
         self.k_res, self.v_res = k_res, v_res
         self.seqlens = seqlens
         self.block_table = block_table
+        self.k_sink, self.v_sink = k_sink, v_sink  # [B, S, Hkv, D] 16-bit, fmt.sink_tokens > 0
         # host-side lengths without a device sync: per-sequence base + the tokens appended
         # since (an append adds the same count to every sequence), and their maximum
         self._host_base: List[int] = [0] * k_res.shape[0]
@@ -61,7 +63,8 @@ class KVCache:
         # compiled-kernel plans built for them can be reused call after call
         self._tensors = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, seqlens, block_table, fmt,
                                      capacity=max_seqlen, overflow=self.overflow,
-                                     commits=torch.zeros_like(seqlens))
+                                     commits=torch.zeros_like(seqlens),
+                                     sinks=(k_sink, v_sink) if k_sink is not None else None)
         self._plans: dict = {}
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
 
@@ -105,6 +108,9 @@ class KVCache:
         pages = batch * per_seq
         i32 = dict(dtype=torch.int32, device=device)
         args = (pages, num_kv_heads, page, head_dim)
+        sink = (batch, fmt.sink_tokens, num_kv_heads, head_dim)
+        sinks = {} if not fmt.sink_tokens else dict(k_sink=torch.zeros(sink, dtype=dtype, device=device),
+                                                    v_sink=torch.zeros(sink, dtype=dtype, device=device))
         return cls(
             fmt, dtype, max_seqlen, backend,
             torch.zeros(fmt.k_pack_shape(*args), **i32),
@@ -115,6 +121,7 @@ class KVCache:
             torch.zeros(batch, nr, num_kv_heads, head_dim, dtype=dtype, device=device),
             torch.zeros(batch, **i32),
             torch.arange(pages, **i32).view(batch, per_seq),
+            **sinks,
         )
 
     # ---- shape facts -------------------------------------------------------------------
@@ -184,7 +191,7 @@ class KVCache:
         """Bytes of all cache storage (packed pages, params, residual blocks, lengths, table)."""
         return sum(t.numel() * t.element_size() for t in (
             self.k_pack, self.k_params, self.v_pack, self.v_params, self.k_res, self.v_res,
-            self.seqlens, self.block_table))
+            self.seqlens, self.block_table, self.k_sink, self.v_sink) if t is not None)
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
@@ -308,7 +315,7 @@ class KVCache:
         self.check()
         c = self.tensors()
         return reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
-                                   c.k_res, c.v_res, c.block_table.cpu(), self.fmt)
+                                   c.k_res, c.v_res, c.block_table.cpu(), self.fmt, c.sinks)
 
 
 def decode(
@@ -340,7 +347,8 @@ def _block_slices(c: CacheTensors, b: int, block: int):
     off = start % c.page_size
     kp = (page, slice(None), slice(off, off + nr))
     kq = (page, slice(None), slice(off // g, (off + nr) // g)) if c.fmt.k_mode == "channel" else kp
-    vp = (page, slice(None), off // nr)
+    nv = c.fmt.v_tile  # V tiles of the block (two when V is 4-bit beside 2-bit K)
+    vp = (page, slice(None), slice(off // nv, (off + nr) // nv))
     vq = (page, slice(None), slice(off // 16, (off + nr) // 16))
     return kp, kq, vp, vq
 
@@ -354,31 +362,43 @@ def _write_block(c: CacheTensors, b: int, block: int, kb: torch.Tensor, vb: torc
     kp, kq, vp, vq = _block_slices(c, b, block)
     c.k_pack[kp] = k_pack
     c.k_params[kq] = k_params
-    c.v_pack[vp] = v_pack[:, 0]
+    c.v_pack[vp] = v_pack
     c.v_params[vq] = v_params
 
 
 def reference_prefill(c: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: List[int]) -> None:
-    nr = c.fmt.residual_block
+    """Sink tokens (the first ``fmt.sink_tokens``) 16-bit, full blocks of the rest packed,
+    its tail to the residual buffer."""
+    nr, sinks = c.fmt.residual_block, c.fmt.sink_tokens
     for b, n in enumerate(lens):
-        for blk in range(n // nr):
-            _write_block(c, b, blk, k[b, blk * nr:(blk + 1) * nr], v[b, blk * nr:(blk + 1) * nr])
-        r = n % nr
-        c.k_res[b, :r] = k[b, n - r:n]
-        c.v_res[b, :r] = v[b, n - r:n]
+        s = min(n, sinks)
+        if s:
+            c.sinks[0][b, :s] = k[b, :s]
+            c.sinks[1][b, :s] = v[b, :s]
+        kb, vb, m = k[b, s:n], v[b, s:n], n - s
+        for blk in range(m // nr):
+            _write_block(c, b, blk, kb[blk * nr:(blk + 1) * nr], vb[blk * nr:(blk + 1) * nr])
+        r = m % nr
+        c.k_res[b, :r] = kb[m - r:m]
+        c.v_res[b, :r] = vb[m - r:m]
     c.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
 
 
 def reference_append(c: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None:
     """The append kernel's semantics, from the lengths on the cache's device: a sequence
     that would pass ``c.capacity`` is not written and is flagged in ``c.overflow``."""
-    nr, t = c.fmt.residual_block, k.shape[1]
+    nr, t, sinks = c.fmt.residual_block, k.shape[1], c.fmt.sink_tokens
     for b, n in enumerate(c.cache_seqlens.tolist()):
         if n + t > c.capacity:
             c.overflow[b] = n + t
             continue
         for i in range(t):
             pos = n + i
+            if pos < sinks:  # still filling the sequence's 16-bit sink tokens
+                c.sinks[0][b, pos] = k[b, i]
+                c.sinks[1][b, pos] = v[b, i]
+                continue
+            pos -= sinks
             slot = pos % nr
             c.k_res[b, slot] = k[b, i]
             c.v_res[b, slot] = v[b, i]

@@ -47,9 +47,14 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return backend
+    if backend == "auto" and device.type != "cuda":
+        return "reference"
+    if fmt is not None and not fmt.kernel_ready:
+        raise ValueError(
+            f"fmt={fmt} (mixed K/V widths or sink tokens) runs on the torch reference backend only "
+            "so far: pass backend='reference'"
+        )
     if backend == "auto":
-        if device.type != "cuda":
-            return "reference"
         # the registry's order (best first), among the backends that take this cache (on
         # the H200 sm90 is the faster one at 4 bits and head dims up to 128: NOTES.md)
         kernels = [b for b in backends.shipped() if runnable(b, device)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .layouts import packing, sm80
 
@@ -28,23 +28,55 @@ class KVFormat:
       ``group_size`` tokens; ``"token"``: one pair per token per group of ``group_size``
       channels.  V is always per token, groups of ``group_size`` channels.
     * ``group_size``: 32, 64 or 128.
+    * ``v_bits``: V's own width when it differs from K's (``bits``): K4V2, K2V4.  The
+      residual block is then the larger of the two widths' blocks (256 tokens: both
+      widths' packed tiles complete together), V packed in tiles of its own width's block
+      (``v_tile``).  Default (None): V as K.
+    * ``sink_tokens``: the first S tokens of every sequence stay 16-bit for good
+      (attention sinks, never quantized); the packed blocks and the residual start after
+      them.  Default 0.
 
     Quantization is asymmetric: ``zero = min``, ``scale = (max - min) / (2^bits - 1)``,
     ``q = clamp(rint((x - zero) / scale), 0, 2^bits - 1)``, ``x = q * scale + zero``,
     scale and zero stored as a 16-bit pair in the model dtype.  The newest
-    ``len % residual_block`` tokens stay in 16 bits.
+    ``(len - sinks) % residual_block`` tokens stay in 16 bits.
+
+    Mixed widths and sinks run on the torch reference backend so far; the kernel
+    backends take ``v_bits == bits`` and no sinks (``KVFormat.kernel_ready``).
     """
 
     bits: int = 4
     k_mode: str = "channel"
     group_size: int = 128
+    v_bits: Optional[int] = None
+    sink_tokens: int = 0
     residual_block: int = field(init=False)
 
     def __post_init__(self):
         _choice("bits", self.bits, BITS)
         _choice("k_mode", self.k_mode, K_MODES)
         _choice("group_size", self.group_size, GROUP_SIZES)
-        object.__setattr__(self, "residual_block", sm80.residual_block(self.bits))
+        if self.v_bits is None:
+            object.__setattr__(self, "v_bits", self.bits)
+        _choice("v_bits", self.v_bits, BITS)
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"KVFormat.sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
+        object.__setattr__(self, "residual_block",
+                           max(sm80.residual_block(self.bits), sm80.residual_block(self.v_bits)))
+
+    @property
+    def k_bits(self) -> int:
+        return self.bits
+
+    @property
+    def v_tile(self) -> int:
+        """Tokens of one packed V tile (V's own width's residual block)."""
+        return sm80.residual_block(self.v_bits)
+
+    @property
+    def kernel_ready(self) -> bool:
+        """Whether the kernel backends take this format (one width, no sinks)."""
+        return self.v_bits == self.bits and self.sink_tokens == 0
 
     # ---- derived quantities -----------------------------------------------------------
     @property
@@ -70,8 +102,8 @@ class KVFormat:
         return (pages, heads, page, sm80.words_per_row(self.bits, head_dim))
 
     def v_pack_shape(self, pages: int, heads: int, page: int, head_dim: int) -> Tuple[int, ...]:
-        nr = self.residual_block
-        return (pages, heads, page // nr, head_dim, sm80.words_per_row(self.bits, nr))
+        nv = self.v_tile
+        return (pages, heads, page // nv, head_dim, sm80.words_per_row(self.v_bits, nv))
 
     def k_params_shape(self, pages: int, heads: int, page: int, head_dim: int) -> Tuple[int, ...]:
         if self.k_mode == "channel":
@@ -84,13 +116,15 @@ class KVFormat:
 
     def bytes_per_token(self, head_dim: int) -> float:
         """Packed K+V plus params, per token per KV head (residual excluded)."""
-        packed = 2 * head_dim * self.bits / 8
+        packed = head_dim * (self.bits + self.v_bits) / 8
         # per channel per G tokens, or per token per G channels: D/G pairs a token either way
         k_params = head_dim / self.group_size * PARAM_WORD_BYTES
         v_params = head_dim / self.group_size * PARAM_WORD_BYTES
         return packed + k_params + v_params
 
     def describe(self) -> str:
-        return (f"{self.bits}-bit, K per {self.k_mode} (groups of {self.group_size} "
+        width = f"{self.bits}-bit" if self.v_bits == self.bits else f"K {self.bits}-bit / V {self.v_bits}-bit"
+        sinks = f", first {self.sink_tokens} tokens 16-bit" if self.sink_tokens else ""
+        return (f"{width}, K per {self.k_mode} (groups of {self.group_size} "
                 f"{'tokens' if self.k_mode == 'channel' else 'channels'}), V per token "
-                f"(groups of {self.group_size} channels), residual block {self.residual_block}")
+                f"(groups of {self.group_size} channels), residual block {self.residual_block}{sinks}")

@@ -47,6 +47,7 @@ def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seql
 
 def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "auto") -> torch.Tensor:
     """``bd.decode(q, cache)`` through the op (for compiled code): ``cache`` is a ``KVCache``."""
+    _kernel_ready(cache)
     t = cache.tensors()
     out, _ = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
                                         t.cache_seqlens, t.block_table, t.fmt.bits, t.fmt.k_mode,
@@ -107,7 +108,13 @@ def _prefill_fake(*args) -> None:
     return None
 
 
+def _kernel_ready(cache) -> None:
+    if not cache.fmt.kernel_ready:  # the ops' schema carries one width and no sink buffers
+        raise ValueError(f"the bitdecode ops take caches of one K/V width and no sink tokens, got fmt={cache.fmt}")
+
+
 def _write_args(cache):
+    _kernel_ready(cache)
     t = cache.tensors()
     return (t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
             t.overflow, t.commits, t.fmt.bits, t.fmt.k_mode, t.fmt.group_size, t.capacity, cache.backend)

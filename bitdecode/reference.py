@@ -220,16 +220,16 @@ def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype:
 
 
 def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
-    """V ``[..., N, D]`` (N a multiple of Nr) -> (v_pack ``[..., N/Nr, D, 16]``,
-    v_params ``[..., N/16, D/G, 16]`` with tokens in fragment order)."""
+    """V ``[..., N, D]`` (N a multiple of ``fmt.v_tile``) -> (v_pack ``[..., N/Nv, D,
+    Nv*v_bits/32]``, v_params ``[..., N/16, D/G, 16]`` with tokens in fragment order)."""
     _check_fmt(fmt)
-    nr, n = fmt.residual_block, v.shape[-2]
+    nr, n = fmt.v_tile, v.shape[-2]
     if n % nr:
         raise ValueError(f"V blocks are packed {nr} tokens at a time, got {n} tokens")
-    codes, scale, zero = quantize(v, fmt.bits, fmt.group_size, dim=-1, check_finite=check_finite)
+    codes, scale, zero = quantize(v, fmt.v_bits, fmt.group_size, dim=-1, check_finite=check_finite)
     lead = v.shape[:-2]
     blocks = codes.reshape(*lead, n // nr, nr, v.shape[-1]).transpose(-1, -2)
-    v_pack = pack_rows(blocks, fmt.bits)
+    v_pack = pack_rows(blocks, fmt.v_bits)
     words = pack_params(scale, zero)  # [..., N, D/G]
     k = sm80.MMA_SHAPE[2]
     words = words.reshape(*lead, n // k, k, words.shape[-1])
@@ -238,8 +238,8 @@ def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
 
 
 def unpack_v(v_pack: torch.Tensor, v_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype):
-    nr = fmt.residual_block
-    codes = unpack_rows(v_pack, fmt.bits, nr).transpose(-1, -2)  # [..., blocks, Nr, D]
+    nr = fmt.v_tile
+    codes = unpack_rows(v_pack, fmt.v_bits, nr).transpose(-1, -2)  # [..., blocks, Nv, D]
     lead = codes.shape[:-3]
     codes = codes.reshape(*lead, -1, codes.shape[-1])
     words = _from_fragment_order(v_params.transpose(-1, -2), dim=-2)  # [..., N/16, 16, D/G]
@@ -264,13 +264,21 @@ def gather_kv(
     v_res: torch.Tensor,
     block_table: torch.Tensor,
     fmt: KVFormat,
+    sinks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized K, V ``[length, Hkv, D]`` of sequence ``b`` (packed part + residual)."""
+    """Dequantized K, V ``[length, Hkv, D]`` of sequence ``b``: its 16-bit sink tokens
+    (``sinks`` = (k_sink, v_sink) ``[B, S, Hkv, D]``, the first ``fmt.sink_tokens``), then
+    the packed part, then the residual."""
     nr = fmt.residual_block
     dtype = k_res.dtype
     page = k_pack.shape[2]
-    n_packed = length // nr * nr
     ks, vs = [], []
+    if fmt.sink_tokens:
+        s = min(length, fmt.sink_tokens)
+        ks.append(sinks[0][b, :s])
+        vs.append(sinks[1][b, :s])
+        length -= s
+    n_packed = length // nr * nr
     if n_packed:
         n_pages = -(-n_packed // page)
         pages = block_table[b, :n_pages].long().to(k_pack.device)
@@ -316,10 +324,12 @@ def decode(
     block_table: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
+    sinks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ):
     """Decode attention over a packed cache: q ``[B, 1, Hq, D]`` -> out ``[B, 1, Hq, D]``.
 
-    Arguments as in ``bitdecode.decode_attention`` (no validation here).
+    Arguments as in ``bitdecode.decode_attention`` (no validation here); ``sinks`` the
+    16-bit sink tokens of a format with ``sink_tokens``.
     """
     bsz, _, hq, d = q.shape
     if block_table is None:
@@ -327,7 +337,7 @@ def decode(
     lengths = [int(x) for x in cache_seqlens.tolist()]
     outs, lses = [], []
     for b in range(bsz):
-        k, v = gather_kv(b, lengths[b], k_pack, k_params, v_pack, v_params, k_res, v_res, block_table, fmt)
+        k, v = gather_kv(b, lengths[b], k_pack, k_params, v_pack, v_params, k_res, v_res, block_table, fmt, sinks)
         o, lse = attention(q[b, 0], k, v, softmax_scale)
         outs.append(o)
         lses.append(lse)

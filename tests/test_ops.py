@@ -139,3 +139,13 @@ def test_compiled_step_traces_append_and_decode_in_one_graph(gen):
     want = step(x, b)
     assert torch.equal(got, want)
     _same_storage(a, b)
+
+
+def test_ops_refuse_formats_their_schema_cannot_carry(gen):
+    c = bd.KVCache.allocate(1, 2, 64, 300, bd.KVFormat(bits=4, v_bits=2, group_size=64), device="cpu",
+                            backend="reference")
+    k = torch.zeros(1, 1, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one K/V width and no sink tokens"):
+        ops.append_cache(k, k, c)
+    with pytest.raises(ValueError, match="one K/V width and no sink tokens"):
+        ops.decode_cache(torch.zeros(1, 1, 4, 64, dtype=torch.float16), c, 0.125)
