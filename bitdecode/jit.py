@@ -111,7 +111,7 @@ class KernelCache:
                 if fn is None:
                     fn = build()
                     self._store(key, fn)
-                self._mem[key] = fn
+                fn = self._mem[key] = _positional(fn)
         return fn
 
     # ---- disk ----------------------------------------------------------------------
@@ -145,6 +145,20 @@ class KernelCache:
             os.replace(tmp, path)
         except Exception:  # read-only or full disk: the in-memory cache still works
             pass
+
+
+def _positional(fn):
+    """The TVM-FFI function behind a compiled kernel, called positionally.  The DSL's
+    callable forwards to it through two Python frames (a keyword-argument wrapper that our
+    all-positional, no-default signatures never need), a few microseconds per launch that a
+    decode step pays per layer; kernels with raw-pointer arguments keep the wrapper, which
+    converts those."""
+    get = getattr(fn, "__tvm_ffi_object__", None)
+    raw = get() if get is not None else None
+    execution_args = getattr(fn, "execution_args", None)
+    if raw is None or getattr(execution_args, "has_pointer_address_arg_specs", False):
+        return fn
+    return raw
 
 
 KERNELS = KernelCache()
