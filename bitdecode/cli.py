@@ -1,4 +1,4 @@
-"""The ``bitdecode`` command line: info, demo, generate, layout, bench, compile.
+"""The ``bitdecode`` command line: info, demo, generate, eval, layout, bench, compile.
 
 Each subcommand lives in its own module (``bitdecode/cli_<name>.py``) exposing
 ``add_parser(subparsers, name, help_text)`` and ``run(args) -> int``; they are imported
@@ -16,10 +16,19 @@ COMMANDS = {
     "info": "versions, GPU and arch, available kernels, compile cache dir",
     "demo": "build an LLM-like KV cache, quantize at 4 and 2 bits, decode; accuracy, memory, speed",
     "generate": "run a transformers causal LM with the bitdecode KV cache: text, tokens/s, KV memory vs 16-bit",
+    "eval": "accuracy of KV formats on a causal LM: perplexity, KL, top-1 and needle vs 16-bit and QuantizedCache",
     "layout": "draw fragment / packed / remap / params / swizzle layouts as thread-value grids",
     "bench": "benchmark sweeps (decode incl. prefill packing, bitnet) written to profiles/<gpu>/",
     "compile": "ahead-of-time compile the kernels for an arch and dump their PTX (no GPU needed)",
 }
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the subcommands' counts (tokens, batch, steps)."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def build_parser(full: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:

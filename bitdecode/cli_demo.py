@@ -18,6 +18,7 @@ import torch
 
 from . import dispatch, reference
 from .cache import KVCache
+from .cli import positive_int
 from .formats import GROUP_SIZES, K_MODES, KVFormat
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
@@ -25,23 +26,16 @@ APPENDED = 8  # tokens added by decode-step appends after the prefill
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1].replace("``", ""))
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where to run (default: cuda when available, else cpu)")
-    p.add_argument("--seqlen", type=_positive, default=None,
+    p.add_argument("--seqlen", type=positive_int, default=None,
                    help="tokens per sequence (default: 32768 on cuda, 4096 on cpu)")
     p.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4, 2], help="bit widths to run (default: 4 2)")
     p.add_argument("--k-mode", choices=K_MODES, default="channel", help="K groups: per channel over tokens (KIVI) or per token over channels (default: channel)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128, help="values per (scale, zero) pair (default: 128)")
-    p.add_argument("--batch", type=_positive, default=1, help="sequences (default: 1)")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences (default: 1)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16", help="model dtype (default: fp16)")
     p.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                    help="auto (default): the compiled kernel on a GPU, the torch reference on the CPU")

@@ -26,6 +26,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
+from .cli import positive_int
 from .formats import GROUP_SIZES, K_MODES
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -47,13 +48,6 @@ _LLAMA_COMMON = dict(max_position_embeddings=262144, rope_parameters={"rope_type
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n", 1)[1].replace("``", ""),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,11 +63,11 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     gen.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 4 +
                      "Once upon a time, in a small village by the sea,",
                      help="the prompt (with a tokenizer)")
-    gen.add_argument("--prompt-tokens", type=_positive, default=512,
+    gen.add_argument("--prompt-tokens", type=positive_int, default=512,
                      help="prompt length in random token ids when there is no tokenizer (default: 512)")
-    gen.add_argument("--batch", type=_positive, default=1, help="copies of the prompt generated together (default: 1)")
-    gen.add_argument("--max-new-tokens", type=_positive, default=32, help="tokens to generate (default: 32)")
-    gen.add_argument("--max-seqlen", type=_positive, default=None,
+    gen.add_argument("--batch", type=positive_int, default=1, help="copies of the prompt generated together (default: 1)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default: 32)")
+    gen.add_argument("--max-seqlen", type=positive_int, default=None,
                      help="bitdecode cache capacity per sequence (default: prompt + max new tokens)")
     gen.add_argument("--no-baseline", action="store_true",
                      help="skip the run with transformers' default 16-bit cache")
