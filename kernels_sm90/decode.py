@@ -24,6 +24,11 @@ Softmax is online over the whole warpgroup: the four warps hold different tokens
 step, so each step exchanges the per-head maxima through shared memory (one named
 barrier) and publishes P^T to shared memory for the second product (a proxy fence and a
 second named barrier); the O^T accumulators are split by channels and need no merge.
+Within a step the K dequant feeds the S wgmma, which runs while V is dequantized; the P·V
+wgmma of a step lands (``wait_group 0``) before the next step, in its own accumulator
+that is folded into O in fp32 (summing a million tokens inside the accumulator drifted).
+Two wgmma groups are never in flight together: that made ptxas serialize every wgmma of
+the kernel (warning C7514, checked by the PTX test).
 The 16-bit residual block (``len % Nr`` tokens) is the last tile, in 64-token sub-tiles
 read from the (by then idle) stage buffers.  The output of a split is the fp32 partial O
 and its LSE, merged by the combine kernel; one split writes O in the model dtype.
@@ -285,18 +290,19 @@ class DecodeSm90(PackedDecodeConfig):
             for st in cutlass.range_constexpr(self.steps):
                 k_frag = self.k_fragments(thr_s, kp, ks, st, dq, warp, lane)
                 acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
-                # the previous step's P V wgmma reads its V^T registers asynchronously, and
-                # this step's V^T takes the same registers: wait for it (not for the scores)
-                # before writing them (without the wait, outputs varied run to run)
-                warpgroup.wait_group(1)
-                self.fold(acc_o, acc_pv)
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq, warp, lane)
                 if const_expr(st == self.steps - 1):
                     ring.consumer_release(state)  # this stage's words are all in registers
                 warpgroup.wait_group(0)
+                self.fold(acc_o, acc_pv)
                 self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, 0)
                 self.store_p(acc_s, sP, warp, lane)
                 self.pv(v_frag, tOrP, acc_pv)
+                # P V lands before the next step: its V^T registers are the next step's (the
+                # wgmma reads them asynchronously; rewriting them early made outputs vary
+                # run to run), and with two wgmma groups in flight ptxas serializes every
+                # wgmma of the kernel (C7514), the scores' overlap with the V dequant included
+                warpgroup.wait_group(0)
             state.advance()
 
         if has_residual:
@@ -429,11 +435,12 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def fold(self, acc_o, acc_pv):
-        """O += the last P V product (landed: after a wait that covers its wgmma); zeroed so
-        that folding twice, or before any product, adds nothing."""
+        """O += the last P V product (landed: after a wait that covers its wgmma).  Every
+        fold is followed by a fresh product before the next one, and acc_pv starts at zero,
+        so each product is added once (writing the zeros here instead made ptxas serialize
+        the wgmmas)."""
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = acc_o[i] + acc_pv[i]
-            acc_pv[i] = Float32(0.0)
 
     def cv(self, v0: int, v1: int, nt: int):
         """Value index of (head 2c + v0 + 8 nt, row g + 8 v1) in a wgmma C fragment."""

@@ -31,7 +31,8 @@ def _dtype(name):
     return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
 
 
-def _spills(ptx: str, arch: str, tmp_path) -> int:
+def _ptxas_report(ptx: str, arch: str, tmp_path) -> str:
+    """ptxas -v's report on ``ptx`` (skips without a ptxas that assembles ``arch``)."""
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("ptxas not installed: spill check skipped")
@@ -42,8 +43,12 @@ def _spills(ptx: str, arch: str, tmp_path) -> int:
     if res.returncode != 0 and "Unsupported" in res.stderr + res.stdout:
         pytest.skip(f"this ptxas cannot assemble {arch}")
     assert res.returncode == 0, res.stderr[-2000:]
-    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr + res.stdout)
-    assert found, res.stderr[-2000:]
+    return res.stderr + res.stdout
+
+
+def _spills(ptx: str, arch: str, tmp_path) -> int:
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", _ptxas_report(ptx, arch, tmp_path))
+    assert found
     return sum(int(a) + int(b) for a, b in found)
 
 
@@ -124,7 +129,12 @@ def test_sm90_decode_ptx(cfg, tmp_path):
                   "fence.proxy.async.shared::cta", "wgmma.wait_group"):
         assert instr in ptx, f"{instr} missing from the sm90 decode PTX"
     assert ".local" not in ptx, "the sm90 decode kernel keeps a local-memory array"
-    assert _spills(ptx, "sm_90a", tmp_path) == 0, "ptxas spills registers in the sm90 decode kernel"
+    report = _ptxas_report(ptx, "sm_90a", tmp_path)
+    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0, \
+        "ptxas spills registers in the sm90 decode kernel"
+    # C7514: ptxas makes every wgmma wait for the previous one when it cannot prove an
+    # accumulator read safe (it did, unseen, for the kernel's first versions)
+    assert "C7514" not in report, "ptxas serializes the sm90 decode kernel's wgmmas"
 
 
 def test_sm90_decode_refuses_other_archs():
