@@ -267,6 +267,34 @@ class KVCache:
         self._host_added += t
         self._host_max += t
 
+    def truncate(self, tokens: int) -> None:
+        """Drop the newest ``tokens`` tokens of every sequence (the rejected drafts of
+        speculative decoding).  Where the new end falls inside a block that was already
+        packed, that block's surviving tokens return to the 16-bit residual buffer
+        dequantized: their quantization error stays, the 16-bit originals are gone.  Runs
+        torch ops on the cache's device (a few small ones, one sync); any backend."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        lens = self._host_lens
+        short = [b for b, n in enumerate(lens) if n < tokens]
+        if short:
+            raise ValueError(f"tokens={tokens} is more than sequence {short[0]} holds ({lens[short[0]]} tokens)")
+        if tokens == 0:
+            return
+        c, nr, sinks = self._tensors, self.fmt.residual_block, self.fmt.sink_tokens
+        for b, n in enumerate(lens):
+            rest_old, rest_new = max(0, n - sinks), max(0, n - tokens - sinks)
+            blk = rest_new // nr
+            keep = rest_new - blk * nr
+            if blk < rest_old // nr and keep:  # the new end lies in a packed block
+                kp, kq, vp, vq = _block_slices(c, b, blk)
+                k = reference.unpack_k(c.k_pack[kp], c.k_params[kq], self.fmt, self.dtype)  # [Hkv, Nr, D]
+                v = reference.unpack_v(c.v_pack[vp], c.v_params[vq], self.fmt, self.dtype)
+                self.k_res[b, :keep] = k[:, :keep].transpose(0, 1)
+                self.v_res[b, :keep] = v[:, :keep].transpose(0, 1)
+        self.seqlens.sub_(tokens)
+        self._host_lens = [n - tokens for n in lens]
+
     def reset(self) -> None:
         """Empty every sequence and clear the overflow flags."""
         self.seqlens.zero_()

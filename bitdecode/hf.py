@@ -14,9 +14,11 @@ What runs where:
   each sequence's pads are dropped before packing, so they never enter a later attention;
 * decode (one new token per sequence): the token is appended in place and attention runs
   over the packed cache through ``bitdecode.decode``;
-* a later multi-token chunk (a second chat turn, a verification block): the packed cache
-  is dequantized to 16 bits for that call and attended with SDPA and a causal mask over
-  the chunk; the chunk is then appended.
+* a later multi-token chunk (a second chat turn, a verification block): the chunk is
+  appended, the packed cache dequantized to 16 bits for that call and attended with SDPA
+  (fp32) and a causal mask over the chunk;
+* rejected drafts of assisted generation: ``crop`` truncates every layer's cache
+  (``KVCache.truncate``).
 
 The cache binds itself to the model's attention modules when it is made (that is how the
 attention function finds it), so one model runs one ``BitDecodingCache`` at a time.
@@ -42,7 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import ops, reference
+from . import ops
 from .cache import KVCache, decode
 from .formats import KVFormat
 
@@ -55,6 +57,7 @@ class BitDecodingLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    is_croppable = True
 
     def __init__(self, fmt: KVFormat, max_seqlen: int, page_size: Optional[int], backend: str):
         super().__init__()
@@ -109,6 +112,16 @@ class BitDecodingLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.max_seqlen
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens (assisted generation's rejected drafts): ``-n`` removes n,
+        a positive value is the length to keep (transformers' older convention)."""
+        tokens_to_remove = int(tokens_to_remove)  # older transformers pass a 0-d tensor
+        remove = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        if remove <= 0 or self.kv is None:
+            return
+        self.kv.truncate(remove)
+        self.seen -= remove
 
     def reset(self) -> None:
         if self.kv is not None:
@@ -197,13 +210,17 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
 
 def _chunk_attention(layer: BitDecodingLayer, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
     """Several new tokens over the (already appended) cache, each over the cache up to
-    itself: the reference attention on the dequantized K / V."""
+    itself: SDPA in fp32 over each sequence's dequantized K / V with a causal mask on the
+    chunk (one call per sequence: lengths are ragged)."""
     tq = query.shape[2]
     outs = []
-    for (k, v), q in zip(layer.dequantized(), query.transpose(1, 2)):  # q [Tq, Hq, D]
+    for (k, v), q in zip(layer.dequantized(), query):  # k, v [n, Hkv, D]; q [Hq, Tq, D]
         n = k.shape[0]
-        outs.append(torch.stack([reference.attention(q[t], k[:n - tq + t + 1], v[:n - tq + t + 1], scaling)[0]
-                                 for t in range(tq)]))
+        causal = torch.ones(tq, n, dtype=torch.bool, device=q.device).tril(diagonal=n - tq)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[None].float(), k.transpose(0, 1)[None].float(), v.transpose(0, 1)[None].float(),
+            attn_mask=causal, scale=scaling, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))  # [Tq, Hq, D]
     return torch.stack(outs).to(query.dtype)
 
 

@@ -259,3 +259,43 @@ def test_check_reports_refused_appends_by_sequence():
     c.reset()
     c.check()
     assert c.lengths == [0, 0, 0]
+
+
+# --------------------------------------------------------------------------------------
+# truncate (speculative decoding's rejected drafts)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [bd.KVFormat(bits=4, group_size=64), bd.KVFormat(bits=2, k_mode="token", group_size=32),
+                                 bd.KVFormat(bits=4, v_bits=2, group_size=64, sink_tokens=7)],
+                         ids=["4bit", "2bit-token", "k4v2-s7"])
+@pytest.mark.parametrize("tokens", [0, 30, 130, 405])
+def test_truncate_keeps_what_the_cache_held(fmt, tokens, gen):
+    """After truncate(t) every sequence dequantizes to the first len - t tokens of what it
+    held (a packed block the new end falls in returns to the residual as its dequantized
+    values), and later appends and decodes run on as usual."""
+    k, v = kvdata.kv(gen, 2, 600, 2, 64)
+    c = bd.KVCache.allocate(2, 2, 64, 900, fmt, device="cpu", backend="reference", page_size=256)
+    c.prefill(k[:, :300], v[:, :300], [300, 290])
+    c.append(k[:, 300:420], v[:, 300:420])
+    held = [c.dequantized(b) for b in range(2)]
+    c.truncate(tokens)
+    assert c.lengths == [420 - tokens, 410 - tokens] and c.seqlens.tolist() == c.lengths
+    for b in range(2):
+        kd, vd = c.dequantized(b)
+        n = held[b][0].shape[0] - tokens
+        assert torch.equal(kd, held[b][0][:n]) and torch.equal(vd, held[b][1][:n])
+    c.append(k[:, 500:600], v[:, 500:600])
+    assert c.lengths == [520 - tokens, 510 - tokens]
+    assert torch.isfinite(c.decode(kvdata.randn(gen, 2, 1, 4, 64))).all()
+
+
+def test_truncate_rejects_bad_counts():
+    c = bd.KVCache.allocate(2, 2, 64, 300, bd.KVFormat(bits=4, group_size=64), device="cpu", backend="reference")
+    k = torch.zeros(2, 5, 2, 64, dtype=torch.float16)
+    c.prefill(k, k, [5, 3])
+    for bad, msg in ((-1, "tokens must be an int >= 0"), (1.0, "tokens must be an int >= 0"),
+                     (4, "more than sequence 1 holds")):
+        with pytest.raises(ValueError, match=msg):
+            c.truncate(bad)
+    assert c.lengths == [5, 3]

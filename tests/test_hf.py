@@ -148,3 +148,46 @@ def test_kernels_decode_within_the_format_error(backend):
     for a, b in decoded:
         assert _rel(b, a) < 0.06
     assert cbd.layers[0].kv.backend == backend
+
+
+@torch.no_grad()
+def test_chunk_attention_equals_a_float64_model(models):
+    """A chunk of queries over the packed cache: each query attends to the dequantized
+    cache up to its own position (causal over the chunk), GQA, the model's scale."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(6)
+    cbd = _cache(packed, 2)
+    packed(torch.randint(0, VOCAB, (2, 150), generator=gen), past_key_values=cbd, use_cache=True)
+    packed(torch.randint(0, VOCAB, (2, 7), generator=gen), past_key_values=cbd, use_cache=True)
+    layer = cbd.layers[1]
+    query = torch.randn(2, 8, 7, 64, generator=gen).to(torch.bfloat16)
+    got = hf._chunk_attention(layer, query, 0.125)  # [B, Tq, Hq, D]
+    for b, (k, v) in enumerate(layer.dequantized()):
+        n = k.shape[0]
+        for t in range(7):
+            kk, vv = k[:n - 7 + t + 1].double(), v[:n - 7 + t + 1].double()  # [m, Hkv, D]
+            q = query[b, :, t].double().view(2, 4, 64)
+            p = torch.softmax(torch.einsum("hgd,mhd->hgm", q, kk) * 0.125, dim=-1)
+            want = torch.einsum("hgm,mhd->hgd", p, vv).reshape(8, 64)
+            torch.testing.assert_close(got[b, t].double(), want, rtol=1e-2, atol=1e-2)
+
+
+@torch.no_grad()
+def test_assisted_generation_crops_the_packed_cache(models):
+    """transformers' assisted generation verifies drafts as multi-token chunks and crops
+    the rejected ones: greedy tokens agree with plain greedy decoding on the same cache
+    format, and the cache ends as long as the sequence."""
+    _, packed = models
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    assistant = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, VOCAB, (1, 140), generator=torch.Generator().manual_seed(7))
+    plain = packed.generate(ids, past_key_values=_cache(packed, 4), max_new_tokens=12, do_sample=False)
+    cache = _cache(packed, 4)
+    assisted = packed.generate(ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=12,
+                               do_sample=False)
+    assert assisted.shape == plain.shape
+    agree = (assisted[:, 140:] == plain[:, 140:]).float().mean().item()
+    assert agree >= 0.75, agree
+    assert cache.layers[0].kv.lengths[0] in (assisted.shape[1] - 1, assisted.shape[1])
