@@ -335,3 +335,22 @@ def test_edited_block_table_never_takes_a_kernel_outside_the_cache(backend):
         assert not torch.equal(t[written], b[written])
     assert out.shape == (2, 1, 8, 128)
     assert cache.seqlens.tolist() == [4 * nr, 4 * nr]
+
+
+def test_truncate_then_append_equals_the_reference(backend):
+    """Speculative decoding on the kernels: append a draft block, drop part of it (the new
+    end inside a block the append kernel packed), append again: the same bytes as the
+    reference backend doing the same."""
+    fmt = bd.KVFormat(bits=4)
+    nr = fmt.residual_block
+    gen = torch.Generator().manual_seed(31)
+    k, v = kv(gen, 2, 4 * nr, 2, 128, dtype=torch.float16, device=DEV)
+    caches = []
+    for name in (backend, "reference"):
+        c = bd.KVCache.allocate(2, 2, 128, 5 * nr, fmt, device=DEV, page_size=nr, backend=name)
+        c.prefill(k[:, :nr + 10], v[:, :nr + 10], [nr + 10, nr - 3])
+        c.append(k[:, 2 * nr:2 * nr + 130], v[:, 2 * nr:2 * nr + 130])
+        c.truncate(40)
+        c.append(k[:, 3 * nr:3 * nr + 70], v[:, 3 * nr:3 * nr + 70])
+        caches.append(c)
+    _assert_same_cache(*caches)
