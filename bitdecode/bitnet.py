@@ -8,6 +8,7 @@ x_q, x_s = bd.bitnet.quantize_activation(x)      # int8 [M, K], fp32 [M]
 y = bd.bitnet.gemv(x_q, w_p, x_s, w_s, segments=(2560, 640, 640))   # M == 1, bf16 [1, N]
 y = bd.bitnet.gemm(x_q, w_p, x_s, w_s, segments=(2560, 640, 640))   # any M, bf16 [M, N]
 layer = bd.bitnet.BitLinear.from_float(torch_linear, segments=(2560, 640, 640)).cuda()
+model = bd.bitnet.convert(bitnet_for_causal_lm)   # every BitNet linear of a transformers model
 ```
 
 Maths (the kernels and the torch reference compute exactly this):
@@ -60,6 +61,8 @@ __all__ = [
     "accumulate",
     "OUT_DTYPES",
     "BitLinear",
+    "FusedSlice",
+    "convert",
     "MAX_SEGMENTS",
     "MODEL_SHAPES",
 ]
@@ -639,3 +642,208 @@ class BitLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"segments={self.segments}, bias={self.bias is not None}"
         )
+
+
+# --------------------------------------------------------------------------------------
+# Whole-model conversion (transformers' BitNetForCausalLM and BitNet-quantized models)
+# --------------------------------------------------------------------------------------
+
+# Fused groups: projections that read the same input become one BitLinear whose segments
+# are their row counts (each keeps its own scale), registered on the parent under this name.
+FUSED_GROUPS = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"))
+
+_HF_BITNET = "transformers.integrations.bitnet"
+
+
+def _hf_bitnet_classes():
+    """transformers' ``BitLinear`` / ``AutoBitLinear`` classes, if that module is loaded
+    (a model holding them has imported it; nothing here imports transformers)."""
+    import sys
+
+    mod = sys.modules.get(_HF_BITNET)
+    if mod is None:
+        return (), ()
+    return (mod.BitLinear,), (mod.AutoBitLinear,)
+
+
+def _unpack_hf_rows(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' packed BitNet weights (uint8 [ceil(N/4), K], four row blocks per
+    byte, code ``w + 1`` in bits ``2i``) -> ternary int8 [N, K]; ``unpack_weights`` of
+    ``transformers.integrations.bitnet`` without its torch.compile."""
+    p = packed.to(torch.uint8)
+    rows = torch.cat([(p >> (2 * i)) & 3 for i in range(4)], dim=0)[:n]
+    return rows.to(torch.int8) - 1
+
+
+def _ternary_of(values: torch.Tensor, what: str) -> torch.Tensor:
+    t = values.float().round()
+    if values.numel() and (not torch.equal(t, values.float()) or float(t.abs().max()) > 1):
+        raise ValueError(f"{what}: an offline BitNet weight must hold ternary values (-1, 0, 1)")
+    return t.to(torch.int8)
+
+
+def _source(linear: nn.Module, name: str):
+    """(ternary int8 [N, K], fp32 scale [1], fp32 bias [N] or None, in-linear RMSNorm or None)
+    of one of the model's linear layers, with bitdecode's meaning of the scale
+    (``W ~= ternary * scale``)."""
+    hf_packed, hf_auto = _hf_bitnet_classes()
+    norm = getattr(linear, "rms_norm", None)
+    bias = getattr(linear, "bias", None)
+    bias = None if bias is None else bias.detach().float()
+    if hf_packed and isinstance(linear, hf_packed):
+        # y = (q @ t.T) / (x_scale * weight_scale): weight_scale is 1 / mean|W|
+        t = _unpack_hf_rows(linear.weight, linear.out_features)
+        scale = 1.0 / linear.weight_scale.detach().float().reshape(1)
+        return t, scale, bias, norm
+    if hf_auto and isinstance(linear, hf_auto) and not linear.online_quant:
+        # y = (ActQuant(x) @ t.T + bias) * weight_scale, t stored unpacked
+        t = _ternary_of(linear.weight.detach(), name)
+        scale = linear.weight_scale.detach().float().reshape(1)
+        return t, scale, None if bias is None else bias * scale, norm
+    # nn.Linear / AutoBitLinear online: float weights, bitdecode's rule (= WeightQuant per tensor)
+    t, scale = quantize_weight(linear.weight.detach())
+    return t, scale, bias, norm
+
+
+def _convertible(module: nn.Module) -> bool:
+    hf_packed, _ = _hf_bitnet_classes()
+    return isinstance(module, nn.Linear) or bool(hf_packed and isinstance(module, hf_packed))
+
+
+def _build(sources, names, in_features: int, device, backend: str) -> BitLinear:
+    segs = tuple(t.shape[0] for t, *_ in sources)
+    n = sum(segs)
+    try:
+        layer = BitLinear(in_features, n, bias=any(b is not None for _, _, b, _ in sources),
+                          segments=segs if len(segs) > 1 else None, device=device, backend=backend)
+    except ValueError as exc:
+        raise ValueError(f"cannot convert {'/'.join(names)} ({n} x {in_features}): {exc}") from None
+    layer.weight_packed.copy_(pack_weight(torch.cat([t for t, *_ in sources]).to(device)))
+    layer.weight_scale.copy_(torch.cat([s for _, s, _, _ in sources]).to(device))
+    if layer.bias is not None:
+        layer.bias.copy_(torch.cat([b.to(device) if b is not None else torch.zeros(t.shape[0], device=device)
+                                    for t, _, b, _ in sources]))
+    return layer
+
+
+class FusedSlice(nn.Module):
+    """One projection of a fused ``BitLinear`` (``q_proj`` of ``qkv_proj``): the model's
+    forward still calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``; the first call on an
+    input runs the fused layer (activations quantized once, one GEMV / GEMM for all
+    segments) and keeps its output until every other slice has read its rows of it for the
+    same input tensor (the same object; a different input runs the fused layer again)."""
+
+    def __init__(self, fused: BitLinear, index: int, memo: dict):
+        super().__init__()
+        self.__dict__["fused"] = fused  # registered once, on the parent, not per slice
+        self.__dict__["_memo"] = memo  # shared by the group's slices
+        self.index = index
+        self.start = sum(fused.segments[:index])
+        self.stop = self.start + fused.segments[index]
+        self.in_features, self.out_features = fused.in_features, fused.segments[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memo = self._memo
+        if memo.get("x") is x and self.index in memo["pending"]:
+            out = memo["out"]
+            memo["pending"].discard(self.index)
+            if not memo["pending"]:
+                memo.clear()
+        else:
+            out = self.fused(x)
+            pending = set(range(len(self.fused.segments))) - {self.index}
+            memo.clear()
+            memo.update(x=x, out=out, pending=pending)
+        return out[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}:{self.stop} of the fused {self.fused.extra_repr()}"
+
+
+def _is_bitnet(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) == "bitnet":
+        return True
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if str(getattr(method, "value", method)) == "bitnet":
+        return True
+    hf_packed, hf_auto = _hf_bitnet_classes()
+    return any(isinstance(m, hf_packed + hf_auto) for m in model.modules())
+
+
+@torch.no_grad()
+def convert(
+    model: nn.Module, *, backend: str = "auto", fuse: bool = True, skip: Sequence[str] = ()
+) -> nn.Module:
+    """Swap a transformers BitNet model's linear layers for bitdecode ``BitLinear`` (in
+    place; returns ``model``).
+
+    Every linear layer except the output embeddings (``lm_head``) and the qualified
+    module names in ``skip`` is converted: attention q/k/v/o and MLP gate/up/down of
+    ``BitNetForCausalLM``, or the ``BitLinear`` / ``AutoBitLinear`` layers of a model
+    loaded with a BitNet ``quantization_config``.  Weights are packed once into
+    microsoft/BitNet's int2 layout:
+
+    * float weights (``nn.Linear``; ``AutoBitLinear`` online) are quantized with
+      ``quantize_weight``, one ``mean|W|`` scale per projection, as transformers'
+      ``WeightQuant`` does per tensor;
+    * transformers' packed ``BitLinear`` (what ``microsoft/bitnet-b1.58-2B-4T`` loads
+      into) keeps its ternary values, scale ``1 / weight_scale``; offline
+      ``AutoBitLinear`` keeps its ternary values, scale ``weight_scale``.
+
+    ``fuse=True``: q/k/v become one ``qkv_proj`` and gate/up one ``gate_up_proj``
+    (segments with their own scales, registered on the attention / MLP module), and
+    ``q_proj`` ... ``up_proj`` become ``FusedSlice`` views of it, so the model's forward is
+    unchanged and runs one activation quantization and one GEMV / GEMM per group.  A group
+    whose layers carry their own RMSNorm (``use_rms_norm``) is not fused.  Embeddings,
+    ``lm_head``, norms (BitNet's ``attn_sub_norm`` / ``ffn_sub_norm`` included) stay as they
+    are.  ``backend`` goes to every ``BitLinear`` ("auto": kernels on CUDA, the torch
+    reference on the CPU).  The result is for inference; its state dict holds bitdecode's
+    buffers (``weight_packed``, ``weight_scale``), not a transformers checkpoint.  Convert
+    after placing the model (``.to(device)`` later is fine; a later ``.to(dtype)`` would cast
+    the fp32 scales, which the matmuls refuse).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not _is_bitnet(model):
+        raise ValueError(
+            "model is not a BitNet model (config.model_type 'bitnet', a BitNet quantization_config, or "
+            "transformers' BitLinear layers): ternary weights would destroy a full-precision model"
+        )
+    skipped = set(skip)
+    get_out = getattr(model, "get_output_embeddings", None)
+    lm_head = get_out() if callable(get_out) else None
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def wanted(module) -> bool:
+        return _convertible(module) and module is not lm_head and names.get(id(module)) not in skipped
+
+    for parent in list(model.modules()):
+        if fuse:
+            for members, fused_name in FUSED_GROUPS:
+                mods = [getattr(parent, m, None) for m in members]
+                if not all(isinstance(m, nn.Module) and wanted(m) for m in mods):
+                    continue
+                if len({m.in_features for m in mods}) != 1 or hasattr(parent, fused_name):
+                    continue
+                sources = [_source(m, names[id(m)]) for m in mods]
+                if any(norm is not None for *_, norm in sources):
+                    continue  # per-projection RMSNorms: the inputs differ, convert one by one
+                device = mods[0].weight.device
+                fused = _build(sources, [names[id(m)] for m in mods], mods[0].in_features, device, backend)
+                parent.add_module(fused_name, fused)
+                memo: dict = {}
+                for i, m in enumerate(members):
+                    setattr(parent, m, FusedSlice(fused, i, memo))
+        for child_name, child in list(parent.named_children()):
+            if not wanted(child):
+                continue
+            name = names[id(child)]
+            src = _source(child, name)
+            layer = _build([src], [name], child.in_features, child.weight.device, backend)
+            norm = src[3]
+            setattr(parent, child_name, layer if norm is None else nn.Sequential(norm, layer))
+    return model

@@ -1,0 +1,416 @@
+"""``bd.bitnet.convert`` on a tiny random transformers ``BitNetForCausalLM`` (CPU reference
+path; the ``gpu`` test runs the kernels).
+
+What transformers computes: a ``BitNetForCausalLM`` built from a ``BitNetConfig`` has plain
+``nn.Linear`` layers (no quantization at all); it is W1.58A8 only when its linears are
+swapped by the BitNet quantizer.  The reference here is that quantizer's online
+``AutoBitLinear`` (``replace_with_bitnet_linear``, ``quantization_mode="online"``):
+``WeightQuant`` (ternary, ``mean|W|`` per tensor) and ``ActQuant`` (int8, ``127 / max|x|``
+per token), fake-quantized, then ``F.linear``.  bitdecode computes the same integers and
+scales exactly and rounds each linear's output once to bf16 (the kernels' output), so:
+
+* per layer: the converted output equals transformers' ``AutoBitLinear`` output (run in
+  float64) rounded to bf16, except where float rounding lands next to a bf16 tie (one
+  bf16 ulp);
+* per model: the logits are within 1e-2 (relative) of transformers' model run in float64
+  with each linear's output rounded to bf16, and closer to transformers' fp32 forward than
+  transformers' own bf16 run of the same model is.  (The W2A8 error itself, the
+  quantized model against the float one, is ~100% of the logits on a random model: no
+  usable tolerance.)  Residual differences come from int8 roundings flipped by the
+  last-bit differences, which the layers amplify;
+* greedy tokens agree with transformers' (bf16-rounded) forward and, through
+  ``bitdecode.hf.BitDecodingCache``, with the 16-bit cache;
+* fusing q/k/v and gate/up changes no bit (same activation quantization, same integer
+  sums, each row scaled by its own segment's scale).
+
+transformers' BitNet functions are wrapped in ``torch.compile``; the tests run them with
+dynamo disabled (the same maths, eager; compiling them costs ~20 s on the CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch._dynamo  # noqa: E402
+from transformers.integrations import bitnet as hf_bitnet  # noqa: E402
+
+import bitdecode as bd  # noqa: E402
+from bitdecode import bitnet as bn  # noqa: E402
+from bitdecode import hf  # noqa: E402
+
+VOCAB = 128
+LAYERS = 2
+PROJ_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+               ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+@pytest.fixture(autouse=True)
+def _eager_transformers_bitnet():
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+def _config(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    base.update(kw)
+    return transformers.BitNetConfig(**base)
+
+
+def _float_model(seed=0, dtype=torch.float32, device="cpu", **kw):
+    torch.manual_seed(seed)
+    return transformers.BitNetForCausalLM(_config(**kw)).to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def _hf_quantized(model, **qkw):
+    """transformers' own W1.58A8 BitNet: its quantizer's linear swap, the same weights."""
+    q = copy.deepcopy(model)
+    cfg = transformers.BitNetQuantConfig(**({"linear_class": "autobitlinear", "quantization_mode": "online"} | qkw))
+    hf_bitnet.replace_with_bitnet_linear(q, modules_to_not_convert=["lm_head"], quantization_config=cfg)
+    for m in q.modules():  # the swap builds some layers (all of them in 5.17) on the meta device
+        if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]):
+            m.to_empty(device=model.device, recurse=False)
+    for m in q.modules():
+        if getattr(m, "rms_norm", None) is not None:
+            m.rms_norm.weight.fill_(1.0)
+    mine = q.state_dict()  # packed layers' weights have other shapes: filled by the caller
+    q.load_state_dict({k: v for k, v in model.state_dict().items() if mine[k].shape == v.shape}, strict=False)
+    return q.eval()
+
+
+def _round_outputs_to_bf16(model):
+    """Round every transformers BitNet linear's output to bf16 (what bitdecode's
+    kernels emit), in the model's dtype."""
+    for m in model.modules():
+        if isinstance(m, (hf_bitnet.AutoBitLinear, hf_bitnet.BitLinear)):
+            m.register_forward_hook(lambda mod, inp, out: out.to(torch.bfloat16).to(out.dtype))
+    return model
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    """(float model, transformers' quantized model, converted model), fp32."""
+    fl = _float_model()
+    with torch._dynamo.config.patch(disable=True):
+        return fl, _hf_quantized(fl), bn.convert(copy.deepcopy(fl), backend="reference")
+
+
+def _ids(seed, batch=2, length=16):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------
+# Structure
+# --------------------------------------------------------------------------------------
+
+
+def test_convert_structure(fp32):
+    _, _, conv = fp32
+    assert isinstance(conv.lm_head, torch.nn.Linear) and conv.lm_head.weight.dtype == torch.float32
+    assert isinstance(conv.model.embed_tokens, torch.nn.Embedding)
+    for layer in conv.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.qkv_proj.segments == (128, 64, 64) and attn.qkv_proj.weight_scale.shape == (3,)
+        assert mlp.gate_up_proj.segments == (256, 256)
+        assert isinstance(attn.o_proj, bn.BitLinear) and isinstance(mlp.down_proj, bn.BitLinear)
+        for name, start, stop in (("q_proj", 0, 128), ("k_proj", 128, 192), ("v_proj", 192, 256)):
+            s = getattr(attn, name)
+            assert isinstance(s, bn.FusedSlice) and s.fused is attn.qkv_proj and (s.start, s.stop) == (start, stop)
+        # BitNet's own sub-layer norms stay where they were
+        assert isinstance(attn.attn_sub_norm, transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm)
+        assert isinstance(mlp.ffn_sub_norm, transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm)
+    assert not any(isinstance(m, torch.nn.Linear) for n, m in conv.named_modules() if n != "lm_head")
+    # the fused layer is registered once (on the attention / MLP), not under each slice
+    keys = conv.state_dict().keys()
+    assert "model.layers.0.self_attn.qkv_proj.weight_packed" in keys
+    assert not any("q_proj" in k for k in keys)
+    assert bn.convert(conv) is conv  # nothing left to convert
+    twin = copy.deepcopy(conv)  # a copy shares its fused layer between the slices as well
+    assert twin.model.layers[1].self_attn.v_proj.fused is twin.model.layers[1].self_attn.qkv_proj
+    assert twin.model.layers[1].mlp.up_proj._memo is twin.model.layers[1].mlp.gate_proj._memo
+
+
+def test_weights_are_transformers_ternary_and_scales(fp32):
+    """The packed weights hold transformers' ``WeightQuant`` ternary values, one scale per
+    projection (its per-tensor ``mean|W|``), in microsoft/BitNet's int2 layout."""
+    fl, _, conv = fp32
+    for i in range(LAYERS):
+        for parent, names in PROJ_GROUPS:
+            src = [getattr(getattr(fl.model.layers[i], parent), n).weight.detach() for n in names]
+            deq = [hf_bitnet.WeightQuant.apply(w) for w in src]  # ternary / (1 / mean|W|), fp32
+            mod = getattr(getattr(conv.model.layers[i], parent), names[0])
+            layer = mod.fused if isinstance(mod, bn.FusedSlice) else mod
+            assert torch.equal(bn.unpack_weight(layer.weight_packed), torch.cat([d.sign() for d in deq]).to(torch.int8))
+            want = torch.stack([d.abs().max() for d in deq])
+            torch.testing.assert_close(layer.weight_scale, want, rtol=2.0**-22, atol=0)
+            wq, ws = bn.quantize_weight(torch.cat(src), tuple(w.shape[0] for w in src) if len(src) > 1 else None)
+            assert torch.equal(layer.weight_packed, bn.pack_weight(wq)) and torch.equal(layer.weight_scale, ws)
+
+
+# --------------------------------------------------------------------------------------
+# Numerics against transformers' BitNet forward
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_each_layer_is_transformers_output_rounded_to_bf16(fp32):
+    _, hfq, conv = fp32
+    hf64 = copy.deepcopy(hfq).double()
+    gen = torch.Generator().manual_seed(3)
+    total = exact = 0
+    for i in range(LAYERS):
+        for parent, names in PROJ_GROUPS:
+            mine, theirs = getattr(conv.model.layers[i], parent), getattr(hf64.model.layers[i], parent)
+            k = getattr(theirs, names[0]).in_features
+            x = torch.randn(2, 5, k, generator=gen) * 3
+            for name in names:
+                got = getattr(mine, name)(x)
+                hf_layer = getattr(theirs, name)
+                want = hf_layer(x.double()).to(torch.bfloat16).float()
+                assert got.dtype == torch.float32 and got.shape == want.shape
+                # transformers multiplies fp32-rounded q / s and t / (1 / mean|W|): each term
+                # off by <= 2^-23 of itself, so its sum by <= 2^-23 * sum |terms| (mag)
+                mag = x.double().abs() @ hf_bitnet.WeightQuant.apply(hf_layer.weight.float()).double().abs().t()
+                diff = (got - want).abs()
+                bound = want.abs() * 2.0**-7 + mag.float() * 2.0**-21  # one bf16 ulp + that slack
+                assert bool((diff <= bound).all()), (i, name, diff.max())
+                # the differences seen: integer sums of 0, where bitdecode gives an exact 0
+                # and transformers its rounding noise (~1e-8)
+                cancel = (got == 0) & (want.abs() <= mag.float() * 2.0**-21)
+                total += int((~cancel).sum())
+                exact += int(((diff == 0) & ~cancel).sum())
+    assert exact >= 0.999 * total, (exact, total)
+
+
+@torch.no_grad()
+def test_logits_match_transformers_bitnet(fp32):
+    fl, hfq, conv = fp32
+    ids = _ids(1)
+    got = conv(ids).logits
+    ref64 = _round_outputs_to_bf16(copy.deepcopy(hfq).double())(ids).logits
+    assert _rel(got, ref64) < 1e-2, _rel(got, ref64)
+    theirs32 = hfq(ids).logits
+    theirs16 = copy.deepcopy(hfq).to(torch.bfloat16)(ids).logits
+    assert _rel(got, theirs32) < _rel(theirs16, theirs32), (_rel(got, theirs32), _rel(theirs16, theirs32))
+    assert (got.argmax(-1) == theirs32.argmax(-1)).float().mean() >= 0.9
+    # (the W2A8 error: transformers' quantized model against the float one)
+    assert _rel(theirs32, fl(ids).logits) > 0.3
+
+
+@torch.no_grad()
+def test_fused_equals_unfused_bit_for_bit(fp32):
+    fl, _, conv = fp32
+    unfused = bn.convert(copy.deepcopy(fl), backend="reference", fuse=False)
+    attn = unfused.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, bn.BitLinear) and attn.q_proj.segments == (128,) and not hasattr(attn, "qkv_proj")
+    ids = _ids(2)
+    assert torch.equal(conv(ids).logits, unfused(ids).logits)
+    for layer in conv.model.layers:  # every slice was read: no activation kept alive
+        assert layer.self_attn.q_proj._memo == {} and layer.mlp.gate_proj._memo == {}
+
+
+def test_fused_slice_recomputes_for_another_input(fp32):
+    _, _, conv = fp32
+    attn = conv.model.layers[0].self_attn
+    a, b = torch.randn(3, 128), torch.randn(3, 128)
+    q_a = attn.q_proj(a)
+    k_b = attn.k_proj(b)  # a different tensor: its own fused product
+    assert torch.equal(k_b, attn.qkv_proj(b)[:, 128:192])
+    assert torch.equal(q_a, attn.qkv_proj(a)[:, :128])
+    assert torch.equal(attn.v_proj(b), attn.qkv_proj(b)[:, 192:])
+
+
+@torch.no_grad()
+def test_greedy_generate_agrees_with_transformers(fp32):
+    _, hfq, conv = fp32
+    ids = _ids(4)
+    theirs = _round_outputs_to_bf16(copy.deepcopy(hfq)).generate(ids, max_new_tokens=8, do_sample=False)
+    mine = conv.generate(ids, max_new_tokens=8, do_sample=False)
+    agree = (mine[:, 16:] == theirs[:, 16:]).float().mean().item()
+    assert agree >= 0.9, agree
+
+
+# --------------------------------------------------------------------------------------
+# The bitdecode KV cache: prefill through the GEMM, decode through the GEMV
+# --------------------------------------------------------------------------------------
+
+
+def _count_matmuls(monkeypatch):
+    calls = []
+    for name in ("gemv", "gemm"):
+        fn = getattr(bn, name)
+
+        def wrapped(x, *args, _fn=fn, _name=name, **kw):
+            calls.append((_name, x.shape[0]))
+            return _fn(x, *args, **kw)
+
+        monkeypatch.setattr(bn, name, wrapped)
+    return calls
+
+
+@torch.no_grad()
+def test_generate_with_the_bitdecode_cache(monkeypatch):
+    """bf16 (the KV cache stores 16-bit K / V), ``initializer_range=0.2`` (embeddings and
+    lm_head wide enough that greedy choices are not decided by the 4-bit cache's noise)."""
+    fl = _float_model(seed=5, dtype=torch.bfloat16, initializer_range=0.2)
+    conv = bn.convert(copy.deepcopy(fl), backend="reference")
+    packed = copy.deepcopy(conv)
+    packed.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
+    fmt = bd.KVFormat(bits=4, group_size=64)
+
+    def cache():
+        return hf.BitDecodingCache(packed, fmt, max_seqlen=256, backend="reference")
+
+    # prefill: attention on the 16-bit K / V, so the logits equal the DynamicCache model's;
+    # decode steps read the packed cache: within the 4-bit format's error
+    ids = _ids(6, batch=2, length=20)
+    steps = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(6))
+    c16, cbd = transformers.DynamicCache(config=conv.config), cache()
+    assert torch.equal(packed(ids, past_key_values=cbd, use_cache=True).logits,
+                       conv(ids, past_key_values=c16, use_cache=True).logits)
+    agree = []
+    for t in range(steps.shape[1]):
+        a = conv(steps[:, t : t + 1], past_key_values=c16, use_cache=True).logits
+        b = packed(steps[:, t : t + 1], past_key_values=cbd, use_cache=True).logits
+        assert _rel(b, a) < 0.06, (t, _rel(b, a))
+        agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
+    assert sum(agree) / len(agree) >= 0.75, agree
+    assert [layer.kv.lengths for layer in cbd.layers] == [[24, 24]] * LAYERS
+
+    # greedy generate, two sequences: tokens agree with the 16-bit cache
+    ref = conv.generate(ids, max_new_tokens=6, do_sample=False)
+    mine = packed.generate(ids, past_key_values=cache(), max_new_tokens=6, do_sample=False)
+    assert (mine[:, 20:] == ref[:, 20:]).float().mean().item() >= 0.75
+
+    # one sequence: the prompt runs the GEMM (M = 20 tokens), each decode step the GEMV
+    calls = _count_matmuls(monkeypatch)
+    c = cache()
+    out = packed.generate(ids[:1], past_key_values=c, max_new_tokens=6, do_sample=False)
+    per_forward = 4 * LAYERS  # qkv, o, gate_up, down
+    assert calls == [("gemm", 20)] * per_forward + [("gemv", 1)] * per_forward * 5
+    assert c.layers[0].kv.lengths == [25]
+    assert out.shape == (1, 26)
+
+
+# --------------------------------------------------------------------------------------
+# Models loaded with a BitNet quantization_config (microsoft/bitnet-b1.58-2B-4T's path)
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_convert_transformers_packed_bitlinear(fp32):
+    """transformers' offline ``BitLinear`` (uint8, four row blocks per byte, ``weight_scale
+    = 1 / mean|W|``: what ``from_pretrained("microsoft/bitnet-b1.58-2B-4T")`` builds) keeps
+    its ternary values and scales; offline ``AutoBitLinear`` (unpacked ternary,
+    ``weight_scale = mean|W|``) too."""
+    fl, _, conv = fp32
+    packed = _hf_quantized(fl, linear_class="bitlinear", quantization_mode="offline")
+    offline = _hf_quantized(fl, linear_class="autobitlinear", quantization_mode="offline")
+    for name, m in packed.named_modules():
+        if isinstance(m, hf_bitnet.BitLinear):
+            w = fl.get_submodule(name).weight.detach()
+            t, s = bn.quantize_weight(w)
+            m.weight.copy_(hf_bitnet.pack_weights(t.clone()))  # transformers' own packing
+            m.weight_scale.copy_(1.0 / s)
+            a = offline.get_submodule(name)
+            a.weight.copy_(t.float())
+            a.weight_scale.copy_(s)
+    ids = _ids(8)
+    ref = _round_outputs_to_bf16(copy.deepcopy(packed))(ids).logits
+    for model in (packed, offline):
+        got = bn.convert(copy.deepcopy(model), backend="reference")
+        for i in range(LAYERS):
+            for parent, names in PROJ_GROUPS:
+                mine = getattr(getattr(got.model.layers[i], parent), names[0])
+                want = getattr(getattr(conv.model.layers[i], parent), names[0])
+                mine, want = (mine.fused, want.fused) if isinstance(mine, bn.FusedSlice) else (mine, want)
+                assert torch.equal(mine.weight_packed, want.weight_packed)
+                torch.testing.assert_close(mine.weight_scale, want.weight_scale, rtol=2.0**-22, atol=0)
+        assert _rel(got(ids).logits, ref) < 1e-2
+
+
+@torch.no_grad()
+def test_convert_keeps_a_linear_rms_norm(fp32):
+    """``use_rms_norm=True`` puts an RMSNorm inside each BitNet linear (before the
+    activation quantization): kept in front of the converted layer, and not fused (the
+    projections' normalized inputs differ)."""
+    fl, _, _ = fp32
+    normed = _hf_quantized(fl, use_rms_norm=True)
+    for m in normed.modules():
+        if isinstance(m, hf_bitnet.AutoBitLinear):
+            m.rms_norm.weight.copy_(torch.rand(m.in_features) + 0.5)
+    got = bn.convert(copy.deepcopy(normed), backend="reference")
+    q = got.model.layers[0].self_attn.q_proj
+    assert isinstance(q, torch.nn.Sequential) and isinstance(q[1], bn.BitLinear)
+    assert not hasattr(got.model.layers[0].self_attn, "qkv_proj")
+    ids = _ids(9)
+    assert _rel(got(ids).logits, _round_outputs_to_bf16(copy.deepcopy(normed).double())(ids).logits) < 1e-2
+
+
+def test_convert_refuses_a_full_precision_model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ValueError, match="not a BitNet model"):
+        bn.convert(transformers.LlamaForCausalLM(cfg))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        bn.convert(_float_model(), backend="sm90")
+    with pytest.raises(ValueError, match=r"cannot convert .*q_proj"):
+        bn.convert(_float_model(hidden_size=96, num_attention_heads=1, intermediate_size=128))
+
+
+# --------------------------------------------------------------------------------------
+# GPU: the kernels
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.no_grad()
+def test_gpu_converted_model_on_the_kernels(monkeypatch):
+    """BitNet b1.58 2B's layer shapes (hidden 2560, 20 heads of 128, 5 KV heads, MLP
+    6912), two layers: every converted layer within one bf16 ulp of the reference, the
+    logits within 2e-2, prefill on the GEMM and decode on the GEMV, greedy tokens with the
+    bitdecode KV cache."""
+    fl = _float_model(seed=11, dtype=torch.bfloat16, device="cuda", hidden_size=2560, intermediate_size=6912,
+                      num_attention_heads=20, num_key_value_heads=5, vocab_size=1024, initializer_range=0.2)
+    kern = bn.convert(copy.deepcopy(fl))  # auto: the kernels on CUDA tensors
+    ref = bn.convert(copy.deepcopy(fl), backend="reference")
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for i in range(LAYERS):
+        for parent, names in PROJ_GROUPS:
+            mine, theirs = getattr(kern.model.layers[i], parent), getattr(ref.model.layers[i], parent)
+            k = getattr(theirs, names[0]).in_features
+            for m in (1, 7, 64):
+                x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+                for name in names:
+                    got, want = getattr(mine, name)(x).float(), getattr(theirs, name)(x).float()
+                    assert bool(((got - want).abs() <= want.abs() * 2.0**-7).all()), (i, name, m)
+    ids = torch.randint(1, 1024, (2, 40), generator=gen, device="cuda")
+    a, b = kern(ids).logits, ref(ids).logits  # last-bit differences may flip a few int8 roundings
+    assert _rel(a, b) < 2e-2 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9, _rel(a, b)
+
+    packed = copy.deepcopy(kern)
+    packed.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
+    fmt = bd.KVFormat(bits=4, group_size=64)
+    calls = _count_matmuls(monkeypatch)
+    cache = hf.BitDecodingCache(packed, fmt, max_seqlen=512)
+    out = packed.generate(ids[:1], past_key_values=cache, max_new_tokens=8, do_sample=False)
+    per_forward = 4 * LAYERS
+    assert calls == [("gemm", 40)] * per_forward + [("gemv", 1)] * per_forward * 7
+    monkeypatch.undo()
+    assert cache.layers[0].kv.backend != "reference"
+    plain = kern.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert (out[:, 40:] == plain[:, 40:]).float().mean().item() >= 0.75
+    assert (plain[:, 40:] == ref.generate(ids[:1], max_new_tokens=8, do_sample=False)[:, 40:]).float().mean() >= 0.75
