@@ -43,6 +43,15 @@ RANDOM_LLAMA = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
+# BitNet b1.58 shapes for --random-bitnet: BitNetConfig keyword arguments (the linears are
+# converted to bitdecode's W2A8 BitLinear, bd.bitnet.convert)
+RANDOM_BITNET = {
+    "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    # BitNet b1.58 2B (microsoft/bitnet-b1.58-2B-4T's shape)
+    "2b": dict(vocab_size=128256, hidden_size=2560, intermediate_size=6912, num_hidden_layers=30,
+               num_attention_heads=20, num_key_value_heads=5, head_dim=128),
+}
 _LLAMA_COMMON = dict(max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                      rms_norm_eps=1e-5,
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -59,6 +68,10 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     src.add_argument("--random-llama", choices=tuple(RANDOM_LLAMA), default=None, metavar="SIZE",
                      help=f"random weights of a Llama shape ({', '.join(RANDOM_LLAMA)}: tiny = 2 layers, "
                           "1b = Llama-3.2-1B, 8b = Llama-3.1-8B); no tokenizer, the prompt is random token ids")
+    src.add_argument("--random-bitnet", choices=tuple(RANDOM_BITNET), default=None, metavar="SIZE",
+                     help=f"random ternary weights of a BitNet b1.58 shape ({', '.join(RANDOM_BITNET)}), its "
+                          "linear layers on bitdecode's W2A8 kernels (a BitNet checkpoint given as MODEL is "
+                          "converted the same way)")
     gen = p.add_argument_group("generation")
     gen.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 4 +
                      "Once upon a time, in a small village by the sea,",
@@ -139,6 +152,20 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
 
     from . import hf
 
+    from . import bitnet
+
+    if args.random_bitnet:
+        if args.model or args.gguf_file or args.random_llama:
+            raise ValueError("--random-bitnet builds its own model: give no MODEL, --gguf-file or --random-llama")
+        torch.manual_seed(args.seed)
+        config = transformers.BitNetConfig(**RANDOM_BITNET[args.random_bitnet])
+        with torch.device(device):
+            model = transformers.BitNetForCausalLM._from_config(config, attn_implementation=hf.ATTN_IMPLEMENTATION,
+                                                                dtype=dtype)
+        bitnet.convert(model.eval(), backend=args.backend)
+        n = sum(p.numel() for p in model.parameters())
+        return model, None, (f"random-weight BitNet b1.58 ({args.random_bitnet}), linears on bitdecode W2A8, "
+                             f"{n / 1e6:,.1f} M float parameters left (embeddings, norms)")
     if args.random_llama:
         if args.model or args.gguf_file:
             raise ValueError("--random-llama builds its own model: give no MODEL and no --gguf-file")
@@ -147,7 +174,8 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         return model, None, f"random-weight Llama ({args.random_llama}, {n / 1e6:,.1f} M parameters)"
     name, gguf = args.model, args.gguf_file
     if name is None and gguf is None:
-        raise ValueError("give a MODEL (folder or cached Hugging Face id), --gguf-file, or --random-llama SIZE")
+        raise ValueError("give a MODEL (folder or cached Hugging Face id), --gguf-file, --random-llama SIZE "
+                         "or --random-bitnet SIZE")
     if gguf is not None and (name is None or Path(gguf).is_absolute() or Path(gguf).exists()):
         path = Path(gguf)
         if not path.is_file():
@@ -162,6 +190,8 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     except Exception as exc:  # noqa: BLE001 - missing files, no gguf package, an unsupported checkpoint
         raise ValueError(f"cannot load {name!r}{f' ({gguf})' if gguf else ''} offline: {exc}") from exc
     model = model.to(device).eval()
+    if getattr(model.config, "model_type", None) == "bitnet":  # ternary linears onto the W2A8 kernels
+        bitnet.convert(model, backend=args.backend)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name, **kw)
     except Exception:  # noqa: BLE001 - a model without a usable tokenizer still generates ids

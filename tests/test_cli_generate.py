@@ -178,3 +178,20 @@ def test_generate_gguf_file(tmp_path, capsys, monkeypatch):
     assert f"{tmp_path} (tiny.gguf), llama" in out and "prompt: the theme" in out
     assert re.search(r"^bitdecode 4-bit: ", out, re.M) and "token ids" not in out
     assert any(k.startswith("bitdecode 4-bit (K per channel, G=64, reference)") for k in _rows(out))
+
+
+def test_generate_random_bitnet_runs_on_bitdecode_linears(capsys, monkeypatch):
+    """--random-bitnet: a BitNet b1.58 model whose linears are bitdecode's W2A8 BitLinear
+    (bd.bitnet.convert), generating with the packed KV cache beside the 16-bit one."""
+    monkeypatch.setenv("COLUMNS", "220")
+    code = main(["generate", "--random-bitnet", "tiny", "--device", "cpu", "--backend", "reference",
+                 "--max-new-tokens", "3", "--prompt-tokens", "40"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "random-weight BitNet b1.58 (tiny), linears on bitdecode W2A8" in out
+    assert re.search(r"^bitdecode 4-bit: token ids( \d+){3}$", out, re.M)
+
+
+def test_generate_random_bitnet_refuses_a_second_model(capsys):
+    assert main(["generate", "--random-bitnet", "tiny", "--random-llama", "tiny", "--device", "cpu"]) != 0
+    assert "--random-bitnet builds its own model" in capsys.readouterr().out
