@@ -1,0 +1,164 @@
+"""``bitdecode.eval`` and ``bitdecode eval`` on the CPU: a tiny random-weight Llama, bytes as
+tokens, the torch reference backend (a few seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import bitdecode as bd  # noqa: E402
+import bitdecode.eval as bdeval  # noqa: E402
+from bitdecode import cli_generate  # noqa: E402
+from bitdecode.cli import main  # noqa: E402
+
+CONTEXT = 272  # > the 2-bit residual block (256): the scored steps read packed 2-bit tokens
+SCORED = 16
+
+
+def _quanto() -> bool:
+    return bdeval._quanto_missing() is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return cli_generate.random_llama("tiny", "cpu", torch.bfloat16, "sdpa")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return bdeval.tokenize(bdeval.ByteTokenizer(), bdeval.pydoc_text()[:100_000])
+
+
+@pytest.fixture(scope="module")
+def result(model, ids):
+    specs = ["4c64", "2c32", "4c128"] + (["quanto4"] if _quanto() else [])
+    return bdeval.evaluate(model, ids, specs, contexts=[CONTEXT], scored=SCORED, windows=2)
+
+
+def test_parse_method():
+    m = bdeval.parse_method("4c64", head_dim=64)
+    assert m.kind == "bitdecode" and m.runnable and m.fmt == bd.KVFormat(bits=4, k_mode="channel", group_size=64)
+    m = bdeval.parse_method("2t64")
+    assert (m.fmt.bits, m.fmt.k_mode, m.fmt.group_size) == (2, "token", 64)
+    assert "head_dim=64" in bdeval.parse_method("4c128", head_dim=64).error  # V groups cannot exceed D
+    assert bdeval.parse_method("4c128", head_dim=128).runnable
+    assert bdeval.parse_method("3c64").error.startswith("unsupported")
+    assert bdeval.parse_method("bf16").kind == "16-bit"
+    q = bdeval.parse_method("quanto2")
+    assert q.kind == "quanto" and q.nbits == 2
+    with pytest.raises(ValueError, match="cannot read the method spec"):
+        bdeval.parse_method("4x64")
+    methods = bdeval.parse_methods("4c64,2c32,4c64", head_dim=64)
+    assert [m.spec for m in methods] == ["16", "4c64", "2c32"]
+
+
+def test_suffixes_pass_fields_only_when_given(monkeypatch):
+    m = bdeval.parse_method("4c64v2s16")
+    if m.runnable:  # this KVFormat has v_bits / sink_tokens
+        assert (m.fmt.bits, m.fmt.v_bits, m.fmt.sink_tokens) == (4, 2, 16)
+
+    def old_format(bits=4, k_mode="channel", group_size=128):  # a KVFormat without the two fields
+        return bd.KVFormat(bits=bits, k_mode=k_mode, group_size=group_size)
+
+    monkeypatch.setattr(bdeval, "KVFormat", old_format)
+    assert bdeval.parse_method("4c64").runnable
+    m = bdeval.parse_method("4c64v2")
+    assert not m.runnable and "v_bits" in m.error and "unsupported" in m.error
+    assert "sink_tokens" in bdeval.parse_method("2c32s16").error
+
+
+def test_teacher_forced_decode_scores_the_right_tokens(model, ids, result):
+    """The 16-bit decode loop's perplexity equals one forward pass over the window's tokens."""
+    row = next(r for r in result["results"] if r["method"] == "16")
+    x = torch.stack([ids[e - CONTEXT - 1:e] for e in result["settings"]["window_ends"]])
+    with torch.inference_mode():
+        logits = model(x[:, :CONTEXT]).logits.float()
+    logp = torch.log_softmax(logits[:, CONTEXT - SCORED:], dim=-1)
+    nll = -logp.gather(-1, x[:, CONTEXT - SCORED + 1:, None]).mean().item()
+    assert row["ppl"] == pytest.approx(torch.tensor(nll).exp().item(), rel=0.02)
+
+
+def test_evaluate_fields_and_metrics(result):
+    assert result["settings"]["contexts"] == [CONTEXT] and result["settings"]["prefill"] == [CONTEXT - SCORED]
+    rows = {r["method"]: r for r in result["results"]}
+    assert list(rows)[0] == "16"
+    base = rows["16"]
+    assert base["kl"] == 0 and base["top1_agreement"] == 1 and base["ppl_increase_pct"] == 0
+    assert base["kv_ratio"] == 1 and base["tokens"] == 2 * SCORED and len(base["per_window"]) == 2
+    four, two = rows["4c64"], rows["2c32"]
+    for r in (four, two):
+        for key in ("ppl", "ppl_increase_pct", "ppl_increase_se_pct", "kl", "top1_agreement", "top1_accuracy",
+                    "kv_bytes", "kv_ratio", "seconds"):
+            assert key in r, key
+    assert two["kl"] > four["kl"] > 0
+    assert 0 <= two["top1_agreement"] <= 1
+    assert "error" in rows["4c128"] and "ppl" not in rows["4c128"]
+    if "quanto4" in rows:
+        assert rows["quanto4"]["kl"] > 0 and rows["quanto4"]["kv_ratio"] < 1
+    t = bdeval.targets(result)
+    assert t["2bit"]["best"] == "2c32" and t["k4v2"]["status"] == "not run"
+    assert t["4bit_channel_sinks"]["best"] == "4c64"
+    json.dumps(result)
+
+
+def test_16bit_against_itself(model, ids):
+    """A second 16-bit run scores identically: KL 0, agreement 1, the same perplexity."""
+    a = bdeval.evaluate(model, ids, [], contexts=[CONTEXT], scored=8, windows=1)["results"][0]
+    b = bdeval.evaluate(model, ids, [], contexts=[CONTEXT], scored=8, windows=1)["results"][0]
+    assert a["ppl"] == b["ppl"] and a["kl"] == 0 and a["top1_agreement"] == 1
+
+
+def test_needle_prompts_and_run(model):
+    tok = bdeval.ByteTokenizer()
+    filler = bdeval.tokenize(tok, bdeval.pydoc_text()[:20_000])
+    prompts = bdeval.needle_prompts(tok, filler, 300, depths=(0.1, 0.9), trials=2, seed=3)
+    assert len(prompts) == 4 and all(len(p["ids"]) == 300 for p in prompts)
+    for p in prompts:
+        text = tok.decode(p["ids"])
+        assert f"The pass key is {p['key']}." in text and text.endswith("The pass key is")
+        a, b = p["needle_span"]
+        assert p["key"] in tok.decode(p["ids"][a:b])
+    assert prompts[0]["needle_span"][0] < prompts[-1]["needle_span"][0]
+    out = bdeval.needle(model, tok, ["4c64"], filler, context=300, depths=(0.5,), trials=2, new_tokens=4)
+    rows = {r["method"]: r for r in out["results"]}
+    assert set(rows) == {"16", "4c64"}
+    for r in rows.values():
+        assert 0 <= r["rate"] <= 1 and len(r["answers"]) == 2 and set(r["per_depth"]) == {"0.5"}
+    assert rows["4c64"]["needle_in_packed"] is True  # 4-bit: 256 of the 299 prefilled tokens are packed
+
+
+def test_cli_eval_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "220")
+    formats = "4c64,2c32,4c128"
+    code = main(["eval", "--random-llama", "tiny", "--device", "cpu", "--formats", formats,
+                 "--window", f"160,{CONTEXT}", "--scored", "8", "--windows", "2", "--needle", "--needle-context", "300",
+                 "--needle-trials", "1", "--needle-depths", "0.5", "--needle-tokens", "3", "--out", str(tmp_path)]
+                + (["--quanto"] if _quanto() else []))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for text in ("bitdecode eval", "random-weight Llama (tiny", "context 272 tokens", "4c64", "2c32",
+                 "not run: 4c128", "needle", "issue 11 targets"):
+        assert text in out, text
+    result = json.loads((tmp_path / "accuracy.json").read_text())
+    assert result["settings"]["contexts"] == [160, CONTEXT] and result["settings"]["windows"] == 2
+    assert result["text"]["tokens"] > 100_000 and result["model"]["head_dim"] == 64
+    methods = {r["method"] for r in result["results"] if "ppl" in r}
+    assert {"16", "4c64", "2c32"} <= methods and ("quanto2" in methods) == _quanto()
+    assert len(result["needle"]["results"]) == len(result["methods"])
+    assert "targets" in result and "versions" in result and result["runtime_s"] > 0
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
+
+
+def test_cli_eval_rejects_a_bad_spec(capsys):
+    assert main(["eval", "--random-llama", "tiny", "--device", "cpu", "--formats", "4q64"]) == 2
+    assert "cannot read the method spec" in capsys.readouterr().out
+
+
+def test_help_lists_eval(capsys):
+    main([])
+    assert "eval" in capsys.readouterr().out
