@@ -347,26 +347,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from . import cli_generate
+
     console = Console()
     t_start = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
+    ready = cli_generate.prepare_run(console, args, "eval")
+    if ready is None:
         return 2
-    try:
-        backend = dispatch.resolve(args.backend, device, what="KV cache")
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
-        return 2
-    try:
-        import transformers
-    except ImportError:
-        console.print("[red]error:[/] bitdecode eval needs transformers: pip install -e \".[hf]\"")
-        return 2
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-    from . import cli_generate
+    device, backend = ready
     from . import eval as bdeval
 
     if args.smollm2:

@@ -264,6 +264,30 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{frac:.0%} (first divergence: {first})"
 
 
+def prepare_run(console, args, command: str):
+    """(device, backend) of a model-running subcommand (``generate``, ``eval``), with
+    transformers imported and quiet; None after printing the error."""
+    from rich.markup import escape
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
+        return None
+    try:
+        backend = dispatch.resolve(args.backend, device, what="KV cache")
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        return None
+    try:
+        import transformers
+    except ImportError:
+        console.print(f"[red]error:[/] bitdecode {command} needs transformers: pip install -e \".[hf]\"")
+        return None
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return device, backend
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -271,22 +295,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
+    ready = prepare_run(console, args, "generate")
+    if ready is None:
         return 2
-    try:
-        backend = dispatch.resolve(args.backend, device, what="KV cache")
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
-        return 2
-    try:
-        import transformers
-    except ImportError:
-        console.print("[red]error:[/] bitdecode generate needs transformers: pip install -e \".[hf]\"")
-        return 2
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    device, backend = ready
 
     import bitdecode as bd
 
