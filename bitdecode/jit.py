@@ -77,6 +77,12 @@ def _target_arch(device_index: int) -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
+def has_pdl(arch: str) -> bool:
+    """Whether ``arch`` (``sm_80`` .. ``sm_100a``) has programmatic dependent launch
+    (``griddepcontrol``, sm_90 and later)."""
+    return int(arch[len("sm_"):].rstrip("af")) >= 90
+
+
 def compile_options(arch: str, *, keep_ptx: bool = False) -> str:
     opts = [f"--gpu-arch {arch}", "--enable-tvm-ffi"]  # every kernel is called through TVM-FFI
     if keep_ptx:

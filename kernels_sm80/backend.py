@@ -37,7 +37,7 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     nr, d, g = fmt.residual_block, head_dim, fmt.group_size
     ks_last = d if fmt.k_mode == "channel" else d // g
     args = [
-        fake_tensor(dtype, (None, None, d)),                       # q (B, Hq, D)
+        fake_tensor(dtype, (None, 1, None, d)),                    # q (B, 1, Hq, D)
         fake_tensor(f16, (None, None, None, 2 * wk)),              # k_pack (16-bit view)
         fake_tensor(i32, (None, None, None, ks_last)),             # k_params
         fake_tensor(f16, (None, None, None, d, 2 * wv)),           # v_pack (16-bit view)
@@ -50,7 +50,7 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     if split:
         args += [fake_tensor(f32, (None, None, None, d)), fake_vector(f32, 3)]
     else:
-        args += [fake_tensor(dtype, (None, None, d)), fake_vector(f32, 2)]
+        args += [fake_tensor(dtype, (None, 1, None, d)), fake_vector(f32, 2)]
     return args
 
 
@@ -67,9 +67,9 @@ def compile_combine(arch: str, dtype, head_dim: int, keep_ptx: bool = False):
     from .combine import CombineSm80
 
     f32 = cutlass.Float32
-    kernel = CombineSm80(dtype, head_dim)
+    kernel = CombineSm80(dtype, head_dim, pdl=jit.has_pdl(arch))
     args = [fake_tensor(f32, (None, None, None, head_dim)), fake_vector(f32, 3),
-            fake_tensor(dtype, (None, None, head_dim)), fake_vector(f32, 2)]
+            fake_tensor(dtype, (None, 1, None, head_dim)), fake_vector(f32, 2)]
     return cute.compile(kernel, *args, _stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
 
@@ -103,7 +103,7 @@ def compile_pack(arch: str, fmt: KVFormat, dtype, head_dim: int, mode: str, keep
 
     from .pack import PackSm80
 
-    kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode)
+    kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode, pdl=jit.has_pdl(arch))
     return cute.compile(kernel, *pack_args(fmt, dtype, head_dim), _stream(),
                         options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
@@ -169,31 +169,34 @@ class DecodePlan:
 
     The split-KV workspace is allocated per call from torch's caching allocator, which is
     stream-ordered: calls on different streams (one cache decoded by parallel samplers)
-    never share it, and a CUDA-graph capture takes its own from the graph's pool."""
+    never share it, and a CUDA-graph capture takes its own from the graph's pool.  Only the
+    LSE that nobody asked for (``return_lse=False``) goes to one buffer per plan: it is
+    written and never read, so calls that share it cannot disturb each other.  The kernels
+    take ``q`` and the output as the caller's ``[B, 1, Hq, D]`` tensors: on a slow host a
+    torch view costs as much as a third of a launch."""
 
     def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
         bsz, _, hq, d = q_shape
-        self.shape3 = (bsz, hq, d)
         self.part_shape = (splits, bsz, hq, d)
+        self.lse_shape = (bsz, hq)
         self.dtype = q_dtype
         self.splits = splits
         self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
                        cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
         self.decode_fn = decode_fn
         self.combine_fn = combine_fn
+        self.unused_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
-        q3 = q.reshape(self.shape3)
         out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
-        out3 = out.view(self.shape3)
-        lse = torch.empty(self.shape3[:2], dtype=torch.float32, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if return_lse else self.unused_lse
         if self.splits == 1:
-            self.decode_fn(q3, *self.static, out3, lse, scale_log2)
+            self.decode_fn(q, *self.static, out, lse, scale_log2)
         else:
             o_part = torch.empty(self.part_shape, dtype=torch.float32, device=q.device)
             l_part = torch.empty(self.part_shape[:3], dtype=torch.float32, device=q.device)
-            self.decode_fn(q3, *self.static, o_part, l_part, scale_log2)
-            self.combine_fn(o_part, l_part, out3, lse)
+            self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
+            self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 
@@ -229,7 +232,7 @@ class Sm80Backend:
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
-                          min_blocks_per_sm=per_sm if per_sm == 4 else 0)
+                          min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch))
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
                        keep_ptx: bool = False):

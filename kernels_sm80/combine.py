@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from ..layouts import sm80
+from .tensors import wait_for_previous_kernel
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -27,17 +28,22 @@ MAX_SPLITS = sm80.MAX_SPLITS
 
 
 class CombineSm80:
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, pdl: bool = False):
         self.dtype = dtype
+        # programmatic dependent launch (sm_90+): the CTAs launch while the decode kernel
+        # drains and wait for its partials (tensors.wait_for_previous_kernel)
+        self.pdl = pdl
         self.d = head_dim
         self.vecs = head_dim // VEC  # threads per split row
         self.groups = NUM_THREADS // self.vecs  # split groups working in parallel
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, stream):
-        # mOp (S, B, Hq, D) f32, mLp (S, B, Hq) f32, mO (B, Hq, D) dtype, mL (B, Hq) f32
+        # mOp (S, B, Hq, D) f32, mLp (S, B, Hq) f32, mO (B, 1, Hq, D) dtype, mL (B, Hq) f32
+        mO = mO[None, 0, None, None]
         grid = (mO.shape[0] * mO.shape[1], 1, 1)
-        self.kernel(mOp, mLp, mO, mL).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        self.kernel(mOp, mLp, mO, mL).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                                             use_pdl=self.pdl)
 
     @cute.jit
     def block_reduce(self, x: Float32, s_red, tid, is_max: cutlass.Constexpr[bool]) -> Float32:
@@ -71,6 +77,7 @@ class CombineSm80:
         s_red = smem.allocate_tensor(Float32, cute.make_layout(NUM_WARPS), 16)
         s_acc = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.vecs, self.groups),
                                                                stride=(1, VEC, VEC * self.vecs)), 16)
+        wait_for_previous_kernel(self.pdl)
         # 1. the splits' LSEs: CTA-wide max, then weights exp(lse_s - max) and their sum
         m = -Float32.inf
         for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):

@@ -36,7 +36,7 @@ from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
 from .reduce import across_rows
-from .tensors import aligned_ptr, assume_aligned, page_of, split_tiles
+from .tensors import aligned_ptr, assume_aligned, page_of, split_tiles, wait_for_previous_kernel
 
 LN_2 = 0.6931471805599453
 NUM_WARPS = sm80.WARPS_N
@@ -50,13 +50,19 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def query_views(mQ: cute.Tensor, mO: cute.Tensor, split: bool):
+    """The kernels' (B, Hq, D) views of the query and of the unsplit output, which arrive
+    as the caller's (B, 1, Hq, D) tensors (no reshape on the host per call)."""
+    return mQ[None, 0, None, None], (mO if split else mO[None, 0, None, None])
+
+
 class PackedDecodeConfig:
     """The constexpr facts every packed-cache decode kernel derives from its configuration:
     the packed tile (``Nr`` tokens) and the bytes its K / V words and params take.  The
     sm80 and sm90 decode kernels both start from it."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
-                 head_dim: int, heads_tile: int, split: bool):
+                 head_dim: int, heads_tile: int, split: bool, pdl: bool = False):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
@@ -67,6 +73,10 @@ class PackedDecodeConfig:
         self.d = head_dim
         self.nh = heads_tile
         self.split = split
+        # programmatic dependent launch (sm_90+): the CTAs start while the previous kernel
+        # on the stream (the append that wrote the cache) drains and wait for it before the
+        # first read; the combine that follows launches early the same way
+        self.pdl = pdl
         self.nr = sm80.residual_block(bits)  # tokens of one packed tile
         self.kpw = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed word
         self.wk = sm80.words_per_row(bits, head_dim)  # words of a packed K row (a token)
@@ -93,8 +103,9 @@ class DecodeSm80(PackedDecodeConfig):
         split: bool,
         num_stages: int = 0,
         min_blocks_per_sm: int = 0,
+        pdl: bool = False,
     ):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split)
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
         self.t = sm80.tokens_per_warp(bits)  # tokens per warp per tile
         # shared memory per stage (bytes)
@@ -112,7 +123,7 @@ class DecodeSm80(PackedDecodeConfig):
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # (B, Hq, D) dtype
+        mQ: cute.Tensor,  # (B, 1, Hq, D) dtype
         mKp: cute.Tensor,  # (P, Hkv, page, 2*wk) f16 view of the packed K words
         mKs: cute.Tensor,  # K params (int32), see KVFormat.k_params_shape
         mVp: cute.Tensor,  # (P, Hkv, page/Nr, D, 2*wv) f16 view of the packed V words
@@ -121,17 +132,18 @@ class DecodeSm80(PackedDecodeConfig):
         mVr: cute.Tensor,
         mSeqlens: cute.Tensor,  # (B,) int32
         mBlockTable: cute.Tensor,  # (B, max_pages) int32
-        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, Hq, D) dtype
+        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, 1, Hq, D) dtype
         mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
         softmax_scale_log2: Float32,
         stream,
     ):
+        mQ, mO = query_views(mQ, mO, self.split)
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
                     softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
                                                min_blocks_per_mp=self.min_blocks_per_sm,
-                                               preferred_smem_carveout=100)
+                                               preferred_smem_carveout=100, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
     # Device side
@@ -146,6 +158,7 @@ class DecodeSm80(PackedDecodeConfig):
         lane = tid % 32
         gq = mQ.shape[1] // mKr.shape[2]
 
+        wait_for_previous_kernel(self.pdl)
         tile_begin, packed_end, has_residual, n_res = split_tiles(mSeqlens[batch], self.nr, split_idx, num_splits)
 
         # ---- shared memory --------------------------------------------------------

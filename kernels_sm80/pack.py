@@ -42,7 +42,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from ..layouts import packing, resources, sm80
 from . import ptx
 from .copy import copy_rows, copy_rows_two_sources, load_a_fragments, wait_all
-from .tensors import assume_aligned, page_in_range, page_of
+from .tensors import assume_aligned, page_in_range, page_of, wait_for_previous_kernel
 
 NUM_WARPS = sm80.WARPS_N
 
@@ -67,9 +67,10 @@ CHUNK = sm80.CHUNK_BYTES // 2  # 16-bit elements per 16-byte chunk
 
 class PackSm80:
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
-                 head_dim: int, mode: str):
+                 head_dim: int, mode: str, pdl: bool = False):
         assert mode in ("prefill", "append")
         self.dtype = dtype
+        self.pdl = pdl  # programmatic dependent launch (sm_90+), as the decode kernels
         self.is_bf16 = dtype is cutlass.BFloat16
         self.nan16 = packing.nan16(self.is_bf16)
         self.bits = bits
@@ -103,7 +104,8 @@ class PackSm80:
         else:
             grid = (2, mSrcK.shape[2], mSrcK.shape[0])
         self.kernel(mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
-                    mOverflow, mCommits, capacity).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+                    mOverflow, mCommits, capacity).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                                                          use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
@@ -124,6 +126,7 @@ class PackSm80:
             groups = self.nr // self.group
             s_zi = cute.make_tensor(cute.recast_ptr(base + self.tile_bytes + self.red_bytes, dtype=Float32),
                                     cute.make_layout((2, self.d, groups), stride=(1, 2, 2 * self.d)))
+        wait_for_previous_kernel(self.pdl)
         length = mLens[b]
         if const_expr(self.mode == "prefill"):
             # K blocks first, then V: CTAs resident together mostly run the same half of

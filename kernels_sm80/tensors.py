@@ -55,3 +55,12 @@ def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits):
     packed_end = cutlass.min(tile_end, n_full)
     has_residual = (n_res > 0) & (tile_begin <= n_full) & (n_full < tile_end)
     return tile_begin, packed_end, has_residual, n_res
+
+
+@cute.jit
+def wait_for_previous_kernel(pdl: cutlass.Constexpr[bool]):
+    """With programmatic dependent launch: block until the previous kernel on the stream
+    has finished and its writes are visible, then let the next one launch."""
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()

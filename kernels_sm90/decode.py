@@ -24,11 +24,13 @@ Softmax is online over the whole warpgroup: the four warps hold different tokens
 step, so each step exchanges the per-head maxima through shared memory (one named
 barrier) and publishes P^T to shared memory for the second product (a proxy fence and a
 second named barrier); the O^T accumulators are split by channels and need no merge.
-Within a step the K dequant feeds the S wgmma, which runs while V is dequantized; the P·V
-wgmma of a step lands (``wait_group 0``) before the next step, in its own accumulator
-that is folded into O in fp32 (summing a million tokens inside the accumulator drifted).
-Two wgmma groups are never in flight together: that made ptxas serialize every wgmma of
-the kernel (warning C7514, checked by the PTX test).
+The consumer is software-pipelined with one wgmma group in flight at a time: the S wgmma
+of a step runs while V is dequantized, and its P·V wgmma while the K of the next step
+(the next stage's, across tiles) is dequantized.  Each P·V lands in its own accumulator,
+folded into O in fp32 before the next S is issued (summed inside the tensor core over a
+million tokens, O drifted).  Two wgmma groups are never in flight together: that made
+ptxas serialize every wgmma of the kernel (warning C7514, checked by the PTX test), and
+V^T registers are rewritten only after the P·V that reads them has landed.
 The 16-bit residual block (``len % Nr`` tokens) is the last tile, in 64-token sub-tiles
 read from the (by then idle) stage buffers.  The output of a split is the fp32 partial O
 and its LSE, merged by the combine kernel; one split writes O in the model dtype.
@@ -45,10 +47,10 @@ from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
-from ..kernels_sm80.decode import PackedDecodeConfig
+from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
 from ..kernels_sm80.reduce import across_rows
-from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles
+from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
 from ..layouts import resources, sm80, sm90
 from . import ptx90
 
@@ -86,8 +88,8 @@ class DecodeSm90(PackedDecodeConfig):
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
-                 ctas_per_sm: int = 0):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split)
+                 ctas_per_sm: int = 0, pdl: bool = True):
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
         # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
@@ -144,6 +146,7 @@ class DecodeSm90(PackedDecodeConfig):
                  mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
         """The decode calling convention of ``DecodeSm80.__call__`` (shapes documented there),
         so the backends share one ``DecodePlan``."""
+        mQ, mO = query_views(mQ, mO, self.split)
         Storage = self._shared_storage()
         _, _, kp_layout, vp_layout = self._layouts()
         # TMA views with the tile's two modes first: K (page rows, words, Hkv, P) and
@@ -160,7 +163,7 @@ class DecodeSm90(PackedDecodeConfig):
         self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
                     softmax_scale_log2, Storage).launch(
             grid=grid, block=[2 * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=100)
+            preferred_smem_carveout=100, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
     # Device side
@@ -178,7 +181,7 @@ class DecodeSm90(PackedDecodeConfig):
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
@@ -192,6 +195,7 @@ class DecodeSm90(PackedDecodeConfig):
         sKs = storage.sKs.get_tensor(cute.make_layout((self.words_ks, self.num_stages)))
         sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
 
+        wait_for_previous_kernel(self.pdl)
         tile_begin, packed_end, has_residual, n_res = split_tiles(mSeqlens[batch], self.nr, split_idx, num_splits)
 
         if warp_idx < WARPS:
@@ -280,30 +284,39 @@ class DecodeSm90(PackedDecodeConfig):
         row_sum.fill(0.0)
         dq = WordDequant(self.bits, self.is_bf16)
 
+        # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
+        # V dequant of that step, and its P V overlaps the K dequant of the next step (the
+        # next stage's, across tiles), so neither product's latency is exposed.  K goes
+        # to one register tensor that every step rewrites only after its S has landed.
+        k_frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.dtype)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for _tile in cutlass.range(tile_begin, packed_end, unroll=1):
+        if tile_begin < packed_end:
             ring.consumer_wait(state)
+            self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0, dq, warp, lane)
+        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
             kp = sKp[None, None, state.index]
             vp = sVp[None, None, state.index]
             ks = sKs[None, state.index]
             vs = sVs[None, state.index]
             for st in cutlass.range_constexpr(self.steps):
-                k_frag = self.k_fragments(thr_s, kp, ks, st, dq, warp, lane)
-                acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
-                v_frag = self.v_fragments(thr_o, vp, vs, st, dq, warp, lane)
-                if const_expr(st == self.steps - 1):
-                    ring.consumer_release(state)  # this stage's words are all in registers
+                # the previous P V has landed: its V^T registers may be rewritten, its sum folded
                 warpgroup.wait_group(0)
                 self.fold(acc_o, acc_pv)
+                acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
+                v_frag = self.v_fragments(thr_o, vp, vs, st, dq, warp, lane)
+                warpgroup.wait_group(0)
                 self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, 0)
                 self.store_p(acc_s, sP, warp, lane)
                 self.pv(v_frag, tOrP, acc_pv)
-                # P V lands before the next step: its V^T registers are the next step's (the
-                # wgmma reads them asynchronously; rewriting them early made outputs vary
-                # run to run), and with two wgmma groups in flight ptxas serializes every
-                # wgmma of the kernel (C7514), the scores' overlap with the V dequant included
-                warpgroup.wait_group(0)
-            state.advance()
+                if const_expr(st + 1 < self.steps):
+                    self.k_fragments(k_frag, kp, ks, st + 1, dq, warp, lane)
+                else:
+                    ring.consumer_release(state)  # this stage's words are all in registers
+                    state.advance()
+                    if tile + 1 < packed_end:
+                        ring.consumer_wait(state)
+                        self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0,
+                                         dq, warp, lane)
 
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
@@ -353,9 +366,8 @@ class DecodeSm90(PackedDecodeConfig):
         return out
 
     @cute.jit
-    def k_fragments(self, thr_s, kp, ks, st, dq, warp, lane):
-        """Dequantized K A-fragments of step ``st``: ``(regs, M-blocks, D/16)``."""
-        frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.dtype)
+    def k_fragments(self, frag, kp, ks, st, dq, warp, lane):
+        """Dequantizes K of step ``st`` into ``frag``, its A-fragments ``(regs, M-blocks, D/16)``."""
         frag32 = cute.recast_tensor(frag, Uint32)
         # every M-block's words first, then k-block by k-block, so the (scale, zero) pairs
         # M-blocks share are loaded once and die at once
@@ -371,7 +383,6 @@ class DecodeSm90(PackedDecodeConfig):
                     for ch in cutlass.range_constexpr(2):
                         s2, z2 = params[(h, ch)]
                         frag32[(0, h, ch), mb, kt] = dq.scale(codes[2 * kb + ch], s2, z2)
-        return frag
 
     @cute.jit
     def v_fragments(self, thr_o, vp, vs, st, dq, warp, lane):

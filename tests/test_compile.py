@@ -63,6 +63,9 @@ def test_decode_ptx(arch, cfg, tmp_path):
                   "movmatrix.sync.aligned.m8n8.trans.b16"):
         assert instr in ptx, f"{instr} missing from the {arch} decode PTX"
     assert ".local" not in ptx, "the decode kernel keeps a local-memory array"
+    # programmatic dependent launch from sm_90 on: wait for the append, release the combine
+    pdl = ("griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
+    assert pdl == ((True, True) if arch != "sm_80" else (False, False)), f"griddepcontrol in the {arch} decode PTX: {pdl}"
     if arch == "sm_90a":
         assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the decode kernel"
 
@@ -78,12 +81,17 @@ def test_pack_ptx(arch):
         assert instr in ptx, f"{instr} missing from the {arch} pack PTX"
     # no conversion-pipe rounding per element (a quarter-rate pipe: it bound the kernel)
     assert "cvt.rni" not in ptx and "cvt.rzi" not in ptx
+    # Hopper on: launched while the previous kernel drains, waits before its first read
+    assert ("griddepcontrol.wait" in ptx) == (arch != "sm_80")
 
 
-def test_combine_ptx():
-    fn = kernels.compile_combine("sm_80", cutlass.BFloat16, 128, keep_ptx=True)
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
+def test_combine_ptx(arch):
+    fn = kernels.compile_combine(arch, cutlass.BFloat16, 128, keep_ptx=True)
     ptx = fn.artifacts.PTX
     assert "ex2.approx" in ptx and "ld.global" in ptx
+    # on Hopper it launches while the decode kernel drains and waits for its partials
+    assert ("griddepcontrol.wait" in ptx) == (arch == "sm_90a")
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
@@ -126,7 +134,8 @@ def test_sm90_decode_ptx(cfg, tmp_path):
     ptx = fn.artifacts.PTX
     for instr in ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.tensor", "cp.async.bulk.shared",
                   "mbarrier.try_wait", "setmaxnreg.inc", "setmaxnreg.dec", "ldmatrix.sync.aligned", "lop3.b32",
-                  "fence.proxy.async.shared::cta", "wgmma.wait_group"):
+                  "fence.proxy.async.shared::cta", "wgmma.wait_group", "griddepcontrol.wait",
+                  "griddepcontrol.launch_dependents"):
         assert instr in ptx, f"{instr} missing from the sm90 decode PTX"
     assert ".local" not in ptx, "the sm90 decode kernel keeps a local-memory array"
     report = _ptxas_report(ptx, "sm_90a", tmp_path)
