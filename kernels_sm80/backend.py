@@ -167,13 +167,18 @@ class DecodePlan:
     and one or two TVM-FFI launches.  Every backend whose decode kernel takes the sm80
     argument list (and writes fp32 partials merged by the combine kernel when split) uses it.
 
-    The split-KV workspace is allocated per call from torch's caching allocator, which is
-    stream-ordered: calls on different streams (one cache decoded by parallel samplers)
-    never share it, and a CUDA-graph capture takes its own from the graph's pool.  Only the
-    LSE that nobody asked for (``return_lse=False``) goes to one buffer per plan: it is
-    written and never read, so calls that share it cannot disturb each other.  The kernels
-    take ``q`` and the output as the caller's ``[B, 1, Hq, D]`` tensors: on a slow host a
-    torch view costs as much as a third of a launch."""
+    The split-KV workspace (fp32 partial outputs and LSEs) is kept per CUDA stream: calls
+    on one stream are ordered, so they can reuse it, and calls on different streams (one
+    cache decoded by parallel samplers) never share it.  A call made while a CUDA graph is
+    being captured takes a fresh workspace from the graph's memory pool instead, so a
+    replay, whatever stream it runs on, never shares one with eager calls.  Only the LSE that
+    nobody asked for (``return_lse=False``) goes to one buffer per plan: it is written and
+    never read, so calls that share it cannot disturb each other.  The kernels take ``q``
+    and the output as the caller's ``[B, 1, Hq, D]`` tensors.  All of this keeps the host
+    work per call to one allocation (the output) and the launches: on the H200's host a
+    torch allocation costs ~5 us and a launch ~7-9 us (profiles/NOTES.md)."""
+
+    MAX_STREAMS = 8  # workspaces kept per plan (least recently added dropped first)
 
     def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
         bsz, _, hq, d = q_shape
@@ -181,11 +186,29 @@ class DecodePlan:
         self.lse_shape = (bsz, hq)
         self.dtype = q_dtype
         self.splits = splits
+        self.device_index = device.index
         self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
                        cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
         self.decode_fn = decode_fn
         self.combine_fn = combine_fn
         self.unused_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        self.workspaces: dict = {}  # raw CUDA stream -> (o_part, l_part)
+
+    def workspace(self, device):
+        """The split-KV partials' buffers for the current stream (fresh while capturing)."""
+        if torch.cuda.is_current_stream_capturing():
+            return self._new_workspace(device)
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        ws = self.workspaces.get(stream)
+        if ws is None:
+            if len(self.workspaces) >= self.MAX_STREAMS:
+                self.workspaces.pop(next(iter(self.workspaces)))
+            ws = self.workspaces[stream] = self._new_workspace(device)
+        return ws
+
+    def _new_workspace(self, device):
+        return (torch.empty(self.part_shape, dtype=torch.float32, device=device),
+                torch.empty(self.part_shape[:3], dtype=torch.float32, device=device))
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
@@ -193,8 +216,7 @@ class DecodePlan:
         if self.splits == 1:
             self.decode_fn(q, *self.static, out, lse, scale_log2)
         else:
-            o_part = torch.empty(self.part_shape, dtype=torch.float32, device=q.device)
-            l_part = torch.empty(self.part_shape[:3], dtype=torch.float32, device=q.device)
+            o_part, l_part = self.workspace(q.device)
             self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
             self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
