@@ -213,6 +213,21 @@ def pick(rng: random.Random, variants, p_clean: float):
     return rng.choice(variants)
 
 
+def apply_write_variant(rng: random.Random, variants, args: dict, label: str, names):
+    """A prefill / append call's arguments: the valid ones (probability 0.35) or one
+    variant ``(label, arg, make, expect, names)`` written into ``args`` (``arg == "kv"``
+    replaces both k and v).  Returns (label, expected outcome, names the error must cite)."""
+    choice = pick(rng, variants, 0.35)
+    if choice is None:
+        return label, ACCEPT, names
+    label, arg, make, expect, names = choice
+    if arg == "kv":
+        args["k"], args["v"] = make()
+    else:
+        args[arg] = make()
+    return label, expect, names
+
+
 # --------------------------------------------------------------------------------------
 # Expected decode results (the model)
 # --------------------------------------------------------------------------------------
@@ -386,14 +401,7 @@ class CacheFuzz:
             ("seqlens numpy ints", [np.int64(x) for x in base], EITHER),
         ]
         variants += [(lab, "seqlens", (lambda val=val: val), exp, ("seqlens",)) for lab, val, exp in bad_lens]
-        choice = pick(rng, variants, 0.35)
-        expect, names, lab = ACCEPT, ("k", "v", "seqlens"), "valid"
-        if choice is not None:
-            lab, arg, make, expect, names = choice
-            if arg == "kv":
-                args["k"], args["v"] = make()
-            else:
-                args[arg] = make()
+        lab, expect, names = apply_write_variant(rng, variants, args, "valid", ("k", "v", "seqlens"))
         case = f"{case} prefill [{lab}]"
         snap = snapshot(c)
         outcome = attempt(self.report, case, lambda: c.prefill(**args), expect, names)
@@ -421,14 +429,7 @@ class CacheFuzz:
         extra = room + 1 + rng.randint(0, 4)
         big_k, big_v = self.tokens(extra)
         variants.append(("more tokens than fit", "kv", lambda: (big_k, big_v), REJECT, ("k", "max_seqlen")))
-        choice = pick(rng, variants, 0.35)
-        expect, names, lab = ACCEPT, ("k", "v"), f"valid, {t} tokens"
-        if choice is not None:
-            lab, arg, make, expect, names = choice
-            if arg == "kv":
-                args["k"], args["v"] = make()
-            else:
-                args[arg] = make()
+        lab, expect, names = apply_write_variant(rng, variants, args, f"valid, {t} tokens", ("k", "v"))
         case = f"{case} append [{lab}]"
         snap = snapshot(c)
         outcome = attempt(self.report, case, lambda: c.append(**args), expect, names)
