@@ -24,7 +24,9 @@ def add_parser(sub, name: str, help_text: str) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=sorted(SUITES), help="which benchmark")
     p.add_argument("--out", type=Path, default=None, help="output dir (default profiles/<gpu>)")
-    p.add_argument("--quick", action="store_true", help="a few points only (smoke run)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few points only; decode: B=1 and 16 at 4K/32K/128K, every backend side by side, "
+                        "written to decode_backends.json instead of decode.json")
 
 
 def _load(suite: str):

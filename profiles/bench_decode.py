@@ -3,8 +3,9 @@
 Everything is measured in one run on one GPU: CUDA events around each call, warm-up,
 median of many, the L2 flushed (a 2x-L2 memset) before every timed call.  The roofline
 is the best streaming bandwidth measured in the same run.  Results go to
-``<out_dir>/decode.json`` (+ ``decode.png``); ``python -m profiles.bench_decode --help``
-or ``bitdecode bench decode``.
+``<out_dir>/decode.json`` (+ ``decode.png``), or with ``--quick`` (three context lengths,
+B = 1 and 16, every backend side by side) to ``decode_backends.json`` (+ ``.png``);
+``python -m profiles.bench_decode --help`` or ``bitdecode bench decode``.
 """
 
 from __future__ import annotations
@@ -249,7 +250,11 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
     gen = torch.Generator(device=device).manual_seed(3)
     qb = torch.randn(1, 32, 1, 128, device=device, dtype=torch.float16, generator=gen)
     kb = torch.randn(1, 8, 4096, 128, device=device, dtype=torch.float16, generator=gen)
+    # the quick sweep (every backend side by side) is its own record: it never replaces the
+    # full sweep's decode.json
+    name = "decode_backends" if quick else "decode"
     result = {
+        "command": f"bitdecode bench decode{' --quick' if quick else ''} --out {out_dir}",
         "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "sdpa_backend": sdpa_backend(qb, kb, kb),
@@ -262,8 +267,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "small_graph": bench_graph_small(timer, device),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "decode.json").write_text(json.dumps(result, indent=1))
-    plot(result, out_dir / "decode.png")
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(result, out_dir / f"{name}.png")
     return result
 
 
