@@ -63,9 +63,22 @@ def same_device(**tensors) -> torch.device:
     return first
 
 
-def positive_int(name: str, value, allowed: Optional[Sequence[int]] = None) -> int:
+def integer(name: str, value) -> int:
+    """An int (bools refused), else a TypeError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def nonnegative_int(name: str, value) -> int:
+    """An int >= 0 (bools refused), else a ValueError naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def positive_int(name: str, value, allowed: Optional[Sequence[int]] = None) -> int:
+    integer(name, value)
     if allowed is not None and value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value}")
     if value <= 0:
@@ -95,7 +108,7 @@ def device(name: str, value) -> torch.device:
         elif dev.index >= torch.cuda.device_count():
             raise ValueError(f"{name} must be a usable torch device, got {value!r} but there are "
                              f"{torch.cuda.device_count()} CUDA devices")
-    elif dev.type not in ("cpu",):
+    elif dev.type != "cpu":
         raise ValueError(f"{name} must be a cpu or cuda device, got {value!r}")
     return dev
 

@@ -273,8 +273,7 @@ class KVCache:
         packed, that block's surviving tokens return to the 16-bit residual buffer
         dequantized: their quantization error stays, the 16-bit originals are gone.  Runs
         torch ops on the cache's device (a few small ones, one sync); any backend."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        _validate.nonnegative_int("tokens", tokens)
         lens = self._host_lens
         short = [b for b, n in enumerate(lens) if n < tokens]
         if short:

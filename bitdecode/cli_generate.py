@@ -134,32 +134,11 @@ def random_llama(size: str, device, dtype: torch.dtype, attn_implementation: str
     return model.eval()
 
 
-def cache_kwarg(model) -> str:
-    """The name under which ``model.forward`` / ``generate`` take the cache: ``cache`` from
-    transformers 5.2x on (``past_key_values`` is then deprecated), ``past_key_values`` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def use_attention(model, name: str) -> None:
-    """Switch the model's attention implementation (transformers' ``set_attn_implementation``,
-    or the config field where that method refuses a registered custom name)."""
-    try:
-        model.set_attn_implementation(name)
-    except Exception:  # noqa: BLE001 - older versions check names against their own list
-        model.config._attn_implementation = name
-    if model.config._attn_implementation != name:
-        model.config._attn_implementation = name
-
-
 def load_model(args, device: torch.device, dtype: torch.dtype):
     """(model on ``device`` with the bitdecode attention, tokenizer or None, description)."""
     import transformers
 
-    from . import hf
-
-    from . import bitnet
+    from . import bitnet, hf
 
     if args.random_bitnet:
         if args.model or args.gguf_file or args.random_llama:
@@ -232,6 +211,8 @@ def generate(model, ids: torch.Tensor, cache, max_new_tokens: int, pad_token_id:
     """Greedy generation; (new tokens [B, T], prefill seconds, decode tokens/s, the cache)."""
     import transformers
 
+    from .hf import cache_kwarg
+
     clock = StepClock(ids.device)
     kw = {} if cache is None else {cache_kwarg(model): cache}
     if ids.device.type == "cuda":
@@ -246,17 +227,8 @@ def generate(model, ids: torch.Tensor, cache, max_new_tokens: int, pad_token_id:
     return new, t[0] - t0, rate, getattr(out, "past_key_values", None) or getattr(out, "cache", None) or cache
 
 
-def dense_cache_bytes(cache) -> int:
-    """Bytes of a transformers cache's 16-bit K / V tensors."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
-
-
-def _mib(n: int) -> str:
+def mib(n: float) -> str:
+    """Bytes as MiB for the tables of ``generate`` and ``eval``."""
     return f"{n / 2**20:,.2f} MiB"
 
 
@@ -310,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
     import bitdecode as bd
 
     from . import hf
+    from .eval import cache_bytes
 
     dtype = DTYPES[args.dtype]
     t_load = time.perf_counter()
@@ -354,13 +327,13 @@ def run(args: argparse.Namespace) -> int:
     base = None
     with torch.no_grad():
         if not args.no_baseline:
-            use_attention(model, "sdpa")
+            hf.use_attention(model, "sdpa")
             new16, pre16, rate16, cache16 = generate(model, ids, None, args.max_new_tokens, pad)
-            base = (new16, dense_cache_bytes(cache16))
+            base = (new16, cache_bytes(cache16))
             del cache16
             rows.append(("16-bit (transformers DynamicCache, SDPA)", rate16, pre16, base[1], None))
             texts.append(("16-bit", show(new16)))
-            use_attention(model, hf.ATTN_IMPLEMENTATION)
+            hf.use_attention(model, hf.ATTN_IMPLEMENTATION)
         for fmt in fmts:
             cache = hf.BitDecodingCache(model, fmt, max_seqlen=max_seqlen, backend=backend)
             new, pre, rate, _ = generate(model, ids, cache, args.max_new_tokens, pad)
@@ -391,14 +364,14 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify=just, no_wrap=(col == "KV cache"))
     for label, rate, pre, nbytes, new in rows:
         agree = "-" if new is None or base is None else _agreement(new, base[0])
-        table.add_row(label, f"{rate:,.1f}", f"{pre * 1e3:,.1f} ms", _mib(nbytes), f"{nbytes / dense:.3f}x", agree)
+        table.add_row(label, f"{rate:,.1f}", f"{pre * 1e3:,.1f} ms", mib(nbytes), f"{nbytes / dense:.3f}x", agree)
     console.print(table)
     notes = ["decode tokens/s: generated tokens after the first (x batch) / time from the first to the last "
              "step, each step synchronized; prefill: time to the first step",
              f"KV memory: bitdecode preallocates {max_seqlen:,} tokens (packed K/V + params + the 16-bit "
              f"residual block of {', '.join(str(f.residual_block) for f in fmts)} tokens); "
              + ("16-bit: the DynamicCache's K/V at the end" if base is not None
-                else f"vs 16-bit: against {_mib(dense)}, 16-bit K/V of {tokens:,} tokens")]
+                else f"vs 16-bit: against {mib(dense)}, 16-bit K/V of {tokens:,} tokens")]
     if base is not None:
         notes.append("tokens as 16-bit: share of generated tokens equal to the 16-bit run's")
     console.print("\n".join(f"[dim]{escape(n)}[/]" for n in notes))

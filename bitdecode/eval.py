@@ -231,18 +231,6 @@ def window_ends(n_tokens: int, longest: int, windows: int) -> List[int]:
 # --------------------------------------------------------------------------------------
 
 
-def _use_attention(model, name: str) -> None:
-    from .cli_generate import use_attention
-
-    use_attention(model, name)
-
-
-def _cache_kwarg(model) -> str:
-    from .cli_generate import cache_kwarg
-
-    return cache_kwarg(model)
-
-
 def _tensor_bytes(t) -> int:
     """Bytes of a tensor, or of the inner tensors of a tensor subclass (quanto's QTensors)."""
     if hasattr(t, "__tensor_flatten__"):
@@ -269,12 +257,12 @@ def make_cache(model, method: Method, max_seqlen: int, backend: str):
     """A fresh cache for ``method`` and switch the model's attention to go with it."""
     import transformers
 
-    if method.kind == "bitdecode":
-        from . import hf
+    from . import hf
 
-        _use_attention(model, hf.ATTN_IMPLEMENTATION)
+    if method.kind == "bitdecode":
+        hf.use_attention(model, hf.ATTN_IMPLEMENTATION)
         return hf.BitDecodingCache(model, method.fmt, max_seqlen=max_seqlen, backend=backend)
-    _use_attention(model, "sdpa")
+    hf.use_attention(model, "sdpa")
     if method.kind == "quanto":
         return transformers.QuantizedCache(backend="quanto", config=model.config, nbits=method.nbits,
                                            **QUANTO_DEFAULTS)
@@ -296,7 +284,9 @@ def teacher_forced(model, method: Method, x: torch.Tensor, scored: int, backend:
     p = c - scored
     if p < 1:
         raise ValueError(f"scored ({scored}) must be less than the context ({c})")
-    kw = _cache_kwarg(model)
+    from .hf import cache_kwarg, use_attention
+
+    kw = cache_kwarg(model)
     t0 = time.perf_counter()
     cache = make_cache(model, method, c, backend)
     try:
@@ -306,7 +296,7 @@ def teacher_forced(model, method: Method, x: torch.Tensor, scored: int, backend:
             logp.append(torch.log_softmax(_forward(model, x[:, t:t + 1], cache, kw), dim=-1))
         nbytes = cache_bytes(cache)
     finally:
-        _use_attention(model, "sdpa")
+        use_attention(model, "sdpa")
     return torch.stack(logp, dim=1), nbytes, time.perf_counter() - t0
 
 
@@ -468,8 +458,10 @@ def needle_prompts(tokenizer, filler: torch.Tensor, context: int, depths: Sequen
 def greedy(model, method: Method, x: torch.Tensor, new_tokens: int, backend: str = "auto"):
     """x ``[n, L]``: prefill ``L - 1`` tokens, feed the last as a decode step, then generate
     ``new_tokens`` greedily, each step through the cache.  Returns (``[n, new_tokens]``, KV bytes)."""
+    from .hf import cache_kwarg, use_attention
+
     n, length = x.shape
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     cache = make_cache(model, method, length + new_tokens, backend)
     try:
         _forward(model, x[:, :-1], cache, kw)
@@ -480,7 +472,7 @@ def greedy(model, method: Method, x: torch.Tensor, new_tokens: int, backend: str
             out.append(tok)
         nbytes = cache_bytes(cache)
     finally:
-        _use_attention(model, "sdpa")
+        use_attention(model, "sdpa")
     return torch.cat(out, dim=1).cpu(), nbytes
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+from . import _validate
 from .layouts import packing, sm80
 
 BITS = (4, 2)
@@ -59,8 +60,7 @@ class KVFormat:
         if self.v_bits is None:
             object.__setattr__(self, "v_bits", self.bits)
         _choice("v_bits", self.v_bits, BITS)
-        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"KVFormat.sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
+        _validate.nonnegative_int("KVFormat.sink_tokens", self.sink_tokens)
         object.__setattr__(self, "residual_block",
                            max(sm80.residual_block(self.bits), sm80.residual_block(self.v_bits)))
 

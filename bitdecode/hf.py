@@ -35,6 +35,7 @@ collective; the ranks meet only in the model's own all-reduces (``tests/test_tp.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from typing import Optional
 
@@ -50,6 +51,23 @@ from .formats import KVFormat
 
 ATTN_IMPLEMENTATION = "bitdecode"
 _CACHE_ATTR = "_bitdecode_cache"
+
+
+def cache_kwarg(model) -> str:
+    """The name under which ``model.forward`` / ``generate`` take the cache: ``cache`` from
+    transformers 5.2x on (``past_key_values`` is then deprecated), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def use_attention(model, name: str) -> None:
+    """Switch the model's attention implementation (transformers' ``set_attn_implementation``,
+    or the config field where that method refuses a registered custom name)."""
+    try:
+        model.set_attn_implementation(name)
+    except Exception:  # noqa: BLE001 - older versions check names against their own list
+        model.config._attn_implementation = name
+    if model.config._attn_implementation != name:
+        model.config._attn_implementation = name
 
 
 class BitDecodingLayer(CacheLayerMixin):

@@ -75,12 +75,10 @@ def quantize(
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension, got a 0-dim tensor")
     _validate.positive_int("group_size", group_size)
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"bits must be an int, got {type(bits).__name__}")
+    _validate.integer("bits", bits)
     if bits not in packing.SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {packing.SUPPORTED_BITS}, got {bits!r}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    _validate.integer("dim", dim)
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must lie in [{-x.dim()}, {x.dim() - 1}] for x of {x.dim()} dims, got {dim}")
     dim = dim % x.dim()

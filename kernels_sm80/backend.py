@@ -186,7 +186,7 @@ class DecodePlan:
         self.lse_shape = (bsz, hq)
         self.dtype = q_dtype
         self.splits = splits
-        self.device_index = device.index
+        self.device = device
         self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
                        cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
         self.decode_fn = decode_fn
@@ -194,29 +194,30 @@ class DecodePlan:
         self.unused_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         self.workspaces: dict = {}  # raw CUDA stream -> (o_part, l_part)
 
-    def workspace(self, device):
+    def workspace(self):
         """The split-KV partials' buffers for the current stream (fresh while capturing)."""
         if torch.cuda.is_current_stream_capturing():
-            return self._new_workspace(device)
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+            return self._new_workspace()
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         ws = self.workspaces.get(stream)
         if ws is None:
             if len(self.workspaces) >= self.MAX_STREAMS:
                 self.workspaces.pop(next(iter(self.workspaces)))
-            ws = self.workspaces[stream] = self._new_workspace(device)
+            ws = self.workspaces[stream] = self._new_workspace()
         return ws
 
-    def _new_workspace(self, device):
-        return (torch.empty(self.part_shape, dtype=torch.float32, device=device),
-                torch.empty(self.part_shape[:3], dtype=torch.float32, device=device))
+    def _new_workspace(self):
+        return (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
+                torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
-        out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if return_lse else self.unused_lse
+        # q is on the cache's device (attention.check_query), the device the plan was built for
+        out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
         if self.splits == 1:
             self.decode_fn(q, *self.static, out, lse, scale_log2)
         else:
-            o_part, l_part = self.workspace(q.device)
+            o_part, l_part = self.workspace()
             self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
             self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out

@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from ..layouts import sm80
-from .tensors import wait_for_previous_kernel
+from .tensors import one_token, wait_for_previous_kernel
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -40,7 +40,7 @@ class CombineSm80:
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, stream):
         # mOp (S, B, Hq, D) f32, mLp (S, B, Hq) f32, mO (B, 1, Hq, D) dtype, mL (B, Hq) f32
-        mO = mO[None, 0, None, None]
+        mO = one_token(mO)
         grid = (mO.shape[0] * mO.shape[1], 1, 1)
         self.kernel(mOp, mLp, mO, mL).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
                                              use_pdl=self.pdl)

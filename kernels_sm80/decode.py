@@ -36,7 +36,7 @@ from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
 from .reduce import across_rows
-from .tensors import aligned_ptr, assume_aligned, page_of, split_tiles, wait_for_previous_kernel
+from .tensors import aligned_ptr, assume_aligned, one_token, page_of, split_tiles, wait_for_previous_kernel
 
 LN_2 = 0.6931471805599453
 NUM_WARPS = sm80.WARPS_N
@@ -51,9 +51,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def query_views(mQ: cute.Tensor, mO: cute.Tensor, split: bool):
-    """The kernels' (B, Hq, D) views of the query and of the unsplit output, which arrive
-    as the caller's (B, 1, Hq, D) tensors (no reshape on the host per call)."""
-    return mQ[None, 0, None, None], (mO if split else mO[None, 0, None, None])
+    """The kernels' (B, Hq, D) views of the query and of the unsplit output (the split
+    output is the fp32 partials, already (S, B, Hq, D))."""
+    return one_token(mQ), (mO if split else one_token(mO))
 
 
 class PackedDecodeConfig:

@@ -57,6 +57,12 @@ def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits):
     return tile_begin, packed_end, has_residual, n_res
 
 
+def one_token(t: cute.Tensor) -> cute.Tensor:
+    """The (B, Hq, D) view of a decode query or output that arrives as the caller's
+    (B, 1, Hq, D) tensor (no reshape on the host per call)."""
+    return t[None, 0, None, None]
+
+
 @cute.jit
 def wait_for_previous_kernel(pdl: cutlass.Constexpr[bool]):
     """With programmatic dependent launch: block until the previous kernel on the stream

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+from .. import jit
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
 
@@ -41,7 +42,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
-        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split)
+        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch))
 
 
 BACKEND = Sm90Backend()

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 import bitdecode as bd  # noqa: E402
-from bitdecode import cli_generate  # noqa: E402
+from bitdecode import cli_generate, hf  # noqa: E402
 
 GiB = 1 << 30
 # (role, B, N): the roles name the points the targets refer to
@@ -345,7 +345,7 @@ def run_config(cfg: dict, model, ctx: dict, data: dict, args, device, backend: s
     b, n, cap = ctx["B"], ctx["N"], ctx["cap"]
     base = dict(role=ctx["role"], B=b, N=n, config=cfg["name"], label=cfg["label"])
     rows = []
-    cli_generate.use_attention(model, cfg["attn"])
+    hf.use_attention(model, cfg["attn"])
     t0 = time.perf_counter()
     cache = make_cache(cfg, model, cap, backend)
     fill(cache, data["k"], data["v"], s["layers"], data["valid"])
@@ -359,7 +359,7 @@ def run_config(cfg: dict, model, ctx: dict, data: dict, args, device, backend: s
     else:
         kv_read = s["layers"] * 2 * b * s["hkv"] * n * s["d"] * 2
     roof_ms = (data["weights"] + kv_read) / data["bw"] * 1e3
-    kwarg = cli_generate.cache_kwarg(model)
+    kwarg = hf.cache_kwarg(model)
     ids, pos = data["ids"], data["pos"]
 
     def step():

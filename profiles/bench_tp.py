@@ -50,7 +50,6 @@ for _key, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICA
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -158,12 +157,6 @@ def set_attention(model, name: str) -> None:
 def nccl_version() -> str:
     v = torch.cuda.nccl.version()
     return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-
-
-def cache_kwarg(model) -> str:
-    """``cache`` in transformers >= 5.2x, ``past_key_values`` before."""
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 # ---- caches ------------------------------------------------------------------------------
@@ -321,6 +314,8 @@ def run_config(model, kind: str, s: Shapes, b: int, n: int, args, device) -> Opt
     gen = torch.Generator(device=device).manual_seed(7)
     ids = torch.randint(0, s.vocab, (b, 1), generator=gen, device=device)
     pos = torch.full((b, 1), n, dtype=torch.long, device=device)
+    from bitdecode.hf import cache_kwarg
+
     kw = {cache_kwarg(model): cache, "use_cache": True}
 
     def step():
