@@ -221,7 +221,7 @@ def decode_attention(
     cache = check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
                         block_table, check_values=check_values)
     backend = dispatch.resolve(backend, q.device if isinstance(q, torch.Tensor) else k_pack.device, fmt=fmt,
-                               head_dim=cache.head_dim)
+                               head_dim=cache.head_dim, dtype=cache.dtype)
     check_query(q, cache, backend)
     return run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                return_lse=return_lse)

@@ -111,7 +111,9 @@ class Backend(Protocol):
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 
-    def auto_picks(self, fmt: KVFormat, head_dim: int) -> bool: ...  # whether ``auto`` takes it for this cache
+    def auto_picks(self, fmt: KVFormat, head_dim: int, dtype: Optional[torch.dtype] = None) -> bool:
+        """Whether ``auto`` takes it for a cache of this format, head dim and dtype (None:
+        not known yet)."""
 
     def choose_splits(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int,
                       device: torch.device) -> int: ...

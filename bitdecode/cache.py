@@ -92,7 +92,7 @@ class KVCache:
         if dtype not in _validate.FLOAT16_DTYPES:
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         device = _validate.device("device", device)
-        backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt, head_dim=head_dim)
+        backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt, head_dim=head_dim, dtype=dtype)
         nr = fmt.residual_block
         packed_cap = -(-max_seqlen // nr) * nr
         if page_size is None:
@@ -318,7 +318,7 @@ class KVCache:
         if fast is not None and fast[0] == key and q.data_ptr() % 16 == 0:
             return fast[1](q, fast[2], return_lse)
         if backend != self.backend:
-            backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim)
+            backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
         cache = self._tensors
         attention.check_query(q, cache, backend)
         if backend == "reference":

@@ -52,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
     for label, backends, device in _gpus():
         table.add_row("GPU", label)
         table.add_row("  backends", ", ".join(backends))
-        picks = {(bits, d): dispatch.resolve("auto", device, fmt=KVFormat(bits=bits), head_dim=d)
-                 for bits in (4, 2) for d in (128, 256)}
-        table.add_row("  auto picks", ", ".join(f"{bits}-bit D{d}: {b}" for (bits, d), b in picks.items()))
+        picks = {(bits, d, dt): dispatch.resolve("auto", device, fmt=KVFormat(bits=bits), head_dim=d,
+                                                 dtype=getattr(torch, dt))
+                 for bits in (4, 2) for d in (128, 256) for dt in ("float16", "bfloat16")}
+        table.add_row("  auto picks", ", ".join(f"{bits}-bit D{d} {dt[:4] if dt[0] == 'b' else 'fp16'}: {b}"
+                                                for (bits, d, dt), b in picks.items()))
     path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
     env = jit.ENV_CACHE_DIR
     source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"

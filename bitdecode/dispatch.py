@@ -40,9 +40,10 @@ def available(device: torch.device) -> Tuple[str, ...]:
     return kernels + ("reference",)
 
 
-def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, head_dim: int = 0) -> str:
+def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, head_dim: int = 0,
+            dtype: Optional[torch.dtype] = None) -> str:
     """The backend a call runs: ``backend`` checked against the device, or ``auto``'s choice
-    (for a cache of format ``fmt`` and ``head_dim`` when given)."""
+    (for a cache of format ``fmt``, ``head_dim`` and ``dtype`` when given)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -51,7 +52,7 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
         return "reference"
     if fmt is not None and not fmt.kernel_ready:
         raise ValueError(
-            f"fmt={fmt} (mixed K/V widths or sink tokens) runs on the torch reference backend only "
+            f"fmt={fmt} (mixed K/V widths) runs on the torch reference backend only "
             "so far: pass backend='reference'"
         )
     if backend == "auto":
@@ -59,7 +60,7 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
         # the H200 sm90 is the faster one at 4 bits and head dims up to 128: NOTES.md)
         kernels = [b for b in backends.shipped() if runnable(b, device)]
         if fmt is not None:
-            kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim)] or kernels
+            kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim, dtype)] or kernels
         if not kernels:
             cap = device_capability(device)
             raise ValueError(

@@ -35,15 +35,16 @@ class KVFormat:
       (``v_tile``).  Default (None): V as K.
     * ``sink_tokens``: the first S tokens of every sequence stay 16-bit for good
       (attention sinks, never quantized); the packed blocks and the residual start after
-      them.  Default 0.
+      them.  Every backend takes them: the kernels attend to them as 16-bit sub-tiles
+      like the residual.  Default 0.
 
     Quantization is asymmetric: ``zero = min``, ``scale = (max - min) / (2^bits - 1)``,
     ``q = clamp(rint((x - zero) / scale), 0, 2^bits - 1)``, ``x = q * scale + zero``,
     scale and zero stored as a 16-bit pair in the model dtype.  The newest
     ``(len - sinks) % residual_block`` tokens stay in 16 bits.
 
-    Mixed widths and sinks run on the torch reference backend so far; the kernel
-    backends take ``v_bits == bits`` and no sinks (``KVFormat.kernel_ready``).
+    Mixed widths run on the torch reference backend so far; the kernel backends take
+    ``v_bits == bits`` (``KVFormat.kernel_ready``).
     """
 
     bits: int = 4
@@ -75,8 +76,8 @@ class KVFormat:
 
     @property
     def kernel_ready(self) -> bool:
-        """Whether the kernel backends take this format (one width, no sinks)."""
-        return self.v_bits == self.bits and self.sink_tokens == 0
+        """Whether the kernel backends take this format (one width for K and V)."""
+        return self.v_bits == self.bits
 
     # ---- derived quantities -----------------------------------------------------------
     @property

@@ -44,6 +44,8 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
         fake_tensor(i32, (None, None, None, d // g, sm80.MMA_SHAPE[2])),  # v_params
         fake_tensor(dtype, (None, nr, None, d)),                   # k_res
         fake_tensor(dtype, (None, nr, None, d)),                   # v_res
+        fake_tensor(dtype, (None, None, None, d)),                 # k_sink (B, S, Hkv, D)
+        fake_tensor(dtype, (None, None, None, d)),                 # v_sink
         fake_vector(i32, 1),                                       # cache_seqlens
         fake_vector(i32, 2),                                       # block_table
     ]
@@ -86,6 +88,8 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
         fake_tensor(dtype, (None, None, None, d)),      # source V
         fake_tensor(dtype, (None, nr, None, d)),        # k_res
         fake_tensor(dtype, (None, nr, None, d)),        # v_res
+        fake_tensor(dtype, (None, None, None, d)),      # k_sink (B, S, Hkv, D)
+        fake_tensor(dtype, (None, None, None, d)),      # v_sink
         fake_vector(i32, 1),                            # lengths
         fake_vector(i32, 2),                            # block_table
         fake_tensor(i32, (None, None, None, wk)),       # k_pack
@@ -103,13 +107,20 @@ def compile_pack(arch: str, fmt: KVFormat, dtype, head_dim: int, mode: str, keep
 
     from .pack import PackSm80
 
-    kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode, pdl=jit.has_pdl(arch))
+    kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode, pdl=jit.has_pdl(arch),
+                      sinks=fmt.sink_tokens)
     return cute.compile(kernel, *pack_args(fmt, dtype, head_dim), _stream(),
                         options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
 
 def _fmt_key(fmt: KVFormat) -> Tuple:
-    return (fmt.bits, fmt.k_mode, fmt.group_size)
+    return (fmt.bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens)
+
+
+def sink_tensors(cache: CacheTensors) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The sink buffers the kernels take: the cache's, or (no sink tokens) the residual
+    buffers as placeholders that the kernels compiled for ``sinks = 0`` never touch."""
+    return cache.sinks if cache.fmt.sink_tokens else (cache.k_res, cache.v_res)
 
 
 def _combine_kernel(arch, dtype, d):
@@ -188,7 +199,8 @@ class DecodePlan:
         self.splits = splits
         self.device = device
         self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
-                       cache.v_params, cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
+                       cache.v_params, cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens,
+                       cache.block_table)
         self.decode_fn = decode_fn
         self.combine_fn = combine_fn
         self.unused_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
@@ -226,7 +238,7 @@ class DecodePlan:
 def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
     arch = jit.target_arch(cache.device.index)
     kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, mode)
-    kern(src_k, src_v, cache.k_res, cache.v_res, lengths, cache.block_table,
+    kern(src_k, src_v, cache.k_res, cache.v_res, *sink_tensors(cache), lengths, cache.block_table,
          cache.k_pack, cache.k_params, cache.v_pack, cache.v_params,
          cache.overflow, cache.commits, cache.capacity)
 
@@ -241,7 +253,7 @@ class Sm80Backend:
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)
 
-    def auto_picks(self, fmt: KVFormat, head_dim: int) -> bool:
+    def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         return True
 
     # ---- decode -------------------------------------------------------------------------
@@ -255,7 +267,8 @@ class Sm80Backend:
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
-                          min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch))
+                          min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch),
+                          sinks=fmt.sink_tokens)
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
                        keep_ptx: bool = False):
@@ -306,7 +319,7 @@ class Sm80Backend:
         """``append`` for this cache with the kernel and its fixed arguments bound once."""
         arch = jit.target_arch(cache.device.index)
         kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, "append")
-        before = (cache.k_res, cache.v_res, cache.cache_seqlens, cache.block_table)
+        before = (cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens, cache.block_table)
         after = (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.overflow, cache.commits,
                  cache.capacity)
 

@@ -17,7 +17,8 @@ word into exact half2 codes and one packed fma applies (scale, zero).  Softmax i
 per warp; the four warps merge through shared memory at the end of the split
 (LSE-weighted), and splits are merged by the combine kernel.  The 16-bit residual
 block (``len % Nr`` tokens) is the last tile, read with plain ldmatrix in sub-tiles of
-64 tokens (16 per warp).  Tiles stream through a ``num_stages`` cp.async pipeline; all
+64 tokens (16 per warp); a format's 16-bit sink tokens (the first ``sinks`` of the
+sequence, ``[B, sinks, Hkv, D]`` buffers) are more such sub-tiles, attended by split 0.  Tiles stream through a ``num_stages`` cp.async pipeline; all
 four warps share one barrier per tile.
 """
 
@@ -62,7 +63,7 @@ class PackedDecodeConfig:
     sm80 and sm90 decode kernels both start from it."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
-                 head_dim: int, heads_tile: int, split: bool, pdl: bool = False):
+                 head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
@@ -77,6 +78,9 @@ class PackedDecodeConfig:
         # on the stream (the append that wrote the cache) drains and wait for it before the
         # first read; the combine that follows launches early the same way
         self.pdl = pdl
+        # 16-bit sink tokens ahead of the packed blocks (KVFormat.sink_tokens): positions of
+        # packed tiles count from the token after them
+        self.sinks = sinks
         self.nr = sm80.residual_block(bits)  # tokens of one packed tile
         self.kpw = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed word
         self.wk = sm80.words_per_row(bits, head_dim)  # words of a packed K row (a token)
@@ -87,6 +91,14 @@ class PackedDecodeConfig:
         self.bytes_vp = head_dim * self.wv * 4
         self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
         self.words_vs = self.nr * self.groups_v
+
+    @cute.jit
+    def token_counts(self, seqlen):
+        """(sink tokens, the rest) of a sequence of ``seqlen`` tokens."""
+        n_sink = cutlass.Int32(0)
+        if const_expr(self.sinks > 0):
+            n_sink = cutlass.min(seqlen, self.sinks)
+        return n_sink, seqlen - n_sink
 
 
 class DecodeSm80(PackedDecodeConfig):
@@ -104,8 +116,9 @@ class DecodeSm80(PackedDecodeConfig):
         num_stages: int = 0,
         min_blocks_per_sm: int = 0,
         pdl: bool = False,
+        sinks: int = 0,
     ):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl)
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
         self.t = sm80.tokens_per_warp(bits)  # tokens per warp per tile
         # shared memory per stage (bytes)
@@ -130,6 +143,8 @@ class DecodeSm80(PackedDecodeConfig):
         mVs: cute.Tensor,  # (P, Hkv, page/16, D/G, 16) int32
         mKr: cute.Tensor,  # (B, Nr, Hkv, D) dtype residual
         mVr: cute.Tensor,
+        mKsink: cute.Tensor,  # (B, sinks, Hkv, D) dtype sink tokens (any such tensor when sinks = 0)
+        mVsink: cute.Tensor,
         mSeqlens: cute.Tensor,  # (B,) int32
         mBlockTable: cute.Tensor,  # (B, max_pages) int32
         mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, 1, Hq, D) dtype
@@ -140,7 +155,7 @@ class DecodeSm80(PackedDecodeConfig):
         mQ, mO = query_views(mQ, mO, self.split)
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
-        self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
+        self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
                     softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
                                                min_blocks_per_mp=self.min_blocks_per_sm,
                                                preferred_smem_carveout=100, use_pdl=self.pdl)
@@ -149,7 +164,7 @@ class DecodeSm80(PackedDecodeConfig):
     # Device side
     # ---------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
+    def kernel(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
                softmax_scale_log2: Float32):
         tid, _, _ = cute.arch.thread_idx()
         split_idx, head_kv, batch = cute.arch.block_idx()
@@ -159,7 +174,8 @@ class DecodeSm80(PackedDecodeConfig):
         gq = mQ.shape[1] // mKr.shape[2]
 
         wait_for_previous_kernel(self.pdl)
-        tile_begin, packed_end, has_residual, n_res = split_tiles(mSeqlens[batch], self.nr, split_idx, num_splits)
+        n_sink, n_rest = self.token_counts(mSeqlens[batch])
+        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
 
         # ---- shared memory --------------------------------------------------------
         smem = cutlass.memory.SmemAllocator()
@@ -219,6 +235,12 @@ class DecodeSm80(PackedDecodeConfig):
                 self.residual_subtile(mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv,
                                       sub, n_res, acc_o, row_max, row_sum, softmax_scale_log2,
                                       warp_idx, lane, tid)
+        if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
+            if split_idx == 0:
+                for sub in cutlass.range(0, (n_sink + RES_SUBTILE - 1) // RES_SUBTILE, unroll=1):
+                    self.residual_subtile(mma, thr_mma, tQrQ, mKsink, mVsink, union, batch, head_kv,
+                                          sub, n_sink, acc_o, row_max, row_sum, softmax_scale_log2,
+                                          warp_idx, lane, tid)
 
         # ---- merge the warps, write this split ---------------------------------------
         self.epilogue(acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,

@@ -21,6 +21,12 @@ Modes:
   ``(2, Hkv, B)``; one launch, no host sync (CUDA-graph safe).  The kernel also commits the
   lengths: the last CTA of a sequence to finish stores ``lens[b] + T``.
 
+Sink tokens (``sinks`` > 0, ``KVFormat.sink_tokens``): the first ``sinks`` tokens of a
+sequence are copied 16-bit to the sink buffers ``[B, sinks, Hkv, D]`` and never packed;
+blocks and the residual count from the token after them.  In prefill the CTA that copies
+the residual tail copies them too (the grid always has that CTA); in append each CTA
+first copies its new tokens that still fall below ``sinks``.
+
 Capacity guard (both modes): the host checks capacity before a launch, but a CUDA graph
 replays an append without the host, so the kernel checks again.  A sequence whose new
 length would pass ``capacity`` is not written at all and keeps its length; the length it
@@ -67,9 +73,10 @@ CHUNK = sm80.CHUNK_BYTES // 2  # 16-bit elements per 16-byte chunk
 
 class PackSm80:
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
-                 head_dim: int, mode: str, pdl: bool = False):
+                 head_dim: int, mode: str, pdl: bool = False, sinks: int = 0):
         assert mode in ("prefill", "append")
         self.dtype = dtype
+        self.sinks = sinks  # 16-bit sink tokens ahead of the packed blocks
         self.pdl = pdl  # programmatic dependent launch (sm_90+), as the decode kernels
         self.is_bf16 = dtype is cutlass.BFloat16
         self.nan16 = packing.nan16(self.is_bf16)
@@ -96,19 +103,27 @@ class PackSm80:
         self.zi_bytes = (self.nr // group_size) * head_dim * 2 * 4 if self.k_channel else 0
 
     @cute.jit
-    def __call__(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
+    def __call__(self, mSrcK, mSrcV, mKr, mVr, mKsink, mVsink, mLens, mBlockTable, mKp, mKs, mVp, mVs,
                  mOverflow, mCommits, capacity: Int32, stream):
+        """``mKsink`` / ``mVsink``: the sink buffers ``[B, sinks, Hkv, D]`` (any tensor of the
+        model dtype when ``sinks`` is 0: never touched)."""
         if const_expr(self.mode == "prefill"):
-            blocks = (mSrcK.shape[1] + self.nr - 1) // self.nr
-            grid = (2 * blocks, mSrcK.shape[2], mSrcK.shape[0])
+            grid = (2 * self.prefill_blocks(mSrcK.shape[1]), mSrcK.shape[2], mSrcK.shape[0])
         else:
             grid = (2, mSrcK.shape[2], mSrcK.shape[0])
-        self.kernel(mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
+        self.kernel(mSrcK, mSrcV, mKr, mVr, mKsink, mVsink, mLens, mBlockTable, mKp, mKs, mVp, mVs,
                     mOverflow, mCommits, capacity).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
                                                           use_pdl=self.pdl)
 
+    def prefill_blocks(self, tokens):
+        """Blocks of a prompt of ``tokens`` tokens, the partial last one included.  With
+        sink tokens there is always one past the full blocks: its CTAs copy the sinks."""
+        if const_expr(self.sinks > 0):
+            return cutlass.max(tokens - self.sinks, 0) // self.nr + 1
+        return (tokens + self.nr - 1) // self.nr
+
     @cute.kernel
-    def kernel(self, mSrcK, mSrcV, mKr, mVr, mLens, mBlockTable, mKp, mKs, mVp, mVs,
+    def kernel(self, mSrcK, mSrcV, mKr, mVr, mKsink, mVsink, mLens, mBlockTable, mKp, mKs, mVp, mVs,
                mOverflow, mCommits, capacity: Int32):
         tid, _, _ = cute.arch.thread_idx()
         x, head, b = cute.arch.block_idx()
@@ -131,37 +146,69 @@ class PackSm80:
         if const_expr(self.mode == "prefill"):
             # K blocks first, then V: CTAs resident together mostly run the same half of
             # the code (the instruction cache holds one half, not both)
-            blocks = (mSrcK.shape[1] + self.nr - 1) // self.nr
+            blocks = self.prefill_blocks(mSrcK.shape[1])
             which = x // blocks
             blk = x - which * blocks
             # the host checked the lengths; the clamp keeps any other from reaching past
             # the sequence's pages
             length = cutlass.min(length, capacity)
+            n_sink = Int32(0)
+            if const_expr(self.sinks > 0):
+                n_sink = cutlass.min(length, self.sinks)
+                length = length - n_sink  # tokens after the sinks: blocks count from there
             if ((blk + 1) * self.nr <= length) & self.page_ok(mBlockTable, mKp, b, blk):
                 if which == 0:
-                    self.load_rows(s_tile, mSrcK, mSrcK, b, head, blk * self.nr, Int32(0), tid)
+                    self.load_rows(s_tile, mSrcK, mSrcK, b, head, n_sink + blk * self.nr, Int32(0), tid)
                     wait_all()
                     self.pack_k(s_tile, s_red, s_zi, mBlockTable, mKp, mKs, b, head, blk, warp_idx, lane, tid)
                 else:
-                    self.load_rows(s_tile, mSrcV, mSrcV, b, head, blk * self.nr, Int32(0), tid)
+                    self.load_rows(s_tile, mSrcV, mSrcV, b, head, n_sink + blk * self.nr, Int32(0), tid)
                     wait_all()
                     self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
             elif blk == length // self.nr:  # the sequence's last, partial block: 16-bit residual
                 if which == 0:
-                    self.copy_tail(mSrcK, mKr, b, head, blk * self.nr, length, Int32(0), tid)
+                    self.copy_tail(mSrcK, mKr, mKsink, b, head, blk * self.nr, length, n_sink, tid)
                 else:
-                    self.copy_tail(mSrcV, mVr, b, head, blk * self.nr, length, Int32(0), tid)
+                    self.copy_tail(mSrcV, mVr, mVsink, b, head, blk * self.nr, length, n_sink, tid)
         else:
             new_len = length + mSrcK.shape[1]
             fits = new_len <= capacity
             if fits:
                 if x == 0:
-                    self.append(s_tile, s_red, s_zi, mSrcK, mKr, length, mBlockTable, mKp, mKs, mVp, mVs,
-                                b, head, warp_idx, lane, tid, True)
+                    self.append_with_sinks(s_tile, s_red, s_zi, mSrcK, mKr, mKsink, length, mBlockTable, mKp, mKs,
+                                           mVp, mVs, b, head, warp_idx, lane, tid, True)
                 else:
-                    self.append(s_tile, s_red, s_zi, mSrcV, mVr, length, mBlockTable, mKp, mKs, mVp, mVs,
-                                b, head, warp_idx, lane, tid, False)
+                    self.append_with_sinks(s_tile, s_red, s_zi, mSrcV, mVr, mVsink, length, mBlockTable, mKp, mKs,
+                                           mVp, mVs, b, head, warp_idx, lane, tid, False)
             self.commit_length(mLens, mOverflow, mCommits, b, new_len, fits, tid)
+
+    @cute.jit
+    def copy_tail(self, mSrc, mRes, mSink, b, head, begin, end, n_sink, tid):
+        """Prefill: the packed tokens ``[begin, end)`` past the last full block to the
+        residual buffer, and the ``n_sink`` sink tokens to theirs (source rows are sequence
+        positions; packed position ``p`` is row ``n_sink + p``)."""
+        self.copy_tokens(mSrc, mRes, b, head, begin, end, -n_sink, tid, True)
+        if const_expr(self.sinks > 0):
+            self.copy_tokens(mSrc, mSink, b, head, Int32(0), n_sink, Int32(0), tid, False)
+
+    @cute.jit
+    def append_with_sinks(self, s_tile, s_red, s_zi, mNew, mRes, mSink, length, mBlockTable, mKp, mKs, mVp, mVs,
+                          b, head, warp_idx, lane, tid, is_k: cutlass.Constexpr[bool]):
+        """Append: new tokens that still fall below the sink count go 16-bit to the sink
+        rows; the rest append after the sinks (``append``)."""
+        new = mNew.shape[1]
+        if const_expr(self.sinks > 0):
+            to_sink = cutlass.min(cutlass.max(self.sinks - length, 0), new)
+            self.copy_tokens(mNew, mSink, b, head, length, length + to_sink, length, tid, False)
+            mNew = self.rows_from(mNew, to_sink)
+            new = new - to_sink
+            length = cutlass.max(length - self.sinks, 0)
+        self.append(s_tile, s_red, s_zi, mNew, mRes, new, length, mBlockTable, mKp, mKs, mVp, mVs,
+                    b, head, warp_idx, lane, tid, is_k)
+
+    def rows_from(self, m: cute.Tensor, row0):
+        """``m`` ``[B, T, Hkv, D]`` seen from token row ``row0`` on (same layout)."""
+        return cute.make_tensor(m.iterator + row0 * m.stride[1], m.layout)
 
     @cute.jit
     def commit_length(self, mLens, mOverflow, mCommits, b, new_len, fits, tid):
@@ -202,9 +249,10 @@ class PackSm80:
                                   s_tile, tid, NUM_THREADS, length - tok0)
 
     @cute.jit
-    def append(self, s_tile, s_red, s_zi, mNew, mRes, length, mBlockTable, mKp, mKs, mVp, mVs,
+    def append(self, s_tile, s_red, s_zi, mNew, mRes, new, length, mBlockTable, mKp, mKs, mVp, mVs,
                b, head, warp_idx, lane, tid, is_k: cutlass.Constexpr[bool]):
-        new = mNew.shape[1]
+        """Appends ``new`` tokens (rows of ``mNew``) to a sequence of ``length`` tokens (not
+        counting sinks): packs the blocks they complete, keeps the rest 16-bit."""
         first = length // self.nr
         last = (length + new) // self.nr
         for blk in cutlass.range(first, last, unroll=1):
@@ -218,19 +266,21 @@ class PackSm80:
                     self.pack_v(s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane)
             cute.arch.sync_threads()  # s_tile (and the residual rows it came from) are free again
         # the tokens that do not complete a block stay 16-bit in the residual buffer
-        self.copy_tail(mNew, mRes, b, head, cutlass.max(length, last * self.nr), length + new, length, tid)
+        self.copy_tokens(mNew, mRes, b, head, cutlass.max(length, last * self.nr), length + new, length, tid, True)
 
     @cute.jit
-    def copy_tail(self, mSrc, mRes, b, head, begin, end, src0, tid):
-        """Tokens ``[begin, end)`` of the sequence (source row ``pos - src0``) to residual
-        rows ``pos % Nr``, 16 bytes per thread and step."""
+    def copy_tokens(self, mSrc, mDst, b, head, begin, end, src0, tid, residual: cutlass.Constexpr[bool]):
+        """Tokens ``[begin, end)`` of the sequence (source row ``pos - src0``) 16-bit to row
+        ``pos % Nr`` of the residual buffer (``residual``) or row ``pos`` of a sink buffer,
+        16 bytes per thread and step."""
         per_row = self.d // CHUNK
         for q in cutlass.range(tid, (end - begin) * per_row, NUM_THREADS, unroll=1):
             r = q // per_row
             col = q - r * per_row
             pos = begin + r
+            row = pos % self.nr if const_expr(residual) else pos
             src = cute.local_tile(mSrc[b, None, head, None], (1, CHUNK), (pos - src0, col))
-            dst = cute.local_tile(mRes[b, None, head, None], (1, CHUNK), (pos % self.nr, col))
+            dst = cute.local_tile(mDst[b, None, head, None], (1, CHUNK), (row, col))
             cute.autovec_copy(assume_aligned(src), assume_aligned(dst))
 
     # ---------------------------------------------------------------------------------

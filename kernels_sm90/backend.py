@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import torch
+
 from .. import jit
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
@@ -23,14 +25,16 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def supports(self, capability: Tuple[int, int]) -> bool:
         return capability[0] == 9
 
-    def auto_picks(self, fmt: KVFormat, head_dim: int) -> bool:
-        """4-bit caches with head dims up to 128: faster than the sm80 kernels on the H200
-        at six of the seven measured shapes since the fixes that removed ptxas's wgmma
+    def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
+        """4-bit fp16 caches with head dims up to 128: faster than the sm80 kernels on the
+        H200 at six of the seven measured shapes since the fixes that removed ptxas's wgmma
         serialization (B=1 N=128K 59.6 vs 62.8 us, B=16 N=32K 194 vs 224; B=16 N=128K
-        3.6 % slower, 749 vs 723).  2-bit stays on sm80, where this kernel is 10-20 %
-        slower (its loop is bound by per-token latency, not bytes), and so does head dim
-        256, never timed here (profiles/NOTES.md)."""
-        return fmt.bits == 4 and head_dim <= 128
+        3.6 % slower, 749 vs 723).  bf16 stays on sm80: there this kernel is slower (B=1
+        N=128K 63.7 vs 61.3 us, B=16 N=64K 403 vs 366; fourth session), and so is an
+        unknown dtype.  2-bit stays on sm80, where this kernel is 10-20 % slower (its loop
+        is bound by per-token latency, not bytes), and so does head dim 256, never timed
+        here (profiles/NOTES.md)."""
+        return fmt.bits == 4 and head_dim <= 128 and dtype == torch.float16
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm
@@ -42,7 +46,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
-        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch))
+        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),
+                          sinks=fmt.sink_tokens)
 
 
 BACKEND = Sm90Backend()

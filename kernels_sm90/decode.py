@@ -32,7 +32,8 @@ million tokens, O drifted).  Two wgmma groups are never in flight together: that
 ptxas serialize every wgmma of the kernel (warning C7514, checked by the PTX test), and
 V^T registers are rewritten only after the P·V that reads them has landed.
 The 16-bit residual block (``len % Nr`` tokens) is the last tile, in 64-token sub-tiles
-read from the (by then idle) stage buffers.  The output of a split is the fp32 partial O
+read from the (by then idle) stage buffers; a format's 16-bit sink tokens (the first
+``sinks`` of the sequence) are more such sub-tiles, attended by split 0.  The output of a split is the fp32 partial O
 and its LSE, merged by the combine kernel; one split writes O in the model dtype.
 """
 
@@ -88,8 +89,8 @@ class DecodeSm90(PackedDecodeConfig):
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
-                 ctas_per_sm: int = 0, pdl: bool = False):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl)
+                 ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0):
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
         # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
@@ -142,8 +143,9 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
-                 mKr: cute.Tensor, mVr: cute.Tensor, mSeqlens: cute.Tensor, mBlockTable: cute.Tensor,
-                 mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+                 mKr: cute.Tensor, mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor,
+                 mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale_log2: Float32, stream):
         """The decode calling convention of ``DecodeSm80.__call__`` (shapes documented there),
         so the backends share one ``DecodePlan``."""
         mQ, mO = query_views(mQ, mO, self.split)
@@ -160,8 +162,8 @@ class DecodeSm90(PackedDecodeConfig):
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         # the register cap at entry (from the CTAs per SM) is what setmaxnreg redistributes
-        self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, Storage).launch(
+        self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable,
+                    mO, mLSE, softmax_scale_log2, Storage).launch(
             grid=grid, block=[2 * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, use_pdl=self.pdl)
 
@@ -170,7 +172,7 @@ class DecodeSm90(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ, tma_k: cute.CopyAtom, mKt: cute.Tensor, mKs, tma_v: cute.CopyAtom, mVt: cute.Tensor,
-               mVs, mKr, mVr, mSeqlens, mBlockTable, mO, mLSE, softmax_scale_log2: Float32,
+               mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE, softmax_scale_log2: Float32,
                Storage: cutlass.Constexpr):
         q_layout, p_layout, kp_layout, vp_layout = self._layouts()
         tid, _, _ = cute.arch.thread_idx()
@@ -196,7 +198,8 @@ class DecodeSm90(PackedDecodeConfig):
         sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
 
         wait_for_previous_kernel(self.pdl)
-        tile_begin, packed_end, has_residual, n_res = split_tiles(mSeqlens[batch], self.nr, split_idx, num_splits)
+        n_sink, n_rest = self.token_counts(mSeqlens[batch])
+        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
 
         if warp_idx < WARPS:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -205,9 +208,9 @@ class DecodeSm90(PackedDecodeConfig):
                              batch, head_kv, tile_begin, packed_end)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mO, mLSE,
-                         batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
-                         softmax_scale_log2)
+            self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
+                         mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
+                         n_sink, softmax_scale_log2)
 
     # ---------------------------------------------------------------------------------
     # Producer: TMA of packed K / V rows, bulk copies of their params
@@ -244,8 +247,9 @@ class DecodeSm90(PackedDecodeConfig):
     # Consumer warpgroup
     # ---------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mO, mLSE,
-                batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, scale_log2):
+    def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
+                mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, n_sink,
+                scale_log2):
         tid = cute.arch.thread_idx()[0] - WG
         warp = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
@@ -321,6 +325,10 @@ class DecodeSm90(PackedDecodeConfig):
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                           acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid)
+        if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
+            if split_idx == 0:
+                self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKsink, mVsink, batch, head_kv, n_sink,
+                              acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid)
         warpgroup.wait_group(0)
         self.fold(acc_o, acc_pv)
         self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane)
@@ -518,7 +526,8 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                  acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid):
-        """The ``n_res`` 16-bit tokens in 64-token sub-tiles, staged in the idle K / V rings."""
+        """The ``n_res`` 16-bit tokens of ``mKr`` / ``mVr`` (the residual block or the sink
+        tokens) in 64-token sub-tiles, staged in the idle K / V rings."""
         # K-major 128B-swizzled 16-bit tiles (the swizzle on the pointer, as for every sm90 tile)
         layout = sm90.make_operand_smem_layout(self.dtype, M_BLOCK, self.d)
         sK = cute.make_tensor(cute.recast_ptr(storage.sKp.data_ptr(), layout.inner, dtype=self.dtype), layout.outer)

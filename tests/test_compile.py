@@ -151,3 +151,31 @@ def test_sm90_decode_refuses_other_archs():
 
     with pytest.raises(ValueError, match="compiles for sm_90a only"):
         sm90.compile_decode("sm_80", KVFormat(4, "channel", 128), cutlass.Float16, 128, 8, True)
+
+
+def _count(ptx: str, instr: str) -> int:
+    return len(re.findall(re.escape(instr), ptx))
+
+
+@pytest.mark.parametrize("backend_name", ["sm80", "sm90"])
+def test_decode_with_sink_tokens_ptx(backend_name, tmp_path):
+    """A format with sink tokens compiles to a decode kernel with a second 16-bit sub-tile
+    loop (more cp.async loads than without) and no spills."""
+    from bitdecode import backend as backends
+
+    be = backends.get(backend_name)
+    ptx = {s: be.compile_decode("sm_90a", KVFormat(4, "channel", 128, sink_tokens=s), cutlass.Float16, 128, 8,
+                                True, keep_ptx=True).artifacts.PTX for s in (0, 16)}
+    assert _count(ptx[16], "cp.async.") > _count(ptx[0], "cp.async."), "no sink-token loads in the decode PTX"
+    report = _ptxas_report(ptx[16], "sm_90a", tmp_path)
+    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert "C7514" not in report
+
+
+@pytest.mark.parametrize("mode", ["prefill", "append"])
+def test_pack_with_sink_tokens_ptx(mode):
+    """The pack kernel of a format with sink tokens copies them 16-bit (more 16-byte global
+    stores than without)."""
+    ptx = {s: kernels.compile_pack("sm_90a", KVFormat(2, "token", 64, sink_tokens=s), cutlass.BFloat16, 64, mode,
+                                   keep_ptx=True).artifacts.PTX for s in (0, 5)}
+    assert _count(ptx[5], "st.global.v4") > _count(ptx[0], "st.global.v4"), "no sink-token copies in the pack PTX"

@@ -23,18 +23,20 @@ def test_shipped_backends_best_first():
     assert "sm90" in backends.shipped()
 
 
-@pytest.mark.parametrize("cap, bits, head_dim, expect", [
-    ((9, 0), 4, 128, "sm90"),  # Hopper: the TMA + wgmma kernel for 4-bit caches
-    ((9, 0), 4, 64, "sm90"),
-    ((9, 0), 4, 256, "sm80"),  # ... not for head dim 256 (never timed)
-    ((9, 0), 2, 128, "sm80"),  # ... nor for 2-bit, where it measured slower
-    ((8, 0), 4, 128, "sm80"),
-    ((8, 9), 2, 64, "sm80"),
-    ((10, 0), 4, 128, "sm80"),  # no sm100 kernels yet: sm80 code runs on Blackwell
+@pytest.mark.parametrize("cap, bits, head_dim, dtype, expect", [
+    ((9, 0), 4, 128, torch.float16, "sm90"),  # Hopper: the TMA + wgmma kernel for 4-bit fp16 caches
+    ((9, 0), 4, 64, torch.float16, "sm90"),
+    ((9, 0), 4, 128, torch.bfloat16, "sm80"),  # ... not bf16, where it measured slower
+    ((9, 0), 4, 128, None, "sm80"),  # ... nor an unknown dtype
+    ((9, 0), 4, 256, torch.float16, "sm80"),  # ... nor head dim 256 (never timed)
+    ((9, 0), 2, 128, torch.float16, "sm80"),  # ... nor 2-bit, where it measured slower
+    ((8, 0), 4, 128, torch.float16, "sm80"),
+    ((8, 9), 2, 64, torch.bfloat16, "sm80"),
+    ((10, 0), 4, 128, torch.float16, "sm80"),  # no sm100 kernels yet: sm80 code runs on Blackwell
 ])
-def test_auto_by_capability_and_format(capability, cap, bits, head_dim, expect):
+def test_auto_by_capability_format_and_dtype(capability, cap, bits, head_dim, dtype, expect):
     capability(cap)
-    assert dispatch.resolve("auto", CUDA0, fmt=bd.KVFormat(bits=bits), head_dim=head_dim) == expect
+    assert dispatch.resolve("auto", CUDA0, fmt=bd.KVFormat(bits=bits), head_dim=head_dim, dtype=dtype) == expect
 
 
 def test_auto_without_format_takes_the_first_usable(capability):

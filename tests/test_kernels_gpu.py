@@ -51,11 +51,11 @@ def _ids(c):
     return f"{bits}b-{mode}-g{g}-{str(dtype)[6:]}-d{d}-gq{gq}"
 
 
-def make_cache(fmt, lens, hkv, d, dtype, page_size=None, backend="reference", seed=0, shuffle=False):
+def make_cache(fmt, lens, hkv, d, dtype, page_size=None, backend="reference", seed=0, shuffle=False, room=300):
     gen = torch.Generator().manual_seed(seed)
     n = max(max(lens), 1)
     k, v = kv(gen, len(lens), n, hkv, d, dtype=dtype, device=DEV)
-    cache = bd.KVCache.allocate(len(lens), hkv, d, n + 300, fmt, dtype=dtype, device=DEV,
+    cache = bd.KVCache.allocate(len(lens), hkv, d, n + room, fmt, dtype=dtype, device=DEV,
                                 page_size=page_size, backend=backend)
     if shuffle:
         perm = torch.randperm(cache.block_table.numel(), generator=gen).to(torch.int32).to(DEV)
@@ -150,10 +150,16 @@ def test_backends_agree(cfg):
 
 
 def _valid_regions(cache):
-    """The parts of the cache that hold data (packed blocks in use, residual[:len % Nr])."""
-    nr = cache.fmt.residual_block
+    """The parts of the cache that hold data (sink tokens, packed blocks in use, the
+    residual tokens)."""
+    nr, sinks = cache.fmt.residual_block, cache.fmt.sink_tokens
+    t = cache.tensors()
     out = []
     for b, n in enumerate(cache.lengths):
+        s = min(n, sinks)
+        if s:
+            out += [t.sinks[0][b, :s], t.sinks[1][b, :s]]
+        n -= s
         nb = n // nr
         for blk in range(nb):
             kp, kq, vp, vq = cache_module._block_slices(cache.tensors(), b, blk)
@@ -226,10 +232,65 @@ def test_append_token_by_token_equals_prefill(cfg):
     _assert_same_cache(full, ref)
 
 
-def test_cuda_graph_replay_equals_eager(backend):
-    fmt = bd.KVFormat(bits=4)
+# (format with sink tokens, dtype, head dim, q heads per kv head): fewer sinks than a
+# block and not a multiple of 16, a 16-token multiple, more sinks than a block
+SINK_CONFIGS = [
+    (bd.KVFormat(bits=4, k_mode="channel", group_size=128, sink_tokens=16), torch.float16, 128, 4),
+    (bd.KVFormat(bits=2, k_mode="token", group_size=64, sink_tokens=5), torch.bfloat16, 64, 8),
+    (bd.KVFormat(bits=4, k_mode="channel", group_size=32, sink_tokens=200), torch.bfloat16, 128, 1),
+]
+
+
+def _sink_ids(c):
+    fmt, dtype, d, gq = c
+    return f"{fmt.bits}b-{fmt.k_mode}-g{fmt.group_size}-s{fmt.sink_tokens}-{str(dtype)[6:]}-d{d}-gq{gq}"
+
+
+def _sink_lengths(fmt):
+    s, nr = fmt.sink_tokens, fmt.residual_block
+    return [0, 3, s, s + 1, s + nr, s + 3 * nr + 7, 2 * nr + 5]
+
+
+@pytest.mark.parametrize("cfg", SINK_CONFIGS, ids=_sink_ids)
+def test_sink_tokens_prefill_and_append_equal_the_reference(cfg):
+    """The pack kernel keeps the first ``sink_tokens`` 16-bit and packs the rest from the
+    token after them, in prefill (ragged lengths below, at and past the sink count) and in
+    appends of one token and of several (crossing the sinks, completing blocks)."""
+    fmt, dtype, d, _ = cfg
+    lens = _sink_lengths(fmt)
+    chunks = (1, 2, fmt.sink_tokens + 3, fmt.residual_block + 5, 1)
+    kern, k, v = make_cache(fmt, lens, 2, d, dtype, backend="sm80", seed=13, room=sum(chunks))
+    ref, _, _ = make_cache(fmt, lens, 2, d, dtype, backend="reference", seed=13, room=sum(chunks))
+    _assert_same_cache(kern, ref)
+    gen = torch.Generator().manual_seed(14)
+    for chunk in chunks:
+        kn, vn = kv(gen, len(lens), chunk, 2, d, dtype=dtype, device=DEV)
+        kern.append(kn, vn)
+        ref.append(kn, vn)
+        _assert_same_cache(kern, ref)
+    assert kern.lengths == [n + sum(chunks) for n in lens]
+
+
+@pytest.mark.parametrize("cfg", SINK_CONFIGS, ids=_sink_ids)
+def test_sink_tokens_decode_matches_reference(cfg, backend):
+    """Decode attends to the 16-bit sink tokens (split 0) as well as the packed blocks and
+    the residual, on caches the reference packed and on caches the kernels packed."""
+    fmt, dtype, d, gq = cfg
+    lens = _sink_lengths(fmt)
+    q = torch.randn(len(lens), 1, 2 * gq, d, generator=torch.Generator().manual_seed(15)).to(dtype).to(DEV)
+    for writer in ("reference", "sm80"):
+        cache, _, _ = make_cache(fmt, lens, 2, d, dtype, backend=writer, seed=16)
+        for splits in (0, 1, 3):
+            check_decode(q, cache, backend, num_splits=splits)
+
+
+@pytest.mark.parametrize("sinks", [0, 6])
+def test_cuda_graph_replay_equals_eager(backend, sinks):
+    fmt = bd.KVFormat(bits=4, sink_tokens=sinks)
     nr = fmt.residual_block
-    lens = [4 * nr - 2, nr + 1]
+    # with sinks, the replayed appends of the first sequence cross from the sink tokens
+    # into the packed part, those of the second complete a block
+    lens = [4 * nr - 2, nr + 1] if not sinks else [sinks - 2, sinks + 4 * nr - 3]
     d, hkv, gq = 128, 2, 4
     eager, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend=backend, seed=21)
     graphed, _, _ = make_cache(fmt, lens, hkv, d, torch.float16, backend=backend, seed=21)
@@ -240,13 +301,13 @@ def test_cuda_graph_replay_equals_eager(backend):
     qs = torch.randn(steps, 2, 1, hkv * gq, d, generator=gen).half().to(DEV)
     k_in, v_in, q_in = ks[0].clone(), vs[0].clone(), qs[0].clone()
     # warm up (compile) outside the capture, then undo the warm-up append
-    snapshot = [t.clone() for t in (graphed.k_pack, graphed.k_params, graphed.v_pack, graphed.v_params,
-                                    graphed.k_res, graphed.v_res, graphed.seqlens)]
+    state = [graphed.k_pack, graphed.k_params, graphed.v_pack, graphed.v_params, graphed.k_res, graphed.v_res,
+             graphed.seqlens] + list(graphed.tensors().sinks or ())
+    snapshot = [t.clone() for t in state]
     lens_before = graphed.lengths
     graphed.append(k_in, v_in)
     graphed.decode(q_in, num_splits=3)
-    for t, s in zip((graphed.k_pack, graphed.k_params, graphed.v_pack, graphed.v_params,
-                     graphed.k_res, graphed.v_res, graphed.seqlens), snapshot):
+    for t, s in zip(state, snapshot):
         t.copy_(s)
     graphed._host_lens = lens_before
     torch.cuda.synchronize()
@@ -263,6 +324,8 @@ def test_cuda_graph_replay_equals_eager(backend):
         torch.cuda.synchronize()
         assert torch.equal(out_g, out_e), f"step {i}"
     assert torch.equal(graphed.seqlens, eager.seqlens)
+    graphed._host_lens = eager.lengths
+    _assert_same_cache(graphed, eager)
 
 
 @pytest.mark.parametrize("tool_name", ["memcheck", "racecheck"])
