@@ -698,7 +698,9 @@ def add_parser(subparsers, name: str, help_text: str):
     for view, text in VIEWS.items():
         p = views.add_parser(view, help=text, description=text)
         p.add_argument("--arch", choices=ARCHS, default="sm80", help="instruction configuration (default sm80)")
-        p.add_argument("--bits", type=int, choices=(4, 2), default=4, help="code width (default 4)")
+        p.add_argument("--bits", type=int, choices=(4, 2), default=4,
+                       help="code width of the operand (default 4); a K4V2 cache packs K as --operand k "
+                            "--bits 4 and V as --operand v --bits 2 (its 256-token V tile is 2-bit V's own)")
         p.add_argument("--operand", choices=OPERANDS, default="k", help="q, k, p or v (default k)")
         p.add_argument("--k-mode", choices=("channel", "token"), default="channel",
                        help="K params per channel or per token (default channel)")

@@ -52,7 +52,7 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
         return "reference"
     if fmt is not None and not fmt.kernel_ready:
         raise ValueError(
-            f"fmt={fmt} (mixed K/V widths) runs on the torch reference backend only "
+            f"fmt={fmt} (V wider than K) runs on the torch reference backend only "
             "so far: pass backend='reference'"
         )
     if backend == "auto":

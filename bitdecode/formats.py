@@ -43,8 +43,8 @@ class KVFormat:
     scale and zero stored as a 16-bit pair in the model dtype.  The newest
     ``(len - sinks) % residual_block`` tokens stay in 16 bits.
 
-    Mixed widths run on the torch reference backend so far; the kernel backends take
-    ``v_bits == bits`` (``KVFormat.kernel_ready``).
+    The kernel backends take one width or K4V2 (``KVFormat.kernel_ready``); K2V4 runs on
+    the torch reference backend only.
     """
 
     bits: int = 4
@@ -76,8 +76,10 @@ class KVFormat:
 
     @property
     def kernel_ready(self) -> bool:
-        """Whether the kernel backends take this format (one width for K and V)."""
-        return self.v_bits == self.bits
+        """Whether the kernel backends take this format: V's packed tile is the whole
+        residual block (one width, or V narrower than K: K4V2).  K2V4 is not: its 4-bit V
+        tiles are half a block, which no kernel splits."""
+        return self.v_tile == self.residual_block
 
     # ---- derived quantities -----------------------------------------------------------
     @property

@@ -33,7 +33,7 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 
     f16, i32, f32 = cutlass.Float16, cutlass.Int32, cutlass.Float32
     wk = sm80.words_per_row(fmt.bits, head_dim)
-    wv = sm80.words_per_row(fmt.bits, fmt.residual_block)
+    wv = sm80.words_per_row(fmt.v_bits, fmt.residual_block)
     nr, d, g = fmt.residual_block, head_dim, fmt.group_size
     ks_last = d if fmt.k_mode == "channel" else d // g
     args = [
@@ -80,7 +80,7 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
 
     i32 = cutlass.Int32
     wk = sm80.words_per_row(fmt.bits, head_dim)
-    wv = sm80.words_per_row(fmt.bits, fmt.residual_block)
+    wv = sm80.words_per_row(fmt.v_bits, fmt.residual_block)
     nr, d, g = fmt.residual_block, head_dim, fmt.group_size
     ks_last = d if fmt.k_mode == "channel" else d // g
     return [
@@ -108,13 +108,13 @@ def compile_pack(arch: str, fmt: KVFormat, dtype, head_dim: int, mode: str, keep
     from .pack import PackSm80
 
     kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode, pdl=jit.has_pdl(arch),
-                      sinks=fmt.sink_tokens)
+                      sinks=fmt.sink_tokens, v_bits=fmt.v_bits)
     return cute.compile(kernel, *pack_args(fmt, dtype, head_dim), _stream(),
                         options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
 
 def _fmt_key(fmt: KVFormat) -> Tuple:
-    return (fmt.bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens)
+    return (fmt.bits, fmt.v_bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens)
 
 
 def sink_tensors(cache: CacheTensors) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +144,7 @@ def decode_registers(fmt: KVFormat, head_dim: int, nh: int) -> int:
     211-255)."""
     if head_dim > 128 or nh > 8:
         return 255
-    return 128 if fmt.bits == 4 else 168
+    return 128 if fmt.bits == fmt.v_bits == 4 else 168
 
 
 def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int) -> int:
@@ -268,7 +268,7 @@ class Sm80Backend:
         per_sm = ctas_per_sm(fmt, head_dim, nh)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
                           min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits)
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
                        keep_ptx: bool = False):

@@ -63,12 +63,15 @@ class PackedDecodeConfig:
     sm80 and sm90 decode kernels both start from it."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
-                 head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0):
+                 head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0,
+                 v_bits: int = 0):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
         self.is_bf16 = dtype is cutlass.BFloat16
+        # K's and V's code widths (KVFormat.bits / v_bits)
         self.bits = bits
+        self.v_bits = v_bits or bits
         self.k_channel = k_mode == "channel"
         self.group = group_size
         self.d = head_dim
@@ -81,10 +84,14 @@ class PackedDecodeConfig:
         # 16-bit sink tokens ahead of the packed blocks (KVFormat.sink_tokens): positions of
         # packed tiles count from the token after them
         self.sinks = sinks
-        self.nr = sm80.residual_block(bits)  # tokens of one packed tile
-        self.kpw = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed word
+        # tokens of one packed tile: the wider tile of the two widths (K4V2: 2-bit V's 256);
+        # V's own tile must be the whole tile (KVFormat.kernel_ready)
+        self.nr = max(sm80.residual_block(bits), sm80.residual_block(self.v_bits))
+        assert sm80.residual_block(self.v_bits) == self.nr, "V's tile must be the packed tile"
+        self.kpw_k = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed K word
+        self.kpw_v = sm80.k_blocks_per_word(self.v_bits)  # ... per packed V word
         self.wk = sm80.words_per_row(bits, head_dim)  # words of a packed K row (a token)
-        self.wv = sm80.words_per_row(bits, self.nr)  # words of a packed V row (a channel)
+        self.wv = sm80.words_per_row(self.v_bits, self.nr)  # words of a packed V row (a channel)
         self.groups_v = head_dim // group_size
         # one tile's packed words and (scale, zero) words
         self.bytes_kp = self.nr * self.wk * 4
@@ -117,10 +124,11 @@ class DecodeSm80(PackedDecodeConfig):
         min_blocks_per_sm: int = 0,
         pdl: bool = False,
         sinks: int = 0,
+        v_bits: int = 0,
     ):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks)
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
-        self.t = sm80.tokens_per_warp(bits)  # tokens per warp per tile
+        self.t = self.nr // NUM_WARPS  # tokens per warp per tile: its chunk of the V rows
         # shared memory per stage (bytes)
         self.stage_bytes = _round_up(self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs), 128)
         self.num_stages = num_stages or (3 if head_dim <= 128 else 2)
@@ -186,7 +194,7 @@ class DecodeSm80(PackedDecodeConfig):
 
         mma = sm80.make_mma(self.dtype)
         thr_mma = mma.get_slice(lane)
-        dq = WordDequant(self.bits, self.is_bf16)
+        dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16)
 
         # ---- Q: global -> smem (rows >= gq zero) -> B fragments --------------------
         self.load_q(mQ, sQ, batch, head_kv, gq, tid)
@@ -223,9 +231,9 @@ class DecodeSm80(PackedDecodeConfig):
             stage = union + (it % self.num_stages) * self.stage_bytes
             # V's words are fetched first so their smem latency hides under Q.K^T and softmax
             v_words = self.load_v_words(stage, warp_idx, lane)
-            acc_s = self.scores_packed(mma, thr_mma, dq, tQrQ, stage, warp_idx, lane)
+            acc_s = self.scores_packed(mma, thr_mma, dq_k, tQrQ, stage, warp_idx, lane)
             self.online_softmax(acc_s, acc_o, row_max, row_sum, softmax_scale_log2, None, 0)
-            self.pv_packed(mma, thr_mma, dq, acc_s, acc_o, stage, v_words, warp_idx, lane)
+            self.pv_packed(mma, thr_mma, dq_v, acc_s, acc_o, stage, v_words, warp_idx, lane)
 
         # ---- the 16-bit residual block ---------------------------------------------
         cute.arch.cp_async_wait_group(0)
@@ -353,7 +361,7 @@ class DecodeSm80(PackedDecodeConfig):
         mt_count = self.t // 16
         tok0 = warp_idx * self.t
         for kt in cutlass.range_constexpr(self.d // 16):
-            chunk, ktl = kt // self.kpw, kt % self.kpw
+            chunk, ktl = kt // self.kpw_k, kt % self.kpw_k
             frag_a = cute.make_rmem_tensor(thr_mma.partition_shape_A((self.t, 16)), self.dtype)
             frag_a32 = cute.recast_tensor(frag_a, Uint32)
             params = self.k_param_pairs(ks, tok0, kt, lane)
@@ -429,11 +437,11 @@ class DecodeSm80(PackedDecodeConfig):
         _, _, _, vs = self.stage_tensors(stage)
         frag_p = self.p_fragments(thr_mma, acc_s, self.t)
         c = lane % 4
-        for kt in cutlass.range_constexpr(self.kpw):
+        for kt in cutlass.range_constexpr(self.kpw_v):
             # (scale, zero) of the lane's four tokens of this k-block, per channel group
             pairs = []
             for gi in cutlass.range_constexpr(self.groups_v):
-                row = vs[warp_idx * self.kpw + kt, gi, None]
+                row = vs[warp_idx * self.kpw_v + kt, gi, None]
                 p0, p1 = Uint32(row[4 * c]), Uint32(row[4 * c + 1])
                 p2, p3 = Uint32(row[4 * c + 2]), Uint32(row[4 * c + 3])
                 pairs.append((split_params(p0, p1), split_params(p2, p3)))

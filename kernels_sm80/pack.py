@@ -71,32 +71,46 @@ NUM_THREADS = resources.WARP * NUM_WARPS
 CHUNK = sm80.CHUNK_BYTES // 2  # 16-bit elements per 16-byte chunk
 
 
+class Width:
+    """The constants of one code width (K's or V's): codes per word, the largest code,
+    the field shifts and the biased start of a word."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+        self.qmax = packing.qmax(bits)
+        self.inv_qmax = packing.inv_qmax(bits)
+        self.kpw = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed word
+        # every code arrives biased by ROUND_MAGIC_BITS: a word starts at minus the sum of
+        # the biases at its fields' shifts, so summing the shifted codes leaves the word
+        cpw = packing.codes_per_word(bits)
+        bias = sum(ROUND_MAGIC_BITS << packing.shift_of_element(bits, e) for e in range(cpw))
+        self.word_start = -bias % (1 << 32)
+
+    def shift(self, element: int) -> int:
+        return packing.shift_of_element(self.bits, element)
+
+
 class PackSm80:
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
-                 head_dim: int, mode: str, pdl: bool = False, sinks: int = 0):
+                 head_dim: int, mode: str, pdl: bool = False, sinks: int = 0, v_bits: int = 0):
         assert mode in ("prefill", "append")
         self.dtype = dtype
         self.sinks = sinks  # 16-bit sink tokens ahead of the packed blocks
         self.pdl = pdl  # programmatic dependent launch (sm_90+), as the decode kernels
         self.is_bf16 = dtype is cutlass.BFloat16
         self.nan16 = packing.nan16(self.is_bf16)
-        self.bits = bits
-        self.qmax = packing.qmax(bits)
-        self.inv_qmax = packing.inv_qmax(bits)
+        # K's and V's widths (K4V2: V narrower); the block is the wider tile of the two,
+        # and V's own tile must be that block (a narrower V is a longer tile)
+        self.kw, self.vw = Width(bits), Width(v_bits or bits)
         self.k_channel = k_mode == "channel"
         self.group = group_size
         self.d = head_dim
         self.mode = mode
-        self.nr = sm80.residual_block(bits)
-        self.t = sm80.tokens_per_warp(bits)
-        self.kpw = sm80.k_blocks_per_word(bits)
+        self.nr = max(sm80.residual_block(bits), sm80.residual_block(self.vw.bits))
+        assert sm80.residual_block(self.vw.bits) == self.nr, "V's tile must be the block (K2V4 is not a kernel format)"
+        self.t = self.nr // NUM_WARPS  # tokens of one warp: its chunk of the V rows
         self.wk = sm80.words_per_row(bits, head_dim)
         self.seg = min(group_size, self.t)  # K per channel: one warp's share of a group
-        # every code arrives biased by ROUND_MAGIC_BITS: a word starts at minus the sum of
-        # the biases at its fields' shifts, so summing the shifted codes leaves the word
-        cpw = packing.codes_per_word(bits)
-        bias = sum(ROUND_MAGIC_BITS << packing.shift_of_element(bits, e) for e in range(cpw))
-        self.word_start = -bias % (1 << 32)
         self.tile_bytes = self.nr * head_dim * 2
         self.red_bytes = (self.nr // self.seg) * head_dim * 2 * 4 if self.k_channel else 0
         # K per channel: each group's (zero, 1/scale) per column, in fragment order
@@ -287,13 +301,13 @@ class PackSm80:
     # Quantization helpers
     # ---------------------------------------------------------------------------------
     @cute.jit
-    def params(self, mn: Float32, mx: Float32):
+    def params(self, mn: Float32, mx: Float32, width: cutlass.Constexpr):
         """(scale, zero) word, zero (fp32) and 1/scale (0 for a constant group), as the
         reference computes them (the scale rounds toward zero so that zero + qmax*scale
         never passes the group's max).  A range that is not finite (NaN or an infinity
         in the group) gives the 16-bit NaN for both, 1/scale 0 and so code 0."""
         spread = mx - mn
-        s_bits = ptx.f32_to_half_bits(spread * Float32(self.inv_qmax), self.is_bf16, True)
+        s_bits = ptx.f32_to_half_bits(spread * Float32(width.inv_qmax), self.is_bf16, True)
         z_bits = ptx.f32_to_half_bits(mn, self.is_bf16)
         if not (spread < Float32.inf):  # false for NaN too
             s_bits = Uint32(self.nan16)
@@ -306,12 +320,12 @@ class PackSm80:
         return word, ptx.half_to_f32(z_bits, self.is_bf16), inv
 
     @cute.jit
-    def code(self, x: Float32, zero: Float32, inv: Float32) -> Uint32:
+    def code(self, x: Float32, zero: Float32, inv: Float32, width: cutlass.Constexpr) -> Uint32:
         """rint((x - zero) * inv) clamped to [0, qmax], plus ROUND_MAGIC_BITS (see
         ``word_start``).  x >= zero, so only the top clamp does work; the bottom one, which
         drops NaN, makes a non-finite group's codes 0."""
         r = ptx.add_rn((x - zero) * inv, Float32(ROUND_MAGIC))
-        r = cute.arch.fmin(cute.arch.fmax(r, Float32(ROUND_MAGIC)), Float32(ROUND_MAGIC + self.qmax))
+        r = cute.arch.fmin(cute.arch.fmax(r, Float32(ROUND_MAGIC)), Float32(ROUND_MAGIC + width.qmax))
         return ptx.f32_bits(r)
 
     def low(self, x2) -> Float32:
@@ -384,7 +398,7 @@ class PackSm80:
                                     mx2 = ptx.max_x2(mx2, x2, self.is_bf16)
                         mn2, mx2 = self.pair_reduce(mn2, mx2, (1, 2))  # the 4 lanes of a quad share a row
                         word, zero, inv = self.params(_min(self.low(mn2), self.high(mn2)),
-                                                      _max(self.low(mx2), self.high(mx2)))
+                                                      _max(self.low(mx2), self.high(mx2)), self.kw)
                         for kk in cutlass.range_constexpr(gk):
                             for v in cutlass.range_constexpr(4):
                                 zinv[(h, gi * gk + kk, v)] = (zero, inv)
@@ -393,14 +407,13 @@ class PackSm80:
             # quantize and pack: word 4*chunk + c of rows g and g+8
             for h in cutlass.range_constexpr(2):
                 for chunk in cutlass.range_constexpr(self.wk // 4):
-                    word = Uint32(self.word_start)
-                    for kl in cutlass.range_constexpr(self.kpw):
-                        kt = chunk * self.kpw + kl
+                    word = Uint32(self.kw.word_start)
+                    for kl in cutlass.range_constexpr(self.kw.kpw):
+                        kt = chunk * self.kw.kpw + kl
                         for v in cutlass.range_constexpr(4):
                             x = Float32(frag[(v % 2, h, v // 2), 0, kt])
                             zero, inv = zinv[(h, kt, v)]
-                            shift = packing.shift_of_element(self.bits, 4 * kl + v)
-                            word = word + (self.code(x, zero, inv) << shift)
+                            word = word + (self.code(x, zero, inv, self.kw) << self.kw.shift(4 * kl + v))
                     mKp[page, head, off + row0 + 16 * mt + 8 * h + g, 4 * chunk + c] = Int32(word)
 
     @cute.jit
@@ -458,7 +471,7 @@ class PackSm80:
             for sg in cutlass.range_constexpr(1, segs):
                 mn = _min(mn, s_red[(2 * (grp * segs + sg)) * self.d + col])
                 mx = _max(mx, s_red[(2 * (grp * segs + sg) + 1) * self.d + col])
-            word, zero, inv = self.params(mn, mx)
+            word, zero, inv = self.params(mn, mx, self.kw)
             mKs[page, head, off // self.group + grp, pos] = Int32(word)
             s_zi[0, pos, grp] = zero
             s_zi[1, pos, grp] = inv
@@ -474,12 +487,12 @@ class PackSm80:
         gm = self.group // 16  # channel m-tiles per group
         # the lane's words: rows g and g+8 of every channel m-tile, word c of the warp's chunk
         words = cute.make_rmem_tensor((2, gm, self.d // self.group), Uint32)
-        words.fill(self.word_start)
+        words.fill(self.vw.word_start)
         # a runtime loop over the word's k-blocks (small code, see pack_k): the fields of
         # k-block kt sit 2 * bits * kt above those of k-block 0
-        for kt in cutlass.range(self.kpw, unroll=1):
+        for kt in cutlass.range(self.vw.kpw, unroll=1):
             # V^T (all D channels x one 16-token k-block), loaded exactly as decode loads it
-            view = cute.local_tile(s_vt, (self.d, 16), (0, warp_idx * self.kpw + kt))
+            view = cute.local_tile(s_vt, (self.d, 16), (0, warp_idx * self.vw.kpw + kt))
             frag = self.fragments(view, lane, True)  # ((2,2,2), D/16, 1)
             frag32 = cute.recast_tensor(frag, Uint32)
             for gi in cutlass.range_constexpr(self.d // self.group):
@@ -496,8 +509,8 @@ class PackSm80:
                                 mn2 = ptx.min_x2(mn2, x2, self.is_bf16)
                                 mx2 = ptx.max_x2(mx2, x2, self.is_bf16)
                     mn2, mx2 = self.pair_reduce(mn2, mx2, (4, 8, 16))
-                    prm[2 * p] = self.params(self.low(mn2), self.low(mx2))
-                    prm[2 * p + 1] = self.params(self.high(mn2), self.high(mx2))
+                    prm[2 * p] = self.params(self.low(mn2), self.low(mx2), self.vw)
+                    prm[2 * p + 1] = self.params(self.high(mn2), self.high(mx2), self.vw)
                 if g == 0:
                     tile16 = (off + warp_idx * self.t) // 16 + kt
                     for v in cutlass.range_constexpr(4):
@@ -508,8 +521,8 @@ class PackSm80:
                         for v in cutlass.range_constexpr(4):
                             _, zero, inv = prm[v]
                             x = Float32(frag[(v % 2, h, v // 2), gi * gm + mm, 0])
-                            part = part + (self.code(x, zero, inv) << packing.shift_of_element(self.bits, v))
-                        words[h, mm, gi] = words[h, mm, gi] + (part << (2 * self.bits * kt))
+                            part = part + (self.code(x, zero, inv, self.vw) << self.vw.shift(v))
+                        words[h, mm, gi] = words[h, mm, gi] + (part << (2 * self.vw.bits * kt))
         for gi in cutlass.range_constexpr(self.d // self.group):
             for mm in cutlass.range_constexpr(gm):
                 for h in cutlass.range_constexpr(2):

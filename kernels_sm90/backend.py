@@ -34,7 +34,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         unknown dtype.  2-bit stays on sm80, where this kernel is 10-20 % slower (its loop
         is bound by per-token latency, not bytes), and so does head dim 256, never timed
         here (profiles/NOTES.md)."""
-        return fmt.bits == 4 and head_dim <= 128 and dtype == torch.float16
+        return fmt.bits == fmt.v_bits == 4 and head_dim <= 128 and dtype == torch.float16
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm
@@ -47,7 +47,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits)
 
 
 BACKEND = Sm90Backend()

@@ -89,12 +89,12 @@ class DecodeSm90(PackedDecodeConfig):
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
-                 ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks)
+                 ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0):
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
         # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
-        self.step = step or (128 if bits == 4 and head_dim <= 128 and heads_tile == 8 else 64)
+        self.step = step or (128 if bits == self.v_bits == 4 and head_dim <= 128 and heads_tile == 8 else 64)
         self.steps = self.nr // self.step
         self.m_k = self.step // M_BLOCK  # M-blocks of S^T per step
         self.m_v = head_dim // M_BLOCK if head_dim >= M_BLOCK else 1  # M-blocks of O^T
@@ -286,7 +286,7 @@ class DecodeSm90(PackedDecodeConfig):
         row_sum = cute.make_rmem_tensor((ncols,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        dq = WordDequant(self.bits, self.is_bf16)
+        dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -296,7 +296,7 @@ class DecodeSm90(PackedDecodeConfig):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         if tile_begin < packed_end:
             ring.consumer_wait(state)
-            self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0, dq, warp, lane)
+            self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0, dq_k, warp, lane)
         for tile in cutlass.range(tile_begin, packed_end, unroll=1):
             kp = sKp[None, None, state.index]
             vp = sVp[None, None, state.index]
@@ -307,20 +307,20 @@ class DecodeSm90(PackedDecodeConfig):
                 warpgroup.wait_group(0)
                 self.fold(acc_o, acc_pv)
                 acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
-                v_frag = self.v_fragments(thr_o, vp, vs, st, dq, warp, lane)
+                v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
                 self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, 0)
                 self.store_p(acc_s, sP, warp, lane)
                 self.pv(v_frag, tOrP, acc_pv)
                 if const_expr(st + 1 < self.steps):
-                    self.k_fragments(k_frag, kp, ks, st + 1, dq, warp, lane)
+                    self.k_fragments(k_frag, kp, ks, st + 1, dq_k, warp, lane)
                 else:
                     ring.consumer_release(state)  # this stage's words are all in registers
                     state.advance()
                     if tile + 1 < packed_end:
                         ring.consumer_wait(state)
                         self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0,
-                                         dq, warp, lane)
+                                         dq_k, warp, lane)
 
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
@@ -383,7 +383,7 @@ class DecodeSm90(PackedDecodeConfig):
         words = [self.slab_words(kp, base + warp * SLAB, 0, self.wk // sm80.CHUNK_WORDS, lane) for base in bases]
         shared = {}
         for kt in cutlass.range_constexpr(self.d // K_BLOCK):
-            j, kb = kt // self.kpw, kt % self.kpw
+            j, kb = kt // self.kpw_k, kt % self.kpw_k
             for mb in cutlass.range_constexpr(self.m_k):
                 params = self.k_params(ks, bases[mb] + warp * SLAB, kt, lane, shared, bases[mb])
                 for h in cutlass.range_constexpr(2):
@@ -399,7 +399,7 @@ class DecodeSm90(PackedDecodeConfig):
         frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, self.step)), self.dtype)
         frag32 = cute.recast_tensor(frag, Uint32)
         kt0 = st * (self.step // K_BLOCK)
-        per_step = self.step // sm80.chunk_columns(self.bits)  # chunks of a V row per step
+        per_step = self.step // sm80.chunk_columns(self.v_bits)  # chunks of a V row per step
         chans = [mb * M_BLOCK + warp * SLAB for mb in range(self.m_v)]
         words = [self.slab_words(vp, ch0, st * per_step, per_step, lane) for ch0 in chans]
         # channel groups of at least 64 make the group static: M-blocks in one group share
@@ -408,7 +408,7 @@ class DecodeSm90(PackedDecodeConfig):
         shared = {}
         for k in cutlass.range_constexpr(self.step // K_BLOCK):
             kt = kt0 + k  # k-block of tokens in the tile
-            j, kb = kt // self.kpw, kt % self.kpw
+            j, kb = kt // self.kpw_v, kt % self.kpw_v
             for mb in cutlass.range_constexpr(self.m_v):
                 gi = (mb * M_BLOCK) // self.group if const_expr(static_gi) else chans[mb] // self.group
                 key = (kt, gi)

@@ -179,3 +179,26 @@ def test_pack_with_sink_tokens_ptx(mode):
     ptx = {s: kernels.compile_pack("sm_90a", KVFormat(2, "token", 64, sink_tokens=s), cutlass.BFloat16, 64, mode,
                                    keep_ptx=True).artifacts.PTX for s in (0, 5)}
     assert _count(ptx[5], "st.global.v4") > _count(ptx[0], "st.global.v4"), "no sink-token copies in the pack PTX"
+
+
+@pytest.mark.parametrize("backend_name", ["sm80", "sm90"])
+def test_decode_k4v2_ptx(backend_name, tmp_path):
+    """K 4-bit / V 2-bit: one kernel dequantizes with both widths' lop3 masks (the 4-bit
+    pair mask 0x000F000F for K, the 2-bit 0x00030003 for V) and does not spill."""
+    from bitdecode import backend as backends
+
+    fn = backends.get(backend_name).compile_decode("sm_90a", KVFormat(4, "channel", 128, v_bits=2),
+                                                   cutlass.Float16, 128, 8, True, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    assert "mov.b32 m, 983055;" in ptx and "mov.b32 m, 196611;" in ptx, "a width's lop3 mask is missing"
+    report = _ptxas_report(ptx, "sm_90a", tmp_path)
+    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert "C7514" not in report
+
+
+@pytest.mark.parametrize("mode", ["prefill", "append"])
+def test_pack_k4v2_ptx(mode, tmp_path):
+    """The pack kernel of K 4-bit / V 2-bit (64 tokens of 4-bit K per warp) does not spill."""
+    fn = kernels.compile_pack("sm_90a", KVFormat(4, "channel", 64, v_bits=2), cutlass.Float16, 128, mode,
+                              keep_ptx=True)
+    assert _spills(fn.artifacts.PTX, "sm_90a", tmp_path) == 0

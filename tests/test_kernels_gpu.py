@@ -232,18 +232,23 @@ def test_append_token_by_token_equals_prefill(cfg):
     _assert_same_cache(full, ref)
 
 
-# (format with sink tokens, dtype, head dim, q heads per kv head): fewer sinks than a
-# block and not a multiple of 16, a 16-token multiple, more sinks than a block
+# (format, dtype, head dim, q heads per kv head) of the formats beyond one width without
+# sinks: sink tokens (fewer than a block and not a multiple of 16, a 16-token multiple,
+# more than a block) and K 4-bit / V 2-bit (256-token tiles; with sinks; head dim 256)
 SINK_CONFIGS = [
     (bd.KVFormat(bits=4, k_mode="channel", group_size=128, sink_tokens=16), torch.float16, 128, 4),
     (bd.KVFormat(bits=2, k_mode="token", group_size=64, sink_tokens=5), torch.bfloat16, 64, 8),
     (bd.KVFormat(bits=4, k_mode="channel", group_size=32, sink_tokens=200), torch.bfloat16, 128, 1),
+    (bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=64), torch.float16, 128, 4),
+    (bd.KVFormat(bits=4, v_bits=2, k_mode="token", group_size=32, sink_tokens=16), torch.bfloat16, 64, 8),
+    (bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=128), torch.float16, 256, 2),
 ]
 
 
 def _sink_ids(c):
     fmt, dtype, d, gq = c
-    return f"{fmt.bits}b-{fmt.k_mode}-g{fmt.group_size}-s{fmt.sink_tokens}-{str(dtype)[6:]}-d{d}-gq{gq}"
+    return (f"k{fmt.bits}v{fmt.v_bits}-{fmt.k_mode}-g{fmt.group_size}-s{fmt.sink_tokens}-{str(dtype)[6:]}"
+            f"-d{d}-gq{gq}")
 
 
 def _sink_lengths(fmt):
@@ -252,10 +257,11 @@ def _sink_lengths(fmt):
 
 
 @pytest.mark.parametrize("cfg", SINK_CONFIGS, ids=_sink_ids)
-def test_sink_tokens_prefill_and_append_equal_the_reference(cfg):
+def test_sinks_and_k4v2_prefill_and_append_equal_the_reference(cfg):
     """The pack kernel keeps the first ``sink_tokens`` 16-bit and packs the rest from the
-    token after them, in prefill (ragged lengths below, at and past the sink count) and in
-    appends of one token and of several (crossing the sinks, completing blocks)."""
+    token after them, and packs K and V at their own widths, bit for bit as the reference:
+    in prefill (ragged lengths below, at and past the sink count) and in appends of one
+    token and of several (crossing the sinks, completing blocks)."""
     fmt, dtype, d, _ = cfg
     lens = _sink_lengths(fmt)
     chunks = (1, 2, fmt.sink_tokens + 3, fmt.residual_block + 5, 1)
@@ -272,9 +278,10 @@ def test_sink_tokens_prefill_and_append_equal_the_reference(cfg):
 
 
 @pytest.mark.parametrize("cfg", SINK_CONFIGS, ids=_sink_ids)
-def test_sink_tokens_decode_matches_reference(cfg, backend):
+def test_sinks_and_k4v2_decode_matches_reference(cfg, backend):
     """Decode attends to the 16-bit sink tokens (split 0) as well as the packed blocks and
-    the residual, on caches the reference packed and on caches the kernels packed."""
+    the residual, and dequantizes K and V at their own widths, on caches the reference
+    packed and on caches the kernels packed."""
     fmt, dtype, d, gq = cfg
     lens = _sink_lengths(fmt)
     q = torch.randn(len(lens), 1, 2 * gq, d, generator=torch.Generator().manual_seed(15)).to(dtype).to(DEV)
