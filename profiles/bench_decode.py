@@ -23,6 +23,12 @@ import bitdecode as bd
 
 SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
 MAX_TOKENS = 2 ** 21  # B * N cap: keeps the 16-bit SDPA cache of the sweep under ~10 GB
+# the formats timed (K per channel g128), by the key of their result columns (bd<key>_us):
+# 4-bit and 2-bit in every sweep, K 4-bit / V 2-bit in the quick one
+FORMATS = {"4": bd.KVFormat(bits=4, k_mode="channel", group_size=128),
+           "2": bd.KVFormat(bits=2, k_mode="channel", group_size=128),
+           "4v2": bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=128)}
+LABELS = {"4": "4-bit", "2": "2-bit", "4v2": "K4V2"}
 
 
 class Timer:
@@ -99,7 +105,7 @@ def build(fmt, b, hkv, d, n, device, gen):
     return cache, k, v
 
 
-def bench_shape(timer, shape, seqlens, bits_list, device, progress=None, task=None) -> List[dict]:
+def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -> List[dict]:
     b, hq, hkv, d = shape
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -117,8 +123,8 @@ def bench_shape(timer, shape, seqlens, bits_list, device, progress=None, task=No
         row = {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "sdpa_us": t_sdpa,
                "sdpa_eager_us": timer(sdpa), "sdpa_bw": sdpa_bytes / (t_sdpa * 1e-6)}
         del k16, v16
-        for bits in bits_list:
-            fmt = bd.KVFormat(bits=bits, k_mode="channel", group_size=128)
+        for bits in keys:
+            fmt = FORMATS[bits]
             cache, k, v = build(fmt, b, hkv, d, n, device, gen)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -206,11 +212,11 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         rows = [r for r in result["rows"] if (r["B"], r["Hq"], r["Hkv"], r["D"]) == shape]
         ns = [r["N"] for r in rows]
         ax.plot(ns, [r["sdpa_us"] for r in rows], "k-o", label="SDPA fp16", ms=3)
-        for bits, color in ((4, "b"), (2, "r")):
+        for bits, color in (("4", "b"), ("2", "r"), ("4v2", "g")):
             for name, style in zip(result.get("backends", []), ("-s", "--^", ":o")):
                 if f"bd{bits}_{name}_us" in rows[0]:
                     ax.plot(ns, [r[f"bd{bits}_{name}_us"] for r in rows], color + style,
-                            label=f"bitdecode {bits}-bit {name}", ms=3)
+                            label=f"bitdecode {LABELS[bits]} {name}", ms=3)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title("B=%d Hq/Hkv=%d/%d D=%d" % shape, fontsize=9)
@@ -236,14 +242,15 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
     if progress is not None:
         task = progress.add_task("decode sweep", total=len(shapes) * len(seqlens))
     rows = []
+    keys = ("4", "2", "4v2") if quick else ("4", "2")
     for shape in shapes:
-        rows += bench_shape(timer, shape, seqlens, (4, 2), device, progress, task)
+        rows += bench_shape(timer, shape, seqlens, keys, device, progress, task)
     # the roofline is the best read bandwidth seen in this run: a torch copy / sum, or SDPA
     # itself (cuDNN streams the 16-bit cache faster than torch's reductions)
     best = max([best] + [r["sdpa_bw"] for r in rows])
     roofline["best_bytes_per_s"] = best
     for r in rows:
-        for bits in (4, 2):
+        for bits in keys:
             r[f"bd{bits}_roofline"] = r[f"bd{bits}_bw"] / best
             for name in kernel_backends(device):
                 r[f"bd{bits}_{name}_roofline"] = r[f"bd{bits}_{name}_bw"] / best
@@ -262,7 +269,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "roofline": roofline,
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
                "L2 flushed before each call; *_eager_us: the same with plain eager calls"),
-        "format": "K per channel g128, V per token g128, fp16",
+        "format": "K per channel g128, V per token g128, fp16; bd4 / bd2: one width, bd4v2: K 4-bit / V 2-bit",
         "rows": rows,
         "small_graph": bench_graph_small(timer, device),
     }
@@ -284,10 +291,10 @@ def print_summary(res: dict) -> None:
     if names:
         r0 = res["rows"][0]
         print("per backend (us, fraction of the roofline); auto:",
-              ", ".join(f"{bits}-bit {r0.get(f'bd{bits}_auto')}" for bits in (4, 2)))
+              ", ".join(f"{LABELS[bits]} {r0.get(f'bd{bits}_auto')}" for bits in FORMATS if f"bd{bits}_auto" in r0))
         for r in res["rows"]:
-            cells = [f"{bits}b {n}: {r[f'bd{bits}_{n}_us']:7.1f} ({r[f'bd{bits}_{n}_roofline']:.2f})"
-                     for bits in (4, 2) for n in names if f"bd{bits}_{n}_us" in r]
+            cells = [f"{LABELS[bits]} {n}: {r[f'bd{bits}_{n}_us']:7.1f} ({r[f'bd{bits}_{n}_roofline']:.2f})"
+                     for bits in FORMATS for n in names if f"bd{bits}_{n}_us" in r]
             print(f"{r['B']:3d} {r['N']:7d}  " + "  ".join(cells))
     print("small/graph:", {k: round(v, 1) for k, v in res["small_graph"].items()})
 

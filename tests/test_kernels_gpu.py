@@ -424,3 +424,41 @@ def test_truncate_then_append_equals_the_reference(backend):
         c.append(k[:, 3 * nr:3 * nr + 70], v[:, 3 * nr:3 * nr + 70])
         caches.append(c)
     _assert_same_cache(*caches)
+
+
+REAL_KV = os.path.join(os.path.dirname(__file__), "data", "smollm2_kv.pt")
+
+
+def _real_kv(layer):
+    """A real model's post-RoPE Q [4, Hq, D] (the last positions) and K, V [T, Hkv, D], bf16
+    (tests/data/make_real_kv.py)."""
+    data = torch.load(REAL_KV)
+
+    def get(name):
+        return (data[f"{name}{layer}"].view(torch.float8_e4m3fn).float() * data[f"{name}{layer}_scale"]).bfloat16()
+
+    return get("q"), get("k"), get("v")
+
+
+@pytest.mark.parametrize("layer", [2, 15])
+@pytest.mark.parametrize("spec", ["4c64", "4c64s16", "4c64v2s16", "2c32s16"])
+def test_real_model_kv(layer, spec, backend):
+    """SmolLM2-135M's own Q / K / V (outlier channels, large first keys; 9 query and 3 KV
+    heads, head dim 64) through the kernels: the pack kernel writes the reference's bytes,
+    and decode (each of the last four positions over its causal prefix) matches the
+    reference within the tolerance rule, with or without splits."""
+    from bitdecode import eval as bdeval
+
+    fmt = bdeval.parse_method(spec, 64).fmt
+    q, k, v = _real_kv(layer)
+    n = k.shape[0]
+    lens = [n - 3 + i for i in range(4)]  # query i is the token at position lens[i] - 1
+    kb, vb = k[None].expand(4, -1, -1, -1).contiguous().to(DEV), v[None].expand(4, -1, -1, -1).contiguous().to(DEV)
+    caches = {}
+    for writer in ("sm80", "reference"):
+        caches[writer] = bd.KVCache.allocate(4, 3, 64, n, fmt, dtype=torch.bfloat16, device=DEV, backend=writer)
+        caches[writer].prefill(kb, vb, lens)
+    _assert_same_cache(caches["sm80"], caches["reference"])
+    qd = q[:, None].to(DEV)  # [4, 1, 9, 64]
+    for splits in (0, 1, 3):
+        check_decode(qd, caches["sm80"], backend, num_splits=splits)
