@@ -125,9 +125,13 @@ def check_block_table(cache: CacheTensors, lens: torch.Tensor) -> None:
 
 
 def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
+    """q ``[B, T, Hq, D]``: ``T`` >= 1 query tokens (T > 1: the newest T of each sequence,
+    already in the cache, causal)."""
     _validate.tensor("q", q, dtypes=[cache.k_res.dtype], last_contiguous=True,
-                     shape=(cache.k_res.shape[0], 1, None, cache.k_res.shape[3]))
+                     shape=(cache.k_res.shape[0], None, None, cache.k_res.shape[3]))
     _validate.same_device(q=q, k_pack=cache.k_pack)
+    if q.shape[1] == 0:
+        raise ValueError("q must hold at least one query token per sequence (q.shape[1] >= 1), got 0")
     hq, hkv = q.shape[2], cache.k_res.shape[2]
     if hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} KV heads")
@@ -139,6 +143,35 @@ def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
             f"q has {hq // hkv} query heads per KV head; the {backend} kernels support 1 to "
             f"{max_gqa} (use backend='reference' for more)"
         )
+
+
+def fits_kernel_tile(q: torch.Tensor, cache: CacheTensors, backend: str) -> bool:
+    """Whether the kernels take q's query rows per KV head (tokens x heads) in one tile;
+    more query tokens than that run ``chunk_decode``."""
+    return q.shape[1] * (q.shape[2] // cache.k_res.shape[2]) <= backends.get(backend).limits.max_gqa
+
+
+def chunk_decode(q: torch.Tensor, cache: CacheTensors, scale: float, return_lse: bool):
+    """Query tokens past the kernels' tile (a chunked prefill, a long draft): each sequence's
+    cache dequantized to the model dtype with the reference's unpacking (torch ops on the
+    cache's device), then SDPA with the causal mask over the new tokens (one call per
+    sequence; lengths are ragged).  Reads the lengths (one sync), so it is not
+    graph-capturable.  With ``return_lse`` the reference's fp32 maths instead."""
+    if return_lse:
+        return reference.decode(q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res,
+                                cache.v_res, cache.cache_seqlens, cache.fmt, cache.block_table, scale, True,
+                                cache.sinks)
+    tq = q.shape[1]
+    outs = []
+    for b, n in enumerate(cache.cache_seqlens.tolist()):
+        k, v = reference.gather_kv(b, n, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res,
+                                   cache.v_res, cache.block_table, cache.fmt, cache.sinks)  # [n, Hkv, D]
+        causal = torch.ones(tq, n, dtype=torch.bool, device=q.device).tril(diagonal=n - tq)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[b].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=causal, scale=scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))  # [T, Hq, D]
+    return torch.stack(outs).to(q.dtype)
 
 
 def softmax_scale_or_default(softmax_scale, head_dim: int) -> float:
@@ -186,6 +219,8 @@ def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_ls
             q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.v_res,
             cache.cache_seqlens, cache.fmt, cache.block_table, scale, return_lse, cache.sinks,
         )
+    if not fits_kernel_tile(q, cache, backend):
+        return chunk_decode(q, cache, scale, return_lse)
     # no cache object: a fresh plan, split for the cache's capacity
     plan = plan_decode(cache, q, backend, splits, cache.max_packed_tokens + cache.fmt.residual_block)
     return plan(q, scale * LOG2_E, return_lse)

@@ -303,7 +303,7 @@ class KVCache:
     # ---- reads -------------------------------------------------------------------------
     def decode(self, q: torch.Tensor, softmax_scale: Optional[float] = None, num_splits: int = 0,
                *, backend: str = "auto", return_lse: bool = False):
-        """Attention of ``q`` ``[B, 1, Hq, D]`` over the cache (see ``bitdecode.decode``)."""
+        """Attention of ``q`` ``[B, T, Hq, D]`` over the cache (see ``bitdecode.decode``)."""
         max_len = self._host_max
         if backend == "auto":
             backend = self.backend
@@ -327,6 +327,8 @@ class KVCache:
             return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
                                  backend=backend, return_lse=return_lse)
         scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
+        if not attention.fits_kernel_tile(q, cache, backend):  # more query tokens than one tile takes
+            return attention.chunk_decode(q, cache, scale, return_lse)
         plan = attention.plan_decode(cache, q, backend, attention.check_splits(num_splits, backend), max_len,
                                      self._plans)
         if not (q.is_contiguous() and q.data_ptr() % 16 == 0):
@@ -354,7 +356,15 @@ def decode(
     backend: str = "auto",
     return_lse: bool = False,
 ):
-    """Decode one query token per sequence against a ``KVCache``: q ``[B, 1, Hq, D]``."""
+    """Decode attention against a ``KVCache``: q ``[B, T, Hq, D]`` -> ``[B, T, Hq, D]``
+    (and the LSE ``[B, T, Hq]`` fp32 with ``return_lse``).
+
+    ``T`` = 1: the usual decode step.  ``T`` > 1 (speculative verification, a chunk of a
+    prompt): the queries are each sequence's newest ``T`` tokens, appended to the cache
+    before the call, and query ``j`` attends to the first ``len - T + 1 + j`` tokens
+    (causal).  The kernels take up to 16 query rows per KV head (``T`` x query heads per
+    KV head: 4 tokens at GQA 4, 2 at GQA 8, 16 at MHA) in one launch, CUDA-graph safe;
+    more run the cache dequantized to 16 bits + SDPA (``attention.chunk_decode``)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,

@@ -223,23 +223,9 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
             scale = scaling if scaling is not None else d ** -0.5
             return ops.decode_cache(q.contiguous(), layer.kv, scale), None
         return decode(q, layer.kv, softmax_scale=scaling), None
-    return _chunk_attention(layer, query, scaling), None
-
-
-def _chunk_attention(layer: BitDecodingLayer, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
-    """Several new tokens over the (already appended) cache, each over the cache up to
-    itself: SDPA in fp32 over each sequence's dequantized K / V with a causal mask on the
-    chunk (one call per sequence: lengths are ragged)."""
-    tq = query.shape[2]
-    outs = []
-    for (k, v), q in zip(layer.dequantized(), query):  # k, v [n, Hkv, D]; q [Hq, Tq, D]
-        n = k.shape[0]
-        causal = torch.ones(tq, n, dtype=torch.bool, device=q.device).tril(diagonal=n - tq)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[None].float(), k.transpose(0, 1)[None].float(), v.transpose(0, 1)[None].float(),
-            attn_mask=causal, scale=scaling, enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))  # [Tq, Hq, D]
-    return torch.stack(outs).to(query.dtype)
+    # several new tokens (assisted generation's drafts, a later chunk of a prompt), already
+    # appended: causal over the cache, in the kernels when they fit one tile
+    return decode(query.transpose(1, 2).contiguous(), layer.kv, softmax_scale=scaling), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, bitdecode_attention)

@@ -52,7 +52,7 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
 @decode.register_fake
 def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
                  bits, k_mode, group_size, sink_tokens, softmax_scale, num_splits, backend):
-    return torch.empty_like(q), q.new_empty((q.shape[0], 1, q.shape[2]), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "auto") -> torch.Tensor:

@@ -324,22 +324,26 @@ def decode(
     return_lse: bool = False,
     sinks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ):
-    """Decode attention over a packed cache: q ``[B, 1, Hq, D]`` -> out ``[B, 1, Hq, D]``.
+    """Decode attention over a packed cache: q ``[B, T, Hq, D]`` -> out ``[B, T, Hq, D]``.
 
     Arguments as in ``bitdecode.decode_attention`` (no validation here); ``sinks`` the
-    16-bit sink tokens of a format with ``sink_tokens``.
+    16-bit sink tokens of a format with ``sink_tokens``.  With ``T`` > 1 the queries are
+    the sequence's newest ``T`` tokens (already in the cache), causal: query ``j`` attends
+    to the first ``len - T + 1 + j`` tokens.
     """
-    bsz, _, hq, d = q.shape
+    bsz, tq, hq, d = q.shape
     if block_table is None:
         block_table = torch.arange(bsz, dtype=torch.int32).view(bsz, 1)
     lengths = [int(x) for x in cache_seqlens.tolist()]
     outs, lses = [], []
     for b in range(bsz):
         k, v = gather_kv(b, lengths[b], k_pack, k_params, v_pack, v_params, k_res, v_res, block_table, fmt, sinks)
-        o, lse = attention(q[b, 0], k, v, softmax_scale)
-        outs.append(o)
-        lses.append(lse)
-    out = torch.stack(outs).to(q.dtype).view(bsz, 1, hq, d)
+        for j in range(tq):
+            seen = max(0, lengths[b] - tq + 1 + j)
+            o, lse = attention(q[b, j], k[:seen], v[:seen], softmax_scale)
+            outs.append(o)
+            lses.append(lse)
+    out = torch.stack(outs).to(q.dtype).view(bsz, tq, hq, d)
     if return_lse:
-        return out, torch.stack(lses).view(bsz, 1, hq)
+        return out, torch.stack(lses).view(bsz, tq, hq)
     return out

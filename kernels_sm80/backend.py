@@ -57,9 +57,9 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 
 
 def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
-                   keep_ptx: bool = False):
+                   keep_ptx: bool = False, tq: int = 1):
     """The sm80 decode kernel for ``arch`` (``Sm80Backend.compile_decode``)."""
-    return BACKEND.compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx)
+    return BACKEND.compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx, tq=tq)
 
 
 def compile_combine(arch: str, dtype, head_dim: int, keep_ptx: bool = False):
@@ -235,6 +235,31 @@ class DecodePlan:
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 
+def query_rows(tq: int, q_heads: int, kv_heads: int) -> int:
+    """Query rows of one KV head in the decode tile: its query heads times the query tokens."""
+    return tq * (q_heads // kv_heads)
+
+
+class MultiTokenPlan:
+    """Decode of ``T`` > 1 query tokens per sequence (the newest ``T``, already appended;
+    causal) through the kernels compiled with ``tq = T``: the query rows of a KV head are
+    its (token, head) pairs, token-major, so T tokens at GQA g fill the tile as T * g heads
+    would.  The host reorders q into that order and the output back (one copy each)."""
+
+    def __init__(self, plan: DecodePlan, tq: int, kv_heads: int):
+        self.plan, self.tq, self.hkv = plan, tq, kv_heads
+
+    def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
+        b, t, hq, d = q.shape
+        g = hq // self.hkv
+        rows = q.view(b, t, self.hkv, g, d).transpose(1, 2).reshape(b, 1, self.hkv * t * g, d)
+        res = self.plan(rows, scale_log2, return_lse)
+        out = (res[0] if return_lse else res).view(b, self.hkv, t, g, d).transpose(1, 2).reshape(b, t, hq, d)
+        if not return_lse:
+            return out
+        return out, res[1].view(b, self.hkv, t, g).transpose(1, 2).reshape(b, t, hq)
+
+
 def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
     arch = jit.target_arch(cache.device.index)
     kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, mode)
@@ -260,44 +285,48 @@ class Sm80Backend:
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         return ctas_per_sm(fmt, head_dim, nh)
 
-    def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool):
-        """The decode kernel object (its constexpr configuration) for ``arch``."""
+    def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1):
+        """The decode kernel object (its constexpr configuration) for ``arch``; ``tq`` query
+        tokens per sequence (``MultiTokenPlan``)."""
         from .decode import DecodeSm80
 
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
                           min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq)
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
-                       keep_ptx: bool = False):
+                       keep_ptx: bool = False, tq: int = 1):
         import cutlass
         import cutlass.cute as cute
 
-        kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split)
+        kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq)
         return cute.compile(kernel, *decode_args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), _stream(),
                             options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
-    def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool):
+    def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1):
         """``compile_decode`` through the JIT cache (memory, then disk)."""
-        key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split)
-        return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split))
+        key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split) + ((tq,) if tq > 1 else ())
+        return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split, tq=tq))
 
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
-        bsz, _, hq, d = q_shape
+        bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
-        per_sm = self.ctas_per_sm(cache.fmt, d, sm80.heads_tile(hq // hkv))
+        per_sm = self.ctas_per_sm(cache.fmt, d, sm80.heads_tile(query_rows(tq, hq, hkv)))
         return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)
 
-    def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int) -> DecodePlan:
+    def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int):
+        """A ``DecodePlan`` (one query token), or a ``MultiTokenPlan`` around one."""
         arch = jit.target_arch(device.index)
         dtype = _cute_dtype(q_dtype)
-        _, _, hq, d = q_shape
-        nh = sm80.heads_tile(hq // cache.k_res.shape[2])
-        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1)
+        bsz, tq, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        rows = query_rows(tq, hq, hkv)
+        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, sm80.heads_tile(rows), splits > 1, tq)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
-        return DecodePlan(cache, tuple(q_shape), q_dtype, device, splits, decode_fn, combine_fn)
+        plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn)
+        return plan if tq == 1 else MultiTokenPlan(plan, tq, hkv)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------
     def prefill(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> None:

@@ -64,7 +64,7 @@ class PackedDecodeConfig:
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0,
-                 v_bits: int = 0):
+                 v_bits: int = 0, tq: int = 1):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
@@ -84,6 +84,10 @@ class PackedDecodeConfig:
         # 16-bit sink tokens ahead of the packed blocks (KVFormat.sink_tokens): positions of
         # packed tiles count from the token after them
         self.sinks = sinks
+        # query tokens per sequence: with tq > 1 the query rows of a KV head are (token,
+        # head) pairs, token-major (the host orders them so), and token j of the newest tq
+        # sees the first len - tq + 1 + j tokens (a causal mask on every softmax step)
+        self.tq = tq
         # tokens of one packed tile: the wider tile of the two widths (K4V2: 2-bit V's 256);
         # V's own tile must be the whole tile (KVFormat.kernel_ready)
         self.nr = max(sm80.residual_block(bits), sm80.residual_block(self.v_bits))
@@ -98,6 +102,21 @@ class PackedDecodeConfig:
         self.bytes_vp = head_dim * self.wv * 4
         self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
         self.words_vs = self.nr * self.groups_v
+
+    @cute.jit
+    def causal_limits(self, seqlen, rows_per_kv_head, lane):
+        """Multi-token queries: per head column a thread holds (``2 * (nh // 8)``, ordered
+        as the MMA accumulators' columns ``8 nt + 2 (lane % 4) + v0``), the position of the
+        last token its query token may see; None for one query token."""
+        lim = None
+        if const_expr(self.tq > 1):
+            lim = cute.make_rmem_tensor((2 * (self.nh // 8),), cutlass.Int32)
+            heads = rows_per_kv_head // self.tq  # query heads per KV head
+            for nt in cutlass.range_constexpr(self.nh // 8):
+                for v0 in cutlass.range_constexpr(2):
+                    row = 8 * nt + 2 * (lane % 4) + v0
+                    lim[2 * nt + v0] = seqlen - self.tq + row // heads
+        return lim
 
     @cute.jit
     def token_counts(self, seqlen):
@@ -125,8 +144,9 @@ class DecodeSm80(PackedDecodeConfig):
         pdl: bool = False,
         sinks: int = 0,
         v_bits: int = 0,
+        tq: int = 1,
     ):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits)
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
         self.t = self.nr // NUM_WARPS  # tokens per warp per tile: its chunk of the V rows
         # shared memory per stage (bytes)
@@ -184,6 +204,7 @@ class DecodeSm80(PackedDecodeConfig):
         wait_for_previous_kernel(self.pdl)
         n_sink, n_rest = self.token_counts(mSeqlens[batch])
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
+        lim = self.causal_limits(mSeqlens[batch], gq, lane)
 
         # ---- shared memory --------------------------------------------------------
         smem = cutlass.memory.SmemAllocator()
@@ -232,7 +253,8 @@ class DecodeSm80(PackedDecodeConfig):
             # V's words are fetched first so their smem latency hides under Q.K^T and softmax
             v_words = self.load_v_words(stage, warp_idx, lane)
             acc_s = self.scores_packed(mma, thr_mma, dq_k, tQrQ, stage, warp_idx, lane)
-            self.online_softmax(acc_s, acc_o, row_max, row_sum, softmax_scale_log2, None, 0)
+            self.online_softmax(acc_s, acc_o, row_max, row_sum, softmax_scale_log2, None, warp_idx * self.t,
+                                lim, n_sink + tile * self.nr)
             self.pv_packed(mma, thr_mma, dq_v, acc_s, acc_o, stage, v_words, warp_idx, lane)
 
         # ---- the 16-bit residual block ---------------------------------------------
@@ -242,13 +264,13 @@ class DecodeSm80(PackedDecodeConfig):
             for sub in cutlass.range(0, (n_res + RES_SUBTILE - 1) // RES_SUBTILE, unroll=1):
                 self.residual_subtile(mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv,
                                       sub, n_res, acc_o, row_max, row_sum, softmax_scale_log2,
-                                      warp_idx, lane, tid)
+                                      warp_idx, lane, tid, lim, n_sink + n_rest - n_res)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
             if split_idx == 0:
                 for sub in cutlass.range(0, (n_sink + RES_SUBTILE - 1) // RES_SUBTILE, unroll=1):
                     self.residual_subtile(mma, thr_mma, tQrQ, mKsink, mVsink, union, batch, head_kv,
                                           sub, n_sink, acc_o, row_max, row_sum, softmax_scale_log2,
-                                          warp_idx, lane, tid)
+                                          warp_idx, lane, tid, lim, 0)
 
         # ---- merge the warps, write this split ---------------------------------------
         self.epilogue(acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,
@@ -380,8 +402,10 @@ class DecodeSm80(PackedDecodeConfig):
     # Softmax (online, per warp; S^T: rows = tokens, columns = query heads)
     # ---------------------------------------------------------------------------------
     @cute.jit
-    def online_softmax(self, acc_s, acc_o, row_max, row_sum, scale_log2, valid_tokens, tok0):
-        """Scale, mask (tokens >= valid_tokens when given), exponentiate acc_s in place."""
+    def online_softmax(self, acc_s, acc_o, row_max, row_sum, scale_log2, valid_tokens, tok0, lim=None, abs0=0):
+        """Scale, mask (tokens >= valid_tokens when given; with ``lim`` (``causal_limits``)
+        also tokens past a column's limit, at sequence position ``abs0 + tok0 + row``),
+        exponentiate acc_s in place."""
         mt_count = cute.size(acc_s, mode=[1])
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
@@ -392,6 +416,9 @@ class DecodeSm80(PackedDecodeConfig):
                         x = acc_s[(v0, v1), mt, nt] * scale_log2
                         if const_expr(valid_tokens is not None):
                             if tok0 + 16 * mt + 8 * v1 + (cute.arch.lane_idx() // 4) >= valid_tokens:
+                                x = -Float32.inf
+                        if const_expr(lim is not None):
+                            if abs0 + tok0 + 16 * mt + 8 * v1 + (cute.arch.lane_idx() // 4) > lim[col]:
                                 x = -Float32.inf
                         acc_s[(v0, v1), mt, nt] = x
                         m_tile = cute.arch.fmax(m_tile, x)
@@ -463,7 +490,9 @@ class DecodeSm80(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     @cute.jit
     def residual_subtile(self, mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv, sub, n_res,
-                         acc_o, row_max, row_sum, scale_log2, warp_idx, lane, tid):
+                         acc_o, row_max, row_sum, scale_log2, warp_idx, lane, tid, lim, abs_first):
+        """Sub-tile ``sub`` of the ``n_res`` 16-bit tokens of ``mKr`` / ``mVr`` (the residual
+        or the sinks; row 0 is sequence position ``abs_first``)."""
         layout = sm80.make_smem_layout(RES_SUBTILE, 2 * self.d)
         union = aligned_ptr(union, 128)
         sK = cute.make_tensor(cute.recast_ptr(union, dtype=self.dtype), layout)
@@ -483,7 +512,8 @@ class DecodeSm80(PackedDecodeConfig):
         acc_s.fill(0.0)
         for kt in cutlass.range_constexpr(self.d // 16):
             cute.gemm(mma, acc_s, frag_k[None, None, kt], tQrQ[None, None, kt], acc_s)
-        self.online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2, valid, warp_idx * RES_ROWS_PER_WARP)
+        self.online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2, valid, warp_idx * RES_ROWS_PER_WARP,
+                            lim, abs_first + sub * RES_SUBTILE)
 
         # O^T += V^T P^T: V^T (D x tokens) through a transposing ldmatrix
         sVt = cute.composition(sV, cute.make_layout((self.d, RES_SUBTILE), stride=(RES_SUBTILE, 1)))

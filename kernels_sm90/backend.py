@@ -41,18 +41,19 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
         return default_ctas_per_sm(head_dim)
 
-    def make_decode(self, arch, fmt, dtype, head_dim, nh, split):
+    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
         from .decode import DecodeSm90
 
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq)
 
 
 BACKEND = Sm90Backend()
 
 
-def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, keep_ptx: bool = False):
+def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, keep_ptx: bool = False,
+                   tq: int = 1):
     """The sm90 decode kernel (sm_90a only; ``Sm90Backend.compile_decode``)."""
-    return BACKEND.compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx)
+    return BACKEND.compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx, tq=tq)

@@ -89,8 +89,8 @@ class DecodeSm90(PackedDecodeConfig):
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
-                 ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits)
+                 ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1):
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
         # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
@@ -210,7 +210,7 @@ class DecodeSm90(PackedDecodeConfig):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                          mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
-                         n_sink, softmax_scale_log2)
+                         n_sink, n_sink + n_rest, softmax_scale_log2)
 
     # ---------------------------------------------------------------------------------
     # Producer: TMA of packed K / V rows, bulk copies of their params
@@ -249,7 +249,7 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                 mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, n_sink,
-                scale_log2):
+                seqlen, scale_log2):
         tid = cute.arch.thread_idx()[0] - WG
         warp = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
@@ -257,6 +257,7 @@ class DecodeSm90(PackedDecodeConfig):
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         red = storage.red.get_tensor(cute.make_layout((self.nh, WARPS, 2)))
+        lim = self.causal_limits(seqlen, gq, lane)  # multi-token queries: each column's last token
 
         # ---- Q: global -> smem (rows >= gq zero) ---------------------------------------
         q_rows = mQ[batch, None, None]
@@ -309,7 +310,8 @@ class DecodeSm90(PackedDecodeConfig):
                 acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
-                self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, 0)
+                self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, st * self.step,
+                                  lim, n_sink + tile * self.nr)
                 self.store_p(acc_s, sP, warp, lane)
                 self.pv(v_frag, tOrP, acc_pv)
                 if const_expr(st + 1 < self.steps):
@@ -324,11 +326,11 @@ class DecodeSm90(PackedDecodeConfig):
 
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                          acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid)
+                          acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
             if split_idx == 0:
                 self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKsink, mVsink, batch, head_kv, n_sink,
-                              acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid)
+                              acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, 0)
         warpgroup.wait_group(0)
         self.fold(acc_o, acc_pv)
         self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane)
@@ -467,9 +469,12 @@ class DecodeSm90(PackedDecodeConfig):
 
     # ---- softmax ------------------------------------------------------------------------
     @cute.jit
-    def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0):
+    def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0,
+                     lim=None, abs0=0):
         """Online softmax over one step's S^T (rows = tokens of all four warps).  Masks
-        tokens ``>= valid`` (residual) when ``valid`` is given."""
+        tokens ``>= valid`` (residual) when ``valid`` is given, and with ``lim``
+        (``causal_limits``) tokens past a column's limit, at sequence position ``abs0 +
+        tok0 + row``."""
         c, g = lane % 4, lane // 4
         m_blocks = cute.size(acc_s, mode=[1])
         for nt in cutlass.range_constexpr(self.nh // 8):
@@ -480,6 +485,9 @@ class DecodeSm90(PackedDecodeConfig):
                         x = acc_s[self.cv(v0, v1, nt), mb, 0] * scale_log2
                         if const_expr(valid is not None):
                             if tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g >= valid:
+                                x = -Float32.inf
+                        if const_expr(lim is not None):
+                            if abs0 + tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g > lim[2 * nt + v0]:
                                 x = -Float32.inf
                         acc_s[self.cv(v0, v1, nt), mb, 0] = x
                         m_local = cute.arch.fmax(m_local, x)
@@ -525,9 +533,10 @@ class DecodeSm90(PackedDecodeConfig):
     # ---- the 16-bit residual block --------------------------------------------------------
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid):
+                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first):
         """The ``n_res`` 16-bit tokens of ``mKr`` / ``mVr`` (the residual block or the sink
-        tokens) in 64-token sub-tiles, staged in the idle K / V rings."""
+        tokens; row 0 is sequence position ``abs_first``) in 64-token sub-tiles, staged in the
+        idle K / V rings."""
         # K-major 128B-swizzled 16-bit tiles (the swizzle on the pointer, as for every sm90 tile)
         layout = sm90.make_operand_smem_layout(self.dtype, M_BLOCK, self.d)
         sK = cute.make_tensor(cute.recast_ptr(storage.sKp.data_ptr(), layout.inner, dtype=self.dtype), layout.outer)
@@ -556,7 +565,8 @@ class DecodeSm90(PackedDecodeConfig):
                 for i in cutlass.range_constexpr(cute.size(part)):
                     dst[i] = part[i]
             warpgroup.wait_group(0)
-            self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, 0)
+            self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, 0,
+                              lim, abs_first + sub * M_BLOCK)
             self.store_p(acc_s, sP, warp, lane)
             self.pv(v_frag, tOrP, acc_pv)
 

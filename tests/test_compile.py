@@ -202,3 +202,18 @@ def test_pack_k4v2_ptx(mode, tmp_path):
     fn = kernels.compile_pack("sm_90a", KVFormat(4, "channel", 64, v_bits=2), cutlass.Float16, 128, mode,
                               keep_ptx=True)
     assert _spills(fn.artifacts.PTX, "sm_90a", tmp_path) == 0
+
+
+@pytest.mark.parametrize("backend_name", ["sm80", "sm90"])
+def test_decode_multi_token_ptx(backend_name, tmp_path):
+    """Four query tokens at GQA 4 (16 query rows per KV head, a causal mask per column)
+    compile without spills; the mask adds compares to the one-token kernel."""
+    from bitdecode import backend as backends
+
+    be = backends.get(backend_name)
+    ptx = {tq: be.compile_decode("sm_90a", KVFormat(4, "channel", 128), cutlass.Float16, 128, 16, True,
+                                 keep_ptx=True, tq=tq).artifacts.PTX for tq in (1, 4)}
+    assert _count(ptx[4], "setp.") > _count(ptx[1], "setp."), "no causal mask in the multi-token decode PTX"
+    report = _ptxas_report(ptx[4], "sm_90a", tmp_path)
+    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert "C7514" not in report

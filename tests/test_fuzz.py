@@ -477,7 +477,9 @@ class CacheFuzz:
     def query_variants(self, q, runs: str):
         kernels = runs != "reference"
         out = [("q " + lab, "q", make, exp, names) for lab, make, exp, names in
-               tensor_variants("q", q, self.gen, kind="last", fixed_dims=(0, 1, 3), kernels=kernels)]
+               tensor_variants("q", q, self.gen, kind="last", fixed_dims=(0, 3), kernels=kernels)]
+        # dim 1 is the query tokens: any count from 1 is valid (test_kernels_gpu checks T > 1)
+        out.append(("q with no tokens", "q", lambda: q[:, :0], REJECT, ("q",)))
         if self.hkv > 1:
             out.append(("q heads not a multiple of Hkv", "q", lambda: self.query(self.hkv * self.gq + 1), REJECT,
                         ("q",)))

@@ -151,9 +151,12 @@ def test_kernels_decode_within_the_format_error(backend):
 
 
 @torch.no_grad()
-def test_chunk_attention_equals_a_float64_model(models):
-    """A chunk of queries over the packed cache: each query attends to the dequantized
-    cache up to its own position (causal over the chunk), GQA, the model's scale."""
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_chunk_attention_equals_a_float64_model(models, return_lse):
+    """A chunk of queries over the packed cache (``bd.decode`` with T > 1, as the attention
+    function calls it): each query attends to the dequantized cache up to its own position
+    (causal over the chunk), GQA, the model's scale; the reference maths and, past the
+    kernels' tile (7 tokens x 4 heads > 16 rows), the dequantize + SDPA path."""
     _, packed = models
     gen = torch.Generator().manual_seed(6)
     cbd = _cache(packed, 2)
@@ -161,7 +164,11 @@ def test_chunk_attention_equals_a_float64_model(models):
     packed(torch.randint(0, VOCAB, (2, 7), generator=gen), past_key_values=cbd, use_cache=True)
     layer = cbd.layers[1]
     query = torch.randn(2, 8, 7, 64, generator=gen).to(torch.bfloat16)
-    got = hf._chunk_attention(layer, query, 0.125)  # [B, Tq, Hq, D]
+    q = query.transpose(1, 2).contiguous()  # [B, Tq, Hq, D]
+    if return_lse:
+        got, _ = bd.decode(q, layer.kv, softmax_scale=0.125, return_lse=True)
+    else:  # the chunk path (what a kernel backend runs for this many query rows)
+        got = bd.attention.chunk_decode(q, layer.kv.tensors(), 0.125, False)
     for b, (k, v) in enumerate(layer.dequantized()):
         n = k.shape[0]
         for t in range(7):

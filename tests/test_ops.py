@@ -148,7 +148,7 @@ def test_compiled_step_traces_append_and_decode_in_one_graph(gen):
 
 
 def test_ops_refuse_formats_their_schema_cannot_carry(gen):
-    c = bd.KVCache.allocate(1, 2, 64, 300, bd.KVFormat(bits=4, v_bits=2, group_size=64), device="cpu",
+    c = bd.KVCache.allocate(1, 2, 64, 300, bd.KVFormat(bits=2, v_bits=4, group_size=64), device="cpu",
                             backend="reference")
     k = torch.zeros(1, 1, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="one K/V width"):

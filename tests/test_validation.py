@@ -156,9 +156,9 @@ def test_capacity(cache):
     [
         (lambda: q().numpy(), {}, TypeError, "q must be a torch.Tensor, got ndarray"),
         (lambda: q(dtype=torch.bfloat16), {}, TypeError, "q must have dtype torch.float16, got torch.bfloat16"),
-        (lambda: q(tokens=2), {}, ValueError, r"q must have shape \(2, 1, \*, 64\), got \(2, 2, 8, 64\)"),
-        (lambda: q(batch=1), {}, ValueError, r"q must have shape \(2, 1, \*, 64\), got \(1, 1, 8, 64\)"),
-        (lambda: q(dim=128), {}, ValueError, r"q must have shape \(2, 1, \*, 64\), got \(2, 1, 8, 128\)"),
+        (lambda: q(tokens=0), {}, ValueError, r"q must hold at least one query token per sequence"),
+        (lambda: q(batch=1), {}, ValueError, r"q must have shape \(2, \*, \*, 64\), got \(1, 1, 8, 64\)"),
+        (lambda: q(dim=128), {}, ValueError, r"q must have shape \(2, \*, \*, 64\), got \(2, 1, 8, 128\)"),
         (lambda: q(heads=7), {}, ValueError, "q has 7 heads, not a multiple of the cache's 2 KV heads"),
         (lambda: q()[..., ::2], {}, ValueError, "q must have shape"),
         (lambda: q().transpose(2, 3).contiguous().transpose(2, 3), {}, ValueError,
