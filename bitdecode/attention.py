@@ -258,5 +258,6 @@ def decode_attention(
     backend = dispatch.resolve(backend, q.device if isinstance(q, torch.Tensor) else k_pack.device, fmt=fmt,
                                head_dim=cache.head_dim, dtype=cache.dtype)
     check_query(q, cache, backend)
+    q = reference.rotate(q, fmt)  # KVFormat.hadamard: the cache holds K rotated
     return run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                return_lse=return_lse)

@@ -224,6 +224,7 @@ class KVCache:
         lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # the pages the prompt will be packed into (a block table edited by the caller)
         attention.check_block_table(self._tensors, lens_t)
+        k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
         if self.backend == "reference":
             reference_prefill(self._tensors, k, v, lens)
         else:
@@ -254,6 +255,7 @@ class KVCache:
             )
         if t == 0:
             return
+        k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
         if self.backend == "reference":
             if self.device.type == "cpu":  # the table is visible without a sync: check it
                 attention.check_block_table(self._tensors, self.seqlens + t)
@@ -316,11 +318,12 @@ class KVCache:
                type(num_splits), backend, -(-max_len // self.fmt.residual_block))  # tiles choose_splits counts
         fast = self._fast
         if fast is not None and fast[0] == key and q.data_ptr() % 16 == 0:
-            return fast[1](q, fast[2], return_lse)
+            return fast[1](reference.rotate(q, self.fmt), fast[2], return_lse)
         if backend != self.backend:
             backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
         cache = self._tensors
         attention.check_query(q, cache, backend)
+        q = reference.rotate(q, self.fmt)  # KVFormat.hadamard: Q meets the rotated K
         if backend == "reference":
             if self.device.type == "cpu":  # the table is visible without a sync: check it
                 attention.check_block_table(cache, self.seqlens)
@@ -339,12 +342,14 @@ class KVCache:
         return plan(q, self._fast[2], return_lse)
 
     def dequantized(self, b: int):
-        """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them (for inspection;
-        synchronizes, and raises like ``check()``)."""
+        """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them, K rotated back
+        to the model's basis under ``KVFormat.hadamard`` (for inspection; synchronizes, and
+        raises like ``check()``)."""
         self.check()
         c = self.tensors()
-        return reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
+        k, v = reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
                                    c.k_res, c.v_res, c.block_table.cpu(), self.fmt, c.sinks)
+        return reference.rotate(k, self.fmt), v
 
 
 def decode(

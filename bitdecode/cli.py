@@ -31,6 +31,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type of counts that may be zero (sink tokens)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def build_parser(full: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
     """The parser; only the commands in ``full`` (default: all) get their own options."""
     full = set(COMMANDS if full is None else full)

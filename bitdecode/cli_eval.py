@@ -10,9 +10,9 @@ the text (perplexity), and against the 16-bit DynamicCache run (mean KL(p16 || p
 agreement).  --needle hides a pass key at several depths of a --needle-context-token filler
 text and counts how often each method's greedy answer contains it.
 
-Methods (--formats, comma-separated): <bits><c|t><group>[v<bits>][s<sinks>], e.g. 4c64 (4-bit,
+Methods (--formats, comma-separated): <bits><c|t><group>[v<bits>][s<sinks>][h], e.g. 4c64 (4-bit,
 K per channel, groups of 64), 2t64 (2-bit, K per token), 4c64v2 (K 4-bit / V 2-bit),
-4c64s16 (16 sink tokens kept 16-bit); a format the model's head dim or this bitdecode does
+4c64s16 (16 sink tokens kept 16-bit), 2c32s16h (K and Q Hadamard-rotated); a format the model's head dim or this bitdecode does
 not take is reported as unsupported.  --quanto adds transformers' QuantizedCache (quanto
 backend, 4 and 2 bits, its defaults otherwise).
 

@@ -26,7 +26,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import positive_int
+from .cli import nonnegative_int, positive_int
 from .formats import GROUP_SIZES, K_MODES
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -99,6 +99,12 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                      help="K groups: per channel over tokens (KIVI) or per token over channels (default: channel)")
     fmt.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
                      help="values per (scale, zero) pair (default: 128, or the head dim when smaller)")
+    fmt.add_argument("--v-bits", type=int, choices=(4, 2), default=None,
+                     help="V's own width (default: as K); --bits 4 --v-bits 2 is K4V2")
+    fmt.add_argument("--sinks", type=nonnegative_int, default=0,
+                     help="first tokens of each sequence kept 16-bit (attention sinks; default: 0)")
+    fmt.add_argument("--hadamard", action="store_true",
+                     help="store K and rotate Q by the head dim's Hadamard matrix (what 2-bit K needs)")
     fmt.add_argument("--device", choices=("cpu", "cuda"), default=None,
                      help="where to run (default: cuda when available, else cpu)")
     fmt.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="model and cache dtype (default: bf16)")
@@ -296,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     group = args.group_size or min(128, head_dim)
     try:
-        fmts = [bd.KVFormat(bits=b, k_mode=args.k_mode, group_size=group) for b in args.bits]
+        fmts = [bd.KVFormat(bits=b, k_mode=args.k_mode, group_size=group, v_bits=args.v_bits,
+                            sink_tokens=args.sinks, hadamard=args.hadamard) for b in args.bits]
         for f in fmts:
             f.check_head_dim(head_dim)
     except ValueError as exc:
@@ -339,7 +346,10 @@ def run(args: argparse.Namespace) -> int:
             new, pre, rate, _ = generate(model, ids, cache, args.max_new_tokens, pad)
             kv = cache.layers[0].kv
             used = kv.backend if kv is not None else backend
-            rows.append((f"bitdecode {fmt.bits}-bit (K per {fmt.k_mode}, G={fmt.group_size}, {used})",
+            extras = "".join([f", V {fmt.v_bits}-bit" if fmt.v_bits != fmt.bits else "",
+                              f", {fmt.sink_tokens} sinks" if fmt.sink_tokens else "",
+                              ", Hadamard" if fmt.hadamard else ""])
+            rows.append((f"bitdecode {fmt.bits}-bit (K per {fmt.k_mode}, G={fmt.group_size}{extras}, {used})",
                          rate, pre, cache.memory_bytes(), new))
             texts.append((f"bitdecode {fmt.bits}-bit", show(new)))
             del cache

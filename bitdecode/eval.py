@@ -26,7 +26,8 @@ the 16-bit cache's.
 * ``"<bits><c|t><group>"`` -- a bitdecode ``KVFormat``: ``4c64`` = 4 bits, K per channel,
   groups of 64; ``2t64`` = 2 bits, K per token, groups of 64.  Optional suffixes:
   ``v<bits>`` passes ``v_bits=`` (V's own width: ``4c64v2`` is K 4-bit / V 2-bit) and
-  ``s<n>`` passes ``sink_tokens=n`` (the first n tokens kept 16-bit), only when given; a
+  ``s<n>`` passes ``sink_tokens=n`` (the first n tokens kept 16-bit) and ``h`` passes
+  ``hadamard=True`` (K and Q rotated: ``2c32s16h``), only when given; a
   format this bitdecode cannot build (a field ``KVFormat`` does not take, a group larger
   than the head dim) is reported as unsupported with the reason instead of run;
 * ``"quanto4"`` / ``"quanto2"``: transformers' ``QuantizedCache(backend="quanto", nbits=...)``
@@ -68,8 +69,8 @@ DEFAULT_FORMATS = ("4c128", "4c64", "4t128", "4t64", "2c128", "2c64", "2c32", "2
 QUANTO = ("quanto4", "quanto2")
 QUANTO_DEFAULTS = dict(axis_key=0, axis_value=0, q_group_size=64, residual_length=128)  # transformers' defaults
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
-_SPEC = re.compile(r"^([0-9]+)([ct])([0-9]+)((?:[vs][0-9]+)*)$")
-_SUFFIX = re.compile(r"([vs])([0-9]+)")
+_SPEC = re.compile(r"^([0-9]+)([ct])([0-9]+)((?:[vs][0-9]+|h)*)$")
+_SUFFIX = re.compile(r"([vs])([0-9]+)|(h)")
 
 # --------------------------------------------------------------------------------------
 # Methods
@@ -139,11 +140,15 @@ def parse_method(spec: str, head_dim: Optional[int] = None) -> Method:
     if not m:
         raise ValueError(
             f"cannot read the method spec {spec!r}: expected 16, quanto4 / quanto2, or <bits><c|t><group>"
-            "[v<bits>][s<sinks>] such as 4c64, 2t64, 4c64v2, 4c64s16")
+            "[v<bits>][s<sinks>][h] such as 4c64, 2t64, 4c64v2, 4c64s16, 2c32s16h")
     bits, mode, group = int(m.group(1)), {"c": "channel", "t": "token"}[m.group(2)], int(m.group(3))
     kw = dict(bits=bits, k_mode=mode, group_size=group)
     label = f"bitdecode {bits}-bit K/{mode} g{group}"
-    for key, num in _SUFFIX.findall(m.group(4)):
+    for key, num, rot in _SUFFIX.findall(m.group(4)):
+        if rot:
+            kw["hadamard"] = True
+            label += " Hadamard"
+            continue
         num = int(num)
         if key == "v":
             kw["v_bits"] = num

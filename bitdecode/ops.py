@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import attention, backend as backends, dispatch
+from . import attention, backend as backends, dispatch, reference
 from .backend import CacheTensors
 from .formats import KVFormat
 
@@ -60,6 +60,7 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
     _kernel_ready(cache)
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
+    q = reference.rotate(q, t.fmt)  # KVFormat.hadamard: the op takes Q as the cache's K basis
     out, _ = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
                                         t.cache_seqlens, t.block_table, k_sink, v_sink, t.fmt.bits, t.fmt.k_mode,
                                         t.fmt.group_size, t.fmt.sink_tokens, float(softmax_scale),
@@ -139,9 +140,9 @@ def _write_args(cache):
 def append_cache(k: torch.Tensor, v: torch.Tensor, cache) -> None:
     """``cache.append(k, v)`` through the op (for compiled code): ``cache`` is a ``KVCache``;
     its host-side lengths are not advanced (``cache.check()`` does that)."""
-    torch.ops.bitdecode.append(k, v, *_write_args(cache))
+    torch.ops.bitdecode.append(reference.rotate(k, cache.fmt), v, *_write_args(cache))
 
 
 def prefill_cache(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, cache) -> None:
     """``cache.prefill(k, v, seqlens)`` through the op, ``seqlens`` an int32 device tensor."""
-    torch.ops.bitdecode.prefill(k, v, seqlens, *_write_args(cache))
+    torch.ops.bitdecode.prefill(reference.rotate(k, cache.fmt), v, seqlens, *_write_args(cache))

@@ -63,6 +63,23 @@ __all__ = [
 inv_qmax = packing.inv_qmax  # fp32(1 / (2^bits - 1)), shared with the kernels
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard(d: int, device: str) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:  # Sylvester's construction: d is a power of two (HEAD_DIMS)
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(device)
+
+
+def rotate(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """``x [..., D]`` times the normalized Walsh-Hadamard matrix ``H`` of ``D`` (in fp32,
+    rounded once to x's dtype) when ``fmt.hadamard``, else ``x`` itself.  ``H`` is
+    symmetric and orthogonal, so the same call undoes it (``KVFormat.hadamard``)."""
+    if not fmt.hadamard:
+        return x
+    return (x.float() @ _hadamard(x.shape[-1], str(x.device))).to(x.dtype)
+
+
 def quantize(
     x: torch.Tensor, bits: int, group_size: int, dim: int = -1, check_finite: bool = True
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -58,6 +58,14 @@ def test_generate_two_widths_without_baseline(capsys, monkeypatch):
     assert "batch 2" in out and "fp16" in out and "16-bit K/V of 302 tokens" in out
 
 
+def test_generate_k4v2_sinks_hadamard(capsys, monkeypatch):
+    """The format options a user protects accuracy with reach the cache (and the table)."""
+    out = _run(capsys, monkeypatch, "--max-new-tokens", "2", "--no-baseline", "--bits", "4", "--v-bits", "2",
+               "--sinks", "4", "--hadamard", "--prompt-tokens", "40")
+    assert any(k.startswith("bitdecode 4-bit (K per channel, G=64, V 2-bit, 4 sinks, Hadamard")
+               for k in _rows(out)), out
+
+
 def test_generate_help(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--help"])

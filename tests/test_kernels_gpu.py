@@ -246,13 +246,14 @@ SINK_CONFIGS = [
     (bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=64), torch.float16, 128, 4),
     (bd.KVFormat(bits=4, v_bits=2, k_mode="token", group_size=32, sink_tokens=16), torch.bfloat16, 64, 8),
     (bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=128), torch.float16, 256, 2),
+    (bd.KVFormat(bits=2, k_mode="channel", group_size=32, sink_tokens=16, hadamard=True), torch.bfloat16, 128, 4),
 ]
 
 
 def _sink_ids(c):
     fmt, dtype, d, gq = c
-    return (f"k{fmt.bits}v{fmt.v_bits}-{fmt.k_mode}-g{fmt.group_size}-s{fmt.sink_tokens}-{str(dtype)[6:]}"
-            f"-d{d}-gq{gq}")
+    return (f"k{fmt.bits}v{fmt.v_bits}-{fmt.k_mode}-g{fmt.group_size}-s{fmt.sink_tokens}{'-h' * fmt.hadamard}"
+            f"-{str(dtype)[6:]}-d{d}-gq{gq}")
 
 
 def _sink_lengths(fmt):
@@ -445,7 +446,7 @@ def _real_kv(layer):
 
 
 @pytest.mark.parametrize("layer", [2, 15])
-@pytest.mark.parametrize("spec", ["4c64", "4c64s16", "4c64v2s16", "2c32s16"])
+@pytest.mark.parametrize("spec", ["4c64", "4c64s16", "4c64v2s16", "2c32s16", "2c32s16h"])
 def test_real_model_kv(layer, spec, backend):
     """SmolLM2-135M's own Q / K / V (outlier channels, large first keys; 9 query and 3 KV
     heads, head dim 64) through the kernels: the pack kernel writes the reference's bytes,

@@ -137,3 +137,39 @@ def test_functional_form_takes_no_sinks(gen):
     with pytest.raises(ValueError, match="fmt has sink_tokens=4"):
         bd.decode_attention(q, c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res, c.seqlens,
                             fmt=fmt, backend="reference")
+
+
+def test_rotation_is_orthogonal_and_its_own_inverse(gen):
+    fmt = bd.KVFormat(hadamard=True)
+    x = torch.randn(5, 3, 128, generator=gen)  # fp32: the round trip is exact to rounding
+    torch.testing.assert_close(reference.rotate(reference.rotate(x, fmt), fmt), x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(reference.rotate(x, fmt).norm(dim=-1), x.norm(dim=-1))
+    assert reference.rotate(x, bd.KVFormat()) is x  # no rotation unless the format asks
+
+
+@pytest.mark.parametrize("fmt", [bd.KVFormat(bits=2, group_size=32, sink_tokens=16, hadamard=True),
+                                 bd.KVFormat(bits=4, v_bits=2, k_mode="token", group_size=64, hadamard=True)],
+                         ids=["2bit-s16-h", "k4v2-token-h"])
+def test_hadamard_cache_equals_the_float64_model(fmt, gen):
+    """K is stored rotated (K H, rounded once to 16 bits), then quantized as the format
+    says; decode rotates q the same way, so the output is the model's attention over
+    (q H, K H); ``dequantized`` hands K back in the model's basis."""
+    h, d, gq = 2, 64, 3
+    k, v = kvdata.kv(gen, 2, 600, h, d)
+    cache = bd.KVCache.allocate(2, h, d, 608, fmt, device="cpu", backend="reference")
+    cache.prefill(k[:, :300], v[:, :300], [300, 260])
+    cache.append(k[:, 300:], v[:, 300:])  # appends rotate K as the prefill does
+    seqs = [(k[0], v[0]), (torch.cat([k[1, :260], k[1, 300:]]), torch.cat([v[1, :260], v[1, 300:]]))]
+    q = kvdata.randn(gen, 2, 1, h * gq, d)
+    out = cache.decode(q)
+    qr = reference.rotate(q, fmt)
+    c = cache.tensors()
+    for b, (kb, vb) in enumerate(seqs):
+        n = kb.shape[0]
+        want_k, want_v = model_kv(fmt, reference.rotate(kb, fmt), vb)
+        got_k, got_v = reference.gather_kv(b, n, c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res,
+                                           c.block_table, fmt, c.sinks)
+        assert torch.equal(got_k.double(), want_k) and torch.equal(got_v.double(), want_v), f"sequence {b}"
+        torch.testing.assert_close(out[b, 0].double(), model_attention(qr[b, 0], want_k, want_v), rtol=2e-3, atol=2e-3)
+        back, _ = cache.dequantized(b)
+        torch.testing.assert_close(back.double(), reference.rotate(want_k, fmt), rtol=1e-2, atol=1e-2)

@@ -67,8 +67,8 @@ def test_compiled_step_traces_the_op_in_one_graph(gen):
 # --------------------------------------------------------------------------------------
 
 
-def _twins(gen, lens, max_seqlen=None, sinks=0):
-    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=sinks)
+def _twins(gen, lens, max_seqlen=None, sinks=0, hadamard=False):
+    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=sinks, hadamard=hadamard)
     n = max(lens)
     k, v = kvdata.kv(gen, len(lens), n, 2, 64, dtype=torch.float16, device="cpu")
     caches = [bd.KVCache.allocate(len(lens), 2, 64, max_seqlen or n + 200, fmt, dtype=torch.float16, device="cpu",
@@ -83,9 +83,9 @@ def _same_storage(a, b):
         assert torch.equal(x, y), "sinks"
 
 
-@pytest.mark.parametrize("sinks", [0, 24])
-def test_write_ops_equal_the_python_calls(gen, sinks):
-    (a, b), k, v = _twins(gen, [150, 20], sinks=sinks)
+@pytest.mark.parametrize("sinks, hadamard", [(0, False), (24, False), (0, True)])
+def test_write_ops_equal_the_python_calls(gen, sinks, hadamard):
+    (a, b), k, v = _twins(gen, [150, 20], sinks=sinks, hadamard=hadamard)
     a.prefill(k, v, [150, 20])
     ops.prefill_cache(k, v, torch.tensor([150, 20], dtype=torch.int32), b)
     _same_storage(a, b)
