@@ -221,6 +221,9 @@ def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_ls
         )
     if not fits_kernel_tile(q, cache, backend):
         return chunk_decode(q, cache, scale, return_lse)
+    if not (q.is_contiguous() and q.data_ptr() % 16 == 0):
+        # the kernels take dense, 16-byte aligned rows (padded heads, a storage offset)
+        q = q.clone(memory_format=torch.contiguous_format)
     # no cache object: a fresh plan, split for the cache's capacity
     plan = plan_decode(cache, q, backend, splits, cache.max_packed_tokens + cache.fmt.residual_block)
     return plan(q, scale * LOG2_E, return_lse)

@@ -89,7 +89,7 @@ class KVFormat:
     def kernel_ready(self) -> bool:
         """Whether the kernel backends take this format: V's packed tile is the whole
         residual block (one width, or V narrower than K: K4V2).  K2V4 is not: its 4-bit V
-        tiles are half a block, which no kernel splits."""
+        tiles are half a block, which no kernel splits yet."""
         return self.v_tile == self.residual_block
 
     # ---- derived quantities -----------------------------------------------------------

@@ -29,12 +29,12 @@ _WRITES = ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res", "cache_
 def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack: torch.Tensor,
            v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
            block_table: torch.Tensor, k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor],
-           bits: int, k_mode: str, group_size: int, sink_tokens: int, softmax_scale: float,
+           bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, softmax_scale: float,
            num_splits: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """``bd.decode`` over the cache tensors: (out ``[B, 1, Hq, D]``, lse ``[B, 1, Hq]``);
     ``k_sink`` / ``v_sink`` the 16-bit sink tokens of a format with ``sink_tokens`` (else
     None).  The values of the lengths and block table are not re-checked (no device sync)."""
-    fmt = KVFormat(bits=bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens)
+    fmt = KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens)
     if not sink_tokens:
         return attention.decode_attention(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
                                           block_table, fmt=fmt, softmax_scale=softmax_scale,
@@ -51,27 +51,28 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
 
 @decode.register_fake
 def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
-                 bits, k_mode, group_size, sink_tokens, softmax_scale, num_splits, backend):
+                 bits, v_bits, k_mode, group_size, sink_tokens, softmax_scale, num_splits, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "auto") -> torch.Tensor:
     """``bd.decode(q, cache)`` through the op (for compiled code): ``cache`` is a ``KVCache``."""
-    _kernel_ready(cache)
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
     q = reference.rotate(q, t.fmt)  # KVFormat.hadamard: the op takes Q as the cache's K basis
     out, _ = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
-                                        t.cache_seqlens, t.block_table, k_sink, v_sink, t.fmt.bits, t.fmt.k_mode,
+                                        t.cache_seqlens, t.block_table, k_sink, v_sink, t.fmt.bits, t.fmt.v_bits,
+                                        t.fmt.k_mode,
                                         t.fmt.group_size, t.fmt.sink_tokens, float(softmax_scale),
                                         0, cache.backend if backend == "auto" else backend)
     return out
 
 
 def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                   commits, k_sink, v_sink, bits, k_mode, group_size, sink_tokens, capacity) -> CacheTensors:
+                   commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, capacity) -> CacheTensors:
     return CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                        KVFormat(bits=bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens),
+                        KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size,
+                                 sink_tokens=sink_tokens),
                         capacity=capacity, overflow=overflow, commits=commits,
                         sinks=(k_sink, v_sink) if sink_tokens else None)
 
@@ -80,14 +81,14 @@ def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqle
 def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack: torch.Tensor,
            v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
            block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor, k_sink: Optional[torch.Tensor],
-           v_sink: Optional[torch.Tensor], bits: int, k_mode: str, group_size: int, sink_tokens: int,
-           capacity: int, backend: str) -> None:
+           v_sink: Optional[torch.Tensor], bits: int, v_bits: int, k_mode: str, group_size: int,
+           sink_tokens: int, capacity: int, backend: str) -> None:
     """``KVCache.append`` of ``k``, ``v`` ``[B, T, Hkv, D]`` on the cache tensors, with the
     capacity checked on the device (no host sync)."""
     from .cache import reference_append
 
     c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, k_mode, group_size, sink_tokens, capacity)
+                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, capacity)
     if backend == "reference":
         reference_append(c, k, v)
     else:
@@ -103,7 +104,7 @@ def _append_fake(*args) -> None:
 def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor,
             v_pack: torch.Tensor, v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor,
             cache_seqlens: torch.Tensor, block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor,
-            k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor], bits: int, k_mode: str,
+            k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor], bits: int, v_bits: int, k_mode: str,
             group_size: int, sink_tokens: int, capacity: int, backend: str) -> None:
     """``KVCache.prefill``: the first ``seqlens[b]`` (int32, on the cache's device) tokens of
     ``k``, ``v`` ``[B, N, Hkv, D]`` replace each sequence's content.  Lengths and the block
@@ -111,7 +112,7 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
     from .cache import reference_prefill
 
     c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, k_mode, group_size, sink_tokens, capacity)
+                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, capacity)
     if backend == "reference":
         reference_prefill(c, k, v, seqlens.tolist())
     else:
@@ -123,18 +124,12 @@ def _prefill_fake(*args) -> None:
     return None
 
 
-def _kernel_ready(cache) -> None:
-    if not cache.fmt.kernel_ready:  # the ops' schema carries one width
-        raise ValueError(f"the bitdecode ops take caches of one K/V width, got fmt={cache.fmt}")
-
-
 def _write_args(cache):
-    _kernel_ready(cache)
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
     return (t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
-            t.overflow, t.commits, k_sink, v_sink, t.fmt.bits, t.fmt.k_mode, t.fmt.group_size, t.fmt.sink_tokens,
-            t.capacity, cache.backend)
+            t.overflow, t.commits, k_sink, v_sink, t.fmt.bits, t.fmt.v_bits, t.fmt.k_mode, t.fmt.group_size,
+            t.fmt.sink_tokens, t.capacity, cache.backend)
 
 
 def append_cache(k: torch.Tensor, v: torch.Tensor, cache) -> None:

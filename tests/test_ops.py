@@ -27,7 +27,7 @@ def test_decode_op_equals_the_python_call(gen):
     want, want_lse = bd.decode(q, cache, return_lse=True)
     t = cache.tensors()
     out, lse = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
-                                          t.cache_seqlens, t.block_table, None, None, 4, "channel", 64, 0,
+                                          t.cache_seqlens, t.block_table, None, None, 4, 4, "channel", 64, 0,
                                           64 ** -0.5, 0, "reference")
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
@@ -42,7 +42,7 @@ def _op_args(gen):
     t = cache.tensors()
     q = torch.randn(2, 1, 4, 64, generator=gen).half()
     return (q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
-            None, None, 4, "channel", 64, 0, 0.125, 0, "reference")
+            None, None, 4, 4, "channel", 64, 0, 0.125, 0, "reference")
 
 
 def test_compiled_step_traces_the_op_in_one_graph(gen):
@@ -67,8 +67,8 @@ def test_compiled_step_traces_the_op_in_one_graph(gen):
 # --------------------------------------------------------------------------------------
 
 
-def _twins(gen, lens, max_seqlen=None, sinks=0, hadamard=False):
-    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=sinks, hadamard=hadamard)
+def _twins(gen, lens, max_seqlen=None, sinks=0, hadamard=False, v_bits=None):
+    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=sinks, hadamard=hadamard, v_bits=v_bits)
     n = max(lens)
     k, v = kvdata.kv(gen, len(lens), n, 2, 64, dtype=torch.float16, device="cpu")
     caches = [bd.KVCache.allocate(len(lens), 2, 64, max_seqlen or n + 200, fmt, dtype=torch.float16, device="cpu",
@@ -83,9 +83,10 @@ def _same_storage(a, b):
         assert torch.equal(x, y), "sinks"
 
 
-@pytest.mark.parametrize("sinks, hadamard", [(0, False), (24, False), (0, True)])
-def test_write_ops_equal_the_python_calls(gen, sinks, hadamard):
-    (a, b), k, v = _twins(gen, [150, 20], sinks=sinks, hadamard=hadamard)
+@pytest.mark.parametrize("sinks, hadamard, v_bits", [(0, False, None), (24, False, None), (0, True, None),
+                                                     (0, False, 2)])
+def test_write_ops_equal_the_python_calls(gen, sinks, hadamard, v_bits):
+    (a, b), k, v = _twins(gen, [150, 20], sinks=sinks, hadamard=hadamard, v_bits=v_bits)
     a.prefill(k, v, [150, 20])
     ops.prefill_cache(k, v, torch.tensor([150, 20], dtype=torch.int32), b)
     _same_storage(a, b)
@@ -147,11 +148,15 @@ def test_compiled_step_traces_append_and_decode_in_one_graph(gen):
     _same_storage(a, b)
 
 
-def test_ops_refuse_formats_their_schema_cannot_carry(gen):
-    c = bd.KVCache.allocate(1, 2, 64, 300, bd.KVFormat(bits=2, v_bits=4, group_size=64), device="cpu",
-                            backend="reference")
-    k = torch.zeros(1, 1, 2, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="one K/V width"):
-        ops.append_cache(k, k, c)
-    with pytest.raises(ValueError, match="one K/V width"):
-        ops.decode_cache(torch.zeros(1, 1, 4, 64, dtype=torch.float16), c, 0.125)
+def test_ops_carry_both_widths(gen):
+    """K 2-bit / V 4-bit through the ops equals the Python calls (the schema carries v_bits)."""
+    fmt = bd.KVFormat(bits=2, v_bits=4, group_size=64)
+    a, b = (bd.KVCache.allocate(1, 2, 64, 600, fmt, device="cpu", backend="reference") for _ in range(2))
+    k, v = kvdata.kv(gen, 1, 520, 2, 64, dtype=torch.float16, device="cpu")
+    a.prefill(k[:, :500], v[:, :500])
+    ops.prefill_cache(k[:, :500], v[:, :500], torch.tensor([500], dtype=torch.int32), b)
+    a.append(k[:, 500:], v[:, 500:])
+    ops.append_cache(k[:, 500:], v[:, 500:], b)
+    _same_storage(a, b)
+    q = torch.randn(1, 1, 4, 64, generator=gen).half()
+    assert torch.equal(ops.decode_cache(q, b, 0.125), bd.decode(q, a, softmax_scale=0.125))
