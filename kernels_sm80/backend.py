@@ -33,7 +33,7 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 
     f16, i32, f32 = cutlass.Float16, cutlass.Int32, cutlass.Float32
     wk = sm80.words_per_row(fmt.bits, head_dim)
-    wv = sm80.words_per_row(fmt.v_bits, fmt.residual_block)
+    wv = sm80.words_per_row(fmt.v_bits, fmt.v_tile)  # words of a V tile's row
     nr, d, g = fmt.residual_block, head_dim, fmt.group_size
     ks_last = d if fmt.k_mode == "channel" else d // g
     args = [
@@ -80,7 +80,7 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
 
     i32 = cutlass.Int32
     wk = sm80.words_per_row(fmt.bits, head_dim)
-    wv = sm80.words_per_row(fmt.v_bits, fmt.residual_block)
+    wv = sm80.words_per_row(fmt.v_bits, fmt.v_tile)  # words of a V tile's row
     nr, d, g = fmt.residual_block, head_dim, fmt.group_size
     ks_last = d if fmt.k_mode == "channel" else d // g
     return [

@@ -2,7 +2,8 @@
 
 One CTA = (split, KV head, sequence); 4 warps along the sequence (Wm = 1, Wn = 4).  Each
 packed tile is one residual block of ``Nr`` tokens; warp ``w`` owns tokens
-``[w*T, (w+1)*T)`` of it (T = Nr/4), which is exactly chunk ``w`` of the packed V rows.
+``[w*T, (w+1)*T)`` of it (T = Nr/4), which is exactly chunk ``w`` of the packed V rows
+(K2V4: chunks ``2 (w % 2)`` and ``2 (w % 2) + 1`` of the block's 4-bit V tile ``w // 2``).
 
 Query transformation: the ``gq`` query heads that share a KV head form the N side (8 or
 16 columns) of transposed products, so the sequence and the head dim fill the M = 16
@@ -88,18 +89,20 @@ class PackedDecodeConfig:
         # head) pairs, token-major (the host orders them so), and token j of the newest tq
         # sees the first len - tq + 1 + j tokens (a causal mask on every softmax step)
         self.tq = tq
-        # tokens of one packed tile: the wider tile of the two widths (K4V2: 2-bit V's 256);
-        # V's own tile must be the whole tile (KVFormat.kernel_ready)
+        # tokens of one packed tile: the wider tile of the two widths (K4V2 and K2V4: the
+        # 2-bit tile of 256); V is packed in tiles of its own width (KVFormat.v_tile), so a
+        # tile holds one V tile, or two 128-token 4-bit V tiles beside 2-bit K (K2V4)
         self.nr = max(sm80.residual_block(bits), sm80.residual_block(self.v_bits))
-        assert sm80.residual_block(self.v_bits) == self.nr, "V's tile must be the packed tile"
+        self.v_tile = sm80.residual_block(self.v_bits)
+        self.v_tiles = self.nr // self.v_tile
         self.kpw_k = sm80.k_blocks_per_word(bits)  # 16-wide k-blocks per packed K word
         self.kpw_v = sm80.k_blocks_per_word(self.v_bits)  # ... per packed V word
         self.wk = sm80.words_per_row(bits, head_dim)  # words of a packed K row (a token)
-        self.wv = sm80.words_per_row(self.v_bits, self.nr)  # words of a packed V row (a channel)
+        self.wv = sm80.words_per_row(self.v_bits, self.v_tile)  # words of a V tile's row (a channel)
         self.groups_v = head_dim // group_size
         # one tile's packed words and (scale, zero) words
         self.bytes_kp = self.nr * self.wk * 4
-        self.bytes_vp = head_dim * self.wv * 4
+        self.bytes_vp = self.v_tiles * head_dim * self.wv * 4
         self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
         self.words_vs = self.nr * self.groups_v
 
@@ -148,7 +151,9 @@ class DecodeSm80(PackedDecodeConfig):
     ):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
-        self.t = self.nr // NUM_WARPS  # tokens per warp per tile: its chunk of the V rows
+        self.t = self.nr // NUM_WARPS  # tokens per warp per tile
+        # 16-byte chunks of V rows those tokens span: one, or two of a 4-bit V tile (K2V4)
+        self.cpw_v = self.t // sm80.chunk_columns(self.v_bits)
         # shared memory per stage (bytes)
         self.stage_bytes = _round_up(self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs), 128)
         self.num_stages = num_stages or (3 if head_dim <= 128 else 2)
@@ -292,7 +297,7 @@ class DecodeSm80(PackedDecodeConfig):
         kp = cute.make_tensor(cute.recast_ptr(stage, dtype=cutlass.Float16),
                               sm80.make_smem_layout(self.nr, 4 * self.wk))
         vp = cute.make_tensor(cute.recast_ptr(stage + self.bytes_kp, dtype=cutlass.Float16),
-                              sm80.make_smem_layout(self.d, 4 * self.wv))
+                              sm80.make_smem_layout(self.v_tiles * self.d, 4 * self.wv))  # V tiles stacked
         ks_ptr = cute.recast_ptr(stage + self.bytes_kp + self.bytes_vp, dtype=cutlass.Int32)
         if const_expr(self.k_channel):
             ks = cute.make_tensor(ks_ptr, cute.make_layout((self.nr // self.group, self.d), stride=(self.d, 1)))
@@ -309,8 +314,10 @@ class DecodeSm80(PackedDecodeConfig):
         kp, vp, ks, vs = self.stage_tensors(stage)
         gkp = cute.local_tile(mKp[page, head_kv, None, None], (self.nr, 2 * self.wk), (off // self.nr, 0))
         copy_rows(assume_aligned(gkp), kp, tid, NUM_THREADS, 0, False)
-        gvp = mVp[page, head_kv, off // self.nr, None, None]
-        copy_rows(assume_aligned(gvp), vp, tid, NUM_THREADS, 0, False)
+        for i in cutlass.range_constexpr(self.v_tiles):  # the block's V tiles, one under the other
+            gvp = mVp[page, head_kv, off // self.v_tile + i, None, None]
+            copy_rows(assume_aligned(gvp), cute.local_tile(vp, (self.d, 2 * self.wv), (i, 0)), tid, NUM_THREADS,
+                      0, False)
         if const_expr(self.k_channel):
             gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr // self.group, self.d),
                                   (off // self.nr, 0))
@@ -455,8 +462,14 @@ class DecodeSm80(PackedDecodeConfig):
     # Packed tile: O^T += V^T P^T
     # ---------------------------------------------------------------------------------
     def load_v_words(self, stage, warp_idx, lane):
+        """The warp's ``cpw_v`` chunks of every V row: chunk ``warp`` of the one V tile, or
+        (two 4-bit V tiles) chunks ``2 (warp % 2) ..`` of tile ``warp // 2``."""
         _, vp, _, _ = self.stage_tensors(stage)
-        slice_v = cute.local_tile(vp, (self.d, 8), (0, warp_idx))  # chunk `warp` of every row
+        if const_expr(self.cpw_v == 1):
+            slice_v = cute.local_tile(vp, (self.d, 8), (0, warp_idx))
+        else:
+            per_tile = NUM_WARPS // self.cpw_v  # warps that share a V tile
+            slice_v = cute.local_tile(vp, (self.d, 8 * self.cpw_v), (warp_idx // per_tile, warp_idx % per_tile))
         return load_packed_words(slice_v, lane)
 
     @cute.jit
@@ -464,11 +477,12 @@ class DecodeSm80(PackedDecodeConfig):
         _, _, _, vs = self.stage_tensors(stage)
         frag_p = self.p_fragments(thr_mma, acc_s, self.t)
         c = lane % 4
-        for kt in cutlass.range_constexpr(self.kpw_v):
+        for kb in cutlass.range_constexpr(self.t // 16):  # the warp's k-blocks: chunk kb // kpw_v, field kt
+            chunk, kt = kb // self.kpw_v, kb % self.kpw_v
             # (scale, zero) of the lane's four tokens of this k-block, per channel group
             pairs = []
             for gi in cutlass.range_constexpr(self.groups_v):
-                row = vs[warp_idx * self.kpw_v + kt, gi, None]
+                row = vs[warp_idx * (self.t // 16) + kb, gi, None]
                 p0, p1 = Uint32(row[4 * c]), Uint32(row[4 * c + 1])
                 p2, p3 = Uint32(row[4 * c + 2]), Uint32(row[4 * c + 3])
                 pairs.append((split_params(p0, p1), split_params(p2, p3)))
@@ -478,12 +492,12 @@ class DecodeSm80(PackedDecodeConfig):
                 gi = (16 * mt) // self.group
                 for h in cutlass.range_constexpr(2):
                     i = 2 * (mt % 2) + h
-                    word = words[(i, 0), mt // 2, 0]
+                    word = words[(i, 0), mt // 2, chunk]
                     codes = dq.codes(word, (2 * kt, 2 * kt + 1))
                     for ch in cutlass.range_constexpr(2):
                         s2, z2 = pairs[gi][ch]
                         frag_a32[(0, h, ch), mt, 0] = dq.scale(codes[2 * kt + ch], s2, z2)
-            cute.gemm(mma, acc_o, frag_a[None, None, 0], frag_p[None, None, kt], acc_o)
+            cute.gemm(mma, acc_o, frag_a[None, None, 0], frag_p[None, None, kb], acc_o)
 
     # ---------------------------------------------------------------------------------
     # 16-bit residual sub-tile (64 tokens, 16 per warp)

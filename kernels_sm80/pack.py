@@ -99,16 +99,17 @@ class PackSm80:
         self.pdl = pdl  # programmatic dependent launch (sm_90+), as the decode kernels
         self.is_bf16 = dtype is cutlass.BFloat16
         self.nan16 = packing.nan16(self.is_bf16)
-        # K's and V's widths (K4V2: V narrower); the block is the wider tile of the two,
-        # and V's own tile must be that block (a narrower V is a longer tile)
+        # K's and V's widths (K4V2, K2V4); the block is the wider tile of the two, and V
+        # is packed in tiles of its own width (two 4-bit V tiles per block beside 2-bit K)
         self.kw, self.vw = Width(bits), Width(v_bits or bits)
         self.k_channel = k_mode == "channel"
         self.group = group_size
         self.d = head_dim
         self.mode = mode
         self.nr = max(sm80.residual_block(bits), sm80.residual_block(self.vw.bits))
-        assert sm80.residual_block(self.vw.bits) == self.nr, "V's tile must be the block (K2V4 is not a kernel format)"
-        self.t = self.nr // NUM_WARPS  # tokens of one warp: its chunk of the V rows
+        self.v_tile = sm80.residual_block(self.vw.bits)
+        self.t = self.nr // NUM_WARPS  # tokens of one warp
+        self.cpw_v = self.t // sm80.chunk_columns(self.vw.bits)  # the V-row chunks they span
         self.wk = sm80.words_per_row(bits, head_dim)
         self.seg = min(group_size, self.t)  # K per channel: one warp's share of a group
         self.tile_bytes = self.nr * head_dim * 2
@@ -481,18 +482,31 @@ class PackSm80:
     # ---------------------------------------------------------------------------------
     @cute.jit
     def pack_v(self, s_tile, mBlockTable, mVp, mVs, b, head, blk, warp_idx, lane):
-        page, off = self.locate(mBlockTable, mVp.shape[2] * self.nr, b, blk)
-        c, g = lane % 4, lane // 4
+        page, off = self.locate(mBlockTable, mVp.shape[2] * self.v_tile, b, blk)
         s_vt = cute.composition(s_tile, cute.make_layout((self.d, self.nr), stride=(self.nr, 1)))
+        if const_expr(self.cpw_v == 1):  # chunk `warp` of the block's one V tile
+            self.pack_v_chunk(s_vt, mVp, mVs, page, off, head, warp_idx, Int32(0), warp_idx, lane)
+        else:  # two 4-bit V tiles (K2V4): the warp's chunks 2 (warp % 2) .. of tile warp // 2
+            for i in cutlass.range_constexpr(self.cpw_v):
+                chunk = warp_idx * self.cpw_v + i
+                self.pack_v_chunk(s_vt, mVp, mVs, page, off, head, chunk, chunk // NUM_WARPS, chunk % NUM_WARPS,
+                                  lane)
+
+    @cute.jit
+    def pack_v_chunk(self, s_vt, mVp, mVs, page, off, head, chunk, tile, tile_chunk, lane):
+        """Chunk ``chunk`` of the block's V rows (``chunk_columns`` tokens, one 16-byte
+        word group per row; chunk ``tile_chunk`` of V tile ``tile``): its codes and its
+        tokens' params."""
+        c, g = lane % 4, lane // 4
         gm = self.group // 16  # channel m-tiles per group
-        # the lane's words: rows g and g+8 of every channel m-tile, word c of the warp's chunk
+        # the lane's words: rows g and g+8 of every channel m-tile, word c of the chunk
         words = cute.make_rmem_tensor((2, gm, self.d // self.group), Uint32)
         words.fill(self.vw.word_start)
         # a runtime loop over the word's k-blocks (small code, see pack_k): the fields of
         # k-block kt sit 2 * bits * kt above those of k-block 0
         for kt in cutlass.range(self.vw.kpw, unroll=1):
             # V^T (all D channels x one 16-token k-block), loaded exactly as decode loads it
-            view = cute.local_tile(s_vt, (self.d, 16), (0, warp_idx * self.vw.kpw + kt))
+            view = cute.local_tile(s_vt, (self.d, 16), (0, chunk * self.vw.kpw + kt))
             frag = self.fragments(view, lane, True)  # ((2,2,2), D/16, 1)
             frag32 = cute.recast_tensor(frag, Uint32)
             for gi in cutlass.range_constexpr(self.d // self.group):
@@ -512,7 +526,7 @@ class PackSm80:
                     prm[2 * p] = self.params(self.low(mn2), self.low(mx2), self.vw)
                     prm[2 * p + 1] = self.params(self.high(mn2), self.high(mx2), self.vw)
                 if g == 0:
-                    tile16 = (off + warp_idx * self.t) // 16 + kt
+                    tile16 = off // 16 + chunk * self.vw.kpw + kt
                     for v in cutlass.range_constexpr(4):
                         mVs[page, head, tile16, gi, sm80.param_position(0, c, v)] = Int32(prm[v][0])
                 for mm in cutlass.range_constexpr(gm):
@@ -527,4 +541,4 @@ class PackSm80:
             for mm in cutlass.range_constexpr(gm):
                 for h in cutlass.range_constexpr(2):
                     d = 16 * (gi * gm + mm) + 8 * h + g
-                    mVp[page, head, off // self.nr, d, 4 * warp_idx + c] = Int32(words[h, mm, gi])
+                    mVp[page, head, off // self.v_tile + tile, d, 4 * tile_chunk + c] = Int32(words[h, mm, gi])

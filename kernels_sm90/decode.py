@@ -122,7 +122,8 @@ class DecodeSm90(PackedDecodeConfig):
         return (sm90.make_operand_smem_layout(self.dtype, self.nh, self.d),
                 sm90.make_operand_smem_layout(self.dtype, self.nh, self.step),
                 sm90.make_packed_smem_layout(self.nr, 4 * self.wk, self.num_stages),
-                sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages))
+                # V: one slot per V tile of a stage (two 4-bit tiles per 2-bit K tile in K2V4)
+                sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles))
 
     def _shared_storage(self):
         stages = self.num_stages
@@ -232,7 +233,9 @@ class DecodeSm90(PackedDecodeConfig):
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)
             cute.copy(tma_k, tKg[None, blk, head_kv, page], tKs[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_v, tVg[None, blk, head_kv, page], tVs[None, state.index], tma_bar_ptr=bar)
+            for i in cutlass.range_constexpr(self.v_tiles):
+                cute.copy(tma_v, tVg[None, off // self.v_tile + i, head_kv, page],
+                          tVs[None, state.index * self.v_tiles + i], tma_bar_ptr=bar)
             with cute.arch.elect_one():
                 ks_first = mKs[page, head_kv, None, None]  # rows: groups of tokens (K per channel) or tokens
                 ks_row = off // self.group if const_expr(self.k_channel) else off
@@ -300,7 +303,7 @@ class DecodeSm90(PackedDecodeConfig):
             self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0, dq_k, warp, lane)
         for tile in cutlass.range(tile_begin, packed_end, unroll=1):
             kp = sKp[None, None, state.index]
-            vp = sVp[None, None, state.index]
+            vp = [sVp[None, None, state.index * self.v_tiles + i] for i in range(self.v_tiles)]
             ks = sKs[None, state.index]
             vs = sVs[None, state.index]
             for st in cutlass.range_constexpr(self.steps):
@@ -396,21 +399,25 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def v_fragments(self, thr_o, vp, vs, st, dq, warp, lane):
-        """Dequantized V^T A-fragments of step ``st``: ``(regs, channel M-blocks, step/16)``."""
+        """Dequantized V^T A-fragments of step ``st``: ``(regs, channel M-blocks, step/16)``.
+        ``vp``: the stage's V tiles (one, or two 128-token 4-bit tiles in K2V4); a step
+        lies in one of them."""
         c = lane % 4
         frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, self.step)), self.dtype)
         frag32 = cute.recast_tensor(frag, Uint32)
         kt0 = st * (self.step // K_BLOCK)
         per_step = self.step // sm80.chunk_columns(self.v_bits)  # chunks of a V row per step
+        per_tile = self.v_tile // sm80.chunk_columns(self.v_bits)  # ... per V tile
+        tile = (st * self.step) // self.v_tile
         chans = [mb * M_BLOCK + warp * SLAB for mb in range(self.m_v)]
-        words = [self.slab_words(vp, ch0, st * per_step, per_step, lane) for ch0 in chans]
+        words = [self.slab_words(vp[tile], ch0, st * per_step - tile * per_tile, per_step, lane) for ch0 in chans]
         # channel groups of at least 64 make the group static: M-blocks in one group share
         # the pairs of a k-block (loaded once, k-block by k-block)
         static_gi = self.group >= M_BLOCK
         shared = {}
         for k in cutlass.range_constexpr(self.step // K_BLOCK):
             kt = kt0 + k  # k-block of tokens in the tile
-            j, kb = kt // self.kpw_v, kt % self.kpw_v
+            j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
             for mb in cutlass.range_constexpr(self.m_v):
                 gi = (mb * M_BLOCK) // self.group if const_expr(static_gi) else chans[mb] // self.group
                 key = (kt, gi)

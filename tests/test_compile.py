@@ -181,13 +181,16 @@ def test_pack_with_sink_tokens_ptx(mode):
     assert _count(ptx[5], "st.global.v4") > _count(ptx[0], "st.global.v4"), "no sink-token copies in the pack PTX"
 
 
+@pytest.mark.parametrize("widths", [(4, 2), (2, 4)], ids=["k4v2", "k2v4"])
 @pytest.mark.parametrize("backend_name", ["sm80", "sm90"])
-def test_decode_k4v2_ptx(backend_name, tmp_path):
-    """K 4-bit / V 2-bit: one kernel dequantizes with both widths' lop3 masks (the 4-bit
-    pair mask 0x000F000F for K, the 2-bit 0x00030003 for V) and does not spill."""
+def test_decode_k4v2_ptx(backend_name, widths, tmp_path):
+    """K and V at their own widths (K4V2; K2V4 with two 4-bit V tiles per block, compiled
+    though not yet enabled: KVFormat.kernel_ready): one kernel dequantizes with both
+    widths' lop3 masks (the 4-bit pair mask 0x000F000F, the 2-bit 0x00030003) and does
+    not spill."""
     from bitdecode import backend as backends
 
-    fn = backends.get(backend_name).compile_decode("sm_90a", KVFormat(4, "channel", 128, v_bits=2),
+    fn = backends.get(backend_name).compile_decode("sm_90a", KVFormat(widths[0], "channel", 128, v_bits=widths[1]),
                                                    cutlass.Float16, 128, 8, True, keep_ptx=True)
     ptx = fn.artifacts.PTX
     assert "mov.b32 m, 983055;" in ptx and "mov.b32 m, 196611;" in ptx, "a width's lop3 mask is missing"
@@ -196,11 +199,13 @@ def test_decode_k4v2_ptx(backend_name, tmp_path):
     assert "C7514" not in report
 
 
+@pytest.mark.parametrize("widths", [(4, 2), (2, 4)], ids=["k4v2", "k2v4"])
 @pytest.mark.parametrize("mode", ["prefill", "append"])
-def test_pack_k4v2_ptx(mode, tmp_path):
-    """The pack kernel of K 4-bit / V 2-bit (64 tokens of 4-bit K per warp) does not spill."""
-    fn = kernels.compile_pack("sm_90a", KVFormat(4, "channel", 64, v_bits=2), cutlass.Float16, 128, mode,
-                              keep_ptx=True)
+def test_pack_k4v2_ptx(mode, widths, tmp_path):
+    """The pack kernel of K 4-bit / V 2-bit (64 tokens of 4-bit K per warp) and of K2V4
+    (two 4-bit V tiles per block) does not spill."""
+    fn = kernels.compile_pack("sm_90a", KVFormat(widths[0], "channel", 64, v_bits=widths[1]), cutlass.Float16, 128,
+                              mode, keep_ptx=True)
     assert _spills(fn.artifacts.PTX, "sm_90a", tmp_path) == 0
 
 
@@ -217,3 +222,35 @@ def test_decode_multi_token_ptx(backend_name, tmp_path):
     report = _ptxas_report(ptx[4], "sm_90a", tmp_path)
     assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
     assert "C7514" not in report
+
+
+def _static_dims(fake):
+    return tuple(s if isinstance(s, int) else None for s in fake.shape)
+
+
+@pytest.mark.parametrize("fmt", [KVFormat(4, "channel", 128), KVFormat(2, "token", 32, sink_tokens=5),
+                                 KVFormat(4, "channel", 64, v_bits=2), KVFormat(2, "channel", 64, v_bits=4)],
+                         ids=["4bit", "2bit-s5", "k4v2", "k2v4"])
+def test_compiled_argument_shapes_match_the_cache(fmt):
+    """The static dims the kernels are compiled for are those of a cache's tensors, for
+    every format (a static V row width taken from the block instead of V's own tile made
+    every K2V4 call fail at the TVM-FFI shape check)."""
+    import torch
+
+    import bitdecode as bd
+    from bitdecode.kernels_sm80.backend import sink_tensors
+
+    d = 128
+    cache = bd.KVCache.allocate(2, 2, d, 600, fmt, dtype=torch.float16, device="cpu", backend="reference")
+    t = cache.tensors()
+    real = [torch.empty(2, 1, 8, d), t.k_pack.view(torch.float16), t.k_params, t.v_pack.view(torch.float16),
+            t.v_params, t.k_res, t.v_res, *sink_tensors(t), t.cache_seqlens, t.block_table]
+    fakes = kernels.decode_args(fmt, cutlass.Float16, d, False)
+    for i, (x, f) in enumerate(zip(real, fakes)):
+        dims = _static_dims(f)
+        assert len(dims) == x.dim() and all(s is None or s == n for s, n in zip(dims, x.shape)), (i, dims, x.shape)
+    writes = [torch.empty(2, 3, 2, d), torch.empty(2, 3, 2, d), t.k_res, t.v_res, *sink_tensors(t), t.cache_seqlens,
+              t.block_table, t.k_pack, t.k_params, t.v_pack, t.v_params, t.overflow, t.commits]
+    for i, (x, f) in enumerate(zip(writes, kernels.pack_args(fmt, cutlass.Float16, d))):
+        dims = _static_dims(f)
+        assert len(dims) == x.dim() and all(s is None or s == n for s, n in zip(dims, x.shape)), (i, dims, x.shape)
