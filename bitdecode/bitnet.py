@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import _validate, dispatch
+from . import _validate, dispatch, jit
 from .backend import num_sms
 from .reference import _to_int32
 from .layouts import bitnet as layout
@@ -337,10 +337,10 @@ def pdl_enabled() -> bool:
 
 
 def _with_pdl(cfg, arch: str):
-    """``cfg`` with programmatic dependent launch on Hopper unless ``BITDECODE_PDL=0``: the
+    """``cfg`` with programmatic dependent launch from sm_90 on unless ``BITDECODE_PDL=0``: the
     GEMV and the mma.sync GEMM stream weights while the previous kernel drains
     (profiles/NOTES.md); the weights must not come from that kernel."""
-    return dataclasses.replace(cfg, pdl=arch == "sm_90a" and pdl_enabled())
+    return dataclasses.replace(cfg, pdl=jit.has_pdl(arch) and pdl_enabled())
 
 
 def gemv_config_for(device: torch.device, n: int, k: int):

@@ -17,10 +17,9 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from ..layouts import sm80
+from .reduce import LN_2, LOG2_E
 from .tensors import one_token, wait_for_previous_kernel
 
-LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
 NUM_THREADS = 128
 NUM_WARPS = NUM_THREADS // 32
 VEC = 4

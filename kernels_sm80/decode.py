@@ -37,10 +37,9 @@ from ..layouts import resources, sm80
 from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
-from .reduce import across_rows
+from .reduce import LN_2, across_rows
 from .tensors import aligned_ptr, assume_aligned, one_token, page_of, split_tiles, wait_for_previous_kernel
 
-LN_2 = 0.6931471805599453
 NUM_WARPS = sm80.WARPS_N
 NUM_THREADS = resources.WARP * NUM_WARPS
 RES_ROWS_PER_WARP = 16  # residual sub-tile: one m16 tile of tokens per warp
