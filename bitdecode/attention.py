@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from . import _validate, backend as backends, dispatch, reference
 from .backend import CacheTensors
 from .formats import KVFormat
-
-LOG2_E = 1.4426950408889634
+from .layouts.packing import LOG2_E
 
 
 def check_cache(
@@ -29,10 +28,14 @@ def check_cache(
     head_dim: Optional[int] = None,
     dtype: Optional[torch.dtype] = None,
     check_values: bool = True,
+    sinks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> CacheTensors:
+    """The validated ``CacheTensors`` of these tensors.  ``sinks``: the 16-bit sink tokens
+    ``[B, S, Hkv, D]`` of a format with ``sink_tokens`` (the torch ops pass them; the
+    functional ``decode_attention`` takes none)."""
     if not isinstance(fmt, KVFormat):
         raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
-    if fmt.sink_tokens:
+    if fmt.sink_tokens and sinks is None:
         raise ValueError(f"fmt has sink_tokens={fmt.sink_tokens}: the functional form takes no sink "
                          "buffers; use a KVCache")
     _validate.tensor("k_res", k_res, dtypes=[dtype] if dtype else _validate.FLOAT16_DTYPES, ndim=4)
@@ -72,7 +75,13 @@ def check_cache(
             raise ValueError(f"block_table must have shape ({batch}, *), got {tuple(block_table.shape)}")
     _validate.same_device(k_res=k_res, v_res=v_res, k_pack=k_pack, k_params=k_params, v_pack=v_pack,
                           v_params=v_params, cache_seqlens=cache_seqlens, block_table=block_table)
-    cache = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, fmt)
+    if fmt.sink_tokens:
+        sink_shape = (batch, fmt.sink_tokens, hkv, head_dim)
+        _validate.tensor("k_sink", sinks[0], dtypes=[dtype], shape=sink_shape, contiguous=True)
+        _validate.tensor("v_sink", sinks[1], dtypes=[dtype], shape=sink_shape, contiguous=True)
+        _validate.same_device(k_res=k_res, k_sink=sinks[0], v_sink=sinks[1])
+    cache = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, fmt,
+                         sinks=tuple(sinks) if fmt.sink_tokens else None)
     if check_values and not _capturing(k_pack.device):
         _check_values(cache)
     return cache
@@ -148,7 +157,20 @@ def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
 def fits_kernel_tile(q: torch.Tensor, cache: CacheTensors, backend: str) -> bool:
     """Whether the kernels take q's query rows per KV head (tokens x heads) in one tile;
     more query tokens than that run ``chunk_decode``."""
-    return q.shape[1] * (q.shape[2] // cache.k_res.shape[2]) <= backends.get(backend).limits.max_gqa
+    return backends.query_rows(q.shape[1], q.shape[2], cache.k_res.shape[2]) <= backends.get(backend).limits.max_gqa
+
+
+def aligned_rows(q: torch.Tensor) -> bool:
+    """Whether the kernels can take ``q`` as it is: dense, 16-byte aligned rows (else a
+    copy: padded heads, a storage offset)."""
+    return q.is_contiguous() and q.data_ptr() % 16 == 0
+
+
+def reference_decode(q: torch.Tensor, cache: CacheTensors, scale: float, return_lse: bool):
+    """``reference.decode`` over the cache tensors."""
+    return reference.decode(q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res,
+                            cache.v_res, cache.cache_seqlens, cache.fmt, cache.block_table, scale, return_lse,
+                            cache.sinks)
 
 
 def chunk_decode(q: torch.Tensor, cache: CacheTensors, scale: float, return_lse: bool):
@@ -158,9 +180,7 @@ def chunk_decode(q: torch.Tensor, cache: CacheTensors, scale: float, return_lse:
     sequence; lengths are ragged).  Reads the lengths (one sync), so it is not
     graph-capturable.  With ``return_lse`` the reference's fp32 maths instead."""
     if return_lse:
-        return reference.decode(q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res,
-                                cache.v_res, cache.cache_seqlens, cache.fmt, cache.block_table, scale, True,
-                                cache.sinks)
+        return reference_decode(q, cache, scale, True)
     tq = q.shape[1]
     outs = []
     for b, n in enumerate(cache.cache_seqlens.tolist()):
@@ -215,14 +235,10 @@ def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_ls
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     splits = check_splits(num_splits, backend)
     if backend == "reference":
-        return reference.decode(
-            q, cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.v_res,
-            cache.cache_seqlens, cache.fmt, cache.block_table, scale, return_lse, cache.sinks,
-        )
+        return reference_decode(q, cache, scale, return_lse)
     if not fits_kernel_tile(q, cache, backend):
         return chunk_decode(q, cache, scale, return_lse)
-    if not (q.is_contiguous() and q.data_ptr() % 16 == 0):
-        # the kernels take dense, 16-byte aligned rows (padded heads, a storage offset)
+    if not aligned_rows(q):
         q = q.clone(memory_format=torch.contiguous_format)
     # no cache object: a fresh plan, split for the cache's capacity
     plan = plan_decode(cache, q, backend, splits, cache.max_packed_tokens + cache.fmt.residual_block)
@@ -258,9 +274,16 @@ def decode_attention(
     """
     cache = check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
                         block_table, check_values=check_values)
-    backend = dispatch.resolve(backend, q.device if isinstance(q, torch.Tensor) else k_pack.device, fmt=fmt,
+    return decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+                          return_lse=return_lse)
+
+
+def decode_tensors(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse):
+    """Decode over validated cache tensors (``decode_attention``, the torch op): the
+    backend resolved for them, q checked and rotated as the format stores K."""
+    backend = dispatch.resolve(backend, q.device if isinstance(q, torch.Tensor) else cache.device, fmt=cache.fmt,
                                head_dim=cache.head_dim, dtype=cache.dtype)
     check_query(q, cache, backend)
-    q = reference.rotate(q, fmt)  # KVFormat.hadamard: the cache holds K rotated
+    q = reference.rotate(q, cache.fmt)  # KVFormat.hadamard: the cache holds K rotated
     return run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                return_lse=return_lse)

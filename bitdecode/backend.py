@@ -133,6 +133,12 @@ class Backend(Protocol):
     def compile_variant(self, arch: str, variant: Variant, keep_ptx: bool = False, cached: bool = False): ...
 
 
+def query_rows(tq: int, q_heads: int, kv_heads: int) -> int:
+    """Query rows of one KV head in a decode tile: its query heads times the query tokens
+    (``limits.max_gqa`` bounds it)."""
+    return tq * (q_heads // kv_heads)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached)."""
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

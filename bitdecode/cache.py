@@ -334,9 +334,7 @@ class KVCache:
             return attention.chunk_decode(q, cache, scale, return_lse)
         plan = attention.plan_decode(cache, q, backend, attention.check_splits(num_splits, backend), max_len,
                                      self._plans)
-        if not (q.is_contiguous() and q.data_ptr() % 16 == 0):
-            # the kernels take dense, 16-byte aligned rows (padded heads, a storage offset):
-            # a copy, every call, outside the fast path
+        if not attention.aligned_rows(q):  # a copy, every call, outside the fast path
             return plan(q.clone(memory_format=torch.contiguous_format), scale * attention.LOG2_E, return_lse)
         self._fast = (key, plan, scale * attention.LOG2_E)
         return plan(q, self._fast[2], return_lse)

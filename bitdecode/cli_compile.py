@@ -89,21 +89,21 @@ def run(args) -> int:
             return 2
         args.out.mkdir(parents=True, exist_ok=True)
         out = str(args.out)
-    todo = variants(args)
-    if not todo:
+    pending = variants(args)
+    if not pending:
         console.print("[red]no variant matches the filters[/red]")
         return 2
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task(f"compiling for {args.arch}", total=len(todo))
+        task = progress.add_task(f"compiling for {args.arch}", total=len(pending))
         if args.jobs <= 1:
-            for v in todo:
+            for v in pending:
                 results.append(_compile_one(v, args.arch, out, args.warm_cache))
                 progress.advance(task)
         else:
             with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-                futs = [pool.submit(_compile_one, v, args.arch, out, args.warm_cache) for v in todo]
+                futs = [pool.submit(_compile_one, v, args.arch, out, args.warm_cache) for v in pending]
                 for fut in as_completed(futs):
                     results.append(fut.result())
                     progress.advance(task)

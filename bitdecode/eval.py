@@ -289,9 +289,9 @@ def teacher_forced(model, method: Method, x: torch.Tensor, scored: int, backend:
     p = c - scored
     if p < 1:
         raise ValueError(f"scored ({scored}) must be less than the context ({c})")
-    from .hf import cache_kwarg, use_attention
+    from . import hf
 
-    kw = cache_kwarg(model)
+    kw = hf.cache_kwarg(model)
     t0 = time.perf_counter()
     cache = make_cache(model, method, c, backend)
     try:
@@ -301,7 +301,7 @@ def teacher_forced(model, method: Method, x: torch.Tensor, scored: int, backend:
             logp.append(torch.log_softmax(_forward(model, x[:, t:t + 1], cache, kw), dim=-1))
         nbytes = cache_bytes(cache)
     finally:
-        use_attention(model, "sdpa")
+        hf.use_attention(model, "sdpa")
     return torch.stack(logp, dim=1), nbytes, time.perf_counter() - t0
 
 
@@ -463,10 +463,10 @@ def needle_prompts(tokenizer, filler: torch.Tensor, context: int, depths: Sequen
 def greedy(model, method: Method, x: torch.Tensor, new_tokens: int, backend: str = "auto"):
     """x ``[n, L]``: prefill ``L - 1`` tokens, feed the last as a decode step, then generate
     ``new_tokens`` greedily, each step through the cache.  Returns (``[n, new_tokens]``, KV bytes)."""
-    from .hf import cache_kwarg, use_attention
+    from . import hf
 
     n, length = x.shape
-    kw = cache_kwarg(model)
+    kw = hf.cache_kwarg(model)
     cache = make_cache(model, method, length + new_tokens, backend)
     try:
         _forward(model, x[:, :-1], cache, kw)
@@ -477,7 +477,7 @@ def greedy(model, method: Method, x: torch.Tensor, new_tokens: int, backend: str
             out.append(tok)
         nbytes = cache_bytes(cache)
     finally:
-        use_attention(model, "sdpa")
+        hf.use_attention(model, "sdpa")
     return torch.cat(out, dim=1).cpu(), nbytes
 
 

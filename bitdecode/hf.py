@@ -65,7 +65,7 @@ def use_attention(model, name: str) -> None:
     try:
         model.set_attn_implementation(name)
     except Exception:  # noqa: BLE001 - older versions check names against their own list
-        model.config._attn_implementation = name
+        pass
     if model.config._attn_implementation != name:
         model.config._attn_implementation = name
 

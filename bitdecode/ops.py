@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import attention, backend as backends, dispatch, reference
+from . import attention, backend as backends, reference
 from .backend import CacheTensors
 from .formats import KVFormat
 
@@ -31,22 +31,14 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
            block_table: torch.Tensor, k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor],
            bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, softmax_scale: float,
            num_splits: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``bd.decode`` over the cache tensors: (out ``[B, 1, Hq, D]``, lse ``[B, 1, Hq]``);
+    """``bd.decode`` over the cache tensors: (out ``[B, T, Hq, D]``, lse ``[B, T, Hq]``);
     ``k_sink`` / ``v_sink`` the 16-bit sink tokens of a format with ``sink_tokens`` (else
     None).  The values of the lengths and block table are not re-checked (no device sync)."""
     fmt = KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens)
-    if not sink_tokens:
-        return attention.decode_attention(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
-                                          block_table, fmt=fmt, softmax_scale=softmax_scale,
-                                          num_splits=num_splits, backend=backend, return_lse=True,
-                                          check_values=False)
-    # the functional form takes no sink buffers: the cache tensors as a KVCache holds them
-    cache = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, fmt,
-                         sinks=(k_sink, v_sink))
-    backend = dispatch.resolve(backend, q.device, fmt=fmt, head_dim=q.shape[-1], dtype=k_res.dtype)
-    attention.check_query(q, cache, backend)
-    return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
-                         return_lse=True)
+    cache = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                                  check_values=False, sinks=(k_sink, v_sink) if sink_tokens else None)
+    return attention.decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+                                    return_lse=True)
 
 
 @decode.register_fake
@@ -62,8 +54,7 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
     q = reference.rotate(q, t.fmt)  # KVFormat.hadamard: the op takes Q as the cache's K basis
     out, _ = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
                                         t.cache_seqlens, t.block_table, k_sink, v_sink, t.fmt.bits, t.fmt.v_bits,
-                                        t.fmt.k_mode,
-                                        t.fmt.group_size, t.fmt.sink_tokens, float(softmax_scale),
+                                        t.fmt.k_mode, t.fmt.group_size, t.fmt.sink_tokens, float(softmax_scale),
                                         0, cache.backend if backend == "auto" else backend)
     return out
 

@@ -15,7 +15,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from .. import jit
-from ..backend import CacheTensors, Limits, Variant, num_sms
+from ..backend import CacheTensors, Limits, Variant, num_sms, query_rows
 from ..formats import KVFormat
 from ..layouts import resources, sm80
 from .host import cute_dtype as _cute_dtype, fake_tensor, fake_vector, stream as _stream
@@ -118,8 +118,8 @@ def _fmt_key(fmt: KVFormat) -> Tuple:
 
 
 def sink_tensors(cache: CacheTensors) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The sink buffers the kernels take: the cache's, or (no sink tokens) the residual
-    buffers as placeholders that the kernels compiled for ``sinks = 0`` never touch."""
+    """The sink buffers the kernels take: the cache's; without sink tokens the residual
+    buffers fill the two arguments (the kernels compiled for ``sinks = 0`` never read them)."""
     return cache.sinks if cache.fmt.sink_tokens else (cache.k_res, cache.v_res)
 
 
@@ -235,19 +235,14 @@ class DecodePlan:
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 
-def query_rows(tq: int, q_heads: int, kv_heads: int) -> int:
-    """Query rows of one KV head in the decode tile: its query heads times the query tokens."""
-    return tq * (q_heads // kv_heads)
-
-
 class MultiTokenPlan:
     """Decode of ``T`` > 1 query tokens per sequence (the newest ``T``, already appended;
     causal) through the kernels compiled with ``tq = T``: the query rows of a KV head are
     its (token, head) pairs, token-major, so T tokens at GQA g fill the tile as T * g heads
     would.  The host reorders q into that order and the output back (one copy each)."""
 
-    def __init__(self, plan: DecodePlan, tq: int, kv_heads: int):
-        self.plan, self.tq, self.hkv = plan, tq, kv_heads
+    def __init__(self, plan: DecodePlan, kv_heads: int):
+        self.plan, self.hkv = plan, kv_heads
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         b, t, hq, d = q.shape
@@ -326,7 +321,7 @@ class Sm80Backend:
         decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, sm80.heads_tile(rows), splits > 1, tq)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
         plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn)
-        return plan if tq == 1 else MultiTokenPlan(plan, tq, hkv)
+        return plan if tq == 1 else MultiTokenPlan(plan, hkv)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------
     def prefill(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> None:

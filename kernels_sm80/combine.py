@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from ..layouts import sm80
-from .reduce import LN_2, LOG2_E
+from ..layouts.packing import LN_2, LOG2_E
 from .tensors import one_token, wait_for_previous_kernel
 
 NUM_THREADS = 128

@@ -34,10 +34,11 @@ from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..layouts import resources, sm80
+from ..layouts.packing import LN_2
 from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import WordDequant, broadcast_params, split_params
-from .reduce import LN_2, across_rows
+from .reduce import across_rows
 from .tensors import aligned_ptr, assume_aligned, one_token, page_of, split_tiles, wait_for_previous_kernel
 
 NUM_WARPS = sm80.WARPS_N
@@ -206,9 +207,10 @@ class DecodeSm80(PackedDecodeConfig):
         gq = mQ.shape[1] // mKr.shape[2]
 
         wait_for_previous_kernel(self.pdl)
-        n_sink, n_rest = self.token_counts(mSeqlens[batch])
+        seqlen = mSeqlens[batch]
+        n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
-        lim = self.causal_limits(mSeqlens[batch], gq, lane)
+        lim = self.causal_limits(seqlen, gq, lane)
 
         # ---- shared memory --------------------------------------------------------
         smem = cutlass.memory.SmemAllocator()
@@ -265,16 +267,12 @@ class DecodeSm80(PackedDecodeConfig):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         if has_residual:
-            for sub in cutlass.range(0, (n_res + RES_SUBTILE - 1) // RES_SUBTILE, unroll=1):
-                self.residual_subtile(mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv,
-                                      sub, n_res, acc_o, row_max, row_sum, softmax_scale_log2,
-                                      warp_idx, lane, tid, lim, n_sink + n_rest - n_res)
+            self.sixteen_bit_tokens(mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv, n_res, acc_o, row_max,
+                                    row_sum, softmax_scale_log2, warp_idx, lane, tid, lim, n_sink + n_rest - n_res)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
             if split_idx == 0:
-                for sub in cutlass.range(0, (n_sink + RES_SUBTILE - 1) // RES_SUBTILE, unroll=1):
-                    self.residual_subtile(mma, thr_mma, tQrQ, mKsink, mVsink, union, batch, head_kv,
-                                          sub, n_sink, acc_o, row_max, row_sum, softmax_scale_log2,
-                                          warp_idx, lane, tid, lim, 0)
+                self.sixteen_bit_tokens(mma, thr_mma, tQrQ, mKsink, mVsink, union, batch, head_kv, n_sink, acc_o,
+                                        row_max, row_sum, softmax_scale_log2, warp_idx, lane, tid, lim, 0)
 
         # ---- merge the warps, write this split ---------------------------------------
         self.epilogue(acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,
@@ -501,6 +499,15 @@ class DecodeSm80(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     # 16-bit residual sub-tile (64 tokens, 16 per warp)
     # ---------------------------------------------------------------------------------
+    @cute.jit
+    def sixteen_bit_tokens(self, mma, thr_mma, tQrQ, mK, mV, union, batch, head_kv, count, acc_o, row_max, row_sum,
+                           scale_log2, warp_idx, lane, tid, lim, abs_first):
+        """The ``count`` 16-bit tokens of ``mK`` / ``mV`` (the residual or the sinks; row 0
+        is sequence position ``abs_first``), sub-tile by sub-tile."""
+        for sub in cutlass.range(0, (count + RES_SUBTILE - 1) // RES_SUBTILE, unroll=1):
+            self.residual_subtile(mma, thr_mma, tQrQ, mK, mV, union, batch, head_kv, sub, count, acc_o, row_max,
+                                  row_sum, scale_log2, warp_idx, lane, tid, lim, abs_first)
+
     @cute.jit
     def residual_subtile(self, mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv, sub, n_res,
                          acc_o, row_max, row_sum, scale_log2, warp_idx, lane, tid, lim, abs_first):

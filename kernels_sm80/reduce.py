@@ -1,14 +1,8 @@
-"""Warp reductions over MMA accumulator fragments, and the log-base constants of the
-softmax, shared by the decode and combine kernels of every arch."""
+"""Warp reductions over MMA accumulator fragments, shared by the decode kernels of every arch."""
 
 from __future__ import annotations
 
-import math
-
 import cutlass.cute as cute
-
-LOG2_E = math.log2(math.e)  # the softmax runs in base 2: exp(x) = exp2(x log2 e)
-LN_2 = math.log(2.0)  # the LSE the kernels return is natural: log(s) = log2(s) ln 2
 
 COLUMN_LANE_STRIDE = 4  # lanes l and l + 4k hold the same columns (quad lane l % 4) of a fragment
 

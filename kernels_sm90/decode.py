@@ -50,9 +50,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
-from ..kernels_sm80.reduce import LN_2, across_rows
+from ..kernels_sm80.reduce import across_rows
 from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
 from ..layouts import resources, sm80, sm90
+from ..layouts.packing import LN_2
 from . import ptx90
 
 WG = sm90.WARPGROUP_THREADS

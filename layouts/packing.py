@@ -26,6 +26,8 @@ as in BitDecoding).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -166,3 +168,9 @@ NAN_BF16 = 0x7FC0
 
 def nan16(is_bf16: bool) -> int:
     return NAN_BF16 if is_bf16 else NAN_FP16
+
+
+# The softmax convention the host and the kernels share: the host passes the scale times
+# log2(e) and the kernels exponentiate in base 2; the LSE they return is natural (times ln 2).
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
