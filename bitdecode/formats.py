@@ -51,8 +51,8 @@ class KVFormat:
     scale and zero stored as a 16-bit pair in the model dtype.  The newest
     ``(len - sinks) % residual_block`` tokens stay in 16 bits.
 
-    The kernel backends take one width or K4V2 (``KVFormat.kernel_ready``); K2V4 runs on
-    the torch reference backend only.
+    Every backend takes every combination of widths: a K2V4 block holds two 128-token 4-bit
+    V tiles, which the kernels read one after the other.
     """
 
     bits: int = 4
@@ -84,13 +84,6 @@ class KVFormat:
     def v_tile(self) -> int:
         """Tokens of one packed V tile (V's own width's residual block)."""
         return sm80.residual_block(self.v_bits)
-
-    @property
-    def kernel_ready(self) -> bool:
-        """Whether the kernel backends take this format: V's packed tile is the whole
-        residual block (one width, or V narrower than K: K4V2).  K2V4 is not: its 4-bit V
-        tiles are half a block, which no kernel splits yet."""
-        return self.v_tile == self.residual_block
 
     # ---- derived quantities -----------------------------------------------------------
     @property

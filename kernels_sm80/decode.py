@@ -459,15 +459,18 @@ class DecodeSm80(PackedDecodeConfig):
     # Packed tile: O^T += V^T P^T
     # ---------------------------------------------------------------------------------
     def load_v_words(self, stage, warp_idx, lane):
-        """The warp's ``cpw_v`` chunks of every V row: chunk ``warp`` of the one V tile, or
-        (two 4-bit V tiles) chunks ``2 (warp % 2) ..`` of tile ``warp // 2``."""
+        """The warp's ``cpw_v`` chunks of every V row, one word tensor per chunk: chunk
+        ``warp`` of the one V tile, or (two 4-bit V tiles) chunks ``2 (warp % 2) ..`` of
+        tile ``warp // 2``.  One 8-column slice per chunk: a 16-column slice of the 64-byte
+        swizzled rows read the neighbouring channel's words in the right half (measured:
+        K2V4 tokens 64-127 of a block took channel c + 1's values)."""
         _, vp, _, _ = self.stage_tensors(stage)
         if const_expr(self.cpw_v == 1):
-            slice_v = cute.local_tile(vp, (self.d, 8), (0, warp_idx))
+            coords = [(0, warp_idx)]
         else:
             per_tile = NUM_WARPS // self.cpw_v  # warps that share a V tile
-            slice_v = cute.local_tile(vp, (self.d, 8 * self.cpw_v), (warp_idx // per_tile, warp_idx % per_tile))
-        return load_packed_words(slice_v, lane)
+            coords = [(warp_idx // per_tile, self.cpw_v * (warp_idx % per_tile) + j) for j in range(self.cpw_v)]
+        return [load_packed_words(cute.local_tile(vp, (self.d, 8), c), lane) for c in coords]
 
     @cute.jit
     def pv_packed(self, mma, thr_mma, dq, acc_s, acc_o, stage, words, warp_idx, lane):
@@ -489,7 +492,7 @@ class DecodeSm80(PackedDecodeConfig):
                 gi = (16 * mt) // self.group
                 for h in cutlass.range_constexpr(2):
                     i = 2 * (mt % 2) + h
-                    word = words[(i, 0), mt // 2, chunk]
+                    word = words[chunk][(i, 0), mt // 2, 0]
                     codes = dq.codes(word, (2 * kt, 2 * kt + 1))
                     for ch in cutlass.range_constexpr(2):
                         s2, z2 = pairs[gi][ch]

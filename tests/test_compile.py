@@ -184,8 +184,7 @@ def test_pack_with_sink_tokens_ptx(mode):
 @pytest.mark.parametrize("widths", [(4, 2), (2, 4)], ids=["k4v2", "k2v4"])
 @pytest.mark.parametrize("backend_name", ["sm80", "sm90"])
 def test_decode_k4v2_ptx(backend_name, widths, tmp_path):
-    """K and V at their own widths (K4V2; K2V4 with two 4-bit V tiles per block, compiled
-    though not yet enabled: KVFormat.kernel_ready): one kernel dequantizes with both
+    """K and V at their own widths (K4V2; K2V4 with two 4-bit V tiles per block): one kernel dequantizes with both
     widths' lop3 masks (the 4-bit pair mask 0x000F000F, the 2-bit 0x00030003) and does
     not spill."""
     from bitdecode import backend as backends

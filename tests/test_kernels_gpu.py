@@ -247,15 +247,10 @@ SINK_CONFIGS = [
     (bd.KVFormat(bits=4, v_bits=2, k_mode="token", group_size=32, sink_tokens=16), torch.bfloat16, 64, 8),
     (bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=128), torch.float16, 256, 2),
     (bd.KVFormat(bits=2, k_mode="channel", group_size=32, sink_tokens=16, hadamard=True), torch.bfloat16, 128, 4),
-    # K2V4: compiled, awaiting its first GPU run before KVFormat.kernel_ready takes it
+    # K2V4: two 128-token 4-bit V tiles per 256-token block
     (bd.KVFormat(bits=2, v_bits=4, k_mode="channel", group_size=128), torch.float16, 128, 4),
     (bd.KVFormat(bits=2, v_bits=4, k_mode="token", group_size=32, sink_tokens=16), torch.bfloat16, 64, 16),
 ]
-
-
-def _kernel_format(fmt):
-    if not fmt.kernel_ready:
-        pytest.skip(f"{fmt.describe()}: not enabled on the kernel backends yet (KVFormat.kernel_ready)")
 
 
 def _sink_ids(c):
@@ -276,7 +271,6 @@ def test_sinks_and_k4v2_prefill_and_append_equal_the_reference(cfg):
     in prefill (ragged lengths below, at and past the sink count) and in appends of one
     token and of several (crossing the sinks, completing blocks)."""
     fmt, dtype, d, _ = cfg
-    _kernel_format(fmt)
     lens = _sink_lengths(fmt)
     chunks = (1, 2, fmt.sink_tokens + 3, fmt.residual_block + 5, 1)
     kern, k, v = make_cache(fmt, lens, 2, d, dtype, backend="sm80", seed=13, room=sum(chunks))
@@ -297,7 +291,6 @@ def test_sinks_and_k4v2_decode_matches_reference(cfg, backend):
     the residual, and dequantizes K and V at their own widths, on caches the reference
     packed and on caches the kernels packed."""
     fmt, dtype, d, gq = cfg
-    _kernel_format(fmt)
     lens = _sink_lengths(fmt)
     q = torch.randn(len(lens), 1, 2 * gq, d, generator=torch.Generator().manual_seed(15)).to(dtype).to(DEV)
     for writer in ("reference", "sm80"):
@@ -456,7 +449,7 @@ def _real_kv(layer):
 
 
 @pytest.mark.parametrize("layer", [2, 15])
-@pytest.mark.parametrize("spec", ["4c64", "4c64s16", "4c64v2s16", "2c32s16", "2c32s16h"])
+@pytest.mark.parametrize("spec", ["4c64", "4c64s16", "4c64v2s16", "2c32v4s16h", "2c32s16", "2c32s16h"])
 def test_real_model_kv(layer, spec, backend):
     """SmolLM2-135M's own Q / K / V (outlier channels, large first keys; 9 query and 3 KV
     heads, head dim 64) through the kernels: the pack kernel writes the reference's bytes,
@@ -487,6 +480,7 @@ MULTI_TOKEN = [
     (bd.KVFormat(bits=4, k_mode="channel", group_size=64, sink_tokens=16), torch.float16, 128, 1, 16),
     (bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=64), torch.bfloat16, 128, 4, 2),
     (bd.KVFormat(bits=4, k_mode="token", group_size=32), torch.float16, 64, 4, 8),
+    (bd.KVFormat(bits=2, v_bits=4, k_mode="channel", group_size=32, sink_tokens=16), torch.bfloat16, 128, 4, 4),
 ]
 
 
@@ -509,3 +503,4 @@ def test_multi_token_queries_match_reference(cfg, backend):
     tol = 2 * (lp - ref).abs().max().item() + 2e-3 * max(ref.abs().max().item(), 1.0)
     err = (bd.decode(q, cache, backend=backend).float() - ref).abs().max().item()
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+

@@ -28,10 +28,6 @@ def test_format_fields():
     f = bd.KVFormat(bits=2, v_bits=4)
     assert (f.residual_block, f.v_tile) == (256, 128)
     assert bd.KVFormat(bits=4).v_bits == 4 and bd.KVFormat(bits=4) == bd.KVFormat(bits=4, v_bits=4)
-    assert bd.KVFormat(bits=4).kernel_ready and not f.kernel_ready
-    assert bd.KVFormat(sink_tokens=4).kernel_ready  # the kernels take sink tokens
-    assert bd.KVFormat(bits=4, v_bits=2, sink_tokens=4).kernel_ready  # K4V2: V's tile is the block
-    assert not bd.KVFormat(bits=2, v_bits=4, sink_tokens=4).kernel_ready  # K2V4: half-block V tiles
     assert f.bytes_per_token(128) == 128 * 6 / 8 + 2 * 128 / 128 * 4
     assert "K 2-bit / V 4-bit" in f.describe() and "first 3 tokens 16-bit" in bd.KVFormat(sink_tokens=3).describe()
     assert f.v_pack_shape(2, 3, 512, 64) == (2, 3, 4, 64, 16)  # 128-token tiles of 4-bit V
@@ -116,16 +112,12 @@ def test_memory_counts_both_widths_and_the_sinks(fmt):
     assert c.memory_bytes() - base.memory_bytes() == sinks + 4 * v_words + residual
 
 
-def test_kernel_backends_refuse_what_they_do_not_run(monkeypatch):
+def test_kernel_backends_take_every_format(monkeypatch):
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0) if device.type == "cuda" else None)
     cuda = torch.device("cuda", 0)
-    for fmt in FORMATS:
+    for fmt in FORMATS:  # K4V2, K2V4, sinks
         for backend in ("auto", "sm80", "sm90"):
-            if fmt.kernel_ready:  # K4V2, sinks: the kernels run it
-                assert dispatch.resolve(backend, cuda, fmt=fmt, head_dim=64) in ("sm80", "sm90")
-                continue
-            with pytest.raises(ValueError, match="runs on the torch reference backend only so far"):
-                dispatch.resolve(backend, cuda, fmt=fmt, head_dim=64)
+            assert dispatch.resolve(backend, cuda, fmt=fmt, head_dim=64) in ("sm80", "sm90")
         assert dispatch.resolve("reference", cuda, fmt=fmt) == "reference"
         assert dispatch.resolve("auto", torch.device("cpu"), fmt=fmt) == "reference"
 
