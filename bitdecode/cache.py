@@ -390,6 +390,9 @@ def _block_slices(c: CacheTensors, b: int, block: int):
     nv = c.fmt.v_tile  # V tiles of the block (two when V is 4-bit beside 2-bit K)
     vp = (page, slice(None), slice(off // nv, (off + nr) // nv))
     vq = (page, slice(None), slice(off // 16, (off + nr) // 16))
+    if c.fmt.fp4:  # scale chunks per 128-token K tile and per V tile (= the block)
+        kq = (page, slice(None), slice(off // nr, off // nr + 1))
+        vq = vp
     return kp, kq, vp, vq
 
 

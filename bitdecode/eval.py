@@ -30,6 +30,8 @@ the 16-bit cache's.
   ``hadamard=True`` (K and Q rotated: ``2c32s16h``), only when given; a
   format this bitdecode cannot build (a field ``KVFormat`` does not take, a group larger
   than the head dim) is reported as unsupported with the reason instead of run;
+* ``"nvfp4"`` / ``"mxfp4"`` -- the FP4 formats (``KVFormat.fp4``), with the ``s<n>`` and
+  ``h`` suffixes: ``nvfp4s16h``;
 * ``"quanto4"`` / ``"quanto2"``: transformers' ``QuantizedCache(backend="quanto", nbits=...)``
   with its defaults otherwise (groups of 64 values along the head dim for K and V --
   ``axis 0``: one scale / shift per token per 64 channels -- and a 16-bit residual of 128
@@ -70,6 +72,7 @@ QUANTO = ("quanto4", "quanto2")
 QUANTO_DEFAULTS = dict(axis_key=0, axis_value=0, q_group_size=64, residual_length=128)  # transformers' defaults
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 _SPEC = re.compile(r"^([0-9]+)([ct])([0-9]+)((?:[vs][0-9]+|h)*)$")
+_FP4_SPEC = re.compile(r"^(nvfp4|mxfp4)((?:s[0-9]+|h)*)$")
 _SUFFIX = re.compile(r"([vs])([0-9]+)|(h)")
 
 # --------------------------------------------------------------------------------------
@@ -137,14 +140,19 @@ def parse_method(spec: str, head_dim: Optional[int] = None) -> Method:
             method.error = _quanto_missing()
         return method
     m = _SPEC.fullmatch(s)
-    if not m:
+    fp4 = _FP4_SPEC.fullmatch(s)
+    if not (m or fp4):
         raise ValueError(
-            f"cannot read the method spec {spec!r}: expected 16, quanto4 / quanto2, or <bits><c|t><group>"
-            "[v<bits>][s<sinks>][h] such as 4c64, 2t64, 4c64v2, 4c64s16, 2c32s16h")
-    bits, mode, group = int(m.group(1)), {"c": "channel", "t": "token"}[m.group(2)], int(m.group(3))
-    kw = dict(bits=bits, k_mode=mode, group_size=group)
-    label = f"bitdecode {bits}-bit K/{mode} g{group}"
-    for key, num, rot in _SUFFIX.findall(m.group(4)):
+            f"cannot read the method spec {spec!r}: expected 16, quanto4 / quanto2, <bits><c|t><group>"
+            "[v<bits>][s<sinks>][h] such as 4c64, 2t64, 4c64v2, 4c64s16, 2c32s16h, or nvfp4 / mxfp4[s<sinks>][h]")
+    if fp4:
+        bits, kw, suffixes = 4, dict(fp4=fp4.group(1)), fp4.group(2)
+        label = f"bitdecode {fp4.group(1).upper()}"
+    else:
+        bits, mode, group = int(m.group(1)), {"c": "channel", "t": "token"}[m.group(2)], int(m.group(3))
+        kw, suffixes = dict(bits=bits, k_mode=mode, group_size=group), m.group(4)
+        label = f"bitdecode {bits}-bit K/{mode} g{group}"
+    for key, num, rot in _SUFFIX.findall(suffixes):
         if rot:
             kw["hadamard"] = True
             label += " Hadamard"
@@ -161,7 +169,7 @@ def parse_method(spec: str, head_dim: Optional[int] = None) -> Method:
     try:
         method.fmt = KVFormat(**kw)
     except TypeError as exc:  # a field this KVFormat does not have (v_bits / sink_tokens)
-        extra = ", ".join(k for k in kw if k not in ("bits", "k_mode", "group_size"))
+        extra = ", ".join(k for k in kw if k not in ("bits", "k_mode", "group_size", "fp4"))
         method.error = f"unsupported: KVFormat does not take {extra} here ({exc})"
         return method
     except ValueError as exc:

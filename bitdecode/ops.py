@@ -47,8 +47,15 @@ def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seql
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+def _check_int_codes(fmt: KVFormat) -> None:
+    if fmt.fp4:
+        raise ValueError(f"fmt.fp4={fmt.fp4!r}: the torch ops take integer-code caches only so far; "
+                         "call cache.append / bd.decode directly (not under torch.compile)")
+
+
 def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "auto") -> torch.Tensor:
     """``bd.decode(q, cache)`` through the op (for compiled code): ``cache`` is a ``KVCache``."""
+    _check_int_codes(cache.fmt)
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
     q = reference.rotate(q, t.fmt)  # KVFormat.hadamard: the op takes Q as the cache's K basis
@@ -116,6 +123,7 @@ def _prefill_fake(*args) -> None:
 
 
 def _write_args(cache):
+    _check_int_codes(cache.fmt)
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
     return (t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,

@@ -20,6 +20,13 @@ sync), a group whose range ``mx - mn`` is not finite (a NaN or an infinity insid
 the 16-bit NaN as scale and zero and code 0, exactly as the kernels pack it: every value
 of the group dequantizes to NaN, and attention over it gives NaN in the outputs it feeds.
 
+FP4 formats (``KVFormat.fp4``, the rounding stated there): ``quantize_fp4`` /
+``dequantize_fp4``; codes in natural order, eight per 32-bit word (value ``8 j + i`` of a
+row in bits ``4 i .. 4 i + 3`` of word ``j``: two per byte, the lower index in the low
+nibble), K rows = tokens, V rows = channels of a 128-token tile; the scale bytes in the
+basic chunks of ``layouts.sm100`` (``sf_chunk_word``), so Blackwell's block-scaled MMA
+reads both as they are.
+
 Packing into 32-bit words and the order of params follow ``bitdecode.layouts.sm80``
 (the single definition the kernels use).  Attention is computed in fp32 over the
 dequantized 16-bit cache plus the 16-bit residual, with grouped-query heads, per-sequence
@@ -36,11 +43,13 @@ import torch
 
 from . import _validate
 from .formats import KVFormat
-from .layouts import packing, sm80
+from .layouts import packing, sm80, sm100
 
 __all__ = [
     "quantize",
     "dequantize",
+    "quantize_fp4",
+    "dequantize_fp4",
     "pack_rows",
     "unpack_rows",
     "pack_params",
@@ -136,6 +145,130 @@ def dequantize(
 
 
 # --------------------------------------------------------------------------------------
+# FP4 (NVFP4 / MXFP4)
+# --------------------------------------------------------------------------------------
+
+
+def _e2m1_rne(y: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes of fp32 ``y``: magnitude rounded half to even onto the e2m1 grid,
+    saturating at 6, the sign bit from ``y`` (NaN gives code 0)."""
+    a = y.abs().nan_to_num(0.0, posinf=sm100.E2M1_MAX)
+    mag = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for mid, up in zip(sm100.E2M1_MIDPOINTS, sm100.E2M1_TIE_UP):
+        mag += (a >= mid if up else a > mid).to(torch.uint8)
+    return mag | (torch.signbit(y) & ~y.isnan()).to(torch.uint8) << 3
+
+
+@functools.lru_cache(maxsize=None)
+def _e2m1_table(device: str) -> torch.Tensor:
+    return torch.tensor(sm100.E2M1_VALUES, dtype=torch.float64, device=device)
+
+
+def _scale_values(sf: torch.Tensor, fp4: str) -> torch.Tensor:
+    """fp64 values of scale bytes (uint8)."""
+    if fp4 == "nvfp4":
+        return sf.view(torch.float8_e4m3fn).double()
+    e = sf.double() - sm100.UE8M0_BIAS
+    return torch.where(sf == 0xFF, torch.full_like(e, math.nan), torch.exp2(e))
+
+
+def quantize_fp4(x: torch.Tensor, fp4: str, dim: int = -1, check_finite: bool = True
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in blocks of ``SF_VEC[fp4]`` along ``dim`` -> (codes uint8 e2m1, shape of x;
+    scale bytes uint8, ``dim`` shrunk by the block): ``KVFormat.fp4``'s rounding."""
+    _validate.tensor("x", x, dtypes=_validate.FLOAT16_DTYPES)
+    if fp4 not in sm100.FP4_FORMATS:
+        raise ValueError(f"fp4 must be one of {sm100.FP4_FORMATS}, got {fp4!r}")
+    vec = sm100.SF_VEC[fp4]
+    dim = dim % x.dim()
+    if x.shape[dim] % vec:
+        raise ValueError(f"x has {x.shape[dim]} values along dim {dim}, not a multiple of {fp4}'s block of {vec}")
+    if check_finite:
+        _validate.finite("x", x)
+    xs = x.movedim(dim, -1)
+    blocks = xs.float().reshape(*xs.shape[:-1], xs.shape[-1] // vec, vec)
+    amax = blocks.abs().amax(dim=-1)
+    bad = ~(amax < math.inf)  # a NaN or an infinity in the block
+    if fp4 == "nvfp4":
+        s8 = (amax / sm100.E2M1_MAX).clamp(sm100.UE4M3_MIN, sm100.UE4M3_MAX).to(torch.float8_e4m3fn)
+        sf = torch.where(bad, 0x7F, s8.view(torch.uint8).to(torch.int32)).to(torch.uint8)
+    else:  # OCP MX: the shared exponent is floor(log2 amax) minus e2m1's largest exponent
+        e = torch.floor(torch.log2(amax.double())) - sm100.E2M1_EMAX  # -inf for an all-zero block
+        e = e.nan_to_num(-sm100.UE8M0_BIAS, neginf=-sm100.UE8M0_BIAS).clamp(-sm100.UE8M0_BIAS, sm100.UE8M0_BIAS)
+        sf = torch.where(bad, 0xFF, (e + sm100.UE8M0_BIAS).to(torch.int32)).to(torch.uint8)
+    scale = _scale_values(sf, fp4)
+    codes = _e2m1_rne(blocks.double() / scale[..., None])  # exact: no rounding before the grid's
+    codes = torch.where(bad[..., None], 0, codes.to(torch.int32)).to(torch.uint8)
+    return codes.reshape(xs.shape).movedim(-1, dim), sf.movedim(-1, dim)
+
+
+def dequantize_fp4(codes: torch.Tensor, sf: torch.Tensor, fp4: str, dtype: torch.dtype, dim: int = -1
+                   ) -> torch.Tensor:
+    """``to16(e2m1(code) * scale)`` (exact before the one rounding), in ``dtype``."""
+    dim = dim % codes.dim()
+    scale = _scale_values(sf, fp4).repeat_interleave(sm100.SF_VEC[fp4], dim=dim)
+    return (_e2m1_table(str(codes.device))[codes.long()] * scale).to(dtype)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., L]`` -> int32 words ``[..., L/8]``, value ``8 j + i`` in bits ``4 i ..``."""
+    c = codes.long().reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
+    shifts = torch.arange(0, 32, 4, device=codes.device)
+    return _to_int32((c << shifts).sum(dim=-1))
+
+
+def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(0, 32, 4, device=words.device)
+    c = ((words.long() & 0xFFFFFFFF)[..., None] >> shifts) & 0xF
+    return c.reshape(*words.shape[:-1], words.shape[-1] * 8).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_rows(device: str) -> torch.Tensor:
+    """Row of a basic chunk held by each of its words (``sf_chunk_word`` inverted)."""
+    inv = [0] * sm100.SF_CHUNK_WORDS
+    for r in range(sm100.SF_ATOM_ROWS):
+        inv[sm100.sf_chunk_word(r)] = r
+    return torch.tensor(inv, dtype=torch.long, device=device)
+
+
+def _sf_to_chunks(sf: torch.Tensor) -> torch.Tensor:
+    """Scale bytes ``[..., R, C]`` (R rows, C scale columns) -> basic chunks ``[...,
+    ceil(R/128), ceil(C/4), 128]`` int32 (rows and columns past R, C zero)."""
+    rows, cols = sf.shape[-2:]
+    rc, cc = sm100.sf_row_chunks(rows), sm100.sf_chunks(cols)
+    pad = torch.zeros(*sf.shape[:-2], rc * sm100.SF_ATOM_ROWS, cc * sm100.SF_ATOM_COLS, dtype=torch.long,
+                      device=sf.device)
+    pad[..., :rows, :cols] = sf.long()
+    b = pad.reshape(*sf.shape[:-2], rc, sm100.SF_ATOM_ROWS, cc, sm100.SF_ATOM_COLS).transpose(-3, -2)
+    words = (b << torch.arange(0, 32, 8, device=sf.device)).sum(dim=-1)  # [..., rc, cc, 128 rows]
+    return _to_int32(words[..., _chunk_rows(str(sf.device))])
+
+
+def _chunks_to_sf(words: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``_sf_to_chunks``: ``[..., rc, cc, 128]`` -> bytes ``[..., rows, cols]``."""
+    by_row = torch.empty_like(words)
+    by_row[..., _chunk_rows(str(words.device))] = words
+    b = ((by_row.long() & 0xFFFFFFFF)[..., None] >> torch.arange(0, 32, 8, device=words.device)) & 0xFF
+    rc, cc = b.shape[-4], b.shape[-3]
+    b = b.transpose(-3, -2).reshape(*b.shape[:-4], rc * sm100.SF_ATOM_ROWS, cc * sm100.SF_ATOM_COLS)
+    return b[..., :rows, :cols].to(torch.uint8)
+
+
+def _pack_fp4_rows(x: torch.Tensor, fmt: KVFormat, check_finite: bool):
+    """Tiles ``[..., R, L]`` (rows, values along the contraction) -> (words ``[..., R, L/8]``,
+    scale chunks ``[..., ceil(R/128), ceil(L/G/4), 128]``)."""
+    codes, sf = quantize_fp4(x, fmt.fp4, dim=-1, check_finite=check_finite)
+    return _pack_nibbles(codes), _sf_to_chunks(sf)
+
+
+def _unpack_fp4_rows(words: torch.Tensor, chunks: torch.Tensor, rows: int, fmt: KVFormat, dtype: torch.dtype):
+    codes = _unpack_nibbles(words)
+    sf = _chunks_to_sf(chunks, rows, codes.shape[-1] // fmt.group_size)
+    return dequantize_fp4(codes, sf, fmt.fp4, dtype)
+
+
+# --------------------------------------------------------------------------------------
 # Words and params
 # --------------------------------------------------------------------------------------
 
@@ -215,6 +348,11 @@ def pack_k(k: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     token mode ``[..., N, D/G]``.
     """
     _check_fmt(fmt)
+    if fmt.fp4:  # per 128-token tile: rows = tokens, scales along the channels
+        nr = sm100.SF_ATOM_ROWS
+        tiles = k.reshape(*k.shape[:-2], k.shape[-2] // nr, nr, k.shape[-1])
+        words, chunks = _pack_fp4_rows(tiles, fmt, check_finite)
+        return words.reshape(*k.shape[:-1], -1), chunks.squeeze(-3)  # a tile is one chunk of rows
     if fmt.k_mode == "channel":
         codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-2, check_finite=check_finite)
         params = _to_fragment_order(pack_params(scale, zero), dim=-1)
@@ -226,6 +364,10 @@ def pack_k(k: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
 
 def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype):
     head_dim = k_pack.shape[-1] * 32 // fmt.bits
+    if fmt.fp4:
+        nr = sm100.SF_ATOM_ROWS
+        tiles = k_pack.reshape(*k_pack.shape[:-2], k_pack.shape[-2] // nr, nr, k_pack.shape[-1])
+        return _unpack_fp4_rows(tiles, k_params.unsqueeze(-3), nr, fmt, dtype).reshape(*k_pack.shape[:-1], head_dim)
     codes = unpack_rows(k_pack, fmt.bits, head_dim)
     if fmt.k_mode == "channel":
         scale, zero = unpack_params(_from_fragment_order(k_params, dim=-1), dtype)
@@ -241,8 +383,10 @@ def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     nr, n = fmt.v_tile, v.shape[-2]
     if n % nr:
         raise ValueError(f"V blocks are packed {nr} tokens at a time, got {n} tokens")
-    codes, scale, zero = quantize(v, fmt.v_bits, fmt.group_size, dim=-1, check_finite=check_finite)
     lead = v.shape[:-2]
+    if fmt.fp4:  # V^T per tile: rows = channels, scales along the tokens
+        return _pack_fp4_rows(v.reshape(*lead, n // nr, nr, v.shape[-1]).transpose(-1, -2), fmt, check_finite)
+    codes, scale, zero = quantize(v, fmt.v_bits, fmt.group_size, dim=-1, check_finite=check_finite)
     blocks = codes.reshape(*lead, n // nr, nr, v.shape[-1]).transpose(-1, -2)
     v_pack = pack_rows(blocks, fmt.v_bits)
     words = pack_params(scale, zero)  # [..., N, D/G]
@@ -254,6 +398,9 @@ def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
 
 def unpack_v(v_pack: torch.Tensor, v_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype):
     nr = fmt.v_tile
+    if fmt.fp4:
+        v = _unpack_fp4_rows(v_pack, v_params, v_pack.shape[-2], fmt, dtype).transpose(-1, -2)  # [..., tiles, Nv, D]
+        return v.reshape(*v.shape[:-3], -1, v.shape[-1])
     codes = unpack_rows(v_pack, fmt.v_bits, nr).transpose(-1, -2)  # [..., blocks, Nv, D]
     lead = codes.shape[:-3]
     codes = codes.reshape(*lead, -1, codes.shape[-1])

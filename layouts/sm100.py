@@ -114,6 +114,44 @@ def ue8m0_value(byte: int) -> float:
     return float("nan") if byte == 0xFF else 2.0 ** (byte - 127)
 
 
+# e2m1 rounding, half to even: the magnitudes (codes 0-7), and per midpoint between codes
+# c and c + 1 whether a value exactly on it goes up (to the even code c + 1)
+E2M1_MAGNITUDES = E2M1_VALUES[:8]
+E2M1_MAX = E2M1_MAGNITUDES[-1]
+E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
+E2M1_TIE_UP = tuple(c % 2 == 1 for c in range(7))
+UE4M3_MIN = ue4m3_value(1)  # 2^-9, the smallest positive scale
+UE4M3_MAX = ue4m3_value(0x7E)  # 448
+UE8M0_BIAS = 127
+E2M1_EMAX = 2  # exponent of e2m1's largest power of two (OCP MX: the shared exponent offset)
+
+
+# --------------------------------------------------------------------------------------
+# Scale factors in global memory (the basic chunk as 32-bit words)
+# --------------------------------------------------------------------------------------
+
+SF_CHUNK_WORDS = SF_ATOM_ROWS * SF_ATOM_COLS // 4  # one basic chunk: 512 bytes
+
+
+def sf_chunk_word(row: int) -> int:
+    """The 32-bit word of a basic chunk that holds row ``row``'s (0-127) four scale bytes,
+    byte ``s`` = scale column ``s``: the chunk's byte ``16 (row % 32) + 4 (row // 32) + s``
+    (``sf_offsets`` reads the same off the DSL's layout; a test checks them equal)."""
+    if not 0 <= row < SF_ATOM_ROWS:
+        raise ValueError(f"a basic chunk has rows 0..{SF_ATOM_ROWS - 1}, got {row}")
+    return 4 * (row % 32) + row // 32
+
+
+def sf_chunks(cols: int) -> int:
+    """Basic chunks across ``cols`` scale columns (4 per chunk; the last padded)."""
+    return -(-cols // SF_ATOM_COLS)
+
+
+def sf_row_chunks(rows: int) -> int:
+    """Basic chunks down ``rows`` operand rows (128 per chunk; the last padded)."""
+    return -(-rows // SF_ATOM_ROWS)
+
+
 # --------------------------------------------------------------------------------------
 # Derived sizes
 # --------------------------------------------------------------------------------------

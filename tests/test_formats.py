@@ -36,7 +36,6 @@ def test_immutable_hashable_and_residual_block_is_derived():
         ("bits", 4.0, r"\(4, 2\)"),
         ("bits", "4", r"\(4, 2\)"),
         ("k_mode", "chan", r"\('channel', 'token'\)"),
-        ("k_mode", None, r"\('channel', 'token'\)"),
         ("group_size", 16, r"\(32, 64, 128\)"),
         ("group_size", 256, r"\(32, 64, 128\)"),
         ("group_size", 128.0, r"\(32, 64, 128\)"),
@@ -45,6 +44,12 @@ def test_immutable_hashable_and_residual_block_is_derived():
 def test_invalid_fields(field, value, allowed):
     with pytest.raises(ValueError, match=rf"KVFormat\.{field} must be one of {allowed}, got {value!r}"):
         bd.KVFormat(**{field: value})
+
+
+def test_none_means_the_default():
+    """k_mode and group_size left out (None): K per channel, groups of 128 (an FP4 format
+    takes its own, test_fp4.py)."""
+    assert bd.KVFormat(k_mode=None, group_size=None) == bd.KVFormat() == bd.KVFormat(4, "channel", 128)
 
 
 def test_head_dim_checks():

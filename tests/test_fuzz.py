@@ -769,8 +769,8 @@ def test_fuzz_allocate_gpu(backend):
 
 def fuzz_kvformat(report, rng, i):
     vals = dict(bits=rng.choice((4, 2)), k_mode=rng.choice(("channel", "token")), group_size=rng.choice((32, 64, 128)))
-    bad = dict(bits=[3, 8, 0, -4, "4", 4.0, True, None, 16], k_mode=["Channel", "tokens", "", 1, None, "head"],
-               group_size=[16, 256, 0, -32, 32.0, True, "32", None, 96])
+    bad = dict(bits=[3, 8, 0, -4, "4", 4.0, True, None, 16], k_mode=["Channel", "tokens", "", 1, "head"],
+               group_size=[16, 256, 0, -32, 32.0, True, "32", 96])  # None: the default of both
     expect, names = ACCEPT, tuple(vals)
     if rng.random() < 0.6:
         key = rng.choice(list(bad))
