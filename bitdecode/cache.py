@@ -45,6 +45,9 @@ class KVCache:
         self.dtype = dtype
         self.max_seqlen = max_seqlen
         self.backend = backend
+        # what runs prefill / append: the backend, except for FP4 caches, which the torch
+        # reference writes (no FP4 pack kernel yet) while a kernel backend decodes them
+        self._writer = "reference" if fmt.fp4 else backend
         self.k_pack, self.k_params = k_pack, k_params
         self.v_pack, self.v_params = v_pack, v_params
         self.k_res, self.v_res = k_res, v_res
@@ -225,10 +228,10 @@ class KVCache:
         # the pages the prompt will be packed into (a block table edited by the caller)
         attention.check_block_table(self._tensors, lens_t)
         k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
-        if self.backend == "reference":
+        if self._writer == "reference":
             reference_prefill(self._tensors, k, v, lens)
         else:
-            backends.get(self.backend).prefill(self._tensors, k, v, lens_t)
+            backends.get(self._writer).prefill(self._tensors, k, v, lens_t)
         self._host_lens = lens
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -256,7 +259,7 @@ class KVCache:
         if t == 0:
             return
         k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
-        if self.backend == "reference":
+        if self._writer == "reference":
             if self.device.type == "cpu":  # the table is visible without a sync: check it
                 attention.check_block_table(self._tensors, self.seqlens + t)
             reference_append(self._tensors, k, v)
@@ -264,7 +267,7 @@ class KVCache:
             if k.data_ptr() % 16 or v.data_ptr() % 16:  # the kernel reads 16-byte rows
                 k, v = k.clone(), v.clone()
             if self._appender is None:
-                self._appender = backends.get(self.backend).appender(self._tensors)
+                self._appender = backends.get(self._writer).appender(self._tensors)
             self._appender(k, v)
         self._host_added += t
         self._host_max += t
@@ -396,17 +399,20 @@ def _block_slices(c: CacheTensors, b: int, block: int):
     return kp, kq, vp, vq
 
 
-def _write_block(c: CacheTensors, b: int, block: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
-    """Quantize and pack one block: kb, vb ``[Nr, Hkv, D]``.  Non-finite values are not
-    checked (the kernels cannot without a sync): their groups pack as NaN, as the kernels
-    pack them."""
-    k_pack, k_params = reference.pack_k(kb.transpose(0, 1), c.fmt, check_finite=False)
-    v_pack, v_params = reference.pack_v(vb.transpose(0, 1), c.fmt, check_finite=False)
-    kp, kq, vp, vq = _block_slices(c, b, block)
-    c.k_pack[kp] = k_pack
-    c.k_params[kq] = k_params
-    c.v_pack[vp] = v_pack
-    c.v_params[vq] = v_params
+def _write_blocks(c: CacheTensors, b: int, first: int, kb: torch.Tensor, vb: torch.Tensor) -> None:
+    """Quantize and pack whole blocks ``first ..`` of sequence ``b``: kb, vb ``[n * Nr, Hkv,
+    D]``, in one call (every packed tensor is block-major along its dim 1, so each block's
+    share is one equal chunk).  Non-finite values are not checked (the kernels cannot
+    without a sync): their groups pack as NaN, as the kernels pack them."""
+    blocks = kb.shape[0] // c.fmt.residual_block
+    if blocks == 0:
+        return
+    packed = (*reference.pack_k(kb.transpose(0, 1), c.fmt, check_finite=False),
+              *reference.pack_v(vb.transpose(0, 1), c.fmt, check_finite=False))
+    dests = (c.k_pack, c.k_params, c.v_pack, c.v_params)
+    for i, parts in enumerate(zip(*(t.chunk(blocks, dim=1) for t in packed))):
+        for dst, where, part in zip(dests, _block_slices(c, b, first + i), parts):
+            dst[where] = part
 
 
 def reference_prefill(c: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: List[int]) -> None:
@@ -419,8 +425,7 @@ def reference_prefill(c: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: L
             c.sinks[0][b, :s] = k[b, :s]
             c.sinks[1][b, :s] = v[b, :s]
         kb, vb, m = k[b, s:n], v[b, s:n], n - s
-        for blk in range(m // nr):
-            _write_block(c, b, blk, kb[blk * nr:(blk + 1) * nr], vb[blk * nr:(blk + 1) * nr])
+        _write_blocks(c, b, 0, kb[:m // nr * nr], vb[:m // nr * nr])
         r = m % nr
         c.k_res[b, :r] = kb[m - r:m]
         c.v_res[b, :r] = vb[m - r:m]
@@ -446,5 +451,5 @@ def reference_append(c: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None:
             c.k_res[b, slot] = k[b, i]
             c.v_res[b, slot] = v[b, i]
             if slot == nr - 1:
-                _write_block(c, b, pos // nr, c.k_res[b], c.v_res[b])
+                _write_blocks(c, b, pos // nr, c.k_res[b], c.v_res[b])
         c.cache_seqlens[b] = n + t

@@ -50,11 +50,6 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
         return backend
     if backend == "auto" and device.type != "cuda":
         return "reference"
-    if fmt is not None and fmt.fp4:
-        raise ValueError(
-            f"fmt.fp4={fmt.fp4!r} runs on the torch reference backend only so far (the kernel backends take "
-            "integer codes): pass backend='reference'"
-        )
     if backend == "auto":
         # the registry's order (best first), among the backends that take this cache (on
         # the H200 sm90 is the faster one at 4 bits and head dims up to 128: NOTES.md)

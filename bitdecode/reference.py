@@ -193,8 +193,11 @@ def quantize_fp4(x: torch.Tensor, fp4: str, dim: int = -1, check_finite: bool = 
         s8 = (amax / sm100.E2M1_MAX).clamp(sm100.UE4M3_MIN, sm100.UE4M3_MAX).to(torch.float8_e4m3fn)
         sf = torch.where(bad, 0x7F, s8.view(torch.uint8).to(torch.int32)).to(torch.uint8)
     else:  # OCP MX: the shared exponent is floor(log2 amax) minus e2m1's largest exponent
-        e = torch.floor(torch.log2(amax.double())) - sm100.E2M1_EMAX  # -inf for an all-zero block
-        e = e.nan_to_num(-sm100.UE8M0_BIAS, neginf=-sm100.UE8M0_BIAS).clamp(-sm100.UE8M0_BIAS, sm100.UE8M0_BIAS)
+        # floor(log2 amax) exactly, from the binary exponent (log2 itself is inexact on some
+        # devices at powers of two); an all-zero block takes the smallest scale
+        _, e2 = torch.frexp(amax)  # amax = m * 2^e2, m in [0.5, 1)
+        e = torch.where(amax > 0, e2.double() - 1 - sm100.E2M1_EMAX, -sm100.UE8M0_BIAS)
+        e = e.clamp(-sm100.UE8M0_BIAS, sm100.UE8M0_BIAS)
         sf = torch.where(bad, 0xFF, (e + sm100.UE8M0_BIAS).to(torch.int32)).to(torch.uint8)
     scale = _scale_values(sf, fp4)
     codes = _e2m1_rne(blocks.double() / scale[..., None])  # exact: no rounding before the grid's

@@ -36,12 +36,18 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     wv = sm80.words_per_row(fmt.v_bits, fmt.v_tile)  # words of a V tile's row
     nr, d, g = fmt.residual_block, head_dim, fmt.group_size
     ks_last = d if fmt.k_mode == "channel" else d // g
+    # params: (scale, zero) words, or FP4's scale chunks (KVFormat.k_params_shape / v_params_shape)
+    if fmt.fp4:
+        k_params = (None, None, None) + fmt.k_params_shape(1, 1, nr, d)[3:]
+        v_params = (None, None, None) + fmt.v_params_shape(1, 1, fmt.v_tile, d)[3:]
+    else:
+        k_params, v_params = (None, None, None, ks_last), (None, None, None, d // g, sm80.MMA_SHAPE[2])
     args = [
         fake_tensor(dtype, (None, 1, None, d)),                    # q (B, 1, Hq, D)
         fake_tensor(f16, (None, None, None, 2 * wk)),              # k_pack (16-bit view)
-        fake_tensor(i32, (None, None, None, ks_last)),             # k_params
+        fake_tensor(i32, k_params),                                # k_params
         fake_tensor(f16, (None, None, None, d, 2 * wv)),           # v_pack (16-bit view)
-        fake_tensor(i32, (None, None, None, d // g, sm80.MMA_SHAPE[2])),  # v_params
+        fake_tensor(i32, v_params),                                # v_params
         fake_tensor(dtype, (None, nr, None, d)),                   # k_res
         fake_tensor(dtype, (None, nr, None, d)),                   # v_res
         fake_tensor(dtype, (None, None, None, d)),                 # k_sink (B, S, Hkv, D)
@@ -114,7 +120,7 @@ def compile_pack(arch: str, fmt: KVFormat, dtype, head_dim: int, mode: str, keep
 
 
 def _fmt_key(fmt: KVFormat) -> Tuple:
-    return (fmt.bits, fmt.v_bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens)
+    return (fmt.bits, fmt.v_bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens) + ((fmt.fp4,) if fmt.fp4 else ())
 
 
 def sink_tensors(cache: CacheTensors) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +150,8 @@ def decode_registers(fmt: KVFormat, head_dim: int, nh: int) -> int:
     211-255)."""
     if head_dim > 128 or nh > 8:
         return 255
+    if fmt.fp4:
+        return 208  # its dequant (two byte permutes per pair) and scale pairs: 202 at D=128
     return 128 if fmt.bits == fmt.v_bits == 4 else 168
 
 
@@ -287,9 +295,12 @@ class Sm80Backend:
 
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
+        if fmt.fp4 and tq > 1:
+            raise ValueError(f"fmt.fp4={fmt.fp4!r}: the decode kernel takes one query token per sequence so far "
+                             f"(got {tq}); pass backend='reference'")
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
                           min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4)
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
                        keep_ptx: bool = False, tq: int = 1):

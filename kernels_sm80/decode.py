@@ -26,18 +26,18 @@ four warps share one barrier per tile.
 from __future__ import annotations
 
 import operator
-from typing import Type
+from typing import Optional, Type
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp
 
-from ..layouts import resources, sm80
+from ..layouts import resources, sm80, sm100
 from ..layouts.packing import LN_2
 from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
-from .dequant import WordDequant, broadcast_params, split_params
+from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from .reduce import across_rows
 from .tensors import aligned_ptr, assume_aligned, one_token, page_of, split_tiles, wait_for_previous_kernel
 
@@ -65,7 +65,7 @@ class PackedDecodeConfig:
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0,
-                 v_bits: int = 0, tq: int = 1):
+                 v_bits: int = 0, tq: int = 1, fp4: Optional[str] = None):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
@@ -105,6 +105,14 @@ class PackedDecodeConfig:
         self.bytes_vp = self.v_tiles * head_dim * self.wv * 4
         self.words_ks = (self.nr // group_size * head_dim) if self.k_channel else self.nr * self.groups_v
         self.words_vs = self.nr * self.groups_v
+        # FP4 (KVFormat.fp4): e2m1 codes in natural order, block scales in basic chunks
+        # (layouts.sm100) per 128-token K tile and per V tile
+        self.fp4 = fp4
+        if fp4:
+            self.k_chunks = sm100.sf_chunks(head_dim // group_size)
+            self.v_chunks = (sm100.sf_row_chunks(head_dim), sm100.sf_chunks(self.v_tile // group_size))
+            self.words_ks = self.k_chunks * sm100.SF_CHUNK_WORDS
+            self.words_vs = self.v_chunks[0] * self.v_chunks[1] * sm100.SF_CHUNK_WORDS
 
     @cute.jit
     def causal_limits(self, seqlen, rows_per_kv_head, lane):
@@ -148,8 +156,12 @@ class DecodeSm80(PackedDecodeConfig):
         sinks: int = 0,
         v_bits: int = 0,
         tq: int = 1,
+        fp4: Optional[str] = None,
     ):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq)
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
+        # FP4's natural order permutes the tokens of a warp's 32-token segment (the scores'
+        # rows) and so positions inside a packed tile: no causal mask there yet
+        assert not (fp4 and tq > 1), "FP4 caches take one query token per sequence"
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
         self.t = self.nr // NUM_WARPS  # tokens per warp per tile
         # 16-byte chunks of V rows those tokens span: one, or two of a 4-bit V tile (K2V4)
@@ -221,7 +233,10 @@ class DecodeSm80(PackedDecodeConfig):
 
         mma = sm80.make_mma(self.dtype)
         thr_mma = mma.get_slice(lane)
-        dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16)
+        if const_expr(self.fp4):
+            dq_k = dq_v = E2M1Dequant(self.is_bf16)
+        else:
+            dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16)
 
         # ---- Q: global -> smem (rows >= gq zero) -> B fragments --------------------
         self.load_q(mQ, sQ, batch, head_kv, gq, tid)
@@ -296,11 +311,16 @@ class DecodeSm80(PackedDecodeConfig):
         vp = cute.make_tensor(cute.recast_ptr(stage + self.bytes_kp, dtype=cutlass.Float16),
                               sm80.make_smem_layout(self.v_tiles * self.d, 4 * self.wv))  # V tiles stacked
         ks_ptr = cute.recast_ptr(stage + self.bytes_kp + self.bytes_vp, dtype=cutlass.Int32)
+        vs_ptr = cute.recast_ptr(stage + self.bytes_kp + self.bytes_vp + 4 * self.words_ks, dtype=cutlass.Int32)
+        if const_expr(self.fp4):  # basic chunks: K (chunks, 128 words); V (row chunks, chunks, 128 words)
+            w = sm100.SF_CHUNK_WORDS
+            ks = cute.make_tensor(ks_ptr, cute.make_layout((self.k_chunks, w), stride=(w, 1)))
+            vs = cute.make_tensor(vs_ptr, cute.make_layout((*self.v_chunks, w), stride=(self.v_chunks[1] * w, w, 1)))
+            return kp, vp, ks, vs
         if const_expr(self.k_channel):
             ks = cute.make_tensor(ks_ptr, cute.make_layout((self.nr // self.group, self.d), stride=(self.d, 1)))
         else:
             ks = cute.make_tensor(ks_ptr, cute.make_layout((self.nr, self.groups_v), stride=(self.groups_v, 1)))
-        vs_ptr = cute.recast_ptr(stage + self.bytes_kp + self.bytes_vp + 4 * self.words_ks, dtype=cutlass.Int32)
         vs = cute.make_tensor(vs_ptr, cute.make_layout((self.nr // 16, self.groups_v, 16),
                                                        stride=(16 * self.groups_v, 16, 1)))
         return kp, vp, ks, vs
@@ -315,15 +335,20 @@ class DecodeSm80(PackedDecodeConfig):
             gvp = mVp[page, head_kv, off // self.v_tile + i, None, None]
             copy_rows(assume_aligned(gvp), cute.local_tile(vp, (self.d, 2 * self.wv), (i, 0)), tid, NUM_THREADS,
                       0, False)
-        if const_expr(self.k_channel):
-            gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr // self.group, self.d),
-                                  (off // self.nr, 0))
+        if const_expr(self.fp4):  # the tile's chunks are contiguous words
+            self.copy_words(mKs[page, head_kv, off // self.nr, None, None].iterator, ks.iterator, self.words_ks, tid)
+            self.copy_words(mVs[page, head_kv, off // self.v_tile, None, None, None].iterator, vs.iterator,
+                            self.words_vs, tid)
         else:
-            gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr, self.groups_v), (off // self.nr, 0))
-        self.copy_words(gks.iterator, ks.iterator, self.words_ks, tid)
-        gvs = cute.local_tile(mVs[page, head_kv, None, None, None], (self.nr // 16, self.groups_v, 16),
-                              (off // self.nr, 0, 0))
-        self.copy_words(gvs.iterator, vs.iterator, self.words_vs, tid)
+            if const_expr(self.k_channel):
+                gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr // self.group, self.d),
+                                      (off // self.nr, 0))
+            else:
+                gks = cute.local_tile(mKs[page, head_kv, None, None], (self.nr, self.groups_v), (off // self.nr, 0))
+            self.copy_words(gks.iterator, ks.iterator, self.words_ks, tid)
+            gvs = cute.local_tile(mVs[page, head_kv, None, None, None], (self.nr // 16, self.groups_v, 16),
+                                  (off // self.nr, 0, 0))
+            self.copy_words(gvs.iterator, vs.iterator, self.words_vs, tid)
 
     @cute.jit
     def load_q(self, mQ, sQ, batch, head_kv, gq, tid):
@@ -331,7 +356,28 @@ class DecodeSm80(PackedDecodeConfig):
         gQ = cute.local_tile(q_rows, (self.nh, self.d), (0, 0))
         # the kv head's query rows start at head_kv * gq; rows >= gq are padding
         gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
-        copy_rows(gQ, sQ, tid, NUM_THREADS, gq, True)
+        if const_expr(self.fp4):
+            self.copy_fp4_order(gQ, sQ, gq, tid)
+        else:
+            copy_rows(gQ, sQ, tid, NUM_THREADS, gq, True)
+
+    @cute.jit
+    def copy_fp4_order(self, gsrc, sdst, valid_rows, tid):
+        """``gsrc`` (rows, D) -> ``sdst`` with the channels in the fragment order of FP4's
+        natural K rows (column ``L`` holds channel ``sm80.fp4_position(L)``), moved as
+        16-bit pairs (the order keeps them); rows >= ``valid_rows`` zero.  Q and the 16-bit
+        K tokens (residual, sinks) meet the packed K in the same channel order this way."""
+        rows = cute.size(sdst, mode=[0])
+        perm = sm80.make_fp4_perm(self.d // sm80.FP4_SEGMENT)
+        for i in cutlass.range(tid, rows * self.d // 2, NUM_THREADS, unroll=1):
+            row, col = i // (self.d // 2), 2 * (i % (self.d // 2))
+            src = perm(col)
+            x0, x1 = self.dtype(0.0), self.dtype(0.0)
+            if row < valid_rows:
+                x0 = gsrc[row, src]
+                x1 = gsrc[row, src + 1]
+            sdst[row, col] = x0
+            sdst[row, col + 1] = x1
 
     def q_fragments(self, mma, thr_mma, sQ, lane):
         """Q^T as the B operand (k = head dim, n = query heads), kept in registers."""
@@ -377,10 +423,31 @@ class DecodeSm80(PackedDecodeConfig):
 
         return pairs
 
+    def k_scales_fp4(self, ks, warp_idx, kt, lane):
+        """FP4: (scale2, None) of the A fragment's rows for k-block ``kt``; the lane's eight
+        channels ``32 (kt // 2) + 8 c ..`` share one block scale per token.  Row ``16 mt +
+        8 h + g`` of the warp's fragment is token ``32 warp + fp4_position(..)``."""
+        c, g = lane % 4, lane // 4
+        block = (sm80.FP4_SEGMENT * (kt // 2) + 8 * c) // self.group  # scale column of the row
+        perm = sm80.make_fp4_perm(1)
+        cache = {}
+
+        def pairs(mt, h, ch):
+            if (mt, h) not in cache:
+                tok = perm(16 * mt + 8 * h + g)  # token within the warp's segment
+                word = Uint32(ks[block // sm100.SF_ATOM_COLS, sm100.sf_chunk_word(sm80.FP4_SEGMENT * warp_idx + tok)])
+                cache[(mt, h)] = (fp4_scale_pair(word, block % sm100.SF_ATOM_COLS, self.fp4, self.is_bf16), None)
+            return cache[(mt, h)]
+
+        return pairs
+
     @cute.jit
     def scores_packed(self, mma, thr_mma, dq, tQrQ, stage, warp_idx, lane):
         kp, _, ks, _ = self.stage_tensors(stage)
         slice_k = cute.local_tile(kp, (self.t, 2 * self.wk), (warp_idx, 0))
+        if const_expr(self.fp4):  # the warp's 32 tokens in fragment order: the scores' rows
+            slice_k = cute.composition(slice_k, cute.make_layout((sm80.FP4_PERM_SHAPE, 2 * self.wk),
+                                                                 stride=(sm80.FP4_PERM_STRIDE, self.t)))
         words = load_packed_words(slice_k, lane)
         acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.t, self.nh)), Float32)
         acc_s.fill(0.0)
@@ -390,7 +457,10 @@ class DecodeSm80(PackedDecodeConfig):
             chunk, ktl = kt // self.kpw_k, kt % self.kpw_k
             frag_a = cute.make_rmem_tensor(thr_mma.partition_shape_A((self.t, 16)), self.dtype)
             frag_a32 = cute.recast_tensor(frag_a, Uint32)
-            params = self.k_param_pairs(ks, tok0, kt, lane)
+            if const_expr(self.fp4):
+                params = self.k_scales_fp4(ks, warp_idx, kt, lane)
+            else:
+                params = self.k_param_pairs(ks, tok0, kt, lane)
             for mt in cutlass.range_constexpr(mt_count):
                 for h in cutlass.range_constexpr(2):
                     i = 2 * (mt % 2) + h
@@ -472,6 +542,17 @@ class DecodeSm80(PackedDecodeConfig):
             coords = [(warp_idx // per_tile, self.cpw_v * (warp_idx % per_tile) + j) for j in range(self.cpw_v)]
         return [load_packed_words(cute.local_tile(vp, (self.d, 8), c), lane) for c in coords]
 
+    def v_scale_fp4(self, vs, warp_idx, lane, mt, h):
+        """FP4: (scale2, None) of V^T's row (channel) ``16 mt + 8 h + g``; the lane's eight
+        tokens ``32 warp + 8 c ..`` share one block scale (reloaded per k-block: kept for
+        the whole tile, the 2 D / 16 pairs would cost more registers than the 4-bit cap)."""
+        c, g = lane % 4, lane // 4
+        block = (sm80.FP4_SEGMENT * warp_idx + 8 * c) // self.group  # scale column of the tile
+        ch = 16 * mt + 8 * h + g
+        row = ch % sm100.SF_ATOM_ROWS
+        word = Uint32(vs[ch // sm100.SF_ATOM_ROWS, block // sm100.SF_ATOM_COLS, sm100.sf_chunk_word(row)])
+        return fp4_scale_pair(word, block % sm100.SF_ATOM_COLS, self.fp4, self.is_bf16), None
+
     @cute.jit
     def pv_packed(self, mma, thr_mma, dq, acc_s, acc_o, stage, words, warp_idx, lane):
         _, _, _, vs = self.stage_tensors(stage)
@@ -481,7 +562,7 @@ class DecodeSm80(PackedDecodeConfig):
             chunk, kt = kb // self.kpw_v, kb % self.kpw_v
             # (scale, zero) of the lane's four tokens of this k-block, per channel group
             pairs = []
-            for gi in cutlass.range_constexpr(self.groups_v):
+            for gi in cutlass.range_constexpr(0 if self.fp4 else self.groups_v):
                 row = vs[warp_idx * (self.t // 16) + kb, gi, None]
                 p0, p1 = Uint32(row[4 * c]), Uint32(row[4 * c + 1])
                 p2, p3 = Uint32(row[4 * c + 2]), Uint32(row[4 * c + 3])
@@ -494,8 +575,10 @@ class DecodeSm80(PackedDecodeConfig):
                     i = 2 * (mt % 2) + h
                     word = words[chunk][(i, 0), mt // 2, 0]
                     codes = dq.codes(word, (2 * kt, 2 * kt + 1))
+                    if const_expr(self.fp4):
+                        v_scale = self.v_scale_fp4(vs, warp_idx, lane, mt, h)
                     for ch in cutlass.range_constexpr(2):
-                        s2, z2 = pairs[gi][ch]
+                        s2, z2 = v_scale if const_expr(self.fp4) else pairs[gi][ch]
                         frag_a32[(0, h, ch), mt, 0] = dq.scale(codes[2 * kt + ch], s2, z2)
             cute.gemm(mma, acc_o, frag_a[None, None, 0], frag_p[None, None, kb], acc_o)
 
@@ -524,7 +607,10 @@ class DecodeSm80(PackedDecodeConfig):
         valid = n_res - sub * RES_SUBTILE
         gK = cute.local_tile(mKr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
         gV = cute.local_tile(mVr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
-        copy_rows(assume_aligned(gK), sK, tid, NUM_THREADS, valid, True)
+        if const_expr(self.fp4):  # K's channels in Q's order (copy_fp4_order)
+            self.copy_fp4_order(gK, sK, valid, tid)
+        else:
+            copy_rows(assume_aligned(gK), sK, tid, NUM_THREADS, valid, True)
         copy_rows(assume_aligned(gV), sV, tid, NUM_THREADS, valid, True)
         wait_all()
 

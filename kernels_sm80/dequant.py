@@ -11,7 +11,8 @@ from __future__ import annotations
 import struct
 from typing import Dict, Iterable
 
-from cutlass import Uint32
+import cutlass
+from cutlass import Int32, Uint32
 
 from ..layouts import packing
 from . import ptx
@@ -66,3 +67,58 @@ def split_params(p0, p1):
 def broadcast_params(p):
     """One (scale, zero) word -> (scale, scale), (zero, zero)."""
     return ptx.prmt(p, p, packing.PRMT_LOW_BROADCAST), ptx.prmt(p, p, packing.PRMT_HIGH_BROADCAST)
+
+
+class E2M1Dequant:
+    """FP4 (e2m1) codes in natural order -> half2 pairs (trace-time object).
+
+    Pair ``p`` of a word is its byte ``p`` (values ``2 p``, ``2 p + 1``: the low nibble to
+    the low half).  Each nibble's magnitude bits (exponent e1 e0, mantissa m) go to the
+    16-bit float's lowest exponent bits and top mantissa bit and its sign to the sign bit,
+    which reads as the e2m1 value times 2^-14 (fp16) or 2^-126 (bf16), subnormals included;
+    one exact packed multiply restores the power of two.  ``scale`` then applies the
+    block's scale (``fp4_scale_pair``), as the integer path applies (scale, zero)."""
+
+    PRMT_BYTE = tuple(p | (p << 4) | ((4 + p) << 8) | ((4 + p) << 12) for p in range(4))  # {a.p, a.p, b.p, b.p}
+
+    def __init__(self, is_bf16: bool):
+        self.is_bf16 = is_bf16
+        self.mag_shift = 6 if is_bf16 else 9  # e1 e0 m onto the exponent's low bits + mantissa MSB
+        self.fix = half2_bits(2.0 ** (126 if is_bf16 else 14), is_bf16)
+
+    def codes(self, word, pairs: Iterable[int]) -> Dict[int, Uint32]:
+        hi_nibbles, signs_lo = word >> 4, word << 4
+        out: Dict[int, Uint32] = {}
+        for p in pairs:
+            mag = ptx.prmt(word, hi_nibbles, self.PRMT_BYTE[p])  # nibble 2p at bits 3:0, 2p+1 at 19:16
+            sign = ptx.prmt(signs_lo, word, self.PRMT_BYTE[p])  # their sign bits at 15 and 31
+            bits = ((mag & 0x00070007) << self.mag_shift) | (sign & 0x80008000)
+            out[p] = ptx.fma_x2_imm(bits, self.fix, 0, self.is_bf16)
+        return out
+
+    def scale(self, code2, scale2, zero2=None):
+        """``code * scale`` on a half2 pair (exact: at most 6 significant bits)."""
+        return ptx.fma_x2(code2, scale2, Uint32(0), self.is_bf16)
+
+
+def fp4_scale_pair(word, byte: int, fp4: str, is_bf16: bool):
+    """Scale byte ``byte`` of ``word`` (one row's four scale columns, ``layouts.sm100``) as
+    a half2 pair.  UE4M3: the byte's exponent and mantissa moved under the 16-bit float's,
+    then an exact power-of-two multiply (subnormals included); 0x7F (NaN) gives NaN.
+    UE8M0: ``2^(byte - 127)`` built as exponent bits (fp16: clamped to its normal range,
+    which no block of fp16 values needs past)."""
+    b = (word >> (8 * byte)) & 0xFF
+    pair = b | (b << 16)
+    if fp4 == "nvfp4":
+        s2 = ptx.fma_x2_imm(pair << (4 if is_bf16 else 7), half2_bits(2.0 ** (120 if is_bf16 else 8), is_bf16),
+                            0, is_bf16)
+        nan = b == 0x7F
+    else:
+        if is_bf16:
+            s2 = pair << 7
+        else:
+            e = cutlass.max(cutlass.min(Int32(b) - 112, 30), 1)
+            s2 = Uint32(e) << 10
+            s2 = s2 | (s2 << 16)
+        nan = b == 0xFF
+    return s2 | (Uint32(nan) * Uint32(0x7FFF7FFF))

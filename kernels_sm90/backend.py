@@ -34,7 +34,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         unknown dtype.  2-bit stays on sm80, where this kernel is 10-20 % slower (its loop
         is bound by per-token latency, not bytes), and so does head dim 256, never timed
         here (profiles/NOTES.md)."""
-        return fmt.bits == fmt.v_bits == 4 and head_dim <= 128 and dtype == torch.float16
+        return fmt.bits == fmt.v_bits == 4 and not fmt.fp4 and head_dim <= 128 and dtype == torch.float16
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm
@@ -44,6 +44,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
         from .decode import DecodeSm90
 
+        if fmt.fp4:
+            raise ValueError(f"fmt.fp4={fmt.fp4!r}: the sm90 decode kernel takes integer codes; backend='sm80' "
+                             "decodes FP4 caches on Hopper")
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),

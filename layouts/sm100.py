@@ -137,7 +137,7 @@ def sf_chunk_word(row: int) -> int:
     """The 32-bit word of a basic chunk that holds row ``row``'s (0-127) four scale bytes,
     byte ``s`` = scale column ``s``: the chunk's byte ``16 (row % 32) + 4 (row // 32) + s``
     (``sf_offsets`` reads the same off the DSL's layout; a test checks them equal)."""
-    if not 0 <= row < SF_ATOM_ROWS:
+    if isinstance(row, int) and not 0 <= row < SF_ATOM_ROWS:  # (kernels pass traced values)
         raise ValueError(f"a basic chunk has rows 0..{SF_ATOM_ROWS - 1}, got {row}")
     return 4 * (row % 32) + row // 32
 

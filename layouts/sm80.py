@@ -95,6 +95,33 @@ def chunk_columns(bits: int) -> int:
     return MMA_SHAPE[2] * k_blocks_per_word(bits)
 
 
+# FP4 codes (KVFormat.fp4) are stored in natural order, the bytes Blackwell's block-scaled
+# MMA reads (layouts.sm100).  ldmatrix hands quad lane c of a 32-value segment (one 16-byte
+# chunk) the word of values 8 c .. 8 c + 7, so the m16n8k16 fragments built from it see the
+# segment permuted: fragment position L = 16 kb + 8 hi + 2 c + h (k-block kb, column half
+# hi, lane c, element h) holds value 8 c + 4 kb + 2 hi + h, i.e. byte 2 kb + hi of the word.
+# The sm80 decode kernel orders Q's channels (the contraction of Q K^T) and K's rows (the
+# tokens: the contraction of P V runs in the scores' row order) the same way.
+FP4_SEGMENT = 32
+FP4_PERM_SHAPE = (2, 4, 2, 2)  # (h, c, hi, kb) of a fragment position, colexicographic
+FP4_PERM_STRIDE = (1, 8, 2, 4)  # ... their weights in the natural position
+
+
+def fp4_position(position: int) -> int:
+    """Natural index of the value at fragment position ``position`` (per 32-value segment)."""
+    seg, r = divmod(position, FP4_SEGMENT)
+    h, c, hi, kb = r % 2, (r // 2) % 4, (r // 8) % 2, r // 16
+    return FP4_SEGMENT * seg + h * FP4_PERM_STRIDE[0] + c * FP4_PERM_STRIDE[1] + hi * FP4_PERM_STRIDE[2] \
+        + kb * FP4_PERM_STRIDE[3]
+
+
+def make_fp4_perm(segments: int):
+    """CuTe layout: fragment position -> natural index over ``segments`` segments (trace)."""
+    import cutlass.cute as cute
+
+    return cute.make_layout((FP4_PERM_SHAPE, segments), stride=(FP4_PERM_STRIDE, FP4_SEGMENT))
+
+
 def words_per_row(bits: int, length: int) -> int:
     if length % chunk_columns(bits):
         raise ValueError(

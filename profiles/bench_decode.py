@@ -24,11 +24,12 @@ import bitdecode as bd
 SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
 MAX_TOKENS = 2 ** 21  # B * N cap: keeps the 16-bit SDPA cache of the sweep under ~10 GB
 # the formats timed (K per channel g128), by the key of their result columns (bd<key>_us):
-# 4-bit and 2-bit in every sweep, K 4-bit / V 2-bit in the quick one
+# 4-bit and 2-bit in every sweep, K 4-bit / V 2-bit and NVFP4 in the quick one
 FORMATS = {"4": bd.KVFormat(bits=4, k_mode="channel", group_size=128),
            "2": bd.KVFormat(bits=2, k_mode="channel", group_size=128),
-           "4v2": bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=128)}
-LABELS = {"4": "4-bit", "2": "2-bit", "4v2": "K4V2"}
+           "4v2": bd.KVFormat(bits=4, v_bits=2, k_mode="channel", group_size=128),
+           "nvfp4": bd.KVFormat(fp4="nvfp4")}
+LABELS = {"4": "4-bit", "2": "2-bit", "4v2": "K4V2", "nvfp4": "NVFP4"}
 
 
 class Timer:
@@ -131,7 +132,9 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
             cache.prefill(k, v)
             torch.cuda.synchronize()
             first_prefill_s = time.perf_counter() - t0  # includes compiling (or loading) the kernels
-            t_pre = timer(lambda: cache.prefill(k, v), iters=5, warmup=1, flush=True) if n >= 8192 else float("nan")
+            # (an FP4 cache is written by the torch reference: its prefill is not a kernel's)
+            timed = n >= 8192 and not fmt.fp4
+            t_pre = timer(lambda: cache.prefill(k, v), iters=5, warmup=1, flush=True) if timed else float("nan")
             pre_bytes = 2 * b * n * hkv * d * 2 + cache_bytes(fmt, [n] * b, hkv, d)
             del k, v
             t = _graph_time(timer, lambda: bd.decode(q, cache))
@@ -142,6 +145,8 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
             row[f"bd{bits}_speedup"] = t_sdpa / t
             row[f"bd{bits}_auto"] = cache.backend  # auto's pick for this format
             for name in kernel_backends(device):  # every backend side by side (auto's timed above)
+                if fmt.fp4 and name == "sm90":  # the sm90 kernel takes integer codes
+                    continue
                 tb = t if name == cache.backend else _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
                 row[f"bd{bits}_{name}_us"] = tb
                 row[f"bd{bits}_{name}_bw"] = nbytes / (tb * 1e-6)
@@ -212,7 +217,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         rows = [r for r in result["rows"] if (r["B"], r["Hq"], r["Hkv"], r["D"]) == shape]
         ns = [r["N"] for r in rows]
         ax.plot(ns, [r["sdpa_us"] for r in rows], "k-o", label="SDPA fp16", ms=3)
-        for bits, color in (("4", "b"), ("2", "r"), ("4v2", "g")):
+        for bits, color in (("4", "b"), ("2", "r"), ("4v2", "g"), ("nvfp4", "m")):
             for name, style in zip(result.get("backends", []), ("-s", "--^", ":o")):
                 if f"bd{bits}_{name}_us" in rows[0]:
                     ax.plot(ns, [r[f"bd{bits}_{name}_us"] for r in rows], color + style,
@@ -242,7 +247,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
     if progress is not None:
         task = progress.add_task("decode sweep", total=len(shapes) * len(seqlens))
     rows = []
-    keys = ("4", "2", "4v2") if quick else ("4", "2")
+    keys = ("4", "2", "4v2", "nvfp4") if quick else ("4", "2")
     for shape in shapes:
         rows += bench_shape(timer, shape, seqlens, keys, device, progress, task)
     # the roofline is the best read bandwidth seen in this run: a torch copy / sum, or SDPA
@@ -253,7 +258,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         for bits in keys:
             r[f"bd{bits}_roofline"] = r[f"bd{bits}_bw"] / best
             for name in kernel_backends(device):
-                r[f"bd{bits}_{name}_roofline"] = r[f"bd{bits}_{name}_bw"] / best
+                if f"bd{bits}_{name}_bw" in r:
+                    r[f"bd{bits}_{name}_roofline"] = r[f"bd{bits}_{name}_bw"] / best
     gen = torch.Generator(device=device).manual_seed(3)
     qb = torch.randn(1, 32, 1, 128, device=device, dtype=torch.float16, generator=gen)
     kb = torch.randn(1, 8, 4096, 128, device=device, dtype=torch.float16, generator=gen)
@@ -269,7 +275,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "roofline": roofline,
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
                "L2 flushed before each call; *_eager_us: the same with plain eager calls"),
-        "format": "K per channel g128, V per token g128, fp16; bd4 / bd2: one width, bd4v2: K 4-bit / V 2-bit",
+        "format": ("K per channel g128, V per token g128, fp16; bd4 / bd2: one width, bd4v2: K 4-bit / V 2-bit; "
+                   "bdnvfp4: NVFP4 (K per token, V per channel, one e4m3 scale per 16 values)"),
         "rows": rows,
         "small_graph": bench_graph_small(timer, device),
     }

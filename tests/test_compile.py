@@ -253,3 +253,20 @@ def test_compiled_argument_shapes_match_the_cache(fmt):
     for i, (x, f) in enumerate(zip(writes, kernels.pack_args(fmt, cutlass.Float16, d))):
         dims = _static_dims(f)
         assert len(dims) == x.dim() and all(s is None or s == n for s, n in zip(dims, x.shape)), (i, dims, x.shape)
+
+
+@pytest.mark.parametrize("fp4, dtype, d", [("nvfp4", "fp16", 128), ("mxfp4", "bf16", 64)])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_decode_fp4_ptx(fp4, dtype, d, arch, tmp_path):
+    """FP4 caches on the sm80 decode kernel: e2m1 pairs moved under a 16-bit float with byte
+    permutes (no lookup table in memory: no ld.global or ld.const besides the cache's
+    loads), the block scale applied with one packed fma, mma.sync on the result; no spills."""
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+
+    fn = sm80_backend.BACKEND.compile_decode(arch, KVFormat(fp4=fp4), _dtype(dtype), d, 8, True, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    for instr in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async", "prmt.b32",
+                  "fma.rn." + ("bf16x2" if dtype == "bf16" else "f16x2")):
+        assert instr in ptx, f"{instr} missing from the FP4 decode PTX"
+    assert ".const" not in ptx and ".local" not in ptx
+    assert _spills(ptx, arch, tmp_path) == 0

@@ -197,14 +197,25 @@ def test_memory_counts_the_scale_chunks():
     assert c.memory_bytes() == codes + chunks + residual + c.seqlens.numel() * 4 + c.block_table.numel() * 4
 
 
-def test_paths_without_fp4_refuse_it(monkeypatch):
+def test_fp4_backends_and_refusals(monkeypatch):
+    """An FP4 cache is written by the torch reference (no FP4 pack kernel yet) and decoded by
+    the sm80 kernel (``auto``'s choice on a GPU); the sm90 kernel, multi-token kernel plans
+    and the torch ops refuse it with a clear error."""
     fmt = bd.KVFormat(fp4="nvfp4")
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0) if device.type == "cuda" else None)
-    for backend in ("auto", "sm80", "sm90"):
-        with pytest.raises(ValueError, match="fmt.fp4='nvfp4' runs on the torch reference backend only"):
-            dispatch.resolve(backend, torch.device("cuda", 0), fmt=fmt, head_dim=64)
+    for what in ("decode", "KV cache"):
+        for backend in ("auto", "sm80"):
+            assert dispatch.resolve(backend, torch.device("cuda", 0), what=what, fmt=fmt, head_dim=64) == "sm80"
     assert dispatch.resolve("auto", torch.device("cpu"), fmt=fmt) == "reference"
+    from bitdecode.kernels_sm80 import backend as sm80
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    with pytest.raises(ValueError, match="the sm90 decode kernel takes integer codes"):
+        sm90.BACKEND.make_decode("sm_90a", fmt, None, 64, 8, True)
+    with pytest.raises(ValueError, match="one query token per sequence"):
+        sm80.BACKEND.make_decode("sm_90a", fmt, None, 64, 8, True, tq=2)
     c = bd.KVCache.allocate(1, 1, 64, 256, fmt, device="cpu", backend="reference")
+    assert c._writer == "reference" and bd.KVCache.allocate(1, 1, 64, 256, bd.KVFormat(group_size=64), device="cpu")._writer == "reference"
     with pytest.raises(ValueError, match="the torch ops take integer-code caches only"):
         ops.append_cache(torch.zeros(1, 1, 1, 64, dtype=torch.float16), torch.zeros(1, 1, 1, 64, dtype=torch.float16), c)
     with pytest.raises(ValueError, match="the torch ops take integer-code caches only"):

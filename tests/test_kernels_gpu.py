@@ -504,3 +504,41 @@ def test_multi_token_queries_match_reference(cfg, backend):
     err = (bd.decode(q, cache, backend=backend).float() - ref).abs().max().item()
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
 
+
+
+# FP4 caches (written by the reference backend: no FP4 pack kernel yet) decoded by the sm80
+# kernel: (format, dtype, head dim, q heads per kv head)
+FP4_CONFIGS = [
+    (bd.KVFormat(fp4="nvfp4"), torch.float16, 128, 4),
+    (bd.KVFormat(fp4="nvfp4", sink_tokens=16), torch.bfloat16, 64, 8),
+    (bd.KVFormat(fp4="mxfp4"), torch.bfloat16, 128, 1),
+    (bd.KVFormat(fp4="mxfp4", hadamard=True), torch.float16, 64, 16),
+    (bd.KVFormat(fp4="nvfp4"), torch.bfloat16, 256, 2),
+]
+
+
+@pytest.mark.parametrize("cfg", FP4_CONFIGS, ids=lambda c: f"{c[0].fp4}-s{c[0].sink_tokens}{'-h' * c[0].hadamard}"
+                         f"-{str(c[1])[6:]}-d{c[2]}-gq{c[3]}")
+def test_fp4_decode_on_sm80_matches_reference(cfg):
+    """e2m1 codes in natural order and block scales in basic chunks, dequantized in
+    registers (Q's channels and K's rows in fragment order): against the reference with
+    the tolerance rule, with and without splits, dense and on shuffled pages."""
+    if not dispatch.runnable("sm80", DEV):
+        pytest.skip("the sm80 kernels do not run here")
+    fmt, dtype, d, gq = cfg
+    nr, s = fmt.residual_block, fmt.sink_tokens
+    lens = [s + 3 * nr + 5, nr, 1, 0, nr - 1, s + 7 * nr + 64]
+    gen = torch.Generator().manual_seed(43)
+    q = torch.randn(len(lens), 1, 2 * gq, d, generator=gen).to(dtype).to(DEV)
+    for page_size, shuffle in ((None, False), (2 * nr, True)):
+        cache, _, _ = make_cache(fmt, lens, 2, d, dtype, page_size=page_size, shuffle=shuffle, seed=41)
+        for splits in (0, 1, 3):
+            check_decode(q, cache, "sm80", num_splits=splits)
+    # allocated with auto: the reference writes it (prefill, then appends) and auto decodes
+    # it on the sm80 kernel
+    cache, _, _ = make_cache(fmt, [max(n - 2, 0) for n in lens], 2, d, dtype, backend="auto", seed=41)
+    assert cache.backend == "sm80" and cache._writer == "reference"
+    step = kv(torch.Generator().manual_seed(44), len(lens), 2, 2, d, dtype=dtype, device=DEV)
+    for t in range(2):
+        cache.append(step[0][:, t:t + 1], step[1][:, t:t + 1])
+    check_decode(q, cache, "auto")
