@@ -27,7 +27,7 @@ import torch
 
 from . import dispatch
 from .cli import nonnegative_int, positive_int
-from .formats import GROUP_SIZES, K_MODES
+from .formats import FP4_FORMATS, GROUP_SIZES, K_MODES
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -105,6 +105,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                      help="first tokens of each sequence kept 16-bit (attention sinks; default: 0)")
     fmt.add_argument("--hadamard", action="store_true",
                      help="store K and rotate Q by the head dim's Hadamard matrix (what 2-bit K needs)")
+    fmt.add_argument("--fp4", choices=FP4_FORMATS, default=None,
+                     help="an FP4 cache instead of integer codes (e2m1 + block scales; --bits, --k-mode, "
+                          "--group-size and --v-bits do not apply; --sinks and --hadamard do)")
     fmt.add_argument("--device", choices=("cpu", "cuda"), default=None,
                      help="where to run (default: cuda when available, else cpu)")
     fmt.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="model and cache dtype (default: bf16)")
@@ -302,8 +305,11 @@ def run(args: argparse.Namespace) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     group = args.group_size or min(128, head_dim)
     try:
-        fmts = [bd.KVFormat(bits=b, k_mode=args.k_mode, group_size=group, v_bits=args.v_bits,
-                            sink_tokens=args.sinks, hadamard=args.hadamard) for b in args.bits]
+        if args.fp4:
+            fmts = [bd.KVFormat(fp4=args.fp4, sink_tokens=args.sinks, hadamard=args.hadamard)]
+        else:
+            fmts = [bd.KVFormat(bits=b, k_mode=args.k_mode, group_size=group, v_bits=args.v_bits,
+                                sink_tokens=args.sinks, hadamard=args.hadamard) for b in args.bits]
         for f in fmts:
             f.check_head_dim(head_dim)
     except ValueError as exc:
@@ -349,9 +355,10 @@ def run(args: argparse.Namespace) -> int:
             extras = "".join([f", V {fmt.v_bits}-bit" if fmt.v_bits != fmt.bits else "",
                               f", {fmt.sink_tokens} sinks" if fmt.sink_tokens else "",
                               ", Hadamard" if fmt.hadamard else ""])
-            rows.append((f"bitdecode {fmt.bits}-bit (K per {fmt.k_mode}, G={fmt.group_size}{extras}, {used})",
+            width = fmt.fp4.upper() if fmt.fp4 else f"{fmt.bits}-bit"
+            rows.append((f"bitdecode {width} (K per {fmt.k_mode}, G={fmt.group_size}{extras}, {used})",
                          rate, pre, cache.memory_bytes(), new))
-            texts.append((f"bitdecode {fmt.bits}-bit", show(new)))
+            texts.append((f"bitdecode {width}", show(new)))
             del cache
 
     # the 16-bit size of the same tokens, when no baseline ran

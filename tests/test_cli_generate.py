@@ -66,6 +66,13 @@ def test_generate_k4v2_sinks_hadamard(capsys, monkeypatch):
                for k in _rows(out)), out
 
 
+def test_generate_fp4(capsys, monkeypatch):
+    """--fp4 runs an FP4 cache (the reference writes and, on the CPU, decodes it)."""
+    out = _run(capsys, monkeypatch, "--max-new-tokens", "2", "--no-baseline", "--fp4", "nvfp4", "--sinks", "4",
+               "--prompt-tokens", "40")
+    assert any(k.startswith("bitdecode NVFP4 (K per token, G=16, 4 sinks") for k in _rows(out)), out
+
+
 def test_generate_help(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--help"])
