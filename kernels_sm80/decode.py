@@ -21,6 +21,15 @@ block (``len % Nr`` tokens) is the last tile, read with plain ldmatrix in sub-ti
 64 tokens (16 per warp); a format's 16-bit sink tokens (the first ``sinks`` of the
 sequence, ``[B, sinks, Hkv, D]`` buffers) are more such sub-tiles, attended by split 0.  Tiles stream through a ``num_stages`` cp.async pipeline; all
 four warps share one barrier per tile.
+
+FP4 caches (``fp4``: NVFP4 / MXFP4) hold e2m1 codes in natural order, the bytes
+Blackwell's block-scaled MMA reads, and their block scales in basic chunks
+(``layouts.sm100``).  ldmatrix hands lane ``c`` of a quad the values ``8 c .. 8 c + 7`` of
+each 32-value segment, so the kernel takes Q's channels (and the 16-bit K tokens') and
+K's rows in that order (``layouts.sm80.fp4_position``): the scores' rows then come out in
+the order in which V's natural bytes reach the P V fragments, and no byte of the packed
+cache moves.  ``E2M1Dequant`` turns each byte into a half2; one packed fma applies the
+block scale (no zero point).
 """
 
 from __future__ import annotations
