@@ -151,7 +151,7 @@ def decode_registers(fmt: KVFormat, head_dim: int, nh: int) -> int:
     if head_dim > 128 or nh > 8:
         return 255
     if fmt.fp4:
-        return 208  # its dequant (two byte permutes per pair) and scale pairs: 202 at D=128
+        return 192  # its dequant temporaries and block-scale pairs: 185 at D=128 (ptxas)
     return 128 if fmt.bits == fmt.v_bits == 4 else 168
 
 

@@ -84,15 +84,20 @@ class E2M1Dequant:
     def __init__(self, is_bf16: bool):
         self.is_bf16 = is_bf16
         self.mag_shift = 6 if is_bf16 else 9  # e1 e0 m onto the exponent's low bits + mantissa MSB
+        self.sign_lift = (1 << 12) - (1 << self.mag_shift)  # bit 3 -> 15: 8 * lift = 2^15 - 2^(3 + shift)
         self.fix = half2_bits(2.0 ** (126 if is_bf16 else 14), is_bf16)
 
     def codes(self, word, pairs: Iterable[int]) -> Dict[int, Uint32]:
-        hi_nibbles, signs_lo = word >> 4, word << 4
+        hi_nibbles = word >> 4
         out: Dict[int, Uint32] = {}
         for p in pairs:
-            mag = ptx.prmt(word, hi_nibbles, self.PRMT_BYTE[p])  # nibble 2p at bits 3:0, 2p+1 at 19:16
-            sign = ptx.prmt(signs_lo, word, self.PRMT_BYTE[p])  # their sign bits at 15 and 31
-            bits = ((mag & 0x00070007) << self.mag_shift) | (sign & 0x80008000)
+            # nibble 2p at bits 3:0 (its sign at 3), nibble 2p + 1 at bits 19:16 (sign at 19)
+            nib = ptx.prmt(word, hi_nibbles, self.PRMT_BYTE[p]) & 0x000F000F
+            # shifted by mag_shift the magnitudes land in place and the signs 6 (fp16) or 9
+            # (bf16) bits below the sign bit; adding sign * (2^15 - 2^(3 + mag_shift)) moves
+            # them up (a carry through the zero bits between)
+            sign = nib & 0x00080008
+            bits = (nib << self.mag_shift) + sign * self.sign_lift
             out[p] = ptx.fma_x2_imm(bits, self.fix, 0, self.is_bf16)
         return out
 
