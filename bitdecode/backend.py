@@ -92,11 +92,14 @@ class Variant(NamedTuple):
     k_mode: str = ""
     group_size: int = 0
     extra: Tuple = ()
+    fp4: str = ""  # an FP4 format (KVFormat.fp4) instead of bits / k_mode / group_size
 
     @property
     def name(self) -> str:
         parts = [self.kind, self.dtype, f"d{self.head_dim}"]
-        if self.bits:
+        if self.fp4:
+            parts.append(self.fp4)
+        elif self.bits:
             parts += [f"{self.bits}bit", self.k_mode, f"g{self.group_size}"]
         parts += [str(e) for e in self.extra]
         return "_".join(parts)

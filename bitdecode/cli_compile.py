@@ -38,6 +38,8 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--bits", type=_csv(int), default=[4, 2])
     p.add_argument("--k-mode", type=_csv(str), default=["channel", "token"])
     p.add_argument("--group-size", type=_csv(int), default=[32, 64, 128])
+    p.add_argument("--fp4", type=_csv(str), default=[],
+                   help="also these FP4 formats, comma list of nvfp4,mxfp4 (decode: the sm80 kernel; default none)")
     p.add_argument("--head-dim", type=_csv(int), default=[64, 128, 256])
     p.add_argument("--dtype", type=_csv(str), default=["fp16", "bf16"])
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
@@ -57,6 +59,7 @@ def variants(args) -> List[Variant]:
     formats = []
     for bits, mode, g in itertools.product(args.bits, args.k_mode, args.group_size):
         formats.append(KVFormat(bits=bits, k_mode=mode, group_size=g))
+    formats += [KVFormat(fp4=f) for f in args.fp4]
     return _backend_for(args.arch).variants(args.kernels, formats, args.head_dim, args.dtype)
 
 

@@ -374,11 +374,13 @@ class Sm80Backend:
                     fmt.check_head_dim(d)
                 except ValueError:
                     continue
-                fkey = (fmt.bits, fmt.k_mode, fmt.group_size)
+                fkey = () if fmt.fp4 else (fmt.bits, fmt.k_mode, fmt.group_size)
                 if "decode" in kinds:
                     for nh, split in itertools.product(sm80.HEADS_TILES, (False, True)):
-                        out.append(Variant("decode", dtype, d, *fkey, (f"h{nh}", "split" if split else "direct")))
-                if "pack" in kinds:
+                        extra = (f"h{nh}", "split" if split else "direct")
+                        out.append(Variant("decode", dtype, d, extra=extra, fp4=fmt.fp4) if fmt.fp4 else
+                                   Variant("decode", dtype, d, *fkey, extra))
+                if "pack" in kinds and not fmt.fp4:  # FP4 caches are written by the torch reference
                     for mode in ("prefill", "append"):
                         out.append(Variant("pack", dtype, d, *fkey, (mode,)))
         return out
@@ -388,7 +390,7 @@ class Sm80Backend:
         import cutlass
 
         dtype = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[v.dtype]
-        fmt = KVFormat(v.bits, v.k_mode, v.group_size) if v.bits else None
+        fmt = KVFormat(fp4=v.fp4) if v.fp4 else KVFormat(v.bits, v.k_mode, v.group_size) if v.bits else None
         if v.kind == "decode":
             nh, split = int(v.extra[0][1:]), v.extra[1] == "split"
             if cached:

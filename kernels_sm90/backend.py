@@ -36,6 +36,11 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         here (profiles/NOTES.md)."""
         return fmt.bits == fmt.v_bits == 4 and not fmt.fp4 and head_dim <= 128 and dtype == torch.float16
 
+    def variants(self, kinds, formats, head_dims, dtypes):
+        """The sm80 backend's list without FP4 decode variants (this kernel takes integer
+        codes; FP4 caches decode on the sm80 kernel on Hopper)."""
+        return [v for v in super().variants(kinds, formats, head_dims, dtypes) if not (v.fp4 and v.kind == "decode")]
+
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm
 

@@ -274,3 +274,26 @@ def test_decode_fp4_ptx(fp4, dtype, d, arch, tmp_path):
     # the split heuristic's residency model counts no fewer registers than ptxas uses
     used = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
     assert used <= sm80_backend.decode_registers(KVFormat(fp4=fp4), d, 8), used
+
+
+def test_compile_cli_lists_fp4_decode_variants():
+    """``bitdecode compile --fp4 nvfp4`` adds the FP4 decode variants of the sm80 kernel
+    (no pack: the torch reference writes FP4 caches); the sm90 backend lists none (its
+    kernel takes integer codes) and builds them for no one."""
+    import argparse
+
+    from bitdecode import cli_compile
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+
+    parser = argparse.ArgumentParser()
+    cli_compile.add_parser(parser.add_subparsers(), "compile", "")
+    common = ["--kernels", "decode,pack", "--bits", "4", "--k-mode", "token", "--group-size", "64", "--fp4",
+              "nvfp4,mxfp4", "--head-dim", "64", "--dtype", "bf16"]
+    names = [v.name for v in cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_80"] + common))]
+    assert "decode_bf16_d64_mxfp4_h16_split" in names and "decode_bf16_d64_nvfp4_h8_direct" in names
+    assert not any("fp4" in n and n.startswith("pack") for n in names)
+    hopper = cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_90a"] + common))
+    assert not any(v.fp4 for v in hopper) and any(v.kind == "decode" for v in hopper)
+    v = next(v for v in cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_80"] + common))
+             if v.name == "decode_bf16_d64_mxfp4_h8_split")
+    assert "prmt.b32" in sm80_backend.BACKEND.compile_variant("sm_80", v, keep_ptx=True).artifacts.PTX
