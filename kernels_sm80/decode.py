@@ -467,8 +467,7 @@ class DecodeSm80(PackedDecodeConfig):
             frag_a = cute.make_rmem_tensor(thr_mma.partition_shape_A((self.t, 16)), self.dtype)
             frag_a32 = cute.recast_tensor(frag_a, Uint32)
             if const_expr(self.fp4):
-                if const_expr(ktl == 0):  # the chunk's two k-blocks share the lanes' block scales
-                    params = self.k_scales_fp4(ks, warp_idx, kt, lane)
+                params = self.k_scales_fp4(ks, warp_idx, kt, lane)
             else:
                 params = self.k_param_pairs(ks, tok0, kt, lane)
             for mt in cutlass.range_constexpr(mt_count):
