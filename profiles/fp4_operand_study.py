@@ -1,0 +1,64 @@
+"""What an sm100 FP4 decode would lose by quantizing Q and P to NVFP4 (the block-scaled MMA's
+operand format) instead of a mixed-input 16-bit Q / P: decode output error against fp32
+attention over the same FP4 cache (and against 16-bit attention), SmolLM2 real Q/K/V and
+random LLM-like data."""
+import math
+from pathlib import Path
+
+import torch
+
+import bitdecode as bd
+from bitdecode import reference as R
+from bitdecode.layouts import sm100
+
+def fp4_round(x, fp4, dim=-1):
+    codes, sf = R.quantize_fp4(x, fp4, dim=dim, check_finite=False)
+    return R.dequantize_fp4(codes, sf, fp4, torch.float32, dim=dim)
+
+def fp8_round(x):  # e4m3, one fp32 scale per row (amax / 448)
+    s = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448
+    return (x.float() / s).to(torch.float8_e4m3fn).float() * s
+
+def attn(q, k, v, fp4=None, quant_q=False, quant_p=False):
+    # q [Hq, D], k, v [L, Hkv, D] (already dequantized cache values), fp32
+    hq, d = q.shape; hkv = k.shape[1]; g = hq // hkv
+    qf = q.float()
+    if quant_q == "fp8":
+        qf = fp8_round(q)
+    elif quant_q:
+        qf = fp4_round(q.to(torch.bfloat16), fp4).float()  # blocks along D (the contraction)
+    s = torch.einsum("hgd,lhd->hgl", qf.view(hkv, g, d), k.float()) / math.sqrt(d)
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    if quant_p == "fp8":
+        p = fp8_round(p)
+    elif quant_p:  # P in [0, 1] quantized along tokens (the PV contraction), blocks of the format
+        n = p.shape[-1]; vec = sm100.SF_VEC[fp4]; pad = (-n) % vec
+        pp = torch.nn.functional.pad(p, (0, pad))
+        p = fp4_round(pp.to(torch.bfloat16), fp4).float()[..., :n]
+    o = torch.einsum("hgl,lhd->hgd", p, v.float()) / l
+    return o.reshape(hq, d)
+
+data = torch.load(Path(__file__).resolve().parent.parent / "tests" / "data" / "smollm2_kv.pt")
+def get(name, layer):
+    return (data[f"{name}{layer}"].view(torch.float8_e4m3fn).float() * data[f"{name}{layer}_scale"]).bfloat16()
+
+for fp4 in ("nvfp4", "mxfp4"):
+    fmt = bd.KVFormat(fp4=fp4)
+    for layer in data["layers"]:
+        q, k, v = get("q", layer), get("k", layer), get("v", layer)
+        n = k.shape[0] // 128 * 128
+        kd = R.unpack_k(*R.pack_k(k[:n].transpose(0, 1), fmt), fmt, torch.bfloat16).transpose(0, 1)
+        vd = R.unpack_v(*R.pack_v(v[:n].transpose(0, 1), fmt), fmt, torch.bfloat16).transpose(0, 1)
+        rows = []
+        for i in range(q.shape[0]):
+            exact = attn(q[i], k[:n], v[:n])
+            base = attn(q[i], kd, vd)  # the FP4 cache, 16-bit Q and P (what sm80 computes)
+            errs = []
+            for qq, qp in ((True, False), (False, True), (True, True), ("fp8", "fp8")):
+                o = attn(q[i], kd, vd, fp4, qq, qp)
+                errs.append(((o - base).norm() / base.norm()).item())
+            rows.append([((base - exact).norm() / exact.norm()).item()] + errs)
+        t = torch.tensor(rows).mean(0).tolist()
+        print(f"{fp4} layer {layer}: cache vs 16-bit {t[0]:.4f}; +Q fp4 {t[1]:.4f}, +P fp4 {t[2]:.4f}, +both {t[3]:.4f}, Q and P e4m3 {t[4]:.4f} (relative L2, mean of 4 queries)")
