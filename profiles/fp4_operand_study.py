@@ -1,7 +1,8 @@
-"""What an sm100 FP4 decode would lose by quantizing Q and P to NVFP4 (the block-scaled MMA's
-operand format) instead of a mixed-input 16-bit Q / P: decode output error against fp32
-attention over the same FP4 cache (and against 16-bit attention), SmolLM2 real Q/K/V and
-random LLM-like data."""
+"""What an sm100 FP4 decode would lose by quantizing Q and P to the block-scaled MMA's
+operand format (NVFP4 / MXFP4) or to e4m3, instead of keeping them 16-bit: the relative L2
+error of the decode output against attention over the same FP4 cache with 16-bit Q and P
+(and that cache's own error against 16-bit attention), on SmolLM2-135M's own Q / K / V
+(tests/data/smollm2_kv.pt).  CPU, a few seconds: ``python3 profiles/fp4_operand_study.py``."""
 import math
 from pathlib import Path
 
