@@ -45,9 +45,9 @@ class KVCache:
         self.dtype = dtype
         self.max_seqlen = max_seqlen
         self.backend = backend
-        # what runs prefill / append: the backend, except for FP4 caches, which the torch
-        # reference writes (no FP4 pack kernel yet) while a kernel backend decodes them
-        self._writer = "reference" if fmt.fp4 else backend
+        # what runs prefill / append: the backend, or the torch reference where the backend's
+        # pack kernels do not take the format (FP4) while its decode kernel reads it
+        self._writer = backend if backend == "reference" or backends.get(backend).writes(fmt) else "reference"
         self.k_pack, self.k_params = k_pack, k_params
         self.v_pack, self.v_params = v_pack, v_params
         self.k_res, self.v_res = k_res, v_res
@@ -383,20 +383,19 @@ def decode(
 
 
 def _block_slices(c: CacheTensors, b: int, block: int):
-    """Where packed block ``block`` (Nr tokens) of sequence ``b`` lives."""
-    nr, g = c.fmt.residual_block, c.fmt.group_size
+    """Where packed block ``block`` (Nr tokens) of sequence ``b`` lives in k_pack, k_params,
+    v_pack and v_params: every one of them is block-major along dim 2 (``KVFormat``'s
+    storage shapes: rows, groups, V tiles, k-blocks or scale chunks per page), so a block's
+    share is its equal part of the page's extent there."""
+    nr = c.fmt.residual_block
     start = block * nr
     page = int(c.block_table[b, start // c.page_size])
-    off = start % c.page_size
-    kp = (page, slice(None), slice(off, off + nr))
-    kq = (page, slice(None), slice(off // g, (off + nr) // g)) if c.fmt.k_mode == "channel" else kp
-    nv = c.fmt.v_tile  # V tiles of the block (two when V is 4-bit beside 2-bit K)
-    vp = (page, slice(None), slice(off // nv, (off + nr) // nv))
-    vq = (page, slice(None), slice(off // 16, (off + nr) // 16))
-    if c.fmt.fp4:  # scale chunks per 128-token K tile and per V tile (= the block)
-        kq = (page, slice(None), slice(off // nr, off // nr + 1))
-        vq = vp
-    return kp, kq, vp, vq
+    first = start % c.page_size // nr  # the block's index within its page
+    out = []
+    for t in (c.k_pack, c.k_params, c.v_pack, c.v_params):
+        per_block = t.shape[2] * nr // c.page_size
+        out.append((page, slice(None), slice(first * per_block, (first + 1) * per_block)))
+    return tuple(out)
 
 
 def _write_blocks(c: CacheTensors, b: int, first: int, kb: torch.Tensor, vb: torch.Tensor) -> None:

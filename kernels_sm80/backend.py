@@ -281,6 +281,12 @@ class Sm80Backend:
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)
 
+    def decodes(self, fmt: KVFormat) -> bool:
+        return True
+
+    def writes(self, fmt: KVFormat) -> bool:
+        return not fmt.fp4  # the pack kernels write integer codes; the torch reference writes FP4
+
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         return True
 
@@ -375,12 +381,11 @@ class Sm80Backend:
                 except ValueError:
                     continue
                 fkey = () if fmt.fp4 else (fmt.bits, fmt.k_mode, fmt.group_size)
-                if "decode" in kinds:
+                if "decode" in kinds and self.decodes(fmt):
                     for nh, split in itertools.product(sm80.HEADS_TILES, (False, True)):
                         extra = (f"h{nh}", "split" if split else "direct")
-                        out.append(Variant("decode", dtype, d, extra=extra, fp4=fmt.fp4) if fmt.fp4 else
-                                   Variant("decode", dtype, d, *fkey, extra))
-                if "pack" in kinds and not fmt.fp4:  # FP4 caches are written by the torch reference
+                        out.append(Variant("decode", dtype, d, *fkey, extra=extra, fp4=fmt.fp4 or ""))
+                if "pack" in kinds and self.writes(fmt):
                     for mode in ("prefill", "append"):
                         out.append(Variant("pack", dtype, d, *fkey, (mode,)))
         return out

@@ -25,6 +25,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def supports(self, capability: Tuple[int, int]) -> bool:
         return capability[0] == 9
 
+    def decodes(self, fmt: KVFormat) -> bool:
+        return not fmt.fp4  # integer codes; FP4 caches decode on the sm80 kernel on Hopper
+
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         """4-bit fp16 caches with head dims up to 128: faster than the sm80 kernels on the
         H200 at six of the seven measured shapes since the fixes that removed ptxas's wgmma
@@ -34,12 +37,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         unknown dtype.  2-bit stays on sm80, where this kernel is 10-20 % slower (its loop
         is bound by per-token latency, not bytes), and so does head dim 256, never timed
         here (profiles/NOTES.md)."""
-        return fmt.bits == fmt.v_bits == 4 and not fmt.fp4 and head_dim <= 128 and dtype == torch.float16
-
-    def variants(self, kinds, formats, head_dims, dtypes):
-        """The sm80 backend's list without FP4 decode variants (this kernel takes integer
-        codes; FP4 caches decode on the sm80 kernel on Hopper)."""
-        return [v for v in super().variants(kinds, formats, head_dims, dtypes) if not (v.fp4 and v.kind == "decode")]
+        return self.decodes(fmt) and fmt.bits == fmt.v_bits == 4 and head_dim <= 128 and dtype == torch.float16
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm
@@ -49,7 +47,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
         from .decode import DecodeSm90
 
-        if fmt.fp4:
+        if not self.decodes(fmt):
             raise ValueError(f"fmt.fp4={fmt.fp4!r}: the sm90 decode kernel takes integer codes; backend='sm80' "
                              "decodes FP4 caches on Hopper")
         if arch != "sm_90a":
