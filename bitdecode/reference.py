@@ -169,7 +169,7 @@ def _scale_values(sf: torch.Tensor, fp4: str) -> torch.Tensor:
     if fp4 == "nvfp4":
         return sf.view(torch.float8_e4m3fn).double()
     e = sf.double() - sm100.UE8M0_BIAS
-    return torch.where(sf == 0xFF, torch.full_like(e, math.nan), torch.exp2(e))
+    return torch.where(sf == sm100.UE8M0_NAN, torch.full_like(e, math.nan), torch.exp2(e))
 
 
 def quantize_fp4(x: torch.Tensor, fp4: str, dim: int = -1, check_finite: bool = True
@@ -191,14 +191,15 @@ def quantize_fp4(x: torch.Tensor, fp4: str, dim: int = -1, check_finite: bool = 
     bad = ~(amax < math.inf)  # a NaN or an infinity in the block
     if fp4 == "nvfp4":
         s8 = (amax / sm100.E2M1_MAX).clamp(sm100.UE4M3_MIN, sm100.UE4M3_MAX).to(torch.float8_e4m3fn)
-        sf = torch.where(bad, 0x7F, s8.view(torch.uint8).to(torch.int32)).to(torch.uint8)
+        sf = s8.view(torch.uint8)
     else:  # OCP MX: the shared exponent is floor(log2 amax) minus e2m1's largest exponent
         # floor(log2 amax) exactly, from the binary exponent (log2 itself is inexact on some
         # devices at powers of two); an all-zero block takes the smallest scale
         _, e2 = torch.frexp(amax)  # amax = m * 2^e2, m in [0.5, 1)
         e = torch.where(amax > 0, e2.double() - 1 - sm100.E2M1_EMAX, -sm100.UE8M0_BIAS)
         e = e.clamp(-sm100.UE8M0_BIAS, sm100.UE8M0_BIAS)
-        sf = torch.where(bad, 0xFF, (e + sm100.UE8M0_BIAS).to(torch.int32)).to(torch.uint8)
+        sf = (e + sm100.UE8M0_BIAS).to(torch.uint8)
+    sf = torch.where(bad, sm100.SCALE_NAN[fp4], sf.to(torch.int32)).to(torch.uint8)
     scale = _scale_values(sf, fp4)
     codes = _e2m1_rne(blocks.double() / scale[..., None])  # exact: no rounding before the grid's
     codes = torch.where(bad[..., None], 0, codes.to(torch.int32)).to(torch.uint8)
@@ -213,17 +214,19 @@ def dequantize_fp4(codes: torch.Tensor, sf: torch.Tensor, fp4: str, dtype: torch
     return (_e2m1_table(str(codes.device))[codes.long()] * scale).to(dtype)
 
 
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Codes ``[..., L]`` -> int32 words ``[..., L/8]``, value ``8 j + i`` in bits ``4 i ..``."""
-    c = codes.long().reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
-    shifts = torch.arange(0, 32, 4, device=codes.device)
-    return _to_int32((c << shifts).sum(dim=-1))
+def _fields_to_words(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """Unsigned ``width``-bit fields ``[..., L]`` -> int32 words ``[..., L * width / 32]``,
+    field ``i`` of each run of ``32 / width`` in bits ``width * i ..`` (natural order)."""
+    per = packing.WORD_BITS // width
+    f = fields.long().reshape(*fields.shape[:-1], fields.shape[-1] // per, per)
+    return _to_int32((f << torch.arange(0, packing.WORD_BITS, width, device=fields.device)).sum(dim=-1))
 
 
-def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
-    shifts = torch.arange(0, 32, 4, device=words.device)
-    c = ((words.long() & 0xFFFFFFFF)[..., None] >> shifts) & 0xF
-    return c.reshape(*words.shape[:-1], words.shape[-1] * 8).to(torch.uint8)
+def _words_to_fields(words: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of ``_fields_to_words`` (uint8 fields)."""
+    shifts = torch.arange(0, packing.WORD_BITS, width, device=words.device)
+    f = ((words.long() & 0xFFFFFFFF)[..., None] >> shifts) & ((1 << width) - 1)
+    return f.reshape(*words.shape[:-1], words.shape[-1] * len(shifts)).to(torch.uint8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,15 +247,15 @@ def _sf_to_chunks(sf: torch.Tensor) -> torch.Tensor:
                       device=sf.device)
     pad[..., :rows, :cols] = sf.long()
     b = pad.reshape(*sf.shape[:-2], rc, sm100.SF_ATOM_ROWS, cc, sm100.SF_ATOM_COLS).transpose(-3, -2)
-    words = (b << torch.arange(0, 32, 8, device=sf.device)).sum(dim=-1)  # [..., rc, cc, 128 rows]
-    return _to_int32(words[..., _chunk_rows(str(sf.device))])
+    words = _fields_to_words(b, 8)[..., 0]  # a row's four scale bytes in one word: [..., rc, cc, 128 rows]
+    return words[..., _chunk_rows(str(sf.device))]
 
 
 def _chunks_to_sf(words: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of ``_sf_to_chunks``: ``[..., rc, cc, 128]`` -> bytes ``[..., rows, cols]``."""
     by_row = torch.empty_like(words)
     by_row[..., _chunk_rows(str(words.device))] = words
-    b = ((by_row.long() & 0xFFFFFFFF)[..., None] >> torch.arange(0, 32, 8, device=words.device)) & 0xFF
+    b = _words_to_fields(by_row[..., None], 8)  # [..., rc, cc, 128 rows, 4 bytes]
     rc, cc = b.shape[-4], b.shape[-3]
     b = b.transpose(-3, -2).reshape(*b.shape[:-4], rc * sm100.SF_ATOM_ROWS, cc * sm100.SF_ATOM_COLS)
     return b[..., :rows, :cols].to(torch.uint8)
@@ -262,11 +265,11 @@ def _pack_fp4_rows(x: torch.Tensor, fmt: KVFormat, check_finite: bool):
     """Tiles ``[..., R, L]`` (rows, values along the contraction) -> (words ``[..., R, L/8]``,
     scale chunks ``[..., ceil(R/128), ceil(L/G/4), 128]``)."""
     codes, sf = quantize_fp4(x, fmt.fp4, dim=-1, check_finite=check_finite)
-    return _pack_nibbles(codes), _sf_to_chunks(sf)
+    return _fields_to_words(codes, 4), _sf_to_chunks(sf)
 
 
 def _unpack_fp4_rows(words: torch.Tensor, chunks: torch.Tensor, rows: int, fmt: KVFormat, dtype: torch.dtype):
-    codes = _unpack_nibbles(words)
+    codes = _words_to_fields(words, 4)
     sf = _chunks_to_sf(chunks, rows, codes.shape[-1] // fmt.group_size)
     return dequantize_fp4(codes, sf, fmt.fp4, dtype)
 

@@ -27,27 +27,31 @@ MIN_TILES_PER_SPLIT = 2
 # --------------------------------------------------------------------------------------
 
 
+def storage_dims(fmt: KVFormat, head_dim: int):
+    """The fake shapes of k_pack, k_params, v_pack, v_params (int32): ``KVFormat``'s storage
+    shapes with the pages, heads and per-page extent symbolic and the rest static."""
+    shapes = (fmt.k_pack_shape, fmt.k_params_shape, fmt.v_pack_shape, fmt.v_params_shape)
+    return [(None, None, None) + shape(1, 1, fmt.residual_block, head_dim)[3:] for shape in shapes]
+
+
+def as_halves(dims):
+    """Fake shape of the 16-bit view of int32 words (the decode kernels' view of packed rows)."""
+    return dims[:-1] + (2 * dims[-1],)
+
+
 def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     """Fake arguments of DecodeSm80 (same order as the call)."""
     import cutlass
 
     f16, i32, f32 = cutlass.Float16, cutlass.Int32, cutlass.Float32
-    wk = sm80.words_per_row(fmt.bits, head_dim)
-    wv = sm80.words_per_row(fmt.v_bits, fmt.v_tile)  # words of a V tile's row
-    nr, d, g = fmt.residual_block, head_dim, fmt.group_size
-    ks_last = d if fmt.k_mode == "channel" else d // g
-    # params: (scale, zero) words, or FP4's scale chunks (KVFormat.k_params_shape / v_params_shape)
-    if fmt.fp4:
-        k_params = (None, None, None) + fmt.k_params_shape(1, 1, nr, d)[3:]
-        v_params = (None, None, None) + fmt.v_params_shape(1, 1, fmt.v_tile, d)[3:]
-    else:
-        k_params, v_params = (None, None, None, ks_last), (None, None, None, d // g, sm80.MMA_SHAPE[2])
+    nr, d = fmt.residual_block, head_dim
+    kp, ks, vp, vs = storage_dims(fmt, d)
     args = [
         fake_tensor(dtype, (None, 1, None, d)),                    # q (B, 1, Hq, D)
-        fake_tensor(f16, (None, None, None, 2 * wk)),              # k_pack (16-bit view)
-        fake_tensor(i32, k_params),                                # k_params
-        fake_tensor(f16, (None, None, None, d, 2 * wv)),           # v_pack (16-bit view)
-        fake_tensor(i32, v_params),                                # v_params
+        fake_tensor(f16, as_halves(kp)),                           # k_pack (16-bit view)
+        fake_tensor(i32, ks),                                      # k_params
+        fake_tensor(f16, as_halves(vp)),                           # v_pack (16-bit view)
+        fake_tensor(i32, vs),                                      # v_params
         fake_tensor(dtype, (None, nr, None, d)),                   # k_res
         fake_tensor(dtype, (None, nr, None, d)),                   # v_res
         fake_tensor(dtype, (None, None, None, d)),                 # k_sink (B, S, Hkv, D)
@@ -85,10 +89,8 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
     import cutlass
 
     i32 = cutlass.Int32
-    wk = sm80.words_per_row(fmt.bits, head_dim)
-    wv = sm80.words_per_row(fmt.v_bits, fmt.v_tile)  # words of a V tile's row
-    nr, d, g = fmt.residual_block, head_dim, fmt.group_size
-    ks_last = d if fmt.k_mode == "channel" else d // g
+    nr, d = fmt.residual_block, head_dim
+    kp, ks, vp, vs = storage_dims(fmt, d)
     return [
         fake_tensor(dtype, (None, None, None, d)),      # source K (B, N, Hkv, D)
         fake_tensor(dtype, (None, None, None, d)),      # source V
@@ -98,10 +100,10 @@ def pack_args(fmt: KVFormat, dtype, head_dim: int):
         fake_tensor(dtype, (None, None, None, d)),      # v_sink
         fake_vector(i32, 1),                            # lengths
         fake_vector(i32, 2),                            # block_table
-        fake_tensor(i32, (None, None, None, wk)),       # k_pack
-        fake_tensor(i32, (None, None, None, ks_last)),  # k_params
-        fake_tensor(i32, (None, None, None, d, wv)),    # v_pack
-        fake_tensor(i32, (None, None, None, d // g, sm80.MMA_SHAPE[2])),  # v_params
+        fake_tensor(i32, kp),                           # k_pack
+        fake_tensor(i32, ks),                           # k_params
+        fake_tensor(i32, vp),                           # v_pack
+        fake_tensor(i32, vs),                           # v_params
         fake_vector(i32, 1),                            # overflow (lengths refused appends asked for)
         fake_vector(i32, 1),                            # commit counters
         cutlass.Int32(0),                               # capacity (tokens per sequence)

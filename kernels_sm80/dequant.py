@@ -14,7 +14,9 @@ from typing import Dict, Iterable
 import cutlass
 from cutlass import Int32, Uint32
 
-from ..layouts import packing
+from ..layouts import packing, sm100
+
+F16_EXP_BIAS, F16_EXP_MAX = 15, 30  # fp16's exponent bias and largest finite biased exponent
 from . import ptx
 
 
@@ -109,7 +111,7 @@ class E2M1Dequant:
 def fp4_scale_pair(word, byte: int, fp4: str, is_bf16: bool):
     """Scale byte ``byte`` of ``word`` (one row's four scale columns, ``layouts.sm100``) as
     a half2 pair.  UE4M3: the byte's exponent and mantissa moved under the 16-bit float's,
-    then an exact power-of-two multiply (subnormals included); 0x7F (NaN) gives NaN.
+    then an exact power-of-two multiply (subnormals included); the NaN byte gives NaN.
     UE8M0: ``2^(byte - 127)`` built as exponent bits (fp16: clamped to its normal range,
     which no block of fp16 values needs past)."""
     b = (word >> (8 * byte)) & 0xFF
@@ -117,13 +119,13 @@ def fp4_scale_pair(word, byte: int, fp4: str, is_bf16: bool):
     if fp4 == "nvfp4":
         s2 = ptx.fma_x2_imm(pair << (4 if is_bf16 else 7), half2_bits(2.0 ** (120 if is_bf16 else 8), is_bf16),
                             0, is_bf16)
-        nan = b == 0x7F
+        nan = b == sm100.UE4M3_NAN
     else:
         if is_bf16:
             s2 = pair << 7
         else:
-            e = cutlass.max(cutlass.min(Int32(b) - 112, 30), 1)
+            e = cutlass.max(cutlass.min(Int32(b) - (sm100.UE8M0_BIAS - F16_EXP_BIAS), F16_EXP_MAX), 1)
             s2 = Uint32(e) << 10
             s2 = s2 | (s2 << 16)
-        nan = b == 0xFF
+        nan = b == sm100.UE8M0_NAN
     return s2 | (Uint32(nan) * Uint32(0x7FFF7FFF))

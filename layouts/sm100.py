@@ -97,11 +97,17 @@ def e2m1_value(code: int) -> float:
 E2M1_VALUES = tuple(e2m1_value(c) for c in range(16))
 
 
+UE4M3_NAN = 0x7F  # the NaN scale byte of each format (a block that held a NaN or an infinity)
+UE8M0_NAN = 0xFF
+UE8M0_BIAS = 127
+SCALE_NAN = {"nvfp4": UE4M3_NAN, "mxfp4": UE8M0_NAN}
+
+
 def ue4m3_value(byte: int) -> float:
     """Value of an NVFP4 scale byte (e4m3 with the sign bit clear, bias 7; 0x7f is NaN)."""
     if not 0 <= byte < 128:
         raise ValueError(f"a UE4M3 scale is a byte in [0, 128), got {byte}")
-    if byte == 0x7F:
+    if byte == UE4M3_NAN:
         return float("nan")
     exp, man = byte >> 3, byte & 7
     return man / 8 * 2.0**-6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
@@ -111,7 +117,7 @@ def ue8m0_value(byte: int) -> float:
     """Value of an MXFP4 scale byte: ``2^(byte - 127)``; 0xff is NaN."""
     if not 0 <= byte < 256:
         raise ValueError(f"a UE8M0 scale is a byte in [0, 256), got {byte}")
-    return float("nan") if byte == 0xFF else 2.0 ** (byte - 127)
+    return float("nan") if byte == UE8M0_NAN else 2.0 ** (byte - UE8M0_BIAS)
 
 
 # e2m1 rounding, half to even: the magnitudes (codes 0-7), and per midpoint between codes
@@ -122,7 +128,6 @@ E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITU
 E2M1_TIE_UP = tuple(c % 2 == 1 for c in range(7))
 UE4M3_MIN = ue4m3_value(1)  # 2^-9, the smallest positive scale
 UE4M3_MAX = ue4m3_value(0x7E)  # 448
-UE8M0_BIAS = 127
 E2M1_EMAX = 2  # exponent of e2m1's largest power of two (OCP MX: the shared exponent offset)
 
 

@@ -95,9 +95,9 @@ def test_nibble_order_and_scale_chunks():
     lower index in the low nibble); a row's scale bytes sit where the block-scaled MMA's
     own layout (``sm100.sf_offsets``, read off the DSL) puts them."""
     codes = torch.arange(16, dtype=torch.uint8).repeat(2)[None]  # 32 values
-    words = reference._pack_nibbles(codes)
+    words = reference._fields_to_words(codes, 4)
     assert [w & 0xFFFFFFFF for w in words[0].tolist()] == [0x76543210, 0xFEDCBA98] * 2
-    assert torch.equal(reference._unpack_nibbles(words), codes)
+    assert torch.equal(reference._words_to_fields(words, 4), codes)
     pytest.importorskip("cutlass")
     for fp4, rows, cols in (("nvfp4", 128, 64), ("nvfp4", 256, 128), ("mxfp4", 128, 256)):
         offsets = sm100.sf_offsets(fp4, rows, cols)
