@@ -230,19 +230,27 @@ def plan_decode(cache: CacheTensors, q: torch.Tensor, backend: str, num_splits: 
     return plan
 
 
-def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse):
-    """Validated dispatch shared by ``decode`` and ``decode_attention``."""
+def run(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse, max_len=None, plans=None,
+        on_plan=None):
+    """Validated dispatch shared by ``decode`` and ``decode_attention``.  ``max_len`` and
+    ``plans``: a ``KVCache``'s longest sequence and its plan cache (without them a fresh
+    plan, split for the cache's capacity); ``on_plan(plan, scale_log2)`` hears of a kernel
+    plan that took ``q`` as it is (the cache keeps it for its fast path)."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     splits = check_splits(num_splits, backend)
     if backend == "reference":
         return reference_decode(q, cache, scale, return_lse)
-    if not fits_kernel_tile(q, cache, backend):
+    if not fits_kernel_tile(q, cache, backend):  # more query tokens than one tile takes
         return chunk_decode(q, cache, scale, return_lse)
-    if not aligned_rows(q):
-        q = q.clone(memory_format=torch.contiguous_format)
-    # no cache object: a fresh plan, split for the cache's capacity
-    plan = plan_decode(cache, q, backend, splits, cache.max_packed_tokens + cache.fmt.residual_block)
-    return plan(q, scale * LOG2_E, return_lse)
+    if max_len is None:
+        max_len = cache.max_packed_tokens + cache.fmt.residual_block
+    plan = plan_decode(cache, q, backend, splits, max_len, plans)
+    scale_log2 = scale * LOG2_E
+    if not aligned_rows(q):  # a copy, every call
+        return plan(q.clone(memory_format=torch.contiguous_format), scale_log2, return_lse)
+    if on_plan is not None:
+        on_plan(plan, scale_log2)
+    return plan(q, scale_log2, return_lse)
 
 
 def decode_attention(

@@ -327,20 +327,14 @@ class KVCache:
         cache = self._tensors
         attention.check_query(q, cache, backend)
         q = reference.rotate(q, self.fmt)  # KVFormat.hadamard: Q meets the rotated K
-        if backend == "reference":
-            if self.device.type == "cpu":  # the table is visible without a sync: check it
-                attention.check_block_table(cache, self.seqlens)
-            return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits,
-                                 backend=backend, return_lse=return_lse)
-        scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
-        if not attention.fits_kernel_tile(q, cache, backend):  # more query tokens than one tile takes
-            return attention.chunk_decode(q, cache, scale, return_lse)
-        plan = attention.plan_decode(cache, q, backend, attention.check_splits(num_splits, backend), max_len,
-                                     self._plans)
-        if not attention.aligned_rows(q):  # a copy, every call, outside the fast path
-            return plan(q.clone(memory_format=torch.contiguous_format), scale * attention.LOG2_E, return_lse)
-        self._fast = (key, plan, scale * attention.LOG2_E)
-        return plan(q, self._fast[2], return_lse)
+        if backend == "reference" and self.device.type == "cpu":  # the table is visible without a sync
+            attention.check_block_table(cache, self.seqlens)
+
+        def remember(plan, scale_log2):
+            self._fast = (key, plan, scale_log2)
+
+        return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+                             return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
 
     def dequantized(self, b: int):
         """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them, K rotated back

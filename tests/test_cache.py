@@ -299,3 +299,29 @@ def test_truncate_rejects_bad_counts():
         with pytest.raises(ValueError, match=msg):
             c.truncate(bad)
     assert c.lengths == [5, 3]
+
+
+def test_kernel_decode_keeps_its_plan_for_the_fast_path(monkeypatch):
+    """The host side of a kernel decode (a stand-in plan on the CPU): the first call plans
+    with the cache's plan table and longest length and is remembered, the next identical
+    call takes the fast path without planning, and a query whose rows the kernels cannot
+    take as they are is copied and not remembered."""
+    from bitdecode import attention
+
+    c = bd.KVCache.allocate(1, 1, 64, 256, bd.KVFormat(group_size=64), device="cpu", backend="reference")
+    c.backend = "sm80"
+    made = []
+
+    def plan_decode(cache, q, backend, splits, max_len, plans=None):
+        made.append((backend, max_len, plans is c._plans))
+        return lambda q, scale_log2, return_lse: (q, scale_log2)
+
+    monkeypatch.setattr(attention, "plan_decode", plan_decode)
+    q = torch.ones(1, 1, 2, 64, dtype=torch.float16)
+    first, second = c.decode(q), c.decode(q)
+    assert first[0] is q and second[0] is q and first[1] == second[1] == 64 ** -0.5 * attention.LOG2_E
+    assert made == [("sm80", 0, True)]  # the second call took the fast path
+    padded = torch.ones(1, 1, 2, 128, dtype=torch.float16)[..., :64]
+    out, _ = c.decode(padded)
+    assert out is not padded and out.is_contiguous() and len(made) == 2
+    assert c.decode(q)[0] is q and len(made) == 2  # the remembered plan is still the aligned query's
