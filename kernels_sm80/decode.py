@@ -19,8 +19,9 @@ per warp; the four warps merge through shared memory at the end of the split
 (LSE-weighted), and splits are merged by the combine kernel.  The 16-bit residual
 block (``len % Nr`` tokens) is the last tile, read with plain ldmatrix in sub-tiles of
 64 tokens (16 per warp); a format's 16-bit sink tokens (the first ``sinks`` of the
-sequence, ``[B, sinks, Hkv, D]`` buffers) are more such sub-tiles, attended by split 0.  Tiles stream through a ``num_stages`` cp.async pipeline; all
-four warps share one barrier per tile.
+sequence, ``[B, sinks, Hkv, D]`` buffers) are more such sub-tiles, attended by split 0.
+Tiles stream through a ``num_stages`` cp.async pipeline; all four warps share one barrier
+per tile.
 
 FP4 caches (``fp4``: NVFP4 / MXFP4) hold e2m1 codes in natural order, the bytes
 Blackwell's block-scaled MMA reads, and their block scales in basic chunks

@@ -81,8 +81,6 @@ class E2M1Dequant:
     one exact packed multiply restores the power of two.  ``scale`` then applies the
     block's scale (``fp4_scale_pair``), as the integer path applies (scale, zero)."""
 
-    PRMT_BYTE = tuple(p | (p << 4) | ((4 + p) << 8) | ((4 + p) << 12) for p in range(4))  # {a.p, a.p, b.p, b.p}
-
     def __init__(self, is_bf16: bool):
         self.is_bf16 = is_bf16
         self.mag_shift = 6 if is_bf16 else 9  # e1 e0 m onto the exponent's low bits + mantissa MSB
@@ -94,7 +92,7 @@ class E2M1Dequant:
         out: Dict[int, Uint32] = {}
         for p in pairs:
             # nibble 2p at bits 3:0 (its sign at 3), nibble 2p + 1 at bits 19:16 (sign at 19)
-            nib = ptx.prmt(word, hi_nibbles, self.PRMT_BYTE[p]) & 0x000F000F
+            nib = ptx.prmt(word, hi_nibbles, packing.PRMT_BYTE_PAIR[p]) & 0x000F000F
             # shifted by mag_shift the magnitudes land in place and the signs 6 (fp16) or 9
             # (bf16) bits below the sign bit; adding sign * (2^15 - 2^(3 + mag_shift)) moves
             # them up (a carry through the zero bits between)

@@ -33,8 +33,9 @@ ptxas serialize every wgmma of the kernel (warning C7514, checked by the PTX tes
 V^T registers are rewritten only after the P·V that reads them has landed.
 The 16-bit residual block (``len % Nr`` tokens) is the last tile, in 64-token sub-tiles
 read from the (by then idle) stage buffers; a format's 16-bit sink tokens (the first
-``sinks`` of the sequence) are more such sub-tiles, attended by split 0.  The output of a split is the fp32 partial O
-and its LSE, merged by the combine kernel; one split writes O in the model dtype.
+``sinks`` of the sequence) are more such sub-tiles, attended by split 0.  The output of a
+split is the fp32 partial O and its LSE, merged by the combine kernel; one split writes O
+in the model dtype.
 """
 
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects

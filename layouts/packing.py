@@ -159,6 +159,9 @@ PRMT_LOW_HALVES = 0x5410  # (a.lo, b.lo): the scales of two words
 PRMT_HIGH_HALVES = 0x7632  # (a.hi, b.hi): the zeros of two words
 PRMT_LOW_BROADCAST = 0x1010  # (a.lo, a.lo): one word's scale in both lanes
 PRMT_HIGH_BROADCAST = 0x3232  # (a.hi, a.hi): one word's zero in both lanes
+# (a.byte p, a.byte p, b.byte p, b.byte p): byte p of a word in both bytes of the low half
+# and byte p of a second word in the high half (FP4: a byte's two e2m1 codes, one per half)
+PRMT_BYTE_PAIR = tuple(p | (p << 4) | ((4 + p) << 8) | ((4 + p) << 12) for p in range(4))
 # the scale and zero of a group whose range is not finite (NaN / Inf inside): the quiet NaN
 # torch gives when it rounds a float NaN to the 16-bit type, so kernel and reference
 # params are the same bytes
