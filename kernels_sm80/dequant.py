@@ -37,12 +37,15 @@ def half2_bits(value: float, is_bf16: bool) -> int:
 class WordDequant:
     """Dequantizes element pairs of packed words (trace-time object; one per kernel)."""
 
-    def __init__(self, bits: int, is_bf16: bool):
+    def __init__(self, bits: int, is_bf16: bool, center: int = 0):
+        """``center``: subtracted from every code by the exact fix step (``codes`` then
+        yields ``code - center``, still exact), for consumers that apply (scale, zero)
+        themselves and want small products (``kernels_sm90.decode``'s ``fold_v``)."""
         self.is_bf16 = is_bf16
         dtype = "bf16" if is_bf16 else "fp16"
         self.steps = packing.dequant_steps(bits, dtype)
         self.fix_mul = [half2_bits(s.fix_scale, is_bf16) for s in self.steps]
-        self.fix_add = [half2_bits(s.fix_bias(dtype), is_bf16) for s in self.steps]
+        self.fix_add = [half2_bits(s.fix_bias(dtype) - center, is_bf16) for s in self.steps]
 
     def codes(self, word, pairs: Iterable[int]) -> Dict[int, Uint32]:
         """Exact half2 codes of the requested element pairs of ``word``."""

@@ -29,15 +29,15 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return not fmt.fp4  # integer codes; FP4 caches decode on the sm80 kernel on Hopper
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
-        """4-bit fp16 caches with head dims up to 128: faster than the sm80 kernels on the
-        H200 at six of the seven measured shapes since the fixes that removed ptxas's wgmma
-        serialization (B=1 N=128K 59.6 vs 62.8 us, B=16 N=32K 194 vs 224; B=16 N=128K
-        3.6 % slower, 749 vs 723).  bf16 stays on sm80: there this kernel is slower (B=1
-        N=128K 63.7 vs 61.3 us, B=16 N=64K 403 vs 366; fourth session), and so is an
-        unknown dtype.  2-bit stays on sm80, where this kernel is 10-20 % slower (its loop
-        is bound by per-token latency, not bytes), and so does head dim 256, never timed
-        here (profiles/NOTES.md)."""
-        return self.decodes(fmt) and fmt.bits == fmt.v_bits == 4 and head_dim <= 128 and dtype == torch.float16
+        """4-bit fp16 / bf16 caches with head dims up to 128.  On the H200 with V's scale
+        folded into P (sixth session, CUDA-graph replay, L2 flushed, us, sm90 vs sm80): fp16
+        B=1 N=128K 58.4 vs 62.6, B=16 N=32K 189.6 vs 226.9, B=16 N=64K 362.2 vs 379.7; bf16
+        59.9 vs 61.2, 197.0 vs 222.9, 379.7 vs 377.8 (before the fold bf16 was 8 % slower
+        here and stayed on sm80).  2-bit stays on sm80, where this kernel is 7-17 % slower
+        (its loop is bound by per-token latency, not bytes), and so does head dim 256,
+        never timed here, and an unknown dtype (profiles/NOTES.md)."""
+        return (self.decodes(fmt) and fmt.bits == fmt.v_bits == 4 and head_dim <= 128
+                and dtype in (torch.float16, torch.bfloat16))
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm

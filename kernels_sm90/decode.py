@@ -13,6 +13,10 @@ One CTA = (split, KV head, sequence), two warpgroups with fixed roles:
       S^T = K . Q^T    A = K   (64 tokens x 16 channels per wgmma, registers), B = Q  (smem)
       O^T = V^T . P^T  A = V^T (64 channels x 16 tokens, registers),           B = P  (smem)
 
+  With V groups of at least 64 channels (``fold_v``) V^T holds V's exact (centered)
+  codes and P^T carries V's per-token scale, one P^T copy per V group, while V's zero
+  points reach O through per-head sums of P times zero: V costs one lop3 and one exact fma
+  per pair instead of two fmas and its params in fragment order.
   The query heads that share the KV head are the N = 8 (or 16) side, so GQA wastes no MMA
   rows on padding queries, and the wgmma RS A fragment of warp ``w`` is the m16n8k16 A
   fragment of rows ``16 w ..`` (``layouts.sm90.wgmma_fragment``): the lop3 dequant of the
@@ -48,6 +52,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..kernels_sm80 import ptx
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
@@ -90,8 +95,19 @@ class DecodeSm90(PackedDecodeConfig):
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
-                 ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1):
+                 ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
+                 fold_v: bool = True):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq)
+        # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
+        # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
+        # each 64-channel M-block of O^T inside one V group (groups of >= 64 channels): P^T
+        # is scaled once per group into its own buffer.  The codes are centered (code -
+        # 2^(bits-1), the zero moved by as many scales): with raw codes the products and
+        # the zero sums both grow like the zero point and cancel in O, which lost precision
+        # over a 2^20-token split (H200: 0.0119 against a 0.0024 tolerance).
+        self.fold_v = fold_v and group_size >= M_BLOCK
+        self.p_copies = self.groups_v if self.fold_v else 1
+        self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
         # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
@@ -118,13 +134,20 @@ class DecodeSm90(PackedDecodeConfig):
     # Host side
     # ---------------------------------------------------------------------------------
     def _layouts(self):
-        """Shared-memory layouts (call in a trace): Q and P^T (K-major wgmma B operands) and
-        the packed K / V rings (TMA swizzle atoms, a stage mode last)."""
+        """Shared-memory layouts (call in a trace): Q and P^T (K-major wgmma B operands; P^T
+        one copy per V group with ``fold_v``) and the packed K / V rings (TMA swizzle atoms, a
+        stage mode last)."""
         return (sm90.make_operand_smem_layout(self.dtype, self.nh, self.d),
-                sm90.make_operand_smem_layout(self.dtype, self.nh, self.step),
+                sm90.make_operand_smem_layout(self.dtype, self.nh, self.step, self.p_copies),
                 sm90.make_packed_smem_layout(self.nr, 4 * self.wk, self.num_stages),
                 # V: one slot per V tile of a stage (two 4-bit tiles per 2-bit K tile in K2V4)
                 sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles))
+
+    @property
+    def red_slots(self) -> int:
+        """Per (head, warp) fp32 slots of the cross-warp exchange: the step's maxima, the
+        row sums, and with ``fold_v`` one P.zero sum per V group."""
+        return 2 + (self.p_copies if self.fold_v else 0)
 
     def _shared_storage(self):
         stages = self.num_stages
@@ -133,7 +156,7 @@ class DecodeSm90(PackedDecodeConfig):
         @cute.struct
         class Storage:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            red: cute.struct.MemRange[Float32, 2 * WARPS * self.nh]
+            red: cute.struct.MemRange[Float32, self.red_slots * WARPS * self.nh]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(p_layout)], 1024]
             sKp: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(kp_layout)], 1024]
@@ -260,7 +283,7 @@ class DecodeSm90(PackedDecodeConfig):
         gq = mQ.shape[1] // mKr.shape[2]
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        red = storage.red.get_tensor(cute.make_layout((self.nh, WARPS, 2)))
+        red = storage.red.get_tensor(cute.make_layout((self.nh, WARPS, self.red_slots)))
         lim = self.causal_limits(seqlen, gq, lane)  # multi-token queries: each column's last token
 
         # ---- Q: global -> smem (rows >= gq zero) ---------------------------------------
@@ -278,7 +301,7 @@ class DecodeSm90(PackedDecodeConfig):
         mma = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         thr_s = thr_o = mma.get_slice(tid)
         tSrQ = mma.make_fragment_B(thr_s.partition_B(sQ))
-        tOrP = mma.make_fragment_B(thr_o.partition_B(sP))
+        tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
         # each step's P V product goes to its own accumulator, folded into acc_o with fp32
@@ -291,7 +314,12 @@ class DecodeSm90(PackedDecodeConfig):
         row_sum = cute.make_rmem_tensor((ncols,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16)
+        # with fold_v, sum_t p_t zero_t per head column and V group (this thread's tokens)
+        zsum = None
+        if const_expr(self.fold_v):
+            zsum = cute.make_rmem_tensor((ncols, self.p_copies), Float32)
+            zsum.fill(0.0)
+        dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16, self.v_center)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -315,9 +343,9 @@ class DecodeSm90(PackedDecodeConfig):
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
                 self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, st * self.step,
-                                  lim, n_sink + tile * self.nr)
-                self.store_p(acc_s, sP, warp, lane)
-                self.pv(v_frag, tOrP, acc_pv)
+                                  lim, n_sink + tile * self.nr, zsum)
+                self.store_p(acc_s, sP, warp, lane, vs, st, zsum)
+                self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
                     self.k_fragments(k_frag, kp, ks, st + 1, dq_k, warp, lane)
                 else:
@@ -330,14 +358,14 @@ class DecodeSm90(PackedDecodeConfig):
 
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                          acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res)
+                          acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res, zsum)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
             if split_idx == 0:
                 self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKsink, mVsink, batch, head_kv, n_sink,
-                              acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, 0)
+                              acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, 0, zsum)
         warpgroup.wait_group(0)
         self.fold(acc_o, acc_pv)
-        self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane)
+        self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane, zsum)
 
     def bar(self, barrier_id: int):
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG)
@@ -419,22 +447,29 @@ class DecodeSm90(PackedDecodeConfig):
         for k in cutlass.range_constexpr(self.step // K_BLOCK):
             kt = kt0 + k  # k-block of tokens in the tile
             j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
-            for mb in cutlass.range_constexpr(self.m_v):
-                gi = (mb * M_BLOCK) // self.group if const_expr(static_gi) else chans[mb] // self.group
-                key = (kt, gi)
-                if const_expr(static_gi and key in shared):
-                    pairs = shared[key]
-                else:
-                    base = sm80.param_position(kt * self.groups_v + gi, c, 0)  # fragment-order row
-                    pairs = (split_params(Uint32(vs[base]), Uint32(vs[base + 1])),
-                             split_params(Uint32(vs[base + 2]), Uint32(vs[base + 3])))
-                    if const_expr(static_gi):
-                        shared[key] = pairs
-                for h in cutlass.range_constexpr(2):
-                    codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
-                    for ch in cutlass.range_constexpr(2):
-                        s2, z2 = pairs[ch]
-                        frag32[(0, h, ch), mb, k] = dq.scale(codes[2 * kb + ch], s2, z2)
+            if const_expr(self.fold_v):  # the exact codes: the scale and zero are P's (store_p)
+                for mb in cutlass.range_constexpr(self.m_v):
+                    for h in cutlass.range_constexpr(2):
+                        codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
+                        for ch in cutlass.range_constexpr(2):
+                            frag32[(0, h, ch), mb, k] = codes[2 * kb + ch]
+            else:
+                for mb in cutlass.range_constexpr(self.m_v):
+                    gi = (mb * M_BLOCK) // self.group if const_expr(static_gi) else chans[mb] // self.group
+                    key = (kt, gi)
+                    if const_expr(static_gi and key in shared):
+                        pairs = shared[key]
+                    else:
+                        base = sm80.param_position(kt * self.groups_v + gi, c, 0)  # fragment-order row
+                        pairs = (split_params(Uint32(vs[base]), Uint32(vs[base + 1])),
+                                 split_params(Uint32(vs[base + 2]), Uint32(vs[base + 3])))
+                        if const_expr(static_gi):
+                            shared[key] = pairs
+                    for h in cutlass.range_constexpr(2):
+                        codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
+                        for ch in cutlass.range_constexpr(2):
+                            s2, z2 = pairs[ch]
+                            frag32[(0, h, ch), mb, k] = dq.scale(codes[2 * kb + ch], s2, z2)
         return frag
 
     # ---- products ------------------------------------------------------------------------
@@ -453,13 +488,24 @@ class DecodeSm90(PackedDecodeConfig):
         return acc_s
 
     @cute.jit
-    def pv(self, v_frag, tOrP, acc_pv):
-        """acc_pv = V^T P^T of one step (a fresh sum; ``fold`` adds it to O)."""
+    def pv(self, v_frag, tOrP, acc_pv, per_group: cutlass.Constexpr[bool]):
+        """acc_pv = V^T P^T of one step (a fresh sum; ``fold`` adds it to O).  ``per_group``:
+        the M-blocks of V group ``i`` take P^T copy ``i`` (``fold_v``), else all take copy 0."""
         mma_o = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(v_frag, mode=[2])):
-            mma_o.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma_o, acc_pv, v_frag[None, None, k], tOrP[None, None, k], acc_pv)
+        if const_expr(per_group and self.p_copies > 1):
+            per = self.m_v // self.p_copies  # M-blocks of one V group
+            a_g = cute.logical_divide(v_frag, (None, per))
+            c_g = cute.logical_divide(acc_pv, (None, per))
+            for i in cutlass.range_constexpr(self.p_copies):
+                for k in cutlass.range_constexpr(cute.size(v_frag, mode=[2])):
+                    mma_o.set(warpgroup.Field.ACCUMULATE, k != 0)
+                    cute.gemm(mma_o, c_g[None, (None, i), None], a_g[None, (None, i), k], tOrP[i][None, None, k],
+                              c_g[None, (None, i), None])
+        else:
+            for k in cutlass.range_constexpr(cute.size(v_frag, mode=[2])):
+                mma_o.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(mma_o, acc_pv, v_frag[None, None, k], tOrP[0][None, None, k], acc_pv)
         warpgroup.commit_group()
 
     @cute.jit
@@ -478,7 +524,7 @@ class DecodeSm90(PackedDecodeConfig):
     # ---- softmax ------------------------------------------------------------------------
     @cute.jit
     def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0,
-                     lim=None, abs0=0):
+                     lim=None, abs0=0, zsum=None):
         """Online softmax over one step's S^T (rows = tokens of all four warps).  Masks
         tokens ``>= valid`` (residual) when ``valid`` is given, and with ``lim``
         (``causal_limits``) tokens past a column's limit, at sequence position ``abs0 +
@@ -521,27 +567,48 @@ class DecodeSm90(PackedDecodeConfig):
                         part += p
                 row_sum[col] = row_sum[col] * alpha + part
                 row_max[col] = m_new
+                if const_expr(zsum is not None):
+                    for i in cutlass.range_constexpr(self.p_copies):
+                        zsum[col, i] = zsum[col, i] * alpha
                 for mo in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
                     for v1 in cutlass.range_constexpr(2):
                         acc_o[self.cv(v0, v1, nt), mo, 0] = acc_o[self.cv(v0, v1, nt), mo, 0] * alpha
 
     @cute.jit
-    def store_p(self, acc_s, sP, warp, lane):
-        """P^T (heads x tokens of the step, K-major) from the S^T accumulators."""
+    def store_p(self, acc_s, sP, warp, lane, vs=None, st=0, zsum=None):
+        """P^T (heads x tokens of the step, K-major) from the S^T accumulators, into copy 0
+        of ``sP``.  With ``zsum`` (``fold_v``, a packed step): copy ``i`` takes P times the
+        scale of V group ``i`` of each token, and ``zsum`` gathers P times its zero, so
+        ``O = V^T(codes) P^T(scaled) + zsum``; ``vs`` are the stage's V params."""
         c, g = lane % 4, lane // 4
         for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
-            for nt in cutlass.range_constexpr(self.nh // 8):
-                for v1 in cutlass.range_constexpr(2):
-                    tok = mb * M_BLOCK + warp * SLAB + 8 * v1 + g
-                    for v0 in cutlass.range_constexpr(2):
-                        sP[8 * nt + 2 * c + v0, tok] = self.dtype(acc_s[self.cv(v0, v1, nt), mb, 0])
+            for v1 in cutlass.range_constexpr(2):
+                tok = mb * M_BLOCK + warp * SLAB + 8 * v1 + g
+                if const_expr(zsum is None):
+                    for nt in cutlass.range_constexpr(self.nh // 8):
+                        for v0 in cutlass.range_constexpr(2):
+                            sP[8 * nt + 2 * c + v0, tok, 0] = self.dtype(acc_s[self.cv(v0, v1, nt), mb, 0])
+                else:
+                    # the token's (scale, zero) word of each group: row kt of the stage's
+                    # params is in fragment order (quad lane g // 2, value g % 2 + 2 v1)
+                    kt = (st * self.step + mb * M_BLOCK) // K_BLOCK + warp
+                    for i in cutlass.range_constexpr(self.p_copies):
+                        word = Uint32(vs[sm80.param_position(kt * self.groups_v + i, g // 2, g % 2 + 2 * v1)])
+                        scale = ptx.half_to_f32(word, self.is_bf16)
+                        # the codes come centered: v = (code - center) * scale + zero'
+                        zero = ptx.half_to_f32(word >> 16, self.is_bf16) + self.v_center * scale
+                        for nt in cutlass.range_constexpr(self.nh // 8):
+                            for v0 in cutlass.range_constexpr(2):
+                                p = acc_s[self.cv(v0, v1, nt), mb, 0]
+                                sP[8 * nt + 2 * c + v0, tok, i] = self.dtype(p * scale)
+                                zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero
         cute.arch.fence_proxy("async.shared", space="cta")  # wgmma reads sP through the async proxy
         self.bar(Barrier.P)
 
     # ---- the 16-bit residual block --------------------------------------------------------
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first):
+                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first, zsum=None):
         """The ``n_res`` 16-bit tokens of ``mKr`` / ``mVr`` (the residual block or the sink
         tokens; row 0 is sequence position ``abs_first``) in 64-token sub-tiles, staged in the
         idle K / V rings."""
@@ -574,21 +641,28 @@ class DecodeSm90(PackedDecodeConfig):
                     dst[i] = part[i]
             warpgroup.wait_group(0)
             self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, 0,
-                              lim, abs_first + sub * M_BLOCK)
-            self.store_p(acc_s, sP, warp, lane)
-            self.pv(v_frag, tOrP, acc_pv)
+                              lim, abs_first + sub * M_BLOCK, zsum)
+            self.store_p(acc_s, sP, warp, lane)  # 16-bit V: plain P, no zero sums
+            self.pv(v_frag, tOrP, acc_pv, False)
 
     # ---- epilogue -----------------------------------------------------------------------
     @cute.jit
-    def epilogue(self, acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane):
+    def epilogue(self, acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane,
+                 zsum=None):
         c, g = lane % 4, lane // 4
         nt_count = self.nh // 8
         for col in cutlass.range_constexpr(2 * nt_count):
             row_sum[col] = across_rows(row_sum[col], operator.add)
+            if const_expr(zsum is not None):
+                for i in cutlass.range_constexpr(self.p_copies):
+                    zsum[col, i] = across_rows(zsum[col, i], operator.add)
         if g == 0:
             for nt in cutlass.range_constexpr(nt_count):
                 for v0 in cutlass.range_constexpr(2):
                     red[8 * nt + 2 * c + v0, warp, 1] = row_sum[2 * nt + v0]
+                    if const_expr(zsum is not None):
+                        for i in cutlass.range_constexpr(self.p_copies):
+                            red[8 * nt + 2 * c + v0, warp, 2 + i] = zsum[2 * nt + v0, i]
         self.bar(Barrier.EPI)
         for nt in cutlass.range_constexpr(nt_count):
             for v0 in cutlass.range_constexpr(2):
@@ -600,9 +674,13 @@ class DecodeSm90(PackedDecodeConfig):
                 if head < gq:
                     qh = head_kv * gq + head
                     for mo in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
+                        zero_part = Float32(0.0)  # sum_t p_t zero_t of this M-block's V group
+                        if const_expr(zsum is not None):
+                            for w in cutlass.range_constexpr(WARPS):
+                                zero_part += red[head, w, 2 + mo // (self.m_v // self.p_copies)]
                         for v1 in cutlass.range_constexpr(2):
                             d = mo * M_BLOCK + warp * SLAB + 8 * v1 + g
-                            o = acc_o[self.cv(v0, v1, nt), mo, 0] * inv
+                            o = (acc_o[self.cv(v0, v1, nt), mo, 0] + zero_part) * inv
                             if const_expr(self.split):
                                 mO[split_idx, batch, qh, d] = o
                             else:

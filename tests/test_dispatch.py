@@ -26,7 +26,7 @@ def test_shipped_backends_best_first():
 @pytest.mark.parametrize("cap, bits, head_dim, dtype, expect", [
     ((9, 0), 4, 128, torch.float16, "sm90"),  # Hopper: the TMA + wgmma kernel for 4-bit fp16 caches
     ((9, 0), 4, 64, torch.float16, "sm90"),
-    ((9, 0), 4, 128, torch.bfloat16, "sm80"),  # ... not bf16, where it measured slower
+    ((9, 0), 4, 128, torch.bfloat16, "sm90"),  # ... and bf16 (since V's scale is folded into P)
     ((9, 0), 4, 128, None, "sm80"),  # ... nor an unknown dtype
     ((9, 0), 4, 256, torch.float16, "sm80"),  # ... nor head dim 256 (never timed)
     ((9, 0), 2, 128, torch.float16, "sm80"),  # ... nor 2-bit, where it measured slower
