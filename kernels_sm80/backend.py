@@ -114,9 +114,13 @@ def compile_pack(arch: str, fmt: KVFormat, dtype, head_dim: int, mode: str, keep
     import cutlass.cute as cute
 
     from .pack import PackSm80
+    from .pack_fp4 import PackFp4Sm80
 
-    kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode, pdl=jit.has_pdl(arch),
-                      sinks=fmt.sink_tokens, v_bits=fmt.v_bits)
+    if fmt.fp4:
+        kernel = PackFp4Sm80(dtype, fmt.fp4, head_dim, mode, pdl=jit.has_pdl(arch), sinks=fmt.sink_tokens)
+    else:
+        kernel = PackSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, mode, pdl=jit.has_pdl(arch),
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits)
     return cute.compile(kernel, *pack_args(fmt, dtype, head_dim), _stream(),
                         options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
@@ -287,7 +291,7 @@ class Sm80Backend:
         return True
 
     def writes(self, fmt: KVFormat) -> bool:
-        return not fmt.fp4  # the pack kernels write integer codes; the torch reference writes FP4
+        return True  # integer codes (pack.PackSm80) and FP4 (pack_fp4.PackFp4Sm80)
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         return True
@@ -389,7 +393,7 @@ class Sm80Backend:
                         out.append(Variant("decode", dtype, d, *fkey, extra=extra, fp4=fmt.fp4 or ""))
                 if "pack" in kinds and self.writes(fmt):
                     for mode in ("prefill", "append"):
-                        out.append(Variant("pack", dtype, d, *fkey, (mode,)))
+                        out.append(Variant("pack", dtype, d, *fkey, extra=(mode,), fp4=fmt.fp4 or ""))
         return out
 
     def compile_variant(self, arch: str, v: Variant, keep_ptx: bool = False, cached: bool = False):

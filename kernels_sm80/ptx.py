@@ -95,6 +95,21 @@ def rcp_rn(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """IEEE round-to-nearest division (bit-identical to torch's fp32 ``a / b``)."""
+    res = _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+               "div.rn.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
+def u32_as_f32(x, *, loc=None, ip=None) -> Float32:
+    """The bits of ``x`` as an fp32 value."""
+    res = _asm(T.f32(), [_u32(x, loc, ip)], "mov.b32 $0, $1;", "=f,r", loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
 def round_even(x, *, loc=None, ip=None) -> Float32:
     """Round to the nearest integer, ties to even (torch.round)."""
     res = _asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rni.f32.f32 $0, $1;", "=f,f",

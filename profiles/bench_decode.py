@@ -132,8 +132,7 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
             cache.prefill(k, v)
             torch.cuda.synchronize()
             first_prefill_s = time.perf_counter() - t0  # includes compiling (or loading) the kernels
-            # (an FP4 cache is written by the torch reference: its prefill is not a kernel's)
-            timed = n >= 8192 and not fmt.fp4
+            timed = n >= 8192
             t_pre = timer(lambda: cache.prefill(k, v), iters=5, warmup=1, flush=True) if timed else float("nan")
             pre_bytes = 2 * b * n * hkv * d * 2 + cache_bytes(fmt, [n] * b, hkv, d)
             del k, v

@@ -85,6 +85,25 @@ def test_pack_ptx(arch):
     assert ("griddepcontrol.wait" in ptx) == (arch != "sm_80")
 
 
+@pytest.mark.parametrize("arch, fp4, dtype, head_dim, mode", [
+    ("sm_80", "nvfp4", cutlass.Float16, 128, "append"),
+    ("sm_90a", "mxfp4", cutlass.BFloat16, 64, "prefill"),
+])
+def test_fp4_pack_ptx(arch, fp4, dtype, head_dim, mode, tmp_path):
+    """The FP4 pack kernel: IEEE division for the NVFP4 scale, its e4m3 rounding by the
+    1.5 * 2^(23 + q) add (never fused), no conversion-pipe rounding (every rounding by
+    adds and bit moves), the length commit, PDL from Hopper on, and no spills."""
+    fn = kernels.compile_pack(arch, KVFormat(fp4=fp4), dtype, head_dim, mode, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    need = ["st.global"] + (["div.rn.f32", "add.rn.f32"] if fp4 == "nvfp4" else [])
+    need += ["atom.global.acq_rel.add"] if mode == "append" else []  # the append commits the lengths
+    for instr in need:
+        assert instr in ptx, f"{instr} missing from the {arch} {fp4} pack PTX"
+    assert "cvt.rni" not in ptx and "cvt.rzi" not in ptx
+    assert ("griddepcontrol.wait" in ptx) == (arch != "sm_80")
+    assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the FP4 pack kernel"
+
+
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
 def test_combine_ptx(arch):
     fn = kernels.compile_combine(arch, cutlass.BFloat16, 128, keep_ptx=True)
@@ -277,9 +296,9 @@ def test_decode_fp4_ptx(fp4, dtype, d, arch, tmp_path):
 
 
 def test_compile_cli_lists_fp4_decode_variants():
-    """``bitdecode compile --fp4 nvfp4`` adds the FP4 decode variants of the sm80 kernel
-    (no pack: the torch reference writes FP4 caches); the sm90 backend lists none (its
-    kernel takes integer codes) and builds them for no one."""
+    """``bitdecode compile --fp4 nvfp4`` adds the FP4 decode variants of the sm80 kernel and
+    the FP4 pack kernels; the sm90 backend lists the pack kernels (shared with sm80) but no
+    FP4 decode (its kernel takes integer codes)."""
     import argparse
 
     from bitdecode import cli_compile
@@ -291,9 +310,10 @@ def test_compile_cli_lists_fp4_decode_variants():
               "nvfp4,mxfp4", "--head-dim", "64", "--dtype", "bf16"]
     names = [v.name for v in cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_80"] + common))]
     assert "decode_bf16_d64_mxfp4_h16_split" in names and "decode_bf16_d64_nvfp4_h8_direct" in names
-    assert not any("fp4" in n and n.startswith("pack") for n in names)
+    assert "pack_bf16_d64_nvfp4_append" in names and "pack_bf16_d64_mxfp4_prefill" in names
     hopper = cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_90a"] + common))
-    assert not any(v.fp4 for v in hopper) and any(v.kind == "decode" for v in hopper)
+    assert not any(v.fp4 and v.kind == "decode" for v in hopper) and any(v.kind == "decode" for v in hopper)
+    assert any(v.fp4 and v.kind == "pack" for v in hopper)
     v = next(v for v in cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_80"] + common))
              if v.name == "decode_bf16_d64_mxfp4_h8_split")
     assert "prmt.b32" in sm80_backend.BACKEND.compile_variant("sm_80", v, keep_ptx=True).artifacts.PTX

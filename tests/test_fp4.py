@@ -198,9 +198,9 @@ def test_memory_counts_the_scale_chunks():
 
 
 def test_fp4_backends_and_refusals(monkeypatch):
-    """An FP4 cache is written by the torch reference (no FP4 pack kernel yet) and decoded by
-    the sm80 kernel (``auto``'s choice on a GPU); the sm90 kernel, multi-token kernel plans
-    and the torch ops refuse it with a clear error."""
+    """An FP4 cache is written by the FP4 pack kernel and decoded by the sm80 kernel
+    (``auto``'s choice on a GPU); the sm90 kernel, multi-token kernel plans and the torch ops
+    refuse it with a clear error."""
     fmt = bd.KVFormat(fp4="nvfp4")
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0) if device.type == "cuda" else None)
     for what in ("decode", "KV cache"):

@@ -299,9 +299,11 @@ def test_sinks_and_k4v2_decode_matches_reference(cfg, backend):
             check_decode(q, cache, backend, num_splits=splits)
 
 
-@pytest.mark.parametrize("sinks", [0, 6])
-def test_cuda_graph_replay_equals_eager(backend, sinks):
-    fmt = bd.KVFormat(bits=4, sink_tokens=sinks)
+@pytest.mark.parametrize("sinks, fp4", [(0, None), (6, None), (6, "nvfp4")])
+def test_cuda_graph_replay_equals_eager(backend, sinks, fp4):
+    fmt = bd.KVFormat(bits=4, sink_tokens=sinks) if fp4 is None else bd.KVFormat(fp4=fp4, sink_tokens=sinks)
+    if not dispatch.backends.get(backend).decodes(fmt):
+        pytest.skip(f"the {backend} decode kernel does not read {fp4}")
     nr = fmt.residual_block
     # with sinks, the replayed appends of the first sequence cross from the sink tokens
     # into the packed part, those of the second complete a block
@@ -506,8 +508,7 @@ def test_multi_token_queries_match_reference(cfg, backend):
 
 
 
-# FP4 caches (written by the reference backend: no FP4 pack kernel yet) decoded by the sm80
-# kernel: (format, dtype, head dim, q heads per kv head)
+# FP4 caches decoded by the sm80 kernel: (format, dtype, head dim, q heads per kv head)
 FP4_CONFIGS = [
     (bd.KVFormat(fp4="nvfp4"), torch.float16, 128, 4),
     (bd.KVFormat(fp4="nvfp4", sink_tokens=16), torch.bfloat16, 64, 8),
@@ -534,11 +535,102 @@ def test_fp4_decode_on_sm80_matches_reference(cfg):
         cache, _, _ = make_cache(fmt, lens, 2, d, dtype, page_size=page_size, shuffle=shuffle, seed=41)
         for splits in (0, 1, 3):
             check_decode(q, cache, "sm80", num_splits=splits)
-    # allocated with auto: the reference writes it (prefill, then appends) and auto decodes
-    # it on the sm80 kernel
+    # allocated with auto: the FP4 pack kernel writes it (prefill, then appends) and auto
+    # decodes it on the sm80 kernel
     cache, _, _ = make_cache(fmt, [max(n - 2, 0) for n in lens], 2, d, dtype, backend="auto", seed=41)
-    assert cache.backend == "sm80" and cache._writer == "reference"
+    assert cache.backend == "sm80" and cache._writer == "sm80"
     step = kv(torch.Generator().manual_seed(44), len(lens), 2, 2, d, dtype=dtype, device=DEV)
     for t in range(2):
         cache.append(step[0][:, t:t + 1], step[1][:, t:t + 1])
     check_decode(q, cache, "auto")
+
+
+def fp4_hard_blocks(gen, fmt, shape, dim, dtype):
+    """Values along ``dim`` (blocks of the format's vector) that test every rounding rule:
+    each block's amax is 6 (NVFP4) or 4-7.5 (MXFP4) times an exact scale, so its scale is
+    that scale, and its values are e2m1 grid points, the midpoints between them (ties) and
+    values just off them, times the scale, with random signs, -0.0 and an all-zero block."""
+    from bitdecode.layouts import sm100
+
+    vec = sm100.SF_VEC[fmt.fp4]
+    shape = list(shape)
+    shape.append(shape.pop(dim))
+    lead, length = shape[:-1], shape[-1]
+    n = -(-length // vec) * vec  # whole blocks, cut back to ``length`` at the end
+    blocks = int(torch.tensor(lead).prod()) * (n // vec)
+    if fmt.fp4 == "nvfp4":  # e4m3 scales with small exponents: every product exact in 16 bits
+        scale = torch.tensor([sm100.ue4m3_value(b) for b in range(0x28, 0x48)])[torch.randint(0, 32, (blocks,),
+                                                                                                 generator=gen)]
+        top = torch.full((blocks,), sm100.E2M1_MAX)
+    else:
+        scale = 2.0 ** torch.randint(-8, 6, (blocks,), generator=gen).double()
+        top = torch.tensor([4.0, 5.0, 6.0, 7.5])[torch.randint(0, 4, (blocks,), generator=gen)]
+    points = torch.tensor(sorted(set(sm100.E2M1_MAGNITUDES) | set(sm100.E2M1_MIDPOINTS)), dtype=torch.float64)
+    mag = points[torch.randint(0, len(points), (blocks, vec), generator=gen)]
+    nudge = torch.randint(-1, 2, (blocks, vec), generator=gen) * 2.0 ** -7  # on, just below, just above
+    mag = (mag * (1 + nudge)).clamp(max=sm100.E2M1_MAX)
+    mag[:, 0] = top
+    sign = torch.where(torch.rand(blocks, vec, generator=gen) < 0.5, -1.0, 1.0)
+    x = sign * mag * scale.double()[:, None]
+    x[0] = 0.0
+    x[1, 1:] = -0.0
+    x = x.to(dtype)
+    return x.reshape(*lead, n)[..., :length].movedim(-1, dim).contiguous().to(DEV)
+
+
+FP4_PACK_CONFIGS = [
+    (bd.KVFormat(fp4="nvfp4"), torch.float16, 128),
+    (bd.KVFormat(fp4="nvfp4", sink_tokens=5), torch.bfloat16, 64),
+    (bd.KVFormat(fp4="mxfp4"), torch.bfloat16, 128),
+    (bd.KVFormat(fp4="mxfp4"), torch.float16, 64),
+    (bd.KVFormat(fp4="nvfp4"), torch.bfloat16, 256),
+]
+
+
+@pytest.mark.parametrize("cfg", FP4_PACK_CONFIGS, ids=lambda c: f"{c[0].fp4}-s{c[0].sink_tokens}-{str(c[1])[6:]}-d{c[2]}")
+def test_fp4_pack_kernel_bit_identical(cfg):
+    """The FP4 pack kernel writes the reference's bytes: codes, scale chunks (padding
+    included), sinks and the 16-bit residual, on LLM-like data and on blocks built to sit on
+    the rounding rules' edges (ties, values a hair off them, -0.0, zero blocks), dense and
+    on shuffled pages; a block with a NaN or an infinity gets the NaN scale and zero codes."""
+    fmt, dtype, d = cfg
+    nr, s = fmt.residual_block, fmt.sink_tokens
+    lens = [s + 3 * nr + 7, s + nr, 5]
+    a, _, _ = make_cache(fmt, lens, 2, d, dtype, backend="sm80", seed=51, shuffle=True, page_size=2 * nr)
+    b, _, _ = make_cache(fmt, lens, 2, d, dtype, backend="reference", seed=51, shuffle=True, page_size=2 * nr)
+    assert a._writer == "sm80"
+    _assert_same_cache(a, b)
+    gen = torch.Generator().manual_seed(52)
+    n = s + 4 * nr + 9
+    k = fp4_hard_blocks(gen, fmt, (2, n, 2, d), 3, dtype)  # K blocks along the channels
+    v = fp4_hard_blocks(gen, fmt, (2, n, 2, d), 1, dtype)  # V blocks along the tokens
+    k[0, s + 2, 1, 3] = float("nan")  # non-finite blocks in the first packed block
+    v[1, s + 5, 0, 7] = float("inf")
+    caches = []
+    for writer in ("sm80", "reference"):
+        c = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend=writer)
+        c.prefill(k, v, [n, n - nr - 3])
+        caches.append(c)
+    _assert_same_cache(*caches)
+
+
+@pytest.mark.parametrize("cfg", FP4_PACK_CONFIGS[:3], ids=lambda c: f"{c[0].fp4}-s{c[0].sink_tokens}-{str(c[1])[6:]}-d{c[2]}")
+def test_fp4_append_token_by_token_equals_prefill(cfg):
+    """Appends of one token, a few, and more than a block (the FP4 pack kernel's append
+    mode, blocks completed from the residual buffer) leave the bytes one prefill writes."""
+    fmt, dtype, d = cfg
+    nr = fmt.residual_block
+    n = fmt.sink_tokens + 2 * nr + nr // 2 + 3
+    k, v = kv(torch.Generator().manual_seed(53), 2, n, 2, d, dtype=dtype, device=DEV)
+    full = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
+    full.prefill(k, v)
+    steps = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
+    steps.prefill(k[:, :2], v[:, :2])
+    t = 2
+    for chunk in (1, 1, 3, nr - 2, 1, nr + 7):
+        steps.append(k[:, t:t + chunk], v[:, t:t + chunk])
+        t += chunk
+    while t < n:
+        steps.append(k[:, t:t + 1], v[:, t:t + 1])
+        t += 1
+    _assert_same_cache(full, steps)
