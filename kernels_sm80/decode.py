@@ -140,6 +140,24 @@ class PackedDecodeConfig:
         return lim
 
     @cute.jit
+    def copy_fp4_order(self, gsrc, sdst, valid_rows, tid, threads: cutlass.Constexpr[int]):
+        """``gsrc`` (rows, D) -> ``sdst`` with the channels in the fragment order of FP4's
+        natural K rows (column ``L`` holds channel ``sm80.fp4_position(L)``), moved as
+        16-bit pairs (the order keeps them); rows >= ``valid_rows`` zero.  Q and the 16-bit
+        K tokens (residual, sinks) meet the packed K in the same channel order this way."""
+        rows = cute.size(sdst, mode=[0])
+        perm = sm80.make_fp4_perm(self.d // sm80.FP4_SEGMENT)
+        for i in cutlass.range(tid, rows * self.d // 2, threads, unroll=1):
+            row, col = i // (self.d // 2), 2 * (i % (self.d // 2))
+            src = perm(col)
+            x0, x1 = self.dtype(0.0), self.dtype(0.0)
+            if row < valid_rows:
+                x0 = gsrc[row, src]
+                x1 = gsrc[row, src + 1]
+            sdst[row, col] = x0
+            sdst[row, col + 1] = x1
+
+    @cute.jit
     def token_counts(self, seqlen):
         """(sink tokens, the rest) of a sequence of ``seqlen`` tokens."""
         n_sink = cutlass.Int32(0)
@@ -367,27 +385,9 @@ class DecodeSm80(PackedDecodeConfig):
         # the kv head's query rows start at head_kv * gq; rows >= gq are padding
         gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
         if const_expr(self.fp4):
-            self.copy_fp4_order(gQ, sQ, gq, tid)
+            self.copy_fp4_order(gQ, sQ, gq, tid, NUM_THREADS)
         else:
             copy_rows(gQ, sQ, tid, NUM_THREADS, gq, True)
-
-    @cute.jit
-    def copy_fp4_order(self, gsrc, sdst, valid_rows, tid):
-        """``gsrc`` (rows, D) -> ``sdst`` with the channels in the fragment order of FP4's
-        natural K rows (column ``L`` holds channel ``sm80.fp4_position(L)``), moved as
-        16-bit pairs (the order keeps them); rows >= ``valid_rows`` zero.  Q and the 16-bit
-        K tokens (residual, sinks) meet the packed K in the same channel order this way."""
-        rows = cute.size(sdst, mode=[0])
-        perm = sm80.make_fp4_perm(self.d // sm80.FP4_SEGMENT)
-        for i in cutlass.range(tid, rows * self.d // 2, NUM_THREADS, unroll=1):
-            row, col = i // (self.d // 2), 2 * (i % (self.d // 2))
-            src = perm(col)
-            x0, x1 = self.dtype(0.0), self.dtype(0.0)
-            if row < valid_rows:
-                x0 = gsrc[row, src]
-                x1 = gsrc[row, src + 1]
-            sdst[row, col] = x0
-            sdst[row, col + 1] = x1
 
     def q_fragments(self, mma, thr_mma, sQ, lane):
         """Q^T as the B operand (k = head dim, n = query heads), kept in registers."""
@@ -618,7 +618,7 @@ class DecodeSm80(PackedDecodeConfig):
         gK = cute.local_tile(mKr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
         gV = cute.local_tile(mVr[batch, None, head_kv, None], (RES_SUBTILE, self.d), (sub, 0))
         if const_expr(self.fp4):  # K's channels in Q's order (copy_fp4_order)
-            self.copy_fp4_order(gK, sK, valid, tid)
+            self.copy_fp4_order(gK, sK, valid, tid, NUM_THREADS)
         else:
             copy_rows(assume_aligned(gK), sK, tid, NUM_THREADS, valid, True)
         copy_rows(assume_aligned(gV), sV, tid, NUM_THREADS, valid, True)

@@ -26,7 +26,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return capability[0] == 9
 
     def decodes(self, fmt: KVFormat) -> bool:
-        return not fmt.fp4  # integer codes; FP4 caches decode on the sm80 kernel on Hopper
+        return True  # integer codes and FP4 (e2m1 dequantized in registers, as on sm80)
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         """4-bit fp16 / bf16 caches with head dims up to 128.  On the H200 with V's scale
@@ -36,7 +36,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         here and stayed on sm80).  2-bit stays on sm80, where this kernel is 7-17 % slower
         (its loop is bound by per-token latency, not bytes), and so does head dim 256,
         never timed here, and an unknown dtype (profiles/NOTES.md)."""
-        return (self.decodes(fmt) and fmt.bits == fmt.v_bits == 4 and head_dim <= 128
+        return (self.decodes(fmt) and not fmt.fp4 and fmt.bits == fmt.v_bits == 4 and head_dim <= 128
                 and dtype in (torch.float16, torch.bfloat16))
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
@@ -47,13 +47,13 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
         from .decode import DecodeSm90
 
-        if not self.decodes(fmt):
-            raise ValueError(f"fmt.fp4={fmt.fp4!r}: the sm90 decode kernel takes integer codes; backend='sm80' "
-                             "decodes FP4 caches on Hopper")
+        if fmt.fp4 and tq > 1:
+            raise ValueError(f"fmt.fp4={fmt.fp4!r}: the decode kernel takes one query token per sequence so far "
+                             f"(got {tq}); pass backend='reference'")
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4)
 
 
 BACKEND = Sm90Backend()

@@ -44,7 +44,7 @@ in the model dtype.
 
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
 import operator
-from typing import Type
+from typing import Optional, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -55,10 +55,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..kernels_sm80 import ptx
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
-from ..kernels_sm80.dequant import WordDequant, broadcast_params, split_params
+from ..kernels_sm80.dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from ..kernels_sm80.reduce import across_rows
 from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
-from ..layouts import resources, sm80, sm90
+from ..layouts import resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
 from . import ptx90
 
@@ -96,8 +96,9 @@ class DecodeSm90(PackedDecodeConfig):
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
-                 fold_v: bool = True):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq)
+                 fold_v: bool = True, fp4: Optional[str] = None):
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
+        assert not (fp4 and tq > 1), "FP4 caches take one query token per sequence"
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
         # each 64-channel M-block of O^T inside one V group (groups of >= 64 channels): P^T
@@ -111,7 +112,9 @@ class DecodeSm90(PackedDecodeConfig):
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
         # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
-        self.step = step or (128 if bits == self.v_bits == 4 and head_dim <= 128 and heads_tile == 8 else 64)
+        # (FP4 at 64: its dequant temporaries spill 24 bytes at 128)
+        self.step = step or (128 if bits == self.v_bits == 4 and not fp4 and head_dim <= 128 and heads_tile == 8
+                             else 64)
         self.steps = self.nr // self.step
         self.m_k = self.step // M_BLOCK  # M-blocks of S^T per step
         self.m_v = head_dim // M_BLOCK if head_dim >= M_BLOCK else 1  # M-blocks of O^T
@@ -261,12 +264,16 @@ class DecodeSm90(PackedDecodeConfig):
                 cute.copy(tma_v, tVg[None, off // self.v_tile + i, head_kv, page],
                           tVs[None, state.index * self.v_tiles + i], tma_bar_ptr=bar)
             with cute.arch.elect_one():
-                ks_first = mKs[page, head_kv, None, None]  # rows: groups of tokens (K per channel) or tokens
-                ks_row = off // self.group if const_expr(self.k_channel) else off
-                ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_first.iterator + ks_row * ks_first.stride[0],
-                               4 * self.words_ks, bar)
-                vs_first = mVs[page, head_kv, None, None, None]
-                vs_src = vs_first.iterator + (off // K_BLOCK) * vs_first.stride[0]  # a row per 16-token k-block
+                if const_expr(self.fp4):  # the tile's scale chunks are contiguous words
+                    ks_src = mKs[page, head_kv, off // self.nr, None, None].iterator
+                    vs_src = mVs[page, head_kv, off // self.v_tile, None, None, None].iterator
+                else:
+                    ks_first = mKs[page, head_kv, None, None]  # rows: groups of tokens (K per channel) or tokens
+                    ks_row = off // self.group if const_expr(self.k_channel) else off
+                    ks_src = ks_first.iterator + ks_row * ks_first.stride[0]
+                    vs_first = mVs[page, head_kv, None, None, None]
+                    vs_src = vs_first.iterator + (off // K_BLOCK) * vs_first.stride[0]  # a row per 16-token k-block
+                ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_src, 4 * self.words_ks, bar)
                 ptx90.bulk_g2s(sVs[None, state.index].iterator, vs_src, 4 * self.words_vs, bar)
             state.advance()
 
@@ -290,7 +297,10 @@ class DecodeSm90(PackedDecodeConfig):
         q_rows = mQ[batch, None, None]
         gQ = cute.local_tile(q_rows, (self.nh, self.d), (0, 0))
         gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
-        copy_rows(gQ, sQ, tid, WG, gq, True)
+        if const_expr(self.fp4):  # Q's channels in the fragment order of FP4's natural K rows
+            self.copy_fp4_order(gQ, sQ, gq, tid, WG)
+        else:
+            copy_rows(gQ, sQ, tid, WG, gq, True)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -319,7 +329,10 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(self.fold_v):
             zsum = cute.make_rmem_tensor((ncols, self.p_copies), Float32)
             zsum.fill(0.0)
-        dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16, self.v_center)
+        if const_expr(self.fp4):
+            dq_k = dq_v = E2M1Dequant(self.is_bf16)
+        else:
+            dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16, self.v_center)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -344,7 +357,7 @@ class DecodeSm90(PackedDecodeConfig):
                 warpgroup.wait_group(0)
                 self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, st * self.step,
                                   lim, n_sink + tile * self.nr, zsum)
-                self.store_p(acc_s, sP, warp, lane, vs, st, zsum)
+                self.store_p(acc_s, sP, warp, lane, vs, st, zsum, self.fp4 is not None)
                 self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
                     self.k_fragments(k_frag, kp, ks, st + 1, dq_k, warp, lane)
@@ -388,7 +401,17 @@ class DecodeSm90(PackedDecodeConfig):
         M-blocks of one group reuse the pairs through ``shared``."""
         c = lane % 4
         out = {}
-        if const_expr(self.k_channel):
+        if const_expr(self.fp4):
+            # the lane's eight channels 32 (kt // 2) + 8 c .. share one block scale per token
+            block = (sm80.FP4_SEGMENT * (kt // 2) + 8 * c) // self.group
+            key = ("fp4", base, kt // 2)
+            if key in shared:
+                return shared[key]
+            for h in range(2):
+                pair = self.fp4_scale(ks, block, tok0 + 8 * h + lane // 4)
+                out[(h, 0)] = out[(h, 1)] = (pair, None)
+            shared[key] = out
+        elif const_expr(self.k_channel):
             static_row = self.group >= M_BLOCK
             key = (base // self.group, kt)
             if static_row and key in shared:
@@ -406,6 +429,12 @@ class DecodeSm90(PackedDecodeConfig):
                 pair = broadcast_params(Uint32(ks[(tok0 + 8 * h + lane // 4) * self.groups_v + gi]))
                 out[(h, 0)] = out[(h, 1)] = pair
         return out
+
+    def fp4_scale(self, words, block, row, rows_first=0):
+        """FP4: the half2 scale of column ``block`` of operand row ``row`` from a stage's basic
+        chunks (``words``, flat; ``rows_first``: the chunk index of that row's 128-row run)."""
+        w = (rows_first + block // sm100.SF_ATOM_COLS) * sm100.SF_CHUNK_WORDS + sm100.sf_chunk_word(row)
+        return fp4_scale_pair(Uint32(words[w]), block % sm100.SF_ATOM_COLS, self.fp4, self.is_bf16)
 
     @cute.jit
     def k_fragments(self, frag, kp, ks, st, dq, warp, lane):
@@ -447,7 +476,19 @@ class DecodeSm90(PackedDecodeConfig):
         for k in cutlass.range_constexpr(self.step // K_BLOCK):
             kt = kt0 + k  # k-block of tokens in the tile
             j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
-            if const_expr(self.fold_v):  # the exact codes: the scale and zero are P's (store_p)
+            if const_expr(self.fp4):  # the lane's eight tokens 32 (kt // 2) + 8 c .. share a block scale
+                block = (sm80.FP4_SEGMENT * (kt // 2) + 8 * c) // self.group
+                for mb in cutlass.range_constexpr(self.m_v):
+                    for h in cutlass.range_constexpr(2):
+                        key = ("fp4", kt // 2, mb, h)
+                        if const_expr(key not in shared):
+                            ch = chans[mb] + 8 * h + lane // 4
+                            shared[key] = self.fp4_scale(vs, block, ch % sm100.SF_ATOM_ROWS,
+                                                         (ch // sm100.SF_ATOM_ROWS) * self.v_chunks[1])
+                        codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
+                        for ch2 in cutlass.range_constexpr(2):
+                            frag32[(0, h, ch2), mb, k] = dq.scale(codes[2 * kb + ch2], shared[key])
+            elif const_expr(self.fold_v):  # the exact codes: the scale and zero are P's (store_p)
                 for mb in cutlass.range_constexpr(self.m_v):
                     for h in cutlass.range_constexpr(2):
                         codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
@@ -575,15 +616,22 @@ class DecodeSm90(PackedDecodeConfig):
                         acc_o[self.cv(v0, v1, nt), mo, 0] = acc_o[self.cv(v0, v1, nt), mo, 0] * alpha
 
     @cute.jit
-    def store_p(self, acc_s, sP, warp, lane, vs=None, st=0, zsum=None):
+    def store_p(self, acc_s, sP, warp, lane, vs=None, st=0, zsum=None, fp4_order: cutlass.Constexpr[bool] = False):
         """P^T (heads x tokens of the step, K-major) from the S^T accumulators, into copy 0
         of ``sP``.  With ``zsum`` (``fold_v``, a packed step): copy ``i`` takes P times the
         scale of V group ``i`` of each token, and ``zsum`` gathers P times its zero, so
-        ``O = V^T(codes) P^T(scaled) + zsum``; ``vs`` are the stage's V params."""
+        ``O = V^T(codes) P^T(scaled) + zsum``; ``vs`` are the stage's V params.
+        ``fp4_order``: token ``t`` goes to the column whose V^T fragment position holds it
+        (FP4's natural V rows, ``sm80.fp4_position``)."""
         c, g = lane % 4, lane // 4
         for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
             for v1 in cutlass.range_constexpr(2):
                 tok = mb * M_BLOCK + warp * SLAB + 8 * v1 + g
+                if const_expr(fp4_order):
+                    # natural index 8 c' + 4 kb + 2 hi + h of a 32-token segment sits at fragment
+                    # position 16 kb + 8 hi + 2 c' + h; here c' = 2 (warp % 2) + v1
+                    tok = (mb * M_BLOCK + (warp // 2) * sm80.FP4_SEGMENT + 16 * (g >> 2) + 8 * ((g >> 1) & 1)
+                           + 4 * (warp % 2) + 2 * v1 + (g & 1))
                 if const_expr(zsum is None):
                     for nt in cutlass.range_constexpr(self.nh // 8):
                         for v0 in cutlass.range_constexpr(2):
@@ -625,7 +673,10 @@ class DecodeSm90(PackedDecodeConfig):
             valid = n_res - sub * M_BLOCK
             gK = cute.local_tile(mKr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
             gV = cute.local_tile(mVr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
-            copy_rows(assume_aligned(gK), sK, tid, WG, valid, True)
+            if const_expr(self.fp4):  # K's channels in Q's order
+                self.copy_fp4_order(assume_aligned(gK), sK, valid, tid, WG)
+            else:
+                copy_rows(assume_aligned(gK), sK, tid, WG, valid, True)
             copy_rows(assume_aligned(gV), sV, tid, WG, valid, True)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)

@@ -296,9 +296,8 @@ def test_decode_fp4_ptx(fp4, dtype, d, arch, tmp_path):
 
 
 def test_compile_cli_lists_fp4_decode_variants():
-    """``bitdecode compile --fp4 nvfp4`` adds the FP4 decode variants of the sm80 kernel and
-    the FP4 pack kernels; the sm90 backend lists the pack kernels (shared with sm80) but no
-    FP4 decode (its kernel takes integer codes)."""
+    """``bitdecode compile --fp4 nvfp4`` adds the FP4 decode variants and the FP4 pack
+    kernels, for both backends (sm90 compiles its own decode and the shared pack)."""
     import argparse
 
     from bitdecode import cli_compile
@@ -312,8 +311,25 @@ def test_compile_cli_lists_fp4_decode_variants():
     assert "decode_bf16_d64_mxfp4_h16_split" in names and "decode_bf16_d64_nvfp4_h8_direct" in names
     assert "pack_bf16_d64_nvfp4_append" in names and "pack_bf16_d64_mxfp4_prefill" in names
     hopper = cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_90a"] + common))
-    assert not any(v.fp4 and v.kind == "decode" for v in hopper) and any(v.kind == "decode" for v in hopper)
-    assert any(v.fp4 and v.kind == "pack" for v in hopper)
+    assert any(v.fp4 and v.kind == "decode" for v in hopper) and any(v.fp4 and v.kind == "pack" for v in hopper)
     v = next(v for v in cli_compile.variants(parser.parse_args(["compile", "--arch", "sm_80"] + common))
              if v.name == "decode_bf16_d64_mxfp4_h8_split")
     assert "prmt.b32" in sm80_backend.BACKEND.compile_variant("sm_80", v, keep_ptx=True).artifacts.PTX
+
+
+@pytest.mark.parametrize("fp4, dtype, d, nh", [("nvfp4", "fp16", 128, 8), ("mxfp4", "bf16", 64, 16)])
+def test_decode_fp4_sm90_ptx(fp4, dtype, d, nh, tmp_path):
+    """FP4 caches on the sm90 decode kernel: the same register dequant (byte permutes, one
+    packed fma for the block scale, nothing read from a table) feeding wgmma from registers,
+    the TMA + bulk-copy ring, setmaxnreg; no spills and no wgmma serialization."""
+    from bitdecode.kernels_sm90 import backend as sm90_backend
+
+    fn = sm90_backend.compile_decode("sm_90a", KVFormat(fp4=fp4), _dtype(dtype), d, nh, True, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.bulk.shared", "mbarrier", "setmaxnreg",
+                  "prmt.b32", "fma.rn." + ("bf16x2" if dtype == "bf16" else "f16x2")):
+        assert instr in ptx, f"{instr} missing from the sm90 FP4 decode PTX"
+    assert ".const" not in ptx and ".local" not in ptx
+    report = _ptxas_report(ptx, "sm_90a", tmp_path)
+    assert "C7514" not in report, "ptxas serializes the wgmmas"
+    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0

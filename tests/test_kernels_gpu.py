@@ -508,7 +508,7 @@ def test_multi_token_queries_match_reference(cfg, backend):
 
 
 
-# FP4 caches decoded by the sm80 kernel: (format, dtype, head dim, q heads per kv head)
+# FP4 caches decoded by the kernels: (format, dtype, head dim, q heads per kv head)
 FP4_CONFIGS = [
     (bd.KVFormat(fp4="nvfp4"), torch.float16, 128, 4),
     (bd.KVFormat(fp4="nvfp4", sink_tokens=16), torch.bfloat16, 64, 8),
@@ -520,12 +520,11 @@ FP4_CONFIGS = [
 
 @pytest.mark.parametrize("cfg", FP4_CONFIGS, ids=lambda c: f"{c[0].fp4}-s{c[0].sink_tokens}{'-h' * c[0].hadamard}"
                          f"-{str(c[1])[6:]}-d{c[2]}-gq{c[3]}")
-def test_fp4_decode_on_sm80_matches_reference(cfg):
+def test_fp4_decode_matches_reference(cfg, backend):
     """e2m1 codes in natural order and block scales in basic chunks, dequantized in
-    registers (Q's channels and K's rows in fragment order): against the reference with
-    the tolerance rule, with and without splits, dense and on shuffled pages."""
-    if not dispatch.runnable("sm80", DEV):
-        pytest.skip("the sm80 kernels do not run here")
+    registers (Q's channels in the fragment order of K's natural bytes; sm80 takes K's rows
+    in the order V's bytes meet P, sm90 writes P^T in that order): against the reference
+    with the tolerance rule, with and without splits, dense and on shuffled pages."""
     fmt, dtype, d, gq = cfg
     nr, s = fmt.residual_block, fmt.sink_tokens
     lens = [s + 3 * nr + 5, nr, 1, 0, nr - 1, s + 7 * nr + 64]
@@ -534,7 +533,9 @@ def test_fp4_decode_on_sm80_matches_reference(cfg):
     for page_size, shuffle in ((None, False), (2 * nr, True)):
         cache, _, _ = make_cache(fmt, lens, 2, d, dtype, page_size=page_size, shuffle=shuffle, seed=41)
         for splits in (0, 1, 3):
-            check_decode(q, cache, "sm80", num_splits=splits)
+            check_decode(q, cache, backend, num_splits=splits)
+    if backend != "sm80":
+        return
     # allocated with auto: the FP4 pack kernel writes it (prefill, then appends) and auto
     # decodes it on the sm80 kernel
     cache, _, _ = make_cache(fmt, [max(n - 2, 0) for n in lens], 2, d, dtype, backend="auto", seed=41)
