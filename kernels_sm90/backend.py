@@ -29,14 +29,16 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return True  # integer codes and FP4 (e2m1 dequantized in registers, as on sm80)
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
-        """4-bit fp16 / bf16 caches with head dims up to 128.  On the H200 with V's scale
-        folded into P (sixth session, CUDA-graph replay, L2 flushed, us, sm90 vs sm80): fp16
-        B=1 N=128K 58.4 vs 62.6, B=16 N=32K 189.6 vs 226.9, B=16 N=64K 362.2 vs 379.7; bf16
-        59.9 vs 61.2, 197.0 vs 222.9, 379.7 vs 377.8 (before the fold bf16 was 8 % slower
-        here and stayed on sm80).  2-bit stays on sm80, where this kernel is 7-17 % slower
-        (its loop is bound by per-token latency, not bytes), and so does head dim 256,
-        never timed here, and an unknown dtype (profiles/NOTES.md)."""
-        return (self.decodes(fmt) and not fmt.fp4 and fmt.bits == fmt.v_bits == 4 and head_dim <= 128
+        """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128.  On the H200
+        (sixth session, CUDA-graph replay, L2 flushed, us, sm90 vs sm80): integer 4-bit with
+        V's scale folded into P, fp16 B=1 N=128K 58.4 vs 62.6, B=16 N=32K 189.6 vs 226.9,
+        B=16 N=64K 362.2 vs 379.7; bf16 59.9 vs 61.2, 197.0 vs 222.9, 379.7 vs 377.8 (before
+        the fold bf16 was 8 % slower here and stayed on sm80).  NVFP4 fp16 91.6 vs 95.3,
+        325.5 vs 448.9, 632.8 vs 881.5; MXFP4 bf16 85.3 vs 92.4, 299.6 vs 306.4, 584.0 vs
+        592.5.  2-bit stays on sm80, where this kernel is 7-17 % slower (its loop is bound
+        by per-token latency, not bytes), and so does head dim 256, never timed here, and
+        an unknown dtype (profiles/NOTES.md)."""
+        return (self.decodes(fmt) and fmt.bits == fmt.v_bits == 4 and head_dim <= 128
                 and dtype in (torch.float16, torch.bfloat16))
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:

@@ -144,8 +144,6 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
             row[f"bd{bits}_speedup"] = t_sdpa / t
             row[f"bd{bits}_auto"] = cache.backend  # auto's pick for this format
             for name in kernel_backends(device):  # every backend side by side (auto's timed above)
-                if fmt.fp4 and name == "sm90":  # the sm90 kernel takes integer codes
-                    continue
                 tb = t if name == cache.backend else _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
                 row[f"bd{bits}_{name}_us"] = tb
                 row[f"bd{bits}_{name}_bw"] = nbytes / (tb * 1e-6)

@@ -198,9 +198,9 @@ def test_memory_counts_the_scale_chunks():
 
 
 def test_fp4_backends_and_refusals(monkeypatch):
-    """An FP4 cache is written by the FP4 pack kernel and decoded by the sm80 kernel
-    (``auto``'s choice on a GPU; the sm90 kernel decodes it too when asked); multi-token
-    kernel plans and the torch ops refuse it with a clear error."""
+    """An FP4 cache is written by the FP4 pack kernel and decoded by the sm80 kernel, or on
+    Hopper by the sm90 one (``auto``'s choice with a known 16-bit dtype); multi-token kernel
+    plans and the torch ops refuse it with a clear error."""
     fmt = bd.KVFormat(fp4="nvfp4")
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0) if device.type == "cuda" else None)
     for what in ("decode", "KV cache"):
@@ -210,7 +210,8 @@ def test_fp4_backends_and_refusals(monkeypatch):
     from bitdecode.kernels_sm80 import backend as sm80
     from bitdecode.kernels_sm90 import backend as sm90
 
-    assert sm90.BACKEND.decodes(fmt) and not sm90.BACKEND.auto_picks(fmt, 64, torch.float16)
+    assert sm90.BACKEND.decodes(fmt) and sm90.BACKEND.auto_picks(fmt, 64, torch.float16)
+    assert dispatch.resolve("auto", torch.device("cuda", 0), fmt=fmt, head_dim=64, dtype=torch.bfloat16) == "sm90"
     for kernels in (sm80.BACKEND, sm90.BACKEND):
         with pytest.raises(ValueError, match="one query token per sequence"):
             kernels.make_decode("sm_90a", fmt, None, 64, 8, True, tq=2)

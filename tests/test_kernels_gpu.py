@@ -536,10 +536,11 @@ def test_fp4_decode_matches_reference(cfg, backend):
             check_decode(q, cache, backend, num_splits=splits)
     if backend != "sm80":
         return
-    # allocated with auto: the FP4 pack kernel writes it (prefill, then appends) and auto
-    # decodes it on the sm80 kernel
+    # allocated with auto: the FP4 pack kernel writes it (prefill, then appends) and auto's
+    # kernel decodes it
     cache, _, _ = make_cache(fmt, [max(n - 2, 0) for n in lens], 2, d, dtype, backend="auto", seed=41)
-    assert cache.backend == "sm80" and cache._writer == "sm80"
+    assert cache.backend == dispatch.resolve("auto", DEV, fmt=fmt, head_dim=d, dtype=dtype) != "reference"
+    assert cache._writer == cache.backend
     step = kv(torch.Generator().manual_seed(44), len(lens), 2, 2, d, dtype=dtype, device=DEV)
     for t in range(2):
         cache.append(step[0][:, t:t + 1], step[1][:, t:t + 1])
