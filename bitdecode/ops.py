@@ -29,12 +29,13 @@ _WRITES = ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res", "cache_
 def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack: torch.Tensor,
            v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
            block_table: torch.Tensor, k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor],
-           bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, softmax_scale: float,
+           bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, fp4: str, softmax_scale: float,
            num_splits: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """``bd.decode`` over the cache tensors: (out ``[B, T, Hq, D]``, lse ``[B, T, Hq]``);
     ``k_sink`` / ``v_sink`` the 16-bit sink tokens of a format with ``sink_tokens`` (else
-    None).  The values of the lengths and block table are not re-checked (no device sync)."""
-    fmt = KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens)
+    None); ``fp4`` the FP4 format (``KVFormat.fp4``) or "".  The values of the lengths and
+    block table are not re-checked (no device sync)."""
+    fmt = _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4)
     cache = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
                                   check_values=False, sinks=(k_sink, v_sink) if sink_tokens else None)
     return attention.decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
@@ -43,34 +44,38 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
 
 @decode.register_fake
 def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
-                 bits, v_bits, k_mode, group_size, sink_tokens, softmax_scale, num_splits, backend):
+                 bits, v_bits, k_mode, group_size, sink_tokens, fp4, softmax_scale, num_splits, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _check_int_codes(fmt: KVFormat) -> None:
-    if fmt.fp4:
-        raise ValueError(f"fmt.fp4={fmt.fp4!r}: the torch ops take integer-code caches only so far; "
-                         "call cache.append / bd.decode directly (not under torch.compile)")
+def _format(bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, fp4: str) -> KVFormat:
+    """The ``KVFormat`` the ops' scalar arguments describe (its Hadamard rotation is applied
+    to Q and K outside the ops: the kernels never see it)."""
+    if fp4:
+        return KVFormat(fp4=fp4, sink_tokens=sink_tokens)
+    return KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens)
+
+
+def _format_args(fmt: KVFormat) -> tuple:
+    return fmt.bits, fmt.v_bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens, fmt.fp4 or ""
 
 
 def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "auto") -> torch.Tensor:
     """``bd.decode(q, cache)`` through the op (for compiled code): ``cache`` is a ``KVCache``."""
-    _check_int_codes(cache.fmt)
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
     q = reference.rotate(q, t.fmt)  # KVFormat.hadamard: the op takes Q as the cache's K basis
     out, _ = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
-                                        t.cache_seqlens, t.block_table, k_sink, v_sink, t.fmt.bits, t.fmt.v_bits,
-                                        t.fmt.k_mode, t.fmt.group_size, t.fmt.sink_tokens, float(softmax_scale),
-                                        0, cache.backend if backend == "auto" else backend)
+                                        t.cache_seqlens, t.block_table, k_sink, v_sink, *_format_args(t.fmt),
+                                        float(softmax_scale), 0, cache.backend if backend == "auto" else backend)
     return out
 
 
 def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                   commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, capacity) -> CacheTensors:
+                   commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4,
+                   capacity) -> CacheTensors:
     return CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                        KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size,
-                                 sink_tokens=sink_tokens),
+                        _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4),
                         capacity=capacity, overflow=overflow, commits=commits,
                         sinks=(k_sink, v_sink) if sink_tokens else None)
 
@@ -80,13 +85,13 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
            v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
            block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor, k_sink: Optional[torch.Tensor],
            v_sink: Optional[torch.Tensor], bits: int, v_bits: int, k_mode: str, group_size: int,
-           sink_tokens: int, capacity: int, backend: str) -> None:
+           sink_tokens: int, fp4: str, capacity: int, backend: str) -> None:
     """``KVCache.append`` of ``k``, ``v`` ``[B, T, Hkv, D]`` on the cache tensors, with the
     capacity checked on the device (no host sync)."""
     from .cache import reference_append
 
     c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, capacity)
+                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity)
     if backend == "reference":
         reference_append(c, k, v)
     else:
@@ -103,14 +108,14 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
             v_pack: torch.Tensor, v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor,
             cache_seqlens: torch.Tensor, block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor,
             k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor], bits: int, v_bits: int, k_mode: str,
-            group_size: int, sink_tokens: int, capacity: int, backend: str) -> None:
+            group_size: int, sink_tokens: int, fp4: str, capacity: int, backend: str) -> None:
     """``KVCache.prefill``: the first ``seqlens[b]`` (int32, on the cache's device) tokens of
     ``k``, ``v`` ``[B, N, Hkv, D]`` replace each sequence's content.  Lengths and the block
     table are not re-checked here (``KVCache.prefill`` checks them)."""
     from .cache import reference_prefill
 
     c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, capacity)
+                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity)
     if backend == "reference":
         reference_prefill(c, k, v, seqlens.tolist())
     else:
@@ -123,12 +128,10 @@ def _prefill_fake(*args) -> None:
 
 
 def _write_args(cache):
-    _check_int_codes(cache.fmt)
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
     return (t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
-            t.overflow, t.commits, k_sink, v_sink, t.fmt.bits, t.fmt.v_bits, t.fmt.k_mode, t.fmt.group_size,
-            t.fmt.sink_tokens, t.capacity, cache.backend)
+            t.overflow, t.commits, k_sink, v_sink, *_format_args(t.fmt), t.capacity, cache._writer)
 
 
 def append_cache(k: torch.Tensor, v: torch.Tensor, cache) -> None:

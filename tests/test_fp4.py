@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bitdecode as bd
-from bitdecode import dispatch, ops, reference
+from bitdecode import dispatch, reference
 from bitdecode.layouts import sm100
 
 import kvdata
@@ -200,7 +200,7 @@ def test_memory_counts_the_scale_chunks():
 def test_fp4_backends_and_refusals(monkeypatch):
     """An FP4 cache is written by the FP4 pack kernel and decoded by the sm80 kernel, or on
     Hopper by the sm90 one (``auto``'s choice with a known 16-bit dtype); multi-token kernel
-    plans and the torch ops refuse it with a clear error."""
+    plans refuse it with a clear error."""
     fmt = bd.KVFormat(fp4="nvfp4")
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0) if device.type == "cuda" else None)
     for what in ("decode", "KV cache"):
@@ -217,10 +217,6 @@ def test_fp4_backends_and_refusals(monkeypatch):
             kernels.make_decode("sm_90a", fmt, None, 64, 8, True, tq=2)
     c = bd.KVCache.allocate(1, 1, 64, 256, fmt, device="cpu", backend="reference")
     assert c._writer == "reference" and bd.KVCache.allocate(1, 1, 64, 256, bd.KVFormat(group_size=64), device="cpu")._writer == "reference"
-    with pytest.raises(ValueError, match="the torch ops take integer-code caches only"):
-        ops.append_cache(torch.zeros(1, 1, 1, 64, dtype=torch.float16), torch.zeros(1, 1, 1, 64, dtype=torch.float16), c)
-    with pytest.raises(ValueError, match="the torch ops take integer-code caches only"):
-        ops.decode_cache(torch.zeros(1, 1, 1, 64, dtype=torch.float16), c, 0.125)
 
 
 def test_eval_specs():

@@ -27,7 +27,7 @@ def test_decode_op_equals_the_python_call(gen):
     want, want_lse = bd.decode(q, cache, return_lse=True)
     t = cache.tensors()
     out, lse = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
-                                          t.cache_seqlens, t.block_table, None, None, 4, 4, "channel", 64, 0,
+                                          t.cache_seqlens, t.block_table, None, None, 4, 4, "channel", 64, 0, "",
                                           64 ** -0.5, 0, "reference")
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
@@ -42,7 +42,7 @@ def _op_args(gen):
     t = cache.tensors()
     q = torch.randn(2, 1, 4, 64, generator=gen).half()
     return (q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
-            None, None, 4, 4, "channel", 64, 0, 0.125, 0, "reference")
+            None, None, 4, 4, "channel", 64, 0, "", 0.125, 0, "reference")
 
 
 def test_compiled_step_traces_the_op_in_one_graph(gen):
@@ -160,3 +160,23 @@ def test_ops_carry_both_widths(gen):
     _same_storage(a, b)
     q = torch.randn(1, 1, 4, 64, generator=gen).half()
     assert torch.equal(ops.decode_cache(q, b, 0.125), bd.decode(q, a, softmax_scale=0.125))
+
+
+@pytest.mark.parametrize("fp4, hadamard", [("nvfp4", False), ("mxfp4", True)])
+def test_ops_carry_fp4(gen, fp4, hadamard):
+    """An FP4 cache (with sinks, and rotated) through the ops equals the Python calls (the
+    schema carries the FP4 format), and the write ops pass torch's schema / fake checks."""
+    fmt = bd.KVFormat(fp4=fp4, sink_tokens=3, hadamard=hadamard)
+    a, b = (bd.KVCache.allocate(2, 2, 64, 600, fmt, device="cpu", backend="reference") for _ in range(2))
+    k, v = kvdata.kv(gen, 2, 420, 2, 64, dtype=torch.float16, device="cpu")
+    a.prefill(k[:, :300], v[:, :300], [300, 131])
+    ops.prefill_cache(k[:, :300], v[:, :300], torch.tensor([300, 131], dtype=torch.int32), b)
+    _same_storage(a, b)
+    a.append(k[:, 300:], v[:, 300:])  # completes packed blocks of both sequences
+    ops.append_cache(k[:, 300:], v[:, 300:], b)
+    _same_storage(a, b)
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    assert torch.equal(ops.decode_cache(q, b, 0.125), bd.decode(q, a, softmax_scale=0.125))
+    torch.library.opcheck(torch.ops.bitdecode.append.default,
+                          (k[:, :2].contiguous(), v[:, :2].contiguous()) + ops._write_args(a),
+                          test_utils=("test_schema", "test_faketensor"))
