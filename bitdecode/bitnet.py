@@ -63,6 +63,7 @@ __all__ = [
     "BitLinear",
     "FusedSlice",
     "convert",
+    "load_int2_checkpoint",
     "MAX_SEGMENTS",
     "MODEL_SHAPES",
 ]
@@ -760,6 +761,17 @@ class FusedSlice(nn.Module):
         return f"rows {self.start}:{self.stop} of the fused {self.fused.extra_repr()}"
 
 
+def _install_fused(parent: nn.Module, members, fused_name: str, sources, names, in_features: int, device,
+                   backend: str) -> None:
+    """One fused ``BitLinear`` of ``sources`` registered on ``parent`` as ``fused_name``,
+    with ``FusedSlice`` views of it under the member names."""
+    fused = _build(sources, names, in_features, device, backend)
+    parent.add_module(fused_name, fused)
+    memo: dict = {}
+    for i, m in enumerate(members):
+        setattr(parent, m, FusedSlice(fused, i, memo))
+
+
 def _is_bitnet(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) == "bitnet":
@@ -832,12 +844,8 @@ def convert(
                 sources = [_source(m, names[id(m)]) for m in mods]
                 if any(norm is not None for *_, norm in sources):
                     continue  # per-projection RMSNorms: the inputs differ, convert one by one
-                device = mods[0].weight.device
-                fused = _build(sources, [names[id(m)] for m in mods], mods[0].in_features, device, backend)
-                parent.add_module(fused_name, fused)
-                memo: dict = {}
-                for i, m in enumerate(members):
-                    setattr(parent, m, FusedSlice(fused, i, memo))
+                _install_fused(parent, members, fused_name, sources, [names[id(m)] for m in mods],
+                               mods[0].in_features, mods[0].weight.device, backend)
         for child_name, child in list(parent.named_children()):
             if not wanted(child):
                 continue
@@ -846,4 +854,104 @@ def convert(
             layer = _build([src], [name], child.in_features, child.weight.device, backend)
             norm = src[3]
             setattr(parent, child_name, layer if norm is None else nn.Sequential(norm, layer))
+    return model
+
+
+# --------------------------------------------------------------------------------------
+# microsoft/BitNet's converted checkpoint (gpu/convert_checkpoint.py: model_state_int2.pt)
+# --------------------------------------------------------------------------------------
+
+# per layer: microsoft's name -> (transformers module path, projections it fuses)
+_MS_LINEARS = (("attention.wqkv", "self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+               ("attention.wo", "self_attn", ("o_proj",), None),
+               ("feed_forward.w13", "mlp", ("gate_proj", "up_proj"), "gate_up_proj"),
+               ("feed_forward.w2", "mlp", ("down_proj",), None))
+_MS_NORMS = (("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+             ("attention.attn_sub_norm", "self_attn.attn_sub_norm"),
+             ("feed_forward.ffn_sub_norm", "mlp.ffn_sub_norm"))
+_MS_GLOBALS = (("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"),
+               ("output.weight", "lm_head.weight"))
+
+
+def _ms_rope_rows_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q / k projection from microsoft's order back to transformers': its
+    converter interleaves each head's two RoPE halves, ``(h l d) -> (h d l)`` with l = 2
+    (``convert_safetensors.invert_convert_q``), for xformers' interleaved rotary; here
+    ``(h d l) -> (h l d)``."""
+    n, k = t.shape
+    return t.reshape(heads, n // heads // 2, 2, k).transpose(1, 2).reshape(n, k)
+
+
+@torch.no_grad()
+def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse: bool = True) -> nn.Module:
+    """Load microsoft/BitNet's converted checkpoint into a transformers BitNet model (in
+    place; returns ``model``) with bitdecode's ``BitLinear`` layers, as ``convert`` would
+    make them.
+
+    ``state``: the dict ``gpu/convert_checkpoint.py`` saves as ``model_state_int2.pt``
+    (or its path): per layer ``attention.wqkv`` / ``attention.wo`` / ``feed_forward.w13``
+    / ``feed_forward.w2`` as packed int8 ``[N, K/4]`` (its ``pack_weight.py`` layout,
+    which is bitdecode's) with a bf16 ``weight_scale`` of four (one ``mean|W|`` per
+    projection, zeros after), q and k rows in its interleaved-RoPE order; the norms, the
+    embeddings and ``output``.  ``model``: a ``BitNetForCausalLM`` of the checkpoint's
+    shape (e.g. built from ``BitNetConfig`` with the 2B shape: hidden 2560, 30 layers,
+    heads 20 / 5, MLP 6912, vocabulary 128256, ``rope_theta`` 500000); its own weights are
+    replaced.  ``fuse`` as in ``convert``.  The result computes what ``convert`` makes of
+    the float model that checkpoint was quantized from, with the scales in bf16 as
+    microsoft's kernel reads them."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "bitnet":
+        raise ValueError("model must be a transformers BitNetForCausalLM (config.model_type 'bitnet')")
+    if isinstance(state, (str, bytes)) or hasattr(state, "__fspath__"):
+        state = torch.load(state, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict of tensors or a path, got {type(state).__name__}")
+
+    def get(key: str) -> torch.Tensor:
+        if key not in state:
+            raise ValueError(f"state has no {key!r}: not a microsoft/BitNet model_state_int2.pt of this model's "
+                             f"depth ({config.num_hidden_layers} layers)")
+        return state[key]
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rows = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim,
+            "o_proj": config.hidden_size, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size, "down_proj": config.hidden_size}
+    rope_heads = {"q_proj": heads, "k_proj": kv_heads}
+    params = dict(model.named_parameters())
+    for ms_key, hf_key in _MS_GLOBALS:
+        if hf_key in params:
+            params[hf_key].copy_(get(ms_key).to(params[hf_key].dtype))
+    for i, layer in enumerate(model.model.layers):
+        for ms_name, hf_name in _MS_NORMS:
+            norm = layer.get_submodule(hf_name)
+            norm.weight.copy_(get(f"layers.{i}.{ms_name}.weight").to(norm.weight.dtype))
+        for ms_name, parent_name, members, fused_name in _MS_LINEARS:
+            parent = layer.get_submodule(parent_name)
+            packed = get(f"layers.{i}.{ms_name}.weight")
+            scales = get(f"layers.{i}.{ms_name}.weight_scale").float()
+            device = next(parent.parameters()).device
+            t = unpack_weight(packed.to(torch.int8).to(device))
+            want = sum(rows[m] for m in members)
+            if t.shape[0] != want:
+                raise ValueError(f"layers.{i}.{ms_name}.weight has {t.shape[0]} rows; this model's "
+                                 f"{'/'.join(members)} have {want}")
+            sources, start = [], 0
+            for j, m in enumerate(members):
+                part = t[start:start + rows[m]]
+                start += rows[m]
+                if m in rope_heads:
+                    part = _ms_rope_rows_to_hf(part, rope_heads[m])
+                sources.append((part, scales[j:j + 1].to(device), None, None))
+            names = [f"model.layers.{i}.{parent_name}.{m}" for m in members]
+            if fuse and fused_name is not None:
+                _install_fused(parent, members, fused_name, sources, names, t.shape[1], device, backend)
+            else:
+                for src, m, name in zip(sources, members, names):
+                    setattr(parent, m, _build([src], [name], t.shape[1], device, backend))
     return model

@@ -79,6 +79,10 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                      help=f"random ternary weights of a BitNet b1.58 shape ({', '.join(RANDOM_BITNET)}), its "
                           "linear layers on bitdecode's W2A8 kernels (a BitNet checkpoint given as MODEL is "
                           "converted the same way)")
+    src.add_argument("--bitnet-int2", default=None, metavar="FILE",
+                     help="microsoft/BitNet's converted checkpoint (gpu/convert_checkpoint.py's "
+                          "model_state_int2.pt) loaded onto bitdecode's W2A8 linears, in the --random-bitnet "
+                          "shape (default 2b, the checkpoint's); no tokenizer")
     gen = p.add_argument_group("generation")
     gen.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 4 +
                      "Once upon a time, in a small village by the sea,",
@@ -149,18 +153,30 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
 
     from . import bitnet, hf
 
-    if args.random_bitnet:
+    int2 = getattr(args, "bitnet_int2", None)
+    if args.random_bitnet or int2:
+        flag = "--bitnet-int2" if int2 else "--random-bitnet"
         if args.model or args.gguf_file or args.random_llama:
-            raise ValueError("--random-bitnet builds its own model: give no MODEL, --gguf-file or --random-llama")
+            raise ValueError(f"{flag} builds its own model: give no MODEL, --gguf-file or --random-llama")
+        if int2 and not Path(int2).is_file():
+            raise ValueError(f"--bitnet-int2 {int2}: no such file")
+        shape = args.random_bitnet or "2b"
         torch.manual_seed(args.seed)
-        config = transformers.BitNetConfig(**RANDOM_BITNET[args.random_bitnet])
+        config = transformers.BitNetConfig(**RANDOM_BITNET[shape])
         with torch.device(device):
             model = transformers.BitNetForCausalLM._from_config(config, attn_implementation=hf.ATTN_IMPLEMENTATION,
                                                                 dtype=dtype)
-        bitnet.convert(model.eval(), backend=args.backend)
+        if int2:
+            try:
+                bitnet.load_int2_checkpoint(model.eval(), int2, backend=args.backend)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise ValueError(f"--bitnet-int2 {int2}: {exc}") from exc
+            what = f"BitNet b1.58 ({shape}) from microsoft/BitNet's {Path(int2).name}"
+        else:
+            bitnet.convert(model.eval(), backend=args.backend)
+            what = f"random-weight BitNet b1.58 ({shape})"
         n = sum(p.numel() for p in model.parameters())
-        return model, None, (f"random-weight BitNet b1.58 ({args.random_bitnet}), linears on bitdecode W2A8, "
-                             f"{n / 1e6:,.1f} M float parameters left (embeddings, norms)")
+        return model, None, f"{what}, linears on bitdecode W2A8, {n / 1e6:,.1f} M float parameters left (embeddings, norms)"
     if args.random_llama:
         if args.model or args.gguf_file:
             raise ValueError("--random-llama builds its own model: give no MODEL and no --gguf-file")

@@ -414,3 +414,125 @@ def test_gpu_converted_model_on_the_kernels(monkeypatch):
     plain = kern.generate(ids[:1], max_new_tokens=8, do_sample=False)
     assert (out[:, 40:] == plain[:, 40:]).float().mean().item() >= 0.75
     assert (plain[:, 40:] == ref.generate(ids[:1], max_new_tokens=8, do_sample=False)[:, 40:]).float().mean() >= 0.75
+
+
+# --------------------------------------------------------------------------------------
+# microsoft/BitNet's converted checkpoint (model_state_int2.pt)
+# --------------------------------------------------------------------------------------
+
+
+def _ms_interleave_rope_rows(w, heads):
+    """convert_safetensors.invert_convert_q / _k of microsoft/BitNet's gpu/: rows
+    ``(h l d) -> (h d l)`` with l = 2 (their rotary is interleaved)."""
+    n, k = w.shape
+    return w.reshape(heads, 2, n // heads // 2, k).transpose(1, 2).reshape(n, k)
+
+
+def _ms_quant(w):
+    """convert_checkpoint.quant_weight_int8: (ternary int8, bf16 [1] scale, the fp32 multiplier)."""
+    s = 1.0 / w.abs().mean().clamp(min=1e-5)
+    return (w * s).round().clamp(-1, 1).to(torch.int8), (1.0 / s).to(torch.bfloat16).reshape(1), s
+
+
+def _ms_int2_checkpoint(model):
+    """What microsoft/BitNet's gpu/ converters (convert_safetensors.py, then
+    convert_checkpoint.py) make of a transformers BitNet model's weights, step by step as
+    they do it; packing by ``pack_weight`` (byte-for-byte their ``pack_weight.py``, tested
+    in test_bitnet.py).  Also returns the multipliers ``s`` per (layer, projection)."""
+    cfg, st = model.config, {k: v.detach().float() for k, v in model.state_dict().items()}
+    out, mult = {}, {}
+    zero = torch.zeros(1, dtype=torch.bfloat16)
+    for i in range(cfg.num_hidden_layers):
+        b = f"model.layers.{i}."
+        groups = {"attention.wqkv": [_ms_interleave_rope_rows(st[b + "self_attn.q_proj.weight"], cfg.num_attention_heads),
+                                     _ms_interleave_rope_rows(st[b + "self_attn.k_proj.weight"], cfg.num_key_value_heads),
+                                     st[b + "self_attn.v_proj.weight"]],
+                  "attention.wo": [st[b + "self_attn.o_proj.weight"]],
+                  "feed_forward.w13": [st[b + "mlp.gate_proj.weight"], st[b + "mlp.up_proj.weight"]],
+                  "feed_forward.w2": [st[b + "mlp.down_proj.weight"]]}
+        for name, parts in groups.items():
+            quant = [_ms_quant(w) for w in parts]
+            out[f"layers.{i}.{name}.weight"] = bn.pack_weight(torch.cat([t for t, _, _ in quant]))
+            out[f"layers.{i}.{name}.weight_scale"] = torch.cat([s for _, s, _ in quant] + [zero] * (4 - len(quant)))
+            mult[(i, name)] = [m for _, _, m in quant]
+        for ms, hf_name in (("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                            ("attention.attn_sub_norm", "self_attn.attn_sub_norm"),
+                            ("feed_forward.ffn_sub_norm", "mlp.ffn_sub_norm")):
+            out[f"layers.{i}.{ms}.weight"] = st[b + hf_name + ".weight"].to(torch.bfloat16)
+    out["tok_embeddings.weight"] = st["model.embed_tokens.weight"].to(torch.bfloat16)
+    out["output.weight"] = st["model.embed_tokens.weight"].to(torch.bfloat16)
+    out["norm.weight"] = st["model.norm.weight"].to(torch.bfloat16)
+    return out, mult
+
+
+def _bf16_model_weights(model):
+    """The float model with its non-linear weights rounded to bf16 (what the checkpoint holds)."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if not name.endswith("proj.weight"):
+                p.copy_(p.to(torch.bfloat16).float())
+    return m
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_load_microsoft_int2_checkpoint(fuse, tmp_path):
+    """A model_state_int2.pt made from a float model loads into a fresh BitNetForCausalLM
+    (other random weights) as exactly the layers ``convert`` builds from those float
+    weights with microsoft's rounding: the same ternary codes in transformers' row order
+    (q / k rows un-interleaved), the bf16 scales, norms and embeddings; so the same logits
+    bit for bit.  Loading from the file equals loading the dict."""
+    fl = _float_model(seed=3, tie_word_embeddings=True)  # as the 2B model: output = the embeddings
+    ckpt, mult = _ms_int2_checkpoint(fl)
+    torch.save(ckpt, tmp_path / "model_state_int2.pt")
+    loaded = bn.load_int2_checkpoint(_float_model(seed=4, tie_word_embeddings=True), tmp_path / "model_state_int2.pt",
+                                     backend="reference", fuse=fuse)
+    # the expectation: convert of the same float weights, each projection's codes rounded
+    # as microsoft's converter does (its multiplier, transformers' row order) and its bf16 scale
+    want = bn.convert(_bf16_model_weights(fl), backend="reference", fuse=fuse)
+    st = {k: v.detach().float() for k, v in fl.state_dict().items()}
+    names = {"attention.wqkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+             "attention.wo": ("self_attn", ("o_proj",), None),
+             "feed_forward.w13": ("mlp", ("gate_proj", "up_proj"), "gate_up_proj"),
+             "feed_forward.w2": ("mlp", ("down_proj",), None)}
+    for (i, ms), ss in mult.items():
+        parent, members, fused_name = names[ms]
+        t = [(st[f"model.layers.{i}.{parent}.{m}.weight"] * s).round().clamp(-1, 1).to(torch.int8)
+             for m, s in zip(members, ss)]
+        scales = ckpt[f"layers.{i}.{ms}.weight_scale"][:len(members)].float()
+        mods = ([getattr(want.model.layers[i], parent).get_submodule(fused_name)] if fuse and fused_name
+                else [getattr(want.model.layers[i], parent).get_submodule(m) for m in members])
+        if len(mods) == 1:
+            mods[0].weight_packed.copy_(bn.pack_weight(torch.cat(t)))
+            mods[0].weight_scale.copy_(scales)
+        else:
+            for mod, tm, sc in zip(mods, t, scales):
+                mod.weight_packed.copy_(bn.pack_weight(tm))
+                mod.weight_scale.copy_(sc.reshape(1))
+    got_state, want_state = loaded.state_dict(), want.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for k in want_state:
+        assert torch.equal(got_state[k], want_state[k]), k
+    ids = _ids(5)
+    assert torch.equal(loaded(ids).logits, want(ids).logits)
+    again = bn.load_int2_checkpoint(_float_model(seed=6, tie_word_embeddings=True), ckpt, backend="reference",
+                                    fuse=fuse)
+    assert torch.equal(again(ids).logits, loaded(ids).logits)
+
+
+def test_load_int2_checkpoint_errors():
+    fl = _float_model(seed=3)
+    ckpt, _ = _ms_int2_checkpoint(fl)
+    with pytest.raises(ValueError, match="'layers.1.attention.wo.weight'"):
+        bn.load_int2_checkpoint(_float_model(), {k: v for k, v in ckpt.items() if k != "layers.1.attention.wo.weight"},
+                                backend="reference")
+    with pytest.raises(ValueError, match="layers.0.attention.wqkv.weight has 256 rows; this model's q_proj/k_proj/v_proj"
+                                         " have 384"):
+        bn.load_int2_checkpoint(_float_model(num_key_value_heads=2), ckpt, backend="reference")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128,
+                                                                   intermediate_size=256, num_hidden_layers=1,
+                                                                   num_attention_heads=2))
+    with pytest.raises(ValueError, match="BitNetForCausalLM"):
+        bn.load_int2_checkpoint(llama, ckpt)
+    with pytest.raises(TypeError, match="state must be a dict"):
+        bn.load_int2_checkpoint(_float_model(), [1, 2])

@@ -210,3 +210,49 @@ def test_generate_random_bitnet_runs_on_bitdecode_linears(capsys, monkeypatch):
 def test_generate_random_bitnet_refuses_a_second_model(capsys):
     assert main(["generate", "--random-bitnet", "tiny", "--random-llama", "tiny", "--device", "cpu"]) != 0
     assert "--random-bitnet builds its own model" in capsys.readouterr().out
+
+
+def _random_int2_checkpoint(path, shape):
+    """A model_state_int2.pt of microsoft/BitNet's layout for a --random-bitnet shape:
+    random ternary weights packed in its int2 format, bf16 scales of four, norms and
+    embeddings (the layout itself is checked in test_bitnet_model.py)."""
+    import torch
+
+    from bitdecode import bitnet
+    from bitdecode.cli_generate import RANDOM_BITNET
+
+    c = RANDOM_BITNET[shape]
+    gen = torch.Generator().manual_seed(1)
+    hd, h, kv, d, f = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"], \
+        c["intermediate_size"]
+    out = {}
+    for i in range(c["num_hidden_layers"]):
+        for name, (n, k, parts) in {"attention.wqkv": ((h + 2 * kv) * hd, d, 3), "attention.wo": (d, h * hd, 1),
+                                    "feed_forward.w13": (2 * f, d, 2), "feed_forward.w2": (d, f, 1)}.items():
+            t = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8)
+            out[f"layers.{i}.{name}.weight"] = bitnet.pack_weight(t)
+            out[f"layers.{i}.{name}.weight_scale"] = torch.tensor([0.02] * parts + [0.0] * (4 - parts),
+                                                                  dtype=torch.bfloat16)
+        for name, n in (("attention_norm", d), ("ffn_norm", d), ("attention.attn_sub_norm", d),
+                        ("feed_forward.ffn_sub_norm", f)):
+            out[f"layers.{i}.{name}.weight"] = torch.ones(n, dtype=torch.bfloat16)
+    emb = torch.randn(c["vocab_size"], d, generator=gen).to(torch.bfloat16)
+    out.update({"tok_embeddings.weight": emb, "output.weight": emb, "norm.weight": torch.ones(d, dtype=torch.bfloat16)})
+    torch.save(out, path)
+
+
+def test_generate_from_a_microsoft_int2_checkpoint(capsys, monkeypatch, tmp_path):
+    """--bitnet-int2 FILE: microsoft/BitNet's converted checkpoint onto bitdecode's W2A8
+    linears (bd.bitnet.load_int2_checkpoint) in the --random-bitnet shape; a file of
+    another shape is refused naming the option."""
+    monkeypatch.setenv("COLUMNS", "220")
+    _random_int2_checkpoint(tmp_path / "model_state_int2.pt", "tiny")
+    code = main(["generate", "--random-bitnet", "tiny", "--bitnet-int2", str(tmp_path / "model_state_int2.pt"),
+                 "--device", "cpu", "--backend", "reference", "--max-new-tokens", "3", "--prompt-tokens", "40",
+                 "--no-baseline"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "BitNet b1.58 (tiny) from microsoft/BitNet's model_state_int2.pt, linears on bitdecode W2A8" in out
+    assert re.search(r"^bitdecode 4-bit: token ids( \d+){3}$", out, re.M)
+    assert main(["generate", "--bitnet-int2", str(tmp_path / "missing.pt"), "--device", "cpu"]) != 0
+    assert "--bitnet-int2" in (msg := capsys.readouterr().out) and "no such file" in msg
