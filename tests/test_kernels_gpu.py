@@ -211,6 +211,24 @@ def test_pack_kernel_matches_reference_on_llm_like_data(cfg):
     _assert_same_cache(a, b)
 
 
+def _appended_in_steps(fmt, k, v, first):
+    """A cache (sm80 writer) that got ``k``, ``v`` [B, N, Hkv, D] as a prefill of ``first``
+    tokens, then appends of single tokens, a few, and more than a block (completed from
+    the residual buffer), then single tokens to the end."""
+    b, n, hkv, d = k.shape
+    nr = fmt.residual_block
+    steps = bd.KVCache.allocate(b, hkv, d, n, fmt, dtype=k.dtype, device=DEV, backend="sm80")
+    steps.prefill(k[:, :first], v[:, :first])
+    t = first
+    for chunk in (1, 1, 3, nr - 2, 1, nr + 7):
+        steps.append(k[:, t:t + chunk], v[:, t:t + chunk])
+        t += chunk
+    while t < n:
+        steps.append(k[:, t:t + 1], v[:, t:t + 1])
+        t += 1
+    return steps
+
+
 @pytest.mark.parametrize("cfg", CONFIGS[:3] + CONFIGS[5:6], ids=_ids)
 def test_append_token_by_token_equals_prefill(cfg):
     bits, mode, g, dtype, d, _ = cfg
@@ -221,16 +239,7 @@ def test_append_token_by_token_equals_prefill(cfg):
     k, v = kv(gen, 2, n, 2, d, dtype=dtype, device=DEV)
     full = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
     full.prefill(k, v)
-    steps = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
-    steps.prefill(k[:, :5], v[:, :5])
-    t = 5
-    for chunk in (1, 1, 3, nr - 2, 1, nr + 7):  # single tokens and multi-block appends
-        steps.append(k[:, t:t + chunk], v[:, t:t + chunk])
-        t += chunk
-    while t < n:
-        steps.append(k[:, t:t + 1], v[:, t:t + 1])
-        t += 1
-    _assert_same_cache(full, steps)
+    _assert_same_cache(full, _appended_in_steps(fmt, k, v, 5))
     ref = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="reference")
     ref.prefill(k, v)
     _assert_same_cache(full, ref)
@@ -626,13 +635,4 @@ def test_fp4_append_token_by_token_equals_prefill(cfg):
     k, v = kv(torch.Generator().manual_seed(53), 2, n, 2, d, dtype=dtype, device=DEV)
     full = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
     full.prefill(k, v)
-    steps = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
-    steps.prefill(k[:, :2], v[:, :2])
-    t = 2
-    for chunk in (1, 1, 3, nr - 2, 1, nr + 7):
-        steps.append(k[:, t:t + chunk], v[:, t:t + chunk])
-        t += chunk
-    while t < n:
-        steps.append(k[:, t:t + 1], v[:, t:t + 1])
-        t += 1
-    _assert_same_cache(full, steps)
+    _assert_same_cache(full, _appended_in_steps(fmt, k, v, 2))
