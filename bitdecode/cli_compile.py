@@ -39,7 +39,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--k-mode", type=_csv(str), default=["channel", "token"])
     p.add_argument("--group-size", type=_csv(int), default=[32, 64, 128])
     p.add_argument("--fp4", type=_csv(str), default=[],
-                   help="also these FP4 formats, comma list of nvfp4,mxfp4 (the sm80 decode and pack kernels; default none)")
+                   help="also these FP4 formats, comma list of nvfp4,mxfp4 (decode and pack; default none)")
     p.add_argument("--head-dim", type=_csv(int), default=[64, 128, 256])
     p.add_argument("--dtype", type=_csv(str), default=["fp16", "bf16"])
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
