@@ -1,5 +1,7 @@
 """What an sm100 FP4 decode would lose by quantizing Q and P to the block-scaled MMA's
-operand format (NVFP4 / MXFP4) or to e4m3, instead of keeping them 16-bit: the relative L2
+operand format (NVFP4 / MXFP4), to e4m3 with a row scale, or to MXFP8 (e4m3 with a
+power-of-two scale per 32 along the contraction: the other operand of tcgen05's
+``kind::mxf8f6f4`` beside an MXFP4 cache), instead of keeping them 16-bit: the relative L2
 error of the decode output against attention over the same FP4 cache with 16-bit Q and P
 (and that cache's own error against 16-bit attention), on SmolLM2-135M's own Q / K / V
 (tests/data/smollm2_kv.pt).  CPU, a few seconds: ``python3 profiles/fp4_operand_study.py``."""
@@ -20,12 +22,24 @@ def fp8_round(x):  # e4m3, one fp32 scale per row (amax / 448)
     s = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448
     return (x.float() / s).to(torch.float8_e4m3fn).float() * s
 
+def mxfp8_round(x, vec=32):  # OCP MXFP8 (e4m3): 2^(floor(log2 amax) - 8) per block of 32, last dim
+    n = x.shape[-1]
+    xf = torch.nn.functional.pad(x.float(), (0, (-n) % vec))
+    b = xf.reshape(*xf.shape[:-1], -1, vec)
+    amax = b.abs().amax(-1, keepdim=True)
+    _, e = torch.frexp(amax)  # amax = m 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+    scale = torch.where(amax > 0, torch.exp2((e - 1 - 8).float()), torch.ones_like(amax))
+    q = (b / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(xf.shape)[..., :n]
+
 def attn(q, k, v, fp4=None, quant_q=False, quant_p=False):
     # q [Hq, D], k, v [L, Hkv, D] (already dequantized cache values), fp32
     hq, d = q.shape; hkv = k.shape[1]; g = hq // hkv
     qf = q.float()
     if quant_q == "fp8":
         qf = fp8_round(q)
+    elif quant_q == "mxfp8":
+        qf = mxfp8_round(q)
     elif quant_q:
         qf = fp4_round(q.to(torch.bfloat16), fp4).float()  # blocks along D (the contraction)
     s = torch.einsum("hgd,lhd->hgl", qf.view(hkv, g, d), k.float()) / math.sqrt(d)
@@ -34,6 +48,8 @@ def attn(q, k, v, fp4=None, quant_q=False, quant_p=False):
     l = p.sum(-1, keepdim=True)
     if quant_p == "fp8":
         p = fp8_round(p)
+    elif quant_p == "mxfp8":
+        p = mxfp8_round(p)
     elif quant_p:  # P in [0, 1] quantized along tokens (the PV contraction), blocks of the format
         n = p.shape[-1]; vec = sm100.SF_VEC[fp4]; pad = (-n) % vec
         pp = torch.nn.functional.pad(p, (0, pad))
@@ -57,9 +73,12 @@ for fp4 in ("nvfp4", "mxfp4"):
             exact = attn(q[i], k[:n], v[:n])
             base = attn(q[i], kd, vd)  # the FP4 cache, 16-bit Q and P (what sm80 computes)
             errs = []
-            for qq, qp in ((True, False), (False, True), (True, True), ("fp8", "fp8")):
+            for qq, qp in ((True, False), (False, True), (True, True), ("fp8", "fp8"), ("mxfp8", False),
+                           ("mxfp8", "mxfp8")):
                 o = attn(q[i], kd, vd, fp4, qq, qp)
                 errs.append(((o - base).norm() / base.norm()).item())
             rows.append([((base - exact).norm() / exact.norm()).item()] + errs)
         t = torch.tensor(rows).mean(0).tolist()
-        print(f"{fp4} layer {layer}: cache vs 16-bit {t[0]:.4f}; +Q fp4 {t[1]:.4f}, +P fp4 {t[2]:.4f}, +both {t[3]:.4f}, Q and P e4m3 {t[4]:.4f} (relative L2, mean of 4 queries)")
+        print(f"{fp4} layer {layer}: cache vs 16-bit {t[0]:.4f}; +Q fp4 {t[1]:.4f}, +P fp4 {t[2]:.4f}, "
+              f"+both {t[3]:.4f}, Q and P e4m3 {t[4]:.4f}, Q mxfp8 {t[5]:.4f}, Q and P mxfp8 {t[6]:.4f} "
+              "(relative L2, mean of 4 queries)")
