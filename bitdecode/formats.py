@@ -41,9 +41,10 @@ class KVFormat:
       block); codes ``e2m1_rne(x / s)``, half to even, saturating at +-6.  A block holding
       a NaN or an infinity gets the NaN scale (its values dequantize to NaN).  NVFP4 has no
       per-head fp32 scale here: blocks with ``amax`` above 6 x 448 = 2688 saturate, blocks
-      below 6 x 2^-9 are quantized on the smallest scale.  ``bits`` must be 4.  The torch
-      reference writes FP4 caches on every device (no FP4 pack kernel yet); the sm80 decode
-      kernel reads them (``auto``'s choice on a GPU); the sm90 kernel refuses them.
+      below 6 x 2^-9 are quantized on the smallest scale.  ``bits`` must be 4.  On a GPU
+      the FP4 pack kernel writes FP4 caches (the reference's bytes) and both decode kernels
+      read them (``auto``: sm90 on Hopper, sm80 elsewhere); multi-token kernel queries
+      refuse them.
     * ``v_bits``: V's own width when it differs from K's (``bits``): K4V2, K2V4.  The
       residual block is then the larger of the two widths' blocks (256 tokens: both
       widths' packed tiles complete together), V packed in tiles of its own width's block

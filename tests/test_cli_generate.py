@@ -67,7 +67,7 @@ def test_generate_k4v2_sinks_hadamard(capsys, monkeypatch):
 
 
 def test_generate_fp4(capsys, monkeypatch):
-    """--fp4 runs an FP4 cache (the reference writes and, on the CPU, decodes it)."""
+    """--fp4 runs an FP4 cache (on the CPU the reference writes and decodes it)."""
     out = _run(capsys, monkeypatch, "--max-new-tokens", "2", "--no-baseline", "--fp4", "nvfp4", "--sinks", "4",
                "--prompt-tokens", "40")
     assert any(k.startswith("bitdecode NVFP4 (K per token, G=16, 4 sinks") for k in _rows(out)), out
