@@ -43,7 +43,7 @@ class KVFormat:
       per-head fp32 scale here: blocks with ``amax`` above 6 x 448 = 2688 saturate, blocks
       below 6 x 2^-9 are quantized on the smallest scale.  ``bits`` must be 4.  On a GPU
       the FP4 pack kernel writes FP4 caches (the reference's bytes) and both decode kernels
-      read them (``auto``: sm90 on Hopper, sm80 elsewhere); multi-token kernel queries
+      read them (``auto``: sm90 on Hopper up to head dim 128, else sm80); multi-token kernel queries
       refuse them.
     * ``v_bits``: V's own width when it differs from K's (``bits``): K4V2, K2V4.  The
       residual block is then the larger of the two widths' blocks (256 tokens: both
