@@ -43,8 +43,8 @@ class KVFormat:
       per-head fp32 scale here: blocks with ``amax`` above 6 x 448 = 2688 saturate, blocks
       below 6 x 2^-9 are quantized on the smallest scale.  ``bits`` must be 4.  On a GPU
       the FP4 pack kernel writes FP4 caches (the reference's bytes) and both decode kernels
-      read them (``auto``: sm90 on Hopper up to head dim 128, else sm80); multi-token kernel queries
-      refuse them.
+      read them (``auto``: sm90 on Hopper up to head dim 128, else sm80); multi-token
+      kernel queries refuse them.
     * ``v_bits``: V's own width when it differs from K's (``bits``): K4V2, K2V4.  The
       residual block is then the larger of the two widths' blocks (256 tokens: both
       widths' packed tiles complete together), V packed in tiles of its own width's block
