@@ -198,3 +198,53 @@ def test_assisted_generation_crops_the_packed_cache(models):
     agree = (assisted[:, 140:] == plain[:, 140:]).float().mean().item()
     assert agree >= 0.75, agree
     assert cache.layers[0].kv.lengths[0] in (assisted.shape[1] - 1, assisted.shape[1])
+
+
+def _family_models(family):
+    """(16-bit model, the same weights with the bitdecode attention) of a tiny random
+    model of ``family``: GQA 8/2, head dim 64, RoPE applied before caching."""
+    common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    config_cls, model_cls, extra = {
+        "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=64, sliding_window=None)),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(hidden_size=512, use_sliding_window=False)),  # q/k/v biases
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=64)),  # q/k RMSNorm before RoPE
+        # SmolLM2-135M's attention shape: 9 / 3 heads of 64, tied embeddings
+        "smollm": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=576, num_attention_heads=9,
+                                                           num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)),
+    }[family]
+    cfg = getattr(transformers, config_cls)(**(common | extra))
+    torch.manual_seed(0)
+    base = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
+    packed = getattr(transformers, model_cls)._from_config(copy.deepcopy(cfg),
+                                                           attn_implementation=hf.ATTN_IMPLEMENTATION)
+    packed = packed.to(torch.bfloat16).eval()
+    packed.load_state_dict(base.state_dict())
+    return base, packed
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "smollm"])
+@torch.no_grad()
+def test_model_families_prefill_exact_and_decode_within_the_format_error(family):
+    """The drop-in on Mistral, Qwen2 (biased q/k/v), Qwen3 (q/k norms) and SmolLM-shaped
+    (Llama, 9 / 3 heads, tied embeddings) models: prefill logits equal the 16-bit model's,
+    decode steps (teacher-forced on the same tokens) stay within the 4-bit format's error
+    and pick the same next token at most steps (a random tiny model has near ties), and
+    ``generate`` runs on the cache."""
+    base, packed = _family_models(family)
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, VOCAB, (2, 200), generator=gen)
+    steps = torch.randint(0, VOCAB, (2, 8), generator=gen)
+    cbd = hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=32), max_seqlen=512, backend="reference")
+    (a, b), *decoded = _feed(base, packed, transformers.DynamicCache(config=base.config), cbd,
+                             [ids, *steps.split(1, dim=1)])
+    assert torch.equal(a, b), "prefill attention runs on the 16-bit K/V"
+    err = max(_rel(y, x) for x, y in decoded)
+    assert err < 0.06, err
+    agree = torch.stack([(x[:, -1].argmax(-1) == y[:, -1].argmax(-1)) for x, y in decoded]).float().mean().item()
+    assert agree >= 0.75, agree
+    assert cbd.get_seq_length() == 208
+    out = packed.generate(ids, past_key_values=hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=32),
+                                                                   max_seqlen=512, backend="reference"),
+                          max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 204) and torch.equal(out[:, 200], base(ids).logits[:, -1].argmax(-1))
