@@ -52,11 +52,11 @@ def run(args: argparse.Namespace) -> int:
     for label, backends, device in _gpus():
         table.add_row("GPU", label)
         table.add_row("  backends", ", ".join(backends))
-        picks = {(bits, d, dt): dispatch.resolve("auto", device, fmt=KVFormat(bits=bits), head_dim=d,
-                                                 dtype=getattr(torch, dt))
-                 for bits in (4, 2) for d in (128, 256) for dt in ("float16", "bfloat16")}
-        table.add_row("  auto picks", ", ".join(f"{bits}-bit D{d} {dt[:4] if dt[0] == 'b' else 'fp16'}: {b}"
-                                                for (bits, d, dt), b in picks.items()))
+        formats = {"4-bit": KVFormat(bits=4), "2-bit": KVFormat(bits=2), "NVFP4": KVFormat(fp4="nvfp4")}
+        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+        picks = {(name, d, dt): dispatch.resolve("auto", device, fmt=fmt, head_dim=d, dtype=dtypes[dt])
+                 for name, fmt in formats.items() for d in (128, 256) for dt in dtypes}
+        table.add_row("  auto picks", ", ".join(f"{name} D{d} {dt}: {b}" for (name, d, dt), b in picks.items()))
     path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
     env = jit.ENV_CACHE_DIR
     source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"
