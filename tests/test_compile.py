@@ -88,6 +88,7 @@ def test_pack_ptx(arch):
 @pytest.mark.parametrize("arch, fp4, dtype, head_dim, mode", [
     ("sm_80", "nvfp4", cutlass.Float16, 128, "append"),
     ("sm_90a", "mxfp4", cutlass.BFloat16, 64, "prefill"),
+    ("sm_100a", "nvfp4", cutlass.BFloat16, 64, "append"),  # Blackwell runs the sm80 family too
 ])
 def test_fp4_pack_ptx(arch, fp4, dtype, head_dim, mode, tmp_path):
     """The FP4 pack kernel: IEEE division for the NVFP4 scale, its e4m3 rounding by the
@@ -275,7 +276,7 @@ def test_compiled_argument_shapes_match_the_cache(fmt):
 
 
 @pytest.mark.parametrize("fp4, dtype, d", [("nvfp4", "fp16", 128), ("mxfp4", "bf16", 64)])
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_decode_fp4_ptx(fp4, dtype, d, arch, tmp_path):
     """FP4 caches on the sm80 decode kernel: e2m1 pairs moved under a 16-bit float with byte
     permutes (no lookup table in memory: no ld.global or ld.const besides the cache's
