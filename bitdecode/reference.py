@@ -247,7 +247,7 @@ def _sf_to_chunks(sf: torch.Tensor) -> torch.Tensor:
                       device=sf.device)
     pad[..., :rows, :cols] = sf.long()
     b = pad.reshape(*sf.shape[:-2], rc, sm100.SF_ATOM_ROWS, cc, sm100.SF_ATOM_COLS).transpose(-3, -2)
-    words = _fields_to_words(b, 8)[..., 0]  # a row's four scale bytes in one word: [..., rc, cc, 128 rows]
+    words = _fields_to_words(b, sm100.SF_BITS)[..., 0]  # a row's four scale bytes in one word: [..., rc, cc, 128 rows]
     return words[..., _chunk_rows(str(sf.device))]
 
 
@@ -255,7 +255,7 @@ def _chunks_to_sf(words: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of ``_sf_to_chunks``: ``[..., rc, cc, 128]`` -> bytes ``[..., rows, cols]``."""
     by_row = torch.empty_like(words)
     by_row[..., _chunk_rows(str(words.device))] = words
-    b = _words_to_fields(by_row[..., None], 8)  # [..., rc, cc, 128 rows, 4 bytes]
+    b = _words_to_fields(by_row[..., None], sm100.SF_BITS)  # [..., rc, cc, 128 rows, 4 bytes]
     rc, cc = b.shape[-4], b.shape[-3]
     b = b.transpose(-3, -2).reshape(*b.shape[:-4], rc * sm100.SF_ATOM_ROWS, cc * sm100.SF_ATOM_COLS)
     return b[..., :rows, :cols].to(torch.uint8)
@@ -265,11 +265,11 @@ def _pack_fp4_rows(x: torch.Tensor, fmt: KVFormat, check_finite: bool):
     """Tiles ``[..., R, L]`` (rows, values along the contraction) -> (words ``[..., R, L/8]``,
     scale chunks ``[..., ceil(R/128), ceil(L/G/4), 128]``)."""
     codes, sf = quantize_fp4(x, fmt.fp4, dim=-1, check_finite=check_finite)
-    return _fields_to_words(codes, 4), _sf_to_chunks(sf)
+    return _fields_to_words(codes, sm100.ELEM_BITS["e2m1"]), _sf_to_chunks(sf)
 
 
 def _unpack_fp4_rows(words: torch.Tensor, chunks: torch.Tensor, rows: int, fmt: KVFormat, dtype: torch.dtype):
-    codes = _words_to_fields(words, 4)
+    codes = _words_to_fields(words, sm100.ELEM_BITS["e2m1"])
     sf = _chunks_to_sf(chunks, rows, codes.shape[-1] // fmt.group_size)
     return dequantize_fp4(codes, sf, fmt.fp4, dtype)
 

@@ -438,15 +438,15 @@ class DecodeSm80(PackedDecodeConfig):
         channels ``32 (kt // 2) + 8 c ..`` share one block scale per token.  Row ``16 mt +
         8 h + g`` of the warp's fragment is token ``32 warp + fp4_position(..)``."""
         c, g = lane % 4, lane // 4
-        block = (sm80.FP4_SEGMENT * (kt // 2) + 8 * c) // self.group  # scale column of the row
+        block = sm80.fp4_lane_scale_column(kt // 2, c, self.group)  # scale column of the row
         perm = sm80.make_fp4_perm(1)
         cache = {}
 
         def pairs(mt, h, ch):
             if (mt, h) not in cache:
                 tok = perm(16 * mt + 8 * h + g)  # token within the warp's segment
-                word = Uint32(ks[block // sm100.SF_ATOM_COLS, sm100.sf_chunk_word(sm80.FP4_SEGMENT * warp_idx + tok)])
-                cache[(mt, h)] = (fp4_scale_pair(word, block % sm100.SF_ATOM_COLS, self.fp4, self.is_bf16), None)
+                _, col_chunk, w, byte = sm100.sf_location(sm80.FP4_SEGMENT * warp_idx + tok, block)
+                cache[(mt, h)] = (fp4_scale_pair(Uint32(ks[col_chunk, w]), byte, self.fp4, self.is_bf16), None)
             return cache[(mt, h)]
 
         return pairs
@@ -557,11 +557,9 @@ class DecodeSm80(PackedDecodeConfig):
         tokens ``32 warp + 8 c ..`` share one block scale (reloaded per k-block: kept for
         the whole tile, the 2 D / 16 pairs would cost more registers than the 4-bit cap)."""
         c, g = lane % 4, lane // 4
-        block = (sm80.FP4_SEGMENT * warp_idx + 8 * c) // self.group  # scale column of the tile
-        ch = 16 * mt + 8 * h + g
-        row = ch % sm100.SF_ATOM_ROWS
-        word = Uint32(vs[ch // sm100.SF_ATOM_ROWS, block // sm100.SF_ATOM_COLS, sm100.sf_chunk_word(row)])
-        return fp4_scale_pair(word, block % sm100.SF_ATOM_COLS, self.fp4, self.is_bf16), None
+        block = sm80.fp4_lane_scale_column(warp_idx, c, self.group)  # scale column of the tile
+        row_chunk, col_chunk, w, byte = sm100.sf_location(16 * mt + 8 * h + g, block)
+        return fp4_scale_pair(Uint32(vs[row_chunk, col_chunk, w]), byte, self.fp4, self.is_bf16), None
 
     @cute.jit
     def pv_packed(self, mma, thr_mma, dq, acc_s, acc_o, stage, words, warp_idx, lane):

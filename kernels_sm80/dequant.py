@@ -15,8 +15,6 @@ import cutlass
 from cutlass import Int32, Uint32
 
 from ..layouts import packing, sm100
-
-F16_EXP_BIAS, F16_EXP_MAX = 15, 30  # fp16's exponent bias and largest finite biased exponent
 from . import ptx
 
 
@@ -86,9 +84,14 @@ class E2M1Dequant:
 
     def __init__(self, is_bf16: bool):
         self.is_bf16 = is_bf16
-        self.mag_shift = 6 if is_bf16 else 9  # e1 e0 m onto the exponent's low bits + mantissa MSB
-        self.sign_lift = (1 << 12) - (1 << self.mag_shift)  # bit 3 -> 15: 8 * lift = 2^15 - 2^(3 + shift)
-        self.fix = half2_bits(2.0 ** (126 if is_bf16 else 14), is_bf16)
+        dtype = "bf16" if is_bf16 else "fp16"
+        # e1 e0 m onto the exponent's low bits + the mantissa's top bit (6 bf16, 9 fp16)
+        self.mag_shift = packing.MANTISSA_BITS[dtype] - sm100.E2M1_MANTISSA_BITS
+        # the code's sign (bit 3) to the 16-bit sign (bit 15): 8 * lift = 2^15 - 2^(3 + shift)
+        sign_bit = sm100.ELEM_BITS["e2m1"] - 1
+        self.sign_lift = (1 << (packing.HALF_SIGN_BIT - sign_bit)) - (1 << self.mag_shift)
+        # the exponent read with the 16-bit bias instead of e2m1's: 2^14 (fp16), 2^126 (bf16)
+        self.fix = half2_bits(2.0 ** (packing.EXP_BIAS[dtype] - sm100.E2M1_EXP_BIAS), is_bf16)
 
     def codes(self, word, pairs: Iterable[int]) -> Dict[int, Uint32]:
         hi_nibbles = word >> 4
@@ -115,18 +118,21 @@ def fp4_scale_pair(word, byte: int, fp4: str, is_bf16: bool):
     then an exact power-of-two multiply (subnormals included); the NaN byte gives NaN.
     UE8M0: ``2^(byte - 127)`` built as exponent bits (fp16: clamped to its normal range,
     which no block of fp16 values needs past)."""
-    b = (word >> (8 * byte)) & 0xFF
+    dtype = "bf16" if is_bf16 else "fp16"
+    mant = packing.MANTISSA_BITS[dtype]
+    b = (word >> (sm100.SF_BITS * byte)) & 0xFF
     pair = b | (b << 16)
     if fp4 == "nvfp4":
-        s2 = ptx.fma_x2_imm(pair << (4 if is_bf16 else 7), half2_bits(2.0 ** (120 if is_bf16 else 8), is_bf16),
-                            0, is_bf16)
+        e4m3_fix = half2_bits(2.0 ** (packing.EXP_BIAS[dtype] - sm100.E4M3_EXP_BIAS), is_bf16)
+        s2 = ptx.fma_x2_imm(pair << (mant - sm100.E4M3_MANTISSA_BITS), e4m3_fix, 0, is_bf16)
         nan = b == sm100.UE4M3_NAN
     else:
         if is_bf16:
-            s2 = pair << 7
+            s2 = pair << mant  # bf16 has e8m0's 8 exponent bits
         else:
-            e = cutlass.max(cutlass.min(Int32(b) - (sm100.UE8M0_BIAS - F16_EXP_BIAS), F16_EXP_MAX), 1)
-            s2 = Uint32(e) << 10
+            e = Int32(b) - (sm100.UE8M0_BIAS - packing.EXP_BIAS[dtype])
+            e = cutlass.max(cutlass.min(e, packing.EXP_MAX_FINITE[dtype]), 1)
+            s2 = Uint32(e) << mant
             s2 = s2 | (s2 << 16)
         nan = b == sm100.UE8M0_NAN
     return s2 | (Uint32(nan) * Uint32(0x7FFF7FFF))

@@ -28,24 +28,21 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
-from ..layouts import sm100
+from ..layouts import packing, sm100
+from ..layouts.packing import F32_EXP_BIAS, F32_MANTISSA_BITS
+from ..layouts.sm100 import E4M3_EXP_BIAS, E4M3_MANTISSA_BITS, E4M3_MIN_EXP
 from . import ptx
 from .pack import NUM_THREADS, PackSm80
 
-E4M3_MANTISSA = 3
-E4M3_BIAS = 7
-E4M3_MIN_EXP = 1 - E4M3_BIAS  # -6: below it e4m3 is subnormal, quantum 2^-9
-F32_MANTISSA = 23
-F32_BIAS = 127
-F32_MIN_EXP = 1 - F32_BIAS
+F32_MIN_EXP = 1 - F32_EXP_BIAS
 UE8M0_MIN_EXP = -sm100.UE8M0_BIAS  # an all-zero block's MXFP4 exponent
-FIELD_BITS = 4  # an e2m1 code
-CODES_PER_WORD = 32 // FIELD_BITS
+FIELD_BITS = sm100.ELEM_BITS["e2m1"]
+CODES_PER_WORD = packing.codes_per_word(FIELD_BITS)
 
 
 def _exponent(bits) -> Int32:
     """Unbiased exponent field of fp32 bits (normal numbers)."""
-    return Int32((bits >> F32_MANTISSA) & 0xFF) - F32_BIAS
+    return Int32((bits >> F32_MANTISSA_BITS) & 0xFF) - F32_EXP_BIAS
 
 
 def _fabs(x) -> Float32:
@@ -75,15 +72,16 @@ class PackFp4Sm80(PackSm80):
         """``s`` in [2^-9, 448] -> (its e4m3 byte, the e4m3 value) rounding half to even."""
         e = cutlass.max(_exponent(ptx.f32_bits(s)), E4M3_MIN_EXP)
         # 1.5 * 2^(23 + quantum exponent): adding it leaves s rounded to the quantum
-        magic = ptx.u32_as_f32(Uint32(e - E4M3_MANTISSA + F32_MANTISSA + F32_BIAS) << F32_MANTISSA
-                               | Uint32(1 << (F32_MANTISSA - 1)))
+        magic = ptx.u32_as_f32(Uint32(e - E4M3_MANTISSA_BITS + F32_MANTISSA_BITS + F32_EXP_BIAS) << F32_MANTISSA_BITS
+                               | Uint32(1 << (F32_MANTISSA_BITS - 1)))
         r = ptx.add_rn(ptx.add_rn(s, magic), -magic)
         rb = ptx.f32_bits(r)
         re = _exponent(rb)
-        byte = Uint32(((re + E4M3_BIAS) << E4M3_MANTISSA)) | ((rb >> (F32_MANTISSA - E4M3_MANTISSA)) & 0x7)
+        byte = (Uint32(((re + E4M3_EXP_BIAS) << E4M3_MANTISSA_BITS))
+                | ((rb >> (F32_MANTISSA_BITS - E4M3_MANTISSA_BITS)) & 0x7))
         if re < E4M3_MIN_EXP:  # subnormal: the value in quanta of 2^-9, read off 2^23 + it
-            quanta = r * Float32(_pow2(-(E4M3_MIN_EXP - E4M3_MANTISSA)))
-            byte = ptx.f32_bits(ptx.add_rn(quanta, Float32(_pow2(F32_MANTISSA)))) & 0x7
+            quanta = r * Float32(_pow2(-(E4M3_MIN_EXP - E4M3_MANTISSA_BITS)))
+            byte = ptx.f32_bits(ptx.add_rn(quanta, Float32(_pow2(F32_MANTISSA_BITS)))) & 0x7
         return byte, r
 
     @cute.jit
@@ -100,9 +98,9 @@ class PackFp4Sm80(PackSm80):
             e = Int32(UE8M0_MIN_EXP)
         e = cutlass.min(cutlass.max(e, UE8M0_MIN_EXP), sm100.UE8M0_BIAS)
         # 2^e as fp32 bits: normal from -126, else the subnormal 2^-127
-        bits = Uint32(e + F32_BIAS) << F32_MANTISSA
+        bits = Uint32(e + F32_EXP_BIAS) << F32_MANTISSA_BITS
         if e < F32_MIN_EXP:
-            bits = Uint32(1 << (F32_MANTISSA - 1))
+            bits = Uint32(1 << (F32_MANTISSA_BITS - 1))
         return Uint32(e + sm100.UE8M0_BIAS), ptx.u32_as_f32(bits)
 
     @cute.jit
@@ -155,7 +153,7 @@ class PackFp4Sm80(PackSm80):
                     byte, words = self.quantize_block(vals)
                     for w in cutlass.range_constexpr(len(words)):
                         mKp[page, head, off + tid, col * len(words) + w] = Int32(words[w])
-                    sf_word = sf_word | (byte << (8 * j))
+                    sf_word = sf_word | (byte << (sm100.SF_BITS * j))
             mKs[page, head, off // self.nr, chunk, chunk_word] = Int32(sf_word)
 
     # ---- V: a thread per channel, blocks along the tokens ------------------------------
@@ -165,9 +163,10 @@ class PackFp4Sm80(PackSm80):
         tile = off // self.v_tile
         tid, _, _ = cute.arch.thread_idx()
         cols = self.v_tile // self.vec
-        # every row of the basic chunks down the channels, padding rows (>= D) written zero
-        for row in cutlass.range_constexpr(sm100.sf_row_chunks(self.d) * sm100.SF_ATOM_ROWS // NUM_THREADS):
-            ch = row * NUM_THREADS + tid
+        # every row of the basic chunks down the channels (a thread per row of each), padding
+        # rows (>= D) written zero
+        for row_chunk in cutlass.range_constexpr(sm100.sf_row_chunks(self.d)):
+            ch = row_chunk * sm100.SF_ATOM_ROWS + tid
             for chunk in cutlass.range_constexpr(sm100.sf_chunks(cols)):
                 sf_word = Uint32(0)
                 if ch < self.d:
@@ -178,5 +177,5 @@ class PackFp4Sm80(PackSm80):
                             byte, words = self.quantize_block(vals)
                             for w in cutlass.range_constexpr(len(words)):
                                 mVp[page, head, tile, ch, col * len(words) + w] = Int32(words[w])
-                            sf_word = sf_word | (byte << (8 * j))
-                mVs[page, head, tile, row, chunk, sm100.sf_chunk_word(tid)] = Int32(sf_word)
+                            sf_word = sf_word | (byte << (sm100.SF_BITS * j))
+                mVs[page, head, tile, row_chunk, chunk, sm100.sf_chunk_word(tid)] = Int32(sf_word)

@@ -404,7 +404,7 @@ class DecodeSm90(PackedDecodeConfig):
         out = {}
         if const_expr(self.fp4):
             # the lane's eight channels 32 (kt // 2) + 8 c .. share one block scale per token
-            block = (sm80.FP4_SEGMENT * (kt // 2) + 8 * c) // self.group
+            block = sm80.fp4_lane_scale_column(kt // 2, c, self.group)
             key = ("fp4", base, kt // 2)
             if key in shared:
                 return shared[key]
@@ -431,11 +431,12 @@ class DecodeSm90(PackedDecodeConfig):
                 out[(h, 0)] = out[(h, 1)] = pair
         return out
 
-    def fp4_scale(self, words, block, row, rows_first=0):
+    def fp4_scale(self, words, block, row, col_chunks: int = 1):
         """FP4: the half2 scale of column ``block`` of operand row ``row`` from a stage's basic
-        chunks (``words``, flat; ``rows_first``: the chunk index of that row's 128-row run)."""
-        w = (rows_first + block // sm100.SF_ATOM_COLS) * sm100.SF_CHUNK_WORDS + sm100.sf_chunk_word(row)
-        return fp4_scale_pair(Uint32(words[w]), block % sm100.SF_ATOM_COLS, self.fp4, self.is_bf16)
+        chunks (``words``, flat: row chunks of ``col_chunks`` column chunks of 128 words)."""
+        row_chunk, col_chunk, w, byte = sm100.sf_location(row, block)
+        chunk = row_chunk * col_chunks + col_chunk
+        return fp4_scale_pair(Uint32(words[chunk * sm100.SF_CHUNK_WORDS + w]), byte, self.fp4, self.is_bf16)
 
     @cute.jit
     def k_fragments(self, frag, kp, ks, st, dq, warp, lane):
@@ -478,14 +479,13 @@ class DecodeSm90(PackedDecodeConfig):
             kt = kt0 + k  # k-block of tokens in the tile
             j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
             if const_expr(self.fp4):  # the lane's eight tokens 32 (kt // 2) + 8 c .. share a block scale
-                block = (sm80.FP4_SEGMENT * (kt // 2) + 8 * c) // self.group
+                block = sm80.fp4_lane_scale_column(kt // 2, c, self.group)
                 for mb in cutlass.range_constexpr(self.m_v):
                     for h in cutlass.range_constexpr(2):
                         key = ("fp4", kt // 2, mb, h)
                         if const_expr(key not in shared):
-                            ch = chans[mb] + 8 * h + lane // 4
-                            shared[key] = self.fp4_scale(vs, block, ch % sm100.SF_ATOM_ROWS,
-                                                         (ch // sm100.SF_ATOM_ROWS) * self.v_chunks[1])
+                            shared[key] = self.fp4_scale(vs, block, chans[mb] + 8 * h + lane // 4,
+                                                         self.v_chunks[1])
                         codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
                         for ch2 in cutlass.range_constexpr(2):
                             frag32[(0, h, ch2), mb, k] = dq.scale(codes[2 * kb + ch2], shared[key])
@@ -629,10 +629,7 @@ class DecodeSm90(PackedDecodeConfig):
             for v1 in cutlass.range_constexpr(2):
                 tok = mb * M_BLOCK + warp * SLAB + 8 * v1 + g
                 if const_expr(fp4_order):
-                    # natural index 8 c' + 4 kb + 2 hi + h of a 32-token segment sits at fragment
-                    # position 16 kb + 8 hi + 2 c' + h; here c' = 2 (warp % 2) + v1
-                    tok = (mb * M_BLOCK + (warp // 2) * sm80.FP4_SEGMENT + 16 * (g >> 2) + 8 * ((g >> 1) & 1)
-                           + 4 * (warp % 2) + 2 * v1 + (g & 1))
+                    tok = sm80.fp4_fragment_position(tok)
                 if const_expr(zsum is None):
                     for nt in cutlass.range_constexpr(self.nh // 8):
                         for v0 in cutlass.range_constexpr(2):

@@ -39,6 +39,11 @@ WORD_BITS = 32
 MAGIC_BITS = {"fp16": 0x6400, "bf16": 0x4300}
 MAGIC_VALUE = {"fp16": 1024.0, "bf16": 128.0}
 MANTISSA_BITS = {"fp16": 10, "bf16": 7}
+HALF_SIGN_BIT = 15  # a 16-bit float's sign bit
+EXP_BIAS = {"fp16": 15, "bf16": 127}  # exponent bias of the 16-bit floats
+EXP_MAX_FINITE = {"fp16": 30, "bf16": 254}  # their largest finite biased exponent
+F32_MANTISSA_BITS = 23
+F32_EXP_BIAS = 127
 
 # lop3 lookup tables are written with PTX's operand convention a=0xF0, b=0xCC, c=0xAA.
 LOP3_A, LOP3_B, LOP3_C = 0xF0, 0xCC, 0xAA

@@ -84,13 +84,22 @@ def _sf_dtype(fmt: str):
 # --------------------------------------------------------------------------------------
 
 
+E2M1_MANTISSA_BITS = 1  # e2m1: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0
+E2M1_EXP_BIAS = 1
+E4M3_MANTISSA_BITS = 3  # UE4M3 (NVFP4's scale): exponent bits 6..3 (bias 7), mantissa 2..0
+E4M3_EXP_BIAS = 7
+E4M3_MIN_EXP = 1 - E4M3_EXP_BIAS  # -6: below it e4m3 is subnormal, in quanta of 2^-9
+SF_BITS = 8  # a scale byte
+
+
 def e2m1_value(code: int) -> float:
     """Value of a 4-bit e2m1 code: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0."""
-    if not 0 <= code < 16:
+    if not 0 <= code < 1 << ELEM_BITS["e2m1"]:
         raise ValueError(f"e2m1 code must be in [0, 16), got {code}")
     sign = -1.0 if code & 8 else 1.0
-    exp, man = (code >> 1) & 3, code & 1
-    mag = man * 0.5 if exp == 0 else (1.0 + man * 0.5) * 2.0 ** (exp - 1)
+    exp, man = (code >> E2M1_MANTISSA_BITS) & 3, code & 1
+    half = 2.0 ** -E2M1_MANTISSA_BITS
+    mag = man * half if exp == 0 else (1.0 + man * half) * 2.0 ** (exp - E2M1_EXP_BIAS)
     return sign * mag
 
 
@@ -109,8 +118,9 @@ def ue4m3_value(byte: int) -> float:
         raise ValueError(f"a UE4M3 scale is a byte in [0, 128), got {byte}")
     if byte == UE4M3_NAN:
         return float("nan")
-    exp, man = byte >> 3, byte & 7
-    return man / 8 * 2.0**-6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+    exp, man = byte >> E4M3_MANTISSA_BITS, byte & ((1 << E4M3_MANTISSA_BITS) - 1)
+    frac = man / (1 << E4M3_MANTISSA_BITS)
+    return frac * 2.0**E4M3_MIN_EXP if exp == 0 else (1 + frac) * 2.0 ** (exp - E4M3_EXP_BIAS)
 
 
 def ue8m0_value(byte: int) -> float:
@@ -144,7 +154,15 @@ def sf_chunk_word(row: int) -> int:
     (``sf_offsets`` reads the same off the DSL's layout; a test checks them equal)."""
     if isinstance(row, int) and not 0 <= row < SF_ATOM_ROWS:  # (kernels pass traced values)
         raise ValueError(f"a basic chunk has rows 0..{SF_ATOM_ROWS - 1}, got {row}")
-    return 4 * (row % 32) + row // 32
+    return 4 * (row & 31) + (row >> 5)  # shifts and masks: kernels pass signed traced ints
+
+
+def sf_location(row, col):
+    """Where the scale of operand row ``row``, scale column ``col`` of a tile lives in its
+    basic chunks: (row chunk, column chunk, word of the chunk, byte of the word).  Works on
+    traced integers too (the kernels' indices)."""
+    rows_log2, cols_log2 = SF_ATOM_ROWS.bit_length() - 1, SF_ATOM_COLS.bit_length() - 1
+    return (row >> rows_log2, col >> cols_log2, sf_chunk_word(row & (SF_ATOM_ROWS - 1)), col & (SF_ATOM_COLS - 1))
 
 
 def sf_chunks(cols: int) -> int:

@@ -105,6 +105,7 @@ def chunk_columns(bits: int) -> int:
 FP4_SEGMENT = 32
 FP4_PERM_SHAPE = (2, 4, 2, 2)  # (h, c, hi, kb) of a fragment position, colexicographic
 FP4_PERM_STRIDE = (1, 8, 2, 4)  # ... their weights in the natural position
+FP4_LANE_VALUES = FP4_SEGMENT // CHUNK_WORDS  # the values of one lane's word: 8
 
 
 def fp4_position(position: int) -> int:
@@ -113,6 +114,23 @@ def fp4_position(position: int) -> int:
     h, c, hi, kb = r % 2, (r // 2) % 4, (r // 8) % 2, r // 16
     return FP4_SEGMENT * seg + h * FP4_PERM_STRIDE[0] + c * FP4_PERM_STRIDE[1] + hi * FP4_PERM_STRIDE[2] \
         + kb * FP4_PERM_STRIDE[3]
+
+
+def fp4_fragment_position(natural):
+    """Fragment position of the value at natural index ``natural`` (``fp4_position``
+    inverted); works on traced integers (shifts and masks: every extent is a power of two)."""
+    seg, r = natural >> (FP4_SEGMENT.bit_length() - 1), natural & (FP4_SEGMENT - 1)
+    pos, weight = 0, 1
+    for extent, stride in zip(FP4_PERM_SHAPE, FP4_PERM_STRIDE):
+        pos = pos + ((r >> (stride.bit_length() - 1)) & (extent - 1)) * weight
+        weight *= extent
+    return FP4_SEGMENT * seg + pos
+
+
+def fp4_lane_scale_column(segment, c, group: int):
+    """Scale column (block of ``group`` values) of the eight values quad lane ``c`` holds of
+    32-value segment ``segment`` (a lane's word: ``FP4_LANE_VALUES`` consecutive values)."""
+    return (FP4_SEGMENT * segment + FP4_LANE_VALUES * c) // group
 
 
 def make_fp4_perm(segments: int):

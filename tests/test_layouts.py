@@ -566,8 +566,28 @@ def test_sm100_scale_factor_layout(fmt):
     for m in range(rows):
         for s in range(sf_cols):
             assert table[m][s] == sf_chunk_offset(m, s, sf_cols)
+            # the kernels' and pack kernel's addressing: (row chunk, column chunk, word, byte)
+            rc, cc, word, byte = sm100.sf_location(m, s)
+            chunk = rc * sm100.sf_chunks(sf_cols) + cc
+            assert table[m][s] == chunk * sm100.SF_CHUNK_WORDS * 4 + 4 * word + byte
     with pytest.raises(ValueError):
         sm100.sf_offsets(fmt, 100, cols)
+
+
+def test_fp4_fragment_order():
+    """``fp4_position`` (fragment position -> the natural value the ldmatrix'd word puts
+    there) and ``fp4_fragment_position`` are inverse permutations, segment by segment; the
+    lane's eight values share one scale column of either block size."""
+    n = 4 * sm80.FP4_SEGMENT
+    assert sorted(sm80.fp4_position(p) for p in range(n)) == list(range(n))
+    for p in range(n):
+        assert sm80.fp4_fragment_position(sm80.fp4_position(p)) == p
+        assert sm80.fp4_position(p) // sm80.FP4_SEGMENT == p // sm80.FP4_SEGMENT
+    for seg in range(4):
+        for c in range(4):
+            values = [sm80.FP4_SEGMENT * seg + sm80.FP4_LANE_VALUES * c + i for i in range(sm80.FP4_LANE_VALUES)]
+            for group in (16, 32):
+                assert {v // group for v in values} == {sm80.fp4_lane_scale_column(seg, c, group)}
 
 
 def test_sm100_number_formats():
