@@ -114,10 +114,6 @@ class Backend(Protocol):
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 
-    def decodes(self, fmt: KVFormat) -> bool: ...  # whether its decode kernel reads caches of this format
-
-    def writes(self, fmt: KVFormat) -> bool: ...  # whether its pack kernels write them (else the reference does)
-
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype: Optional[torch.dtype] = None) -> bool:
         """Whether ``auto`` takes it for a cache of this format, head dim and dtype (None:
         not known yet)."""

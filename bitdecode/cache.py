@@ -45,9 +45,6 @@ class KVCache:
         self.dtype = dtype
         self.max_seqlen = max_seqlen
         self.backend = backend
-        # what runs prefill / append: the backend, or the torch reference where the backend's
-        # pack kernels do not take the format (FP4) while its decode kernel reads it
-        self._writer = backend if backend == "reference" or backends.get(backend).writes(fmt) else "reference"
         self.k_pack, self.k_params = k_pack, k_params
         self.v_pack, self.v_params = v_pack, v_params
         self.k_res, self.v_res = k_res, v_res
@@ -228,10 +225,10 @@ class KVCache:
         # the pages the prompt will be packed into (a block table edited by the caller)
         attention.check_block_table(self._tensors, lens_t)
         k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
-        if self._writer == "reference":
+        if self.backend == "reference":
             reference_prefill(self._tensors, k, v, lens)
         else:
-            backends.get(self._writer).prefill(self._tensors, k, v, lens_t)
+            backends.get(self.backend).prefill(self._tensors, k, v, lens_t)
         self._host_lens = lens
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -259,7 +256,7 @@ class KVCache:
         if t == 0:
             return
         k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
-        if self._writer == "reference":
+        if self.backend == "reference":
             if self.device.type == "cpu":  # the table is visible without a sync: check it
                 attention.check_block_table(self._tensors, self.seqlens + t)
             reference_append(self._tensors, k, v)
@@ -267,7 +264,7 @@ class KVCache:
             if k.data_ptr() % 16 or v.data_ptr() % 16:  # the kernel reads 16-byte rows
                 k, v = k.clone(), v.clone()
             if self._appender is None:
-                self._appender = backends.get(self._writer).appender(self._tensors)
+                self._appender = backends.get(self.backend).appender(self._tensors)
             self._appender(k, v)
         self._host_added += t
         self._host_max += t

@@ -131,7 +131,7 @@ def _write_args(cache):
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
     return (t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
-            t.overflow, t.commits, k_sink, v_sink, *_format_args(t.fmt), t.capacity, cache._writer)
+            t.overflow, t.commits, k_sink, v_sink, *_format_args(t.fmt), t.capacity, cache.backend)
 
 
 def append_cache(k: torch.Tensor, v: torch.Tensor, cache) -> None:

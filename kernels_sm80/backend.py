@@ -150,6 +150,14 @@ def _pack_kernel(arch, fmt, dtype, d, mode):
 # --------------------------------------------------------------------------------------
 
 
+def check_decode_request(fmt: KVFormat, tq: int) -> None:
+    """What every decode kernel refuses: an FP4 cache with more than one query token per
+    sequence (its natural order permutes the tokens of a tile, so no causal mask yet)."""
+    if fmt.fp4 and tq > 1:
+        raise ValueError(f"fmt.fp4={fmt.fp4!r}: the decode kernel takes one query token per sequence so far "
+                         f"(got {tq}); pass backend='reference'")
+
+
 def decode_registers(fmt: KVFormat, head_dim: int, nh: int) -> int:
     """Registers per thread of the decode kernel as ptxas reports them for sm_90a (4-bit
     D<=128 with 8 head columns: capped at 128; 2-bit: 168; D=256 or 16 head columns:
@@ -287,12 +295,6 @@ class Sm80Backend:
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)
 
-    def decodes(self, fmt: KVFormat) -> bool:
-        return True
-
-    def writes(self, fmt: KVFormat) -> bool:
-        return True  # integer codes (pack.PackSm80) and FP4 (pack_fp4.PackFp4Sm80)
-
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         return True
 
@@ -305,11 +307,9 @@ class Sm80Backend:
         tokens per sequence (``MultiTokenPlan``)."""
         from .decode import DecodeSm80
 
+        check_decode_request(fmt, tq)
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
-        if fmt.fp4 and tq > 1:
-            raise ValueError(f"fmt.fp4={fmt.fp4!r}: the decode kernel takes one query token per sequence so far "
-                             f"(got {tq}); pass backend='reference'")
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
                           min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch),
                           sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4)
@@ -387,11 +387,11 @@ class Sm80Backend:
                 except ValueError:
                     continue
                 fkey = () if fmt.fp4 else (fmt.bits, fmt.k_mode, fmt.group_size)
-                if "decode" in kinds and self.decodes(fmt):
+                if "decode" in kinds:
                     for nh, split in itertools.product(sm80.HEADS_TILES, (False, True)):
                         extra = (f"h{nh}", "split" if split else "direct")
                         out.append(Variant("decode", dtype, d, *fkey, extra=extra, fp4=fmt.fp4 or ""))
-                if "pack" in kinds and self.writes(fmt):
+                if "pack" in kinds:
                     for mode in ("prefill", "append"):
                         out.append(Variant("pack", dtype, d, *fkey, extra=(mode,), fp4=fmt.fp4 or ""))
         return out

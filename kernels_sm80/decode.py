@@ -118,6 +118,9 @@ class PackedDecodeConfig:
         # FP4 (KVFormat.fp4): e2m1 codes in natural order, block scales in basic chunks
         # (layouts.sm100) per 128-token K tile and per V tile
         self.fp4 = fp4
+        # FP4's natural order permutes the tokens of a 32-token segment (sm80: the scores'
+        # rows; sm90: P^T's columns), so positions inside a packed tile: no causal mask yet
+        assert not (fp4 and tq > 1), "FP4 caches take one query token per sequence"
         if fp4:
             self.k_chunks = sm100.sf_chunks(head_dim // group_size)
             self.v_chunks = (sm100.sf_row_chunks(head_dim), sm100.sf_chunks(self.v_tile // group_size))
@@ -187,9 +190,6 @@ class DecodeSm80(PackedDecodeConfig):
         fp4: Optional[str] = None,
     ):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
-        # FP4's natural order permutes the tokens of a warp's 32-token segment (the scores'
-        # rows) and so positions inside a packed tile: no causal mask there yet
-        assert not (fp4 and tq > 1), "FP4 caches take one query token per sequence"
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
         self.t = self.nr // NUM_WARPS  # tokens per warp per tile
         # 16-byte chunks of V rows those tokens span: one, or two of a 4-bit V tile (K2V4)

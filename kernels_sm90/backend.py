@@ -25,9 +25,6 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def supports(self, capability: Tuple[int, int]) -> bool:
         return capability[0] == 9
 
-    def decodes(self, fmt: KVFormat) -> bool:
-        return True  # integer codes and FP4 (e2m1 dequantized in registers, as on sm80)
-
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128.  On the H200
         (sixth session, CUDA-graph replay, L2 flushed, us, sm90 vs sm80): integer 4-bit with
@@ -38,8 +35,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         592.5.  2-bit stays on sm80, where this kernel is 7-17 % slower (its loop is bound
         by per-token latency, not bytes), and so does head dim 256, never timed here, and
         an unknown dtype (profiles/NOTES.md)."""
-        return (self.decodes(fmt) and fmt.bits == fmt.v_bits == 4 and head_dim <= 128
-                and dtype in (torch.float16, torch.bfloat16))
+        return fmt.bits == fmt.v_bits == 4 and head_dim <= 128 and dtype in (torch.float16, torch.bfloat16)
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm
@@ -49,9 +45,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
         from .decode import DecodeSm90
 
-        if fmt.fp4 and tq > 1:
-            raise ValueError(f"fmt.fp4={fmt.fp4!r}: the decode kernel takes one query token per sequence so far "
-                             f"(got {tq}); pass backend='reference'")
+        sm80_backend.check_decode_request(fmt, tq)
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),

@@ -98,7 +98,6 @@ class DecodeSm90(PackedDecodeConfig):
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
-        assert not (fp4 and tq > 1), "FP4 caches take one query token per sequence"
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
         # each 64-channel M-block of O^T inside one V group (groups of >= 64 channels): P^T

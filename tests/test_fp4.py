@@ -210,13 +210,13 @@ def test_fp4_backends_and_refusals(monkeypatch):
     from bitdecode.kernels_sm80 import backend as sm80
     from bitdecode.kernels_sm90 import backend as sm90
 
-    assert sm90.BACKEND.decodes(fmt) and sm90.BACKEND.auto_picks(fmt, 64, torch.float16)
+    assert sm90.BACKEND.auto_picks(fmt, 64, torch.float16)
     assert dispatch.resolve("auto", torch.device("cuda", 0), fmt=fmt, head_dim=64, dtype=torch.bfloat16) == "sm90"
     for kernels in (sm80.BACKEND, sm90.BACKEND):
         with pytest.raises(ValueError, match="one query token per sequence"):
             kernels.make_decode("sm_90a", fmt, None, 64, 8, True, tq=2)
     c = bd.KVCache.allocate(1, 1, 64, 256, fmt, device="cpu", backend="reference")
-    assert c._writer == "reference" and bd.KVCache.allocate(1, 1, 64, 256, bd.KVFormat(group_size=64), device="cpu")._writer == "reference"
+    assert c.backend == "reference" and bd.KVCache.allocate(1, 1, 64, 256, bd.KVFormat(group_size=64), device="cpu").backend == "reference"
 
 
 def test_eval_specs():
