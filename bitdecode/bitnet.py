@@ -861,11 +861,9 @@ def convert(
 # microsoft/BitNet's converted checkpoint (gpu/convert_checkpoint.py: model_state_int2.pt)
 # --------------------------------------------------------------------------------------
 
-# per layer: microsoft's name -> (transformers module path, projections it fuses)
-_MS_LINEARS = (("attention.wqkv", "self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-               ("attention.wo", "self_attn", ("o_proj",), None),
-               ("feed_forward.w13", "mlp", ("gate_proj", "up_proj"), "gate_up_proj"),
-               ("feed_forward.w2", "mlp", ("down_proj",), None))
+# per layer: microsoft's name -> (transformers module path, the projections it holds)
+_MS_LINEARS = (("attention.wqkv", "self_attn", FUSED_GROUPS[0][0]), ("attention.wo", "self_attn", ("o_proj",)),
+               ("feed_forward.w13", "mlp", FUSED_GROUPS[1][0]), ("feed_forward.w2", "mlp", ("down_proj",)))
 _MS_NORMS = (("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
              ("attention.attn_sub_norm", "self_attn.attn_sub_norm"),
              ("feed_forward.ffn_sub_norm", "mlp.ffn_sub_norm"))
@@ -931,7 +929,8 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
         for ms_name, hf_name in _MS_NORMS:
             norm = layer.get_submodule(hf_name)
             norm.weight.copy_(get(f"layers.{i}.{ms_name}.weight").to(norm.weight.dtype))
-        for ms_name, parent_name, members, fused_name in _MS_LINEARS:
+        for ms_name, parent_name, members in _MS_LINEARS:
+            fused_name = dict(FUSED_GROUPS).get(members)
             parent = layer.get_submodule(parent_name)
             packed = get(f"layers.{i}.{ms_name}.weight")
             scales = get(f"layers.{i}.{ms_name}.weight_scale").float()

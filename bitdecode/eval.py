@@ -63,7 +63,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .formats import KVFormat
+from .formats import FP4_FORMATS, KVFormat
 
 BASELINE = "16"
 BASELINE_ALIASES = ("16", "16-bit", "16bit", "bf16", "fp16", "baseline")
@@ -72,7 +72,7 @@ QUANTO = ("quanto4", "quanto2")
 QUANTO_DEFAULTS = dict(axis_key=0, axis_value=0, q_group_size=64, residual_length=128)  # transformers' defaults
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 _SPEC = re.compile(r"^([0-9]+)([ct])([0-9]+)((?:[vs][0-9]+|h)*)$")
-_FP4_SPEC = re.compile(r"^(nvfp4|mxfp4)((?:s[0-9]+|h)*)$")
+_FP4_SPEC = re.compile(r"^(" + "|".join(FP4_FORMATS) + r")((?:s[0-9]+|h)*)$")
 _SUFFIX = re.compile(r"([vs])([0-9]+)|(h)")
 
 # --------------------------------------------------------------------------------------
