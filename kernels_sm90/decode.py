@@ -461,7 +461,6 @@ class DecodeSm90(PackedDecodeConfig):
         """Dequantized V^T A-fragments of step ``st``: ``(regs, channel M-blocks, step/16)``.
         ``vp``: the stage's V tiles (one, or two 128-token 4-bit tiles in K2V4); a step
         lies in one of them."""
-        c = lane % 4
         frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, self.step)), self.dtype)
         frag32 = cute.recast_tensor(frag, Uint32)
         kt0 = st * (self.step // K_BLOCK)
@@ -470,48 +469,53 @@ class DecodeSm90(PackedDecodeConfig):
         tile = (st * self.step) // self.v_tile
         chans = [mb * M_BLOCK + warp * SLAB for mb in range(self.m_v)]
         words = [self.slab_words(vp[tile], ch0, st * per_step - tile * per_tile, per_step, lane) for ch0 in chans]
-        # channel groups of at least 64 make the group static: M-blocks in one group share
-        # the pairs of a k-block (loaded once, k-block by k-block)
-        static_gi = self.group >= M_BLOCK
         shared = {}
         for k in cutlass.range_constexpr(self.step // K_BLOCK):
             kt = kt0 + k  # k-block of tokens in the tile
             j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
-            if const_expr(self.fp4):  # the lane's eight tokens 32 (kt // 2) + 8 c .. share a block scale
-                block = sm80.fp4_lane_scale_column(kt // 2, c, self.group)
-                for mb in cutlass.range_constexpr(self.m_v):
-                    for h in cutlass.range_constexpr(2):
-                        key = ("fp4", kt // 2, mb, h)
-                        if const_expr(key not in shared):
-                            shared[key] = self.fp4_scale(vs, block, chans[mb] + 8 * h + lane // 4,
-                                                         self.v_chunks[1])
-                        codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
-                        for ch2 in cutlass.range_constexpr(2):
-                            frag32[(0, h, ch2), mb, k] = dq.scale(codes[2 * kb + ch2], shared[key])
-            elif const_expr(self.fold_v):  # the exact codes: the scale and zero are P's (store_p)
-                for mb in cutlass.range_constexpr(self.m_v):
-                    for h in cutlass.range_constexpr(2):
-                        codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
-                        for ch in cutlass.range_constexpr(2):
-                            frag32[(0, h, ch), mb, k] = codes[2 * kb + ch]
-            else:
-                for mb in cutlass.range_constexpr(self.m_v):
-                    gi = (mb * M_BLOCK) // self.group if const_expr(static_gi) else chans[mb] // self.group
-                    key = (kt, gi)
-                    if const_expr(static_gi and key in shared):
-                        pairs = shared[key]
-                    else:
-                        base = sm80.param_position(kt * self.groups_v + gi, c, 0)  # fragment-order row
-                        pairs = (split_params(Uint32(vs[base]), Uint32(vs[base + 1])),
-                                 split_params(Uint32(vs[base + 2]), Uint32(vs[base + 3])))
-                        if const_expr(static_gi):
-                            shared[key] = pairs
-                    for h in cutlass.range_constexpr(2):
-                        codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
-                        for ch in cutlass.range_constexpr(2):
-                            s2, z2 = pairs[ch]
-                            frag32[(0, h, ch), mb, k] = dq.scale(codes[2 * kb + ch], s2, z2)
+            for mb in cutlass.range_constexpr(self.m_v):
+                params = self.v_params(vs, kt, chans[mb], mb, lane, shared)
+                for h in cutlass.range_constexpr(2):
+                    codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
+                    for ch in cutlass.range_constexpr(2):
+                        code = codes[2 * kb + ch]
+                        if const_expr(params is None):  # fold_v: the exact codes; scale and zero are P's
+                            frag32[(0, h, ch), mb, k] = code
+                        else:
+                            s2, z2 = params[(h, ch)]
+                            frag32[(0, h, ch), mb, k] = dq.scale(code, s2, z2)
         return frag
+
+    def v_params(self, vs, kt, ch0, mb, lane, shared):
+        """(scale2, zero2) for row half h, column half ch of V^T's rows ``ch0 ..`` (M-block
+        ``mb``) at k-block ``kt`` (tokens), keyed ``(h, ch)``; None with ``fold_v`` (P carries
+        them).  Channel groups of at least 64 make the group static: M-blocks in one group
+        share a k-block's pairs (loaded once, through ``shared``); FP4: the lane's eight
+        tokens ``32 (kt // 2) + 8 c ..`` share a block scale per channel."""
+        c = lane % 4
+        if const_expr(self.fold_v):
+            return None
+        out = {}
+        if const_expr(self.fp4):
+            block = sm80.fp4_lane_scale_column(kt // 2, c, self.group)
+            for h in range(2):
+                key = ("fp4", kt // 2, mb, h)
+                if key not in shared:
+                    shared[key] = self.fp4_scale(vs, block, ch0 + 8 * h + lane // 4, self.v_chunks[1])
+                out[(h, 0)] = out[(h, 1)] = (shared[key], None)
+            return out
+        static_gi = self.group >= M_BLOCK
+        gi = (mb * M_BLOCK) // self.group if static_gi else ch0 // self.group
+        key = (kt, gi)
+        if static_gi and key in shared:
+            return shared[key]
+        base = sm80.param_position(kt * self.groups_v + gi, c, 0)  # fragment-order row
+        pairs = (split_params(Uint32(vs[base]), Uint32(vs[base + 1])),
+                 split_params(Uint32(vs[base + 2]), Uint32(vs[base + 3])))
+        out = {(h, ch): pairs[ch] for h in range(2) for ch in range(2)}
+        if static_gi:
+            shared[key] = out
+        return out
 
     # ---- products ------------------------------------------------------------------------
     @cute.jit
