@@ -371,10 +371,9 @@ def run(args: argparse.Namespace) -> int:
             extras = "".join([f", V {fmt.v_bits}-bit" if fmt.v_bits != fmt.bits else "",
                               f", {fmt.sink_tokens} sinks" if fmt.sink_tokens else "",
                               ", Hadamard" if fmt.hadamard else ""])
-            width = fmt.fp4.upper() if fmt.fp4 else f"{fmt.bits}-bit"
-            rows.append((f"bitdecode {width} (K per {fmt.k_mode}, G={fmt.group_size}{extras}, {used})",
+            rows.append((f"bitdecode {fmt.code_name} (K per {fmt.k_mode}, G={fmt.group_size}{extras}, {used})",
                          rate, pre, cache.memory_bytes(), new))
-            texts.append((f"bitdecode {width}", show(new)))
+            texts.append((f"bitdecode {fmt.code_name}", show(new)))
             del cache
 
     # the 16-bit size of the same tokens, when no baseline ran

@@ -177,13 +177,18 @@ class KVFormat:
         v_params = head_dim / self.group_size * PARAM_WORD_BYTES
         return packed + k_params + v_params
 
+    @property
+    def code_name(self) -> str:
+        """The codes' short name: ``"4-bit"``, ``"2-bit"`` (K's width) or ``"NVFP4"`` / ``"MXFP4"``."""
+        return self.fp4.upper() if self.fp4 else f"{self.bits}-bit"
+
     def describe(self) -> str:
-        width = f"{self.bits}-bit" if self.v_bits == self.bits else f"K {self.bits}-bit / V {self.v_bits}-bit"
+        width = self.code_name if self.v_bits == self.bits else f"K {self.bits}-bit / V {self.v_bits}-bit"
         sinks = f", first {self.sink_tokens} tokens 16-bit" if self.sink_tokens else ""
         sinks += ", K and Q Hadamard-rotated" if self.hadamard else ""
         if self.fp4:
             scale = sm100.SF_NAME[self.fp4].upper()
-            return (f"{self.fp4.upper()} (e2m1, one {scale} scale per {self.group_size} values): K per token along "
+            return (f"{self.code_name} (e2m1, one {scale} scale per {self.group_size} values): K per token along "
                     f"its channels, V per channel along its tokens, residual block {self.residual_block}{sinks}")
         return (f"{width}, K per {self.k_mode} (groups of {self.group_size} "
                 f"{'tokens' if self.k_mode == 'channel' else 'channels'}), V per token "
