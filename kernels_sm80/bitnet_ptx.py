@@ -166,6 +166,47 @@ def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=Non
 
 
 @dsl_user_op
+def decode_s8(a: Int32, shift: Int32, *, loc=None, ip=None) -> Int32:
+    """Decode step ``shift`` of a packed word as four signed bytes ``c - 2`` (-1, 0, 1):
+    shift, mask and bias (lop3), subtract the code offset, unbias
+    (``layouts.bitnet.decode_signed_bytes`` is the same on the host)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip), Int32(shift).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .b32 t;\nshr.b32 t, $1, $2;\n"
+            f"lop3.b32 t, t, {fmt.DECODE_MASK}, {fmt.BYTE_BIAS}, {fmt.LOP3_AND_OR};\n"
+            f"sub.u32 t, t, {fmt.CODE_OFFSET_BYTES};\nxor.b32 $0, t, {fmt.BYTE_BIAS};\n}}",
+            "=r,r,r",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def sts_bf16(smem_addr: Int32, value: Float32, *, loc=None, ip=None) -> None:
+    """Round ``value`` to bf16 (nearest even) and store it in shared memory."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+         "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.shared.b16 [$0], h;\n}", "r,f",
+         side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def sts_b32(smem_addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+         "st.shared.b32 [$0], $1;", "r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def copy16_s2g(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
+    """16 bytes from shared to global memory (one vector load, one vector store)."""
+    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+         "{\n.reg .b32 a, b, c, d;\nld.shared.v4.b32 {a, b, c, d}, [$0];\n"
+         "st.global.v4.b32 [$1], {a, b, c, d};\n}", "r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def lds_b32(smem_addr: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];",
                       "=r,r", side_effects=True, loc=loc, ip=ip))

@@ -70,6 +70,19 @@ TILE_WORDS = TILE_BYTES // 4  # 32
 DECODE_MASK = 0x03030303
 DECODE_STEPS = CODES_PER_WORD // 4  # 4 shifts of 2 bits
 LOP3_AND = packing.LOP3_A & packing.LOP3_B  # lop3 lookup table of a & b
+# Signed decode (the sm90 GEMM's s8 A operand): codes c in {1, 2, 3} -> w = c - 2 in each
+# byte without a borrow across bytes: ((c | 0x80) - 2) ^ 0x80, the 0x80 bias keeping every
+# byte >= 0x81 before the subtraction.
+BYTE_BIAS = 0x80808080
+CODE_OFFSET_BYTES = CODE_OFFSET * 0x01010101
+LOP3_AND_OR = packing.LOP3_AND_OR  # (a & b) | c
+
+
+def decode_signed_bytes(word: int, shift: int) -> int:
+    """The signed decode on the host (reference of the kernel's four instructions): the
+    four bytes of ``(word >> shift) & DECODE_MASK`` minus ``CODE_OFFSET``, as a u32."""
+    t = ((word >> shift) & DECODE_MASK) | BYTE_BIAS
+    return ((t - CODE_OFFSET_BYTES) ^ BYTE_BIAS) & 0xFFFFFFFF
 
 # Kernel granularity: a GEMV step and an MMA k-group both cover 128 columns = 4 tiles.
 GROUP_K = 4 * TILE_K

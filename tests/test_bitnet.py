@@ -12,8 +12,8 @@ reference on the device.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+import itertools
+import re
 
 import pytest
 import torch
@@ -21,6 +21,8 @@ import torch
 from bitdecode import bitnet as bn
 from bitdecode import jit
 from bitdecode.layouts import bitnet as L
+
+import ptxas
 
 MODEL_SHAPES = list(bn.MODEL_SHAPES)
 # plus: a padded last batch at both unroll depths, long K (several batches), many stripes
@@ -408,14 +410,15 @@ def emulate_mma_gemm(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
 
 def emulate_wgmma_gemm(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
     """The sm90 GEMM's warps: per 32-column k-step the A register j of lane (g, tq) is
-    decode step ``tq`` of the word at ``kstep_word_offset(g, j)`` (weights in natural k
-    order, activations read by wgmma from shared memory as they are)."""
+    the signed decode (``decode_signed_bytes``) of step ``tq`` of the word at
+    ``kstep_word_offset(g, j)`` (weights in natural k order, activations read by wgmma
+    from shared memory as they are, s8 x s8: no token-sum correction)."""
     m, k = x.shape
     n = wp.shape[0]
     wbytes = wp.contiguous().view(torch.uint8).reshape(-1).long()
 
     def word(off):
-        return wbytes[off] | (wbytes[off + 1] << 8) | (wbytes[off + 2] << 16) | (wbytes[off + 3] << 24)
+        return int(wbytes[off] | (wbytes[off + 1] << 8) | (wbytes[off + 2] << 16) | (wbytes[off + 3] << 24))
 
     out = torch.zeros(m, n, dtype=torch.int64)
     xl = x.long()
@@ -426,10 +429,10 @@ def emulate_wgmma_gemm(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
             for lane in range(32):
                 g, tq = lane // 4, lane % 4
                 for j in range(4):
-                    reg = (word(base + L.kstep_word_offset(g, j)) >> L.kstep_shift(tq)) & L.DECODE_MASK
+                    reg = L.decode_signed_bytes(word(base + L.kstep_word_offset(g, j)), L.kstep_shift(tq))
                     col = kt * 32 + 4 * tq + 16 * (j // 2)
-                    a_full[g + 8 * (j % 2), col : col + 4] = _bytes(reg, False)
-        out[:, tile * 16 : tile * 16 + 16] = xl @ a_full.t() - L.CODE_OFFSET * xl.sum(-1, keepdim=True)
+                    a_full[g + 8 * (j % 2), col : col + 4] = _bytes(torch.tensor(reg), True)
+        out[:, tile * 16 : tile * 16 + 16] = xl @ a_full.t()
     return out.to(torch.int32)
 
 
@@ -521,15 +524,9 @@ def test_sm90_gemv_compiles(unroll, tmp_path):
     assert ptx.index("ld.global.nc.L1::no_allocate.v4.u32") < wait
     assert "ld.global.nc.v4.u32" not in ptx[:wait]  # no activation load before the wait
     # the occupancy model's register count is the one ptxas allocates, with no spills
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        pytest.skip("ptxas not installed: register check skipped")
-    (tmp_path / "k.ptx").write_text(ptx)
-    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert f"Used {v90.REGISTERS[unroll]} registers" in res.stderr + res.stdout, res.stderr[-2000:]
-    assert "0 bytes spill stores" in res.stderr + res.stdout
+    rep = ptxas.report(ptx, "sm_90a", tmp_path)
+    assert f"Used {v90.REGISTERS[unroll]} registers" in rep, rep[-2000:]
+    assert "0 bytes spill stores" in rep
 
 
 def test_sm90_gemv_config():
@@ -564,12 +561,30 @@ def test_mma_gemm_pdl_compiles():
         assert "ld.global.nc.v4.u32" not in ptx[:wait]  # activations only after it
 
 
-def test_wgmma_gemm_compiles():
+def test_wgmma_gemm_compiles(tmp_path):
+    """s8 x s8 wgmma with the A operand from registers, pipelined (no wgmma serialization
+    by ptxas: C7513 / C7514), no spills, for every tile shape."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    for m, n in ((64, 2560), (256, 20480)):
-        ptx = _ptx(g90.compile_gemm(g90.config_for(m, n, 132), jit.compile_options("sm_90a", keep_ptx=True)))
-        assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.u8.s8" in ptx
+    for bm, wg in ((64, 1), (128, 2), (256, 2)):
+        cfg = g90.WgmmaConfig(block_m=bm, warpgroups=wg)
+        ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
+        assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", ptx), "one wgmma group kept in flight"
+        assert "cp.async.cg.shared.global" in ptx and "st.global.v4.b32" in ptx
+        report = ptxas.report(ptx, "sm_90a", tmp_path)
+        assert "C7513" not in report and "C7514" not in report, f"ptxas serializes the wgmmas ({cfg})"
+        assert not re.search(r"[1-9]\d* bytes spill", report), f"spills ({cfg})"
+
+
+def test_signed_decode_bytes():
+    """decode_signed_bytes (the kernel's shift / lop3 / sub / xor) maps codes 1, 2, 3 to
+    the bytes of -1, 0, 1 in every byte at every shift."""
+    for codes in itertools.product((1, 2, 3), repeat=4):
+        for shift in (0, 2, 4, 6):
+            word = sum(c << (8 * b + shift) for b, c in enumerate(codes))
+            got = L.decode_signed_bytes(word, shift)
+            assert [((got >> (8 * b)) & 0xFF) for b in range(4)] == [(c - 2) & 0xFF for c in codes]
 
 
 # --------------------------------------------------------------------------------------
@@ -663,11 +678,39 @@ def test_gpu_gemm(n, k, kernel):
     w, wp = _weights(n, k)
     segs = _segments_for(n)
     ws = torch.rand(len(segs or (n,)), device="cuda") + 0.5
-    for m in (1, 16, 64, 256, 7, 100):
+    ms = (1, 2, 7, 16, 64, 100, 256) + ((1000, 4096) if (n, k) in MODEL_SHAPES else ())
+    for m in ms:
         x, xs = _acts(m, k, n + k + m)
         raw = bn.gemm(x, wp, xs, ws, segs, kernel=kernel, out_dtype=torch.int32)
         y = bn.gemm(x, wp, xs, ws, segs, kernel=kernel)
         _check(y, bn.reference_gemm(x, wp, xs, ws, segs), raw, bn.accumulate(x, w))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("block_m,warpgroups,stages", [(64, 1, 4), (64, 2, 3), (128, 1, 4), (128, 2, 5), (256, 1, 4), (256, 2, 4)])
+def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages):
+    """Every tile shape of the sm90 GEMM (the default picks only some per shape): ragged
+    M and N tiles, an odd group count (the phantom group), exact sums and bf16 output."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs Hopper")
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    n, k = 4800 + 16, 3200  # 25 groups of 128 columns
+    w, wp = _weights(n, k)
+    ws = torch.tensor([0.7, 1.3], device="cuda")
+    segs = (n - 16, 16)
+    for raw in (True, False):
+        cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw)
+        fn = g90.compile_gemm(cfg, jit.compile_options("sm_90a"))
+        for m in (1, block_m - 3, block_m + 5, 3 * block_m):
+            x, xs = _acts(m, k, m)
+            out = torch.full((m, n), -7, dtype=torch.int32 if raw else torch.bfloat16, device="cuda")
+            fn(x, wp, xs, ws, out, n - 16, n, n)
+            if raw:
+                assert torch.equal(out, bn.accumulate(x, w)), (cfg, m)
+            else:
+                _check(out, bn.reference_gemm(x, wp, xs, ws, segs), torch.zeros(1), torch.zeros(1))
 
 
 @pytest.mark.gpu

@@ -8,9 +8,8 @@ decode kernel must not spill (checked with ptxas when it is installed).
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
+import ptxas
 import pytest
 
 cutlass = pytest.importorskip("cutlass")
@@ -31,23 +30,8 @@ def _dtype(name):
     return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[name]
 
 
-def _ptxas_report(ptx: str, arch: str, tmp_path) -> str:
-    """ptxas -v's report on ``ptx`` (skips without a ptxas that assembles ``arch``)."""
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        pytest.skip("ptxas not installed: spill check skipped")
-    src = tmp_path / "k.ptx"
-    src.write_text(ptx)
-    res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True)
-    if res.returncode != 0 and "Unsupported" in res.stderr + res.stdout:
-        pytest.skip(f"this ptxas cannot assemble {arch}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return res.stderr + res.stdout
-
-
 def _spills(ptx: str, arch: str, tmp_path) -> int:
-    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", _ptxas_report(ptx, arch, tmp_path))
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas.report(ptx, arch, tmp_path))
     assert found
     return sum(int(a) + int(b) for a, b in found)
 
@@ -158,7 +142,7 @@ def test_sm90_decode_ptx(cfg, tmp_path):
                   "griddepcontrol.launch_dependents"):
         assert instr in ptx, f"{instr} missing from the sm90 decode PTX"
     assert ".local" not in ptx, "the sm90 decode kernel keeps a local-memory array"
-    report = _ptxas_report(ptx, "sm_90a", tmp_path)
+    report = ptxas.report(ptx, "sm_90a", tmp_path)
     assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0, \
         "ptxas spills registers in the sm90 decode kernel"
     # C7514: ptxas makes every wgmma wait for the previous one when it cannot prove an
@@ -187,7 +171,7 @@ def test_decode_with_sink_tokens_ptx(backend_name, tmp_path):
     ptx = {s: be.compile_decode("sm_90a", KVFormat(4, "channel", 128, sink_tokens=s), cutlass.Float16, 128, 8,
                                 True, keep_ptx=True).artifacts.PTX for s in (0, 16)}
     assert _count(ptx[16], "cp.async.") > _count(ptx[0], "cp.async."), "no sink-token loads in the decode PTX"
-    report = _ptxas_report(ptx[16], "sm_90a", tmp_path)
+    report = ptxas.report(ptx[16], "sm_90a", tmp_path)
     assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
     assert "C7514" not in report
 
@@ -213,7 +197,7 @@ def test_decode_k4v2_ptx(backend_name, widths, tmp_path):
                                                    cutlass.Float16, 128, 8, True, keep_ptx=True)
     ptx = fn.artifacts.PTX
     assert "mov.b32 m, 983055;" in ptx and "mov.b32 m, 196611;" in ptx, "a width's lop3 mask is missing"
-    report = _ptxas_report(ptx, "sm_90a", tmp_path)
+    report = ptxas.report(ptx, "sm_90a", tmp_path)
     assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
     assert "C7514" not in report
 
@@ -238,7 +222,7 @@ def test_decode_multi_token_ptx(backend_name, tmp_path):
     ptx = {tq: be.compile_decode("sm_90a", KVFormat(4, "channel", 128), cutlass.Float16, 128, 16, True,
                                  keep_ptx=True, tq=tq).artifacts.PTX for tq in (1, 4)}
     assert _count(ptx[4], "setp.") > _count(ptx[1], "setp."), "no causal mask in the multi-token decode PTX"
-    report = _ptxas_report(ptx[4], "sm_90a", tmp_path)
+    report = ptxas.report(ptx[4], "sm_90a", tmp_path)
     assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
     assert "C7514" not in report
 
@@ -289,7 +273,7 @@ def test_decode_fp4_ptx(fp4, dtype, d, arch, tmp_path):
                   "fma.rn." + ("bf16x2" if dtype == "bf16" else "f16x2")):
         assert instr in ptx, f"{instr} missing from the FP4 decode PTX"
     assert ".const" not in ptx and ".local" not in ptx
-    report = _ptxas_report(ptx, arch, tmp_path)
+    report = ptxas.report(ptx, arch, tmp_path)
     assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
     # the split heuristic's residency model counts no fewer registers than ptxas uses
     used = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
@@ -331,6 +315,6 @@ def test_decode_fp4_sm90_ptx(fp4, dtype, d, nh, tmp_path):
                   "prmt.b32", "fma.rn." + ("bf16x2" if dtype == "bf16" else "f16x2")):
         assert instr in ptx, f"{instr} missing from the sm90 FP4 decode PTX"
     assert ".const" not in ptx and ".local" not in ptx
-    report = _ptxas_report(ptx, "sm_90a", tmp_path)
+    report = ptxas.report(ptx, "sm_90a", tmp_path)
     assert "C7514" not in report, "ptxas serializes the wgmmas"
     assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0

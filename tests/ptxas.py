@@ -1,0 +1,23 @@
+"""ptxas -v on a kernel's PTX, for the tests that check registers, spills and warnings."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+
+def report(ptx: str, arch: str, tmp_path) -> str:
+    """ptxas -v's report on ``ptx`` (skips without a ptxas that assembles ``arch``)."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas not installed: register / spill check skipped")
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    if res.returncode != 0 and "Unsupported" in res.stderr + res.stdout:
+        pytest.skip(f"this ptxas cannot assemble {arch}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stderr + res.stdout
