@@ -444,16 +444,22 @@ def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: boo
 GEMM_KERNELS = ("auto", "mma", "wgmma")
 
 
-# Hopper, M > 16: from this many weight rows on, the wgmma kernel (128-row CTA tiles, the
-# token tile staged once in shared memory) beats the mma.sync kernel, whose CTA columns
-# each re-read the activations from L2 (H200: N = 13824 and 20480 at M = 64 and 256).
+# Hopper: the wgmma kernel (pipelined s8 x s8 wgmma, the token tile staged once per CTA)
+# beats the mma.sync kernel above M = 64 on every BitNet shape, and at M <= 64 from this
+# many weight rows on, where the mma.sync kernel's CTA columns each re-read the
+# activations (H200 sweep, profiles/NOTES.md); at M <= 16 mma.sync always wins.
 WGMMA_MIN_N = 8192
+WGMMA_SMALL_M = 16
+WGMMA_ALL_N_M = 64
 
 
 def _default_gemm_kernel(arch: str, m: int, n: Optional[int] = None) -> str:
-    """mma.sync (split-K, streaming the weights) for every M on every GPU, except on
-    Hopper for M > 16 tokens times at least ``WGMMA_MIN_N`` rows (measured on the H200)."""
-    if arch == "sm_90a" and m > 16 and n is not None and n >= WGMMA_MIN_N:
+    """mma.sync (split-K, streaming the weights) on every GPU, except on Hopper for
+    M > 64 tokens, or M > 16 tokens times at least ``WGMMA_MIN_N`` rows (measured on the
+    H200)."""
+    if arch != "sm_90a" or m <= WGMMA_SMALL_M:
+        return "mma"
+    if m > WGMMA_ALL_N_M or (n is not None and n >= WGMMA_MIN_N):
         return "wgmma"
     return "mma"
 

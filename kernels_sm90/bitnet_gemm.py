@@ -79,7 +79,7 @@ class WgmmaConfig:
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
 
     def __post_init__(self):
-        assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 3
+        assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2, 3, 4) and self.stages >= 3
 
     @property
     def threads(self) -> int:
@@ -104,12 +104,21 @@ class WgmmaConfig:
         return max(self.stages * self.block_m * X_ROW_BYTES, self.block_m * self.out_row_bytes)
 
 
+# From this many weight rows on, a 64-token tile's CTA count fills the GPU and the larger
+# tiles win (H200 sweep over the eight BitNet shapes, profiles/NOTES.md)
+LARGE_N = 8192
+LARGE_M = 1024
+
+
 def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
-    """Tokens per CTA: 64 up to M = 64, 128 up to 128, else 256 (128 int32 accumulators
-    a thread); two warpgroups share each token tile unless that leaves SMs without a CTA."""
-    block_m = 64 if m <= 64 else 128 if m <= 128 else 256
-    warpgroups = 2 if -(-m // block_m) * -(-n // (2 * WG_ROWS)) >= sms else 1
-    return WgmmaConfig(block_m=block_m, warpgroups=warpgroups)
+    """The tile by M and N, from the H200 sweep: 64 tokens x 64 rows up to M = 64; from
+    M = 1024 or N = 8192 on, 128 x 128 (two warpgroups sharing the token tile); between,
+    64 x 128 while that is one wave of CTAs, else 64 x 64 (more, shorter CTAs)."""
+    if m <= 64:
+        return WgmmaConfig(block_m=64, warpgroups=1)
+    if m >= LARGE_M or n >= LARGE_N:
+        return WgmmaConfig(block_m=128, warpgroups=2)
+    return WgmmaConfig(block_m=64, warpgroups=2 if -(-m // 64) * -(-n // (2 * WG_ROWS)) <= sms else 1)
 
 
 def grid_for(cfg: WgmmaConfig, m: int, n: int):

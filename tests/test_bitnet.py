@@ -482,6 +482,11 @@ def test_kernel_configs():
                 assert 1 <= wk <= min(cfg.max_wk, groups)
             cfg90 = g90.config_for(m, n, 132)
             assert cfg90.block_m >= min(m, 64) and cfg90.threads in (128, 256)
+    # the H200 sweep's picks: mma.sync up to 16 tokens, wgmma above 64, between by N
+    pick = bn._default_gemm_kernel
+    assert [pick("sm_90a", m, 2560) for m in (1, 16, 17, 64, 65, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 3
+    assert [pick("sm_90a", m, 20480) for m in (16, 17, 64)] == ["mma", "wgmma", "wgmma"]
+    assert {pick(arch, 4096, 20480) for arch in ("sm_80", "sm_100a")} == {"mma"}
 
 
 # --------------------------------------------------------------------------------------
