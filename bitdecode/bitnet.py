@@ -149,18 +149,65 @@ def quantize_weight(w: torch.Tensor, segments: Optional[Sequence[int]] = None) -
     return q, scales
 
 
-def quantize_activation(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token int8 activations: (int8 [..., K], fp32 [...] with ``s = 127 / max|x|``).
 
-    ``x ~= q / s``.  Rounds half to even, like ``torch.round``.
+    ``x ~= q / s``.  Rounds half to even, like ``torch.round``.  ``backend="auto"`` runs
+    one kernel (``kernels_sm80.act_quant``, bit-identical) for fp16 / bf16 CUDA tensors
+    with K % 8 == 0, else these torch ops; ``"reference"`` (the default) always the torch
+    ops; ``"kernel"`` requires the kernel.
     """
     _validate.tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    fits = x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] % _ACT_VEC == 0
+    if backend == "kernel" and not fits:
+        raise ValueError(f"the activation quantizer kernel takes fp16 / bf16 x with K % {_ACT_VEC} == 0, "
+                         f"got {x.dtype} with K = {x.shape[-1]}")
+    if backend != "reference" and fits and _use_kernel(backend, x.device, "activation quantizer"):
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = _aligned(x.reshape(-1, k))
+        if x2.shape[0] == 0:
+            return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(lead, dtype=torch.float32)
+        q, scale = (_act_quant_op if torch.compiler.is_compiling() else _act_quant_launch)(x2)
+        return q.reshape(x.shape), scale.reshape(lead)
     xf = x.float()
     s = 127.0 / xf.abs().amax(dim=-1).clamp(min=ACT_EPS)
     q = torch.round(xf * s.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
     return q, s
+
+
+_ACT_VEC = 8  # halves per 16-byte load of the quantizer kernel (kernels_sm80.act_quant.VEC)
+
+
+def _act_quant_launch(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    from . import jit
+
+    bf16 = x.dtype == torch.bfloat16
+    arch = _arch(x.device)
+
+    def build():
+        from .kernels_sm80 import act_quant
+
+        return act_quant.compile_act_quant(bf16, ACT_EPS, jit.compile_options(arch))
+
+    fn = _compile(("bitnet_act_quant", arch, bf16), build)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    fn(x, q, s)
+    return q, s
+
+
+@torch.library.custom_op("bitdecode::bitnet_act_quant", mutates_args=())
+def _act_quant_op(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _act_quant_launch(x)
+
+
+@_act_quant_op.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------
@@ -634,7 +681,7 @@ class BitLinear(nn.Module):
         lead = x.shape[:-1]
         if x.numel() == 0:
             return x.new_empty(*lead, self.out_features)
-        q, s = quantize_activation(x.reshape(-1, self.in_features))
+        q, s = quantize_activation(x.reshape(-1, self.in_features), backend=self.backend)
         if q.shape[0] == 1:
             y = gemv(q, self.weight_packed, s, self.weight_scale, self.segments, backend=self.backend)
         else:

@@ -582,6 +582,32 @@ def test_wgmma_gemm_compiles(tmp_path):
         assert not re.search(r"[1-9]\d* bytes spill", report), f"spills ({cfg})"
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
+def test_act_quant_compiles(arch):
+    """One kernel: 16-byte loads, round-to-nearest-even, int8 clamp and byte packing."""
+    from bitdecode.kernels_sm80 import act_quant
+
+    for bf16 in (True, False):
+        ptx = _ptx(act_quant.compile_act_quant(bf16, bn.ACT_EPS, jit.compile_options(arch, keep_ptx=True)))
+        for instr in ("ld.global.v4.u32", "cvt.rni.s32.f32", "mul.rn.f32", "div.rn.f32", "prmt.b32",
+                      "st.global.v2.b32", "shfl.sync.bfly"):
+            assert instr in ptx, f"{instr} missing ({arch}, bf16={bf16})"
+        assert ".local" not in ptx
+
+
+def test_act_quant_backend_errors():
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        bn.quantize_activation(x, backend="kernel")
+    with pytest.raises(ValueError, match="K % 8"):
+        bn.quantize_activation(torch.randn(2, 12, dtype=torch.bfloat16), backend="kernel")
+    with pytest.raises(ValueError, match="backend"):
+        bn.quantize_activation(x, backend="fast")
+    q, s = bn.quantize_activation(x, backend="auto")  # on the CPU: the torch ops
+    q2, s2 = bn.quantize_activation(x)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+
+
 def test_signed_decode_bytes():
     """decode_signed_bytes (the kernel's shift / lop3 / sub / xor) maps codes 1, 2, 3 to
     the bytes of -1, 0, 1 in every byte at every shift."""
@@ -716,6 +742,30 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages):
                 assert torch.equal(out, bn.accumulate(x, w)), (cfg, m)
             else:
                 _check(out, bn.reference_gemm(x, wp, xs, ws, segs), torch.zeros(1), torch.zeros(1))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_act_quant_bit_exact(dtype):
+    """The quantizer kernel equals the torch ops bit for bit: model widths, a ragged K,
+    rows of zeros (the eps floor), exact .5 ties after scaling, 3-D input, no rows."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for m, k in ((1, 2560), (7, 6912), (300, 3200), (4096, 2560), (3, 8), (2, 1032)):
+        x = (torch.randn(m, k, generator=gen, device="cuda") * 4).to(dtype)
+        x[0, :] = 0
+        if m > 2:  # max 127 -> scale 1: halves land on ties
+            x[1] = torch.arange(k, device="cuda").remainder(255).sub(127).to(dtype) * 0.5
+            x[1, 0] = 127
+        q, s = bn.quantize_activation(x, backend="kernel")
+        q_ref, s_ref = bn.quantize_activation(x)
+        assert torch.equal(s, s_ref) and torch.equal(q, q_ref), (m, k)
+    x3 = torch.randn(2, 5, 2560, device="cuda", dtype=dtype)
+    q, s = bn.quantize_activation(x3, backend="kernel")
+    q_ref, s_ref = bn.quantize_activation(x3)
+    assert q.shape == (2, 5, 2560) and s.shape == (2, 5) and torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    q, s = bn.quantize_activation(torch.empty(0, 256, device="cuda", dtype=dtype), backend="auto")
+    assert q.shape == (0, 256) and s.shape == (0,)
 
 
 @pytest.mark.gpu

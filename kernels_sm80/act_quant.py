@@ -1,0 +1,134 @@
+"""BitNet's per-token int8 activation quantizer as one kernel (any sm_80+ GPU).
+
+``q = round(x * s)`` clamped to int8 with ``s = 127 / max(|x|, eps)`` per row, bit-identical
+to ``bitdecode.bitnet.quantize_activation``'s torch ops (fp32 maths, each op rounded once,
+ties to even), which launch nine kernels per call: this is on the path of every BitLinear
+call, so in a decode step it was most of the launches.
+
+One CTA per row.  Pass 1 streams the row in 16-byte vectors (8 halves) for ``max |x|``
+(warp shuffles, then shared memory); pass 2 reads the row again (a few KB per row, so from
+L1 / L2, not HBM), scales, rounds and stores 8 int8 per vector.  Memory-bound by
+nature: a reduction and an elementwise pass, no matrix maths, so no tensor cores.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..layouts import bitnet as fmt
+from .bitnet_ptx import WARP, div_rn
+from .ptx import _asm, half_to_f32
+
+THREADS = 128
+VEC = 8  # halves per 16-byte load
+WARPS = THREADS // WARP
+Q_MAX = 127.0  # the int8 range BitNet quantizes to
+Q_MIN_INT, Q_MAX_INT = -128, 127
+
+
+@dsl_user_op
+def _load16(addr: Int64, *, loc=None, ip=None):
+    """16-byte global load through L1 (pass 2 re-reads the row)."""
+    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    res = llvm.inline_asm(struct_ty, [Int64(addr).ir_value(loc=loc, ip=ip)],
+                          "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                          has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                          loc=loc, ip=ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def _quant4(a: Float32, b: Float32, c: Float32, d: Float32, s: Float32, *, loc=None, ip=None) -> Int32:
+    """Four values times ``s`` (mul.rn), rounded to the nearest even integer, clamped to
+    int8 and packed little-endian into one word."""
+    ops = [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d, s)]
+    body = "".join(
+        f"mul.rn.f32 t{i}, ${i + 1}, $5;\ncvt.rni.s32.f32 i{i}, t{i};\n"
+        f"max.s32 i{i}, i{i}, {Q_MIN_INT};\nmin.s32 i{i}, i{i}, {Q_MAX_INT};\n"
+        for i in range(4)
+    )
+    return Int32(_asm(
+        T.i32(), ops,
+        "{\n.reg .f32 t0, t1, t2, t3;\n.reg .s32 i0, i1, i2, i3;\n.reg .b32 lo, hi;\n" + body
+        + "prmt.b32 lo, i0, i1, 0x0040;\nprmt.b32 hi, i2, i3, 0x0040;\nprmt.b32 $0, lo, hi, 0x5410;\n}",
+        "=r,f,f,f,f,f", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _store8(addr: Int64, lo: Int32, hi: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(lo).ir_value(loc=loc, ip=ip),
+                Int32(hi).ir_value(loc=loc, ip=ip)],
+         "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+class ActQuantSm80:
+    """Arguments: ``x`` fp16/bf16 [M, K] (K % 8 == 0, 16-byte aligned rows), ``q`` int8
+    [M, K], ``s`` fp32 [M]; ``eps`` the floor of ``max |x|``."""
+
+    def __init__(self, is_bf16: bool, eps: float):
+        self.is_bf16 = is_bf16
+        self.eps = eps
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, stream):
+        self.kernel(mX, mQ, mS).launch(grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def halves(self, word: Int32):
+        return half_to_f32(word, self.is_bf16), half_to_f32(word >> 16, self.is_bf16)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        k = mX.shape[1]
+        vecs = k // VEC
+        x_row = mX.iterator.toint() + Int64(row) * Int64(k) * 2
+        q_row = mQ.iterator.toint() + Int64(row) * Int64(k)
+
+        amax = Float32(0.0)
+        for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
+            for word in _load16(x_row + Int64(v) * 16):
+                lo, hi = self.halves(word)
+                amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(lo), cute.math.absf(hi)))
+        for off in cutlass.range_constexpr(5):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1 << off))
+        smem = cutlass.memory.SmemAllocator()
+        s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
+        if tidx % WARP == 0:
+            s_red[tidx // WARP] = amax
+        cute.arch.sync_threads()
+        amax = s_red[0]
+        for w in cutlass.range_constexpr(1, WARPS):
+            amax = cute.arch.fmax(amax, s_red[w])
+        scale = div_rn(Float32(Q_MAX), cute.arch.fmax(amax, Float32(self.eps)))
+        if tidx == 0:
+            mS[row] = scale
+
+        for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
+            w0, w1, w2, w3 = _load16(x_row + Int64(v) * 16)
+            a0, a1 = self.halves(w0)
+            a2, a3 = self.halves(w1)
+            a4, a5 = self.halves(w2)
+            a6, a7 = self.halves(w3)
+            _store8(q_row + Int64(v) * VEC, _quant4(a0, a1, a2, a3, scale), _quant4(a4, a5, a6, a7, scale))
+
+
+def compile_act_quant(is_bf16: bool, eps: float, options: str):
+    """Compile for every M and every K % 8 == 0."""
+    m = cute.sym_int()
+    k = cute.sym_int(divisibility=VEC)
+    fake = cute.runtime.make_fake_compact_tensor
+    x = fake(cutlass.BFloat16 if is_bf16 else cutlass.Float16, (m, k), stride_order=(1, 0), assumed_align=16)
+    q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
+    s = fake(Float32, (m,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(ActQuantSm80(is_bf16, eps), x, q, s, stream, options=options)
+
+
+assert fmt.K_MULTIPLE % VEC == 0  # every BitLinear's K fits the 16-byte vectors
