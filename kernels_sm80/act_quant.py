@@ -2,7 +2,7 @@
 
 ``q = round(x * s)`` clamped to int8 with ``s = 127 / max(|x|, eps)`` per row, bit-identical
 to ``bitdecode.bitnet.quantize_activation``'s torch ops (fp32 maths, each op rounded once,
-ties to even), which launch nine kernels per call: this is on the path of every BitLinear
+ties to even; the scale as torch computes a scalar over a tensor: ``rcp(max) * 127``), which launch nine kernels per call: this is on the path of every BitLinear
 call, so in a decode step it was most of the launches.
 
 One CTA per row.  Pass 1 streams the row in 16-byte vectors (8 halves) for ``max |x|``
@@ -21,8 +21,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import WARP, div_rn
-from .ptx import _asm, half_to_f32
+from .bitnet_ptx import WARP, mul_rn
+from .ptx import _asm, half_to_f32, rcp_rn
 
 THREADS = 128
 VEC = 8  # halves per 16-byte load
@@ -106,7 +106,8 @@ class ActQuantSm80:
         amax = s_red[0]
         for w in cutlass.range_constexpr(1, WARPS):
             amax = cute.arch.fmax(amax, s_red[w])
-        scale = div_rn(Float32(Q_MAX), cute.arch.fmax(amax, Float32(self.eps)))
+        # torch evaluates ``127.0 / t`` as ``t.reciprocal() * 127`` (two roundings), and so must we
+        scale = mul_rn(rcp_rn(cute.arch.fmax(amax, Float32(self.eps))), Float32(Q_MAX))
         if tidx == 0:
             mS[row] = scale
 

@@ -71,7 +71,7 @@ def to_hf_bitnet(model) -> None:
             if isinstance(child, torch.nn.Linear) and child is not lm_head and not isinstance(child, AutoBitLinear):
                 layer = AutoBitLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                       device=child.weight.device, dtype=child.weight.dtype,
-                                      online_quant=True).to(child.weight.device)
+                                      online_quant=True).to(child.weight.device, child.weight.dtype)
                 layer.weight.copy_(child.weight)
                 if child.bias is not None:
                     layer.bias.copy_(child.bias)

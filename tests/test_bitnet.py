@@ -589,10 +589,27 @@ def test_act_quant_compiles(arch):
 
     for bf16 in (True, False):
         ptx = _ptx(act_quant.compile_act_quant(bf16, bn.ACT_EPS, jit.compile_options(arch, keep_ptx=True)))
-        for instr in ("ld.global.v4.u32", "cvt.rni.s32.f32", "mul.rn.f32", "div.rn.f32", "prmt.b32",
+        for instr in ("ld.global.v4.u32", "cvt.rni.s32.f32", "mul.rn.f32", "rcp.rn.f32", "prmt.b32",
                       "st.global.v2.b32", "shfl.sync.bfly"):
             assert instr in ptx, f"{instr} missing ({arch}, bf16={bf16})"
         assert ".local" not in ptx
+
+
+def test_act_quant_kernel_maths():
+    """The kernel's op sequence (max |x|, rcp.rn, mul.rn by 127, mul.rn, round to nearest
+    even, clamp), in fp32 torch ops one rounding each, equals quantize_activation: torch
+    evaluates ``127.0 / t`` as ``t.reciprocal() * 127``, not as one correctly rounded
+    division (which the kernel's first version used and the GPU test caught)."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 1024, generator=gen) * torch.rand(64, 1, generator=gen) * 10).to(torch.bfloat16)
+    x[0] = 0
+    xf = x.float()
+    amax = torch.maximum(xf.abs().amax(-1), torch.tensor(bn.ACT_EPS, dtype=torch.float32))
+    s = torch.reciprocal(amax) * torch.tensor(127.0)
+    q = torch.round(xf * s[:, None]).clamp(-128, 127).to(torch.int8)
+    q_ref, s_ref = bn.quantize_activation(x)
+    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+    assert not torch.equal(torch.tensor(127.0) / amax, s_ref)  # the one-division scale differs somewhere
 
 
 def test_act_quant_backend_errors():
