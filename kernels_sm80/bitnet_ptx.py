@@ -73,21 +73,6 @@ def shr_and(a: Int32, shift: int, mask: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def shr_and_var(a: Int32, shift: Int32, mask: int, *, loc=None, ip=None) -> Int32:
-    """``(a >> shift) & mask`` with a per-lane shift amount."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip), Int32(shift).ir_value(loc=loc, ip=ip)],
-            f"{{\n.reg .b32 t;\nshr.b32 t, $1, $2;\nlop3.b32 $0, t, {mask & 0xFFFFFFFF}, 0, {fmt.LOP3_AND};\n}}",
-            "=r,r,r",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
 def mma_m16n8k32_u8s8(a, b, c, *, loc=None, ip=None):
     """``mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32``: D = A (u8 codes) x B (s8) + C.
 
@@ -210,17 +195,6 @@ def copy16_s2g(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None
 def lds_b32(smem_addr: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];",
                       "=r,r", side_effects=True, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def lds_sum16(smem_addr: Int32, acc: Int32, *, loc=None, ip=None) -> Int32:
-    """``acc`` plus the sum of the 16 signed bytes at ``smem_addr`` (one 16-byte load, 4 dp4a)."""
-    return Int32(_asm(
-        T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(acc).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 a, b, c, d, s;\nld.shared.v4.u32 {a, b, c, d}, [$1];\n"
-        "dp4a.s32.s32 s, a, 0x01010101, $2;\ndp4a.s32.s32 s, b, 0x01010101, s;\n"
-        "dp4a.s32.s32 s, c, 0x01010101, s;\ndp4a.s32.s32 $0, d, 0x01010101, s;\n}",
-        "=r,r,r", side_effects=True, loc=loc, ip=ip))
 
 
 @cute.jit
