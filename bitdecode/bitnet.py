@@ -162,9 +162,9 @@ def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    fits = x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] % _ACT_VEC == 0
+    fits = x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] % layout.ACT_QUANT_VEC == 0
     if backend == "kernel" and not fits:
-        raise ValueError(f"the activation quantizer kernel takes fp16 / bf16 x with K % {_ACT_VEC} == 0, "
+        raise ValueError(f"the activation quantizer kernel takes fp16 / bf16 x with K % {layout.ACT_QUANT_VEC} == 0, "
                          f"got {x.dtype} with K = {x.shape[-1]}")
     if backend != "reference" and fits and _use_kernel(backend, x.device, "activation quantizer"):
         lead, k = x.shape[:-1], x.shape[-1]
@@ -174,12 +174,9 @@ def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple
         q, scale = (_act_quant_op if torch.compiler.is_compiling() else _act_quant_launch)(x2)
         return q.reshape(x.shape), scale.reshape(lead)
     xf = x.float()
-    s = 127.0 / xf.abs().amax(dim=-1).clamp(min=ACT_EPS)
-    q = torch.round(xf * s.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
+    s = float(layout.ACT_Q_MAX) / xf.abs().amax(dim=-1).clamp(min=ACT_EPS)
+    q = torch.round(xf * s.unsqueeze(-1)).clamp_(layout.ACT_Q_MIN, layout.ACT_Q_MAX).to(torch.int8)
     return q, s
-
-
-_ACT_VEC = 8  # halves per 16-byte load of the quantizer kernel (kernels_sm80.act_quant.VEC)
 
 
 def _act_quant_launch(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -21,14 +21,12 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import WARP, mul_rn
-from .ptx import _asm, half_to_f32, rcp_rn
+from .bitnet_ptx import WARP
+from .ptx import _asm, half_to_f32, mul_rn, rcp_rn
 
 THREADS = 128
-VEC = 8  # halves per 16-byte load
+VEC = fmt.ACT_QUANT_VEC  # halves per 16-byte load
 WARPS = THREADS // WARP
-Q_MAX = 127.0  # the int8 range BitNet quantizes to
-Q_MIN_INT, Q_MAX_INT = -128, 127
 
 
 @dsl_user_op
@@ -49,7 +47,7 @@ def _quant4(a: Float32, b: Float32, c: Float32, d: Float32, s: Float32, *, loc=N
     ops = [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d, s)]
     body = "".join(
         f"mul.rn.f32 t{i}, ${i + 1}, $5;\ncvt.rni.s32.f32 i{i}, t{i};\n"
-        f"max.s32 i{i}, i{i}, {Q_MIN_INT};\nmin.s32 i{i}, i{i}, {Q_MAX_INT};\n"
+        f"max.s32 i{i}, i{i}, {fmt.ACT_Q_MIN};\nmin.s32 i{i}, i{i}, {fmt.ACT_Q_MAX};\n"
         for i in range(4)
     )
     return Int32(_asm(
@@ -107,7 +105,7 @@ class ActQuantSm80:
         for w in cutlass.range_constexpr(1, WARPS):
             amax = cute.arch.fmax(amax, s_red[w])
         # torch evaluates ``127.0 / t`` as ``t.reciprocal() * 127`` (two roundings), and so must we
-        scale = mul_rn(rcp_rn(cute.arch.fmax(amax, Float32(self.eps))), Float32(Q_MAX))
+        scale = mul_rn(rcp_rn(cute.arch.fmax(amax, Float32(self.eps))), Float32(fmt.ACT_Q_MAX))
         if tidx == 0:
             mS[row] = scale
 
@@ -131,5 +129,3 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(ActQuantSm80(is_bf16, eps), x, q, s, stream, options=options)
 
-
-assert fmt.K_MULTIPLE % VEC == 0  # every BitLinear's K fits the 16-byte vectors

@@ -16,8 +16,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
+from ..layouts import packing
 from ..layouts import resources
-from .ptx import _asm
+from .ptx import _asm, div_rn, mul_rn
 
 WARP = resources.WARP
 
@@ -160,7 +161,7 @@ def decode_s8(a: Int32, shift: Int32, *, loc=None, ip=None) -> Int32:
             T.i32(),
             [Int32(a).ir_value(loc=loc, ip=ip), Int32(shift).ir_value(loc=loc, ip=ip)],
             "{\n.reg .b32 t;\nshr.b32 t, $1, $2;\n"
-            f"lop3.b32 t, t, {fmt.DECODE_MASK}, {fmt.BYTE_BIAS}, {fmt.LOP3_AND_OR};\n"
+            f"lop3.b32 t, t, {fmt.DECODE_MASK}, {fmt.BYTE_BIAS}, {packing.LOP3_AND_OR};\n"
             f"sub.u32 t, t, {fmt.CODE_OFFSET_BYTES};\nxor.b32 $0, t, {fmt.BYTE_BIAS};\n}}",
             "=r,r,r",
             loc=loc,
@@ -205,36 +206,6 @@ def store_out(out_base: Int64, index: Int64, acc: Int32, x_scale: Float32, w_sca
         store_i32(out_base + index * 4, acc)
     else:
         store_bf16(out_base + index * 2, scale_out(acc, x_scale, w_scale))
-
-
-@dsl_user_op
-def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """IEEE fp32 division (round to nearest), bit-identical to torch's ``a / b``."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "div.rn.f32 $0, $1, $2;",
-            "=f,f,f",
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32 multiply, rounded once (no contraction into an fma with later ops)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "mul.rn.f32 $0, $1, $2;",
-            "=f,f,f",
-            loc=loc,
-            ip=ip,
-        )
-    )
 
 
 @cute.jit

@@ -121,8 +121,9 @@ def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
     return WgmmaConfig(block_m=64, warpgroups=2 if -(-m // 64) * -(-n // (2 * WG_ROWS)) <= sms else 1)
 
 
-def grid_for(cfg: WgmmaConfig, m: int, n: int):
-    return (-(-m // cfg.block_m), -(-n // cfg.block_n))
+def grid_for(cfg: WgmmaConfig, m, n):
+    """(token tiles, weight-row tiles): host ints or the kernel's traced sizes."""
+    return ((m + cfg.block_m - 1) // cfg.block_m, (n + cfg.block_n - 1) // cfg.block_n)
 
 
 class BitnetGemmSm90:
@@ -174,7 +175,7 @@ class BitnetGemmSm90:
         # shared memory (token ring / output tile, weight ring) is sized by the DSL from the
         # allocations in the kernel
         self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3).launch(
-            grid=[(m + cfg.block_m - 1) // cfg.block_m, (n + cfg.block_n - 1) // cfg.block_n, 1],
+            grid=[*grid_for(cfg, m, n), 1],
             block=[cfg.threads, 1, 1],
             stream=stream,
         )

@@ -75,7 +75,6 @@ LOP3_AND = packing.LOP3_A & packing.LOP3_B  # lop3 lookup table of a & b
 # byte >= 0x81 before the subtraction.
 BYTE_BIAS = 0x80808080
 CODE_OFFSET_BYTES = CODE_OFFSET * 0x01010101
-LOP3_AND_OR = packing.LOP3_AND_OR  # (a & b) | c
 
 
 def decode_signed_bytes(word: int, shift: int) -> int:
@@ -83,6 +82,7 @@ def decode_signed_bytes(word: int, shift: int) -> int:
     four bytes of ``(word >> shift) & DECODE_MASK`` minus ``CODE_OFFSET``, as a u32."""
     t = ((word >> shift) & DECODE_MASK) | BYTE_BIAS
     return ((t - CODE_OFFSET_BYTES) ^ BYTE_BIAS) & 0xFFFFFFFF
+
 
 # Kernel granularity: a GEMV step and an MMA k-group both cover 128 columns = 4 tiles.
 GROUP_K = 4 * TILE_K
@@ -93,6 +93,12 @@ CHUNK_BYTES = 16
 CHUNKS_PER_TILE = TILE_BYTES // CHUNK_BYTES  # 8
 ROWS_PER_CHUNK = CHUNK_BYTES // 4  # 4 words = 4 rows
 CHUNK_K = CODES_PER_WORD  # 16 columns per word / chunk
+
+# Per-token int8 activations (BitNet's absmax quantizer): q = round(x * s), s = ACT_Q_MAX / max|x|,
+# clamped to [ACT_Q_MIN, ACT_Q_MAX]; its kernel reads 16-byte chunks of 16-bit values.
+ACT_Q_MAX = 127
+ACT_Q_MIN = -128
+ACT_QUANT_VEC = CHUNK_BYTES // 2  # 16-bit values per 16-byte load: K must be a multiple
 
 
 # --------------------------------------------------------------------------------------

@@ -78,14 +78,6 @@ def to_hf_bitnet(model) -> None:
                 setattr(parent, name, layer)
 
 
-def bytes_read(model) -> int:
-    """Weight bytes one decode step reads: parameters (``bench_e2e.weight_bytes_read``)
-    plus bitdecode's packed weights and scales (buffers of its ``BitLinear``)."""
-    extra = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, bitnet.BitLinear)
-                for b in m.buffers(recurse=False))
-    return e2e.weight_bytes_read(model) + extra
-
-
 def time_prefill(model, cfg: dict, n: int, args, device, backend: str) -> dict:
     """ms of one forward of ``n`` prompt tokens into a fresh cache (eager)."""
     from bitdecode import hf
@@ -148,7 +140,7 @@ def run(args) -> dict:
             model = build("tiny" if args.tiny else "2b", device)  # from the float weights again
             bitnet.convert(model, backend=backend)
         cache_cfg = dict(cfg, name=cfg["cache"])
-        weights = bytes_read(model)
+        weights = e2e.weight_bytes_read(model)
         info[cfg["name"]] = dict(weight_bytes_read_per_step=weights, label=cfg["label"])
         print(f"{cfg['name']}: {weights / 2**30:.2f} GiB of weights read per decode step", flush=True)
         with torch.no_grad():

@@ -154,10 +154,15 @@ def model_shape(model) -> dict:
 
 
 def weight_bytes_read(model) -> int:
-    """Bytes of the parameters one decode step reads: all, less the input embedding table
+    """Bytes of the weights one decode step reads: every parameter, plus the packed weights
+    and scales of bitdecode's ``BitLinear`` layers (buffers), less the input embedding table
     (one row per token) unless it is tied to the output projection (read whole)."""
+    from bitdecode import bitnet
+
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
+    total += sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, bitnet.BitLinear)
+                 for b in m.buffers(recurse=False))
     emb, out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     if emb is not out:
         total -= emb.numel() * emb.element_size()
