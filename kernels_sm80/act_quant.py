@@ -23,9 +23,11 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from ..layouts import bitnet as fmt
 from .bitnet_ptx import WARP
 from .ptx import _asm, half_to_f32, mul_rn, rcp_rn
+from .reduce import block_reduce
 
 THREADS = 128
 VEC = fmt.ACT_QUANT_VEC  # halves per 16-byte load
+HALF_BYTES = fmt.CHUNK_BYTES // VEC
 WARPS = THREADS // WARP
 
 
@@ -86,31 +88,24 @@ class ActQuantSm80:
         row, _, _ = cute.arch.block_idx()
         k = mX.shape[1]
         vecs = k // VEC
-        x_row = mX.iterator.toint() + Int64(row) * Int64(k) * 2
+        x_row = mX.iterator.toint() + Int64(row) * Int64(k) * HALF_BYTES
         q_row = mQ.iterator.toint() + Int64(row) * Int64(k)
 
         amax = Float32(0.0)
         for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            for word in _load16(x_row + Int64(v) * 16):
+            for word in _load16(x_row + Int64(v) * fmt.CHUNK_BYTES):
                 lo, hi = self.halves(word)
                 amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(lo), cute.math.absf(hi)))
-        for off in cutlass.range_constexpr(5):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1 << off))
         smem = cutlass.memory.SmemAllocator()
         s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
-        if tidx % WARP == 0:
-            s_red[tidx // WARP] = amax
-        cute.arch.sync_threads()
-        amax = s_red[0]
-        for w in cutlass.range_constexpr(1, WARPS):
-            amax = cute.arch.fmax(amax, s_red[w])
+        amax = block_reduce(amax, s_red, tidx, WARPS, True)
         # torch evaluates ``127.0 / t`` as ``t.reciprocal() * 127`` (two roundings), and so must we
         scale = mul_rn(rcp_rn(cute.arch.fmax(amax, Float32(self.eps))), Float32(fmt.ACT_Q_MAX))
         if tidx == 0:
             mS[row] = scale
 
         for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            w0, w1, w2, w3 = _load16(x_row + Int64(v) * 16)
+            w0, w1, w2, w3 = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES)
             a0, a1 = self.halves(w0)
             a2, a3 = self.halves(w1)
             a4, a5 = self.halves(w2)

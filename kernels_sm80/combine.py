@@ -18,6 +18,7 @@ from cutlass import Float32, const_expr
 
 from ..layouts import sm80
 from ..layouts.packing import LN_2, LOG2_E
+from .reduce import block_reduce
 from .tensors import one_token, wait_for_previous_kernel
 
 NUM_THREADS = 128
@@ -44,26 +45,6 @@ class CombineSm80:
         self.kernel(mOp, mLp, mO, mL).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
                                              use_pdl=self.pdl)
 
-    @cute.jit
-    def block_reduce(self, x: Float32, s_red, tid, is_max: cutlass.Constexpr[bool]) -> Float32:
-        for off in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_bfly(x, 1 << off)
-            if const_expr(is_max):
-                x = cute.arch.fmax(x, y)
-            else:
-                x = x + y
-        if tid % 32 == 0:
-            s_red[tid // 32] = x
-        cute.arch.sync_threads()
-        r = s_red[0]
-        for w in cutlass.range_constexpr(1, NUM_WARPS):
-            if const_expr(is_max):
-                r = cute.arch.fmax(r, s_red[w])
-            else:
-                r = r + s_red[w]
-        cute.arch.sync_threads()
-        return r
-
     @cute.kernel
     def kernel(self, mOp, mLp, mO, mL):
         tid, _, _ = cute.arch.thread_idx()
@@ -81,14 +62,14 @@ class CombineSm80:
         m = -Float32.inf
         for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
             m = cute.arch.fmax(m, mLp[s, b, h])
-        m = self.block_reduce(m, s_red, tid, True)
+        m = block_reduce(m, s_red, tid, NUM_WARPS, True)
         m_use = m if m != -Float32.inf else Float32(0.0)
         total = Float32(0.0)
         for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
             w = cute.math.exp2((mLp[s, b, h] - m_use) * LOG2_E, fastmath=True)
             s_w[s] = w
             total += w
-        total = self.block_reduce(total, s_red, tid, False)
+        total = block_reduce(total, s_red, tid, NUM_WARPS, False)
         inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
         # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
         vec = tid % self.vecs
