@@ -129,18 +129,28 @@ def lop3_and(a: Int32, mask: int, *, loc=None, ip=None) -> Int32:
     )
 
 
+def _address(addr, space: str, loc, ip):
+    """(operand, constraint) of a global (64-bit) or shared (32-bit) address."""
+    if space == "global":
+        return Int64(addr).ir_value(loc=loc, ip=ip), "l"
+    assert space == "shared", space
+    return Int32(addr).ir_value(loc=loc, ip=ip), "r"
+
+
 @dsl_user_op
-def store_bf16(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
-    """Round ``value`` to bf16 (nearest even) and store it at ``addr``."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-         "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f",
+def store_bf16(addr, value: Float32, space: str = "global", *, loc=None, ip=None) -> None:
+    """Round ``value`` to bf16 (nearest even) and store it at ``addr`` (in ``space``)."""
+    a, c = _address(addr, space, loc, ip)
+    _asm(None, [a, Float32(value).ir_value(loc=loc, ip=ip)],
+         f"{{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.{space}.b16 [$0], h;\n}}", f"{c},f",
          side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def store_i32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-         "st.global.b32 [$0], $1;", "l,r", side_effects=True, loc=loc, ip=ip)
+def store_i32(addr, value: Int32, space: str = "global", *, loc=None, ip=None) -> None:
+    a, c = _address(addr, space, loc, ip)
+    _asm(None, [a, Int32(value).ir_value(loc=loc, ip=ip)], f"st.{space}.b32 [$0], $1;", f"{c},r",
+         side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -168,20 +178,6 @@ def decode_s8(a: Int32, shift: Int32, *, loc=None, ip=None) -> Int32:
             ip=ip,
         )
     )
-
-
-@dsl_user_op
-def sts_bf16(smem_addr: Int32, value: Float32, *, loc=None, ip=None) -> None:
-    """Round ``value`` to bf16 (nearest even) and store it in shared memory."""
-    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-         "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.shared.b16 [$0], h;\n}", "r,f",
-         side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def sts_b32(smem_addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-         "st.shared.b32 [$0], $1;", "r,r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -51,8 +51,8 @@ from ..kernels_sm80.bitnet_ptx import (
     matmul_fake_args,
     scale_out,
     segment_scale,
-    sts_b32,
-    sts_bf16,
+    store_bf16,
+    store_i32,
 )
 from ..layouts import bitnet as fmt
 from ..layouts import sm90
@@ -301,11 +301,12 @@ class BitnetGemmSm90:
             row_in_tile = row_in_tile0 + r
             addr = s_base + c * cfg.out_row_bytes + row_in_tile * cfg.out_bytes
             if cutlass.const_expr(cfg.raw):
-                sts_b32(addr, acc[i])
+                store_i32(addr, acc[i], "shared")
             else:
                 tok = cutlass.min(bm * cfg.block_m + c, m - 1)
                 row = cutlass.min(bn * cfg.block_n + row_in_tile, n - 1)
-                sts_bf16(addr, scale_out(acc[i], Float32(mXScale[tok]), segment_scale(mWScale, row, e1, e2, e3)))
+                value = scale_out(acc[i], Float32(mXScale[tok]), segment_scale(mWScale, row, e1, e2, e3))
+                store_bf16(addr, value, "shared")
         cute.arch.sync_threads()
         per_elem = fmt.CHUNK_BYTES // cfg.out_bytes
         for it in cutlass.range_constexpr(cfg.block_m * self.out_chunks // cfg.threads):
