@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -21,3 +22,11 @@ def report(ptx: str, arch: str, tmp_path) -> str:
         pytest.skip(f"this ptxas cannot assemble {arch}")
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stderr + res.stdout
+
+
+def spill_bytes(report: str) -> int:
+    """Spill stores plus loads, in bytes, over every function of a ``report`` (asserts
+    ptxas printed its resource lines)."""
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert found, "no ptxas resource usage lines in the report"
+    return sum(int(a) + int(b) for a, b in found)

@@ -31,9 +31,7 @@ def _dtype(name):
 
 
 def _spills(ptx: str, arch: str, tmp_path) -> int:
-    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas.report(ptx, arch, tmp_path))
-    assert found
-    return sum(int(a) + int(b) for a, b in found)
+    return ptxas.spill_bytes(ptxas.report(ptx, arch, tmp_path))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -143,7 +141,7 @@ def test_sm90_decode_ptx(cfg, tmp_path):
         assert instr in ptx, f"{instr} missing from the sm90 decode PTX"
     assert ".local" not in ptx, "the sm90 decode kernel keeps a local-memory array"
     report = ptxas.report(ptx, "sm_90a", tmp_path)
-    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0, \
+    assert ptxas.spill_bytes(report) == 0, \
         "ptxas spills registers in the sm90 decode kernel"
     # C7514: ptxas makes every wgmma wait for the previous one when it cannot prove an
     # accumulator read safe (it did, unseen, for the kernel's first versions)
@@ -172,7 +170,7 @@ def test_decode_with_sink_tokens_ptx(backend_name, tmp_path):
                                 True, keep_ptx=True).artifacts.PTX for s in (0, 16)}
     assert _count(ptx[16], "cp.async.") > _count(ptx[0], "cp.async."), "no sink-token loads in the decode PTX"
     report = ptxas.report(ptx[16], "sm_90a", tmp_path)
-    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert ptxas.spill_bytes(report) == 0
     assert "C7514" not in report
 
 
@@ -198,7 +196,7 @@ def test_decode_k4v2_ptx(backend_name, widths, tmp_path):
     ptx = fn.artifacts.PTX
     assert "mov.b32 m, 983055;" in ptx and "mov.b32 m, 196611;" in ptx, "a width's lop3 mask is missing"
     report = ptxas.report(ptx, "sm_90a", tmp_path)
-    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert ptxas.spill_bytes(report) == 0
     assert "C7514" not in report
 
 
@@ -223,7 +221,7 @@ def test_decode_multi_token_ptx(backend_name, tmp_path):
                                  keep_ptx=True, tq=tq).artifacts.PTX for tq in (1, 4)}
     assert _count(ptx[4], "setp.") > _count(ptx[1], "setp."), "no causal mask in the multi-token decode PTX"
     report = ptxas.report(ptx[4], "sm_90a", tmp_path)
-    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert ptxas.spill_bytes(report) == 0
     assert "C7514" not in report
 
 
@@ -274,7 +272,7 @@ def test_decode_fp4_ptx(fp4, dtype, d, arch, tmp_path):
         assert instr in ptx, f"{instr} missing from the FP4 decode PTX"
     assert ".const" not in ptx and ".local" not in ptx
     report = ptxas.report(ptx, arch, tmp_path)
-    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert ptxas.spill_bytes(report) == 0
     # the split heuristic's residency model counts no fewer registers than ptxas uses
     used = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
     assert used <= sm80_backend.decode_registers(KVFormat(fp4=fp4), d, 8), used
@@ -317,4 +315,4 @@ def test_decode_fp4_sm90_ptx(fp4, dtype, d, nh, tmp_path):
     assert ".const" not in ptx and ".local" not in ptx
     report = ptxas.report(ptx, "sm_90a", tmp_path)
     assert "C7514" not in report, "ptxas serializes the wgmmas"
-    assert sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)) == 0
+    assert ptxas.spill_bytes(report) == 0
