@@ -29,25 +29,23 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
 from ..layouts import packing, sm100
-from ..layouts.packing import F32_EXP_BIAS, F32_MANTISSA_BITS
+from ..layouts.packing import F32_EXP_BIAS, F32_EXP_BITS, F32_MANTISSA_BITS, F32_MIN_EXP, F32_SIGN_BIT
 from ..layouts.sm100 import E4M3_EXP_BIAS, E4M3_MANTISSA_BITS, E4M3_MIN_EXP
 from . import ptx
 from .pack import NUM_THREADS, PackSm80
 
-F32_MIN_EXP = 1 - F32_EXP_BIAS
-UE8M0_MIN_EXP = -sm100.UE8M0_BIAS  # an all-zero block's MXFP4 exponent
 FIELD_BITS = sm100.ELEM_BITS["e2m1"]
 CODES_PER_WORD = packing.codes_per_word(FIELD_BITS)
 
 
 def _exponent(bits) -> Int32:
     """Unbiased exponent field of fp32 bits (normal numbers)."""
-    return Int32((bits >> F32_MANTISSA_BITS) & 0xFF) - F32_EXP_BIAS
+    return Int32((bits >> F32_MANTISSA_BITS) & ((1 << F32_EXP_BITS) - 1)) - F32_EXP_BIAS
 
 
 def _fabs(x) -> Float32:
     """|x| by clearing the sign bit (NaN stays NaN)."""
-    return ptx.u32_as_f32(ptx.f32_bits(x) & Uint32(0x7FFFFFFF))
+    return ptx.u32_as_f32(ptx.f32_bits(x) & Uint32((1 << F32_SIGN_BIT) - 1))
 
 
 def _pow2(e: int) -> float:
@@ -78,10 +76,10 @@ class PackFp4Sm80(PackSm80):
         rb = ptx.f32_bits(r)
         re = _exponent(rb)
         byte = (Uint32(((re + E4M3_EXP_BIAS) << E4M3_MANTISSA_BITS))
-                | ((rb >> (F32_MANTISSA_BITS - E4M3_MANTISSA_BITS)) & 0x7))
+                | ((rb >> (F32_MANTISSA_BITS - E4M3_MANTISSA_BITS)) & ((1 << E4M3_MANTISSA_BITS) - 1)))
         if re < E4M3_MIN_EXP:  # subnormal: the value in quanta of 2^-9, read off 2^23 + it
             quanta = r * Float32(_pow2(-(E4M3_MIN_EXP - E4M3_MANTISSA_BITS)))
-            byte = ptx.f32_bits(ptx.add_rn(quanta, Float32(_pow2(F32_MANTISSA_BITS)))) & 0x7
+            byte = ptx.f32_bits(ptx.add_rn(quanta, Float32(_pow2(F32_MANTISSA_BITS)))) & ((1 << E4M3_MANTISSA_BITS) - 1)
         return byte, r
 
     @cute.jit
@@ -95,8 +93,8 @@ class PackFp4Sm80(PackSm80):
             lift = 64
         e = _exponent(ptx.f32_bits(a)) - lift - sm100.E2M1_EMAX
         if amax == Float32(0.0):
-            e = Int32(UE8M0_MIN_EXP)
-        e = cutlass.min(cutlass.max(e, UE8M0_MIN_EXP), sm100.UE8M0_BIAS)
+            e = Int32(sm100.UE8M0_MIN_EXP)
+        e = cutlass.min(cutlass.max(e, sm100.UE8M0_MIN_EXP), sm100.UE8M0_BIAS)
         # 2^e as fp32 bits: normal from -126, else the subnormal 2^-127
         bits = Uint32(e + F32_EXP_BIAS) << F32_MANTISSA_BITS
         if e < F32_MIN_EXP:
@@ -133,8 +131,8 @@ class PackFp4Sm80(PackSm80):
                     for m in cutlass.range_constexpr(len(thresholds)):
                         up = (a >= thresholds[m]) if const_expr(sm100.E2M1_TIE_UP[m]) else (a > thresholds[m])
                         mag = mag + Uint32(up)
-                sign = (ptx.f32_bits(x) >> 31) & Uint32(finite)
-                word = word | ((mag | (sign << 3)) << (FIELD_BITS * i))
+                sign = (ptx.f32_bits(x) >> F32_SIGN_BIT) & Uint32(finite)
+                word = word | ((mag | (sign << sm100.E2M1_SIGN_BIT)) << (FIELD_BITS * i))
             words.append(word)
         return byte, words
 

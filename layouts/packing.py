@@ -43,7 +43,10 @@ HALF_SIGN_BIT = 15  # a 16-bit float's sign bit
 EXP_BIAS = {"fp16": 15, "bf16": 127}  # exponent bias of the 16-bit floats
 EXP_MAX_FINITE = {"fp16": 30, "bf16": 254}  # their largest finite biased exponent
 F32_MANTISSA_BITS = 23
+F32_EXP_BITS = 8
 F32_EXP_BIAS = 127
+F32_MIN_EXP = 1 - F32_EXP_BIAS  # the smallest normal fp32 exponent, -126
+F32_SIGN_BIT = 31
 
 # lop3 lookup tables are written with PTX's operand convention a=0xF0, b=0xCC, c=0xAA.
 LOP3_A, LOP3_B, LOP3_C = 0xF0, 0xCC, 0xAA

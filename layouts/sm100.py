@@ -85,6 +85,7 @@ def _sf_dtype(fmt: str):
 
 
 E2M1_MANTISSA_BITS = 1  # e2m1: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0
+E2M1_SIGN_BIT = 3
 E2M1_EXP_BIAS = 1
 E4M3_MANTISSA_BITS = 3  # UE4M3 (NVFP4's scale): exponent bits 6..3 (bias 7), mantissa 2..0
 E4M3_EXP_BIAS = 7
@@ -96,7 +97,7 @@ def e2m1_value(code: int) -> float:
     """Value of a 4-bit e2m1 code: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0."""
     if not 0 <= code < 1 << ELEM_BITS["e2m1"]:
         raise ValueError(f"e2m1 code must be in [0, 16), got {code}")
-    sign = -1.0 if code & 8 else 1.0
+    sign = -1.0 if code >> E2M1_SIGN_BIT & 1 else 1.0
     exp, man = (code >> E2M1_MANTISSA_BITS) & 3, code & 1
     half = 2.0 ** -E2M1_MANTISSA_BITS
     mag = man * half if exp == 0 else (1.0 + man * half) * 2.0 ** (exp - E2M1_EXP_BIAS)
@@ -109,6 +110,7 @@ E2M1_VALUES = tuple(e2m1_value(c) for c in range(16))
 UE4M3_NAN = 0x7F  # the NaN scale byte of each format (a block that held a NaN or an infinity)
 UE8M0_NAN = 0xFF
 UE8M0_BIAS = 127
+UE8M0_MIN_EXP = -UE8M0_BIAS  # byte 0: 2^-127, an all-zero block's MXFP4 scale
 SCALE_NAN = {"nvfp4": UE4M3_NAN, "mxfp4": UE8M0_NAN}
 
 
