@@ -88,8 +88,7 @@ class E2M1Dequant:
         # e1 e0 m onto the exponent's low bits + the mantissa's top bit (6 bf16, 9 fp16)
         self.mag_shift = packing.MANTISSA_BITS[dtype] - sm100.E2M1_MANTISSA_BITS
         # the code's sign (bit 3) to the 16-bit sign (bit 15): 8 * lift = 2^15 - 2^(3 + shift)
-        sign_bit = sm100.ELEM_BITS["e2m1"] - 1
-        self.sign_lift = (1 << (packing.HALF_SIGN_BIT - sign_bit)) - (1 << self.mag_shift)
+        self.sign_lift = (1 << (packing.HALF_SIGN_BIT - sm100.E2M1_SIGN_BIT)) - (1 << self.mag_shift)
         # the exponent read with the 16-bit bias instead of e2m1's: 2^14 (fp16), 2^126 (bf16)
         self.fix = half2_bits(2.0 ** (packing.EXP_BIAS[dtype] - sm100.E2M1_EXP_BIAS), is_bf16)
 

@@ -85,7 +85,7 @@ def _sf_dtype(fmt: str):
 
 
 E2M1_MANTISSA_BITS = 1  # e2m1: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0
-E2M1_SIGN_BIT = 3
+E2M1_SIGN_BIT = ELEM_BITS["e2m1"] - 1  # 3
 E2M1_EXP_BIAS = 1
 E4M3_MANTISSA_BITS = 3  # UE4M3 (NVFP4's scale): exponent bits 6..3 (bias 7), mantissa 2..0
 E4M3_EXP_BIAS = 7
