@@ -5,6 +5,7 @@ import bitdecode as bd
 w_t, w_s = bd.bitnet.quantize_weight(w, segments=(2560, 640, 640))   # fused q/k/v
 w_p = bd.bitnet.pack_weight(w_t)                 # int8 [N, K/4], microsoft/BitNet's bytes
 x_q, x_s = bd.bitnet.quantize_activation(x)      # int8 [M, K], fp32 [M]
+y, x_q, x_s = bd.bitnet.rms_norm_quantize(x, norm_w, 1e-5)   # an RMSNorm, then the same
 y = bd.bitnet.gemv(x_q, w_p, x_s, w_s, segments=(2560, 640, 640))   # M == 1, bf16 [1, N]
 y = bd.bitnet.gemm(x_q, w_p, x_s, w_s, segments=(2560, 640, 640))   # any M, bf16 [M, N]
 layer = bd.bitnet.BitLinear.from_float(torch_linear, segments=(2560, 640, 640)).cuda()
@@ -51,6 +52,7 @@ __all__ = [
     "pack_weight",
     "unpack_weight",
     "quantize_activation",
+    "rms_norm_quantize",
     "gemv",
     "gemm",
     "reference_gemm",
@@ -62,6 +64,7 @@ __all__ = [
     "OUT_DTYPES",
     "BitLinear",
     "FusedSlice",
+    "RMSNormQuant",
     "convert",
     "load_int2_checkpoint",
     "MAX_SEGMENTS",
@@ -171,7 +174,7 @@ def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple
         x2 = _aligned(x.reshape(-1, k))
         if x2.shape[0] == 0:
             return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(lead, dtype=torch.float32)
-        q, scale = (_act_quant_op if torch.compiler.is_compiling() else _act_quant_launch)(x2)
+        q, scale = (_act_quant_op if torch.compiler.is_compiling() else _act_quant_launch)(x2.detach())
         return q.reshape(x.shape), scale.reshape(lead)
     xf = x.float()
     s = float(layout.ACT_Q_MAX) / xf.abs().amax(dim=-1).clamp(min=ACT_EPS)
@@ -205,6 +208,105 @@ def _act_quant_op(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 @_act_quant_op.register_fake
 def _(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+def _check_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps) -> None:
+    _validate.tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    _validate.tensor("weight", weight, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) (x's last dimension), got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on x's device ({x.device}), got {weight.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``BitNetRMSNorm`` (and ``LlamaRMSNorm``) forward, op for op."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm_quantize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "reference"
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An RMSNorm and the per-token int8 quantization of its output: ``(y, q, s)``.
+
+    ``y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` in fp32, as transformers'
+    ``BitNetRMSNorm`` computes it; ``(q, s) = quantize_activation(y)``.  Every BitLinear
+    input of BitNet b1.58 is such a norm's output, so ``RMSNormQuant`` (what ``convert``
+    puts in the norms' place) hands ``q, s`` on with ``y`` and the layers skip their own
+    quantization.  ``backend="auto"`` runs one kernel (``kernels_sm80.act_quant``) for fp16
+    / bf16 CUDA tensors with ``weight`` in x's dtype and K % 8 == 0, else the torch ops;
+    ``"kernel"`` requires it.  The kernel sums the squares in another order than torch,
+    so its ``y`` may differ from torch's by one 16-bit ulp (on rows whose ``rsqrt`` lands
+    near a rounding edge); its ``q, s`` are exactly ``quantize_activation`` of its ``y``.
+    """
+    _check_norm_quant(x, weight, eps)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    fits = (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and x.shape[-1] % layout.ACT_QUANT_VEC == 0)
+    if backend == "kernel" and not fits:
+        raise ValueError(f"the norm + quantizer kernel takes fp16 / bf16 x and weight of one dtype with "
+                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {x.shape[-1]}")
+    if backend != "reference" and fits and _use_kernel(backend, x.device, "norm + quantizer"):
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = _aligned(x.reshape(-1, k))
+        if x2.shape[0] == 0:
+            return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.int8),
+                    x.new_empty(lead, dtype=torch.float32))
+        fn = _norm_quant_op if torch.compiler.is_compiling() else _norm_quant_launch
+        # (detached: DLPack refuses tensors that require grad; the kernels are inference only)
+        y, q, s = fn(x2.detach(), _aligned(weight).detach(), float(eps))
+        return y.reshape(x.shape), q.reshape(x.shape), s.reshape(lead)
+    y = _rms_norm(x, weight, eps)
+    q, s = quantize_activation(y)
+    return y, q, s
+
+
+def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    bf16 = x.dtype == torch.bfloat16
+    arch = _arch(x.device)
+
+    def build():
+        from .kernels_sm80 import act_quant
+
+        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch))
+
+    fn = _compile(("bitnet_norm_quant", arch, bf16, eps), build)
+    y = torch.empty_like(x)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    fn(x, weight, y, q, s)
+    return y, q, s
+
+
+@torch.library.custom_op("bitdecode::bitnet_norm_quant", mutates_args=())
+def _norm_quant_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_quant_launch(x, weight, eps)
+
+
+@_norm_quant_op.register_fake
+def _(x, weight, eps):
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.int8),
+            x.new_empty((x.shape[0],), dtype=torch.float32))
+
+
+# A norm output's quantization travels with it as this attribute: (q, s, the tensor's
+# version when they were made), so an in-place change of the output invalidates them.
+_ACT_ATTR = "_bitdecode_act"
+
+
+def _carried_quantization(x: torch.Tensor):
+    """(q, s) that ``RMSNormQuant`` attached to ``x``, if still valid for it, else None."""
+    act = getattr(x, _ACT_ATTR, None)
+    if act is None or act[2] != x._version or act[0].shape != x.shape:
+        return None
+    return act[0], act[1]
 
 
 # --------------------------------------------------------------------------------------
@@ -678,7 +780,11 @@ class BitLinear(nn.Module):
         lead = x.shape[:-1]
         if x.numel() == 0:
             return x.new_empty(*lead, self.out_features)
-        q, s = quantize_activation(x.reshape(-1, self.in_features), backend=self.backend)
+        carried = _carried_quantization(x)  # an RMSNormQuant output: quantized already
+        if carried is not None:
+            q, s = carried[0].reshape(-1, self.in_features), carried[1].reshape(-1)
+        else:
+            q, s = quantize_activation(x.reshape(-1, self.in_features), backend=self.backend)
         if q.shape[0] == 1:
             y = gemv(q, self.weight_packed, s, self.weight_scale, self.segments, backend=self.backend)
         else:
@@ -811,6 +917,56 @@ class FusedSlice(nn.Module):
         return f"rows {self.start}:{self.stop} of the fused {self.fused.extra_repr()}"
 
 
+class RMSNormQuant(nn.Module):
+    """An RMSNorm whose output carries its int8 quantization (``rms_norm_quantize``): the
+    ``BitLinear`` layers that read the output use it instead of quantizing again, so
+    BitNet's norm + quantizer become one kernel.  The output itself is the norm's (the
+    model may read it anywhere); the attached quantization is dropped by any new tensor
+    made from it (a view, a copy) and ignored once the output is changed in place.  Under
+    torch.compile it is the plain norm.  Holds the replaced norm's ``weight`` Parameter
+    (same state-dict key) and ``variance_epsilon``."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, backend: str = "auto"):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _rms_norm(x, self.weight, self.variance_epsilon)
+        y, q, s = rms_norm_quantize(x, self.weight, self.variance_epsilon, backend=self.backend)
+        setattr(y, _ACT_ATTR, (q, s, y._version))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, quantized output"
+
+
+# BitNet b1.58's norms whose outputs only BitLinear layers read (per decoder layer)
+NORMS_BEFORE_LINEARS = ("input_layernorm", "post_attention_layernorm", "self_attn.attn_sub_norm", "mlp.ffn_sub_norm")
+
+
+def _fuse_norms(model: nn.Module, backend: str) -> None:
+    """Put ``RMSNormQuant`` in place of each decoder layer's ``NORMS_BEFORE_LINEARS`` that
+    is an RMSNorm (a 1-D ``weight`` and a ``variance_epsilon``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers if isinstance(layers, nn.ModuleList) else ():
+        for path in NORMS_BEFORE_LINEARS:
+            parent_path, _, name = path.rpartition(".")
+            try:
+                parent = layer.get_submodule(parent_path) if parent_path else layer
+            except AttributeError:
+                continue
+            norm = getattr(parent, name, None)
+            weight = getattr(norm, "weight", None)
+            if (isinstance(norm, nn.Module) and not isinstance(norm, RMSNormQuant) and isinstance(weight, nn.Parameter)
+                    and weight.dim() == 1 and isinstance(getattr(norm, "variance_epsilon", None), float)):
+                setattr(parent, name, RMSNormQuant(weight, norm.variance_epsilon, backend))
+
+
 def _install_fused(parent: nn.Module, members, fused_name: str, sources, names, in_features: int, device,
                    backend: str) -> None:
     """One fused ``BitLinear`` of ``sources`` registered on ``parent`` as ``fused_name``,
@@ -836,7 +992,7 @@ def _is_bitnet(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def convert(
-    model: nn.Module, *, backend: str = "auto", fuse: bool = True, skip: Sequence[str] = ()
+    model: nn.Module, *, backend: str = "auto", fuse: bool = True, fuse_norms: bool = True, skip: Sequence[str] = ()
 ) -> nn.Module:
     """Swap a transformers BitNet model's linear layers for bitdecode ``BitLinear`` (in
     place; returns ``model``).
@@ -858,9 +1014,12 @@ def convert(
     (segments with their own scales, registered on the attention / MLP module), and
     ``q_proj`` ... ``up_proj`` become ``FusedSlice`` views of it, so the model's forward is
     unchanged and runs one activation quantization and one GEMV / GEMM per group.  A group
-    whose layers carry their own RMSNorm (``use_rms_norm``) is not fused.  Embeddings,
-    ``lm_head``, norms (BitNet's ``attn_sub_norm`` / ``ffn_sub_norm`` included) stay as they
-    are.  ``backend`` goes to every ``BitLinear`` ("auto": kernels on CUDA, the torch
+    whose layers carry their own RMSNorm (``use_rms_norm``) is not fused.
+    ``fuse_norms=True``: the four norms of each decoder layer that feed linear layers
+    (``NORMS_BEFORE_LINEARS``) become ``RMSNormQuant`` (same weight; their output carries
+    its int8 quantization, one kernel for norm and quantizer).  Embeddings, ``lm_head``
+    and the final norm stay as they are.  ``backend`` goes to every ``BitLinear`` and
+    ``RMSNormQuant`` ("auto": kernels on CUDA, the torch
     reference on the CPU).  The result is for inference; its state dict holds bitdecode's
     buffers (``weight_packed``, ``weight_scale``), not a transformers checkpoint.  Convert
     after placing the model (``.to(device)`` later is fine; a later ``.to(dtype)`` would cast
@@ -904,6 +1063,8 @@ def convert(
             layer = _build([src], [name], child.in_features, child.weight.device, backend)
             norm = src[3]
             setattr(parent, child_name, layer if norm is None else nn.Sequential(norm, layer))
+    if fuse_norms:
+        _fuse_norms(model, backend)
     return model
 
 
@@ -931,7 +1092,8 @@ def _ms_rope_rows_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse: bool = True) -> nn.Module:
+def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse: bool = True,
+                         fuse_norms: bool = True) -> nn.Module:
     """Load microsoft/BitNet's converted checkpoint into a transformers BitNet model (in
     place; returns ``model``) with bitdecode's ``BitLinear`` layers, as ``convert`` would
     make them.
@@ -944,7 +1106,7 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
     embeddings and ``output``.  ``model``: a ``BitNetForCausalLM`` of the checkpoint's
     shape (e.g. built from ``BitNetConfig`` with the 2B shape: hidden 2560, 30 layers,
     heads 20 / 5, MLP 6912, vocabulary 128256, ``rope_theta`` 500000); its own weights are
-    replaced.  ``fuse`` as in ``convert``.  The result computes what ``convert`` makes of
+    replaced.  ``fuse`` and ``fuse_norms`` as in ``convert``.  The result computes what ``convert`` makes of
     the float model that checkpoint was quantized from, with the scales in bf16 as
     microsoft's kernel reads them."""
     if not isinstance(model, nn.Module):
@@ -1003,4 +1165,6 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
             else:
                 for src, m, name in zip(sources, members, names):
                     setattr(parent, m, _build([src], [name], t.shape[1], device, backend))
+    if fuse_norms:
+        _fuse_norms(model, backend)
     return model

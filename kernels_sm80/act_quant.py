@@ -1,4 +1,5 @@
-"""BitNet's per-token int8 activation quantizer as one kernel (any sm_80+ GPU).
+"""BitNet's per-token int8 activation quantizer as one kernel (any sm_80+ GPU), alone or
+fused with the RMSNorm in front of it.
 
 ``q = round(x * s)`` clamped to int8 with ``s = 127 / max(|x|, eps)`` per row, bit-identical
 to ``bitdecode.bitnet.quantize_activation``'s torch ops (fp32 maths, each op rounded once,
@@ -9,6 +10,11 @@ One CTA per row.  Pass 1 streams the row in 16-byte vectors (8 halves) for ``max
 (warp shuffles, then shared memory); pass 2 reads the row again (a few KB per row, so from
 L1 / L2, not HBM), scales, rounds and stores 8 int8 per vector.  Memory-bound by
 nature: a reduction and an elementwise pass, no matrix maths, so no tensor cores.
+
+``RmsNormQuantSm80`` puts the model's RMSNorm in front (every BitLinear input of BitNet
+b1.58 is an RMSNorm output): the sum of squares first, then the normalized row (stored,
+the model may read it) and its ``max |y|``, then the quantizer over the stored row; one
+launch instead of the norm's eight torch kernels plus the quantizer.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
 from .bitnet_ptx import WARP
-from .ptx import _asm, half_to_f32, mul_rn, rcp_rn
+from .ptx import _asm, cvt_pack_x2, half_to_f32, mul_rn, rcp_rn
 from .reduce import block_reduce
 
 THREADS = 128
@@ -64,6 +70,20 @@ def _store8(addr: Int64, lo: Int32, hi: Int32, *, loc=None, ip=None) -> None:
     _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(lo).ir_value(loc=loc, ip=ip),
                 Int32(hi).ir_value(loc=loc, ip=ip)],
          "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _store16(addr: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _rsqrt(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``rsqrt.approx.f32`` without flush-to-zero: what CUDA's ``rsqrtf`` (torch.rsqrt on
+    fp32 CUDA tensors) compiles to."""
+    return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "rsqrt.approx.f32 $0, $1;", "=f,f",
+                        loc=loc, ip=ip))
 
 
 class ActQuantSm80:
@@ -113,6 +133,87 @@ class ActQuantSm80:
             _store8(q_row + Int64(v) * VEC, _quant4(a0, a1, a2, a3, scale), _quant4(a4, a5, a6, a7, scale))
 
 
+class RmsNormQuantSm80(ActQuantSm80):
+    """RMSNorm, then the quantizer of its output.  Arguments: ``x``, ``w`` (the norm's
+    weight, [K]) and ``y`` fp16/bf16 of one dtype, ``q``, ``s`` as ``ActQuantSm80``.
+
+    ``y = dtype(w * dtype(x * rsqrt(mean(x^2) + norm_eps)))`` with the fp32 maths of
+    transformers' ``BitNetRMSNorm`` / ``LlamaRMSNorm`` (squares exact, the mean as torch
+    takes it, ``sum * (1 / K)``; the product by ``w`` of two 16-bit values exact in fp32,
+    rounded once).  The sum runs in another order than torch's, so ``y`` can differ from
+    torch's by one 16-bit ulp where the row's ``rsqrt`` lands near a rounding edge; ``q``
+    and ``s`` are exactly the quantizer's of this ``y``."""
+
+    def __init__(self, is_bf16: bool, eps: float, norm_eps: float):
+        super().__init__(is_bf16, eps)
+        self.norm_eps = norm_eps
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
+                 stream):
+        self.kernel(mX, mW, mY, mQ, mS).launch(grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def rounded(self, a: Float32, b: Float32):
+        """(a, b) rounded to the 16-bit dtype: the packed word and both values widened back."""
+        word = cvt_pack_x2(a, b, self.is_bf16)
+        lo, hi = self.halves(word)
+        return word, lo, hi
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        k = mX.shape[1]
+        vecs = k // VEC
+        row_bytes = Int64(row) * Int64(k) * HALF_BYTES
+        x_row = mX.iterator.toint() + row_bytes
+        y_row = mY.iterator.toint() + row_bytes
+        w_row = mW.iterator.toint()
+        q_row = mQ.iterator.toint() + Int64(row) * Int64(k)
+        smem = cutlass.memory.SmemAllocator()
+        s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
+
+        # pass 1: sum of squares (each square exact in fp32)
+        ss = Float32(0.0)
+        for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
+            for word in _load16(x_row + Int64(v) * fmt.CHUNK_BYTES):
+                lo, hi = self.halves(word)
+                ss = ss + lo * lo + hi * hi
+        total = block_reduce(ss, s_red, tidx, WARPS, False)
+        # torch's mean is ``sum * (1 / K)``; then ``+ eps`` and rsqrt, each rounded once
+        inv_rms = _rsqrt(mul_rn(total, rcp_rn(Float32(k))) + Float32(self.norm_eps))
+
+        # pass 2: y (rounded to the dtype before and after the weight, as the model does),
+        # stored, and its max |y|
+        amax = Float32(0.0)
+        for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
+            xw = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES)
+            ww = _load16(w_row + Int64(v) * fmt.CHUNK_BYTES)
+            out = []
+            for i in cutlass.range_constexpr(4):
+                x0, x1 = self.halves(xw[i])
+                w0, w1 = self.halves(ww[i])
+                _, h0, h1 = self.rounded(mul_rn(x0, inv_rms), mul_rn(x1, inv_rms))
+                word, y0, y1 = self.rounded(mul_rn(w0, h0), mul_rn(w1, h1))
+                amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(y0), cute.math.absf(y1)))
+                out.append(word)
+            _store16(y_row + Int64(v) * fmt.CHUNK_BYTES, out[0], out[1], out[2], out[3])
+        amax = block_reduce(amax, s_red, tidx, WARPS, True)
+        scale = mul_rn(rcp_rn(cute.arch.fmax(amax, Float32(self.eps))), Float32(fmt.ACT_Q_MAX))
+        if tidx == 0:
+            mS[row] = scale
+
+        # pass 3: the quantizer over y, each thread re-reading the vectors it stored
+        for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
+            w0, w1, w2, w3 = _load16(y_row + Int64(v) * fmt.CHUNK_BYTES)
+            a0, a1 = self.halves(w0)
+            a2, a3 = self.halves(w1)
+            a4, a5 = self.halves(w2)
+            a6, a7 = self.halves(w3)
+            _store8(q_row + Int64(v) * VEC, _quant4(a0, a1, a2, a3, scale), _quant4(a4, a5, a6, a7, scale))
+
+
 def compile_act_quant(is_bf16: bool, eps: float, options: str):
     """Compile for every M and every K % 8 == 0."""
     m = cute.sym_int()
@@ -124,3 +225,18 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(ActQuantSm80(is_bf16, eps), x, q, s, stream, options=options)
 
+
+
+def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str):
+    """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0."""
+    m = cute.sym_int()
+    k = cute.sym_int(divisibility=VEC)
+    fake = cute.runtime.make_fake_compact_tensor
+    dtype = cutlass.BFloat16 if is_bf16 else cutlass.Float16
+    x = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
+    w = fake(dtype, (k,), assumed_align=16)
+    y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
+    q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
+    s = fake(Float32, (m,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(RmsNormQuantSm80(is_bf16, eps, norm_eps), x, w, y, q, s, stream, options=options)

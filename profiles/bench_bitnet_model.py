@@ -3,15 +3,18 @@
 ``python3 profiles/bench_bitnet_model.py --out profiles/h200`` -> ``bitnet_model.json``.
 
 One run, one random-weight BitNet b1.58 2B-shaped model (transformers' ``BitNetConfig``:
-30 layers, hidden 2560, MLP 6912, GQA 20/5, head dim 128, bf16), three ways:
+30 layers, hidden 2560, MLP 6912, GQA 20/5, head dim 128, bf16), four ways:
 
 * ``bf16``: the model as transformers builds it (bf16 ``nn.Linear``), StaticCache + SDPA:
   what the same model costs in 16 bits;
 * ``hf-bitnet``: transformers' own BitNet path, its ``AutoBitLinear`` layers with online
   quantization (ternary weights and int8 activations simulated in bf16 each call), as a
   transformers user runs a BitNet checkpoint today; StaticCache + SDPA;
-* ``bitdecode``: ``bd.bitnet.convert`` (W2A8 GEMV at one token, the GEMM above) and the
-  bitdecode 4-bit KV cache (``attn_implementation="bitdecode"``).
+* ``bitdecode``: ``bd.bitnet.convert`` (W2A8 GEMV at one token, the GEMM above; each
+  norm in front of linear layers fused with their activation quantizer) and the bitdecode
+  4-bit KV cache (``attn_implementation="bitdecode"``);
+* ``bitdecode-plain-norms``: the same with ``fuse_norms=False`` (transformers' RMSNorm
+  ops, each linear quantizing its own input): what the norm fusion buys.
 
 Prefill: one forward of ``--prefill`` prompt tokens (B=1) into an empty cache, eager,
 median of ``--steps`` after a warm-up.  Decode: the caches filled with random K/V to each
@@ -108,8 +111,10 @@ def configurations() -> List[dict]:
         dict(name="bf16", cache="static", label="bf16 model, StaticCache + SDPA", attn="sdpa", modes=modes),
         dict(name="hf-bitnet", cache="static", label="transformers AutoBitLinear (online W1.58A8 in bf16), "
              "StaticCache + SDPA", attn="sdpa", modes=modes),
-        dict(name="bitdecode", cache="bd4", bits=4, label="bitdecode W2A8 linears + 4-bit KV cache",
-             attn="bitdecode", modes=modes),
+        dict(name="bitdecode", cache="bd4", bits=4, label="bitdecode W2A8 linears + 4-bit KV cache, "
+             "norm + quantizer fused", attn="bitdecode", modes=modes, fuse_norms=True),
+        dict(name="bitdecode-plain-norms", cache="bd4", bits=4, label="the same with transformers' RMSNorms "
+             "(each linear quantizes its input)", attn="bitdecode", modes=modes, fuse_norms=False),
     ]
 
 
@@ -136,9 +141,12 @@ def run(args) -> dict:
     for cfg in configurations():
         if cfg["name"] == "hf-bitnet":
             to_hf_bitnet(model)
-        elif cfg["name"] == "bitdecode":
+        elif cfg["name"].startswith("bitdecode"):
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
             model = build("tiny" if args.tiny else "2b", device)  # from the float weights again
-            bitnet.convert(model, backend=backend)
+            bitnet.convert(model, backend=backend, fuse_norms=cfg["fuse_norms"])
         cache_cfg = dict(cfg, name=cfg["cache"])
         weights = e2e.weight_bytes_read(model)
         info[cfg["name"]] = dict(weight_bytes_read_per_step=weights, label=cfg["label"])

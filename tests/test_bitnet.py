@@ -595,6 +595,22 @@ def test_act_quant_compiles(arch):
         assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
+def test_norm_quant_compiles(arch):
+    """RMSNorm + quantizer in one kernel: 16-byte loads and stores of the rows, the
+    rsqrt torch's fp32 CUDA rsqrt compiles to, roundings to the 16-bit dtype, the
+    quantizer's round-to-nearest-even and byte packing; no local memory."""
+    from bitdecode.kernels_sm80 import act_quant
+
+    for bf16 in (True, False):
+        ptx = _ptx(act_quant.compile_norm_quant(bf16, bn.ACT_EPS, 1e-6, jit.compile_options(arch, keep_ptx=True)))
+        kind = "bf16x2" if bf16 else "f16x2"
+        for instr in ("ld.global.v4.u32", "st.global.v4.b32", "rsqrt.approx.f32", f"cvt.rn.{kind}.f32",
+                      "rcp.rn.f32", "cvt.rni.s32.f32", "st.global.v2.b32", "shfl.sync.bfly"):
+            assert instr in ptx, f"{instr} missing ({arch}, bf16={bf16})"
+        assert "rsqrt.approx.ftz" not in ptx and ".local" not in ptx
+
+
 def test_act_quant_kernel_maths():
     """The kernel's op sequence (max |x|, rcp.rn, mul.rn by 127, mul.rn, round to nearest
     even, clamp), in fp32 torch ops one rounding each, equals quantize_activation: torch
@@ -783,6 +799,51 @@ def test_gpu_act_quant_bit_exact(dtype):
     assert q.shape == (2, 5, 2560) and s.shape == (2, 5) and torch.equal(q, q_ref) and torch.equal(s, s_ref)
     q, s = bn.quantize_activation(torch.empty(0, 256, device="cuda", dtype=dtype), backend="auto")
     assert q.shape == (0, 256) and s.shape == (0,)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_norm_quant(dtype):
+    """The RMSNorm + quantizer kernel: y within one 16-bit ulp of transformers' norm (equal
+    on almost every element), q / s exactly the quantizer's of that y; zero rows, 3-D
+    input, no rows; a BitLinear reading an RMSNormQuant output in a CUDA graph."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for m, k in ((1, 2560), (7, 6912), (300, 3200), (4096, 2560), (3, 8), (2, 1032)):
+        x = (torch.randn(m, k, generator=gen, device="cuda") * 4).to(dtype)
+        x[0, :] = 0
+        w = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype)
+        y, q, s = bn.rms_norm_quantize(x, w, 1e-6, backend="kernel")
+        want = bn.rms_norm_quantize(x, w, 1e-6)[0]
+        assert y.dtype == dtype and y.shape == (m, k)
+        ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=torch.finfo(dtype).tiny)
+        assert bool(((y.float() - want.float()).abs() <= ulp).all()), (m, k)
+        assert (y != want).float().mean().item() <= 1e-3, (m, k)
+        q_ref, s_ref = bn.quantize_activation(y)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), (m, k)
+        assert not y[0].any() and s[0].item() == pytest.approx(127 / bn.ACT_EPS, rel=1e-6)
+    x3 = torch.randn(2, 5, 2560, device="cuda", dtype=dtype)
+    w = torch.rand(2560, device="cuda", dtype=dtype)
+    y, q, s = bn.rms_norm_quantize(x3, w, 1e-5, backend="auto")
+    assert y.shape == q.shape == (2, 5, 2560) and s.shape == (2, 5)
+    assert torch.equal(q, bn.quantize_activation(y)[0])
+    y, q, s = bn.rms_norm_quantize(torch.empty(0, 256, device="cuda", dtype=dtype), w[:256], 1e-5, backend="auto")
+    assert y.shape == q.shape == (0, 256) and s.shape == (0,)
+    # norm -> BitLinear captured in a CUDA graph, replayed on new input
+    norm = bn.RMSNormQuant(torch.nn.Parameter(w), 1e-5)
+    lin = bn.BitLinear.from_float(torch.nn.Linear(2560, 3840, device="cuda", dtype=dtype))
+    static_x = torch.randn(1, 2560, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for _ in range(2):
+            lin(norm(static_x))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = lin(norm(static_x))
+        for _ in range(3):
+            static_x.copy_(torch.randn(1, 2560, device="cuda", dtype=dtype))
+            graph.replay()
+            y = norm(static_x)
+            assert torch.equal(static_out, lin(y)) and torch.equal(static_out, lin(y.clone()))
 
 
 @pytest.mark.gpu

@@ -127,9 +127,12 @@ def test_convert_structure(fp32):
         for name, start, stop in (("q_proj", 0, 128), ("k_proj", 128, 192), ("v_proj", 192, 256)):
             s = getattr(attn, name)
             assert isinstance(s, bn.FusedSlice) and s.fused is attn.qkv_proj and (s.start, s.stop) == (start, stop)
-        # BitNet's own sub-layer norms stay where they were
-        assert isinstance(attn.attn_sub_norm, transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm)
-        assert isinstance(mlp.ffn_sub_norm, transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm)
+        # the four norms in front of linear layers carry their output's quantization, with
+        # the same weight Parameter; the final norm (before lm_head) stays transformers'
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.attn_sub_norm, mlp.ffn_sub_norm):
+            assert isinstance(norm, bn.RMSNormQuant) and norm.variance_epsilon == conv.config.rms_norm_eps
+    assert isinstance(conv.model.norm, transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm)
+    assert "model.layers.0.mlp.ffn_sub_norm.weight" in conv.state_dict()
     assert not any(isinstance(m, torch.nn.Linear) for n, m in conv.named_modules() if n != "lm_head")
     # the fused layer is registered once (on the attention / MLP), not under each slice
     keys = conv.state_dict().keys()
@@ -218,6 +221,65 @@ def test_fused_equals_unfused_bit_for_bit(fp32):
     assert torch.equal(conv(ids).logits, unfused(ids).logits)
     for layer in conv.model.layers:  # every slice was read: no activation kept alive
         assert layer.self_attn.q_proj._memo == {} and layer.mlp.gate_proj._memo == {}
+
+
+@torch.no_grad()
+def test_fused_norms_change_no_bit(fp32):
+    """RMSNormQuant is transformers' norm op for op, and the layers reading its output use
+    the quantization it carries: logits equal the model with transformers' norms (whose
+    layers quantize their own inputs) bit for bit."""
+    fl, _, conv = fp32
+    plain = bn.convert(copy.deepcopy(fl), backend="reference", fuse_norms=False)
+    assert isinstance(plain.model.layers[0].input_layernorm, transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm)
+    ids = _ids(5)
+    assert torch.equal(conv(ids).logits, plain(ids).logits)
+
+
+@torch.no_grad()
+def test_norm_output_carries_its_quantization(monkeypatch):
+    """The quantization travels with the norm's output: a BitLinear reading it does not
+    quantize again; a copy, a view or an in-place change of the output makes it quantize
+    its input itself (and the result is that of the input it got)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.rand(256) + 0.5)
+    norm = bn.RMSNormQuant(w, 1e-6, backend="reference")
+    lin = bn.BitLinear.from_float(torch.nn.Linear(256, 64), backend="reference")
+    x = torch.randn(3, 256) * 4
+    y = norm(x)
+    assert torch.equal(y, bn._rms_norm(x, w, 1e-6))
+    calls = []
+    real = bn.quantize_activation
+    monkeypatch.setattr(bn, "quantize_activation", lambda t, **kw: calls.append(t.shape) or real(t, **kw))
+    out = lin(y)
+    assert calls == []  # the carried (q, s)
+    assert torch.equal(out, lin(y.clone())) and len(calls) == 1
+    y.mul_(-2)  # an in-place change: the carried quantization is stale
+    assert torch.equal(lin(y), lin(y.clone())) and len(calls) == 3
+    z = norm(x)  # (its own quantization on the reference path counts once)
+    assert torch.equal(lin(z.view(3, 256)), out) and len(calls) == 5  # a view quantizes itself
+
+
+def test_rms_norm_quantize_reference_and_errors():
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16) * 3
+    w = (torch.rand(64) + 0.5).to(torch.bfloat16)
+    y, q, s = bn.rms_norm_quantize(x, w, 1e-5)
+    hf = transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    hf.weight.data.copy_(w)
+    assert torch.equal(y, hf(x)) and y.dtype == torch.bfloat16
+    q_ref, s_ref = bn.quantize_activation(y)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and q.shape == (2, 5, 64) and s.shape == (2, 5)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        bn.rms_norm_quantize(x, w[:32], 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        bn.rms_norm_quantize(x, w, -1.0)
+    with pytest.raises(ValueError, match="backend"):
+        bn.rms_norm_quantize(x, w, 1e-5, backend="fast")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        bn.rms_norm_quantize(x, w, 1e-5, backend="kernel")
+    with pytest.raises(ValueError, match="one dtype"):
+        bn.rms_norm_quantize(x, w.float(), 1e-5, backend="kernel")
+    with pytest.raises(ValueError, match="backend"):
+        bn.RMSNormQuant(torch.nn.Parameter(w), 1e-5, backend="fast")
 
 
 def test_fused_slice_recomputes_for_another_input(fp32):
