@@ -65,6 +65,7 @@ __all__ = [
     "BitLinear",
     "FusedSlice",
     "RMSNormQuant",
+    "FusedMLP",
     "convert",
     "load_int2_checkpoint",
     "MAX_SEGMENTS",
@@ -210,13 +211,17 @@ def _(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
-def _check_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps) -> None:
+def _check_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps, gated: bool) -> None:
     _validate.tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
     _validate.tensor("weight", weight, dtypes=(torch.float32, torch.float16, torch.bfloat16))
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) (x's last dimension), got {tuple(weight.shape)}")
+    if gated and x.shape[-1] % 2:
+        raise ValueError(f"gated: x's last dimension must be even (gate then up), got {x.shape[-1]}")
+    k = x.shape[-1] // 2 if gated else x.shape[-1]
+    if weight.shape != (k,):
+        what = "half x's last dimension" if gated else "x's last dimension"
+        raise ValueError(f"weight must have shape ({k},) ({what}), got {tuple(weight.shape)}")
     if weight.device != x.device:
         raise ValueError(f"weight must be on x's device ({x.device}), got {weight.device}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
@@ -230,13 +235,23 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
+def _relu2_times_up(x: torch.Tensor) -> torch.Tensor:
+    """BitNet's MLP activation on the fused gate / up output: ``relu(gate)^2 * up`` with
+    transformers' ops (``ReLUSquaredActivation``, then the product)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.square(torch.nn.functional.relu(gate)) * up
+
+
 def rms_norm_quantize(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "reference"
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, gated: bool = False, backend: str = "reference"
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An RMSNorm and the per-token int8 quantization of its output: ``(y, q, s)``.
 
     ``y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` in fp32, as transformers'
-    ``BitNetRMSNorm`` computes it; ``(q, s) = quantize_activation(y)``.  Every BitLinear
+    ``BitNetRMSNorm`` computes it; ``(q, s) = quantize_activation(y)``.  ``gated=True``:
+    ``x`` is [..., 2K] (gate then up, the fused gate / up projection's output) and the
+    norm's input is BitNet's MLP activation ``relu(gate)^2 * up`` (torch's ops, each
+    rounded to x's dtype).  Every BitLinear
     input of BitNet b1.58 is such a norm's output, so ``RMSNormQuant`` (what ``convert``
     puts in the norms' place) hands ``q, s`` on with ``y`` and the layers skip their own
     quantization.  ``backend="auto"`` runs one kernel (``kernels_sm80.act_quant``) for fp16
@@ -245,55 +260,56 @@ def rms_norm_quantize(
     so its ``y`` may differ from torch's by one 16-bit ulp (on rows whose ``rsqrt`` lands
     near a rounding edge); its ``q, s`` are exactly ``quantize_activation`` of its ``y``.
     """
-    _check_norm_quant(x, weight, eps)
+    _check_norm_quant(x, weight, eps, gated)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     fits = (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and x.shape[-1] % layout.ACT_QUANT_VEC == 0)
+            and weight.shape[0] % layout.ACT_QUANT_VEC == 0)
     if backend == "kernel" and not fits:
         raise ValueError(f"the norm + quantizer kernel takes fp16 / bf16 x and weight of one dtype with "
-                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {x.shape[-1]}")
+                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {weight.shape[0]}")
     if backend != "reference" and fits and _use_kernel(backend, x.device, "norm + quantizer"):
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = _aligned(x.reshape(-1, k))
+        lead, k = x.shape[:-1], weight.shape[0]
+        x2 = _aligned(x.reshape(-1, x.shape[-1]))
         if x2.shape[0] == 0:
-            return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.int8),
+            return (x.new_empty(*lead, k), x.new_empty(*lead, k, dtype=torch.int8),
                     x.new_empty(lead, dtype=torch.float32))
         fn = _norm_quant_op if torch.compiler.is_compiling() else _norm_quant_launch
         # (detached: DLPack refuses tensors that require grad; the kernels are inference only)
-        y, q, s = fn(x2.detach(), _aligned(weight).detach(), float(eps))
-        return y.reshape(x.shape), q.reshape(x.shape), s.reshape(lead)
-    y = _rms_norm(x, weight, eps)
+        y, q, s = fn(x2.detach(), _aligned(weight).detach(), float(eps), gated)
+        return y.reshape(*lead, k), q.reshape(*lead, k), s.reshape(lead)
+    y = _rms_norm(_relu2_times_up(x) if gated else x, weight, eps)
     q, s = quantize_activation(y)
     return y, q, s
 
 
-def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float):
+def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool):
     bf16 = x.dtype == torch.bfloat16
     arch = _arch(x.device)
 
     def build():
         from .kernels_sm80 import act_quant
 
-        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch))
+        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated)
 
-    fn = _compile(("bitnet_norm_quant", arch, bf16, eps), build)
-    y = torch.empty_like(x)
-    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    fn = _compile(("bitnet_norm_quant", arch, bf16, eps, gated), build)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    q = torch.empty(y.shape, dtype=torch.int8, device=x.device)
     s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     fn(x, weight, y, q, s)
     return y, q, s
 
 
 @torch.library.custom_op("bitdecode::bitnet_norm_quant", mutates_args=())
-def _norm_quant_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _norm_quant_launch(x, weight, eps)
+def _norm_quant_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   gated: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_quant_launch(x, weight, eps, gated)
 
 
 @_norm_quant_op.register_fake
-def _(x, weight, eps):
-    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.int8),
-            x.new_empty((x.shape[0],), dtype=torch.float32))
+def _(x, weight, eps, gated):
+    shape = (x.shape[0], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
 # A norm output's quantization travels with it as this attribute: (q, s, the tensor's
@@ -926,34 +942,75 @@ class RMSNormQuant(nn.Module):
     torch.compile it is the plain norm.  Holds the replaced norm's ``weight`` Parameter
     (same state-dict key) and ``variance_epsilon``."""
 
-    def __init__(self, weight: nn.Parameter, eps: float, backend: str = "auto"):
+    def __init__(self, weight: nn.Parameter, eps: float, backend: str = "auto", gated: bool = False):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.weight = weight
         self.variance_epsilon = float(eps)
         self.backend = backend
+        self.gated = gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return _rms_norm(x, self.weight, self.variance_epsilon)
-        y, q, s = rms_norm_quantize(x, self.weight, self.variance_epsilon, backend=self.backend)
+            return _rms_norm(_relu2_times_up(x) if self.gated else x, self.weight, self.variance_epsilon)
+        y, q, s = rms_norm_quantize(x, self.weight, self.variance_epsilon, gated=self.gated, backend=self.backend)
         setattr(y, _ACT_ATTR, (q, s, y._version))
         return y
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, quantized output"
+        gate = ", of relu(gate)^2 * up" if self.gated else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{gate}, quantized output"
+
+
+class FusedMLP(nn.Module):
+    """BitNet's MLP on the fused gate / up layer: ``down_proj(ffn_sub_norm(relu(gate)^2 *
+    up))`` with the activation, the product, the norm and the quantizer in one kernel
+    (``RMSNormQuant(gated=True)``).  Keeps the replaced MLP's ``gate_up_proj``,
+    ``down_proj`` and ``ffn_sub_norm`` (same state-dict keys) and its ``gate_proj`` /
+    ``up_proj`` slices."""
+
+    def __init__(self, mlp: nn.Module, backend: str = "auto"):
+        super().__init__()
+        norm = mlp.ffn_sub_norm
+        self.gate_up_proj = mlp.gate_up_proj
+        self.down_proj = mlp.down_proj
+        self.ffn_sub_norm = RMSNormQuant(norm.weight, norm.variance_epsilon, backend, gated=True)
+        for name in FUSED_GROUPS[1][0]:
+            self.add_module(name, getattr(mlp, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ffn_sub_norm(self.gate_up_proj(x)))
 
 
 # BitNet b1.58's norms whose outputs only BitLinear layers read (per decoder layer)
 NORMS_BEFORE_LINEARS = ("input_layernorm", "post_attention_layernorm", "self_attn.attn_sub_norm", "mlp.ffn_sub_norm")
 
 
+def _is_rms_norm(norm) -> bool:
+    weight = getattr(norm, "weight", None)
+    return (isinstance(norm, nn.Module) and not isinstance(norm, RMSNormQuant) and isinstance(weight, nn.Parameter)
+            and weight.dim() == 1 and isinstance(getattr(norm, "variance_epsilon", None), float))
+
+
+def _fusable_mlp(mlp) -> bool:
+    """BitNet's MLP (``act_fn(gate) * up`` through ``ffn_sub_norm`` into ``down_proj``,
+    transformers' ``BitNetMLP``) with relu^2 and gate / up fused into one BitLinear."""
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    return (type(mlp).__name__ == "BitNetMLP" and type(getattr(mlp, "act_fn", None)).__name__ == "ReLUSquaredActivation"
+            and isinstance(gate_up, BitLinear) and len(gate_up.segments) == 2
+            and gate_up.segments[0] == gate_up.segments[1] and isinstance(getattr(mlp, "down_proj", None), BitLinear)
+            and _is_rms_norm(getattr(mlp, "ffn_sub_norm", None)))
+
+
 def _fuse_norms(model: nn.Module, backend: str) -> None:
     """Put ``RMSNormQuant`` in place of each decoder layer's ``NORMS_BEFORE_LINEARS`` that
-    is an RMSNorm (a 1-D ``weight`` and a ``variance_epsilon``)."""
+    is an RMSNorm (a 1-D ``weight`` and a ``variance_epsilon``), and ``FusedMLP`` in place
+    of a BitNet MLP whose gate / up are one BitLinear."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if isinstance(layers, nn.ModuleList) else ():
+        if _fusable_mlp(getattr(layer, "mlp", None)):
+            layer.mlp = FusedMLP(layer.mlp, backend)
         for path in NORMS_BEFORE_LINEARS:
             parent_path, _, name = path.rpartition(".")
             try:
@@ -961,10 +1018,8 @@ def _fuse_norms(model: nn.Module, backend: str) -> None:
             except AttributeError:
                 continue
             norm = getattr(parent, name, None)
-            weight = getattr(norm, "weight", None)
-            if (isinstance(norm, nn.Module) and not isinstance(norm, RMSNormQuant) and isinstance(weight, nn.Parameter)
-                    and weight.dim() == 1 and isinstance(getattr(norm, "variance_epsilon", None), float)):
-                setattr(parent, name, RMSNormQuant(weight, norm.variance_epsilon, backend))
+            if _is_rms_norm(norm):
+                setattr(parent, name, RMSNormQuant(norm.weight, norm.variance_epsilon, backend))
 
 
 def _install_fused(parent: nn.Module, members, fused_name: str, sources, names, in_features: int, device,
@@ -1017,7 +1072,9 @@ def convert(
     whose layers carry their own RMSNorm (``use_rms_norm``) is not fused.
     ``fuse_norms=True``: the four norms of each decoder layer that feed linear layers
     (``NORMS_BEFORE_LINEARS``) become ``RMSNormQuant`` (same weight; their output carries
-    its int8 quantization, one kernel for norm and quantizer).  Embeddings, ``lm_head``
+    its int8 quantization, one kernel for norm and quantizer), and with ``fuse`` the MLP
+    becomes ``FusedMLP`` (relu^2, the product with up, the norm and the quantizer in that
+    one kernel).  Embeddings, ``lm_head``
     and the final norm stay as they are.  ``backend`` goes to every ``BitLinear`` and
     ``RMSNormQuant`` ("auto": kernels on CUDA, the torch
     reference on the CPU).  The result is for inference; its state dict holds bitdecode's

@@ -14,14 +14,16 @@ nature: a reduction and an elementwise pass, no matrix maths, so no tensor cores
 ``RmsNormQuantSm80`` puts the model's RMSNorm in front (every BitLinear input of BitNet
 b1.58 is an RMSNorm output): the sum of squares first, then the normalized row (stored,
 the model may read it) and its ``max |y|``, then the quantizer over the stored row; one
-launch instead of the norm's eight torch kernels plus the quantizer.
+launch instead of the norm's eight torch kernels plus the quantizer.  ``gated``: the
+norm's input is BitNet's MLP activation ``relu(gate)^2 * up``, made from the fused
+gate / up projection's output as the norm reads it (three more torch kernels saved).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -76,6 +78,13 @@ def _store8(addr: Int64, lo: Int32, hi: Int32, *, loc=None, ip=None) -> None:
 def _store16(addr: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None) -> None:
     _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
          "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _relu(x: Float32, *, loc=None, ip=None) -> Float32:
+    """max(x, 0) keeping NaN (as torch's relu does)."""
+    return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "max.NaN.f32 $0, $1, 0f00000000;", "=f,f",
+                        loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -135,7 +144,10 @@ class ActQuantSm80:
 
 class RmsNormQuantSm80(ActQuantSm80):
     """RMSNorm, then the quantizer of its output.  Arguments: ``x``, ``w`` (the norm's
-    weight, [K]) and ``y`` fp16/bf16 of one dtype, ``q``, ``s`` as ``ActQuantSm80``.
+    weight, [K]) and ``y`` fp16/bf16 of one dtype, ``q``, ``s`` as ``ActQuantSm80``;
+    ``gated``: ``x`` is [M, 2K], gate then up, and the norm's input is
+    ``dtype(dtype(relu(gate)^2) * up)`` (transformers' ``relu2`` activation times up,
+    each op rounded to the dtype as torch does).
 
     ``y = dtype(w * dtype(x * rsqrt(mean(x^2) + norm_eps)))`` with the fp32 maths of
     transformers' ``BitNetRMSNorm`` / ``LlamaRMSNorm`` (squares exact, the mean as torch
@@ -144,9 +156,10 @@ class RmsNormQuantSm80(ActQuantSm80):
     torch's by one 16-bit ulp where the row's ``rsqrt`` lands near a rounding edge; ``q``
     and ``s`` are exactly the quantizer's of this ``y``."""
 
-    def __init__(self, is_bf16: bool, eps: float, norm_eps: float):
+    def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False):
         super().__init__(is_bf16, eps)
         self.norm_eps = norm_eps
+        self.gated = gated
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
@@ -160,14 +173,33 @@ class RmsNormQuantSm80(ActQuantSm80):
         lo, hi = self.halves(word)
         return word, lo, hi
 
+    @cute.jit
+    def inputs(self, x_row: Int64, v, k):
+        """The eight norm inputs of vector ``v`` of a row, as fp32 (four pairs)."""
+        pairs = []
+        if const_expr(self.gated):
+            gate = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES)
+            up = _load16(x_row + Int64(k) * HALF_BYTES + Int64(v) * fmt.CHUNK_BYTES)
+            for i in cutlass.range_constexpr(4):
+                g0, g1 = self.halves(gate[i])
+                u0, u1 = self.halves(up[i])
+                r0, r1 = _relu(g0), _relu(g1)
+                _, a0, a1 = self.rounded(mul_rn(r0, r0), mul_rn(r1, r1))
+                _, h0, h1 = self.rounded(mul_rn(a0, u0), mul_rn(a1, u1))
+                pairs.append((h0, h1))
+        else:
+            for word in _load16(x_row + Int64(v) * fmt.CHUNK_BYTES):
+                pairs.append(self.halves(word))
+        return pairs
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        k = mX.shape[1]
+        k = mY.shape[1]
         vecs = k // VEC
         row_bytes = Int64(row) * Int64(k) * HALF_BYTES
-        x_row = mX.iterator.toint() + row_bytes
+        x_row = mX.iterator.toint() + Int64(row) * Int64(mX.shape[1]) * HALF_BYTES
         y_row = mY.iterator.toint() + row_bytes
         w_row = mW.iterator.toint()
         q_row = mQ.iterator.toint() + Int64(row) * Int64(k)
@@ -177,8 +209,7 @@ class RmsNormQuantSm80(ActQuantSm80):
         # pass 1: sum of squares (each square exact in fp32)
         ss = Float32(0.0)
         for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            for word in _load16(x_row + Int64(v) * fmt.CHUNK_BYTES):
-                lo, hi = self.halves(word)
+            for lo, hi in self.inputs(x_row, v, k):
                 ss = ss + lo * lo + hi * hi
         total = block_reduce(ss, s_red, tidx, WARPS, False)
         # torch's mean is ``sum * (1 / K)``; then ``+ eps`` and rsqrt, each rounded once
@@ -188,11 +219,11 @@ class RmsNormQuantSm80(ActQuantSm80):
         # stored, and its max |y|
         amax = Float32(0.0)
         for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            xw = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES)
+            xs = self.inputs(x_row, v, k)  # (the gated product again: cheaper than a round trip)
             ww = _load16(w_row + Int64(v) * fmt.CHUNK_BYTES)
             out = []
             for i in cutlass.range_constexpr(4):
-                x0, x1 = self.halves(xw[i])
+                x0, x1 = xs[i]
                 w0, w1 = self.halves(ww[i])
                 _, h0, h1 = self.rounded(mul_rn(x0, inv_rms), mul_rn(x1, inv_rms))
                 word, y0, y1 = self.rounded(mul_rn(w0, h0), mul_rn(w1, h1))
@@ -227,16 +258,16 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
 
 
 
-def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str):
+def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False):
     """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0."""
     m = cute.sym_int()
     k = cute.sym_int(divisibility=VEC)
     fake = cute.runtime.make_fake_compact_tensor
     dtype = cutlass.BFloat16 if is_bf16 else cutlass.Float16
-    x = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
+    x = fake(dtype, (m, cute.sym_int(divisibility=2 * VEC) if gated else k), stride_order=(1, 0), assumed_align=16)
     w = fake(dtype, (k,), assumed_align=16)
     y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
     q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
     s = fake(Float32, (m,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(RmsNormQuantSm80(is_bf16, eps, norm_eps), x, w, y, q, s, stream, options=options)
+    return cute.compile(RmsNormQuantSm80(is_bf16, eps, norm_eps, gated), x, w, y, q, s, stream, options=options)

@@ -602,13 +602,15 @@ def test_norm_quant_compiles(arch):
     quantizer's round-to-nearest-even and byte packing; no local memory."""
     from bitdecode.kernels_sm80 import act_quant
 
-    for bf16 in (True, False):
-        ptx = _ptx(act_quant.compile_norm_quant(bf16, bn.ACT_EPS, 1e-6, jit.compile_options(arch, keep_ptx=True)))
+    for bf16, gated in ((True, False), (False, False), (True, True)):
+        ptx = _ptx(act_quant.compile_norm_quant(bf16, bn.ACT_EPS, 1e-6, jit.compile_options(arch, keep_ptx=True),
+                                                gated))
         kind = "bf16x2" if bf16 else "f16x2"
         for instr in ("ld.global.v4.u32", "st.global.v4.b32", "rsqrt.approx.f32", f"cvt.rn.{kind}.f32",
                       "rcp.rn.f32", "cvt.rni.s32.f32", "st.global.v2.b32", "shfl.sync.bfly"):
             assert instr in ptx, f"{instr} missing ({arch}, bf16={bf16})"
         assert "rsqrt.approx.ftz" not in ptx and ".local" not in ptx
+        assert ("max.NaN.f32" in ptx) == gated  # relu keeping NaN, as torch's
 
 
 def test_act_quant_kernel_maths():
@@ -824,6 +826,17 @@ def test_gpu_norm_quant(dtype):
         q_ref, s_ref = bn.quantize_activation(y)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref), (m, k)
         assert not y[0].any() and s[0].item() == pytest.approx(127 / bn.ACT_EPS, rel=1e-6)
+    for m, k in ((1, 6912), (300, 6912), (5, 8)):  # gated: relu(gate)^2 * up, then the norm
+        x = (torch.randn(m, 2 * k, generator=gen, device="cuda") * 2).to(dtype)
+        x[0, :k] = -1  # a row of zero activations
+        w = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype)
+        y, q, s = bn.rms_norm_quantize(x, w, 1e-6, gated=True, backend="kernel")
+        want = bn.rms_norm_quantize(x, w, 1e-6, gated=True)[0]
+        ulps = (y.float() - want.float()).abs() / (torch.finfo(dtype).eps * want.float().abs()).clamp(min=1e-30)
+        differ = (y != want).float().mean().item()
+        assert y.shape == (m, k) and ulps.max().item() <= 2 and differ <= 1e-2, (m, k, ulps.max().item(), differ)
+        assert torch.equal(q, bn.quantize_activation(y)[0]) and torch.equal(s, bn.quantize_activation(y)[1])
+        assert not y[0].any()
     x3 = torch.randn(2, 5, 2560, device="cuda", dtype=dtype)
     w = torch.rand(2560, device="cuda", dtype=dtype)
     y, q, s = bn.rms_norm_quantize(x3, w, 1e-5, backend="auto")

@@ -131,6 +131,8 @@ def test_convert_structure(fp32):
         # the same weight Parameter; the final norm (before lm_head) stays transformers'
         for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.attn_sub_norm, mlp.ffn_sub_norm):
             assert isinstance(norm, bn.RMSNormQuant) and norm.variance_epsilon == conv.config.rms_norm_eps
+        # the MLP: relu^2(gate) * up made by the ffn_sub_norm kernel from the fused output
+        assert isinstance(mlp, bn.FusedMLP) and mlp.ffn_sub_norm.gated and not attn.attn_sub_norm.gated
     assert isinstance(conv.model.norm, transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm)
     assert "model.layers.0.mlp.ffn_sub_norm.weight" in conv.state_dict()
     assert not any(isinstance(m, torch.nn.Linear) for n, m in conv.named_modules() if n != "lm_head")
@@ -257,6 +259,25 @@ def test_norm_output_carries_its_quantization(monkeypatch):
     assert torch.equal(lin(y), lin(y.clone())) and len(calls) == 3
     z = norm(x)  # (its own quantization on the reference path counts once)
     assert torch.equal(lin(z.view(3, 256)), out) and len(calls) == 5  # a view quantizes itself
+
+
+def test_rms_norm_quantize_gated_is_bitnet_mlp_activation():
+    """gated: x is the fused gate / up output; the norm's input is transformers' relu2 of
+    the gate times up, op for op."""
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(3, 2 * 64, dtype=torch.bfloat16) * 2
+    w = (torch.rand(64) + 0.5).to(torch.bfloat16)
+    y, q, s = bn.rms_norm_quantize(x, w, 1e-6, gated=True)
+    hf = transformers.models.bitnet.modeling_bitnet.BitNetRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    hf.weight.data.copy_(w)
+    want = hf(ACT2FN["relu2"](x[:, :64]) * x[:, 64:])
+    assert torch.equal(y, want) and y.shape == (3, 64)
+    assert torch.equal(q, bn.quantize_activation(want)[0]) and torch.equal(s, bn.quantize_activation(want)[1])
+    with pytest.raises(ValueError, match="even"):
+        bn.rms_norm_quantize(x[:, :127], w, 1e-6, gated=True)
+    with pytest.raises(ValueError, match="half x's last dimension"):
+        bn.rms_norm_quantize(x, torch.ones(128, dtype=torch.bfloat16), 1e-6, gated=True)
 
 
 def test_rms_norm_quantize_reference_and_errors():
