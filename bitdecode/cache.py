@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -67,6 +67,9 @@ class KVCache:
                                      sinks=(k_sink, v_sink) if k_sink is not None else None)
         self._plans: dict = {}
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
+        # (the block table's version counter, per-sequence lengths) it was last verified for:
+        # a prefill within them, the table unchanged in place since, needs no check (a sync)
+        self._table_verified: Optional[Tuple[int, Tuple[int, ...]]] = None
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -111,7 +114,7 @@ class KVCache:
         sink = (batch, fmt.sink_tokens, num_kv_heads, head_dim)
         sinks = {} if not fmt.sink_tokens else dict(k_sink=torch.zeros(sink, dtype=dtype, device=device),
                                                     v_sink=torch.zeros(sink, dtype=dtype, device=device))
-        return cls(
+        cache = cls(
             fmt, dtype, max_seqlen, backend,
             torch.zeros(fmt.k_pack_shape(*args), **i32),
             torch.zeros(fmt.k_params_shape(*args), **i32),
@@ -123,6 +126,9 @@ class KVCache:
             torch.arange(pages, **i32).view(batch, per_seq),
             **sinks,
         )
+        # distinct, in-range pages by construction, for every length the cache can hold
+        cache._table_verified = (cache.block_table._version, (max_seqlen,) * batch)
+        return cache
 
     # ---- shape facts -------------------------------------------------------------------
     @property
@@ -222,8 +228,12 @@ class KVCache:
             if bad:
                 raise ValueError(f"seqlens must lie in [0, {n}] (tokens given), got {bad[0]}")
         lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
-        # the pages the prompt will be packed into (a block table edited by the caller)
-        attention.check_block_table(self._tensors, lens_t)
+        # the pages the prompt will be packed into (a block table edited by the caller):
+        # checked (one device sync) unless unchanged since verified for lengths >= these
+        ok = self._table_verified
+        if ok is None or ok[0] != self.block_table._version or any(n > m for n, m in zip(lens, ok[1])):
+            attention.check_block_table(self._tensors, lens_t)
+            self._table_verified = (self.block_table._version, tuple(lens))
         k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
         if self.backend == "reference":
             reference_prefill(self._tensors, k, v, lens)

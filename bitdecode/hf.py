@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -105,12 +105,15 @@ class BitDecodingLayer(CacheLayerMixin):
         self.seen += key_states.shape[2]
         return key_states, value_states
 
-    def store_prompt(self, key_states, value_states, valid: torch.Tensor) -> None:
+    def store_prompt(self, key_states, value_states, valid: Optional[torch.Tensor],
+                     lens: Optional[List[int]] = None) -> None:
         """Pack the first call's tokens, each sequence without its left pads (``valid``:
-        [B, T] bool, True for real tokens; right-aligned after left padding)."""
-        lens = valid.sum(dim=1).tolist()
+        [B, T] bool, True for real tokens, right-aligned after left padding; None: no
+        padding).  ``lens``: ``valid``'s row sums if the caller has them (a device sync)."""
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [B, T, Hkv, D]
         t = k.shape[1]
+        if lens is None:
+            lens = [t] * k.shape[0] if valid is None else valid.sum(dim=1).tolist()
         if any(n != t for n in lens):  # shift every sequence's real tokens to the front
             idx = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
             k = torch.take_along_dim(k, idx[:, :, None, None], dim=1)
@@ -170,6 +173,7 @@ class BitDecodingCache(Cache):
         layer = functools.partial(BitDecodingLayer, fmt, max_seqlen, page_size, backend)
         super().__init__(layer_class_to_replicate=layer)
         self.fmt = fmt
+        self._prompt_lens = None  # (weakref to a prefill's mask, its length, prompt lengths)
         bound = 0
         for module in model.modules():  # the attention modules find their layer through this
             if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
@@ -192,13 +196,27 @@ class BitDecodingCache(Cache):
                 layer.seen += max(layer.kv.lengths, default=0) - before
 
 
-def _valid_tokens(attention_mask: Optional[torch.Tensor], bsz: int, t: int, device) -> torch.Tensor:
+def _valid_tokens(attention_mask: Optional[torch.Tensor], t: int) -> Optional[torch.Tensor]:
     """[B, T] bool: the prompt tokens that are not left padding (from transformers' 4D
-    boolean / additive mask, last query row; no mask means no padding)."""
+    boolean / additive mask, last query row); None without a mask (no padding)."""
     if attention_mask is None:
-        return torch.ones(bsz, t, dtype=torch.bool, device=device)
+        return None
     last = attention_mask[:, 0, -1, -t:]
     return last if last.dtype == torch.bool else last == 0
+
+
+def _prompt_lengths(cache: "BitDecodingCache", attention_mask: Optional[torch.Tensor], t: int):
+    """(valid tokens, their count per sequence) of a prefill.  Every layer gets the same
+    mask object, so the counts (a device sync) are taken once per forward, not per layer."""
+    valid = _valid_tokens(attention_mask, t)
+    if valid is None:
+        return None, None
+    memo = cache._prompt_lens
+    if memo is not None and memo[0]() is attention_mask and memo[1] == t:
+        return valid, memo[2]
+    lens = valid.sum(dim=1).tolist()
+    cache._prompt_lens = (weakref.ref(attention_mask), t, lens)
+    return valid, lens
 
 
 def bitdecode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -215,7 +233,7 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
     if layer.prompt_pending:  # prefill: 16-bit attention, then pack without the pads
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)
-        layer.store_prompt(key, value, _valid_tokens(attention_mask, bsz, key.shape[2], key.device))
+        layer.store_prompt(key, value, *_prompt_lengths(cache, attention_mask, key.shape[2]))
         return out
     if tq == 1:  # decode over the packed cache
         q = query.transpose(1, 2)

@@ -235,6 +235,32 @@ def test_prefill_rejects_a_block_table_that_shares_or_leaves_the_pages(gen):
     assert cache.lengths == [512, 100]
 
 
+def test_prefill_checks_the_block_table_only_after_an_edit(gen, monkeypatch):
+    """The table check costs a device sync per prefill (a model's prefill runs one per
+    layer), so it runs only when the table may be wrong: after an in-place edit (its
+    version counter moved), or for lengths past those it was verified for."""
+    from bitdecode import attention
+
+    calls = []
+    real = attention.check_block_table
+    monkeypatch.setattr(attention, "check_block_table", lambda c, lens: calls.append(lens.tolist()) or real(c, lens))
+    cache = allocate(4, batch=2, max_seqlen=512, page_size=256)
+    k = torch.randn(2, 512, HKV, D, generator=gen).half()
+    cache.prefill(k, k)
+    assert calls == []  # allocate's own table: distinct pages for every length
+    cache.block_table[1, 0] = cache.block_table[0, 1]
+    with pytest.raises(ValueError, match="page 1 is used more than once"):
+        cache.prefill(k, k)
+    cache.block_table[1, 0], cache.block_table[1, 1] = 2, 7  # page 7 does not exist
+    cache.prefill(k, k, seqlens=[512, 100])  # sequence 1 packs no page yet: verified as it is
+    assert len(calls) == 2
+    cache.prefill(k, k, seqlens=[300, 60])  # within the verified lengths, table untouched
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got \[0, 7\]"):
+        cache.prefill(k, k, seqlens=[512, 512])  # past them: checked, and page 7 refused
+    assert len(calls) == 3
+
+
 # --------------------------------------------------------------------------------------
 # capacity flags (the device side runs in test_reliability_gpu.py)
 # --------------------------------------------------------------------------------------
