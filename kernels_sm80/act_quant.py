@@ -127,6 +127,12 @@ class ActQuantSm80:
                 amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(lo), cute.math.absf(hi)))
         smem = cutlass.memory.SmemAllocator()
         s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
+        self.quantize_row(x_row, q_row, vecs, amax, s_red, mS, tidx, row)
+
+    @cute.jit
+    def quantize_row(self, x_row: Int64, q_row: Int64, vecs, amax: Float32, s_red, mS: cute.Tensor, tidx, row):
+        """The row's scale from this thread's part of ``max |x|`` (reduced over the CTA),
+        then the quantization pass over the row at ``x_row`` (16-bit) into ``q_row``."""
         amax = block_reduce(amax, s_red, tidx, WARPS, True)
         # torch evaluates ``127.0 / t`` as ``t.reciprocal() * 127`` (two roundings), and so must we
         scale = mul_rn(rcp_rn(cute.arch.fmax(amax, Float32(self.eps))), Float32(fmt.ACT_Q_MAX))
@@ -230,19 +236,9 @@ class RmsNormQuantSm80(ActQuantSm80):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(y0), cute.math.absf(y1)))
                 out.append(word)
             _store16(y_row + Int64(v) * fmt.CHUNK_BYTES, out[0], out[1], out[2], out[3])
-        amax = block_reduce(amax, s_red, tidx, WARPS, True)
-        scale = mul_rn(rcp_rn(cute.arch.fmax(amax, Float32(self.eps))), Float32(fmt.ACT_Q_MAX))
-        if tidx == 0:
-            mS[row] = scale
-
-        # pass 3: the quantizer over y, each thread re-reading the vectors it stored
-        for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            w0, w1, w2, w3 = _load16(y_row + Int64(v) * fmt.CHUNK_BYTES)
-            a0, a1 = self.halves(w0)
-            a2, a3 = self.halves(w1)
-            a4, a5 = self.halves(w2)
-            a6, a7 = self.halves(w3)
-            _store8(q_row + Int64(v) * VEC, _quant4(a0, a1, a2, a3, scale), _quant4(a4, a5, a6, a7, scale))
+        # pass 3: the quantizer over y, each thread re-reading the vectors it stored (the
+        # same vectors: the loops share their thread mapping, so no barrier is needed)
+        self.quantize_row(y_row, q_row, vecs, amax, s_red, mS, tidx, row)
 
 
 def compile_act_quant(is_bf16: bool, eps: float, options: str):
