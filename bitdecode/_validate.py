@@ -130,3 +130,9 @@ def int_list(name: str, values) -> list:
             raise TypeError(f"{name} must hold ints, got {type(x).__name__} ({x!r})")
         out.append(int(x))
     return out
+
+
+def version_counter(t: torch.Tensor) -> Optional[int]:
+    """``t._version`` (bumped by every in-place change), or None for an inference-mode
+    tensor, which has no counter (its in-place changes cannot be seen)."""
+    return None if t.is_inference() else t._version

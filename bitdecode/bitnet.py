@@ -53,6 +53,7 @@ __all__ = [
     "unpack_weight",
     "quantize_activation",
     "rms_norm_quantize",
+    "rms_norm",
     "gemv",
     "gemm",
     "reference_gemm",
@@ -283,21 +284,46 @@ def rms_norm_quantize(
     return y, q, s
 
 
-def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool):
+def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool, quantize: bool = True):
     bf16 = x.dtype == torch.bfloat16
     arch = _arch(x.device)
 
     def build():
         from .kernels_sm80 import act_quant
 
-        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated)
+        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated, quantize)
 
-    fn = _compile(("bitnet_norm_quant", arch, bf16, eps, gated), build)
+    fn = _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize), build)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    q = torch.empty(y.shape, dtype=torch.int8, device=x.device)
-    s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    rows = x.shape[0] if quantize else 0  # the norm alone: empty placeholders
+    q = torch.empty(rows, weight.shape[0] if quantize else 0, dtype=torch.int8, device=x.device)
+    s = torch.empty(rows, dtype=torch.float32, device=x.device)
     fn(x, weight, y, q, s)
     return y, q, s
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str = "auto") -> torch.Tensor:
+    """transformers' RMSNorm (``LlamaRMSNorm``, ``BitNetRMSNorm``, Mistral's and Qwen's:
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` in fp32) as one kernel: the
+    norm of ``rms_norm_quantize`` without the quantizer, for any model.  ``backend`` as
+    there ("auto": the kernel for fp16 / bf16 CUDA tensors with ``weight`` in x's dtype and
+    K % 8 == 0, else torch's ops; "reference": torch's ops; "kernel": required).  Within
+    two 16-bit ulps of torch's ops (the squares are summed in another order)."""
+    _check_norm_quant(x, weight, eps, False)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    fits = (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.shape[0] % layout.ACT_QUANT_VEC == 0)
+    if backend == "kernel" and not fits:
+        raise ValueError(f"the RMSNorm kernel takes fp16 / bf16 x and weight of one dtype with "
+                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {weight.shape[0]}")
+    if backend == "reference" or not fits or torch.compiler.is_compiling() \
+            or not _use_kernel(backend, x.device, "RMSNorm"):
+        return _rms_norm(x, weight, eps)
+    x2 = _aligned(x.reshape(-1, x.shape[-1]))
+    if x2.shape[0] == 0:
+        return x.new_empty(x.shape)
+    return _norm_quant_launch(x2.detach(), _aligned(weight).detach(), float(eps), False, False)[0].reshape(x.shape)
 
 
 @torch.library.custom_op("bitdecode::bitnet_norm_quant", mutates_args=())
@@ -320,7 +346,7 @@ _ACT_ATTR = "_bitdecode_act"
 def _carried_quantization(x: torch.Tensor):
     """(q, s) that ``RMSNormQuant`` attached to ``x``, if still valid for it, else None."""
     act = getattr(x, _ACT_ATTR, None)
-    if act is None or act[2] != x._version or act[0].shape != x.shape:
+    if act is None or act[2] != _validate.version_counter(x) or act[0].shape != x.shape:
         return None
     return act[0], act[1]
 
@@ -939,7 +965,8 @@ class RMSNormQuant(nn.Module):
     BitNet's norm + quantizer become one kernel.  The output itself is the norm's (the
     model may read it anywhere); the attached quantization is dropped by any new tensor
     made from it (a view, a copy) and ignored once the output is changed in place.  Under
-    torch.compile it is the plain norm.  Holds the replaced norm's ``weight`` Parameter
+    ``torch.inference_mode`` (outputs without a version counter) and torch.compile the
+    layers quantize their inputs themselves.  Holds the replaced norm's ``weight`` Parameter
     (same state-dict key) and ``variance_epsilon``."""
 
     def __init__(self, weight: nn.Parameter, eps: float, backend: str = "auto", gated: bool = False):
@@ -955,7 +982,9 @@ class RMSNormQuant(nn.Module):
         if torch.compiler.is_compiling():
             return _rms_norm(_relu2_times_up(x) if self.gated else x, self.weight, self.variance_epsilon)
         y, q, s = rms_norm_quantize(x, self.weight, self.variance_epsilon, gated=self.gated, backend=self.backend)
-        setattr(y, _ACT_ATTR, (q, s, y._version))
+        version = _validate.version_counter(y)
+        if version is not None:  # (an inference-mode output cannot show in-place changes: not carried)
+            setattr(y, _ACT_ATTR, (q, s, version))
         return y
 
     def extra_repr(self) -> str:

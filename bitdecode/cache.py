@@ -127,7 +127,8 @@ class KVCache:
             **sinks,
         )
         # distinct, in-range pages by construction, for every length the cache can hold
-        cache._table_verified = (cache.block_table._version, (max_seqlen,) * batch)
+        version = _validate.version_counter(cache.block_table)
+        cache._table_verified = None if version is None else (version, (max_seqlen,) * batch)
         return cache
 
     # ---- shape facts -------------------------------------------------------------------
@@ -230,10 +231,11 @@ class KVCache:
         lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # the pages the prompt will be packed into (a block table edited by the caller):
         # checked (one device sync) unless unchanged since verified for lengths >= these
-        ok = self._table_verified
-        if ok is None or ok[0] != self.block_table._version or any(n > m for n, m in zip(lens, ok[1])):
+        # (an inference-mode table has no version counter: checked every time)
+        ok, version = self._table_verified, _validate.version_counter(self.block_table)
+        if ok is None or ok[0] != version or any(n > m for n, m in zip(lens, ok[1])):
             attention.check_block_table(self._tensors, lens_t)
-            self._table_verified = (self.block_table._version, tuple(lens))
+            self._table_verified = None if version is None else (version, tuple(lens))
         k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
         if self.backend == "reference":
             reference_prefill(self._tensors, k, v, lens)

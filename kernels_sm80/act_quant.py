@@ -162,10 +162,11 @@ class RmsNormQuantSm80(ActQuantSm80):
     torch's by one 16-bit ulp where the row's ``rsqrt`` lands near a rounding edge; ``q``
     and ``s`` are exactly the quantizer's of this ``y``."""
 
-    def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False):
+    def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False, quantize: bool = True):
         super().__init__(is_bf16, eps)
         self.norm_eps = norm_eps
         self.gated = gated
+        self.quantize = quantize  # False: the norm alone (``q``, ``s`` untouched)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
@@ -233,12 +234,14 @@ class RmsNormQuantSm80(ActQuantSm80):
                 w0, w1 = self.halves(ww[i])
                 _, h0, h1 = self.rounded(mul_rn(x0, inv_rms), mul_rn(x1, inv_rms))
                 word, y0, y1 = self.rounded(mul_rn(w0, h0), mul_rn(w1, h1))
-                amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(y0), cute.math.absf(y1)))
+                if const_expr(self.quantize):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(y0), cute.math.absf(y1)))
                 out.append(word)
             _store16(y_row + Int64(v) * fmt.CHUNK_BYTES, out[0], out[1], out[2], out[3])
         # pass 3: the quantizer over y, each thread re-reading the vectors it stored (the
         # same vectors: the loops share their thread mapping, so no barrier is needed)
-        self.quantize_row(y_row, q_row, vecs, amax, s_red, mS, tidx, row)
+        if const_expr(self.quantize):
+            self.quantize_row(y_row, q_row, vecs, amax, s_red, mS, tidx, row)
 
 
 def compile_act_quant(is_bf16: bool, eps: float, options: str):
@@ -254,8 +257,10 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
 
 
 
-def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False):
-    """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0."""
+def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False,
+                       quantize: bool = True):
+    """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0 (without
+    ``quantize``, ``q`` and ``s`` are placeholders of any shape: pass empty tensors)."""
     m = cute.sym_int()
     k = cute.sym_int(divisibility=VEC)
     fake = cute.runtime.make_fake_compact_tensor
@@ -263,7 +268,9 @@ def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str,
     x = fake(dtype, (m, cute.sym_int(divisibility=2 * VEC) if gated else k), stride_order=(1, 0), assumed_align=16)
     w = fake(dtype, (k,), assumed_align=16)
     y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
-    q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
-    s = fake(Float32, (m,), assumed_align=4)
+    q_shape, s_shape = ((m, k), (m,)) if quantize else ((cute.sym_int(), cute.sym_int()), (cute.sym_int(),))
+    q = fake(cutlass.Int8, q_shape, stride_order=(1, 0), assumed_align=16)
+    s = fake(Float32, s_shape, assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(RmsNormQuantSm80(is_bf16, eps, norm_eps, gated), x, w, y, q, s, stream, options=options)
+    return cute.compile(RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize), x, w, y, q, s, stream,
+                        options=options)

@@ -22,7 +22,9 @@ change a decode step):
 * ``quanto4`` / ``quanto2``: ``QuantizedCache(backend="quanto")``, eager (dequantizes the
   whole cache every step), when optimum-quanto is importable, else recorded "not installed";
 * ``bd4`` / ``bd2``: ``BitDecodingCache`` (K per channel, groups of 128), eager and
-  CUDA-graph captured.
+  CUDA-graph captured;
+* ``bd4-norms``: ``bd4`` with the model's RMSNorms replaced by one kernel each
+  (``bitdecode.hf.fuse_norms``, undone after): what the norms' eight torch kernels cost.
 
 Steps: one token per sequence at position N, ``input_ids`` / ``position_ids`` in fixed
 buffers.  Eager: every step synchronized, CUDA events around it.  Graph: the step captured
@@ -45,6 +47,7 @@ pass / fail in the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -135,6 +138,8 @@ def configurations(args, device) -> List[dict]:
     for bits in (4, 2):
         out.append(dict(name=f"bd{bits}", label=f"bitdecode {bits}-bit (K per channel, G=128)", modes=graph,
                         attn="bitdecode", bits=bits))
+    out.append(dict(name="bd4-norms", label="bitdecode 4-bit + the model's RMSNorms as one kernel each "
+                    "(bitdecode.hf.fuse_norms)", modes=graph, attn="bitdecode", bits=4, fuse_norms=True))
     if args.configs:
         keep = set(args.configs.split(","))
         out = [c for c in out if c["name"] in keep]
@@ -427,6 +432,24 @@ def _size(n: int) -> str:
 # --------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def fused_norms(model, on: bool):
+    """``bitdecode.hf.fuse_norms`` on the shared model for one configuration, undone after."""
+    if not on:
+        yield
+        return
+    from bitdecode import hf
+
+    saved = [(parent, name, child) for parent in list(model.modules())
+             for name, child in parent.named_children() if type(child).__name__ in hf.RMS_NORM_CLASSES]
+    hf.fuse_norms(model)
+    try:
+        yield
+    finally:
+        for parent, name, child in saved:
+            setattr(parent, name, child)
+
+
 def evaluate_targets(rows: List[dict], meaningful: bool) -> dict:
     ok = [r for r in rows if r["status"] == "ok"]
 
@@ -446,6 +469,11 @@ def evaluate_targets(rows: List[dict], meaningful: bool) -> dict:
     out["bd4_graph_within_1.3x_roofline"] = {
         "need": f"step time <= {TARGETS['roofline_ratio_max']} x roofline at every point",
         "ratios": ratios, "pass": bool(ratios) and all(x <= TARGETS["roofline_ratio_max"] for x in ratios.values())}
+    fused = [r for r in ok if r["config"] == "bd4-norms" and r["mode"] == ("graph" if any(x["mode"] == "graph" for x in ok)
+                                                                          else "eager")]
+    if fused:  # the same with the model's norms fused (what bitdecode.hf.fuse_norms adds)
+        out["bd4_graph_within_1.3x_roofline"]["ratios_bd4_norms"] = {r["role"]: round(r["of_roofline"], 3)
+                                                                     for r in fused}
     for role, key in (("b1_128k", "b1_128k_speedup_min"), ("b8_64k", "b8_64k_speedup_min")):
         fast16 = best(role, SIXTEEN_BIT)
         entry = {"need": f"bitdecode 4-bit tokens/s >= {TARGETS[key]} x the fastest 16-bit configuration"}
@@ -490,7 +518,8 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(max(8, 2.6 * len(points)), 4.6))
     width = 0.85 / max(1, len(series))
     colors = {"dynamic": "#7f7f7f", "static": "#1f77b4", "static-packed": "#17becf", "static-compiled": "#9467bd",
-              "quanto4": "#ff7f0e", "quanto2": "#e7ba52", "bd4": "#2ca02c", "bd2": "#d62728"}
+              "quanto4": "#ff7f0e", "quanto2": "#e7ba52", "bd4": "#2ca02c", "bd2": "#d62728",
+              "bd4-norms": "#8c564b"}
     handles = []
     for i, (name, mode) in enumerate(series):
         xs, ys, notes = [], [], []
@@ -606,7 +635,8 @@ def run(args) -> dict:
                 print(f"  B={b:<3d} N={n:<7d} {cfg['name']:<16s} {status}", flush=True)
                 continue
             try:
-                new = run_config(cfg, model, ctx, data, args, device, backend)
+                with fused_norms(model, cfg.get("fuse_norms", False)):
+                    new = run_config(cfg, model, ctx, data, args, device, backend)
                 for r in new:
                     r["need_estimate_bytes"] = need
                 rows += new
@@ -689,7 +719,7 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default=None, help="BxN list overriding the sweep, e.g. 1x32768,8x65536")
     p.add_argument("--configs", default=None,
                    help="comma list of configurations to run (dynamic,static,static-packed,static-compiled,"
-                        "quanto4,quanto2,bd4,bd2; default all)")
+                        "quanto4,quanto2,bd4,bd2,bd4-norms; default all)")
     p.add_argument("--compile", action="store_true",
                    help="add static-compiled (torch.compile reduce-overhead; ~1 min of compiling per context)")
     p.add_argument("--steps", type=int, default=None,

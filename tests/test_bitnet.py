@@ -611,6 +611,11 @@ def test_norm_quant_compiles(arch):
             assert instr in ptx, f"{instr} missing ({arch}, bf16={bf16})"
         assert "rsqrt.approx.ftz" not in ptx and ".local" not in ptx
         assert ("max.NaN.f32" in ptx) == gated  # relu keeping NaN, as torch's
+    # the norm alone (bd.bitnet.rms_norm): no quantizer pass
+    ptx = _ptx(act_quant.compile_norm_quant(True, bn.ACT_EPS, 1e-5, jit.compile_options(arch, keep_ptx=True),
+                                            False, False))
+    assert "rsqrt.approx.f32" in ptx and "st.global.v4.b32" in ptx
+    assert "cvt.rni.s32.f32" not in ptx and "st.global.v2.b32" not in ptx and ".local" not in ptx
 
 
 def test_act_quant_kernel_maths():
@@ -628,6 +633,20 @@ def test_act_quant_kernel_maths():
     q_ref, s_ref = bn.quantize_activation(x)
     assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
     assert not torch.equal(torch.tensor(127.0) / amax, s_ref)  # the one-division scale differs somewhere
+
+
+def test_rms_norm_reference_and_errors():
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = (torch.rand(64) + 0.5).to(torch.bfloat16)
+    assert torch.equal(bn.rms_norm(x, w, 1e-5), bn.rms_norm_quantize(x, w, 1e-5)[0])  # CPU: torch's ops
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        bn.rms_norm(x, w, 1e-5, backend="kernel")
+    with pytest.raises(ValueError, match="one dtype"):
+        bn.rms_norm(x, w.half(), 1e-5, backend="kernel")
+    with pytest.raises(ValueError, match="weight must have shape"):
+        bn.rms_norm(x, w[:8], 1e-5)
+    with pytest.raises(ValueError, match="backend"):
+        bn.rms_norm(x, w, 1e-5, backend="fast")
 
 
 def test_act_quant_backend_errors():
@@ -826,6 +845,7 @@ def test_gpu_norm_quant(dtype):
         q_ref, s_ref = bn.quantize_activation(y)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref), (m, k)
         assert not y[0].any() and s[0].item() == pytest.approx(127 / bn.ACT_EPS, rel=1e-6)
+        assert torch.equal(bn.rms_norm(x, w, 1e-6, backend="kernel"), y)  # the norm alone: the same y
     for m, k in ((1, 6912), (300, 6912), (5, 8)):  # gated: relu(gate)^2 * up, then the norm
         x = (torch.randn(m, 2 * k, generator=gen, device="cuda") * 2).to(dtype)
         x[0, :k] = -1  # a row of zero activations

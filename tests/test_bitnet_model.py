@@ -259,6 +259,9 @@ def test_norm_output_carries_its_quantization(monkeypatch):
     assert torch.equal(lin(y), lin(y.clone())) and len(calls) == 3
     z = norm(x)  # (its own quantization on the reference path counts once)
     assert torch.equal(lin(z.view(3, 256)), out) and len(calls) == 5  # a view quantizes itself
+    with torch.inference_mode():  # no version counter to guard in-place changes: not carried
+        y = norm(x)
+        assert not hasattr(y, bn._ACT_ATTR) and torch.equal(lin(y), out) and len(calls) == 7
 
 
 def test_rms_norm_quantize_gated_is_bitnet_mlp_activation():

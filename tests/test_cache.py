@@ -259,6 +259,11 @@ def test_prefill_checks_the_block_table_only_after_an_edit(gen, monkeypatch):
     with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got \[0, 7\]"):
         cache.prefill(k, k, seqlens=[512, 512])  # past them: checked, and page 7 refused
     assert len(calls) == 3
+    with torch.inference_mode():  # an inference-mode table has no version counter: always checked
+        cache = allocate(4, batch=2, max_seqlen=512, page_size=256)
+        cache.prefill(k, k)
+        cache.prefill(k, k)
+    assert len(calls) == 5
 
 
 # --------------------------------------------------------------------------------------

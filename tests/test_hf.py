@@ -133,6 +133,68 @@ def test_import_bitdecode_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_fused_norm_classes_compute_llamas_norm():
+    """Every class ``fuse_norms`` replaces has LlamaRMSNorm's forward line for line in the
+    installed transformers (a change there makes this fail, not the models)."""
+    import importlib
+    import inspect
+
+    def body(cls):
+        return inspect.getsource(cls.forward).split("\n", 1)[1]
+
+    llama = importlib.import_module("transformers.models.llama.modeling_llama").LlamaRMSNorm
+    for name in hf.RMS_NORM_CLASSES:
+        family = name[: -len("RMSNorm")].lower()
+        cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+        assert body(cls) == body(llama), name
+
+
+@torch.no_grad()
+def test_fuse_norms_on_the_cpu_changes_no_bit(models):
+    """fuse_norms swaps each RMSNorm (2 per layer + the final one) for FusedRMSNorm with
+    the same weight; on the CPU it runs torch's ops, so logits are bit-identical."""
+    base, _ = models
+    fused = copy.deepcopy(base)
+    assert hf.fuse_norms(fused) == 2 * base.config.num_hidden_layers + 1
+    assert isinstance(fused.model.norm, hf.FusedRMSNorm) and fused.model.norm.weight.shape == (256,)
+    assert "model.layers.0.input_layernorm.weight" in fused.state_dict()
+    assert hf.fuse_norms(fused) == 0  # nothing left to replace
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fused(ids).logits, base(ids).logits)
+    with pytest.raises(TypeError, match="model"):
+        hf.fuse_norms("llama")
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_fused_norms_generate_like_transformers():
+    """On the GPU the norms run the kernel: logits within the norms' last-bit differences
+    of transformers' own, the same greedy tokens; a decode step captured in a CUDA graph
+    replays as it ran eagerly."""
+    base, packed = _models()
+    base, packed = base.cuda(), packed.cuda()
+    fused = copy.deepcopy(packed)
+    hf.fuse_norms(fused)
+    ids = torch.randint(0, VOCAB, (2, 300), generator=torch.Generator().manual_seed(6)).cuda()
+    a, b = fused(ids).logits, packed(ids).logits
+    assert _rel(a, b) < 2e-2, _rel(a, b)
+    fmt = bd.KVFormat(bits=4, group_size=64)
+    out_f = fused.generate(ids, past_key_values=hf.BitDecodingCache(fused, fmt, max_seqlen=1024),
+                           max_new_tokens=8, do_sample=False)
+    out_p = packed.generate(ids, past_key_values=hf.BitDecodingCache(packed, fmt, max_seqlen=1024),
+                            max_new_tokens=8, do_sample=False)
+    assert (out_f[:, 300:] == out_p[:, 300:]).float().mean().item() >= 0.75
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    norm = fused.model.layers[0].input_layernorm
+    graph = torch.cuda.CUDAGraph()
+    norm(x)
+    with torch.cuda.graph(graph):
+        y = norm(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, norm(x))
+
+
 @pytest.mark.gpu
 @torch.no_grad()
 def test_kernels_decode_within_the_format_error(backend):
