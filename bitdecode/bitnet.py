@@ -229,6 +229,19 @@ def _check_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps, gated: bool) -
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
+def _norm_kernel_runs(x: torch.Tensor, weight: torch.Tensor, backend: str, what: str) -> bool:
+    """Whether ``backend`` runs the norm kernel on these tensors (fp16 / bf16 x and weight
+    of one dtype, K % 8 == 0, on a CUDA device that has it); "kernel" requires it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    fits = (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.shape[0] % layout.ACT_QUANT_VEC == 0)
+    if backend == "kernel" and not fits:
+        raise ValueError(f"the {what} kernel takes fp16 / bf16 x and weight of one dtype with "
+                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {weight.shape[0]}")
+    return backend != "reference" and fits and _use_kernel(backend, x.device, what)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``BitNetRMSNorm`` (and ``LlamaRMSNorm``) forward, op for op."""
     xf = x.to(torch.float32)
@@ -258,18 +271,11 @@ def rms_norm_quantize(
     quantization.  ``backend="auto"`` runs one kernel (``kernels_sm80.act_quant``) for fp16
     / bf16 CUDA tensors with ``weight`` in x's dtype and K % 8 == 0, else the torch ops;
     ``"kernel"`` requires it.  The kernel sums the squares in another order than torch,
-    so its ``y`` may differ from torch's by one 16-bit ulp (on rows whose ``rsqrt`` lands
-    near a rounding edge); its ``q, s`` are exactly ``quantize_activation`` of its ``y``.
+    so its ``y`` may differ from torch's by up to two 16-bit ulps (on rows whose ``rsqrt``
+    lands near a rounding edge); its ``q, s`` are exactly ``quantize_activation`` of its ``y``.
     """
     _check_norm_quant(x, weight, eps, gated)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    fits = (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.shape[0] % layout.ACT_QUANT_VEC == 0)
-    if backend == "kernel" and not fits:
-        raise ValueError(f"the norm + quantizer kernel takes fp16 / bf16 x and weight of one dtype with "
-                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {weight.shape[0]}")
-    if backend != "reference" and fits and _use_kernel(backend, x.device, "norm + quantizer"):
+    if _norm_kernel_runs(x, weight, backend, "norm + quantizer"):
         lead, k = x.shape[:-1], weight.shape[0]
         x2 = _aligned(x.reshape(-1, x.shape[-1]))
         if x2.shape[0] == 0:
@@ -310,15 +316,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     K % 8 == 0, else torch's ops; "reference": torch's ops; "kernel": required).  Within
     two 16-bit ulps of torch's ops (the squares are summed in another order)."""
     _check_norm_quant(x, weight, eps, False)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    fits = (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.shape[0] % layout.ACT_QUANT_VEC == 0)
-    if backend == "kernel" and not fits:
-        raise ValueError(f"the RMSNorm kernel takes fp16 / bf16 x and weight of one dtype with "
-                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {weight.shape[0]}")
-    if backend == "reference" or not fits or torch.compiler.is_compiling() \
-            or not _use_kernel(backend, x.device, "RMSNorm"):
+    if torch.compiler.is_compiling() or not _norm_kernel_runs(x, weight, backend, "RMSNorm"):
         return _rms_norm(x, weight, eps)
     x2 = _aligned(x.reshape(-1, x.shape[-1]))
     if x2.shape[0] == 0:

@@ -159,7 +159,7 @@ class RmsNormQuantSm80(ActQuantSm80):
     transformers' ``BitNetRMSNorm`` / ``LlamaRMSNorm`` (squares exact, the mean as torch
     takes it, ``sum * (1 / K)``; the product by ``w`` of two 16-bit values exact in fp32,
     rounded once).  The sum runs in another order than torch's, so ``y`` can differ from
-    torch's by one 16-bit ulp where the row's ``rsqrt`` lands near a rounding edge; ``q``
+    torch's by up to two 16-bit ulps where the row's ``rsqrt`` lands near a rounding edge; ``q``
     and ``s`` are exactly the quantizer's of this ``y``."""
 
     def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False, quantize: bool = True):
