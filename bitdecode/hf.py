@@ -45,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import ops
+from . import _validate, ops
 from .cache import KVCache, decode
 from .formats import KVFormat
 
@@ -173,7 +173,7 @@ class BitDecodingCache(Cache):
         layer = functools.partial(BitDecodingLayer, fmt, max_seqlen, page_size, backend)
         super().__init__(layer_class_to_replicate=layer)
         self.fmt = fmt
-        self._prompt_lens = None  # (weakref to a prefill's mask, its length, prompt lengths)
+        self._prompt_lens = None  # (weakref to a prefill's mask, its length, version, prompt lengths)
         bound = 0
         for module in model.modules():  # the attention modules find their layer through this
             if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
@@ -211,11 +211,11 @@ def _prompt_lengths(cache: "BitDecodingCache", attention_mask: Optional[torch.Te
     valid = _valid_tokens(attention_mask, t)
     if valid is None:
         return None, None
-    memo = cache._prompt_lens
-    if memo is not None and memo[0]() is attention_mask and memo[1] == t:
-        return valid, memo[2]
+    memo, version = cache._prompt_lens, _validate.version_counter(attention_mask)
+    if memo is not None and memo[0]() is attention_mask and memo[1:3] == (t, version) and version is not None:
+        return valid, memo[3]
     lens = valid.sum(dim=1).tolist()
-    cache._prompt_lens = (weakref.ref(attention_mask), t, lens)
+    cache._prompt_lens = (weakref.ref(attention_mask), t, version, lens)
     return valid, lens
 
 
