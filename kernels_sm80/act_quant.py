@@ -68,30 +68,17 @@ def _quant4(a: Float32, b: Float32, c: Float32, d: Float32, s: Float32, *, loc=N
 
 
 @dsl_user_op
-def _store8(addr: Int64, lo: Int32, hi: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(lo).ir_value(loc=loc, ip=ip),
-                Int32(hi).ir_value(loc=loc, ip=ip)],
-         "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _store16(addr: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
-         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+def _store_words(addr: Int64, *words, loc=None, ip=None) -> None:
+    """One vector store of 2 or 4 32-bit words (``st.global.v2`` / ``.v4``)."""
+    regs = ", ".join(f"${i + 1}" for i in range(len(words)))
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in words],
+         f"st.global.v{len(words)}.b32 [$0], {{{regs}}};", "l" + ",r" * len(words), side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def _relu(x: Float32, *, loc=None, ip=None) -> Float32:
     """max(x, 0) keeping NaN (as torch's relu does)."""
     return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "max.NaN.f32 $0, $1, 0f00000000;", "=f,f",
-                        loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _rsqrt(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``rsqrt.approx.f32`` without flush-to-zero: what CUDA's ``rsqrtf`` (torch.rsqrt on
-    fp32 CUDA tensors) compiles to."""
-    return Float32(_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "rsqrt.approx.f32 $0, $1;", "=f,f",
                         loc=loc, ip=ip))
 
 
@@ -145,7 +132,7 @@ class ActQuantSm80:
             a2, a3 = self.halves(w1)
             a4, a5 = self.halves(w2)
             a6, a7 = self.halves(w3)
-            _store8(q_row + Int64(v) * VEC, _quant4(a0, a1, a2, a3, scale), _quant4(a4, a5, a6, a7, scale))
+            _store_words(q_row + Int64(v) * VEC, _quant4(a0, a1, a2, a3, scale), _quant4(a4, a5, a6, a7, scale))
 
 
 class RmsNormQuantSm80(ActQuantSm80):
@@ -166,7 +153,7 @@ class RmsNormQuantSm80(ActQuantSm80):
         super().__init__(is_bf16, eps)
         self.norm_eps = norm_eps
         self.gated = gated
-        self.quantize = quantize  # False: the norm alone (``q``, ``s`` untouched)
+        self.quantize = quantize  # False: the norm alone (``q``, ``s`` not read or written)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
@@ -219,8 +206,10 @@ class RmsNormQuantSm80(ActQuantSm80):
             for lo, hi in self.inputs(x_row, v, k):
                 ss = ss + lo * lo + hi * hi
         total = block_reduce(ss, s_red, tidx, WARPS, False)
-        # torch's mean is ``sum * (1 / K)``; then ``+ eps`` and rsqrt, each rounded once
-        inv_rms = _rsqrt(mul_rn(total, rcp_rn(Float32(k))) + Float32(self.norm_eps))
+        # torch's mean is ``sum * (1 / K)``; then ``+ eps`` and rsqrt, each rounded once (the
+        # rsqrt approximate without flush-to-zero: what CUDA's ``rsqrtf``, torch.rsqrt on
+        # fp32 CUDA tensors, compiles to)
+        inv_rms = cute.math.rsqrt(mul_rn(total, rcp_rn(Float32(k))) + Float32(self.norm_eps), approx=True)
 
         # pass 2: y (rounded to the dtype before and after the weight, as the model does),
         # stored, and its max |y|
@@ -237,7 +226,7 @@ class RmsNormQuantSm80(ActQuantSm80):
                 if const_expr(self.quantize):
                     amax = cute.arch.fmax(amax, cute.arch.fmax(cute.math.absf(y0), cute.math.absf(y1)))
                 out.append(word)
-            _store16(y_row + Int64(v) * fmt.CHUNK_BYTES, out[0], out[1], out[2], out[3])
+            _store_words(y_row + Int64(v) * fmt.CHUNK_BYTES, *out)
         # pass 3: the quantizer over y, each thread re-reading the vectors it stored (the
         # same vectors: the loops share their thread mapping, so no barrier is needed)
         if const_expr(self.quantize):
@@ -256,11 +245,11 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
     return cute.compile(ActQuantSm80(is_bf16, eps), x, q, s, stream, options=options)
 
 
-
 def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False,
                        quantize: bool = True):
-    """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0 (without
-    ``quantize``, ``q`` and ``s`` are placeholders of any shape: pass empty tensors)."""
+    """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0.  Without
+    ``quantize`` the kernel neither reads nor writes ``q`` and ``s``, so their shapes are
+    free (the caller passes zero-size tensors)."""
     m = cute.sym_int()
     k = cute.sym_int(divisibility=VEC)
     fake = cute.runtime.make_fake_compact_tensor
