@@ -165,13 +165,7 @@ def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple
     _validate.tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    fits = x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] % layout.ACT_QUANT_VEC == 0
-    if backend == "kernel" and not fits:
-        raise ValueError(f"the activation quantizer kernel takes fp16 / bf16 x with K % {layout.ACT_QUANT_VEC} == 0, "
-                         f"got {x.dtype} with K = {x.shape[-1]}")
-    if backend != "reference" and fits and _use_kernel(backend, x.device, "activation quantizer"):
+    if _row_kernel_runs(x, None, backend, "activation quantizer"):
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = _aligned(x.reshape(-1, k))
         if x2.shape[0] == 0:
@@ -229,16 +223,20 @@ def _check_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps, gated: bool) -
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
-def _norm_kernel_runs(x: torch.Tensor, weight: torch.Tensor, backend: str, what: str) -> bool:
-    """Whether ``backend`` runs the norm kernel on these tensors (fp16 / bf16 x and weight
-    of one dtype, K % 8 == 0, on a CUDA device that has it); "kernel" requires it."""
+def _row_kernel_runs(x: torch.Tensor, weight: Optional[torch.Tensor], backend: str, what: str) -> bool:
+    """Whether ``backend`` runs one of the per-row kernels (``kernels_sm80.act_quant``: the
+    quantizer, or with the norm's ``weight`` the norm kernels) on these tensors: fp16 /
+    bf16 x (and weight of its dtype), rows of K % 8 == 0, a CUDA device that has them.
+    "kernel" requires it; "reference" never."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    fits = (x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.shape[0] % layout.ACT_QUANT_VEC == 0)
+    k = x.shape[-1] if weight is None else weight.shape[0]
+    fits = (x.dtype in (torch.float16, torch.bfloat16) and (weight is None or weight.dtype == x.dtype)
+            and k % layout.ACT_QUANT_VEC == 0)
     if backend == "kernel" and not fits:
-        raise ValueError(f"the {what} kernel takes fp16 / bf16 x and weight of one dtype with "
-                         f"K % {layout.ACT_QUANT_VEC} == 0, got x {x.dtype}, weight {weight.dtype}, K = {weight.shape[0]}")
+        operands = f"x {x.dtype}" if weight is None else f"x {x.dtype}, weight {weight.dtype} (one dtype)"
+        raise ValueError(f"the {what} kernel takes fp16 / bf16 {'x' if weight is None else 'x and weight'} with "
+                         f"K % {layout.ACT_QUANT_VEC} == 0, got {operands}, K = {k}")
     return backend != "reference" and fits and _use_kernel(backend, x.device, what)
 
 
@@ -275,19 +273,30 @@ def rms_norm_quantize(
     lands near a rounding edge); its ``q, s`` are exactly ``quantize_activation`` of its ``y``.
     """
     _check_norm_quant(x, weight, eps, gated)
-    if _norm_kernel_runs(x, weight, backend, "norm + quantizer"):
-        lead, k = x.shape[:-1], weight.shape[0]
-        x2 = _aligned(x.reshape(-1, x.shape[-1]))
-        if x2.shape[0] == 0:
-            return (x.new_empty(*lead, k), x.new_empty(*lead, k, dtype=torch.int8),
-                    x.new_empty(lead, dtype=torch.float32))
-        fn = _norm_quant_op if torch.compiler.is_compiling() else _norm_quant_launch
-        # (detached: DLPack refuses tensors that require grad; the kernels are inference only)
-        y, q, s = fn(x2.detach(), _aligned(weight).detach(), float(eps), gated)
-        return y.reshape(*lead, k), q.reshape(*lead, k), s.reshape(lead)
+    if _row_kernel_runs(x, weight, backend, "norm + quantizer"):
+        return _norm_kernel(x, weight, eps, gated, True)
     y = _rms_norm(_relu2_times_up(x) if gated else x, weight, eps)
     q, s = quantize_activation(y)
     return y, q, s
+
+
+def _norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool, quantize: bool):
+    """(y, q, s) of the norm kernel over x's rows, shaped like x (the last dimension K);
+    q and s are None without ``quantize``.  Under torch.compile: the custom op."""
+    lead, k = x.shape[:-1], weight.shape[0]
+    x2 = _aligned(x.reshape(-1, x.shape[-1]))
+    if x2.shape[0] == 0:
+        y, q, s = x.new_empty(0, k), x.new_empty(0, k, dtype=torch.int8), x.new_empty(0, dtype=torch.float32)
+    else:
+        # (detached: DLPack refuses tensors that require grad; the kernels are inference only)
+        x2, w = x2.detach(), _aligned(weight).detach()
+        if torch.compiler.is_compiling():  # (only rms_norm_quantize gets here compiling)
+            y, q, s = _norm_quant_op(x2, w, float(eps), gated)
+        else:
+            y, q, s = _norm_quant_launch(x2, w, float(eps), gated, quantize)
+    if not quantize:
+        return y.reshape(*lead, k), None, None
+    return y.reshape(*lead, k), q.reshape(*lead, k), s.reshape(lead)
 
 
 def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool, quantize: bool = True):
@@ -316,12 +325,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     K % 8 == 0, else torch's ops; "reference": torch's ops; "kernel": required).  Within
     two 16-bit ulps of torch's ops (the squares are summed in another order)."""
     _check_norm_quant(x, weight, eps, False)
-    if torch.compiler.is_compiling() or not _norm_kernel_runs(x, weight, backend, "RMSNorm"):
+    if torch.compiler.is_compiling() or not _row_kernel_runs(x, weight, backend, "RMSNorm"):
         return _rms_norm(x, weight, eps)
-    x2 = _aligned(x.reshape(-1, x.shape[-1]))
-    if x2.shape[0] == 0:
-        return x.new_empty(x.shape)
-    return _norm_quant_launch(x2.detach(), _aligned(weight).detach(), float(eps), False, False)[0].reshape(x.shape)
+    return _norm_kernel(x, weight, eps, False, False)[0]
 
 
 @torch.library.custom_op("bitdecode::bitnet_norm_quant", mutates_args=())

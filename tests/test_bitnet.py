@@ -649,6 +649,32 @@ def test_rms_norm_reference_and_errors():
         bn.rms_norm(x, w, 1e-5, backend="fast")
 
 
+def test_norm_kernel_glue_shapes(monkeypatch):
+    """The host side of the norm kernels (rows flattened and aligned, outputs reshaped,
+    no rows, the norm-only variant's zero-size q / s), with the launch replaced by the
+    torch maths: the GPU path's shapes are checked on the CPU too."""
+    launched = []
+
+    def fake_launch(x2, w, eps, gated, quantize=True):
+        launched.append((tuple(x2.shape), quantize))
+        y = bn._rms_norm(bn._relu2_times_up(x2) if gated else x2, w, eps)
+        q, s = bn.quantize_activation(y)
+        return (y, q, s) if quantize else (y, q[:0, :0], s[:0])
+
+    monkeypatch.setattr(bn, "_use_kernel", lambda *a: True)
+    monkeypatch.setattr(bn, "_norm_quant_launch", fake_launch)
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    w = (torch.rand(64) + 0.5).to(torch.bfloat16)
+    y, q, s = bn.rms_norm_quantize(x, w, 1e-6, gated=True, backend="kernel")
+    assert y.shape == q.shape == (2, 3, 64) and s.shape == (2, 3) and launched[-1] == ((6, 128), True)
+    assert torch.equal(y, bn.rms_norm_quantize(x, w, 1e-6, gated=True)[0])
+    y = bn.rms_norm(x[..., :64], w, 1e-6, backend="kernel")
+    assert y.shape == (2, 3, 64) and launched[-1] == ((6, 64), False)
+    y, q, s = bn.rms_norm_quantize(x[:0, :, :64], w, 1e-6, backend="kernel")  # no rows: no launch
+    assert y.shape == q.shape == (0, 3, 64) and s.shape == (0, 3) and s.dtype == torch.float32 and len(launched) == 2
+    assert bn.rms_norm(x[:0, :, :64], w, 1e-6, backend="kernel").shape == (0, 3, 64)
+
+
 def test_act_quant_backend_errors():
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA tensors"):
