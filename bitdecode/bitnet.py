@@ -67,6 +67,8 @@ __all__ = [
     "FusedSlice",
     "RMSNormQuant",
     "FusedMLP",
+    "RMS_NORM_CLASSES",
+    "is_rms_norm",
     "convert",
     "load_int2_checkpoint",
     "MAX_SEGMENTS",
@@ -1020,10 +1022,20 @@ class FusedMLP(nn.Module):
 NORMS_BEFORE_LINEARS = ("input_layernorm", "post_attention_layernorm", "self_attn.attn_sub_norm", "mlp.ffn_sub_norm")
 
 
-def _is_rms_norm(norm) -> bool:
-    weight = getattr(norm, "weight", None)
-    return (isinstance(norm, nn.Module) and not isinstance(norm, RMSNormQuant) and isinstance(weight, nn.Parameter)
-            and weight.dim() == 1 and isinstance(getattr(norm, "variance_epsilon", None), float))
+# transformers' RMSNorms that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+# in fp32 with a ``variance_epsilon`` (their forwards are LlamaRMSNorm's, line for line;
+# tests/test_hf.py checks that against the installed transformers), the maths of the norm
+# kernels.  Gemma's (1 + weight) is not one of them.
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm",
+                    "Phi3RMSNorm", "BitNetRMSNorm")
+
+
+def is_rms_norm(module) -> bool:
+    """Whether ``module`` is one of transformers' ``RMS_NORM_CLASSES`` (1-D weight, float
+    ``variance_epsilon``): a norm ``rms_norm`` computes."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ in RMS_NORM_CLASSES and isinstance(weight, nn.Parameter) and weight.dim() == 1
+            and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
 def _fusable_mlp(mlp) -> bool:
@@ -1033,12 +1045,12 @@ def _fusable_mlp(mlp) -> bool:
     return (type(mlp).__name__ == "BitNetMLP" and type(getattr(mlp, "act_fn", None)).__name__ == "ReLUSquaredActivation"
             and isinstance(gate_up, BitLinear) and len(gate_up.segments) == 2
             and gate_up.segments[0] == gate_up.segments[1] and isinstance(getattr(mlp, "down_proj", None), BitLinear)
-            and _is_rms_norm(getattr(mlp, "ffn_sub_norm", None)))
+            and is_rms_norm(getattr(mlp, "ffn_sub_norm", None)))
 
 
 def _fuse_norms(model: nn.Module, backend: str) -> None:
     """Put ``RMSNormQuant`` in place of each decoder layer's ``NORMS_BEFORE_LINEARS`` that
-    is an RMSNorm (a 1-D ``weight`` and a ``variance_epsilon``), and ``FusedMLP`` in place
+    is one of transformers' RMSNorms (``is_rms_norm``), and ``FusedMLP`` in place
     of a BitNet MLP whose gate / up are one BitLinear."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if isinstance(layers, nn.ModuleList) else ():
@@ -1051,7 +1063,7 @@ def _fuse_norms(model: nn.Module, backend: str) -> None:
             except AttributeError:
                 continue
             norm = getattr(parent, name, None)
-            if _is_rms_norm(norm):
+            if is_rms_norm(norm):
                 setattr(parent, name, RMSNormQuant(norm.weight, norm.variance_epsilon, backend))
 
 

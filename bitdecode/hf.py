@@ -45,7 +45,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import _validate, ops
+from . import _validate, bitnet, ops
+from .bitnet import RMS_NORM_CLASSES
 from .cache import KVCache, decode
 from .formats import KVFormat
 
@@ -246,16 +247,8 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
     return decode(query.transpose(1, 2).contiguous(), layer.kv, softmax_scale=scaling), None
 
 
-# transformers' RMSNorms that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
-# in fp32 with a ``variance_epsilon`` (their forwards are LlamaRMSNorm's, line for line;
-# tests/test_hf.py checks that against the installed transformers).  Gemma's (1 + weight)
-# is not one of them.
-RMS_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm",
-                    "Phi3RMSNorm", "BitNetRMSNorm")
-
-
 class FusedRMSNorm(torch.nn.Module):
-    """One of transformers' RMSNorms (``RMS_NORM_CLASSES``) as one kernel
+    """One of transformers' RMSNorms (``bd.bitnet.RMS_NORM_CLASSES``) as one kernel
     (``bd.bitnet.rms_norm``) instead of its eight torch ops: the same weight Parameter and
     ``variance_epsilon``, the output within two 16-bit ulps of the original's (torch's ops
     on the CPU, for fp32, and under torch.compile)."""
@@ -267,8 +260,6 @@ class FusedRMSNorm(torch.nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import bitnet
-
         return bitnet.rms_norm(x, self.weight, self.variance_epsilon, backend=self.backend)
 
     def extra_repr(self) -> str:
@@ -285,7 +276,7 @@ def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child).__name__ in RMS_NORM_CLASSES and isinstance(getattr(child, "weight", None), torch.nn.Parameter):
+            if bitnet.is_rms_norm(child):
                 setattr(parent, name, FusedRMSNorm(child, backend))
                 count += 1
     return count

@@ -438,10 +438,10 @@ def fused_norms(model, on: bool):
     if not on:
         yield
         return
-    from bitdecode import hf
+    from bitdecode import bitnet, hf
 
     saved = [(parent, name, child) for parent in list(model.modules())
-             for name, child in parent.named_children() if type(child).__name__ in hf.RMS_NORM_CLASSES]
+             for name, child in parent.named_children() if bitnet.is_rms_norm(child)]
     hf.fuse_norms(model)
     try:
         yield
