@@ -114,6 +114,8 @@ class Backend(Protocol):
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 
+    hardware_validated: bool  # False: ``auto`` never takes it (its kernels have not run on its GPU)
+
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype: Optional[torch.dtype] = None) -> bool:
         """Whether ``auto`` takes it for a cache of this format, head dim and dtype (None:
         not known yet)."""

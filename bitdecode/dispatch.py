@@ -53,7 +53,8 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
     if backend == "auto":
         # the registry's order (best first), among the backends that take this cache (on
         # the H200 sm90 is the faster one at 4 bits and head dims up to 128: NOTES.md)
-        kernels = [b for b in backends.shipped() if runnable(b, device)]
+        # (a backend whose kernels have not run on their GPU yet is only taken by name)
+        kernels = [b for b in backends.shipped() if runnable(b, device) and backends.get(b).hardware_validated]
         if fmt is not None:
             kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim, dtype)] or kernels
         if not kernels:

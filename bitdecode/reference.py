@@ -187,6 +187,15 @@ def quantize_fp4(x: torch.Tensor, fp4: str, dim: int = -1, check_finite: bool = 
         _validate.finite("x", x)
     xs = x.movedim(dim, -1)
     blocks = xs.float().reshape(*xs.shape[:-1], xs.shape[-1] // vec, vec)
+    codes, sf = _quantize_fp4_blocks(blocks, fp4)
+    return codes.reshape(xs.shape).movedim(-1, dim), sf.movedim(-1, dim)
+
+
+def _quantize_fp4_blocks(blocks: torch.Tensor, fp4: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rounding of ``quantize_fp4`` on fp32 ``blocks [..., n, SF_VEC]`` (unchecked) ->
+    (codes uint8 ``[..., n, SF_VEC]``, scale bytes uint8 ``[..., n]``).  Apart from the
+    validating wrapper because the sm100 kernel's emulation quantizes fp32 operands
+    (``kernels_sm100.emulate``: Q and P times their fp32 scales) by the same rule."""
     amax = blocks.abs().amax(dim=-1)
     bad = ~(amax < math.inf)  # a NaN or an infinity in the block
     if fp4 == "nvfp4":
@@ -203,7 +212,7 @@ def quantize_fp4(x: torch.Tensor, fp4: str, dim: int = -1, check_finite: bool = 
     scale = _scale_values(sf, fp4)
     codes = _e2m1_rne(blocks.double() / scale[..., None])  # exact: no rounding before the grid's
     codes = torch.where(bad[..., None], 0, codes.to(torch.int32)).to(torch.uint8)
-    return codes.reshape(xs.shape).movedim(-1, dim), sf.movedim(-1, dim)
+    return codes, sf
 
 
 def dequantize_fp4(codes: torch.Tensor, sf: torch.Tensor, fp4: str, dtype: torch.dtype, dim: int = -1

@@ -291,6 +291,8 @@ class Sm80Backend:
     name = "sm80"
     limits = Limits(max_gqa=sm80.HEADS_TILES[-1], max_splits=sm80.MAX_SPLITS)
     whole_waves = False  # split rounding (choose_splits)
+    # whether ``auto`` may choose this backend: only kernels that have run on their GPU
+    hardware_validated = True
 
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)

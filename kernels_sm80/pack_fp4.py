@@ -52,19 +52,17 @@ def _pow2(e: int) -> float:
     return 2.0 ** e
 
 
-class PackFp4Sm80(PackSm80):
-    """The FP4 residual kernel (``KVFormat.fp4``); constexpr config as ``PackSm80``."""
+class Fp4Blocks:
+    """FP4 block quantization in registers (``KVFormat.fp4``'s rounding, exactly): the
+    scale of a block from its largest magnitude, and e2m1 codes by comparing magnitudes
+    with the grid's midpoints times the scale (exact products: no division per value).
+    The FP4 pack kernel quantizes K / V with it, the sm100 decode kernel Q and P."""
 
-    def __init__(self, dtype, fp4: str, head_dim: int, mode: str, pdl: bool = False, sinks: int = 0):
+    def __init__(self, fp4: str):
         assert fp4 in sm100.FP4_FORMATS
-        vec = sm100.SF_VEC[fp4]
-        super().__init__(dtype, 4, "token", vec, head_dim, mode, pdl=pdl, sinks=sinks, v_bits=4)
         self.fp4 = fp4
-        self.vec = vec
-        assert self.nr == sm100.SF_ATOM_ROWS == NUM_THREADS  # a thread per token of K's chunk rows
-        assert self.v_tile == self.nr
+        self.vec = sm100.SF_VEC[fp4]
 
-    # ---- one block of SF_VEC values --------------------------------------------------
     @cute.jit
     def e4m3_round(self, s: Float32):
         """``s`` in [2^-9, 448] -> (its e4m3 byte, the e4m3 value) rounding half to even."""
@@ -102,39 +100,61 @@ class PackFp4Sm80(PackSm80):
         return Uint32(e + sm100.UE8M0_BIAS), ptx.u32_as_f32(bits)
 
     @cute.jit
-    def quantize_block(self, vals):
-        """``vals`` (SF_VEC fp32 values) -> (scale byte, code words)."""
-        amax = Float32(0.0)
-        for i in cutlass.range_constexpr(self.vec):
-            amax = cute.arch.fmax(amax, _fabs(vals[i]), nan=True)
+    def block_scale(self, amax: Float32):
+        """(scale byte, scale value) of a block whose largest magnitude is ``amax``."""
         if const_expr(self.fp4 == "nvfp4"):
             s = ptx.div_rn(amax, Float32(sm100.E2M1_MAX))
             s = cute.arch.fmin(cute.arch.fmax(s, Float32(sm100.UE4M3_MIN)), Float32(sm100.UE4M3_MAX))
             byte, scale = self.e4m3_round(s)
         else:
             byte, scale = self.ue8m0_round(amax)
+        return byte, scale
+
+    @cute.jit
+    def code_of(self, x: Float32, thresholds, graded, finite) -> Uint32:
+        """e2m1 code of ``x`` against the block's midpoint ``thresholds``: the magnitude
+        only when ``graded`` (a finite block with a nonzero amax: an all-zero block's
+        thresholds would be subnormal, its codes are signed zeros), the sign bit when
+        ``finite``."""
+        a = _fabs(x)
+        mag = Uint32(0)
+        if graded:
+            for m in cutlass.range_constexpr(len(thresholds)):
+                up = (a >= thresholds[m]) if const_expr(sm100.E2M1_TIE_UP[m]) else (a > thresholds[m])
+                mag = mag + Uint32(up)
+        sign = (ptx.f32_bits(x) >> F32_SIGN_BIT) & Uint32(finite)
+        return mag | (sign << sm100.E2M1_SIGN_BIT)
+
+    @cute.jit
+    def quantize_block(self, vals):
+        """``vals`` (SF_VEC fp32 values) -> (scale byte, code words)."""
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(self.vec):
+            amax = cute.arch.fmax(amax, _fabs(vals[i]), nan=True)
+        byte, scale = self.block_scale(amax)
         thresholds = [Float32(m) * scale for m in sm100.E2M1_MIDPOINTS]
         finite = amax < Float32.inf  # false for NaN too
         if not (amax < Float32.inf):
             byte = Uint32(sm100.SCALE_NAN[self.fp4])
-        # magnitudes only for a finite block with a nonzero amax (an all-zero block's
-        # thresholds would be subnormal; its codes are signed zeros)
         graded = finite & (amax > Float32(0.0))
         words = []
         for w in cutlass.range_constexpr(self.vec // CODES_PER_WORD):
             word = Uint32(0)
             for i in cutlass.range_constexpr(CODES_PER_WORD):
-                x = vals[CODES_PER_WORD * w + i]
-                a = _fabs(x)
-                mag = Uint32(0)
-                if graded:
-                    for m in cutlass.range_constexpr(len(thresholds)):
-                        up = (a >= thresholds[m]) if const_expr(sm100.E2M1_TIE_UP[m]) else (a > thresholds[m])
-                        mag = mag + Uint32(up)
-                sign = (ptx.f32_bits(x) >> F32_SIGN_BIT) & Uint32(finite)
-                word = word | ((mag | (sign << sm100.E2M1_SIGN_BIT)) << (FIELD_BITS * i))
+                code = self.code_of(vals[CODES_PER_WORD * w + i], thresholds, graded, finite)
+                word = word | (code << (FIELD_BITS * i))
             words.append(word)
         return byte, words
+
+
+class PackFp4Sm80(PackSm80, Fp4Blocks):
+    """The FP4 residual kernel (``KVFormat.fp4``); constexpr config as ``PackSm80``."""
+
+    def __init__(self, dtype, fp4: str, head_dim: int, mode: str, pdl: bool = False, sinks: int = 0):
+        Fp4Blocks.__init__(self, fp4)
+        PackSm80.__init__(self, dtype, 4, "token", self.vec, head_dim, mode, pdl=pdl, sinks=sinks, v_bits=4)
+        assert self.nr == sm100.SF_ATOM_ROWS == NUM_THREADS  # a thread per token of K's chunk rows
+        assert self.v_tile == self.nr
 
     # ---- K: a thread per token, blocks along the channels ------------------------------
     @cute.jit

@@ -326,3 +326,44 @@ def swizzle_of(dtype: str, rows: int, cols: int) -> Tuple[int, int, int]:
     """(bits, base, shift) of the byte-address swizzle of a K-major UMMA operand tile."""
     sw = make_operand_smem_layout(_dtype(dtype), rows, cols).inner
     return (sw.num_bits, sw.num_base, sw.num_shift)
+
+
+# --------------------------------------------------------------------------------------
+# The decode kernel's operand tiles (K / V as A, Q / P as B) and their byte addresses
+# --------------------------------------------------------------------------------------
+
+
+def mma_operand_layout(mma, tiler, dtype, operand: str, stages: int = 1):
+    """The smem layout tcgen05 reads operand ``"a"`` or ``"b"`` of ``mma`` from for the
+    ``(M, N, K)`` ``tiler`` (``blackwell_helpers.make_smem_layout_a/b``): what the MMA
+    descriptors and the TMA boxes are built from.  ``((rows, K_inst), MMA_M|N, MMA_K, stages)``."""
+    import cutlass.utils.blackwell_helpers as blackwell
+
+    make = blackwell.make_smem_layout_a if operand == "a" else blackwell.make_smem_layout_b
+    return make(mma, tiler, dtype, stages)
+
+
+def rows_cols_bytes(layout, dtype):
+    """One stage of an ``mma_operand_layout`` seen as ``(row, byte column) -> byte offset``,
+    its swizzle applied (call in a trace; traced coordinates work): the sm100 decode kernel
+    writes Q and P (e2m1 words, 16-bit values) and the 16-bit residual tiles through it, so
+    what it writes is what the MMA reads by construction."""
+    import cutlass.cute as cute
+
+    outer = cute.slice_(layout.outer, (None, None, None, 0)) if cute.rank(layout.outer) == 4 else layout.outer
+    s, d = outer.shape, outer.stride
+    rows_cols = cute.make_layout(((s[0][0], s[1]), (s[0][1], s[2])), stride=((d[0][0], d[1]), (d[0][1], d[2])))
+    return cute.make_composed_layout(layout.inner, 0, cute.recast_layout(8, dtype.width, rows_cols))
+
+
+@_traced
+def mma_operand_bytes(dtype: str, fmt: str, operand: str, rows: int, cols: int, n: int) -> Tuple[Tuple[int, ...], ...]:
+    """``[row][byte column]`` of ``rows_cols_bytes`` for operand ``"a"`` (``rows`` x ``cols``,
+    M x K) or ``"b"`` (``rows`` = N query columns) of the block-scaled MMA of ``fmt``
+    (``dtype`` ``"e2m1"``) or of the 16-bit MMA (a table for the tests)."""
+    dt = _dtype(dtype)
+    mma = make_blockscaled_mma(fmt, n) if dtype == "e2m1" else make_f16_mma(dt, n)
+    tiler = (rows, n, cols) if operand == "a" else (UMMA_M, rows, cols)
+    layout = rows_cols_bytes(mma_operand_layout(mma, tiler, dt, operand), dt)
+    width = cols * ELEM_BITS[dtype] // 8
+    return tuple(tuple(int(layout((r, c))) for c in range(width)) for r in range(rows))

@@ -316,3 +316,40 @@ def test_decode_fp4_sm90_ptx(fp4, dtype, d, nh, tmp_path):
     report = ptxas.report(ptx, "sm_90a", tmp_path)
     assert "C7514" not in report, "ptxas serializes the wgmmas"
     assert ptxas.spill_bytes(report) == 0
+
+
+@pytest.mark.parametrize("fp4, dtype, head_dim, nh, split, sinks", [
+    ("nvfp4", "fp16", 128, 8, True, 0),
+    ("mxfp4", "bf16", 256, 16, False, 16),
+])
+def test_sm100_decode_ptx(fp4, dtype, head_dim, nh, split, sinks, tmp_path):
+    """The Blackwell FP4 decode kernel: block-scaled tcgen05 MMAs on the packed bytes (and
+    kind::f16 ones for the 16-bit tiles), tensor memory allocated, read and fed scales by
+    tcgen05.cp, TMA + bulk copies on mbarriers, PDL, and no spills."""
+    from bitdecode.kernels_sm100 import backend as sm100_backend
+
+    fmt = KVFormat(fp4=fp4, sink_tokens=sinks)
+    fn = sm100_backend.compile_decode("sm_100a", fmt, _dtype(dtype), head_dim, nh, split, keep_ptx=True)
+    ptx = fn.artifacts.PTX
+    kind = {"nvfp4": "kind::mxf4nvf4", "mxfp4": "kind::mxf4"}[fp4]
+    mma = [ln for ln in ptx.splitlines() if "tcgen05.mma" in ln]
+    assert any(kind in ln and "block_scale" in ln for ln in mma), f"no block-scaled {kind} tcgen05.mma"
+    assert any("kind::f16" in ln for ln in mma), "no kind::f16 tcgen05.mma for the 16-bit tiles"
+    for instr in ("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.cp", "tcgen05.commit",
+                  "cp.async.bulk.tensor", "cp.async.bulk.shared::cluster.global", "mbarrier.try_wait",
+                  "griddepcontrol.wait"):
+        assert instr in ptx, f"{instr} missing from the sm100 decode PTX"
+    assert _spills(ptx, "sm_100a", tmp_path) == 0, "ptxas spills registers in the sm100 decode kernel"
+
+
+def test_sm100_backend_keeps_sm80_kernels_for_the_rest():
+    """Integer caches and FP4 at head dim 64 get the sm80 decode kernel on the sm100 backend."""
+    from bitdecode.kernels_sm100.backend import BACKEND
+    from bitdecode.kernels_sm100.decode import DecodeSm100
+
+    assert isinstance(BACKEND.make_decode("sm_100a", KVFormat(fp4="nvfp4"), cutlass.Float16, 128, 8, True),
+                      DecodeSm100)
+    for fmt, d in ((KVFormat(4), 128), (KVFormat(fp4="mxfp4"), 64)):
+        assert not isinstance(BACKEND.make_decode("sm_100a", fmt, cutlass.Float16, d, 8, True), DecodeSm100)
+    with pytest.raises(ValueError, match="sm_100a only"):
+        BACKEND.make_decode("sm_90a", KVFormat(fp4="nvfp4"), cutlass.Float16, 128, 8, True)

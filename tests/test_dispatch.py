@@ -32,7 +32,7 @@ def test_shipped_backends_best_first():
     ((9, 0), 2, 128, torch.float16, "sm80"),  # ... nor 2-bit, where it measured slower
     ((8, 0), 4, 128, torch.float16, "sm80"),
     ((8, 9), 2, 64, torch.bfloat16, "sm80"),
-    ((10, 0), 4, 128, torch.float16, "sm80"),  # no sm100 kernels yet: sm80 code runs on Blackwell
+    ((10, 0), 4, 128, torch.float16, "sm80"),  # the sm100 kernel is compile-verified only: sm80 on Blackwell
 ])
 def test_auto_by_capability_format_and_dtype(capability, cap, bits, head_dim, dtype, expect):
     capability(cap)
@@ -64,7 +64,19 @@ def test_compile_arch_maps_to_its_backend():
     assert backends.for_arch("sm_90a") == "sm90"
     assert backends.for_arch("sm_80") == "sm80"
     assert backends.for_arch("sm_86") == "sm80"
-    assert backends.for_arch("sm_100a") == "sm80"  # until kernels_sm100 ships
+    assert backends.for_arch("sm_100a") == "sm100"
+
+
+def test_auto_leaves_the_unvalidated_sm100_kernel_alone(capability):
+    """Blackwell: ``auto`` keeps sm80 even for FP4 caches (the tcgen05 kernel has not run on a
+    GPU); ``backend="sm100"`` opts in."""
+    capability((10, 0))
+    fmt = bd.KVFormat(fp4="nvfp4")
+    assert dispatch.resolve("auto", CUDA0, fmt=fmt, head_dim=128, dtype=torch.float16) == "sm80"
+    assert dispatch.resolve("auto", CUDA0) == "sm80"
+    assert dispatch.available(CUDA0) == ("sm100", "sm80", "reference")
+    assert dispatch.resolve("sm100", CUDA0) == "sm100"
+    assert backends.get("sm100").runs_tcgen05(fmt, 128) and not backends.get("sm100").runs_tcgen05(fmt, 64)
 
 
 def test_limits_come_from_the_backend():

@@ -729,3 +729,25 @@ def test_residency_from_registers():
     fmt4, fmt2 = KVFormat(4, "channel", 128), KVFormat(2, "channel", 128)
     assert [kernels.ctas_per_sm(f, d, nh) for f in (fmt4, fmt2) for d, nh in ((128, 8), (256, 8), (128, 16))] == [
         4, 2, 2, 3, 2, 2]
+
+
+@pytest.mark.parametrize("dtype, operand, rows, cols, n", [
+    ("e2m1", "a", 256, 128, 8),  # V^T of head dim 256 (two M-blocks), the FP4 MMA's A
+    ("e2m1", "b", 16, 128, 16),  # Q / P as the FP4 MMA's B
+    ("bf16", "a", 128, 128, 8),  # a 16-bit residual K tile (kind::f16)
+])
+def test_sm100_writes_land_where_the_mma_reads(dtype, operand, rows, cols, n):
+    """The sm100 decode kernel writes Q, P and the 16-bit tiles through ``rows_cols_bytes`` of
+    the MMA's own smem layout: a bijection onto the tile, equal to the canonical K-major
+    operand layout (``operand_smem_offsets``) byte for byte."""
+    from bitdecode.layouts import sm100
+
+    got = sm100.mma_operand_bytes(dtype, "nvfp4", operand, rows, cols, n)
+    canon = sm100.operand_smem_offsets(dtype, rows, cols)
+    bits = sm100.ELEM_BITS[dtype]
+    width = cols * bits // 8
+    assert sorted(x for row in got for x in row) == list(range(rows * width))
+    for r in range(rows):
+        for cb in range(width):
+            e = cb * 8 // bits  # the element holding byte column cb
+            assert got[r][cb] == canon[r][e] * bits // 8 + (cb % 2 if bits == 16 else 0), (r, cb)

@@ -1,0 +1,55 @@
+"""The sm100 backend: the tcgen05 block-scaled decode kernel for FP4 caches (``decode.DecodeSm100``).
+
+Everything else is the sm80 family compiled for sm_100a (the packed bytes are the same on
+every arch): prefill / append, the split-KV combine, and the decode of integer caches and
+of FP4 caches with head dim 64.  The FP4 kernel has only been compiled (PTX checked, no
+spills) and its arithmetic emulated on the CPU (``emulate``, ``tests/test_sm100_emulation``):
+no Blackwell GPU has run it, so ``auto`` does not pick it yet and ``backend="sm100"`` opts in.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from .. import jit
+from ..formats import KVFormat
+from ..kernels_sm80 import backend as sm80_backend
+
+HEAD_DIMS = (128, 256)  # V^T's rows are the MMA's M = 128
+
+
+class Sm100Backend(sm80_backend.Sm80Backend):
+    """Blackwell (sm_100a code); the decode plan, writes and limits of sm80 otherwise."""
+
+    name = "sm100"
+    hardware_validated = False  # compiled and emulated only: ``auto`` keeps sm80 on Blackwell
+
+    def supports(self, capability: Tuple[int, int]) -> bool:
+        return capability[0] == 10
+
+    def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
+        """FP4 caches with head dims 128 / 256 (once ``hardware_validated``; until then
+        ``auto`` never considers this backend)."""
+        return self.runs_tcgen05(fmt, head_dim)
+
+    def runs_tcgen05(self, fmt: KVFormat, head_dim: int, tq: int = 1) -> bool:
+        """Whether a decode request gets the tcgen05 kernel (else the sm80 one)."""
+        return bool(fmt.fp4) and head_dim in HEAD_DIMS and tq == 1
+
+    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
+        if not self.runs_tcgen05(fmt, head_dim, tq):
+            return super().make_decode(arch, fmt, dtype, head_dim, nh, split, tq)
+        from .decode import DecodeSm100
+
+        sm80_backend.check_decode_request(fmt, tq)
+        if arch != "sm_100a":
+            raise ValueError(f"the sm100 decode kernel (tcgen05) compiles for sm_100a only, got {arch!r}")
+        return DecodeSm100(dtype, fmt.fp4, head_dim, nh, split, pdl=jit.has_pdl(arch), sinks=fmt.sink_tokens)
+
+
+BACKEND = Sm100Backend()
+
+
+def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, keep_ptx: bool = False):
+    """The sm100 backend's decode kernel for ``fmt`` (``Sm100Backend.compile_decode``)."""
+    return BACKEND.compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx)
