@@ -195,7 +195,7 @@ def _quantize_fp4_blocks(blocks: torch.Tensor, fp4: str) -> Tuple[torch.Tensor, 
     """The rounding of ``quantize_fp4`` on fp32 ``blocks [..., n, SF_VEC]`` (unchecked) ->
     (codes uint8 ``[..., n, SF_VEC]``, scale bytes uint8 ``[..., n]``).  Apart from the
     validating wrapper because the sm100 kernel's emulation quantizes fp32 operands
-    (``kernels_sm100.emulate``: Q and P times their fp32 scales) by the same rule."""
+    (``bitdecode.emulate_sm100``: Q and P times their fp32 scales) by the same rule."""
     amax = blocks.abs().amax(dim=-1)
     bad = ~(amax < math.inf)  # a NaN or an infinity in the block
     if fp4 == "nvfp4":

@@ -3,7 +3,7 @@
 Everything else is the sm80 family compiled for sm_100a (the packed bytes are the same on
 every arch): prefill / append, the split-KV combine, and the decode of integer caches and
 of FP4 caches with head dim 64.  The FP4 kernel has only been compiled (PTX checked, no
-spills) and its arithmetic emulated on the CPU (``emulate``, ``tests/test_sm100_emulation``):
+spills) and its arithmetic emulated on the CPU (``bitdecode.emulate_sm100``, ``tests/test_sm100_emulation``):
 no Blackwell GPU has run it, so ``auto`` does not pick it yet and ``backend="sm100"`` opts in.
 """
 

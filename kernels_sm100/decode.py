@@ -8,7 +8,7 @@ scales to tensor memory.  The instruction kinds that read an NVFP4 operand as it
 FP4 on both sides (``kind::mxf4nvf4``; MXFP4 the same with ``kind::mxf4``), so Q and P are
 quantized on the fly to the cache's own format, with one fp32 scale per query row (Q) and
 per tile and query row (P) that maps the largest value to the top of the e4m3 block-scale
-range; ``kernels_sm100.emulate`` is the arithmetic step by step, in torch, and the CPU
+range; ``bitdecode.emulate_sm100`` is the arithmetic step by step, in torch, and the CPU
 test that checks it against the reference.  The 16-bit tiles (sink tokens, the residual
 block) run on ``kind::f16`` with 16-bit Q and P::
 
@@ -61,7 +61,7 @@ THREADS = 32 * 6
 E2M1_PER_WORD = 32 // FIELD_BITS
 # the per-row (Q) / per-tile-and-row (P) fp32 scale maps the largest |value| to the top of
 # the operand's range (NVFP4: 6 * 448, the e4m3 block scale's top; MXFP4: 6), as
-# kernels_sm100.emulate specifies
+# bitdecode.emulate_sm100 specifies
 OPERAND_TOP = {"nvfp4": sm100.E2M1_MAX * sm100.UE4M3_MAX, "mxfp4": sm100.E2M1_MAX}
 FLT_MAX = 3.4028234663852886e38
 SMEM_BYTES = 200 * 1024  # of the 227 KB a Blackwell SM gives one CTA

@@ -1,4 +1,4 @@
-"""The torch emulation of the sm100 FP4 decode kernel (``kernels_sm100.emulate``, the spec
+"""The torch emulation of the sm100 FP4 decode kernel (``bitdecode.emulate_sm100``, the spec
 that kernel follows) against the reference, on the CPU.
 
 The emulation reads K and V from the packed bytes as tcgen05 would (scale bytes through the
@@ -23,7 +23,7 @@ pytest.importorskip("cutlass")  # sf_offsets (the scale bytes' layout) traces th
 
 import bitdecode as bd
 from bitdecode import reference
-from bitdecode.kernels_sm100 import emulate
+from bitdecode import emulate_sm100 as emulate
 from bitdecode.layouts import sm100
 
 import kvdata

@@ -67,7 +67,7 @@ FMT = bd.KVFormat(bits=4, group_size=32)
         (dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'reference', 'sm80', 'sm90', 'sm100'\), got 'cuda'"),
         (dict(backend="sm80"), ValueError, "backend 'sm80' runs CUDA kernels, but the tensors are on cpu"),
         (dict(backend="sm90"), ValueError, "backend 'sm90' runs CUDA kernels, but the tensors are on cpu"),
-        (dict(backend="sm100"), ValueError, "backend 'sm100' is not available for KV cache in this build"),
+        (dict(backend="sm100"), ValueError, "backend 'sm100' runs CUDA kernels, but the tensors are on cpu"),
     ],
 )
 def test_allocate_errors(kwargs, exc, msg):

@@ -65,11 +65,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import reference
-from ..attention import softmax_scale_or_default
-from ..formats import KVFormat
-from ..layouts import sm100
-from ..layouts.packing import LN_2, LOG2_E
+from . import reference
+from .attention import softmax_scale_or_default
+from .formats import KVFormat
+from .layouts import sm100
+from .layouts.packing import LN_2, LOG2_E
 
 __all__ = ["NVFP4_MAX", "OPERAND_TOP", "split_tiles", "quantize_q_operand", "quantize_p_operand", "emulate_decode"]
 
