@@ -45,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import _validate, bitnet, ops
+from . import _validate, bitnet, ops, rope
 from .bitnet import RMS_NORM_CLASSES
 from .cache import KVCache, decode
 from .formats import KVFormat
@@ -282,8 +282,86 @@ def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
     return count
 
 
+# --------------------------------------------------------------------------------------
+# The rotary embedding as one kernel
+# --------------------------------------------------------------------------------------
+
+_ROPE_ORIGINALS: dict = {}  # modeling module name -> its own apply_rotary_pos_emb
+
+
+def _body(fn) -> str:
+    """A function's code without its decorators and docstring (an AST dump)."""
+    import ast
+    import textwrap
+
+    node = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))).body[0]
+    node.decorator_list = []
+    if node.body and isinstance(node.body[0], ast.Expr) and isinstance(getattr(node.body[0], "value", None), ast.Constant):
+        node.body = node.body[1:]
+    return ast.dump(node)
+
+
+@functools.lru_cache(maxsize=None)
+def _llama_rope_body() -> str:
+    from transformers.models.llama import modeling_llama
+
+    return _body(_ROPE_ORIGINALS.get(modeling_llama.__name__, modeling_llama.apply_rotary_pos_emb))
+
+
+def _fused_rope(original, backend: str):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim != 1:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return rope.apply_rotary(q, k, cos, sin, backend=backend)
+
+    apply_rotary_pos_emb.__doc__ = f"bitdecode.rope.apply_rotary in place of {original.__module__}'s own"
+    apply_rotary_pos_emb._bitdecode_rope = True
+    return apply_rotary_pos_emb
+
+
+def fuse_rope(model: torch.nn.Module, backend: str = "auto") -> List[str]:
+    """Run the rotary embedding of ``model``'s attention layers as one kernel
+    (``bd.rope.apply_rotary``, bit-identical to transformers' ops) instead of ten torch ops
+    per layer.  transformers' attention forward calls its modeling module's
+    ``apply_rotary_pos_emb``, so that function is replaced in each modeling module of
+    ``model`` whose own is Llama's (Llama, Mistral, Qwen2/3, SmolLM3, ...): for every model of
+    that family in the process, with the same results (``restore_rope`` undoes it).
+    Returns the modules patched (already patched ones included)."""
+    import sys
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if backend not in rope.BACKENDS:
+        raise ValueError(f"backend must be one of {rope.BACKENDS}, got {backend!r}")
+    patched = []
+    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(mod_name)
+        fn = getattr(module, "apply_rotary_pos_emb", None)
+        if fn is None:
+            continue
+        if getattr(fn, "_bitdecode_rope", False):
+            patched.append(mod_name)
+            continue
+        if _body(fn) != _llama_rope_body():
+            continue
+        _ROPE_ORIGINALS[mod_name] = fn
+        module.apply_rotary_pos_emb = _fused_rope(fn, backend)
+        patched.append(mod_name)
+    return patched
+
+
+def restore_rope() -> List[str]:
+    """Put back every modeling module's own ``apply_rotary_pos_emb``; returns their names."""
+    import sys
+
+    names = sorted(_ROPE_ORIGINALS)
+    for name in names:
+        sys.modules[name].apply_rotary_pos_emb = _ROPE_ORIGINALS.pop(name)
+    return names
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, bitdecode_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["BitDecodingCache", "BitDecodingLayer", "bitdecode_attention", "ATTN_IMPLEMENTATION", "FusedRMSNorm",
-           "fuse_norms", "RMS_NORM_CLASSES"]
+           "fuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope"]

@@ -111,7 +111,7 @@ def test_bench_e2e_tiny_cpu(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "profiles" / "bench_e2e.py"
-    proc = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--configs", "dynamic,static,bd4,bd4-norms",
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--configs", "dynamic,static,bd4,bd4-norms,bd4-fused",
                            "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads((tmp_path / "e2e.json").read_text())
@@ -130,6 +130,7 @@ def test_bench_e2e_tiny_cpu(tmp_path):
     assert targets["meaningful"] is False and targets["b16_64k_served"]["pass"] is True
     assert "bd4_speedup" in targets["b1_128k_speedup>=1.5"]
     assert rows[("b1_32k", "bd4-norms", "eager")]["status"] == "ok" and "b1_32k" in targets["bd4_graph_within_1.3x_roofline"]["ratios_bd4_norms"]
+    assert rows[("b1_32k", "bd4-fused", "eager")]["status"] == "ok" and "b1_32k" in targets["bd4_graph_within_1.3x_roofline"]["ratios_bd4_fused"]
 
 
 def _write_tiny_gguf(path):

@@ -353,3 +353,17 @@ def test_sm100_backend_keeps_sm80_kernels_for_the_rest():
         assert not isinstance(BACKEND.make_decode("sm_100a", fmt, cutlass.Float16, d, 8, True), DecodeSm100)
     with pytest.raises(ValueError, match="sm_100a only"):
         BACKEND.make_decode("sm_90a", KVFormat(fp4="nvfp4"), cutlass.Float16, 128, 8, True)
+
+
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
+def test_rope_ptx(arch):
+    """The rotary embedding: 16-byte loads and stores, each product and the sum rounded on
+    their own (``mul.rn`` / ``add.rn``, so ptxas never fuses them into an fma: bit-identity
+    with torch's ops depends on it)."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm80.rope import compile_rope
+
+    ptx = compile_rope(False, 128, jit.compile_options(arch, keep_ptx=True)).artifacts.PTX
+    for instr in ("ld.global.v4.u32", "st.global.v4.b32", "mul.rn.f32", "add.rn.f32", "cvt.rn.f16x2.f32"):
+        assert instr in ptx, f"{instr} missing from the {arch} rope PTX"
+    assert "fma.rn.f32" not in ptx
