@@ -360,8 +360,115 @@ def restore_rope() -> List[str]:
     return names
 
 
+# --------------------------------------------------------------------------------------
+# Projections that read the same input as one GEMM
+# --------------------------------------------------------------------------------------
+
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _MergedProjection:
+    """The weights of projections that read the same input, concatenated (one storage: the
+    slices' ``weight`` Parameters are views of it), and the last input's outputs: the first
+    projection called runs the one GEMM, the others return their slice of its output."""
+
+    def __init__(self, linears: List[torch.nn.Linear]):
+        self.weight = torch.cat([lin.weight.detach() for lin in linears])
+        has_bias = linears[0].bias is not None
+        self.bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+        self.splits = [lin.out_features for lin in linears]
+        self._x: Optional[weakref.ref] = None
+        self._version = -1
+        self._outs: tuple = ()
+
+    def outputs(self, x: torch.Tensor) -> tuple:
+        if x.device != self.weight.device or x.dtype != self.weight.dtype:
+            raise ValueError(f"merged projections hold {self.weight.dtype} weights on {self.weight.device}, the input "
+                             f"is {x.dtype} on {x.device}: call hf.fuse_projections after moving the model")
+        if self._x is None or self._x() is not x or x._version != self._version:
+            y = torch.nn.functional.linear(x, self.weight, self.bias)
+            self._outs = y.split(self.splits, dim=-1)
+            self._x, self._version = weakref.ref(x), x._version
+        return self._outs
+
+
+class ProjectionSlice(torch.nn.Module):
+    """One projection of a ``_MergedProjection`` (``fuse_projections``): its ``weight`` (and
+    ``bias``) are views of the merged storage, its output the merged GEMM's slice (a
+    strided view, as a slice of the last dim is)."""
+
+    def __init__(self, group: _MergedProjection, index: int, linear: torch.nn.Linear):
+        super().__init__()
+        start = sum(group.splits[:index])
+        end = start + group.splits[index]
+        self.group, self.index = group, index
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(group.weight[start:end], requires_grad=False)
+        self.bias = None if group.bias is None else torch.nn.Parameter(group.bias[start:end], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # (no identity caching inside a traced graph)
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return self.group.outputs(x)[self.index]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, slice {self.index} of " \
+               f"{len(self.group.splits)} merged projections"
+
+
+def _mergeable(linears) -> bool:
+    first = linears[0]
+    return (all(type(lin) is torch.nn.Linear for lin in linears)
+            and all(lin.in_features == first.in_features and lin.weight.dtype == first.weight.dtype
+                    and lin.weight.device == first.weight.device and (lin.bias is None) == (first.bias is None)
+                    for lin in linears))
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Merge the projections that read the same input into one GEMM each (in place): an
+    attention layer's ``q_proj`` / ``k_proj`` / ``v_proj`` and an MLP's ``gate_proj`` /
+    ``up_proj`` (``PROJECTION_GROUPS``; plain ``nn.Linear`` of one input size, dtype and
+    device).  In a decode step a GEMV per weight matrix reads the weights once either way;
+    merged, the small ones (k, v) stop paying for their own launch and split-K reduction.
+    The weights move into one concatenated storage (``weight`` of each projection a view
+    of it, so the memory and ``state_dict`` keys stay); outputs equal ``nn.Linear``'s up to
+    the GEMM's summation order.  Call it after moving the model to its device and dtype.
+    Returns the number of groups merged."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    count = 0
+    for parent in list(model.modules()):
+        for names in PROJECTION_GROUPS:
+            linears = [getattr(parent, n, None) for n in names]
+            if any(lin is None for lin in linears) or not _mergeable(linears):
+                continue
+            group = _MergedProjection(linears)
+            for i, name in enumerate(names):
+                setattr(parent, name, ProjectionSlice(group, i, linears[i]))
+            count += 1
+    return count
+
+
+def unfuse_projections(model: torch.nn.Module) -> int:
+    """Put plain ``nn.Linear`` modules back in place of ``fuse_projections``' slices (their
+    weights stay views of the merged storage: no copy); returns how many were replaced."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, ProjectionSlice):
+                lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                      device="meta")
+                lin.weight = child.weight
+                if child.bias is not None:
+                    lin.bias = child.bias
+                setattr(parent, name, lin)
+                count += 1
+    return count
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, bitdecode_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["BitDecodingCache", "BitDecodingLayer", "bitdecode_attention", "ATTN_IMPLEMENTATION", "FusedRMSNorm",
-           "fuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope"]
+           "fuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope", "fuse_projections", "unfuse_projections", "ProjectionSlice",
+           "PROJECTION_GROUPS"]

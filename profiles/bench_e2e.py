@@ -26,7 +26,9 @@ change a decode step):
 * ``bd4-norms``: ``bd4`` with the model's RMSNorms replaced by one kernel each
   (``bitdecode.hf.fuse_norms``, undone after): what the norms' eight torch kernels cost;
 * ``bd4-fused``: ``bd4-norms`` plus the rotary embedding of q and k as one kernel per layer
-  (``bitdecode.hf.fuse_rope``, undone after) instead of transformers' ten torch kernels.
+  (``bitdecode.hf.fuse_rope``, undone after) instead of transformers' ten torch kernels;
+* ``bd4-all``: ``bd4-fused`` plus q / k / v and gate / up merged into one GEMM each
+  (``bitdecode.hf.fuse_projections``, undone after).
 
 Steps: one token per sequence at position N, ``input_ids`` / ``position_ids`` in fixed
 buffers.  Eager: every step synchronized, CUDA events around it.  Graph: the step captured
@@ -145,6 +147,9 @@ def configurations(args, device) -> List[dict]:
     out.append(dict(name="bd4-fused", label="bitdecode 4-bit + RMSNorms and the rotary embedding as one kernel "
                     "each (bitdecode.hf.fuse_norms, fuse_rope)", modes=graph, attn="bitdecode", bits=4,
                     fuse_norms=True, fuse_rope=True))
+    out.append(dict(name="bd4-all", label="bitdecode 4-bit + every bitdecode.hf fusion (norms, rotary embedding, "
+                    "q/k/v and gate/up merged)", modes=graph, attn="bitdecode", bits=4, fuse_norms=True,
+                    fuse_rope=True, fuse_projections=True))
     if args.configs:
         keep = set(args.configs.split(","))
         out = [c for c in out if c["name"] in keep]
@@ -438,10 +443,10 @@ def _size(n: int) -> str:
 
 
 @contextlib.contextmanager
-def fused_layers(model, norms: bool, rotary: bool):
-    """``bitdecode.hf.fuse_norms`` / ``fuse_rope`` on the shared model for one
-    configuration, undone after."""
-    if not (norms or rotary):
+def fused_layers(model, norms: bool, rotary: bool, projections: bool = False):
+    """``bitdecode.hf.fuse_norms`` / ``fuse_rope`` / ``fuse_projections`` on the shared
+    model for one configuration, undone after."""
+    if not (norms or rotary or projections):
         yield
         return
     from bitdecode import bitnet, hf
@@ -452,9 +457,13 @@ def fused_layers(model, norms: bool, rotary: bool):
         hf.fuse_norms(model)
     if rotary:
         hf.fuse_rope(model)
+    if projections:
+        hf.fuse_projections(model)
     try:
         yield
     finally:
+        if projections:
+            hf.unfuse_projections(model)
         if rotary:
             hf.restore_rope()
         for parent, name, child in saved:
@@ -490,6 +499,11 @@ def evaluate_targets(rows: List[dict], meaningful: bool) -> dict:
     if both:  # ... and the rotary embedding too (bitdecode.hf.fuse_rope)
         out["bd4_graph_within_1.3x_roofline"]["ratios_bd4_fused"] = {r["role"]: round(r["of_roofline"], 3)
                                                                      for r in both}
+    every = [r for r in ok if r["config"] == "bd4-all" and r["mode"] == ("graph" if any(x["mode"] == "graph" for x in ok)
+                                                                        else "eager")]
+    if every:  # ... and the projections merged (bitdecode.hf.fuse_projections)
+        out["bd4_graph_within_1.3x_roofline"]["ratios_bd4_all"] = {r["role"]: round(r["of_roofline"], 3)
+                                                                   for r in every}
     for role, key in (("b1_128k", "b1_128k_speedup_min"), ("b8_64k", "b8_64k_speedup_min")):
         fast16 = best(role, SIXTEEN_BIT)
         entry = {"need": f"bitdecode 4-bit tokens/s >= {TARGETS[key]} x the fastest 16-bit configuration"}
@@ -535,7 +549,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     width = 0.85 / max(1, len(series))
     colors = {"dynamic": "#7f7f7f", "static": "#1f77b4", "static-packed": "#17becf", "static-compiled": "#9467bd",
               "quanto4": "#ff7f0e", "quanto2": "#e7ba52", "bd4": "#2ca02c", "bd2": "#d62728",
-              "bd4-norms": "#8c564b", "bd4-fused": "#e377c2"}
+              "bd4-norms": "#8c564b", "bd4-fused": "#e377c2", "bd4-all": "#17becf"}
     handles = []
     for i, (name, mode) in enumerate(series):
         xs, ys, notes = [], [], []
@@ -651,7 +665,8 @@ def run(args) -> dict:
                 print(f"  B={b:<3d} N={n:<7d} {cfg['name']:<16s} {status}", flush=True)
                 continue
             try:
-                with fused_layers(model, cfg.get("fuse_norms", False), cfg.get("fuse_rope", False)):
+                with fused_layers(model, cfg.get("fuse_norms", False), cfg.get("fuse_rope", False),
+                                  cfg.get("fuse_projections", False)):
                     new = run_config(cfg, model, ctx, data, args, device, backend)
                 for r in new:
                     r["need_estimate_bytes"] = need
@@ -735,7 +750,7 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default=None, help="BxN list overriding the sweep, e.g. 1x32768,8x65536")
     p.add_argument("--configs", default=None,
                    help="comma list of configurations to run (dynamic,static,static-packed,static-compiled,"
-                        "quanto4,quanto2,bd4,bd2,bd4-norms,bd4-fused; default all)")
+                        "quanto4,quanto2,bd4,bd2,bd4-norms,bd4-fused,bd4-all; default all)")
     p.add_argument("--compile", action="store_true",
                    help="add static-compiled (torch.compile reduce-overhead; ~1 min of compiling per context)")
     p.add_argument("--steps", type=int, default=None,

@@ -111,7 +111,7 @@ def test_bench_e2e_tiny_cpu(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "profiles" / "bench_e2e.py"
-    proc = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--configs", "dynamic,static,bd4,bd4-norms,bd4-fused",
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--configs", "dynamic,static,bd4,bd4-norms,bd4-fused,bd4-all",
                            "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads((tmp_path / "e2e.json").read_text())
@@ -131,6 +131,7 @@ def test_bench_e2e_tiny_cpu(tmp_path):
     assert "bd4_speedup" in targets["b1_128k_speedup>=1.5"]
     assert rows[("b1_32k", "bd4-norms", "eager")]["status"] == "ok" and "b1_32k" in targets["bd4_graph_within_1.3x_roofline"]["ratios_bd4_norms"]
     assert rows[("b1_32k", "bd4-fused", "eager")]["status"] == "ok" and "b1_32k" in targets["bd4_graph_within_1.3x_roofline"]["ratios_bd4_fused"]
+    assert rows[("b1_32k", "bd4-all", "eager")]["status"] == "ok" and "b1_32k" in targets["bd4_graph_within_1.3x_roofline"]["ratios_bd4_all"]
 
 
 def _write_tiny_gguf(path):

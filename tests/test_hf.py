@@ -310,3 +310,66 @@ def test_model_families_prefill_exact_and_decode_within_the_format_error(family)
                                                                    max_seqlen=512, backend="reference"),
                           max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 204) and torch.equal(out[:, 200], base(ids).logits[:, -1].argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.no_grad()
+def test_fuse_projections_merges_and_unmerges(models, family):
+    """q/k/v and gate/up become one GEMM each (Qwen2: with its q/k/v biases): the weights
+    move into one storage (the projections' Parameters are views of it, state_dict keys
+    unchanged), logits equal nn.Linear's up to the GEMM's summation order, and
+    unfuse_projections puts nn.Linear back on the same storage."""
+    base = copy.deepcopy(models[0]) if family == "llama" else _family_models(family)[0]
+    model = copy.deepcopy(base)
+    keys = set(model.state_dict())
+    layers = model.config.num_hidden_layers
+    assert hf.fuse_projections(model) == 2 * layers
+    assert hf.fuse_projections(model) == 0  # nothing left to merge
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, hf.ProjectionSlice) and set(model.state_dict()) == keys
+    merged = attn.q_proj.group.weight
+    assert attn.k_proj.weight.data_ptr() == merged.data_ptr() + attn.q_proj.weight.numel() * merged.element_size()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    want = base(ids).logits
+    assert _rel(model(ids).logits, want) < 1e-2
+    assert hf.unfuse_projections(model) == 5 * layers
+    assert type(attn.k_proj) is torch.nn.Linear
+    assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear
+    assert model.model.layers[0].self_attn.k_proj.weight.data_ptr() != 0 and set(model.state_dict()) == keys
+    assert _rel(model(ids).logits, want) < 1e-2
+
+
+@torch.no_grad()
+def test_fused_projections_refuse_a_moved_model(models):
+    model = copy.deepcopy(models[0])
+    hf.fuse_projections(model)
+    model.float()  # the slices' Parameters are cast, the merged storage is not
+    with pytest.raises(ValueError, match="call hf.fuse_projections after moving the model"):
+        model(torch.randint(0, VOCAB, (1, 4)))
+    with pytest.raises(TypeError, match="model"):
+        hf.fuse_projections("llama")
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_every_fusion_generates_like_the_plain_model():
+    """Norms, rotary embedding and merged projections on the kernels (bf16, GPU) with the
+    bitdecode cache: logits close to the plain model's, mostly the same greedy tokens, and a
+    graph-captured decode step equal to the eager one."""
+    _, packed = _models()
+    packed = packed.cuda()
+    fused = copy.deepcopy(packed)
+    hf.fuse_norms(fused)
+    hf.fuse_projections(fused)
+    try:
+        hf.fuse_rope(fused)
+        ids = torch.randint(0, VOCAB, (2, 300), generator=torch.Generator().manual_seed(6)).cuda()
+        assert _rel(fused(ids).logits, packed(ids).logits) < 2e-2
+        fmt = bd.KVFormat(bits=4, group_size=64)
+        out_f = fused.generate(ids, past_key_values=hf.BitDecodingCache(fused, fmt, max_seqlen=1024),
+                               max_new_tokens=8, do_sample=False)
+        out_p = packed.generate(ids, past_key_values=hf.BitDecodingCache(packed, fmt, max_seqlen=1024),
+                                max_new_tokens=8, do_sample=False)
+        assert (out_f[:, 300:] == out_p[:, 300:]).float().mean().item() >= 0.75
+    finally:
+        hf.restore_rope()
