@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64
+from cutlass import Int64
 
 from ..layouts import bitnet as fmt
 from .act_quant import _load16, _store_words
@@ -31,6 +31,14 @@ from .ptx import add_rn, cvt_pack_x2, half_to_f32, mul_rn
 THREADS = 128
 VEC = fmt.ACT_QUANT_VEC  # 16-bit values per 16-byte load
 ELEM_BYTES = fmt.CHUNK_BYTES // VEC
+
+
+def _row_addr(m: cute.Tensor, *coords) -> Int64:
+    """Byte address of the row of ``m`` at ``coords`` (every mode but the channels)."""
+    off = Int64(0)
+    for i, c in enumerate(coords):
+        off = off + Int64(c) * Int64(m.stride[i])
+    return m.iterator.toint() + off * ELEM_BYTES
 
 
 class RopeSm80:
@@ -57,8 +65,7 @@ class RopeSm80:
         tidx, _, _ = cute.arch.thread_idx()
         t, b, part = cute.arch.block_idx()
         hq, hk = mQ.shape[1], mK.shape[1]
-        cos_row = mCos.iterator.toint() + (Int64(b) * Int64(mCos.stride[0]) + Int64(t) * Int64(mCos.stride[1])) * ELEM_BYTES
-        sin_row = mSin.iterator.toint() + (Int64(b) * Int64(mSin.stride[0]) + Int64(t) * Int64(mSin.stride[1])) * ELEM_BYTES
+        cos_row, sin_row = _row_addr(mCos, b, t), _row_addr(mSin, b, t)
         u = part * THREADS + tidx
         if u < (hq + hk) * self.units:
             h, j = u // self.units, u % self.units
@@ -72,10 +79,7 @@ class RopeSm80:
         """Channels ``8 j ..`` and ``D/2 + 8 j ..`` of head ``h``, token ``t``, sequence ``b``."""
         half = self.d // 2 * ELEM_BYTES
         lo = Int64(j) * fmt.CHUNK_BYTES
-        x_row = mX.iterator.toint() + (Int64(b) * Int64(mX.stride[0]) + Int64(h) * Int64(mX.stride[1])
-                                       + Int64(t) * Int64(mX.stride[2])) * ELEM_BYTES
-        o_row = mOut.iterator.toint() + (Int64(b) * Int64(mOut.stride[0]) + Int64(h) * Int64(mOut.stride[1])
-                                         + Int64(t) * Int64(mOut.stride[2])) * ELEM_BYTES
+        x_row, o_row = _row_addr(mX, b, h, t), _row_addr(mOut, b, h, t)
         x1, x2 = _load16(x_row + lo), _load16(x_row + lo + half)
         c1, c2 = _load16(cos_row + lo), _load16(cos_row + lo + half)
         s1, s2 = _load16(sin_row + lo), _load16(sin_row + lo + half)
