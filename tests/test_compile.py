@@ -367,3 +367,26 @@ def test_rope_ptx(arch):
     for instr in ("ld.global.v4.u32", "st.global.v4.b32", "mul.rn.f32", "add.rn.f32", "cvt.rn.f16x2.f32"):
         assert instr in ptx, f"{instr} missing from the {arch} rope PTX"
     assert "fma.rn.f32" not in ptx
+
+
+def test_sm100_decode_fits_one_sm():
+    """The largest sm100 configurations (head dim 256, 16 query columns, both formats) fit a
+    Blackwell SM: shared memory within the per-CTA capacity, tensor memory within 512 columns."""
+    import cutlass.utils as utils
+
+    from bitdecode.kernels_sm100.decode import DecodeSm100
+    from bitdecode.layouts._trace import evaluate
+
+    def build():
+        out = {}
+        for fp4, d, nh in (("nvfp4", 256, 16), ("mxfp4", 256, 16), ("nvfp4", 128, 8)):
+            k = DecodeSm100(cutlass.BFloat16, fp4, d, nh, True, sinks=16)
+            mma, mma16 = k._mmas()
+            lay = k._layouts(mma, mma16)
+            out[fp4, d, nh] = (k._shared_storage(lay).size_in_bytes(), k.tmem_columns(mma, lay), k.num_stages)
+        return out
+
+    capacity = utils.get_smem_capacity_in_bytes("sm_100")
+    for cfg, (smem, cols, stages) in evaluate(build, arch="sm_100a").items():
+        assert smem <= capacity, f"{cfg}: {smem} bytes of shared memory, an SM gives a CTA {capacity}"
+        assert cols <= 512 and stages >= 2, (cfg, cols, stages)
