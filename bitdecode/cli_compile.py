@@ -19,7 +19,8 @@ from .backend import Variant
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
 KINDS = ("decode", "pack", "combine")
 # instructions counted per variant: sm80 MMAs, sm90 MMAs, the dequant, the loads
-COUNTED = ("mma.sync.aligned.m16n8k16", "wgmma.mma_async", "ldmatrix", "lop3.b32", "cp.async.bulk", "cp.async")
+COUNTED = ("mma.sync.aligned.m16n8k16", "wgmma.mma_async", "tcgen05.mma", "ldmatrix", "lop3.b32", "cp.async.bulk",
+           "cp.async")
 
 
 def _csv(kind):
@@ -111,7 +112,7 @@ def run(args) -> int:
                     results.append(fut.result())
                     progress.advance(task)
     table = Table(title=f"{len(results)} kernel variants for {args.arch}")
-    for col in ("variant", "seconds", "mma.sync", "wgmma", "ldmatrix", "lop3", "cp.async.bulk", "cp.async"):
+    for col in ("variant", "seconds", "mma.sync", "wgmma", "tcgen05.mma", "ldmatrix", "lop3", "cp.async.bulk", "cp.async"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     for name, secs, counts in sorted(results):
         table.add_row(name, f"{secs:.1f}", *(str(counts.get(k, "")) for k in COUNTED))

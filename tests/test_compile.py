@@ -390,3 +390,27 @@ def test_sm100_decode_fits_one_sm():
     for cfg, (smem, cols, stages) in evaluate(build, arch="sm_100a").items():
         assert smem <= capacity, f"{cfg}: {smem} bytes of shared memory, an SM gives a CTA {capacity}"
         assert cols <= 512 and stages >= 2, (cfg, cols, stages)
+
+
+def test_every_sm100_variant_compiles_without_spills(tmp_path):
+    """``bitdecode compile --arch sm_100a`` over every FP4 tcgen05 decode variant (both formats,
+    head dims 128 / 256, 8 / 16 query columns, split and direct; bf16: fp16 differs only in the
+    16-bit tiles' MMA kind, compiled by the tests above) and the integer decode variants the
+    sm100 backend runs on the sm80 kernel: every one compiles, every FP4 one is a tcgen05
+    kernel, and ptxas spills none of those."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "ptx"
+    args = ["compile", "--arch", "sm_100a", "--kernels", "decode", "--bits", "4", "--k-mode", "channel",
+            "--group-size", "128", "--fp4", "nvfp4,mxfp4", "--head-dim", "128,256", "--dtype", "bf16", "--jobs", "2",
+            "--out", str(out)]
+    cmd = [sys.executable, "-c", f"from bitdecode.cli import main; raise SystemExit(main({args!r}))"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fp4 = sorted(out.glob("decode_*fp4*.ptx"))
+    assert len(fp4) == 16 and len(list(out.glob("decode_*4bit*.ptx"))) == 8
+    for path in fp4:
+        ptx = path.read_text()
+        assert "tcgen05.mma" in ptx and "block_scale" in ptx, path.name
+        assert _spills(ptx, "sm_100a", tmp_path) == 0, f"ptxas spills registers in {path.name}"
