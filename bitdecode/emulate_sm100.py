@@ -67,6 +67,7 @@ import torch
 
 from . import reference
 from .attention import softmax_scale_or_default
+from .backend import CacheTensors
 from .formats import KVFormat
 from .layouts import sm100
 from .layouts.packing import LN_2, LOG2_E
@@ -201,40 +202,37 @@ def _fp4_tile(words: torch.Tensor, chunks: torch.Tensor, fp4: str) -> torch.Tens
 class _HeadCache:
     """One (sequence, KV head)'s share of the cache tensors, tile by tile."""
 
-    k_pack: torch.Tensor
-    k_params: torch.Tensor
-    v_pack: torch.Tensor
-    v_params: torch.Tensor
-    k_res: torch.Tensor
-    v_res: torch.Tensor
-    sinks: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    c: CacheTensors
     pages: torch.Tensor  # the sequence's block-table row
-    fp4: str
     b: int
     h: int
+
+    @property
+    def fp4(self) -> str:
+        return self.c.fmt.fp4
 
     def _where(self, tile: int) -> Tuple[int, int]:
         """(page, tile slot within it) of packed tile ``tile``, as ``reference.gather_kv``
         pages the packed tokens."""
-        per_page = self.k_pack.shape[2] // TILE_TOKENS
+        per_page = self.c.page_size // TILE_TOKENS
         return int(self.pages[tile // per_page]), tile % per_page
 
     def k_tile(self, tile: int) -> torch.Tensor:
         """K ``[128 tokens, D]`` float64: rows = tokens, scales along the channels."""
         page, slot = self._where(tile)
-        rows = self.k_pack[page, self.h, slot * TILE_TOKENS:(slot + 1) * TILE_TOKENS]
-        return _fp4_tile(rows, self.k_params[page, self.h, slot], self.fp4)
+        rows = self.c.k_pack[page, self.h, slot * TILE_TOKENS:(slot + 1) * TILE_TOKENS]
+        return _fp4_tile(rows, self.c.k_params[page, self.h, slot], self.fp4)
 
     def v_tile(self, tile: int) -> torch.Tensor:
         """V ``[128 tokens, D]`` float64, read as stored: rows = channels, scales along the tokens."""
         page, slot = self._where(tile)
-        return _fp4_tile(self.v_pack[page, self.h, slot], self.v_params[page, self.h, slot], self.fp4).T
+        return _fp4_tile(self.c.v_pack[page, self.h, slot], self.c.v_params[page, self.h, slot], self.fp4).T
 
     def residual(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.k_res[self.b, :n, self.h], self.v_res[self.b, :n, self.h]
+        return self.c.k_res[self.b, :n, self.h], self.c.v_res[self.b, :n, self.h]
 
     def sink_tokens(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.sinks[0][self.b, :n, self.h], self.sinks[1][self.b, :n, self.h]
+        return self.c.sinks[0][self.b, :n, self.h], self.c.sinks[1][self.b, :n, self.h]
 
 
 # --------------------------------------------------------------------------------------
@@ -366,14 +364,15 @@ def emulate_decode(
     scale_log2 = torch.tensor(scale_log2, dtype=torch.float32, device=q.device)  # the kernel's fp32 argument
     if block_table is None:
         block_table = torch.arange(bsz, dtype=torch.int32).view(bsz, 1)
+    tensors = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, fmt,
+                           sinks=sinks)
     out = torch.empty(bsz, 1, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(bsz, 1, hq, dtype=torch.float32, device=q.device)
     for b, seqlen in enumerate(int(x) for x in cache_seqlens.tolist()):
         n_sink = min(seqlen, fmt.sink_tokens)
         for h in range(hkv):
             rows = slice(h * g, (h + 1) * g)
-            cache = _HeadCache(k_pack, k_params, v_pack, v_params, k_res, v_res, sinks, block_table[b].cpu(),
-                               fmt.fp4, b, h)
+            cache = _HeadCache(tensors, block_table[b].cpu(), b, h)
             q_rows = q[b, 0, rows]
             qhat, rg = _q_operand(q_rows, fmt.fp4)  # once per CTA (every split forms the same)
             c = scale_log2 / rg

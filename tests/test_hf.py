@@ -165,6 +165,20 @@ def test_fuse_norms_on_the_cpu_changes_no_bit(models):
         hf.fuse_norms("llama")
 
 
+def _generates_like(fused, packed, n: int = 300):
+    """``fused`` (a copy of ``packed`` with bitdecode's fusions, on the GPU): prompt logits
+    within 2 % of the plain model's and at least 3 in 4 of 8 greedy tokens the same, both on
+    the bitdecode cache."""
+    ids = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(6)).cuda()
+    assert _rel(fused(ids).logits, packed(ids).logits) < 2e-2
+    fmt = bd.KVFormat(bits=4, group_size=64)
+    out_f = fused.generate(ids, past_key_values=hf.BitDecodingCache(fused, fmt, max_seqlen=1024),
+                           max_new_tokens=8, do_sample=False)
+    out_p = packed.generate(ids, past_key_values=hf.BitDecodingCache(packed, fmt, max_seqlen=1024),
+                            max_new_tokens=8, do_sample=False)
+    assert (out_f[:, n:] == out_p[:, n:]).float().mean().item() >= 0.75
+
+
 @pytest.mark.gpu
 @torch.no_grad()
 def test_gpu_fused_norms_generate_like_transformers():
@@ -175,15 +189,7 @@ def test_gpu_fused_norms_generate_like_transformers():
     base, packed = base.cuda(), packed.cuda()
     fused = copy.deepcopy(packed)
     hf.fuse_norms(fused)
-    ids = torch.randint(0, VOCAB, (2, 300), generator=torch.Generator().manual_seed(6)).cuda()
-    a, b = fused(ids).logits, packed(ids).logits
-    assert _rel(a, b) < 2e-2, _rel(a, b)
-    fmt = bd.KVFormat(bits=4, group_size=64)
-    out_f = fused.generate(ids, past_key_values=hf.BitDecodingCache(fused, fmt, max_seqlen=1024),
-                           max_new_tokens=8, do_sample=False)
-    out_p = packed.generate(ids, past_key_values=hf.BitDecodingCache(packed, fmt, max_seqlen=1024),
-                            max_new_tokens=8, do_sample=False)
-    assert (out_f[:, 300:] == out_p[:, 300:]).float().mean().item() >= 0.75
+    _generates_like(fused, packed)
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     norm = fused.model.layers[0].input_layernorm
     graph = torch.cuda.CUDAGraph()
@@ -363,13 +369,6 @@ def test_gpu_every_fusion_generates_like_the_plain_model():
     hf.fuse_projections(fused)
     try:
         hf.fuse_rope(fused)
-        ids = torch.randint(0, VOCAB, (2, 300), generator=torch.Generator().manual_seed(6)).cuda()
-        assert _rel(fused(ids).logits, packed(ids).logits) < 2e-2
-        fmt = bd.KVFormat(bits=4, group_size=64)
-        out_f = fused.generate(ids, past_key_values=hf.BitDecodingCache(fused, fmt, max_seqlen=1024),
-                               max_new_tokens=8, do_sample=False)
-        out_p = packed.generate(ids, past_key_values=hf.BitDecodingCache(packed, fmt, max_seqlen=1024),
-                                max_new_tokens=8, do_sample=False)
-        assert (out_f[:, 300:] == out_p[:, 300:]).float().mean().item() >= 0.75
+        _generates_like(fused, packed)
     finally:
         hf.restore_rope()

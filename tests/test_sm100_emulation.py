@@ -204,8 +204,7 @@ def test_tiles_are_the_reference_bytes():
         k, v = reference.gather_kv(0, case.lens[0], t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
                                    t.block_table, fmt, t.sinks)
         for h in range(case.kv_heads):
-            head = emulate._HeadCache(t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.sinks,
-                                      t.block_table[0], case.fp4, 0, h)
+            head = emulate._HeadCache(t, t.block_table[0], 0, h)
             for tile in range((case.lens[0] - case.sinks) // emulate.TILE_TOKENS):
                 rows = slice(case.sinks + tile * 128, case.sinks + (tile + 1) * 128)
                 assert torch.equal(head.k_tile(tile).to(case.dtype), k[rows, h])
