@@ -268,7 +268,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         """TMEM columns to allocate: S^T, O^T, the scale factors, rounded up to a power of two."""
         acc_s, acc_o, sf = self._tmem_layouts(mma, lay)
         cols = tcgen05.find_tmem_tensor_col_offset(acc_s) + tcgen05.find_tmem_tensor_col_offset(acc_o)
-        for layout in sf:
+        for layout in sf:  # (a TMEM tensor at address 0 only to measure the layout's columns)
             cols += tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(cute.make_ptr(
                 self.sf_dtype, 0, cute.AddressSpace.tmem, assumed_align=16), layout))
         return max(32, 1 << (cols - 1).bit_length())
@@ -558,7 +558,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         bv = sm100.rows_cols_bytes(lay.v16, self.dtype)
         pk = cute.recast_ptr(storage.sK16.data_ptr(), dtype=cutlass.Uint8)
         pv = cute.recast_ptr(storage.sV16.data_ptr(), dtype=cutlass.Uint8)
-        t = tid  # a thread per token
+        t = tid  # a thread per token; scalar loads and stores: one such tile per split at most
         for c in cutlass.range(self.d, unroll=8):
             k = self.dtype(0.0)
             v = self.dtype(0.0)
