@@ -338,6 +338,10 @@ def test_fuse_projections_merges_and_unmerges(models, family):
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     want = base(ids).logits
     assert _rel(model(ids).logits, want) < 1e-2
+    assert attn.q_proj.group._outs == ()  # every slice taken: the merged output is let go
+    x = torch.randn(3, attn.q_proj.in_features, dtype=merged.dtype)
+    for proj in (attn.v_proj, attn.q_proj, attn.q_proj):  # any order; a slice asked twice is recomputed
+        assert torch.equal(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias))
     assert hf.unfuse_projections(model) == 5 * layers
     assert type(attn.k_proj) is torch.nn.Linear
     assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear
