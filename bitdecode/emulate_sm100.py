@@ -42,7 +42,8 @@ KV head, rows ``h G .. h G + G - 1`` of ``q[b, 0]``; scores in log2 units):
    of the tile's chunks): ``s = (K qhat^T, exact then fp32) * c``; ``m_new = max(m,
    max_t s)``, ``alpha = exp2(m - m_new)`` (0 while m = -inf), ``p = exp2(s - m_new)``;
    P: ``quantize_p_operand(p, exp2(m_tile - m_new))`` (codes, scale bytes, rp); ``l = l
-   alpha + sum_t e2m1(code) s_b / rp``, ``O = O alpha + (sum_t e2m1(code) s_b V) / rp``.
+   alpha + sum_t e2m1(code) s_b / rp``, ``O = O alpha + (sum_t e2m1(code) s_b V) / rp``
+   (``/ rp`` as a multiply by the one fp32 reciprocal per row, as the kernel does it).
 3. Each 16-bit tile (the sinks first, in split 0; the residual last): ``s = (q . k in
    fp32) * scale_log2`` with q as it is, the same running max, ``p16 = exp2(s - m_new)``
    rounded to the cache dtype, ``l = l alpha + sum p16``, ``O = O alpha + p16 . v``.
