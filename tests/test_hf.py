@@ -376,3 +376,19 @@ def test_gpu_every_fusion_generates_like_the_plain_model():
         _generates_like(fused, packed)
     finally:
         hf.restore_rope()
+
+
+@pytest.mark.parametrize("family, module", [("mistral", "mistral"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                            ("smollm", "llama")])
+@torch.no_grad()
+def test_fuse_rope_on_the_model_families(family, module):
+    """fuse_rope recognizes each family's apply_rotary_pos_emb as Llama's and patches that
+    family's modeling module; on the CPU (torch's ops) the logits stay bit-identical."""
+    base, _ = _family_models(family)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    want = base(ids).logits
+    try:
+        assert hf.fuse_rope(base) == [f"transformers.models.{module}.modeling_{module}"]
+        assert torch.equal(base(ids).logits, want)
+    finally:
+        hf.restore_rope()
