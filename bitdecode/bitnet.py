@@ -312,9 +312,11 @@ def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated:
 
     fn = _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize), build)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    rows = x.shape[0] if quantize else 0  # the norm alone: empty placeholders
-    q = torch.empty(rows, weight.shape[0] if quantize else 0, dtype=torch.int8, device=x.device)
-    s = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if not quantize:  # the norm alone (its own entry point: y only)
+        fn(x, weight, y)
+        return y, None, None
+    q = torch.empty(x.shape[0], weight.shape[0], dtype=torch.int8, device=x.device)
+    s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     fn(x, weight, y, q, s)
     return y, q, s
 

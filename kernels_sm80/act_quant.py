@@ -153,11 +153,21 @@ class RmsNormQuantSm80(ActQuantSm80):
         super().__init__(is_bf16, eps)
         self.norm_eps = norm_eps
         self.gated = gated
-        self.quantize = quantize  # False: the norm alone (``q``, ``s`` not read or written)
+        self.quantize = quantize  # False: the norm alone (``call_norm``: no ``q``, ``s``)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
                  stream):
+        self.launch(mX, mW, mY, mQ, mS, stream)
+
+    @cute.jit
+    def call_norm(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
+        """The norm alone (``quantize=False``): ``y`` only."""
+        self.launch(mX, mW, mY, None, None, stream)
+
+    def launch(self, mX, mW, mY, mQ, mS, stream):
+        """(plain Python, traced inside either entry point: a jit entry calling the other
+        would take its exported signature)"""
         self.kernel(mX, mW, mY, mQ, mS).launch(grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.jit
@@ -196,7 +206,6 @@ class RmsNormQuantSm80(ActQuantSm80):
         x_row = mX.iterator.toint() + Int64(row) * Int64(mX.shape[1]) * HALF_BYTES
         y_row = mY.iterator.toint() + row_bytes
         w_row = mW.iterator.toint()
-        q_row = mQ.iterator.toint() + Int64(row) * Int64(k)
         smem = cutlass.memory.SmemAllocator()
         s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
 
@@ -230,6 +239,7 @@ class RmsNormQuantSm80(ActQuantSm80):
         # pass 3: the quantizer over y, each thread re-reading the vectors it stored (the
         # same vectors: the loops share their thread mapping, so no barrier is needed)
         if const_expr(self.quantize):
+            q_row = mQ.iterator.toint() + Int64(row) * Int64(k)
             self.quantize_row(y_row, q_row, vecs, amax, s_red, mS, tidx, row)
 
 
@@ -248,8 +258,7 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
 def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False,
                        quantize: bool = True):
     """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0.  Without
-    ``quantize`` the kernel neither reads nor writes ``q`` and ``s``, so their shapes are
-    free (the caller passes zero-size tensors)."""
+    ``quantize``: its ``call_norm`` entry point, ``(x, w, y)`` only."""
     m = cute.sym_int()
     k = cute.sym_int(divisibility=VEC)
     fake = cute.runtime.make_fake_compact_tensor
@@ -257,9 +266,10 @@ def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str,
     x = fake(dtype, (m, cute.sym_int(divisibility=2 * VEC) if gated else k), stride_order=(1, 0), assumed_align=16)
     w = fake(dtype, (k,), assumed_align=16)
     y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
-    q_shape, s_shape = ((m, k), (m,)) if quantize else ((cute.sym_int(), cute.sym_int()), (cute.sym_int(),))
-    q = fake(cutlass.Int8, q_shape, stride_order=(1, 0), assumed_align=16)
-    s = fake(Float32, s_shape, assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize), x, w, y, q, s, stream,
-                        options=options)
+    kernel = RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize)
+    if not quantize:
+        return cute.compile(kernel.call_norm, x, w, y, stream, options=options)
+    q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
+    s = fake(Float32, (m,), assumed_align=4)
+    return cute.compile(kernel, x, w, y, q, s, stream, options=options)
