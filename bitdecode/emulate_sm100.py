@@ -71,14 +71,13 @@ from .attention import softmax_scale_or_default
 from .backend import CacheTensors
 from .formats import KVFormat
 from .layouts import sm100
-from .layouts.packing import LN_2, LOG2_E
+from .layouts.packing import F32_MAX, LN_2, LOG2_E
 
 __all__ = ["NVFP4_MAX", "OPERAND_TOP", "split_tiles", "quantize_q_operand", "quantize_p_operand", "emulate_decode"]
 
-NVFP4_MAX = sm100.E2M1_MAX * sm100.UE4M3_MAX  # 2688: the largest value an NVFP4 block holds
-# what the fp32 operand scales map a row's (tile's) largest value to: the format's top
-OPERAND_TOP = {"nvfp4": NVFP4_MAX, "mxfp4": sm100.E2M1_MAX}
-FP32_MAX = torch.finfo(torch.float32).max
+NVFP4_MAX = sm100.NVFP4_MAX
+OPERAND_TOP = sm100.OPERAND_TOP
+FP32_MAX = F32_MAX
 TILE_TOKENS = sm100.SF_ATOM_ROWS  # a packed tile: 128 tokens, one chunk of K's scale rows
 
 

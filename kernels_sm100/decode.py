@@ -51,7 +51,7 @@ from ..kernels_sm80.pack_fp4 import FIELD_BITS, Fp4Blocks, _fabs
 from ..kernels_sm80.tensors import page_of, split_tiles, wait_for_previous_kernel
 from ..kernels_sm90 import ptx90
 from ..layouts import sm100
-from ..layouts.packing import LN_2
+from ..layouts.packing import F32_MAX, LN_2
 
 ROWS = sm100.UMMA_M  # tokens of a tile = TMEM lanes = softmax threads
 SOFTMAX_WARPS = 4
@@ -59,11 +59,6 @@ LOAD_WARP = 4
 MMA_WARP = 5
 THREADS = 32 * 6
 E2M1_PER_WORD = 32 // FIELD_BITS
-# the per-row (Q) / per-tile-and-row (P) fp32 scale maps the largest |value| to the top of
-# the operand's range (NVFP4: 6 * 448, the e4m3 block scale's top; MXFP4: 6), as
-# bitdecode.emulate_sm100 specifies
-OPERAND_TOP = {"nvfp4": sm100.E2M1_MAX * sm100.UE4M3_MAX, "mxfp4": sm100.E2M1_MAX}
-FLT_MAX = 3.4028234663852886e38
 SMEM_BYTES = 200 * 1024  # of the 227 KB a Blackwell SM gives one CTA
 
 
@@ -537,7 +532,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     def operand_scale(self, amax: Float32) -> Float32:
         """``OPERAND_TOP / amax`` capped at fp32's largest finite value (a row of tiny values
         never multiplies by infinity; ``amax`` 0 gives the cap, over values that are all 0)."""
-        return cute.arch.fmin(ptx.div_rn(Float32(OPERAND_TOP[self.fp4]), amax), Float32(FLT_MAX))
+        return cute.arch.fmin(ptx.div_rn(Float32(sm100.OPERAND_TOP[self.fp4]), amax), Float32(F32_MAX))
 
     @cute.jit
     def store_scale(self, base, row, col, byte):
@@ -612,7 +607,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             tile_max[h] = m
             m_new = cute.arch.fmax(st.row_max[h], m)
             # no token yet: a finite stand-in keeps exp2(-inf - m) at 0, never NaN
-            m_use = cute.arch.fmax(m_new, Float32(-FLT_MAX))
+            m_use = cute.arch.fmax(m_new, Float32(-F32_MAX))
             alpha[h] = cute.math.exp2(st.row_max[h] - m_use, fastmath=True)
             st.row_max[h] = m_new
             p[h] = cute.math.exp2(x[h] - m_use, fastmath=True)

@@ -47,6 +47,7 @@ F32_EXP_BITS = 8
 F32_EXP_BIAS = 127
 F32_MIN_EXP = 1 - F32_EXP_BIAS  # the smallest normal fp32 exponent, -126
 F32_SIGN_BIT = 31
+F32_MAX = (2.0 - 2.0 ** -F32_MANTISSA_BITS) * 2.0 ** F32_EXP_BIAS  # the largest finite fp32
 
 # lop3 lookup tables are written with PTX's operand convention a=0xF0, b=0xCC, c=0xAA.
 LOP3_A, LOP3_B, LOP3_C = 0xF0, 0xCC, 0xAA

@@ -141,6 +141,10 @@ E2M1_TIE_UP = tuple(c % 2 == 1 for c in range(7))
 UE4M3_MIN = ue4m3_value(1)  # 2^-9, the smallest positive scale
 UE4M3_MAX = ue4m3_value(0x7E)  # 448
 E2M1_EMAX = 2  # exponent of e2m1's largest power of two (OCP MX: the shared exponent offset)
+NVFP4_MAX = E2M1_MAX * UE4M3_MAX  # 2688: the largest value an NVFP4 block holds
+# the sm100 decode kernel's fp32 operand scales (Q per row, P per row and tile) map the
+# largest |value| here: the top of the block format (bitdecode.emulate_sm100 says why)
+OPERAND_TOP = {"nvfp4": NVFP4_MAX, "mxfp4": E2M1_MAX}
 
 
 # --------------------------------------------------------------------------------------
