@@ -483,27 +483,20 @@ def evaluate_targets(rows: List[dict], meaningful: bool) -> dict:
         return (graph or cands or [None])[0]
 
     out = {"meaningful": meaningful}
-    bd4 = [r for r in ok if r["config"] == "bd4" and r["mode"] == ("graph" if any(x["mode"] == "graph" for x in ok)
-                                                                   else "eager")]
-    ratios = {r["role"]: round(r["of_roofline"], 3) for r in bd4}
+    mode = "graph" if any(x["mode"] == "graph" for x in ok) else "eager"
+
+    def ratios_of(config: str) -> dict:
+        return {r["role"]: round(r["of_roofline"], 3) for r in ok if r["config"] == config and r["mode"] == mode}
+
+    ratios = ratios_of("bd4")
     out["bd4_graph_within_1.3x_roofline"] = {
         "need": f"step time <= {TARGETS['roofline_ratio_max']} x roofline at every point",
         "ratios": ratios, "pass": bool(ratios) and all(x <= TARGETS["roofline_ratio_max"] for x in ratios.values())}
-    fused = [r for r in ok if r["config"] == "bd4-norms" and r["mode"] == ("graph" if any(x["mode"] == "graph" for x in ok)
-                                                                          else "eager")]
-    if fused:  # the same with the model's norms fused (what bitdecode.hf.fuse_norms adds)
-        out["bd4_graph_within_1.3x_roofline"]["ratios_bd4_norms"] = {r["role"]: round(r["of_roofline"], 3)
-                                                                     for r in fused}
-    both = [r for r in ok if r["config"] == "bd4-fused" and r["mode"] == ("graph" if any(x["mode"] == "graph" for x in ok)
-                                                                         else "eager")]
-    if both:  # ... and the rotary embedding too (bitdecode.hf.fuse_rope)
-        out["bd4_graph_within_1.3x_roofline"]["ratios_bd4_fused"] = {r["role"]: round(r["of_roofline"], 3)
-                                                                     for r in both}
-    every = [r for r in ok if r["config"] == "bd4-all" and r["mode"] == ("graph" if any(x["mode"] == "graph" for x in ok)
-                                                                        else "eager")]
-    if every:  # ... and the projections merged (bitdecode.hf.fuse_projections)
-        out["bd4_graph_within_1.3x_roofline"]["ratios_bd4_all"] = {r["role"]: round(r["of_roofline"], 3)
-                                                                   for r in every}
+    # the same with bitdecode.hf's fusions: the norms, + the rotary embedding, + the projections
+    for config in ("bd4-norms", "bd4-fused", "bd4-all"):
+        fused = ratios_of(config)
+        if fused:
+            out["bd4_graph_within_1.3x_roofline"]["ratios_" + config.replace("-", "_")] = fused
     for role, key in (("b1_128k", "b1_128k_speedup_min"), ("b8_64k", "b8_64k_speedup_min")):
         fast16 = best(role, SIXTEEN_BIT)
         entry = {"need": f"bitdecode 4-bit tokens/s >= {TARGETS[key]} x the fastest 16-bit configuration"}
