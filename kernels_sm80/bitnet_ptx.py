@@ -33,15 +33,18 @@ def load_v4(addr: Int64, stream: bool, ordered: bool = False, *, loc=None, ip=No
     (``ld.global.nc.L1::no_allocate``); otherwise many warps share it (the activations)
     and it goes through L1.  Unpredicated on purpose: ptxas schedules plain loads early,
     while a predicated, zero-filled asm block ended up pinned next to its first use.
-    ``ordered``: declared with side effects, so LLVM keeps it after an earlier
-    ``griddepcontrol.wait`` (data the previous kernel may still be writing).
+    ``ordered``: data the previous kernel may still be writing, read after an earlier
+    ``griddepcontrol.wait``: declared with side effects, so LLVM keeps it after the wait,
+    and a coherent ``ld.global`` (not ``.nc``: ptxas may hoist a read-only load above the
+    wait; on the H200 a GEMV behind a programmatic launch read stale activations so).
     """
+    space = "global" if ordered else "global.nc"
     hint = ".L1::no_allocate" if stream else ""
     struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
     res = llvm.inline_asm(
         struct_ty,
         [Int64(addr).ir_value(loc=loc, ip=ip)],
-        f"ld.global.nc{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
+        f"ld.{space}{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
         "=r,=r,=r,=r,l",
         has_side_effects=ordered,
         is_align_stack=False,

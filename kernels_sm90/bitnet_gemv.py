@@ -31,7 +31,7 @@ from ..layouts import bitnet as fmt
 from ..layouts.resources import ctas_per_sm
 
 # ptxas register counts of the PDL builds for sm_90a, by unroll (tests/test_bitnet.py)
-REGISTERS = {4: 72, 5: 72, 8: 88, 10: 120}
+REGISTERS = {4: 66, 5: 72, 8: 88, 10: 120}
 CANDIDATES = tuple(GemvConfig(unroll=u, pdl=True) for u in REGISTERS)
 
 def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
