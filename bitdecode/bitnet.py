@@ -308,7 +308,8 @@ def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated:
     def build():
         from .kernels_sm80 import act_quant
 
-        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated, quantize)
+        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated, quantize,
+                                            pdl=jit.has_pdl(arch))
 
     fn = _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize), build)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)

@@ -45,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import _validate, bitnet, ops, rope
+from . import _validate, bitnet, dense, ops, rope
 from .bitnet import RMS_NORM_CLASSES
 from .cache import KVCache, decode
 from .formats import KVFormat
@@ -365,35 +365,41 @@ def restore_rope() -> List[str]:
 # --------------------------------------------------------------------------------------
 
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+SINGLE_PROJECTIONS = ("o_proj", "down_proj")  # projections with an input of their own
+_SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"])
 
 
 class _MergedProjection:
     """The weights of projections that read the same input, concatenated (one storage: the
     slices' ``weight`` Parameters are views of it), and the last input's outputs: the first
-    projection called runs the one GEMM, the others return their slice of its output.  The
-    outputs are let go once every projection has taken its slice (held to the next call, a
-    prefill's gate / up outputs, 235 MB a layer at 4K tokens on an 8B model, would add up
-    over the layers)."""
+    projection called runs the one GEMM (``bd.dense.linear``), the others return their
+    slice of its output.  The outputs are let go once every projection has taken its slice
+    (held to the next call, a prefill's gate / up outputs, 235 MB a layer at 4K tokens on
+    an 8B model, would add up over the layers)."""
 
-    def __init__(self, linears: List[torch.nn.Linear]):
+    def __init__(self, linears: List[torch.nn.Linear], backend: str):
         self.weight = torch.cat([lin.weight.detach() for lin in linears])
         has_bias = linears[0].bias is not None
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
         self.splits = [lin.out_features for lin in linears]
+        self.backend = backend
         self._x: Optional[weakref.ref] = None
         self._version = -1
         self._outs: tuple = ()
         self._untaken: set = set()
 
-    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """Projection ``index``'s output for input ``x``."""
+    def merged(self, x: torch.Tensor) -> torch.Tensor:
+        """Every projection's output for input ``x``, concatenated along the last dim."""
         if x.device != self.weight.device or x.dtype != self.weight.dtype:
             raise ValueError(f"merged projections hold {self.weight.dtype} weights on {self.weight.device}, the input "
                              f"is {x.dtype} on {x.device}: call hf.fuse_projections after moving the model")
+        return dense.linear(x, self.weight, self.bias, backend=self.backend)
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Projection ``index``'s output for input ``x``."""
         if (self._x is None or self._x() is not x or x._version != self._version
                 or index not in self._untaken):
-            y = torch.nn.functional.linear(x, self.weight, self.bias)
-            self._outs = y.split(self.splits, dim=-1)
+            self._outs = self.merged(x).split(self.splits, dim=-1)
             self._x, self._version = weakref.ref(x), x._version
             self._untaken = set(range(len(self.splits)))
         out = self._outs[index]
@@ -427,6 +433,24 @@ class ProjectionSlice(torch.nn.Module):
                f"{len(self.group.splits)} merged projections"
 
 
+class Projection(torch.nn.Module):
+    """A projection that reads an input of its own (``SINGLE_PROJECTIONS``: o_proj,
+    down_proj) through ``bd.dense.linear``: the same ``weight`` / ``bias`` Parameters, the
+    GEMV kernel for a decode step's few tokens, cuBLAS for more."""
+
+    def __init__(self, linear: torch.nn.Linear, backend: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense.linear(x, self.weight, self.bias, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bitdecode.dense.linear"
+
+
 def _mergeable(linears) -> bool:
     first = linears[0]
     return (all(type(lin) is torch.nn.Linear for lin in linears)
@@ -435,38 +459,79 @@ def _mergeable(linears) -> bool:
                     for lin in linears))
 
 
-def fuse_projections(model: torch.nn.Module) -> int:
-    """Merge the projections that read the same input into one GEMM each (in place): an
-    attention layer's ``q_proj`` / ``k_proj`` / ``v_proj`` and an MLP's ``gate_proj`` /
-    ``up_proj`` (``PROJECTION_GROUPS``; plain ``nn.Linear`` of one input size, dtype and
-    device).  In a decode step a GEMV per weight matrix reads the weights once either way;
-    merged, the small ones (k, v) stop paying for their own launch and split-K reduction.
-    The weights move into one concatenated storage (``weight`` of each projection a view
-    of it, so the memory and ``state_dict`` keys stay); outputs equal ``nn.Linear``'s up to
-    the GEMM's summation order.  Call it after moving the model to its device and dtype.
-    Returns the number of groups merged."""
+@functools.lru_cache(maxsize=None)
+def _llama_mlp_body() -> str:
+    from transformers.models.llama import modeling_llama
+
+    return _body(modeling_llama.LlamaMLP.forward)
+
+
+def _swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Llama's MLP forward, ``down(silu(gate(x)) * up(x))``, on the merged gate / up GEMM's
+    output with ``silu(gate) * up`` as one kernel (``bd.dense.silu_mul``)."""
+    group = self.gate_proj.group
+    return self.down_proj(dense.silu_mul(group.merged(x), backend=group.backend))
+
+
+def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
+    """A Llama-style SwiGLU MLP (its forward's code is ``LlamaMLP``'s, its activation SiLU)
+    whose gate / up projections ``fuse_projections`` has just merged."""
+    gate = getattr(module, "gate_proj", None)
+    return (isinstance(gate, ProjectionSlice) and gate.index == 0 and len(gate.group.splits) == 2
+            and type(getattr(module, "act_fn", None)).__name__ in _SILU_CLASSES
+            and "forward" not in vars(module) and _body(type(module).forward) == _llama_mlp_body())
+
+
+def fuse_projections(model: torch.nn.Module, backend: str = "auto") -> int:
+    """Run ``model``'s projections as few, lean kernels (in place):
+
+    * the projections that read the same input are merged into one GEMM each: an attention
+      layer's ``q_proj`` / ``k_proj`` / ``v_proj`` and an MLP's ``gate_proj`` / ``up_proj``
+      (``PROJECTION_GROUPS``; plain ``nn.Linear`` of one input size, dtype and device).  The
+      weights move into one concatenated storage (``weight`` of each projection a view of
+      it, so the memory and ``state_dict`` keys stay).  Call it after moving the model to
+      its device and dtype;
+    * every projection (the merged ones and ``o_proj`` / ``down_proj``) goes through
+      ``bd.dense.linear``: the GEMV kernel for a decode step's few tokens, cuBLAS for more;
+    * a Llama-style MLP (Llama, Mistral, Qwen2/3, SmolLM: its forward's code is
+      ``LlamaMLP``'s, its activation SiLU) computes ``silu(gate) * up`` as one kernel over
+      the merged output (``bd.dense.silu_mul``, bit-identical to torch's ops).
+
+    ``backend`` is ``bd.dense``'s ("reference": merged, on torch's ops only).  Outputs
+    equal ``nn.Linear``'s up to the summation order.  Returns the number of groups merged;
+    ``unfuse_projections`` undoes it."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if backend not in dense.BACKENDS:
+        raise ValueError(f"backend must be one of {dense.BACKENDS}, got {backend!r}")
     count = 0
     for parent in list(model.modules()):
         for names in PROJECTION_GROUPS:
             linears = [getattr(parent, n, None) for n in names]
             if any(lin is None for lin in linears) or not _mergeable(linears):
                 continue
-            group = _MergedProjection(linears)
+            group = _MergedProjection(linears, backend)
             for i, name in enumerate(names):
                 setattr(parent, name, ProjectionSlice(group, i, linears[i]))
             count += 1
+        for name in SINGLE_PROJECTIONS:
+            if type(getattr(parent, name, None)) is torch.nn.Linear:
+                setattr(parent, name, Projection(getattr(parent, name), backend))
+        if _is_swiglu_mlp(parent):
+            parent.forward = _swiglu_mlp_forward.__get__(parent)
     return count
 
 
 def unfuse_projections(model: torch.nn.Module) -> int:
-    """Put plain ``nn.Linear`` modules back in place of ``fuse_projections``' slices (their
-    weights stay views of the merged storage: no copy); returns how many were replaced."""
+    """Put plain ``nn.Linear`` modules back in place of ``fuse_projections``' (their
+    weights stay views of the merged storage: no copy) and the MLPs' own forward; returns
+    how many projections were replaced."""
     count = 0
     for parent in list(model.modules()):
+        if getattr(vars(parent).get("forward"), "__func__", None) is _swiglu_mlp_forward:
+            del parent.forward
         for name, child in list(parent.named_children()):
-            if isinstance(child, ProjectionSlice):
+            if isinstance(child, (ProjectionSlice, Projection)):
                 lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
                                       device="meta")
                 lin.weight = child.weight
@@ -482,4 +547,4 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["BitDecodingCache", "BitDecodingLayer", "bitdecode_attention", "ATTN_IMPLEMENTATION", "FusedRMSNorm",
            "fuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope", "fuse_projections", "unfuse_projections", "ProjectionSlice",
-           "PROJECTION_GROUPS"]
+           "Projection", "PROJECTION_GROUPS", "SINGLE_PROJECTIONS"]

@@ -32,6 +32,7 @@ from ..layouts import bitnet as fmt
 from .bitnet_ptx import WARP
 from .ptx import _asm, cvt_pack_x2, half_to_f32, mul_rn, rcp_rn
 from .reduce import block_reduce
+from .tensors import wait_for_previous_kernel
 
 THREADS = 128
 VEC = fmt.ACT_QUANT_VEC  # halves per 16-byte load
@@ -40,12 +41,14 @@ WARPS = THREADS // WARP
 
 
 @dsl_user_op
-def _load16(addr: Int64, *, loc=None, ip=None):
-    """16-byte global load through L1 (pass 2 re-reads the row)."""
+def _load16(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
+    """16-byte global load through L1 (pass 2 re-reads the row).  ``ordered``: declared
+    with side effects, so LLVM keeps it after an earlier ``griddepcontrol.wait`` (data the
+    previous kernel writes; a pure asm load may be hoisted above the wait)."""
     struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
     res = llvm.inline_asm(struct_ty, [Int64(addr).ir_value(loc=loc, ip=ip)],
                           "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                          has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                          has_side_effects=ordered, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                           loc=loc, ip=ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
@@ -127,7 +130,8 @@ class ActQuantSm80:
             mS[row] = scale
 
         for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            w0, w1, w2, w3 = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES)
+            # (ordered: RmsNormQuantSm80 re-reads the y it has just stored)
+            w0, w1, w2, w3 = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES, True)
             a0, a1 = self.halves(w0)
             a2, a3 = self.halves(w1)
             a4, a5 = self.halves(w2)
@@ -149,11 +153,15 @@ class RmsNormQuantSm80(ActQuantSm80):
     torch's by up to two 16-bit ulps where the row's ``rsqrt`` lands near a rounding edge; ``q``
     and ``s`` are exactly the quantizer's of this ``y``."""
 
-    def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False, quantize: bool = True):
+    def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False, quantize: bool = True,
+                 pdl: bool = False):
         super().__init__(is_bf16, eps)
         self.norm_eps = norm_eps
         self.gated = gated
         self.quantize = quantize  # False: the norm alone (``call_norm``: no ``q``, ``s``)
+        # programmatic dependent launch (sm_90+): the next kernel (a projection's GEMV) is let
+        # in at once, so it starts fetching its weights while this one-CTA-per-token kernel runs
+        self.pdl = pdl
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
@@ -168,7 +176,8 @@ class RmsNormQuantSm80(ActQuantSm80):
     def launch(self, mX, mW, mY, mQ, mS, stream):
         """(plain Python, traced inside either entry point: a jit entry calling the other
         would take its exported signature)"""
-        self.kernel(mX, mW, mY, mQ, mS).launch(grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mX, mW, mY, mQ, mS).launch(grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream,
+                                               use_pdl=self.pdl)
 
     @cute.jit
     def rounded(self, a: Float32, b: Float32):
@@ -182,8 +191,8 @@ class RmsNormQuantSm80(ActQuantSm80):
         """The eight norm inputs of vector ``v`` of a row, as fp32 (four pairs)."""
         pairs = []
         if const_expr(self.gated):
-            gate = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES)
-            up = _load16(x_row + Int64(k) * HALF_BYTES + Int64(v) * fmt.CHUNK_BYTES)
+            gate = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES, self.pdl)
+            up = _load16(x_row + Int64(k) * HALF_BYTES + Int64(v) * fmt.CHUNK_BYTES, self.pdl)
             for i in cutlass.range_constexpr(4):
                 g0, g1 = self.halves(gate[i])
                 u0, u1 = self.halves(up[i])
@@ -192,7 +201,7 @@ class RmsNormQuantSm80(ActQuantSm80):
                 _, h0, h1 = self.rounded(mul_rn(a0, u0), mul_rn(a1, u1))
                 pairs.append((h0, h1))
         else:
-            for word in _load16(x_row + Int64(v) * fmt.CHUNK_BYTES):
+            for word in _load16(x_row + Int64(v) * fmt.CHUNK_BYTES, self.pdl):
                 pairs.append(self.halves(word))
         return pairs
 
@@ -208,6 +217,7 @@ class RmsNormQuantSm80(ActQuantSm80):
         w_row = mW.iterator.toint()
         smem = cutlass.memory.SmemAllocator()
         s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
+        wait_for_previous_kernel(self.pdl)
 
         # pass 1: sum of squares (each square exact in fp32)
         ss = Float32(0.0)
@@ -256,7 +266,7 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
 
 
 def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False,
-                       quantize: bool = True):
+                       quantize: bool = True, pdl: bool = False):
     """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0.  Without
     ``quantize``: its ``call_norm`` entry point, ``(x, w, y)`` only."""
     m = cute.sym_int()
@@ -267,7 +277,7 @@ def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str,
     w = fake(dtype, (k,), assumed_align=16)
     y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize)
+    kernel = RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize, pdl)
     if not quantize:
         return cute.compile(kernel.call_norm, x, w, y, stream, options=options)
     q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)

@@ -27,8 +27,11 @@ change a decode step):
   (``bitdecode.hf.fuse_norms``, undone after): what the norms' eight torch kernels cost;
 * ``bd4-fused``: ``bd4-norms`` plus the rotary embedding of q and k as one kernel per layer
   (``bitdecode.hf.fuse_rope``, undone after) instead of transformers' ten torch kernels;
-* ``bd4-all``: ``bd4-fused`` plus q / k / v and gate / up merged into one GEMM each
-  (``bitdecode.hf.fuse_projections``, undone after).
+* ``bd4-merged``: ``bd4-fused`` plus q / k / v and gate / up merged into one GEMM each, on
+  torch's ops (cuBLAS; ``bitdecode.hf.fuse_projections(backend="reference")``, undone after);
+* ``bd4-all``: ``bd4-fused`` plus ``bitdecode.hf.fuse_projections``: the merged projections,
+  o_proj and down_proj on bitdecode's GEMV (``bd.dense.linear``) and SwiGLU's
+  ``silu(gate) * up`` as one kernel (``bd.dense.silu_mul``).
 
 Steps: one token per sequence at position N, ``input_ids`` / ``position_ids`` in fixed
 buffers.  Eager: every step synchronized, CUDA events around it.  Graph: the step captured
@@ -147,9 +150,12 @@ def configurations(args, device) -> List[dict]:
     out.append(dict(name="bd4-fused", label="bitdecode 4-bit + RMSNorms and the rotary embedding as one kernel "
                     "each (bitdecode.hf.fuse_norms, fuse_rope)", modes=graph, attn="bitdecode", bits=4,
                     fuse_norms=True, fuse_rope=True))
+    out.append(dict(name="bd4-merged", label="bitdecode 4-bit + norms, rotary embedding, q/k/v and gate/up merged "
+                    "on cuBLAS", modes=graph, attn="bitdecode", bits=4, fuse_norms=True, fuse_rope=True,
+                    fuse_projections="reference"))
     out.append(dict(name="bd4-all", label="bitdecode 4-bit + every bitdecode.hf fusion (norms, rotary embedding, "
-                    "q/k/v and gate/up merged)", modes=graph, attn="bitdecode", bits=4, fuse_norms=True,
-                    fuse_rope=True, fuse_projections=True))
+                    "merged projections, the GEMV and SwiGLU kernels)", modes=graph, attn="bitdecode", bits=4,
+                    fuse_norms=True, fuse_rope=True, fuse_projections="auto"))
     if args.configs:
         keep = set(args.configs.split(","))
         out = [c for c in out if c["name"] in keep]
@@ -443,9 +449,9 @@ def _size(n: int) -> str:
 
 
 @contextlib.contextmanager
-def fused_layers(model, norms: bool, rotary: bool, projections: bool = False):
-    """``bitdecode.hf.fuse_norms`` / ``fuse_rope`` / ``fuse_projections`` on the shared
-    model for one configuration, undone after."""
+def fused_layers(model, norms: bool, rotary: bool, projections=None):
+    """``bitdecode.hf.fuse_norms`` / ``fuse_rope`` / ``fuse_projections`` (``projections``:
+    its backend, or None) on the shared model for one configuration, undone after."""
     if not (norms or rotary or projections):
         yield
         return
@@ -458,7 +464,7 @@ def fused_layers(model, norms: bool, rotary: bool, projections: bool = False):
     if rotary:
         hf.fuse_rope(model)
     if projections:
-        hf.fuse_projections(model)
+        hf.fuse_projections(model, backend=projections)
     try:
         yield
     finally:
@@ -493,7 +499,7 @@ def evaluate_targets(rows: List[dict], meaningful: bool) -> dict:
         "need": f"step time <= {TARGETS['roofline_ratio_max']} x roofline at every point",
         "ratios": ratios, "pass": bool(ratios) and all(x <= TARGETS["roofline_ratio_max"] for x in ratios.values())}
     # the same with bitdecode.hf's fusions: the norms, + the rotary embedding, + the projections
-    for config in ("bd4-norms", "bd4-fused", "bd4-all"):
+    for config in ("bd4-norms", "bd4-fused", "bd4-merged", "bd4-all"):
         fused = ratios_of(config)
         if fused:
             out["bd4_graph_within_1.3x_roofline"]["ratios_" + config.replace("-", "_")] = fused
@@ -542,7 +548,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     width = 0.85 / max(1, len(series))
     colors = {"dynamic": "#7f7f7f", "static": "#1f77b4", "static-packed": "#17becf", "static-compiled": "#9467bd",
               "quanto4": "#ff7f0e", "quanto2": "#e7ba52", "bd4": "#2ca02c", "bd2": "#d62728",
-              "bd4-norms": "#8c564b", "bd4-fused": "#e377c2", "bd4-all": "#17becf"}
+              "bd4-norms": "#8c564b", "bd4-fused": "#e377c2", "bd4-merged": "#bcbd22", "bd4-all": "#17becf"}
     handles = []
     for i, (name, mode) in enumerate(series):
         xs, ys, notes = [], [], []
@@ -659,7 +665,7 @@ def run(args) -> dict:
                 continue
             try:
                 with fused_layers(model, cfg.get("fuse_norms", False), cfg.get("fuse_rope", False),
-                                  cfg.get("fuse_projections", False)):
+                                  cfg.get("fuse_projections")):
                     new = run_config(cfg, model, ctx, data, args, device, backend)
                 for r in new:
                     r["need_estimate_bytes"] = need
@@ -743,7 +749,7 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default=None, help="BxN list overriding the sweep, e.g. 1x32768,8x65536")
     p.add_argument("--configs", default=None,
                    help="comma list of configurations to run (dynamic,static,static-packed,static-compiled,"
-                        "quanto4,quanto2,bd4,bd2,bd4-norms,bd4-fused,bd4-all; default all)")
+                        "quanto4,quanto2,bd4,bd2,bd4-norms,bd4-fused,bd4-merged,bd4-all; default all)")
     p.add_argument("--compile", action="store_true",
                    help="add static-compiled (torch.compile reduce-overhead; ~1 min of compiling per context)")
     p.add_argument("--steps", type=int, default=None,

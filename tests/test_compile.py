@@ -414,3 +414,33 @@ def test_every_sm100_variant_compiles_without_spills(tmp_path):
         ptx = path.read_text()
         assert "tcgen05.mma" in ptx and "block_scale" in ptx, path.name
         assert _spills(ptx, "sm_100a", tmp_path) == 0, f"ptxas spills registers in {path.name}"
+
+
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
+def test_dense_ptx(arch, tmp_path):
+    """The decode step's GEMV: 16-byte streaming loads of the weights past L1, fp32 FMAs, a
+    shuffle reduction; on sm_90 the L2 prefetch of the weights before griddepcontrol.wait
+    (programmatic dependent launch); no spills (the most tokens, K = 14336 (a 14-load
+    unroll) and 11264 (11), fp16, a bias).  SwiGLU: 16-byte loads / stores and the IEEE
+    division of silu."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm80.dense import MAX_TOKENS, compile_gemv, compile_silu_mul
+
+    pdl = jit.has_pdl(arch)
+    opts = jit.compile_options(arch, keep_ptx=True)
+    ptx = compile_gemv(False, 11264, MAX_TOKENS, True, opts, pdl=pdl).artifacts.PTX
+    assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the GEMV (K = 11264)"
+    ptx = compile_gemv(False, 14336, MAX_TOKENS, True, opts, pdl=pdl).artifacts.PTX
+    want = ["ld.global.nc.L1::no_allocate.v4.u32", "fma.rn.f32", "shfl.sync.bfly"]
+    if pdl:  # x, written by the previous kernel, read coherently after the wait
+        want += ["prefetch.global.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global.v4.u32"]
+    else:
+        want += ["ld.global.nc.v4.u32"]
+    for instr in want:
+        assert instr in ptx, f"{instr} missing from the {arch} GEMV PTX"
+    if pdl:
+        assert "ld.global.nc.v4.u32" not in ptx, "x read through the non-coherent path behind griddepcontrol.wait"
+    assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the GEMV"
+    ptx = compile_silu_mul(True, opts, pdl=pdl).artifacts.PTX
+    for instr in ("ld.global.v4.u32", "st.global.v4.b32", "div.rn.f32", "ex2.approx"):
+        assert instr in ptx, f"{instr} missing from the {arch} SwiGLU PTX"

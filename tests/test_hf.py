@@ -323,8 +323,10 @@ def test_model_families_prefill_exact_and_decode_within_the_format_error(family)
 def test_fuse_projections_merges_and_unmerges(models, family):
     """q/k/v and gate/up become one GEMM each (Qwen2: with its q/k/v biases): the weights
     move into one storage (the projections' Parameters are views of it, state_dict keys
-    unchanged), logits equal nn.Linear's up to the GEMM's summation order, and
-    unfuse_projections puts nn.Linear back on the same storage."""
+    unchanged), o_proj / down_proj go through bd.dense.linear, the MLP's forward runs
+    silu(gate) * up over the merged output, logits equal nn.Linear's up to the GEMM's
+    summation order, and unfuse_projections puts nn.Linear and the MLP's own forward back
+    on the same storage."""
     base = copy.deepcopy(models[0]) if family == "llama" else _family_models(family)[0]
     model = copy.deepcopy(base)
     keys = set(model.state_dict())
@@ -342,7 +344,11 @@ def test_fuse_projections_merges_and_unmerges(models, family):
     x = torch.randn(3, attn.q_proj.in_features, dtype=merged.dtype)
     for proj in (attn.v_proj, attn.q_proj, attn.q_proj):  # any order; a slice asked twice is recomputed
         assert torch.equal(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias))
-    assert hf.unfuse_projections(model) == 5 * layers
+    mlp = model.model.layers[0].mlp
+    assert isinstance(attn.o_proj, hf.Projection) and isinstance(mlp.down_proj, hf.Projection)
+    assert "forward" in vars(mlp), "a Llama-style MLP runs silu(gate) * up over the merged output"
+    assert hf.unfuse_projections(model) == 7 * layers
+    assert "forward" not in vars(mlp) and type(mlp.down_proj) is torch.nn.Linear
     assert type(attn.k_proj) is torch.nn.Linear
     assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear
     assert model.model.layers[0].self_attn.k_proj.weight.data_ptr() != 0 and set(model.state_dict()) == keys

@@ -18,8 +18,8 @@ PACKAGES = {  # folder -> installed package name (pyproject's package-dir)
 KERNEL_API_ALLOWED = {"bitdecode.backend", "bitdecode.jit", "bitdecode.formats"}
 # API modules that still reach kernel packages directly: jit hashes their sources for the
 # compile-cache key; bitnet dispatches its GEMV / GEMM kernels itself (not yet a backend),
-# and rope its one elementwise kernel (sm80 code on every arch, no backend choice to make)
-API_TO_KERNELS_ALLOWED = {"bitdecode.jit", "bitdecode.bitnet", "bitdecode.rope"}
+# and rope / dense their small kernels (sm80 code on every arch, no backend choice to make)
+API_TO_KERNELS_ALLOWED = {"bitdecode.jit", "bitdecode.bitnet", "bitdecode.rope", "bitdecode.dense"}
 
 
 def _modules():

@@ -1,0 +1,211 @@
+"""The 16-bit dense layers of a decode step as bitdecode kernels: a projection's GEMV for a
+few tokens and SwiGLU's ``silu(gate) * up``.
+
+``linear(x, weight, bias)`` is ``torch.nn.functional.linear``: for at most ``GEMV_MAX_TOKENS``
+rows of ``x`` it runs ``kernels_sm80.dense.GemvSm80`` (one warp per output row streaming
+the weights once; on sm_90+ it starts fetching them while the previous kernel finishes),
+otherwise cuBLAS through torch.  Its sums run in another order than cuBLAS's, so outputs
+agree to the 16-bit rounding, not bit for bit.  ``silu_mul(gate_up)`` is ``F.silu(gate) *
+up`` over the halves of the last dim, bit for bit, in one launch.
+``bitdecode.hf.fuse_projections(model)`` puts both in a transformers model's layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import dispatch
+
+BACKENDS = ("auto", "reference", "kernel")
+GEMV_MAX_TOKENS = 3  # rows of x the GEMV takes (kernels_sm80.dense.MAX_TOKENS)
+ROW_STEP = 256  # K must be a multiple: one 16-byte load per lane of a warp
+VEC = 8  # 16-bit values per 16-byte load
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _common_fit(ts: Tuple[torch.Tensor, ...]) -> str:
+    """Why the kernels cannot take these tensors ("" when they can): one fp16 / bf16
+    dtype, one CUDA device of compute capability 8.0+, no autograd."""
+    first = ts[0]
+    if first.dtype not in _DTYPES or any(t.dtype != first.dtype for t in ts):
+        return f"one fp16 / bf16 dtype, got {[str(t.dtype) for t in ts]}"
+    if first.device.type != "cuda" or any(t.device != first.device for t in ts):
+        return f"CUDA tensors on one device, got {[str(t.device) for t in ts]}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return "no autograd (the kernels are inference only: run under torch.no_grad())"
+    if not dispatch.capability_at_least(first.device, 8):
+        return f"compute capability 8.0 or newer, {torch.cuda.get_device_name(first.device)} is older"
+    return ""
+
+
+def _use_kernel(backend: str, why: str, what: str) -> bool:
+    if backend == "reference" or torch.compiler.is_compiling():
+        return False
+    if why and backend == "kernel":
+        raise ValueError(f"the {what} kernel needs {why}")
+    return not why
+
+
+# --------------------------------------------------------------------------------------
+# GEMV
+# --------------------------------------------------------------------------------------
+
+
+def _check_linear(x, weight, bias) -> None:
+    _tensor("x", x)
+    _tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (N, K), got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x's last dim must be weight's K = {weight.shape[1]}, got x of shape {tuple(x.shape)}")
+    if bias is not None:
+        _tensor("bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, "
+                             f"got {tuple(bias.shape)}")
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
+    """Why the GEMV kernel cannot run ``linear(x, weight, bias)`` ("" when it can)."""
+    ts = (x, weight) if bias is None else (x, weight, bias)
+    why = _common_fit(ts)
+    if why:
+        return why
+    tokens = x.numel() // max(x.shape[-1], 1)
+    k = weight.shape[1]
+    if not 1 <= tokens <= GEMV_MAX_TOKENS:
+        return f"1 to {GEMV_MAX_TOKENS} rows of x (more go to cuBLAS), got {tokens}"
+    if k % ROW_STEP:
+        return f"K a multiple of {ROW_STEP}, got {k}"
+    if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
+        return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}"
+    rows = x.reshape(-1, k)
+    if rows.stride(1) != 1 or rows.stride(0) % VEC or not _aligned(rows):
+        return f"x with contiguous channels, a row stride that is a multiple of {VEC} and 16-byte aligned storage, " \
+               f"got strides {x.stride()}"
+    return ""
+
+
+def gemv_beats_cublas(n: int, k: int) -> bool:
+    """Whether "auto" picks the GEMV for an (N, K) weight: a long row per warp (K >= 8192:
+    each lane streams 32+ loads, several round trips) or a small matrix (N * K <= 2**24,
+    32 MB of bf16: cuBLAS's split-K GEMV and its reduction kernel cost more than the data).
+    Measured on the H200 (profiles/h200/dense.json, graph-captured, weights from HBM), bf16,
+    one token: o_proj 4096 x 4096 12.3 us vs cuBLAS 13.4, down 4096 x 14336 29.9 vs 31.5;
+    the tall K = 4096 matrices go to cuBLAS: q/k/v 6144 rows 17.5 vs 16.3, gate/up 28672
+    rows 80 vs 56 (a warp per row retires in waves that leave HBM idle between them)."""
+    return k >= 8192 or n * k <= 1 << 24
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           backend: str = "auto") -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)`` (x [..., K], weight [N, K], bias [N]).
+
+    ``backend``: "auto" runs the GEMV kernel when it takes the tensors (``gemv_fits``: at
+    most ``GEMV_MAX_TOKENS`` rows, K % 256 == 0, one fp16 / bf16 dtype on an sm_80+ GPU,
+    no autograd) and measured faster than cuBLAS for the weight's shape
+    (``gemv_beats_cublas``), else torch's ``linear``; "reference" always torch's; "kernel"
+    the kernel or a ValueError saying why not.  Under ``torch.compile``: torch's."""
+    _check_backend(backend)
+    _check_linear(x, weight, bias)
+    if backend == "auto" and not gemv_beats_cublas(*weight.shape):
+        return torch.nn.functional.linear(x, weight, bias)
+    if not _use_kernel(backend, gemv_fits(x, weight, bias), "GEMV"):
+        return torch.nn.functional.linear(x, weight, bias)
+    return _gemv(x, weight, bias)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    from . import jit
+
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k)
+    arch = jit.target_arch(x.device.index)
+    bf16 = x.dtype == torch.bfloat16
+    tokens = x2.shape[0]
+    has_bias = bias is not None
+
+    def build():
+        from .kernels_sm80.dense import compile_gemv
+
+        return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch))
+
+    fn = jit.KERNELS.get(("gemv", arch, bf16, k, tokens, has_bias), build)
+    y = torch.empty(tokens, weight.shape[0], dtype=x.dtype, device=x.device)
+    if has_bias:
+        fn(x2, weight, bias, y)
+    else:
+        fn(x2, weight, y)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------
+# SwiGLU
+# --------------------------------------------------------------------------------------
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``: torch's ops."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul_fits(gate_up: torch.Tensor) -> str:
+    """Why the SwiGLU kernel cannot take ``gate_up`` ("" when it can)."""
+    why = _common_fit((gate_up,))
+    if why:
+        return why
+    if gate_up.shape[-1] % (2 * VEC):
+        return f"a last dim that is a multiple of {2 * VEC}, got {gate_up.shape[-1]}"
+    rows = gate_up.reshape(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
+    if rows.stride(-1) != 1 or rows.stride(0) % VEC or not _aligned(rows):
+        return f"contiguous channels, a row stride that is a multiple of {VEC} and 16-byte aligned storage, " \
+               f"got strides {gate_up.stride()}"
+    return ""
+
+
+def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """SwiGLU's activation over a merged gate / up projection's output ``[..., 2I]`` (gate
+    first): ``F.silu(gate) * up`` [..., I], bit-identical to torch's two ops, in one kernel.
+    ``backend`` as ``linear``'s (the kernel: one fp16 / bf16 dtype on an sm_80+ GPU, I % 8 == 0)."""
+    _check_backend(backend)
+    _tensor("gate_up", gate_up)
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be (..., 2I): gate then up, got shape {tuple(gate_up.shape)}")
+    if gate_up.numel() == 0 or not _use_kernel(backend, silu_mul_fits(gate_up), "SwiGLU"):
+        return silu_mul_reference(gate_up)
+    from . import jit
+
+    arch = jit.target_arch(gate_up.device.index)
+    bf16 = gate_up.dtype == torch.bfloat16
+
+    def build():
+        from .kernels_sm80.dense import compile_silu_mul
+
+        return compile_silu_mul(bf16, jit.compile_options(arch), pdl=jit.has_pdl(arch))
+
+    fn = jit.KERNELS.get(("silu_mul", arch, bf16), build)
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    y = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+    fn(rows, y)
+    return y.reshape(*gate_up.shape[:-1], y.shape[1])
+
+
+__all__ = ["linear", "silu_mul", "silu_mul_reference", "gemv_fits", "gemv_beats_cublas", "silu_mul_fits",
+           "GEMV_MAX_TOKENS", "BACKENDS"]

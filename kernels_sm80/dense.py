@@ -1,0 +1,231 @@
+"""The 16-bit dense layers of a decode step: a GEMV for a few tokens and SwiGLU's ``silu(gate) * up``
+(any sm_80+ GPU).
+
+GEMV.  A decode step of a Llama-3-8B-shaped model reads 15 GB of projection weights for one
+token per sequence: each projection is a matrix-vector product whose time is the time to
+stream its weight matrix once.  cuBLAS runs these shapes as a split-K GEMV plus a reduction
+kernel; on the H200 that reached 73 % (o_proj, 4096 x 4096) to 80 % (merged q/k/v) of a
+large copy's bandwidth inside a captured decode step.  Here a warp owns one output row (for
+every token): lane ``l`` streams the 16-byte vectors ``l, l + 32, l + 64, ...`` of the row
+(``ld.global.nc.L1::no_allocate``: the weights are read exactly once) with ``UNROLL``
+vectors in flight, multiplies them with the same vectors of each token's ``x`` (through L1:
+every warp of the SM reads the same activations), accumulates in fp32, and a butterfly
+shuffle sums the warp.  bf16 widens to fp32 with a shift or a mask (bf16 is fp32's top
+half), fp16 with ``cvt``.
+
+With programmatic dependent launch (sm_90+) the kernel is launched while the previous one
+(the RMSNorm, the attention's combine, SwiGLU) still runs: each warp first asks L2 to fetch
+its row's first ``UNROLL`` vectors (``prefetch.global.L2``: the weights do not depend on
+that kernel), then waits for it (``griddepcontrol.wait``) before reading ``x``.  So HBM
+streams weights during the small kernels between the GEMVs.  The next kernel is let in
+(``griddepcontrol.launch_dependents``) only after the main loop: earlier, its CTAs would take
+SM slots that this kernel's later CTAs still need.
+
+SwiGLU.  ``y = silu(gate) * up`` over the merged gate / up GEMM's output ``[M, 2I]`` in one
+kernel instead of torch's two, bit for bit torch's ``F.silu(gate) * up``: silu in fp32 as
+``x / (1 + exp(-x))`` (IEEE division, libdevice-accurate ``exp``) rounded to the 16-bit
+dtype, then the product of two 16-bit values (exact in fp32) rounded.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+from ..layouts import bitnet as fmt
+from .act_quant import _load16, _store_words
+from .bitnet_ptx import WARP, load_v4
+from .ptx import cvt_pack_x2, div_rn, half_to_f32, mul_rn, u32_as_f32
+from .tensors import wait_for_previous_kernel
+
+VEC = fmt.ACT_QUANT_VEC  # 16-bit values per 16-byte load
+VEC_BYTES = fmt.CHUNK_BYTES
+ELEM_BYTES = VEC_BYTES // VEC
+ROW_STEP = VEC * WARP  # values of a row one warp-wide load covers: K must be a multiple
+LINE_BYTES = 128  # an L2 line, the prefetch granularity
+GEMV_WARPS = 4  # rows per CTA (measured on the H200: 1 row per warp, 4 or 8 warps, 16 loads in flight)
+UNROLL = 16  # 16-byte weight loads in flight per lane (at most: a divisor of the row's count)
+# The GEMV's x rows: each adds a 16-byte load and 8 FMAs per weight vector.  At 4, ptxas
+# (12.x, sm_90a) holds the kernel to 56-64 registers and spills at every unroll tried.
+MAX_TOKENS = 3
+SILU_THREADS = 128
+
+
+@dsl_user_op
+def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
+    """Ask L2 to fetch the 128-byte line at ``addr`` (no register, no wait)."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def widen_pair(word: Uint32, is_bf16: cutlass.Constexpr[bool]):
+    """The two 16-bit values of a 32-bit word as fp32 (bf16: a shift and a mask)."""
+    if cutlass.const_expr(is_bf16):
+        w = Uint32(word)
+        return u32_as_f32(w << 16), u32_as_f32(w & Uint32(0xFFFF0000))
+    return half_to_f32(word, False), half_to_f32(Uint32(word) >> 16, False)
+
+
+class GemvSm80:
+    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])``, fp32 sums rounded once to the 16-bit
+    dtype, for ``tokens`` rows of ``x``.  Arguments: ``x`` [tokens, K] (rows 16-byte aligned,
+    row stride a multiple of 8), ``w`` [N, K] contiguous, ``b`` [N] (``call_bias`` only),
+    ``y`` [tokens, N] contiguous, one fp16 / bf16 dtype; K (a multiple of 256) is compiled in.
+    """
+
+    def __init__(self, is_bf16: bool, k: int, tokens: int, pdl: bool = False, warps: int = GEMV_WARPS):
+        if k % ROW_STEP or not 1 <= tokens <= MAX_TOKENS:
+            raise ValueError(f"the GEMV takes K % {ROW_STEP} == 0 and 1..{MAX_TOKENS} tokens, got K={k}, {tokens}")
+        self.is_bf16, self.k, self.tokens, self.pdl, self.warps = is_bf16, k, tokens, pdl, warps
+        self.iters = k // ROW_STEP  # 16-byte vectors per lane per row
+        # a divisor of the count: no remainder loop (whose extra live ranges made ptxas spill)
+        self.unroll = max(u for u in range(1, UNROLL + 1) if self.iters % u == 0)
+        # the L2 lines of the row's first `unroll` vectors, spread over the lanes
+        self.lines = self.unroll * WARP * VEC_BYTES // LINE_BYTES
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
+        self.launch(mX, mW, None, mY, stream)
+
+    @cute.jit
+    def call_bias(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor, stream):
+        """The GEMV plus a bias ``b`` [N], added in fp32 before the one rounding."""
+        self.launch(mX, mW, mB, mY, stream)
+
+    def launch(self, mX, mW, mB, mY, stream):
+        """(plain Python, traced inside either entry point: a jit entry calling the other
+        would take its exported signature)"""
+        self.kernel(mX, mW, mB, mY).launch(grid=[(mW.shape[0] + self.warps - 1) // self.warps, 1, 1],
+                                           block=[WARP * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp, lane = tidx // WARP, tidx % WARP
+        n = mW.shape[0]
+        row = bid * self.warps + warp
+        w_row = self.row_address(mW, row)
+        x_lanes = [mX.iterator.toint() + (Int64(i) * Int64(mX.stride[0]) + Int64(lane * VEC)) * ELEM_BYTES
+                   for i in range(self.tokens)]
+
+        if cutlass.const_expr(self.pdl):
+            for p in cutlass.range_constexpr(-(-self.lines // WARP)):
+                if p * WARP + lane < self.lines:
+                    prefetch_l2(w_row + Int64((p * WARP + lane) * LINE_BYTES))
+            cute.arch.griddepcontrol_wait()
+
+        acc = self.row_dot(w_row + Int64(lane * VEC_BYTES), x_lanes)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        bias = Float32(0.0)
+        if cutlass.const_expr(mB is not None):
+            bias = mB[cutlass.min(row, n - 1)].to(Float32)
+        for i in cutlass.range_constexpr(self.tokens):
+            s = acc[i]
+            for b in cutlass.range_constexpr(5):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << b)
+            if lane == 0:
+                if row < n:
+                    mY[i, row] = mY.element_type(s + bias)
+
+    @cute.jit
+    def row_address(self, mW: cute.Tensor, row) -> Int64:
+        """Byte address of weight row ``row``; rows past N (the last warps) read row N-1 again
+        and store nothing: no predicated loads."""
+        return mW.iterator.toint() + Int64(cutlass.min(row, mW.shape[0] - 1)) * Int64(self.k * ELEM_BYTES)
+
+    @cute.jit
+    def row_dot(self, w_lane: Int64, x_lanes: list) -> cute.Tensor:
+        """This lane's fp32 partial dot products of one weight row with each token's x."""
+        acc = cute.make_rmem_tensor((self.tokens,), Float32)
+        acc.fill(0.0)
+        for j in cutlass.range(self.iters, unroll=self.unroll):
+            off = Int64(j) * (ROW_STEP * ELEM_BYTES)
+            ws = load_v4(w_lane + off, True)
+            # (ordered after griddepcontrol.wait: the previous kernel writes x)
+            xs = [load_v4(x_lanes[i] + off, False, self.pdl) for i in range(self.tokens)]
+            for word in cutlass.range_constexpr(4):
+                w_lo, w_hi = widen_pair(ws[word], self.is_bf16)
+                for i in cutlass.range_constexpr(self.tokens):
+                    x_lo, x_hi = widen_pair(xs[i][word], self.is_bf16)
+                    acc[i] = acc[i] + w_lo * x_lo + w_hi * x_hi
+        return acc
+
+
+class SiluMulSm80:
+    """``y = silu(gate) * up`` (torch's ops, bit for bit).  Arguments: ``gu`` [M, 2I] (gate
+    then up; rows 16-byte aligned, row stride a multiple of 8), ``y`` [M, I] contiguous, one
+    fp16 / bf16 dtype, I % 8 == 0."""
+
+    def __init__(self, is_bf16: bool, pdl: bool = False):
+        self.is_bf16 = is_bf16
+        self.pdl = pdl
+
+    @cute.jit
+    def __call__(self, mGU: cute.Tensor, mY: cute.Tensor, stream):
+        vecs = mY.shape[1] // VEC
+        self.kernel(mGU, mY).launch(grid=[(vecs + SILU_THREADS - 1) // SILU_THREADS, mY.shape[0], 1],
+                                    block=[SILU_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mGU: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, row, _ = cute.arch.block_idx()
+        inter = mY.shape[1]
+        v = bx * SILU_THREADS + tidx
+        wait_for_previous_kernel(self.pdl)
+        if v < inter // VEC:
+            gu_row = mGU.iterator.toint() + Int64(row) * Int64(mGU.stride[0]) * ELEM_BYTES
+            y_row = mY.iterator.toint() + Int64(row) * Int64(mY.stride[0]) * ELEM_BYTES
+            # (ordered after griddepcontrol.wait: the previous kernel writes gate_up)
+            gate = _load16(gu_row + Int64(v) * VEC_BYTES, self.pdl)
+            up = _load16(gu_row + Int64(inter) * ELEM_BYTES + Int64(v) * VEC_BYTES, self.pdl)
+            out = []
+            for word in cutlass.range_constexpr(4):
+                silu = []
+                for half in cutlass.range_constexpr(2):
+                    g = half_to_f32(gate[word] >> (16 * half), self.is_bf16)
+                    silu.append(div_rn(g, 1.0 + cute.math.exp(-g, fastmath=False)))
+                s16 = cvt_pack_x2(silu[0], silu[1], self.is_bf16)  # torch rounds silu's output
+                prods = [mul_rn(half_to_f32(s16 >> (16 * half), self.is_bf16),
+                                half_to_f32(up[word] >> (16 * half), self.is_bf16)) for half in range(2)]
+                out.append(cvt_pack_x2(prods[0], prods[1], self.is_bf16))
+            _store_words(y_row + Int64(v) * VEC_BYTES, *out)
+
+
+def _dtype(is_bf16: bool):
+    return cutlass.BFloat16 if is_bf16 else cutlass.Float16
+
+
+def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: str, pdl: bool = False):
+    """Compile ``GemvSm80`` for every N (K and the token count compiled in)."""
+    dtype = _dtype(is_bf16)
+    n = cute.sym_int()
+    x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
+                                      assumed_align=16)
+    w = cute.runtime.make_fake_compact_tensor(dtype, (n, k), stride_order=(1, 0), assumed_align=16)
+    y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    kernel = GemvSm80(is_bf16, k, tokens, pdl)
+    if has_bias:
+        b = cute.runtime.make_fake_compact_tensor(dtype, (n,), assumed_align=2)
+        return cute.compile(kernel.call_bias, x, w, b, y, stream, options=options)
+    return cute.compile(kernel, x, w, y, stream, options=options)
+
+
+def compile_silu_mul(is_bf16: bool, options: str, pdl: bool = False):
+    """Compile ``SiluMulSm80`` for every M and every I % 8 == 0."""
+    dtype = _dtype(is_bf16)
+    m = cute.sym_int()
+    gu = cute.runtime.make_fake_tensor(dtype, (m, cute.sym_int(divisibility=2 * VEC)),
+                                       stride=(cute.sym_int64(divisibility=VEC), 1), assumed_align=16)
+    y = cute.runtime.make_fake_compact_tensor(dtype, (m, cute.sym_int(divisibility=VEC)), stride_order=(1, 0),
+                                              assumed_align=16)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(SiluMulSm80(is_bf16, pdl), gu, y, stream, options=options)

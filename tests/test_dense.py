@@ -1,0 +1,137 @@
+"""The decode step's dense layers (``bitdecode.dense``): the GEMV against a float64 product of
+the same 16-bit inputs (one rounding apart), SwiGLU bit for bit against torch's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitdecode import dense
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HALF_ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # relative, normal range
+
+
+def _operands(tokens, n, k, dtype, device, bias=False, x_stride=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(dtype).to(device)
+    rows = torch.randn(tokens, x_stride or k, generator=g).to(dtype).to(device)
+    x = rows[:, :k]  # (a row stride wider than K when x_stride is given)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _assert_one_rounding(y, x, w, b):
+    """``y`` is the float64 product rounded once to y's dtype, up to fp32 summation error."""
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    mag = x.double().abs() @ w.double().abs().T
+    bound = HALF_ULP[y.dtype] * ref.abs() + 2.0 ** -20 * mag + 1e-30
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound * 1.001).all()), f"max error {err.max().item():.3g} over bound {bound.max().item():.3g}"
+
+
+def test_reference_paths_are_torch():
+    x, w, b = _operands(3, 40, 512, torch.float32, "cpu", bias=True)
+    assert torch.equal(dense.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    gu = torch.randn(2, 5, 64)
+    assert torch.equal(dense.silu_mul(gu), torch.nn.functional.silu(gu[..., :32]) * gu[..., 32:])
+
+
+def test_bad_arguments_are_named():
+    x, w, b = _operands(2, 16, 256, torch.float16, "cpu", bias=True)
+    with pytest.raises(ValueError, match="x's last dim must be weight's K = 256"):
+        dense.linear(x[:, :128], w)
+    with pytest.raises(ValueError, match=r"weight must be \(N, K\)"):
+        dense.linear(x, w[0])
+    with pytest.raises(ValueError, match=r"bias must be \(16,\)"):
+        dense.linear(x, w, b[:3])
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        dense.linear(x, "w")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dense.linear(x, w, backend="cuda")
+    with pytest.raises(ValueError, match="GEMV kernel needs CUDA tensors"):
+        dense.linear(x, w, backend="kernel")
+    with pytest.raises(ValueError, match=r"gate_up must be \(\.\.\., 2I\)"):
+        dense.silu_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="SwiGLU kernel needs CUDA tensors"):
+        dense.silu_mul(torch.randn(2, 16, dtype=torch.float16), backend="kernel")
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_kernel_refusals_say_why():
+    x, w, _ = _operands(dense.GEMV_MAX_TOKENS + 1, 16, 256, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match=f"1 to {dense.GEMV_MAX_TOKENS} rows of x"):
+        dense.linear(x, w, backend="kernel")
+    assert torch.equal(dense.linear(x, w), torch.nn.functional.linear(x, w))  # auto: cuBLAS for more tokens
+    with pytest.raises(ValueError, match="K a multiple of 256"):
+        dense.linear(x[:1, :128], w[:, :128], backend="kernel")
+    with pytest.raises(ValueError, match="one fp16 / bf16 dtype"):
+        dense.linear(x[:1], w.half(), backend="kernel")
+    w.requires_grad_(True)
+    with pytest.raises(ValueError, match="no autograd"):
+        dense.linear(x[:1], w, backend="kernel")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, n, k, bias, x_stride", [
+    (1, 4096, 4096, False, None),  # Llama-3-8B o_proj
+    (1, 6144, 4096, True, None),  # merged q/k/v with Qwen2's biases
+    (2, 4096, 14336, False, None),  # down_proj, two sequences
+    (3, 101, 256, True, 264),  # N not a multiple of the CTA's rows, a strided x
+    (2, 1, 512, False, None),
+])
+def test_gpu_gemv_is_one_rounding_of_the_exact_product(dtype, tokens, n, k, bias, x_stride):
+    x, w, b = _operands(tokens, n, k, dtype, "cuda", bias, x_stride)
+    y = dense.linear(x[:, None], w, b, backend="kernel")  # (tokens, 1, K): a decode step's shape
+    assert y.shape == (tokens, 1, n) and y.dtype == dtype
+    _assert_one_rounding(y[:, 0], x, w, b)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 14336), (7, 2 * 14336), (3, 5, 2 * 512)])
+def test_gpu_silu_mul_is_torch_bit_for_bit(dtype, shape):
+    gu = torch.randn(*shape, device="cuda", dtype=torch.float32).mul(4).to(dtype)
+    gu[..., :3] = torch.tensor([float("inf"), float("-inf"), -88.5])  # exp's edges
+    got = dense.silu_mul(gu, backend="kernel")
+    want = dense.silu_mul_reference(gu)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()), (got.float() - want.float()).abs().max().item()
+    wide = torch.randn(4, 2 * 512 + 64, device="cuda", dtype=dtype)[:, :2 * 512]  # strided rows
+    assert torch.equal(dense.silu_mul(wide, backend="kernel"), dense.silu_mul_reference(wide))
+
+
+@pytest.mark.gpu
+@cuda
+@torch.no_grad()
+def test_gpu_norm_gemv_silu_chain_in_a_cuda_graph():
+    """The PDL chain of a decode step's MLP (RMSNorm -> gate/up GEMV -> SwiGLU -> down
+    GEMV: each kernel launched while the previous runs) captured in a CUDA graph equals the
+    same kernels run eagerly, replay after replay with new inputs."""
+    from bitdecode import bitnet
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h, inter = 1024, 2816
+    x = torch.randn(2, 1, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    wn = torch.rand(h, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    wgu = torch.randn(2 * inter, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.03
+    wd = torch.randn(h, inter, device="cuda", dtype=torch.bfloat16, generator=g) * 0.03
+
+    def mlp(t):
+        y = bitnet.rms_norm(t, wn, 1e-5, backend="kernel")
+        return dense.linear(dense.silu_mul(dense.linear(y, wgu, backend="kernel"), backend="kernel"), wd,
+                            backend="kernel")
+
+    mlp(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mlp(x)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g))
+        graph.replay()
+        assert torch.equal(out, mlp(x)), seed
