@@ -95,6 +95,8 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         return f"K a multiple of {ROW_STEP}, got {k}"
     if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
         return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}"
+    if bias is not None and not bias.is_contiguous():
+        return f"a contiguous bias, got stride {bias.stride()}"
     rows = x.reshape(-1, k)
     if rows.stride(1) != 1 or rows.stride(0) % VEC or not _aligned(rows):
         return f"x with contiguous channels, a row stride that is a multiple of {VEC} and 16-byte aligned storage, " \
@@ -107,9 +109,9 @@ def gemv_beats_cublas(n: int, k: int) -> bool:
     each lane streams 32+ loads, several round trips) or a small matrix (N * K <= 2**24,
     32 MB of bf16: cuBLAS's split-K GEMV and its reduction kernel cost more than the data).
     Measured on the H200 (profiles/h200/dense.json, graph-captured, weights from HBM), bf16,
-    one token: o_proj 4096 x 4096 12.3 us vs cuBLAS 13.4, down 4096 x 14336 29.9 vs 31.5;
-    the tall K = 4096 matrices go to cuBLAS: q/k/v 6144 rows 17.5 vs 16.3, gate/up 28672
-    rows 80 vs 56 (a warp per row retires in waves that leave HBM idle between them)."""
+    one token: o_proj 4096 x 4096 12.0 us vs cuBLAS 13.5, down 4096 x 14336 29.7 vs 33.3;
+    the tall K = 4096 matrices go to cuBLAS: q/k/v 6144 rows 16.4 vs 15.0, gate/up 28672
+    rows 65.4 vs 58.2 (a warp per row retires in waves that leave HBM idle between them)."""
     return k >= 8192 or n * k <= 1 << 24
 
 

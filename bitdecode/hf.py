@@ -492,18 +492,19 @@ def fuse_projections(model: torch.nn.Module, backend: str = "auto") -> int:
       it, so the memory and ``state_dict`` keys stay).  Call it after moving the model to
       its device and dtype;
     * every projection (the merged ones and ``o_proj`` / ``down_proj``) goes through
-      ``bd.dense.linear``: the GEMV kernel for a decode step's few tokens, cuBLAS for more;
+      ``bd.dense.linear``: bitdecode's GEMV for a decode step's few tokens on the weight
+      shapes where it beats cuBLAS (``bd.dense.gemv_beats_cublas``), cuBLAS otherwise;
     * a Llama-style MLP (Llama, Mistral, Qwen2/3, SmolLM: its forward's code is
       ``LlamaMLP``'s, its activation SiLU) computes ``silu(gate) * up`` as one kernel over
       the merged output (``bd.dense.silu_mul``, bit-identical to torch's ops).
 
-    ``backend`` is ``bd.dense``'s ("reference": merged, on torch's ops only).  Outputs
-    equal ``nn.Linear``'s up to the summation order.  Returns the number of groups merged;
+    ``backend``: "auto" as above, "reference" merged on torch's ops only.  Outputs equal
+    ``nn.Linear``'s up to the summation order.  Returns the number of groups merged;
     ``unfuse_projections`` undoes it."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if backend not in dense.BACKENDS:
-        raise ValueError(f"backend must be one of {dense.BACKENDS}, got {backend!r}")
+    if backend not in ("auto", "reference"):  # ("kernel" would refuse a prefill's many tokens)
+        raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
     count = 0
     for parent in list(model.modules()):
         for names in PROJECTION_GROUPS:

@@ -364,6 +364,8 @@ def test_fused_projections_refuse_a_moved_model(models):
         model(torch.randint(0, VOCAB, (1, 4)))
     with pytest.raises(TypeError, match="model"):
         hf.fuse_projections("llama")
+    with pytest.raises(ValueError, match="backend must be 'auto' or 'reference'"):
+        hf.fuse_projections(model, backend="kernel")
 
 
 @pytest.mark.gpu
