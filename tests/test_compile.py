@@ -444,3 +444,10 @@ def test_dense_ptx(arch, tmp_path):
     ptx = compile_silu_mul(True, opts, pdl=pdl).artifacts.PTX
     for instr in ("ld.global.v4.u32", "st.global.v4.b32", "div.rn.f32", "ex2.approx"):
         assert instr in ptx, f"{instr} missing from the {arch} SwiGLU PTX"
+    if pdl:  # the RMSNorm in front of a GEMV lets it launch at once (and waits before reading x)
+        from bitdecode.bitnet import ACT_EPS
+        from bitdecode.kernels_sm80.act_quant import compile_norm_quant
+
+        ptx = compile_norm_quant(True, ACT_EPS, 1e-5, opts, quantize=False, pdl=True).artifacts.PTX
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+        assert "ld.global.nc" not in ptx, "the norm reads x through the non-coherent path"
