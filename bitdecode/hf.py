@@ -492,8 +492,7 @@ def fuse_projections(model: torch.nn.Module, backend: str = "auto") -> int:
       it, so the memory and ``state_dict`` keys stay).  Call it after moving the model to
       its device and dtype;
     * every projection (the merged ones and ``o_proj`` / ``down_proj``) goes through
-      ``bd.dense.linear``: bitdecode's GEMV for a decode step's few tokens on the weight
-      shapes where it beats cuBLAS (``bd.dense.gemv_beats_cublas``), cuBLAS otherwise;
+      ``bd.dense.linear``: bitdecode's GEMV for a decode step's few tokens, cuBLAS for more;
     * a Llama-style MLP (Llama, Mistral, Qwen2/3, SmolLM: its forward's code is
       ``LlamaMLP``'s, its activation SiLU) computes ``silu(gate) * up`` as one kernel over
       the merged output (``bd.dense.silu_mul``, bit-identical to torch's ops).

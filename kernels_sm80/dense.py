@@ -5,21 +5,28 @@ GEMV.  A decode step of a Llama-3-8B-shaped model reads 15 GB of projection weig
 token per sequence: each projection is a matrix-vector product whose time is the time to
 stream its weight matrix once.  cuBLAS runs these shapes as a split-K GEMV plus a reduction
 kernel; on the H200 that reached 73 % (o_proj, 4096 x 4096) to 80 % (merged q/k/v) of a
-large copy's bandwidth inside a captured decode step.  Here a warp owns one output row (for
-every token): lane ``l`` streams the 16-byte vectors ``l, l + 32, l + 64, ...`` of the row
-(``ld.global.nc.L1::no_allocate``: the weights are read exactly once) with ``UNROLL``
-vectors in flight, multiplies them with the same vectors of each token's ``x`` (through L1:
-every warp of the SM reads the same activations), accumulates in fp32, and a butterfly
-shuffle sums the warp.  bf16 widens to fp32 with a shift or a mask (bf16 is fp32's top
-half), fp16 with ``cvt``.
+large copy's bandwidth inside a captured decode step.  Here a warp owns ``rows_per_warp``
+consecutive output rows (for every token) and streams them back to back: lane ``l`` reads
+the 16-byte vectors ``l, l + 32, l + 64, ...`` of a row (``ld.global.nc.L1::no_allocate``:
+the weights are read exactly once) in batches of ``batch`` loads issued before any is used,
+multiplies them with the same vectors of each token's ``x`` (through L1: every warp of the
+SM reads the same activations), accumulates in fp32, and a butterfly shuffle sums the warp.
+bf16 widens to fp32 with a shift or a mask (bf16 is fp32's top half), fp16 with ``cvt``.
+
+Why several rows per warp: with one row per warp every CTA issues its loads, waits one
+round trip and retires, and a tall matrix (gate / up: 28672 rows) runs as waves of CTAs
+that start and finish together, HBM idle in between (65 us vs cuBLAS's 58 on the H200).
+Warps that stream several rows drift apart and keep HBM busy: 55 us with 8 rows per warp.
+``rows_per_warp`` (host side) sizes the grid to about 24 warps per SM; long rows (K >= 8192:
+a row alone is several round trips) keep one row per warp.
 
 With programmatic dependent launch (sm_90+) the kernel is launched while the previous one
 (the RMSNorm, the attention's combine, SwiGLU) still runs: each warp first asks L2 to fetch
-its row's first ``UNROLL`` vectors (``prefetch.global.L2``: the weights do not depend on
-that kernel), then waits for it (``griddepcontrol.wait``) before reading ``x``.  So HBM
-streams weights during the small kernels between the GEMVs.  The next kernel is let in
-(``griddepcontrol.launch_dependents``) only after the main loop: earlier, its CTAs would take
-SM slots that this kernel's later CTAs still need.
+its first row's first batch (``prefetch.global.L2``: the weights do not depend on that
+kernel), then waits for it (``griddepcontrol.wait``) before reading ``x`` (coherent loads:
+see ``bitnet_ptx.load_v4``).  So HBM streams weights during the small kernels between the
+GEMVs.  The next kernel is let in (``griddepcontrol.launch_dependents``) only at the end:
+earlier, its CTAs would take SM slots that this kernel's later CTAs still need.
 
 SwiGLU.  ``y = silu(gate) * up`` over the merged gate / up GEMM's output ``[M, 2I]`` in one
 kernel instead of torch's two, bit for bit torch's ``F.silu(gate) * up``: silu in fp32 as
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -46,10 +53,12 @@ VEC_BYTES = fmt.CHUNK_BYTES
 ELEM_BYTES = VEC_BYTES // VEC
 ROW_STEP = VEC * WARP  # values of a row one warp-wide load covers: K must be a multiple
 LINE_BYTES = 128  # an L2 line, the prefetch granularity
-GEMV_WARPS = 4  # rows per CTA (measured on the H200: 1 row per warp, 4 or 8 warps, 16 loads in flight)
-UNROLL = 16  # 16-byte weight loads in flight per lane (at most: a divisor of the row's count)
+GEMV_WARPS = 4  # warps per CTA
+LONG_ROW = 8192  # K from which a row alone keeps a warp streaming: one row per warp
+WARPS_PER_SM = 24  # the grid rows_per_warp aims at (o_proj / q/k/v: 2 rows, gate/up: 8)
+MAX_ROWS_PER_WARP = 8  # the most measured
 # The GEMV's x rows: each adds a 16-byte load and 8 FMAs per weight vector.  At 4, ptxas
-# (12.x, sm_90a) holds the kernel to 56-64 registers and spills at every unroll tried.
+# (12.x, sm_90a) held the kernel to 56-64 registers and spilled at every unroll tried.
 MAX_TOKENS = 3
 SILU_THREADS = 128
 
@@ -70,69 +79,95 @@ def widen_pair(word: Uint32, is_bf16: cutlass.Constexpr[bool]):
     return half_to_f32(word, False), half_to_f32(Uint32(word) >> 16, False)
 
 
+def batch_for(k: int, tokens: int, sm90: bool) -> int:
+    """16-byte weight loads a lane issues before using them (the kernel takes the largest
+    divisor of the row's load count up to this).  Measured on the H200 at one token: 16 for
+    K = 4096 (o_proj 10.7 us vs 12.0 with 8), 8 for K = 14336 (30.0 vs 32.7).  sm_80 at 2-3
+    tokens: 8 (ptxas's allocation there is erratic: at 16, 32 registers and 3 KB of spills
+    at K = 4096).  Spill-free at K = 4096 and 14336, 1-3 tokens, sm_80 and sm_90a
+    (tests/test_compile.py); other K may spill a few words (sm_80, 2 tokens, K = 11264: 24
+    bytes)."""
+    if k >= LONG_ROW:
+        return 8
+    return 16 if sm90 or tokens == 1 else 8
+
+
+def rows_per_warp(n: int, k: int, sms: int) -> int:
+    """Output rows each warp of an (N, K) GEMV streams: one for long rows, else enough for a
+    grid of about ``WARPS_PER_SM`` warps per SM, at most ``MAX_ROWS_PER_WARP``."""
+    if k >= LONG_ROW:
+        return 1
+    return max(1, min(MAX_ROWS_PER_WARP, -(-n // (sms * WARPS_PER_SM))))
+
+
 class GemvSm80:
     """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])``, fp32 sums rounded once to the 16-bit
     dtype, for ``tokens`` rows of ``x``.  Arguments: ``x`` [tokens, K] (rows 16-byte aligned,
     row stride a multiple of 8), ``w`` [N, K] contiguous, ``b`` [N] (``call_bias`` only),
-    ``y`` [tokens, N] contiguous, one fp16 / bf16 dtype; K (a multiple of 256) is compiled in.
+    ``y`` [tokens, N] contiguous, one fp16 / bf16 dtype, then ``rows_per_warp`` (the host's
+    ``rows_per_warp(N, K, SMs)``); K (a multiple of 256) is compiled in.
     """
 
-    def __init__(self, is_bf16: bool, k: int, tokens: int, pdl: bool = False, warps: int = GEMV_WARPS):
+    def __init__(self, is_bf16: bool, k: int, tokens: int, batch: int, pdl: bool = False, warps: int = GEMV_WARPS):
         if k % ROW_STEP or not 1 <= tokens <= MAX_TOKENS:
             raise ValueError(f"the GEMV takes K % {ROW_STEP} == 0 and 1..{MAX_TOKENS} tokens, got K={k}, {tokens}")
         self.is_bf16, self.k, self.tokens, self.pdl, self.warps = is_bf16, k, tokens, pdl, warps
-        self.iters = k // ROW_STEP  # 16-byte vectors per lane per row
-        # a divisor of the count: no remainder loop (whose extra live ranges made ptxas spill)
-        self.unroll = max(u for u in range(1, UNROLL + 1) if self.iters % u == 0)
-        # the L2 lines of the row's first `unroll` vectors, spread over the lanes
-        self.lines = self.unroll * WARP * VEC_BYTES // LINE_BYTES
+        iters = k // ROW_STEP  # 16-byte vectors per lane per row
+        self.batch = max(u for u in range(1, batch + 1) if iters % u == 0)  # no remainder batch
+        self.batches = iters // self.batch
+        # the L2 lines of the first batch of a row, spread over the lanes
+        self.lines = self.batch * WARP * VEC_BYTES // LINE_BYTES
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
-        self.launch(mX, mW, None, mY, stream)
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, rows_per_warp: Int32, stream):
+        self.launch(mX, mW, None, mY, rows_per_warp, stream)
 
     @cute.jit
-    def call_bias(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor, stream):
+    def call_bias(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor, rows_per_warp: Int32,
+                  stream):
         """The GEMV plus a bias ``b`` [N], added in fp32 before the one rounding."""
-        self.launch(mX, mW, mB, mY, stream)
+        self.launch(mX, mW, mB, mY, rows_per_warp, stream)
 
-    def launch(self, mX, mW, mB, mY, stream):
+    def launch(self, mX, mW, mB, mY, rows_per_warp, stream):
         """(plain Python, traced inside either entry point: a jit entry calling the other
         would take its exported signature)"""
-        self.kernel(mX, mW, mB, mY).launch(grid=[(mW.shape[0] + self.warps - 1) // self.warps, 1, 1],
-                                           block=[WARP * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
+        per_cta = self.warps * rows_per_warp
+        self.kernel(mX, mW, mB, mY, rows_per_warp).launch(
+            grid=[(mW.shape[0] + per_cta - 1) // per_cta, 1, 1], block=[WARP * self.warps, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor, rows_per_warp: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp, lane = tidx // WARP, tidx % WARP
         n = mW.shape[0]
-        row = bid * self.warps + warp
-        w_row = self.row_address(mW, row)
+        first = (bid * self.warps + warp) * rows_per_warp  # this warp's rows: first, first + 1, ...
         x_lanes = [mX.iterator.toint() + (Int64(i) * Int64(mX.stride[0]) + Int64(lane * VEC)) * ELEM_BYTES
                    for i in range(self.tokens)]
 
         if cutlass.const_expr(self.pdl):
+            w_first = self.row_address(mW, first)
             for p in cutlass.range_constexpr(-(-self.lines // WARP)):
                 if p * WARP + lane < self.lines:
-                    prefetch_l2(w_row + Int64((p * WARP + lane) * LINE_BYTES))
+                    prefetch_l2(w_first + Int64((p * WARP + lane) * LINE_BYTES))
             cute.arch.griddepcontrol_wait()
 
-        acc = self.row_dot(w_row + Int64(lane * VEC_BYTES), x_lanes)
+        for r in cutlass.range(rows_per_warp, unroll=1):
+            row = first + r
+            acc = self.row_dot(self.row_address(mW, row) + Int64(lane * VEC_BYTES), x_lanes)
+            bias = Float32(0.0)
+            if cutlass.const_expr(mB is not None):
+                bias = mB[cutlass.min(row, n - 1)].to(Float32)
+            for i in cutlass.range_constexpr(self.tokens):
+                s = acc[i]
+                for b in cutlass.range_constexpr(5):
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << b)
+                if lane == 0:
+                    if row < n:
+                        mY[i, row] = mY.element_type(s + bias)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-
-        bias = Float32(0.0)
-        if cutlass.const_expr(mB is not None):
-            bias = mB[cutlass.min(row, n - 1)].to(Float32)
-        for i in cutlass.range_constexpr(self.tokens):
-            s = acc[i]
-            for b in cutlass.range_constexpr(5):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << b)
-            if lane == 0:
-                if row < n:
-                    mY[i, row] = mY.element_type(s + bias)
 
     @cute.jit
     def row_address(self, mW: cute.Tensor, row) -> Int64:
@@ -142,20 +177,31 @@ class GemvSm80:
 
     @cute.jit
     def row_dot(self, w_lane: Int64, x_lanes: list) -> cute.Tensor:
-        """This lane's fp32 partial dot products of one weight row with each token's x."""
+        """This lane's fp32 partial dot products of one weight row with each token's x, in
+        batches of ``batch`` weight (and x) loads issued before any is used."""
         acc = cute.make_rmem_tensor((self.tokens,), Float32)
         acc.fill(0.0)
-        for j in cutlass.range(self.iters, unroll=self.unroll):
-            off = Int64(j) * (ROW_STEP * ELEM_BYTES)
-            ws = load_v4(w_lane + off, True)
-            # (ordered after griddepcontrol.wait: the previous kernel writes x)
-            xs = [load_v4(x_lanes[i] + off, False, self.pdl) for i in range(self.tokens)]
-            for word in cutlass.range_constexpr(4):
-                w_lo, w_hi = widen_pair(ws[word], self.is_bf16)
-                for i in cutlass.range_constexpr(self.tokens):
-                    x_lo, x_hi = widen_pair(xs[i][word], self.is_bf16)
-                    acc[i] = acc[i] + w_lo * x_lo + w_hi * x_hi
+        if cutlass.const_expr(self.batches == 1):
+            self.batch_dot(w_lane, x_lanes, Int64(0), acc)
+        else:
+            for b in cutlass.range(self.batches, unroll=1):
+                self.batch_dot(w_lane, x_lanes, Int64(b) * (self.batch * ROW_STEP * ELEM_BYTES), acc)
         return acc
+
+    @cute.jit
+    def batch_dot(self, w_lane: Int64, x_lanes: list, base: Int64, acc: cute.Tensor):
+        """``acc[i] +=`` one batch of this lane's products (the batch at byte ``base`` of the row)."""
+        step = ROW_STEP * ELEM_BYTES
+        ws = [load_v4(w_lane + base + u * step, True) for u in range(self.batch)]
+        # (ordered after griddepcontrol.wait: the previous kernel writes x)
+        xs = [[load_v4(x_lanes[i] + base + u * step, False, self.pdl) for u in range(self.batch)]
+              for i in range(self.tokens)]
+        for u in cutlass.range_constexpr(self.batch):
+            for word in cutlass.range_constexpr(4):
+                w_lo, w_hi = widen_pair(ws[u][word], self.is_bf16)
+                for i in cutlass.range_constexpr(self.tokens):
+                    x_lo, x_hi = widen_pair(xs[i][u][word], self.is_bf16)
+                    acc[i] = acc[i] + w_lo * x_lo + w_hi * x_hi
 
 
 class SiluMulSm80:
@@ -204,7 +250,8 @@ def _dtype(is_bf16: bool):
 
 
 def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: str, pdl: bool = False):
-    """Compile ``GemvSm80`` for every N (K and the token count compiled in)."""
+    """Compile ``GemvSm80`` for every N (K and the token count compiled in; ``pdl`` for
+    sm_90+, which also picks the load batch: ``batch_for``)."""
     dtype = _dtype(is_bf16)
     n = cute.sym_int()
     x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
@@ -212,11 +259,11 @@ def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: st
     w = cute.runtime.make_fake_compact_tensor(dtype, (n, k), stride_order=(1, 0), assumed_align=16)
     y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = GemvSm80(is_bf16, k, tokens, pdl)
+    kernel = GemvSm80(is_bf16, k, tokens, batch_for(k, tokens, pdl), pdl)
     if has_bias:
         b = cute.runtime.make_fake_compact_tensor(dtype, (n,), assumed_align=2)
-        return cute.compile(kernel.call_bias, x, w, b, y, stream, options=options)
-    return cute.compile(kernel, x, w, y, stream, options=options)
+        return cute.compile(kernel.call_bias, x, w, b, y, Int32(1), stream, options=options)
+    return cute.compile(kernel, x, w, y, Int32(1), stream, options=options)
 
 
 def compile_silu_mul(is_bf16: bool, options: str, pdl: bool = False):

@@ -420,16 +420,19 @@ def test_every_sm100_variant_compiles_without_spills(tmp_path):
 def test_dense_ptx(arch, tmp_path):
     """The decode step's GEMV: 16-byte streaming loads of the weights past L1, fp32 FMAs, a
     shuffle reduction; on sm_90 the L2 prefetch of the weights before griddepcontrol.wait
-    (programmatic dependent launch); no spills (the most tokens, K = 14336 (a 14-load
-    unroll) and 11264 (11), fp16, a bias).  SwiGLU: 16-byte loads / stores and the IEEE
+    (programmatic dependent launch); no spills at the Llama-3-8B row lengths (K = 4096,
+    14336) for 1 to MAX_TOKENS tokens.  SwiGLU: 16-byte loads / stores and the IEEE
     division of silu."""
     from bitdecode import jit
     from bitdecode.kernels_sm80.dense import MAX_TOKENS, compile_gemv, compile_silu_mul
 
     pdl = jit.has_pdl(arch)
     opts = jit.compile_options(arch, keep_ptx=True)
-    ptx = compile_gemv(False, 11264, MAX_TOKENS, True, opts, pdl=pdl).artifacts.PTX
-    assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the GEMV (K = 11264)"
+    for tokens in range(1, MAX_TOKENS):
+        ptx = compile_gemv(True, 4096, tokens, False, opts, pdl=pdl).artifacts.PTX
+        assert _spills(ptx, arch, tmp_path) == 0, f"ptxas spills registers in the GEMV (K = 4096, {tokens} tokens)"
+    ptx = compile_gemv(False, 4096, MAX_TOKENS, True, opts, pdl=pdl).artifacts.PTX
+    assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the GEMV (K = 4096)"
     ptx = compile_gemv(False, 14336, MAX_TOKENS, True, opts, pdl=pdl).artifacts.PTX
     want = ["ld.global.nc.L1::no_allocate.v4.u32", "fma.rn.f32", "shfl.sync.bfly"]
     if pdl:  # x, written by the previous kernel, read coherently after the wait

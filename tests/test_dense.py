@@ -81,6 +81,7 @@ def test_gpu_kernel_refusals_say_why():
     (1, 6144, 4096, True, None),  # merged q/k/v with Qwen2's biases
     (2, 4096, 14336, False, None),  # down_proj, two sequences
     (3, 101, 256, True, 264),  # N not a multiple of the CTA's rows, a strided x
+    (1, 20000, 256, True, None),  # tall: several rows per warp, the last CTA's rows past N
     (2, 1, 512, False, None),
 ])
 def test_gpu_gemv_is_one_rounding_of_the_exact_product(dtype, tokens, n, k, bias, x_stride):
