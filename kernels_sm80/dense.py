@@ -58,7 +58,8 @@ LONG_ROW = 8192  # K from which a row alone keeps a warp streaming: one row per 
 WARPS_PER_SM = 24  # the grid rows_per_warp aims at (o_proj / q/k/v: 2 rows, gate/up: 8)
 MAX_ROWS_PER_WARP = 8  # the most measured
 # The GEMV's x rows: each adds a 16-byte load and 8 FMAs per weight vector.  At 4, ptxas
-# (12.x, sm_90a) held the kernel to 56-64 registers and spilled at every unroll tried.
+# (12.x, sm_90a) held the one-row-per-warp version to 56-64 registers and spilled at every
+# unroll tried; 4 tokens were not tried with the load batches.
 MAX_TOKENS = 3
 SILU_THREADS = 128
 
