@@ -30,7 +30,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import bitnet as fmt
 from .bitnet_ptx import WARP
-from .ptx import _asm, cvt_pack_x2, half_to_f32, mul_rn, rcp_rn
+from .ptx import _asm, cvt_pack_x2, half_pair_to_f32, mul_rn, rcp_rn
 from .reduce import block_reduce
 from .tensors import wait_for_previous_kernel
 
@@ -99,7 +99,7 @@ class ActQuantSm80:
 
     @cute.jit
     def halves(self, word: Int32):
-        return half_to_f32(word, self.is_bf16), half_to_f32(word >> 16, self.is_bf16)
+        return half_pair_to_f32(word, self.is_bf16)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):

@@ -38,29 +38,24 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ..layouts import bitnet as fmt
+from ..layouts.dense import ELEM_BYTES, GEMV_MAX_TOKENS as MAX_TOKENS, GEMV_ROW_STEP as ROW_STEP
+from ..layouts.dense import L2_LINE_BYTES as LINE_BYTES, VEC, VEC_BYTES
 from .act_quant import _load16, _store_words
 from .bitnet_ptx import WARP, load_v4
-from .ptx import cvt_pack_x2, div_rn, half_to_f32, mul_rn, u32_as_f32
+from .ptx import cvt_pack_x2, div_rn, half_pair_to_f32, mul_rn
 from .tensors import wait_for_previous_kernel
 
-VEC = fmt.ACT_QUANT_VEC  # 16-bit values per 16-byte load
-VEC_BYTES = fmt.CHUNK_BYTES
-ELEM_BYTES = VEC_BYTES // VEC
-ROW_STEP = VEC * WARP  # values of a row one warp-wide load covers: K must be a multiple
-LINE_BYTES = 128  # an L2 line, the prefetch granularity
 GEMV_WARPS = 4  # warps per CTA
 LONG_ROW = 8192  # K from which a row alone keeps a warp streaming: one row per warp
 WARPS_PER_SM = 24  # the grid rows_per_warp aims at (o_proj / q/k/v: 2 rows, gate/up: 8)
 MAX_ROWS_PER_WARP = 8  # the most measured
-# The GEMV's x rows: each adds a 16-byte load and 8 FMAs per weight vector.  At 4, ptxas
+# MAX_TOKENS: each x row adds a 16-byte load and 8 FMAs per weight vector.  At 4, ptxas
 # (12.x, sm_90a) held the one-row-per-warp version to 56-64 registers and spilled at every
 # unroll tried; 4 tokens were not tried with the load batches.
-MAX_TOKENS = 3
 SILU_THREADS = 128
 
 
@@ -69,15 +64,6 @@ def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
     """Ask L2 to fetch the 128-byte line at ``addr`` (no register, no wait)."""
     llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@cute.jit
-def widen_pair(word: Uint32, is_bf16: cutlass.Constexpr[bool]):
-    """The two 16-bit values of a 32-bit word as fp32 (bf16: a shift and a mask)."""
-    if cutlass.const_expr(is_bf16):
-        w = Uint32(word)
-        return u32_as_f32(w << 16), u32_as_f32(w & Uint32(0xFFFF0000))
-    return half_to_f32(word, False), half_to_f32(Uint32(word) >> 16, False)
 
 
 def batch_for(k: int, tokens: int, sm90: bool) -> int:
@@ -199,9 +185,9 @@ class GemvSm80:
               for i in range(self.tokens)]
         for u in cutlass.range_constexpr(self.batch):
             for word in cutlass.range_constexpr(4):
-                w_lo, w_hi = widen_pair(ws[u][word], self.is_bf16)
+                w_lo, w_hi = half_pair_to_f32(ws[u][word], self.is_bf16)
                 for i in cutlass.range_constexpr(self.tokens):
-                    x_lo, x_hi = widen_pair(xs[i][u][word], self.is_bf16)
+                    x_lo, x_hi = half_pair_to_f32(xs[i][u][word], self.is_bf16)
                     acc[i] = acc[i] + w_lo * x_lo + w_hi * x_hi
 
 
@@ -235,14 +221,12 @@ class SiluMulSm80:
             up = _load16(gu_row + Int64(inter) * ELEM_BYTES + Int64(v) * VEC_BYTES, self.pdl)
             out = []
             for word in cutlass.range_constexpr(4):
-                silu = []
-                for half in cutlass.range_constexpr(2):
-                    g = half_to_f32(gate[word] >> (16 * half), self.is_bf16)
-                    silu.append(div_rn(g, 1.0 + cute.math.exp(-g, fastmath=False)))
-                s16 = cvt_pack_x2(silu[0], silu[1], self.is_bf16)  # torch rounds silu's output
-                prods = [mul_rn(half_to_f32(s16 >> (16 * half), self.is_bf16),
-                                half_to_f32(up[word] >> (16 * half), self.is_bf16)) for half in range(2)]
-                out.append(cvt_pack_x2(prods[0], prods[1], self.is_bf16))
+                silu = [div_rn(g, 1.0 + cute.math.exp(-g, fastmath=False))
+                        for g in half_pair_to_f32(gate[word], self.is_bf16)]
+                # torch rounds silu's output to the dtype before the product
+                s16 = half_pair_to_f32(cvt_pack_x2(silu[0], silu[1], self.is_bf16), self.is_bf16)
+                u = half_pair_to_f32(up[word], self.is_bf16)
+                out.append(cvt_pack_x2(mul_rn(s16[0], u[0]), mul_rn(s16[1], u[1]), self.is_bf16))
             _store_words(y_row + Int64(v) * VEC_BYTES, *out)
 
 

@@ -145,6 +145,18 @@ def half_to_f32(bits16, is_bf16: bool, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def half_pair_to_f32(word, is_bf16: bool, *, loc=None, ip=None):
+    """The two 16-bit values of a 32-bit word (low, high) widened to fp32; bf16 with one
+    shift and one mask (bf16 is fp32's top half)."""
+    if is_bf16:
+        w = _u32(word, loc, ip)
+        lo = _asm(T.f32(), [w], "{.reg .b32 t;\nshl.b32 t, $1, 16;\nmov.b32 $0, t;}", "=f,r", loc=loc, ip=ip)
+        hi = _asm(T.f32(), [w], "{.reg .b32 t;\nand.b32 t, $1, 0xFFFF0000;\nmov.b32 $0, t;}", "=f,r", loc=loc, ip=ip)
+        return Float32(lo), Float32(hi)
+    return half_to_f32(word, False, loc=loc, ip=ip), half_to_f32(Uint32(word) >> 16, False, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def f32_to_half_bits(x, is_bf16: bool, toward_zero: bool = False, *, loc=None, ip=None) -> Uint32:
     """fp32 -> fp16/bf16 (nearest even, or toward zero), returned in the low 16 bits."""
     kind = "bf16" if is_bf16 else "f16"

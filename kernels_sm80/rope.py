@@ -24,13 +24,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int64
 
-from ..layouts import bitnet as fmt
+from ..layouts.dense import ELEM_BYTES, VEC, VEC_BYTES
 from .act_quant import _load16, _store_words
-from .ptx import add_rn, cvt_pack_x2, half_to_f32, mul_rn
+from .ptx import add_rn, cvt_pack_x2, half_pair_to_f32, mul_rn
 
 THREADS = 128
-VEC = fmt.ACT_QUANT_VEC  # 16-bit values per 16-byte load
-ELEM_BYTES = fmt.CHUNK_BYTES // VEC
 
 
 def _row_addr(m: cute.Tensor, *coords) -> Int64:
@@ -78,7 +76,7 @@ class RopeSm80:
     def rotate(self, mX: cute.Tensor, mOut: cute.Tensor, b, h, t, j, cos_row: Int64, sin_row: Int64):
         """Channels ``8 j ..`` and ``D/2 + 8 j ..`` of head ``h``, token ``t``, sequence ``b``."""
         half = self.d // 2 * ELEM_BYTES
-        lo = Int64(j) * fmt.CHUNK_BYTES
+        lo = Int64(j) * VEC_BYTES
         x_row, o_row = _row_addr(mX, b, h, t), _row_addr(mOut, b, h, t)
         x1, x2 = _load16(x_row + lo), _load16(x_row + lo + half)
         c1, c2 = _load16(cos_row + lo), _load16(cos_row + lo + half)
@@ -94,20 +92,18 @@ class RopeSm80:
     @cute.jit
     def pair(self, x, c, y, s, negate: cutlass.Constexpr[bool]):
         """Two lanes of ``round(round(x c) +- round(y s))`` (16-bit pairs in, one word out)."""
+        xw, cw, yw, sw = (half_pair_to_f32(v, self.is_bf16) for v in (x, c, y, s))
         vals = []
         for lane in cutlass.range_constexpr(2):
-            sh = 16 * lane
-            xc = mul_rn(half_to_f32(x >> sh, self.is_bf16), half_to_f32(c >> sh, self.is_bf16))
-            ys = mul_rn(half_to_f32(y >> sh, self.is_bf16), half_to_f32(s >> sh, self.is_bf16))
+            xc = mul_rn(xw[lane], cw[lane])
+            ys = mul_rn(yw[lane], sw[lane])
             if cutlass.const_expr(negate):
                 ys = -ys
             vals.append((xc, ys))
         # each product rounded to 16 bits (both lanes at once), widened back, added, rounded
-        r_xc = cvt_pack_x2(vals[0][0], vals[1][0], self.is_bf16)
-        r_ys = cvt_pack_x2(vals[0][1], vals[1][1], self.is_bf16)
-        sums = [add_rn(half_to_f32(r_xc >> (16 * i), self.is_bf16), half_to_f32(r_ys >> (16 * i), self.is_bf16))
-                for i in range(2)]
-        return cvt_pack_x2(sums[0], sums[1], self.is_bf16)
+        r_xc = half_pair_to_f32(cvt_pack_x2(vals[0][0], vals[1][0], self.is_bf16), self.is_bf16)
+        r_ys = half_pair_to_f32(cvt_pack_x2(vals[0][1], vals[1][1], self.is_bf16), self.is_bf16)
+        return cvt_pack_x2(add_rn(r_xc[0], r_ys[0]), add_rn(r_xc[1], r_ys[1]), self.is_bf16)
 
 
 def compile_rope(is_bf16: bool, head_dim: int, options: str):
