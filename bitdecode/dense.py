@@ -2,64 +2,29 @@
 few tokens and SwiGLU's ``silu(gate) * up``.
 
 ``linear(x, weight, bias)`` is ``torch.nn.functional.linear``: for at most ``GEMV_MAX_TOKENS``
-rows of ``x`` it runs ``kernels_sm80.dense.GemvSm80`` (one warp per output row streaming
-the weights once; on sm_90+ it starts fetching them while the previous kernel finishes),
-otherwise cuBLAS through torch.  Its sums run in another order than cuBLAS's, so outputs
-agree to the 16-bit rounding, not bit for bit.  ``silu_mul(gate_up)`` is ``F.silu(gate) *
-up`` over the halves of the last dim, bit for bit, in one launch.
-``bitdecode.hf.fuse_projections(model)`` puts both in a transformers model's layers.
+rows of ``x`` it runs ``kernels_sm80.dense.GemvSm80`` (each warp streams a few weight rows
+once; on sm_90+ it starts fetching them while the previous kernel finishes), otherwise
+cuBLAS through torch.  Its sums run in another order than cuBLAS's, so outputs agree to the
+16-bit rounding, not bit for bit.  ``silu_mul(gate_up)`` is ``F.silu(gate) * up`` over the
+halves of the last dim, bit for bit, in one launch.  ``bitdecode.hf.fuse_projections(model)``
+puts both in a transformers model's layers.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
-from . import dispatch
+from . import _validate, dispatch
+from .layouts import dense as layout
 
-BACKENDS = ("auto", "reference", "kernel")
-GEMV_MAX_TOKENS = 3  # rows of x the GEMV takes (kernels_sm80.dense.MAX_TOKENS)
-ROW_STEP = 256  # K must be a multiple: one 16-byte load per lane of a warp
-VEC = 8  # 16-bit values per 16-byte load
-_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def _tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+BACKENDS = dispatch.KERNEL_CHOICES
+GEMV_MAX_TOKENS = layout.GEMV_MAX_TOKENS
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
-
-
-def _common_fit(ts: Tuple[torch.Tensor, ...]) -> str:
-    """Why the kernels cannot take these tensors ("" when they can): one fp16 / bf16
-    dtype, one CUDA device of compute capability 8.0+, no autograd."""
-    first = ts[0]
-    if first.dtype not in _DTYPES or any(t.dtype != first.dtype for t in ts):
-        return f"one fp16 / bf16 dtype, got {[str(t.dtype) for t in ts]}"
-    if first.device.type != "cuda" or any(t.device != first.device for t in ts):
-        return f"CUDA tensors on one device, got {[str(t.device) for t in ts]}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        return "no autograd (the kernels are inference only: run under torch.no_grad())"
-    if not dispatch.capability_at_least(first.device, 8):
-        return f"compute capability 8.0 or newer, {torch.cuda.get_device_name(first.device)} is older"
-    return ""
-
-
-def _use_kernel(backend: str, why: str, what: str) -> bool:
-    if backend == "reference" or torch.compiler.is_compiling():
-        return False
-    if why and backend == "kernel":
-        raise ValueError(f"the {what} kernel needs {why}")
-    return not why
+    return t.data_ptr() % layout.VEC_BYTES == 0
 
 
 # --------------------------------------------------------------------------------------
@@ -68,14 +33,14 @@ def _use_kernel(backend: str, why: str, what: str) -> bool:
 
 
 def _check_linear(x, weight, bias) -> None:
-    _tensor("x", x)
-    _tensor("weight", weight)
+    _validate.tensor("x", x)
+    _validate.tensor("weight", weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be (N, K), got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x's last dim must be weight's K = {weight.shape[1]}, got x of shape {tuple(x.shape)}")
     if bias is not None:
-        _tensor("bias", bias)
+        _validate.tensor("bias", bias)
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, "
                              f"got {tuple(bias.shape)}")
@@ -84,23 +49,23 @@ def _check_linear(x, weight, bias) -> None:
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
     """Why the GEMV kernel cannot run ``linear(x, weight, bias)`` ("" when it can)."""
     ts = (x, weight) if bias is None else (x, weight, bias)
-    why = _common_fit(ts)
+    why = dispatch.float16_kernel_fit(ts)
     if why:
         return why
     tokens = x.numel() // max(x.shape[-1], 1)
     k = weight.shape[1]
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
         return f"1 to {GEMV_MAX_TOKENS} rows of x (more go to cuBLAS), got {tokens}"
-    if k % ROW_STEP:
-        return f"K a multiple of {ROW_STEP}, got {k}"
+    if k % layout.GEMV_ROW_STEP:
+        return f"K a multiple of {layout.GEMV_ROW_STEP}, got {k}"
     if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
         return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}"
     if bias is not None and not bias.is_contiguous():
         return f"a contiguous bias, got stride {bias.stride()}"
     rows = x.reshape(-1, k)
-    if rows.stride(1) != 1 or rows.stride(0) % VEC or not _aligned(rows):
-        return f"x with contiguous channels, a row stride that is a multiple of {VEC} and 16-byte aligned storage, " \
-               f"got strides {x.stride()}"
+    if rows.stride(1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
+        return f"x with contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned " \
+               f"storage, got strides {x.stride()}"
     return ""
 
 
@@ -117,9 +82,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     tenth session) it beats cuBLAS at every Llama-3-8B decode shape: o_proj 4096 x 4096
     10.7 us vs 12.7, q/k/v 6144 x 4096 14.2 vs 16.4, gate/up 28672 x 4096 55.3 vs 55.3,
     down 4096 x 14336 30.0 vs 31.4."""
-    _check_backend(backend)
+    dispatch.check_kernel_choice(backend)
     _check_linear(x, weight, bias)
-    if not _use_kernel(backend, gemv_fits(x, weight, bias), "GEMV"):
+    if not dispatch.kernel_runs(backend, gemv_fits(x, weight, bias), "GEMV"):
         return torch.nn.functional.linear(x, weight, bias)
     return _gemv(x, weight, bias)
 
@@ -166,14 +131,14 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul_fits(gate_up: torch.Tensor) -> str:
     """Why the SwiGLU kernel cannot take ``gate_up`` ("" when it can)."""
-    why = _common_fit((gate_up,))
+    why = dispatch.float16_kernel_fit((gate_up,))
     if why:
         return why
-    if gate_up.shape[-1] % (2 * VEC):
-        return f"a last dim that is a multiple of {2 * VEC}, got {gate_up.shape[-1]}"
+    if gate_up.shape[-1] % (2 * layout.VEC):
+        return f"a last dim that is a multiple of {2 * layout.VEC}, got {gate_up.shape[-1]}"
     rows = gate_up.reshape(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
-    if rows.stride(-1) != 1 or rows.stride(0) % VEC or not _aligned(rows):
-        return f"contiguous channels, a row stride that is a multiple of {VEC} and 16-byte aligned storage, " \
+    if rows.stride(-1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
+        return f"contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned storage, " \
                f"got strides {gate_up.stride()}"
     return ""
 
@@ -182,11 +147,11 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """SwiGLU's activation over a merged gate / up projection's output ``[..., 2I]`` (gate
     first): ``F.silu(gate) * up`` [..., I], bit-identical to torch's two ops, in one kernel.
     ``backend`` as ``linear``'s (the kernel: one fp16 / bf16 dtype on an sm_80+ GPU, I % 8 == 0)."""
-    _check_backend(backend)
-    _tensor("gate_up", gate_up)
+    dispatch.check_kernel_choice(backend)
+    _validate.tensor("gate_up", gate_up)
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be (..., 2I): gate then up, got shape {tuple(gate_up.shape)}")
-    if gate_up.numel() == 0 or not _use_kernel(backend, silu_mul_fits(gate_up), "SwiGLU"):
+    if gate_up.numel() == 0 or not dispatch.kernel_runs(backend, silu_mul_fits(gate_up), "SwiGLU"):
         return silu_mul_reference(gate_up)
     from . import jit
 

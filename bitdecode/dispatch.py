@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import _validate
 from . import backend as backends
 
 BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
@@ -79,3 +80,43 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
             f"(compute capability {cap})"
         )
     return backend
+
+
+# --------------------------------------------------------------------------------------
+# The small sm80-family kernels with one implementation on every arch (rope, dense):
+# "auto" (the kernel when it takes the tensors), "reference" (torch's ops), "kernel"
+# --------------------------------------------------------------------------------------
+
+KERNEL_CHOICES = ("auto", "reference", "kernel")
+
+
+def check_kernel_choice(backend: str) -> None:
+    if backend not in KERNEL_CHOICES:
+        raise ValueError(f"backend must be one of {KERNEL_CHOICES}, got {backend!r}")
+
+
+def float16_kernel_fit(tensors) -> str:
+    """Why a 16-bit kernel cannot take ``tensors`` ("" when it can): one fp16 / bf16 dtype,
+    one CUDA device of compute capability 8.0+, no autograd (the kernels have no backward)."""
+    first = tensors[0]
+    if first.dtype not in _validate.FLOAT16_DTYPES or any(t.dtype != first.dtype for t in tensors):
+        return f"one fp16 / bf16 dtype, got {[str(t.dtype) for t in tensors]}"
+    if first.device.type != "cuda" or any(t.device != first.device for t in tensors):
+        return f"CUDA tensors on one device, got {[str(t.device) for t in tensors]}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "no autograd (the kernels are inference only: run under torch.no_grad())"
+    if not capability_at_least(first.device, 8):
+        return f"compute capability 8.0 or newer, {torch.cuda.get_device_name(first.device)} is older"
+    return ""
+
+
+def kernel_runs(backend: str, why: str, what: str) -> bool:
+    """Whether ``backend`` runs the ``what`` kernel given ``why`` it cannot ("" when it
+    can): never for "reference" or under torch.compile (torch's ops, which the compiler
+    fuses); "kernel" raises a ValueError with ``why``."""
+    if backend == "reference" or torch.compiler.is_compiling():
+        return False
+    if why and backend == "kernel":
+        raise ValueError(f"the {what} kernel needs {why}")
+    return not why
+

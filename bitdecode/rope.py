@@ -14,10 +14,9 @@ from typing import Tuple
 import torch
 
 from . import dispatch
+from .layouts.dense import VEC, VEC_BYTES
 
-BACKENDS = ("auto", "reference", "kernel")
-VEC = 8  # 16-bit values per 16-byte load of the kernel
-_DTYPES = (torch.float16, torch.bfloat16)
+BACKENDS = dispatch.KERNEL_CHOICES
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -50,42 +49,33 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError(f"the head dim must be even to rotate its halves, got {d}")
 
 
-def _kernel_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[bool, str]:
-    """Whether the kernel takes these tensors, and why not: one fp16 / bf16 dtype, one CUDA
-    device, head dim a multiple of 16, channels contiguous, the other strides multiples of 8
-    values and 16-byte aligned storage (its 16-byte loads)."""
+def _kernel_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
+    """Why the kernel cannot take these tensors ("" when it can): one fp16 / bf16 dtype on one
+    sm_80+ GPU without autograd, head dim a multiple of 16, channels contiguous, the other
+    strides multiples of 8 values and 16-byte aligned storage (its 16-byte loads)."""
     ts = (q, k, cos, sin)
-    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in ts):
-        return False, f"q, k, cos and sin in one fp16 / bf16 dtype, got {[str(t.dtype) for t in ts]}"
-    if q.device.type != "cuda" or any(t.device != q.device for t in ts):
-        return False, f"CUDA tensors on one device, got {[str(t.device) for t in ts]}"
+    why = dispatch.float16_kernel_fit(ts)
+    if why:
+        return why
     if q.shape[-1] % (2 * VEC):
-        return False, f"a head dim that is a multiple of {2 * VEC}, got {q.shape[-1]}"
+        return f"a head dim that is a multiple of {2 * VEC}, got {q.shape[-1]}"
     for name, t in zip(("q", "k", "cos", "sin"), ts):
-        if t.stride(-1) != 1 or any(s % VEC for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return False, f"{name} with contiguous channels, strides that are multiples of {VEC} and 16-byte " \
-                          f"aligned storage, got strides {t.stride()}"
-    return True, ""
+        if t.stride(-1) != 1 or any(s % VEC for s in t.stride()[:-1]) or t.data_ptr() % VEC_BYTES:
+            return f"{name} with contiguous channels, strides that are multiples of {VEC} and 16-byte " \
+                   f"aligned storage, got strides {t.stride()}"
+    return ""
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                  backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of ``q`` (B, Hq, T, D) and ``k`` (B, Hk, T, D) with ``cos`` / ``sin``
     (B or 1, T, D): transformers' ``apply_rotary_pos_emb``, bit-identical, outputs contiguous.
-    ``backend``: "auto" the kernel for tensors it takes (see ``_kernel_fits``) on an sm_80+
-    GPU, else torch's ops; "reference" torch's ops; "kernel" the kernel or a ValueError
-    saying why not.  Under ``torch.compile`` torch's ops (the compiler fuses them)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    ``backend``: "auto" the kernel for tensors it takes (see ``_kernel_fits``), else torch's
+    ops; "reference" torch's ops; "kernel" the kernel or a ValueError saying why not.  Under
+    ``torch.compile`` (and with autograd) torch's ops."""
+    dispatch.check_kernel_choice(backend)
     _check(q, k, cos, sin)
-    if backend == "reference" or torch.compiler.is_compiling():
-        return apply_rotary_reference(q, k, cos, sin)
-    fits, why = _kernel_fits(q, k, cos, sin)
-    if fits and not dispatch.capability_at_least(q.device, 8):
-        fits, why = False, f"compute capability 8.0 or newer, {torch.cuda.get_device_name(q.device)} is older"
-    if not fits:
-        if backend == "kernel":
-            raise ValueError(f"the rotary-embedding kernel needs {why}")
+    if not dispatch.kernel_runs(backend, _kernel_fits(q, k, cos, sin), "rotary-embedding"):
         return apply_rotary_reference(q, k, cos, sin)
     return _launch(q, k, cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1))
 

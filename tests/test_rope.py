@@ -144,3 +144,16 @@ def test_gpu_fused_llama_logits_unchanged():
             assert torch.equal(model(ids).logits, before)
     finally:
         hf.restore_rope()
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_autograd_takes_torchs_ops():
+    """The kernel has no backward: with autograd on, "auto" keeps torch's ops (differentiable)
+    and "kernel" says why it refuses."""
+    q, k, c, s = _qkcs(1, 4, 2, 3, 64, torch.bfloat16, "cuda")
+    q = q.detach().requires_grad_(True)
+    q_out, _ = rope.apply_rotary(q, k, c, s)
+    assert q_out.grad_fn is not None
+    with pytest.raises(ValueError, match="no autograd"):
+        rope.apply_rotary(q, k, c, s, backend="kernel")
