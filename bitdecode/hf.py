@@ -397,10 +397,10 @@ class _MergedProjection:
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Projection ``index``'s output for input ``x``."""
-        if (self._x is None or self._x() is not x or x._version != self._version
-                or index not in self._untaken):
+        version = _validate.version_counter(x)  # (None in inference mode: identity only)
+        if self._x is None or self._x() is not x or version != self._version or index not in self._untaken:
             self._outs = self.merged(x).split(self.splits, dim=-1)
-            self._x, self._version = weakref.ref(x), x._version
+            self._x, self._version = weakref.ref(x), version
             self._untaken = set(range(len(self.splits)))
         out = self._outs[index]
         self._untaken.discard(index)
