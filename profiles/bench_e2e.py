@@ -548,7 +548,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     width = 0.85 / max(1, len(series))
     colors = {"dynamic": "#7f7f7f", "static": "#1f77b4", "static-packed": "#17becf", "static-compiled": "#9467bd",
               "quanto4": "#ff7f0e", "quanto2": "#e7ba52", "bd4": "#2ca02c", "bd2": "#d62728",
-              "bd4-norms": "#8c564b", "bd4-fused": "#e377c2", "bd4-merged": "#bcbd22", "bd4-all": "#17becf"}
+              "bd4-norms": "#8c564b", "bd4-fused": "#e377c2", "bd4-merged": "#bcbd22", "bd4-all": "#393b79"}
     handles = []
     for i, (name, mode) in enumerate(series):
         xs, ys, notes = [], [], []
