@@ -373,19 +373,13 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             sync(pipes.kv.consumer_wait, kv_st)
             sync(pipes.s.producer_acquire, s_st)
             cute.copy(cp_k, src_k[(None, None, None, None, kv_st.index)], dst_k)
-            for k in cutlass.range_constexpr(cute.size(rK, mode=[2])):
-                mma.set(tcgen05.Field.ACCUMULATE, k != 0)
-                cute.gemm(mma, tmem.s, [rK[None, None, k, kv_st.index], tmem.sfk[None, None, k]],
-                          [rQ[None, None, k, 0], tmem.sfq[None, None, k]], tmem.s)
+            mma = self.accumulate_k(mma, tmem.s, rK, rQ, kv_st.index, tmem.sfk, tmem.sfq)
             sync(pipes.s.producer_commit, s_st)
             sync(pipes.p.consumer_wait, p_st)
             sync(pipes.o.producer_acquire, o_st)
             cute.copy(cp_v, src_v[(None, None, None, None, kv_st.index)], dst_v)
             cute.copy(cp_p, src_p[stage], dst_p)
-            for k in cutlass.range_constexpr(cute.size(rV, mode=[2])):  # every M-block of O^T per call
-                mma.set(tcgen05.Field.ACCUMULATE, k != 0)
-                cute.gemm(mma, tmem.o, [rV[None, None, k, kv_st.index], tmem.sfv[None, None, k]],
-                          [rP[None, None, k, 0], tmem.sfp[None, None, k]], tmem.o)
+            mma = self.accumulate_k(mma, tmem.o, rV, rP, kv_st.index, tmem.sfv, tmem.sfp)  # every M-block of O^T
             sync(pipes.o.producer_commit, o_st)
             sync(pipes.kv.consumer_release, kv_st)
             sync(pipes.p.consumer_release, p_st)
@@ -399,19 +393,29 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         sync(pipes.o.producer_tail, o_st)  # the softmax read the last O^T: the TMEM can go
 
     @cute.jit
+    def accumulate_k(self, mma, acc, a, b, a_stage, sfa=None, sfb=None):
+        """``acc = A B`` over the K-blocks of operand fragments ``a`` (stage ``a_stage``) and
+        ``b``, with their scale-factor fragments in TMEM for the block-scaled kinds; the
+        MMA is handed back (its ACCUMULATE field is set per block)."""
+        for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+            mma.set(tcgen05.Field.ACCUMULATE, k != 0)
+            if cutlass.const_expr(sfa is None):
+                cute.gemm(mma, acc, a[None, None, k, a_stage], b[None, None, k, 0], acc)
+            else:
+                cute.gemm(mma, acc, [a[None, None, k, a_stage], sfa[None, None, k]],
+                          [b[None, None, k, 0], sfb[None, None, k]], acc)
+        return mma
+
+    @cute.jit
     def issue_16bit(self, mma16, tmem, rK16, rV16, rQ16, rP16, pipes, s_st, p_st, o_st, x_st):
         """Both products of a 16-bit tile (sinks, residual) on ``kind::f16``."""
         sync(pipes.x.consumer_wait, x_st)
         sync(pipes.s.producer_acquire, s_st)
-        for k in cutlass.range_constexpr(cute.size(rK16, mode=[2])):
-            mma16.set(tcgen05.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma16, tmem.s, rK16[None, None, k, 0], rQ16[None, None, k, 0], tmem.s)
+        mma16 = self.accumulate_k(mma16, tmem.s, rK16, rQ16, 0)
         sync(pipes.s.producer_commit, s_st)
         sync(pipes.p.consumer_wait, p_st)
         sync(pipes.o.producer_acquire, o_st)
-        for k in cutlass.range_constexpr(cute.size(rV16, mode=[2])):
-            mma16.set(tcgen05.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma16, tmem.o, rV16[None, None, k, 0], rP16[None, None, k, 0], tmem.o)
+        mma16 = self.accumulate_k(mma16, tmem.o, rV16, rP16, 0)
         sync(pipes.o.producer_commit, o_st)
         sync(pipes.x.consumer_release, x_st)
         sync(pipes.p.consumer_release, p_st)
