@@ -39,14 +39,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 from ..layouts.dense import ELEM_BYTES, GEMV_MAX_TOKENS as MAX_TOKENS, GEMV_ROW_STEP as ROW_STEP
 from ..layouts.dense import L2_LINE_BYTES as LINE_BYTES, VEC, VEC_BYTES
 from .act_quant import _load16, _store_words
 from .bitnet_ptx import WARP, load_v4
-from .ptx import cvt_pack_x2, div_rn, half_pair_to_f32, mul_rn
+from .ptx import cvt_pack_x2, div_rn, half_pair_to_f32, mul_rn, prefetch_l2
 from .tensors import wait_for_previous_kernel
 
 GEMV_WARPS = 4  # warps per CTA
@@ -57,13 +55,6 @@ MAX_ROWS_PER_WARP = 8  # the most measured
 # (12.x, sm_90a) held the one-row-per-warp version to 56-64 registers and spilled at every
 # unroll tried; 4 tokens were not tried with the load batches.
 SILU_THREADS = 128
-
-
-@dsl_user_op
-def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
-    """Ask L2 to fetch the 128-byte line at ``addr`` (no register, no wait)."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 def batch_for(k: int, tokens: int, sm90: bool) -> int:

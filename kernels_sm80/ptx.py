@@ -14,7 +14,7 @@ fma, the cvt packs and rounding conversions.
 
 from __future__ import annotations
 
-from cutlass import Float32, Uint32
+from cutlass import Float32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -197,3 +197,10 @@ def min_x2(a, b, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def max_x2(a, b, is_bf16: bool, *, loc=None, ip=None) -> Uint32:
     return _minmax_x2("max", a, b, is_bf16, loc, ip)
+
+
+@dsl_user_op
+def prefetch_l2(addr, *, loc=None, ip=None) -> None:
+    """Ask L2 to fetch the line holding global address ``addr`` (no register, no wait)."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

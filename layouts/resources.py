@@ -15,6 +15,7 @@ REGISTER_UNIT = 256  # per-warp allocation granularity
 MAX_WARPS_PER_SM = 64
 MAX_CTAS_PER_SM = 32
 WARP = 32
+L2_LINE_BYTES = 128  # an L2 cache line: the granularity of the GEMVs' weight prefetches
 
 
 def ctas_per_sm(registers: int, warps: int) -> int:

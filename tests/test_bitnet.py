@@ -528,6 +528,7 @@ def test_sm90_gemv_compiles(unroll, tmp_path):
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.index("ld.global.nc.L1::no_allocate.v4.u32") < wait
     assert "ld.global.nc.v4.u32" not in ptx[:wait]  # no activation load before the wait
+    assert "prefetch.global.L2" in ptx[:wait]  # the CTA's weight stripe, fetched while the previous kernel drains
     # the occupancy model's register count is the one ptxas allocates, with no spills
     rep = ptxas.report(ptx, "sm_90a", tmp_path)
     assert f"Used {v90.REGISTERS[unroll]} registers" in rep, rep[-2000:]
