@@ -44,7 +44,9 @@ not fit is recorded as skipped instead of being run into an out-of-memory error.
 
 Roofline: (bytes of the weights a step reads + the KV bytes it must read) / the bandwidth of
 a large device-to-device copy measured in the same run.  Targets (issue 10) are recorded
-pass / fail in the JSON.
+pass / fail in the JSON; the 1.3x-of-roofline one lists every bitdecode 4-bit configuration's
+ratios (the plain cache and each fusion level) and names in ``met_by`` those within the
+bound at all four contexts of the full sweep.
 
     python3 profiles/bench_e2e.py --out profiles/h200            # full sweep, H200 (~3-5 min)
     python3 profiles/bench_e2e.py --quick --out /tmp/e2e         # B=1 N=128K and B=8 N=64K only
