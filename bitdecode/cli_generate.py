@@ -96,6 +96,10 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     gen.add_argument("--no-baseline", action="store_true",
                      help="skip the run with transformers' default 16-bit cache")
     gen.add_argument("--seed", type=int, default=0, help="seed of the random weights / prompt (default: 0)")
+    gen.add_argument("--fuse", action="store_true",
+                     help="run the model's RMSNorms, rotary embedding and projections on bitdecode's kernels "
+                          "(bitdecode.hf.fuse_norms / fuse_rope / fuse_projections), for every row: fewer "
+                          "kernels per decode step, outputs equal up to rounding order")
     fmt = p.add_argument_group("KV format and where it runs")
     fmt.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4],
                      help="bit widths to run, one generation each (default: 4)")
@@ -268,6 +272,24 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{frac:.0%} (first divergence: {first})"
 
 
+def fuse_model(model, backend: str):
+    """``--fuse``: bitdecode.hf's fusions on ``model`` (in place; the cache-independent ones,
+    so the 16-bit baseline gets them too): (a line saying what was fused, the modeling
+    modules whose rotary embedding this call patched, for ``hf.restore_rope`` after).  A BitNet model's
+    norms and linears are bitdecode's already (``bd.bitnet.convert``): only its rotary
+    embedding is left to fuse."""
+    from . import hf
+
+    kernels = "reference" if backend == "reference" else "auto"
+    norms = hf.fuse_norms(model, kernels)
+    before = set(hf._ROPE_ORIGINALS)  # modules a caller patched already stay patched after
+    ropes = hf.fuse_rope(model, kernels)
+    groups = hf.fuse_projections(model, kernels)
+    line = (f"{norms} RMSNorms, the rotary embedding of {len(ropes)} modeling module(s), "
+            f"{groups} projection groups merged")
+    return line, sorted(set(ropes) - before)
+
+
 def prepare_run(console, args, command: str):
     """(device, backend) of a model-running subcommand (``generate``, ``eval``), with
     transformers imported and quiet; None after printing the error."""
@@ -295,8 +317,6 @@ def prepare_run(console, args, command: str):
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
-    from rich.panel import Panel
-    from rich.table import Table
 
     console = Console()
     ready = prepare_run(console, args, "generate")
@@ -304,10 +324,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     device, backend = ready
 
-    import bitdecode as bd
-
     from . import hf
-    from .eval import cache_bytes
 
     dtype = DTYPES[args.dtype]
     t_load = time.perf_counter()
@@ -317,6 +334,23 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     t_load = time.perf_counter() - t_load
+    fused, patched = fuse_model(model, backend) if args.fuse else (None, [])
+    try:
+        return _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, fused)
+    finally:
+        hf.restore_rope(patched)  # fuse_rope patches the modeling modules, not just this model
+
+
+def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, fused) -> int:
+    import bitdecode as bd
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    from . import hf
+    from .eval import cache_bytes
+
+    dtype = DTYPES[args.dtype]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     group = args.group_size or min(128, head_dim)
@@ -383,7 +417,8 @@ def run(args: argparse.Namespace) -> int:
     setup = (f"{escape(what)}\n"
              f"device {device}, {args.dtype}, backend {backend}; batch {args.batch}, prompt {prompt_len:,} tokens"
              f"{'' if tokenizer is not None else ' (random ids)'}, {args.max_new_tokens} new tokens (greedy), "
-             f"bitdecode capacity {max_seqlen:,} tokens; model loaded in {t_load:.1f} s")
+             f"bitdecode capacity {max_seqlen:,} tokens; model loaded in {t_load:.1f} s"
+             + (f"\nfused (--fuse): {fused}" if fused is not None else ""))
     console.print(Panel(setup, title="bitdecode generate", expand=False))
     if tokenizer is not None:
         console.print(f"[bold]prompt:[/] {escape(args.prompt)}")

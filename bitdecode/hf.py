@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -350,11 +350,12 @@ def fuse_rope(model: torch.nn.Module, backend: str = "auto") -> List[str]:
     return patched
 
 
-def restore_rope() -> List[str]:
-    """Put back every modeling module's own ``apply_rotary_pos_emb``; returns their names."""
+def restore_rope(names: Optional[Iterable[str]] = None) -> List[str]:
+    """Put back the own ``apply_rotary_pos_emb`` of every modeling module ``fuse_rope``
+    patched (or of those in ``names``); returns the names restored."""
     import sys
 
-    names = sorted(_ROPE_ORIGINALS)
+    names = sorted(_ROPE_ORIGINALS if names is None else set(names) & set(_ROPE_ORIGINALS))
     for name in names:
         sys.modules[name].apply_rotary_pos_emb = _ROPE_ORIGINALS.pop(name)
     return names

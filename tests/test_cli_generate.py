@@ -48,6 +48,24 @@ def test_generate_tiny_random_llama(capsys, monkeypatch):
     assert re.match(r"\d+% \(first divergence: (none|\d)\)", four[4])
 
 
+def test_generate_fused_model(capsys, monkeypatch):
+    """--fuse puts the norms, rotary embedding and projections on bitdecode's ops for both
+    rows (the reference ones here: bit-identical or equal up to summation order), and the
+    modeling module's own rotary embedding is back after the run."""
+    from transformers.models.llama import modeling_llama
+
+    own = modeling_llama.apply_rotary_pos_emb
+    out = _run(capsys, monkeypatch, "--max-new-tokens", "3", "--fuse")
+    assert re.search(r"fused \(--fuse\): \d+ RMSNorms, the rotary embedding of 1 modeling module\(s\), \d+ "
+                     r"projection groups merged", out), out
+    assert int(re.search(r"(\d+) RMSNorms", out).group(1)) > 0
+    assert int(re.search(r"(\d+) projection groups", out).group(1)) > 0
+    rows = _rows(out)
+    four = next(v for k, v in rows.items() if k.startswith("bitdecode 4-bit"))
+    assert re.match(r"\d+% \(first divergence: (none|\d)\)", four[4])
+    assert modeling_llama.apply_rotary_pos_emb is own
+
+
 def test_generate_two_widths_without_baseline(capsys, monkeypatch):
     out = _run(capsys, monkeypatch, "--max-new-tokens", "2", "--no-baseline", "--bits", "4", "2",
                "--prompt-tokens", "300", "--batch", "2", "--k-mode", "token", "--group-size", "32", "--dtype", "fp16")
