@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
-from . import packing, sm90
+from . import dense, packing, sm90
 from ._trace import evaluate, traced
 
 BITS = 2
@@ -98,7 +98,7 @@ CHUNK_K = CODES_PER_WORD  # 16 columns per word / chunk
 # clamped to [ACT_Q_MIN, ACT_Q_MAX]; its kernel reads 16-byte chunks of 16-bit values.
 ACT_Q_MAX = 127
 ACT_Q_MIN = -128
-ACT_QUANT_VEC = CHUNK_BYTES // 2  # 16-bit values per 16-byte load: K must be a multiple
+ACT_QUANT_VEC = dense.VEC  # 16-bit values per 16-byte load (the row kernels' vector): K must be a multiple
 
 
 # --------------------------------------------------------------------------------------
