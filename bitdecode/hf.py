@@ -258,6 +258,8 @@ class FusedRMSNorm(torch.nn.Module):
         self.weight = norm.weight
         self.variance_epsilon = float(norm.variance_epsilon)
         self.backend = backend
+        # for ``unfuse_norms``; not a submodule: it shares ``weight`` (one state_dict key)
+        self.__dict__["original"] = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return bitnet.rms_norm(x, self.weight, self.variance_epsilon, backend=self.backend)
@@ -278,6 +280,18 @@ def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
         for name, child in list(parent.named_children()):
             if bitnet.is_rms_norm(child):
                 setattr(parent, name, FusedRMSNorm(child, backend))
+                count += 1
+    return count
+
+
+def unfuse_norms(model: torch.nn.Module) -> int:
+    """Put back the RMSNorms ``fuse_norms`` replaced (they share the weight Parameter: no
+    copy); returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedRMSNorm):
+                setattr(parent, name, child.original)
                 count += 1
     return count
 
@@ -547,5 +561,5 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, bitdecode_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["BitDecodingCache", "BitDecodingLayer", "bitdecode_attention", "ATTN_IMPLEMENTATION", "FusedRMSNorm",
-           "fuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope", "fuse_projections", "unfuse_projections", "ProjectionSlice",
+           "fuse_norms", "unfuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope", "fuse_projections", "unfuse_projections", "ProjectionSlice",
            "Projection", "PROJECTION_GROUPS", "SINGLE_PROJECTIONS"]

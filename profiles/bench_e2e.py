@@ -457,10 +457,8 @@ def fused_layers(model, norms: bool, rotary: bool, projections=None):
     if not (norms or rotary or projections):
         yield
         return
-    from bitdecode import bitnet, hf
+    from bitdecode import hf
 
-    saved = [(parent, name, child) for parent in list(model.modules())
-             for name, child in parent.named_children() if bitnet.is_rms_norm(child)] if norms else []
     if norms:
         hf.fuse_norms(model)
     if rotary:
@@ -474,8 +472,8 @@ def fused_layers(model, norms: bool, rotary: bool, projections=None):
             hf.unfuse_projections(model)
         if rotary:
             hf.restore_rope()
-        for parent, name, child in saved:
-            setattr(parent, name, child)
+        if norms:
+            hf.unfuse_norms(model)
 
 
 def evaluate_targets(rows: List[dict], meaningful: bool) -> dict:

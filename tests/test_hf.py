@@ -161,6 +161,12 @@ def test_fuse_norms_on_the_cpu_changes_no_bit(models):
     assert hf.fuse_norms(fused) == 0  # nothing left to replace
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     assert torch.equal(fused(ids).logits, base(ids).logits)
+    keys = list(fused.state_dict())
+    assert keys == list(base.state_dict())  # the original norm is kept, not registered again
+    assert hf.unfuse_norms(fused) == 2 * base.config.num_hidden_layers + 1
+    assert type(fused.model.norm) is type(base.model.norm) and not any(
+        isinstance(m, hf.FusedRMSNorm) for m in fused.modules())
+    assert list(fused.state_dict()) == keys and torch.equal(fused(ids).logits, base(ids).logits)
     with pytest.raises(TypeError, match="model"):
         hf.fuse_norms("llama")
 
