@@ -78,10 +78,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     no autograd), else torch's ``linear``; "reference" always torch's; "kernel" the kernel
     or a ValueError saying why not.  Under ``torch.compile``: torch's.
 
-    On the H200 (bf16, one token, graph-captured, weights from HBM; ``.scratch`` A/B of the
-    tenth session) it beats cuBLAS at every Llama-3-8B decode shape: o_proj 4096 x 4096
-    10.7 us vs 12.7, q/k/v 6144 x 4096 14.2 vs 16.4, gate/up 28672 x 4096 55.3 vs 55.3,
-    down 4096 x 14336 30.0 vs 31.4."""
+    On the H200 (bf16, one token, graph-captured, weights from HBM; profiles/h200/dense.json)
+    against cuBLAS at the Llama-3-8B decode shapes: o_proj 4096 x 4096 10.5 us vs 13.3, q/k/v
+    6144 x 4096 14.3 vs 16.2, gate/up 28672 x 4096 57.1 vs 57.0, down 4096 x 14336 27.7 vs
+    32.5; at 3 tokens it loses on three of the four (0.82-0.87x)."""
     dispatch.check_kernel_choice(backend)
     _check_linear(x, weight, bias)
     if not dispatch.kernel_runs(backend, gemv_fits(x, weight, bias), "GEMV"):
@@ -89,33 +89,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return _gemv(x, weight, bias)
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    from . import jit
+# (device index, dtype, N, K, tokens, bias) -> (compiled GEMV, rows per warp): a decode step
+# calls the same few projections every layer, so the per-call host work is this lookup
+_GEMV_PLANS: dict = {}
 
-    k = weight.shape[1]
-    x2 = x.reshape(-1, k)
-    arch = jit.target_arch(x.device.index)
-    bf16 = x.dtype == torch.bfloat16
-    tokens = x2.shape[0]
-    has_bias = bias is not None
+
+def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens: int, has_bias: bool):
+    from . import jit
+    from .backend import num_sms
+    from .kernels_sm80.dense import compile_gemv, rows_per_warp
+
+    arch = jit.target_arch(device.index)
+    bf16 = dtype == torch.bfloat16
 
     def build():
-        from .kernels_sm80.dense import compile_gemv
-
         return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch))
 
-    from .backend import num_sms
-    from .kernels_sm80.dense import rows_per_warp
+    return jit.KERNELS.get(("gemv", arch, bf16, k, tokens, has_bias), build), rows_per_warp(n, k, num_sms(device))
 
-    fn = jit.KERNELS.get(("gemv", arch, bf16, k, tokens, has_bias), build)
-    n = weight.shape[0]
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    tokens = x2.shape[0]
+    key = (x.device.index, x.dtype, n, k, tokens, bias is not None)
+    plan = _GEMV_PLANS.get(key)
+    if plan is None:
+        plan = _GEMV_PLANS[key] = _gemv_plan(x.device, x.dtype, n, k, tokens, bias is not None)
+    fn, rows = plan
     y = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
-    rows = rows_per_warp(n, k, num_sms(x.device))
-    if has_bias:
-        fn(x2, weight, bias, y, rows)
-    else:
+    if bias is None:
         fn(x2, weight, y, rows)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    else:
+        fn(x2, weight, bias, y, rows)
+    return y.reshape(*x.shape[:-1], n)
 
 
 # --------------------------------------------------------------------------------------
