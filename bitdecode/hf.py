@@ -291,6 +291,7 @@ def unfuse_norms(model: torch.nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, FusedRMSNorm):
+                child.original.weight = child.weight  # the current Parameter, if a conversion swapped it
                 setattr(parent, name, child.original)
                 count += 1
     return count
