@@ -554,7 +554,7 @@ def test_sm90_gemv_config():
         assert cfg.pdl and v90.warps_for(k, cfg.unroll) <= v90.MAX_WARPS
 
 
-def test_mma_gemm_pdl_compiles():
+def test_mma_gemm_pdl_compiles(tmp_path):
     import dataclasses
 
     from bitdecode.kernels_sm80 import bitnet_gemm as g80
@@ -564,7 +564,13 @@ def test_mma_gemm_pdl_compiles():
         wait = ptx.index("griddepcontrol.wait")
         assert "griddepcontrol.launch_dependents" in ptx
         assert ptx.index("ld.global.nc.L1::no_allocate") < wait  # weights stream before the wait
+        assert "prefetch.global.L2" in ptx[:wait]  # and the CTA's rows are asked of L2 before it
         assert "ld.global.nc.v4.u32" not in ptx[:wait]  # activations only after it
+        # the occupancy model (split_for) assumes at most cfg.registers per thread
+        rep = ptxas.report(ptx, "sm_90a", tmp_path)
+        assert ptxas.spill_bytes(rep) == 0
+        used = int(re.search(r"Used (\d+) registers", rep).group(1))
+        assert used <= cfg.registers, (used, cfg)
 
 
 def test_wgmma_gemm_compiles(tmp_path):
