@@ -46,27 +46,33 @@ def _check_linear(x, weight, bias) -> None:
                              f"got {tuple(bias.shape)}")
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
-    """Why the GEMV kernel cannot run ``linear(x, weight, bias)`` ("" when it can)."""
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(why the GEMV kernel cannot run ``linear(x, weight, bias)``, "" when it can; x as the
+    kernel's [tokens, K] rows when it can, else None)."""
     ts = (x, weight) if bias is None else (x, weight, bias)
     why = dispatch.float16_kernel_fit(ts)
     if why:
-        return why
+        return why, None
     tokens = x.numel() // max(x.shape[-1], 1)
     k = weight.shape[1]
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
-        return f"1 to {GEMV_MAX_TOKENS} rows of x (more go to cuBLAS), got {tokens}"
+        return f"1 to {GEMV_MAX_TOKENS} rows of x (more go to cuBLAS), got {tokens}", None
     if k % layout.GEMV_ROW_STEP:
-        return f"K a multiple of {layout.GEMV_ROW_STEP}, got {k}"
+        return f"K a multiple of {layout.GEMV_ROW_STEP}, got {k}", None
     if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
-        return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}"
+        return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}", None
     if bias is not None and not bias.is_contiguous():
-        return f"a contiguous bias, got stride {bias.stride()}"
+        return f"a contiguous bias, got stride {bias.stride()}", None
     rows = x.reshape(-1, k)
     if rows.stride(1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
         return f"x with contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned " \
-               f"storage, got strides {x.stride()}"
-    return ""
+               f"storage, got strides {x.stride()}", None
+    return "", rows
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
+    """Why the GEMV kernel cannot run ``linear(x, weight, bias)`` ("" when it can)."""
+    return _gemv_rows(x, weight, bias)[0]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -84,9 +90,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     32.5; at 3 tokens it loses on three of the four (0.82-0.87x)."""
     dispatch.check_kernel_choice(backend)
     _check_linear(x, weight, bias)
-    if not dispatch.kernel_runs(backend, gemv_fits(x, weight, bias), "GEMV"):
+    why, rows = _gemv_rows(x, weight, bias)
+    if not dispatch.kernel_runs(backend, why, "GEMV"):
         return torch.nn.functional.linear(x, weight, bias)
-    return _gemv(x, weight, bias)
+    y = _gemv(rows, weight, bias)
+    return y.view(*x.shape[:-1], y.shape[1])
 
 
 # (device index, dtype, N, K, tokens, bias) -> (compiled GEMV, rows per warp): a decode step
@@ -108,21 +116,21 @@ def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens:
     return jit.KERNELS.get(("gemv", arch, bf16, k, tokens, has_bias), build), rows_per_warp(n, k, num_sms(device))
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The kernel on ``x2`` [tokens, K] (``_gemv_rows``'): y [tokens, N]."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
     tokens = x2.shape[0]
-    key = (x.device.index, x.dtype, n, k, tokens, bias is not None)
+    key = (x2.device.index, x2.dtype, n, k, tokens, bias is not None)
     plan = _GEMV_PLANS.get(key)
     if plan is None:
-        plan = _GEMV_PLANS[key] = _gemv_plan(x.device, x.dtype, n, k, tokens, bias is not None)
-    fn, rows = plan
-    y = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+        plan = _GEMV_PLANS[key] = _gemv_plan(x2.device, x2.dtype, n, k, tokens, bias is not None)
+    fn, rows_per_warp = plan
+    y = torch.empty(tokens, n, dtype=x2.dtype, device=x2.device)
     if bias is None:
-        fn(x2, weight, y, rows)
+        fn(x2, weight, y, rows_per_warp)
     else:
-        fn(x2, weight, bias, y, rows)
-    return y.reshape(*x.shape[:-1], n)
+        fn(x2, weight, bias, y, rows_per_warp)
+    return y
 
 
 # --------------------------------------------------------------------------------------
@@ -136,18 +144,24 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def silu_mul_fits(gate_up: torch.Tensor) -> str:
-    """Why the SwiGLU kernel cannot take ``gate_up`` ("" when it can)."""
+def _silu_mul_rows(gate_up: torch.Tensor):
+    """(why the SwiGLU kernel cannot take ``gate_up``, "" when it can; its [M, 2I] rows when
+    it can, else None)."""
     why = dispatch.float16_kernel_fit((gate_up,))
     if why:
-        return why
+        return why, None
     if gate_up.shape[-1] % (2 * layout.VEC):
-        return f"a last dim that is a multiple of {2 * layout.VEC}, got {gate_up.shape[-1]}"
-    rows = gate_up.reshape(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
+        return f"a last dim that is a multiple of {2 * layout.VEC}, got {gate_up.shape[-1]}", None
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
     if rows.stride(-1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
         return f"contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned storage, " \
-               f"got strides {gate_up.stride()}"
-    return ""
+               f"got strides {gate_up.stride()}", None
+    return "", rows
+
+
+def silu_mul_fits(gate_up: torch.Tensor) -> str:
+    """Why the SwiGLU kernel cannot take ``gate_up`` ("" when it can)."""
+    return _silu_mul_rows(gate_up)[0]
 
 
 def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -158,7 +172,10 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     _validate.tensor("gate_up", gate_up)
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be (..., 2I): gate then up, got shape {tuple(gate_up.shape)}")
-    if gate_up.numel() == 0 or not dispatch.kernel_runs(backend, silu_mul_fits(gate_up), "SwiGLU"):
+    if gate_up.numel() == 0:
+        return silu_mul_reference(gate_up)
+    why, rows = _silu_mul_rows(gate_up)
+    if not dispatch.kernel_runs(backend, why, "SwiGLU"):
         return silu_mul_reference(gate_up)
     from . import jit
 
@@ -171,7 +188,6 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         return compile_silu_mul(bf16, jit.compile_options(arch), pdl=jit.has_pdl(arch))
 
     fn = jit.KERNELS.get(("silu_mul", arch, bf16), build)
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
     y = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
     fn(rows, y)
     return y.reshape(*gate_up.shape[:-1], y.shape[1])
