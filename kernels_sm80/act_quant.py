@@ -32,7 +32,7 @@ from ..layouts import bitnet as fmt
 from .bitnet_ptx import WARP
 from .ptx import _asm, cvt_pack_x2, half_pair_to_f32, mul_rn, rcp_rn
 from .reduce import block_reduce
-from .tensors import wait_for_previous_kernel
+from .tensors import cute_float16, wait_for_previous_kernel
 
 THREADS = 128
 VEC = fmt.ACT_QUANT_VEC  # halves per 16-byte load
@@ -258,7 +258,7 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
     m = cute.sym_int()
     k = cute.sym_int(divisibility=VEC)
     fake = cute.runtime.make_fake_compact_tensor
-    x = fake(cutlass.BFloat16 if is_bf16 else cutlass.Float16, (m, k), stride_order=(1, 0), assumed_align=16)
+    x = fake(cute_float16(is_bf16), (m, k), stride_order=(1, 0), assumed_align=16)
     q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)
     s = fake(Float32, (m,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -272,7 +272,7 @@ def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str,
     m = cute.sym_int()
     k = cute.sym_int(divisibility=VEC)
     fake = cute.runtime.make_fake_compact_tensor
-    dtype = cutlass.BFloat16 if is_bf16 else cutlass.Float16
+    dtype = cute_float16(is_bf16)
     x = fake(dtype, (m, cute.sym_int(divisibility=2 * VEC) if gated else k), stride_order=(1, 0), assumed_align=16)
     w = fake(dtype, (k,), assumed_align=16)
     y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)

@@ -43,7 +43,7 @@ from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
 from ..layouts.bitnet import MMA_M, MMA_N
-from ..layouts.resources import L2_LINE_BYTES, ctas_per_sm
+from ..layouts.resources import ctas_per_sm
 from .bitnet_ptx import (
     WARP,
     dp4a_ss,
@@ -55,7 +55,7 @@ from .bitnet_ptx import (
     shr_and,
     store_out,
 )
-from .ptx import prefetch_l2
+from .tensors import prefetch_run_l2
 
 
 
@@ -249,8 +249,7 @@ class BitnetGemm:
             first_tile = bn * cfg.wn * cfg.tiles
             run_bytes = cutlass.min(n_tiles - first_tile, cfg.wn * cfg.tiles) * row_bytes * fmt.TILE_N
             run_first = mW.iterator.toint() + Int64(first_tile) * Int64(row_bytes * fmt.TILE_N)
-            for line in cutlass.range(tidx, run_bytes // L2_LINE_BYTES, cfg.wn * wk * WARP, unroll=1):
-                prefetch_l2(run_first + Int64(line) * L2_LINE_BYTES)
+            prefetch_run_l2(run_first, run_bytes, tidx, cfg.wn * wk * WARP)
         for it in cutlass.range(batches, unroll=1):
             grps = []
             keeps = []

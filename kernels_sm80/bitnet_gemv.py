@@ -45,9 +45,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
-from ..layouts.resources import L2_LINE_BYTES
 from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out
-from .ptx import prefetch_l2
+from .tensors import prefetch_run_l2
 
 MAX_WARPS = 16
 
@@ -194,8 +193,7 @@ class BitnetGemv:
             # The weights never depend on the previous kernel: L2 fetches this CTA's whole
             # stripe while that kernel drains (the wait below gates the activations only).
             stripe_first = mW.iterator.toint() + Int64(stripe) * Int64(row_bytes * fmt.TILE_N)
-            for line in cutlass.range(tidx, row_bytes * fmt.TILE_N // L2_LINE_BYTES, warps * WARP, unroll=1):
-                prefetch_l2(stripe_first + Int64(line) * L2_LINE_BYTES)
+            prefetch_run_l2(stripe_first, row_bytes * fmt.TILE_N, tidx, warps * WARP)
         # Groups warp, warp + W, ...: batches of `unroll` loads issued before any is used.
         # The last batch is padded with the warp's last group again: that re-read hits L2,
         # and its activation words are zeroed, so it adds nothing to either sum.

@@ -41,11 +41,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layouts.dense import ELEM_BYTES, GEMV_MAX_TOKENS as MAX_TOKENS, GEMV_ROW_STEP as ROW_STEP
-from ..layouts.dense import L2_LINE_BYTES as LINE_BYTES, VEC, VEC_BYTES
+from ..layouts.dense import VEC, VEC_BYTES
+from ..layouts.resources import L2_LINE_BYTES as LINE_BYTES
 from .act_quant import _load16, _store_words
 from .bitnet_ptx import WARP, load_v4
 from .ptx import cvt_pack_x2, div_rn, half_pair_to_f32, mul_rn, prefetch_l2
-from .tensors import wait_for_previous_kernel
+from .tensors import cute_float16, wait_for_previous_kernel
 
 GEMV_WARPS = 4  # warps per CTA
 LONG_ROW = 8192  # K from which a row alone keeps a warp streaming: one row per warp
@@ -221,14 +222,10 @@ class SiluMulSm80:
             _store_words(y_row + Int64(v) * VEC_BYTES, *out)
 
 
-def _dtype(is_bf16: bool):
-    return cutlass.BFloat16 if is_bf16 else cutlass.Float16
-
-
 def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: str, pdl: bool = False):
     """Compile ``GemvSm80`` for every N (K and the token count compiled in; ``pdl`` for
     sm_90+, which also picks the load batch: ``batch_for``)."""
-    dtype = _dtype(is_bf16)
+    dtype = cute_float16(is_bf16)
     n = cute.sym_int()
     x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
                                       assumed_align=16)
@@ -244,7 +241,7 @@ def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: st
 
 def compile_silu_mul(is_bf16: bool, options: str, pdl: bool = False):
     """Compile ``SiluMulSm80`` for every M and every I % 8 == 0."""
-    dtype = _dtype(is_bf16)
+    dtype = cute_float16(is_bf16)
     m = cute.sym_int()
     gu = cute.runtime.make_fake_tensor(dtype, (m, cute.sym_int(divisibility=2 * VEC)),
                                        stride=(cute.sym_int64(divisibility=VEC), 1), assumed_align=16)

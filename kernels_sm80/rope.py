@@ -27,6 +27,7 @@ from cutlass import Int64
 from ..layouts.dense import ELEM_BYTES, VEC, VEC_BYTES
 from .act_quant import _load16, _store_words
 from .ptx import add_rn, cvt_pack_x2, half_pair_to_f32, mul_rn
+from .tensors import cute_float16
 
 THREADS = 128
 
@@ -108,7 +109,7 @@ class RopeSm80:
 
 def compile_rope(is_bf16: bool, head_dim: int, options: str):
     """Compile ``RopeSm80`` for every batch, head count and length."""
-    dtype = cutlass.BFloat16 if is_bf16 else cutlass.Float16
+    dtype = cute_float16(is_bf16)
 
     def strided(rank):
         stride = tuple(cute.sym_int64(divisibility=VEC) for _ in range(rank - 1)) + (1,)

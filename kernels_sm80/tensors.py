@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import Int64
+
+from ..layouts.resources import L2_LINE_BYTES
+from .ptx import prefetch_l2
 
 
 def assume_aligned(t: cute.Tensor, align_bytes: int = 16) -> cute.Tensor:
@@ -70,3 +74,17 @@ def wait_for_previous_kernel(pdl: cutlass.Constexpr[bool]):
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def prefetch_run_l2(first: Int64, nbytes, tidx, threads):
+    """Ask L2 for the ``nbytes`` (a multiple of a line) from global address ``first``, the
+    lines spread over ``threads`` threads: the weights a kernel behind a programmatic launch
+    fetches before ``griddepcontrol.wait`` (they never depend on the previous kernel)."""
+    for line in cutlass.range(tidx, nbytes // L2_LINE_BYTES, threads, unroll=1):
+        prefetch_l2(first + Int64(line) * L2_LINE_BYTES)
+
+
+def cute_float16(is_bf16: bool):
+    """The CuTe DSL 16-bit float type of a kernel (bf16 or fp16)."""
+    return cutlass.BFloat16 if is_bf16 else cutlass.Float16

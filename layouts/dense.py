@@ -11,6 +11,5 @@ ELEM_BYTES = 2  # fp16 / bf16
 VEC = VEC_BYTES // ELEM_BYTES  # 16-bit values per load: channel counts and row strides are multiples
 GEMV_ROW_STEP = VEC * resources.WARP  # values of a weight row one warp-wide load covers: K is a multiple
 GEMV_MAX_TOKENS = 3  # rows of x the GEMV takes (more go to cuBLAS; kernels_sm80.dense says why)
-L2_LINE_BYTES = resources.L2_LINE_BYTES  # the GEMV's weight prefetch granularity
 
-__all__ = ["VEC_BYTES", "ELEM_BYTES", "VEC", "GEMV_ROW_STEP", "GEMV_MAX_TOKENS", "L2_LINE_BYTES"]
+__all__ = ["VEC_BYTES", "ELEM_BYTES", "VEC", "GEMV_ROW_STEP", "GEMV_MAX_TOKENS"]
