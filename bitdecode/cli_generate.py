@@ -272,24 +272,6 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{frac:.0%} (first divergence: {first})"
 
 
-def fuse_model(model, backend: str):
-    """``--fuse``: bitdecode.hf's fusions on ``model`` (in place; the cache-independent ones,
-    so the 16-bit baseline gets them too): (a line saying what was fused, the modeling
-    modules whose rotary embedding this call patched, for ``hf.restore_rope`` after).  A BitNet model's
-    norms and linears are bitdecode's already (``bd.bitnet.convert``): only its rotary
-    embedding is left to fuse."""
-    from . import hf
-
-    kernels = "reference" if backend == "reference" else "auto"
-    norms = hf.fuse_norms(model, kernels)
-    before = set(hf._ROPE_ORIGINALS)  # modules a caller patched already stay patched after
-    ropes = hf.fuse_rope(model, kernels)
-    groups = hf.fuse_projections(model, kernels)
-    line = (f"{norms} RMSNorms, the rotary embedding of {len(ropes)} modeling module(s), "
-            f"{groups} projection groups merged")
-    return line, sorted(set(ropes) - before)
-
-
 def prepare_run(console, args, command: str):
     """(device, backend) of a model-running subcommand (``generate``, ``eval``), with
     transformers imported and quiet; None after printing the error."""
@@ -334,11 +316,16 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     t_load = time.perf_counter() - t_load
-    fused, patched = fuse_model(model, backend) if args.fuse else (None, [])
-    try:
-        return _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, fused)
-    finally:
-        hf.restore_rope(patched)  # fuse_rope patches the modeling modules, not just this model
+    if not args.fuse:
+        return _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, None)
+    # the cache-independent fusions, for every row (the 16-bit baseline too); fuse_rope patches
+    # the modeling modules, so they are undone after.  A BitNet model's norms and linears are
+    # bitdecode's already (bd.bitnet.convert): only its rotary embedding is left to fuse.
+    kernels = "reference" if backend == "reference" else "auto"
+    with hf.fused(model, projections=kernels, backend=kernels) as done:
+        line = (f"{done['norms']} RMSNorms, the rotary embedding of {len(done['rope'])} modeling module(s), "
+                f"{done['projection_groups']} projection groups merged")
+        return _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, line)
 
 
 def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, fused) -> int:

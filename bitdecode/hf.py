@@ -34,6 +34,7 @@ collective; the ranks meet only in the model's own all-reduces (``tests/test_tp.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -538,6 +539,28 @@ def fuse_projections(model: torch.nn.Module, backend: str = "auto") -> int:
     return count
 
 
+@contextlib.contextmanager
+def fused(model: torch.nn.Module, norms: bool = True, rotary: bool = True, projections: Optional[str] = "auto",
+          backend: str = "auto"):
+    """``fuse_norms`` / ``fuse_rope`` / ``fuse_projections`` (``projections``: its backend,
+    None to skip) on ``model`` for a ``with`` block, undone after (the rotary embedding of
+    only the modeling modules this call patched).  ``backend``: the norms' and the rotary
+    embedding's.  Yields ``{"norms": n, "rope": modules, "projection_groups": n}``."""
+    before = set(_ROPE_ORIGINALS)
+    done = {"norms": fuse_norms(model, backend) if norms else 0,
+            "rope": fuse_rope(model, backend) if rotary else [],
+            "projection_groups": fuse_projections(model, projections) if projections else 0}
+    try:
+        yield done
+    finally:
+        if projections:
+            unfuse_projections(model)
+        if rotary:
+            restore_rope(set(done["rope"]) - before)
+        if norms:
+            unfuse_norms(model)
+
+
 def unfuse_projections(model: torch.nn.Module) -> int:
     """Put plain ``nn.Linear`` modules back in place of ``fuse_projections``' (their
     weights stay views of the merged storage: no copy) and the MLPs' own forward; returns
@@ -562,5 +585,5 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, bitdecode_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["BitDecodingCache", "BitDecodingLayer", "bitdecode_attention", "ATTN_IMPLEMENTATION", "FusedRMSNorm",
-           "fuse_norms", "unfuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope", "fuse_projections", "unfuse_projections", "ProjectionSlice",
+           "fuse_norms", "unfuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope", "fuse_projections", "unfuse_projections", "fused", "ProjectionSlice",
            "Projection", "PROJECTION_GROUPS", "SINGLE_PROJECTIONS"]

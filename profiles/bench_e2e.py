@@ -56,7 +56,6 @@ bound at all four contexts of the full sweep.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -450,32 +449,6 @@ def _size(n: int) -> str:
 # --------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def fused_layers(model, norms: bool, rotary: bool, projections=None):
-    """``bitdecode.hf.fuse_norms`` / ``fuse_rope`` / ``fuse_projections`` (``projections``:
-    its backend, or None) on the shared model for one configuration, undone after."""
-    if not (norms or rotary or projections):
-        yield
-        return
-    from bitdecode import hf
-
-    if norms:
-        hf.fuse_norms(model)
-    if rotary:
-        hf.fuse_rope(model)
-    if projections:
-        hf.fuse_projections(model, backend=projections)
-    try:
-        yield
-    finally:
-        if projections:
-            hf.unfuse_projections(model)
-        if rotary:
-            hf.restore_rope()
-        if norms:
-            hf.unfuse_norms(model)
-
-
 def evaluate_targets(rows: List[dict], meaningful: bool) -> dict:
     ok = [r for r in rows if r["status"] == "ok"]
 
@@ -671,8 +644,8 @@ def run(args) -> dict:
                 print(f"  B={b:<3d} N={n:<7d} {cfg['name']:<16s} {status}", flush=True)
                 continue
             try:
-                with fused_layers(model, cfg.get("fuse_norms", False), cfg.get("fuse_rope", False),
-                                  cfg.get("fuse_projections")):
+                with hf.fused(model, cfg.get("fuse_norms", False), cfg.get("fuse_rope", False),
+                              cfg.get("fuse_projections")):
                     new = run_config(cfg, model, ctx, data, args, device, backend)
                 for r in new:
                     r["need_estimate_bytes"] = need
