@@ -298,6 +298,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         if progress is not None:
             progress.advance(task)
     results = {
+        "command": f"bitdecode bench bitnet{' --quick' if quick else ''} --out {out_dir}",
         "device": props.name,
         "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
         "sms": props.multi_processor_count,
