@@ -45,7 +45,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out
+from .bitnet_ptx import (PIN_MAGIC, WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out,
+                         xor_words)
+from .ptx import prefetch_l2
 from .tensors import prefetch_run_l2
 
 MAX_WARPS = 16
@@ -87,9 +89,12 @@ class GemvConfig:
 
     unroll: int = 4
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
-    # programmatic dependent launch: the first batch of weight loads is issued while the
+    # programmatic dependent launch: the CTA's weight stripe is fetched to L2 while the
     # previous kernel drains; x is read (and out written) after griddepcontrol.wait
     pdl: bool = False
+    # with pdl: the first batch of weight loads also lands in registers before the wait
+    # (pays when the CTAs are resident early, i.e. one wave; costs 5-10 registers)
+    pin: bool = False
 
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x
@@ -126,6 +131,7 @@ class BitnetGemv:
         self.unroll = cfg.unroll
         self.raw = cfg.raw
         self.pdl = cfg.pdl
+        self.pin = cfg.pin and cfg.pdl
 
     @cute.jit
     def __call__(
@@ -211,6 +217,10 @@ class BitnetGemv:
                 wv.append(load_v4(w_lane + Int64(grps[u]) * fmt.GROUP_BYTES, True))
             if cutlass.const_expr(self.pdl):
                 if it == 0:
+                    if cutlass.const_expr(self.pin):
+                        # the weights in registers before the wait (see xor_words)
+                        if xor_words(wv) == Int32(PIN_MAGIC):
+                            prefetch_l2(w_lane)
                     cute.arch.griddepcontrol_wait()
             for u in cutlass.range_constexpr(self.unroll):
                 xv.append(load_v4(x_lane + Int64(grps[u]) * fmt.GROUP_K, False, self.pdl))

@@ -6,11 +6,16 @@ Why PDL.  At decode sizes (1.6 - 16 MB of packed weights) a GEMV is short next t
 fixed costs: launch, the first HBM round trip, the CTA-wide reduction and the drain.
 Back to back in a CUDA graph the sm80 kernel took 3.2 us for 1.6 MB and 7.7 us for
 16.4 MB on the H200.  With ``griddepcontrol`` the next kernel's CTAs start as ours
-retire, have L2 fetch their whole weight stripe and issue their first weight loads at once
-(the weights are static parameters), and only wait for the previous grid before reading
-``x`` (coherent loads: ptxas hoists read-only ones above the wait) and writing ``out``:
-2.4 us at 1.6 MB, 6.9 us at 16.4 MB before the stripe prefetch (bitnet.json; the 1.8 us
-recorded earlier came from x loads hoisted above the wait, a race).
+retire and have L2 fetch their whole weight stripe (the weights are static parameters),
+and only wait for the previous grid before reading ``x`` (coherent loads: ptxas hoists
+read-only ones above the wait) and writing ``out``: 2.4 us at 1.6 MB, 6.9 us at 16.4 MB
+before the stripe prefetch (bitnet.json; the 1.8 us recorded earlier came from x loads
+hoisted above the wait, a race).  The first batch of weight loads is written before the
+wait too, but ptxas sinks plain loads below it (an acquire allows that); ``pin`` keeps
+them above with a branch on their XOR, so the data is in registers when the wait returns.
+That pays when every CTA is resident from the start (one wave: 2560 x 2560 2.12 -> 1.87
+us, 2560 x 6912 3.41 -> 2.60) and costs with two waves (the second waits anyway, and the
+5-10 more registers can add a wave), so ``cost`` pins one-wave configurations only.
 
 Which unroll.  A warp issues all the loads of its batch (``unroll`` groups of 512 bytes
 per warp) before it computes, so the whole matrix is in flight at once only if every CTA
@@ -25,6 +30,11 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 A bulk-copy (``cp.async.bulk`` + mbarrier ring, persistent CTAs) variant was measured
 and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
+So was a fixed grid of at most half an SM walking the stripes (the next GEMV's CTAs fit
+beside it and bulk-prefetch all their stripes to L2 while it runs; next stripe's loads in
+flight during this one's arithmetic): 8.1 - 14 us at 20480 x 3200, 5.6 - 8.8 at 13824 x
+2560, and slower at every shape; each CTA's chain of stripes from L2 after the wait is
+longer than one more wave.
 """
 
 from __future__ import annotations
@@ -33,17 +43,23 @@ from ..kernels_sm80.bitnet_gemv import MAX_WARPS, BitnetGemv, GemvConfig, compil
 from ..layouts import bitnet as fmt
 from ..layouts.resources import ctas_per_sm
 
-# ptxas register counts of the PDL builds for sm_90a, by unroll (tests/test_bitnet.py)
-REGISTERS = {4: 66, 5: 71, 8: 88, 10: 118}
-CANDIDATES = tuple(GemvConfig(unroll=u, pdl=True) for u in REGISTERS)
+# ptxas register counts of the PDL builds for sm_90a, by (unroll, pin) (tests/test_bitnet.py)
+REGISTERS = {(4, False): 66, (5, False): 71, (8, False): 88, (10, False): 118,
+             (4, True): 76, (5, True): 76, (8, True): 80, (10, True): 118}
+CANDIDATES = tuple(GemvConfig(unroll=u, pdl=True, pin=p) for u, p in REGISTERS)
+
 
 def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
-    """(waves, batches per warp, padded group loads per stripe, -warps): smaller is faster."""
+    """(waves, unpinned, batches per warp, padded group loads per stripe, -warps): smaller
+    is faster.  Pinning pays when every CTA is resident in the first wave (H200: 2560 x
+    2560 2.12 -> 1.87 us, 2560 x 6912 3.41 -> 2.60) and costs when a second wave has to
+    wait for the first (20480 x 3200 6.54 -> 7.86 at unroll 5, two waves -> three), so it is
+    taken only with one wave."""
     groups = k // fmt.GROUP_K
     warps = warps_for(k, cfg.unroll)
     batches = -(-groups // (warps * cfg.unroll))
-    waves = -(-(n // fmt.TILE_N) // (sms * ctas_per_sm(REGISTERS[cfg.unroll], warps)))
-    return waves, batches, warps * cfg.unroll * batches - groups, -warps
+    waves = -(-(n // fmt.TILE_N) // (sms * ctas_per_sm(REGISTERS[cfg.unroll, cfg.pin], warps)))
+    return waves, cfg.pin == (waves > 1), batches, warps * cfg.unroll * batches - groups, -warps
 
 
 def config_for(n: int, k: int, sms: int) -> GemvConfig:

@@ -30,3 +30,22 @@ def spill_bytes(report: str) -> int:
     found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert found, "no ptxas resource usage lines in the report"
     return sum(int(a) + int(b) for a, b in found)
+
+
+def sass(report_dir) -> str | None:
+    """The SASS of the cubin ``report`` left in ``report_dir`` (nvdisasm from the PATH or
+    Triton's wheel), or None where no nvdisasm is installed."""
+    tool = shutil.which("nvdisasm")
+    if tool is None:
+        try:
+            import triton  # noqa: F401  (ships nvdisasm beside its ptxas)
+            from pathlib import Path
+
+            cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+            tool = str(cand) if cand.exists() else None
+        except ImportError:
+            tool = None
+    if tool is None:
+        return None
+    res = subprocess.run([tool, "-c", str(report_dir / "k.cubin")], capture_output=True, text=True)
+    return res.stdout if res.returncode == 0 else None

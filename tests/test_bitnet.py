@@ -516,11 +516,11 @@ def test_pdl_switch(monkeypatch):
     assert bn.pdl_enabled()
 
 
-@pytest.mark.parametrize("unroll", [4, 5, 8, 10])
-def test_sm90_gemv_compiles(unroll, tmp_path):
+@pytest.mark.parametrize("unroll,pin", [(4, False), (5, False), (8, False), (10, False), (4, True), (5, True)])
+def test_sm90_gemv_compiles(unroll, pin, tmp_path):
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
-    cfg = next(c for c in v90.CANDIDATES if c.unroll == unroll)
+    cfg = next(c for c in v90.CANDIDATES if c.unroll == unroll and c.pin == pin)
     ptx = _ptx(v90.compile_gemv(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
     assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx and "ld.global.nc.L1::no_allocate.v4.u32" in ptx
     # programmatic dependent launch: weights loaded before the wait, x after it
@@ -529,10 +529,17 @@ def test_sm90_gemv_compiles(unroll, tmp_path):
     assert ptx.index("ld.global.nc.L1::no_allocate.v4.u32") < wait
     assert "ld.global.nc.v4.u32" not in ptx[:wait]  # no activation load before the wait
     assert "prefetch.global.L2" in ptx[:wait]  # the CTA's weight stripe, fetched while the previous kernel drains
+    # pinned: the branch on the loaded words (xor, setp) sits before the wait
+    assert (ptx[:wait].count("xor.b32") >= 4 * unroll - 1) == pin
     # the occupancy model's register count is the one ptxas allocates, with no spills
     rep = ptxas.report(ptx, "sm_90a", tmp_path)
-    assert f"Used {v90.REGISTERS[unroll]} registers" in rep, rep[-2000:]
+    assert f"Used {v90.REGISTERS[unroll, pin]} registers" in rep, rep[-2000:]
     assert ptxas.spill_bytes(rep) == 0
+    sass = ptxas.sass(tmp_path)
+    if sass is not None:
+        # ptxas keeps the first batch of weight loads above the wait (ACQBULK) only if pinned
+        acq = sass.index("ACQBULK")
+        assert (sass[:acq].count("LDG.E.NA.128.CONSTANT") == unroll) == pin
 
 
 def test_sm90_gemv_config():
@@ -543,11 +550,15 @@ def test_sm90_gemv_config():
         return v90.config_for(n, k, 132).unroll
 
     # H200 measurements (profiles/NOTES.md): the model picks the fastest or within 5 %
-    assert unroll(2560, 2560) == 4  # one wave either way: the most warps, no padding
-    assert unroll(13824, 2560) == 5  # 4-warp CTAs, 7 an SM: one wave (unroll 4: two)
-    assert unroll(20480, 3200) == 5  # two waves, no padded loads (unroll 4: three)
-    assert unroll(3200, 10240) == 8  # 10-warp CTAs, 2 an SM (unroll 5: 16 warps, 1 an SM)
-    assert unroll(16384, 2560) == 10  # the only one-wave choice
+    def pick(n, k):
+        cfg = v90.config_for(n, k, 132)
+        return cfg.unroll, cfg.pin
+
+    assert pick(2560, 2560) == (4, True)  # one wave either way: the most warps, no padding, pinned
+    assert pick(2560, 6912) == (5, True)  # 11-warp CTAs, 2 an SM (unroll 4: 14 warps, 1 an SM, two waves)
+    assert pick(13824, 2560) == (10, True)  # 2-warp CTAs, 8 an SM: one wave (unroll 5 pinned: 6 an SM, two)
+    assert pick(20480, 3200) == (5, False)  # two waves at best: unpinned (pinned, unroll 5 takes three)
+    assert pick(3200, 10240) == (8, True)  # 10-warp CTAs, 2 an SM (unroll 5: 16 warps, 1 an SM)
     assert ctas_per_sm(72, 4) == 7 and ctas_per_sm(88, 3) == 6 and ctas_per_sm(72, 16) == 1
     for n, k in ((16, 128), (16, 40960), (1 << 20, 128)):
         cfg = v90.config_for(n, k, 132)
