@@ -45,7 +45,6 @@ from ..layouts import bitnet as fmt
 from ..layouts.bitnet import MMA_M, MMA_N
 from ..layouts.resources import ctas_per_sm
 from .bitnet_ptx import (
-    PIN_MAGIC,
     WARP,
     dp4a_ss,
     load_b32,
@@ -55,9 +54,7 @@ from .bitnet_ptx import (
     segment_scale,
     shr_and,
     store_out,
-    xor_words,
 )
-from .ptx import prefetch_l2
 from .tensors import prefetch_run_l2
 
 
@@ -80,12 +77,9 @@ class GemmConfig:
     registers: int = 64
     max_batches: int = 10
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
-    # programmatic dependent launch (sm_90+): the first batch of weight loads is issued
-    # while the previous kernel drains; activations are read, out written, after the wait
+    # programmatic dependent launch (sm_90+): the CTA's weights are fetched to L2 while the
+    # previous kernel drains; activations are read, out written, after the wait
     pdl: bool = False
-    # with pdl: the first batch of weight loads lands in registers before the wait
-    # (``bitnet_ptx.xor_words``), not only in L2
-    pin: bool = False
 
     @property
     def max_threads(self) -> int:
@@ -267,9 +261,8 @@ class BitnetGemm:
                 words.append(self.load_weights(grps[u], w_tile, w_offs))
             if cutlass.const_expr(cfg.pdl):
                 if it == 0:
-                    if cutlass.const_expr(cfg.pin):
-                        if xor_words(words) == Int32(PIN_MAGIC):
-                            prefetch_l2(w_tile[0])
+                    # (ptxas issues this batch's weight loads after the wait; pinning them
+                    # above it as the GEMV does measured 1.5x slower at M = 16 and 64)
                     cute.arch.griddepcontrol_wait()
             xs = [self.load_activations(grps[u], x_tok, x_offs) for u in range(cfg.unroll)]
             for u in cutlass.range_constexpr(cfg.unroll):

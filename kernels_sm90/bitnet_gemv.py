@@ -13,9 +13,10 @@ before the stripe prefetch (bitnet.json; the 1.8 us recorded earlier came from x
 hoisted above the wait, a race).  The first batch of weight loads is written before the
 wait too, but ptxas sinks plain loads below it (an acquire allows that); ``pin`` keeps
 them above with a branch on their XOR, so the data is in registers when the wait returns.
-That pays when every CTA is resident from the start (one wave: 2560 x 2560 2.12 -> 1.87
-us, 2560 x 6912 3.41 -> 2.60) and costs with two waves (the second waits anyway, and the
-5-10 more registers can add a wave), so ``cost`` pins one-wave configurations only.
+That pays when the next GEMV's CTAs are resident while ours run (one wave with room to
+spare: 2560 x 2560 2.12 -> 1.87 us, 2560 x 6912 3.41 -> 2.60) and costs otherwise (the
+5-10 more registers can add a wave; a full or second wave waits anyway), so ``cost`` pins
+only one-wave configurations that leave a quarter of the CTA slots free.
 
 Which unroll.  A warp issues all the loads of its batch (``unroll`` groups of 512 bytes
 per warp) before it computes, so the whole matrix is in flight at once only if every CTA
@@ -49,17 +50,25 @@ REGISTERS = {(4, False): 66, (5, False): 71, (8, False): 88, (10, False): 118,
 CANDIDATES = tuple(GemvConfig(unroll=u, pdl=True, pin=p) for u, p in REGISTERS)
 
 
+# Pinning pays only if the next kernel's CTAs find room beside ours from the start: one
+# wave that leaves at least this share of the SMs' CTA slots free.
+PIN_FREE_SLOTS = 0.25
+
+
 def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
-    """(waves, unpinned, batches per warp, padded group loads per stripe, -warps): smaller
-    is faster.  Pinning pays when every CTA is resident in the first wave (H200: 2560 x
-    2560 2.12 -> 1.87 us, 2560 x 6912 3.41 -> 2.60) and costs when a second wave has to
-    wait for the first (20480 x 3200 6.54 -> 7.86 at unroll 5, two waves -> three), so it is
-    taken only with one wave."""
+    """(waves, pinning where it does not pay, batches per warp, padded group loads per
+    stripe, -warps): smaller is faster.  Pinning pays when the next GEMV's CTAs are resident
+    early, i.e. one wave with room to spare (H200: 2560 x 2560 2.12 -> 1.87 us, 2560 x 6912
+    3.41 -> 2.60), and costs otherwise (13824 x 2560, a nearly full wave: 3.78 -> 3.96;
+    20480 x 3200, two waves: 6.54 -> 7.86 at unroll 5)."""
     groups = k // fmt.GROUP_K
     warps = warps_for(k, cfg.unroll)
     batches = -(-groups // (warps * cfg.unroll))
-    waves = -(-(n // fmt.TILE_N) // (sms * ctas_per_sm(REGISTERS[cfg.unroll, cfg.pin], warps)))
-    return waves, cfg.pin == (waves > 1), batches, warps * cfg.unroll * batches - groups, -warps
+    slots = sms * ctas_per_sm(REGISTERS[cfg.unroll, cfg.pin], warps)
+    stripes = n // fmt.TILE_N
+    waves = -(-stripes // slots)
+    pays = stripes <= (1 - PIN_FREE_SLOTS) * slots
+    return waves, cfg.pin != pays, batches, warps * cfg.unroll * batches - groups, -warps
 
 
 def config_for(n: int, k: int, sms: int) -> GemvConfig:
