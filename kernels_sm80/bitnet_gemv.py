@@ -93,7 +93,7 @@ class GemvConfig:
     # previous kernel drains; x is read (and out written) after griddepcontrol.wait
     pdl: bool = False
     # with pdl: the first batch of weight loads also lands in registers before the wait
-    # (pays when the CTAs are resident early, i.e. one wave; costs 5-10 registers)
+    # (pays when the CTAs are resident early, in one wave; ptxas's register count changes)
     pin: bool = False
 
 

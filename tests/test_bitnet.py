@@ -516,7 +516,7 @@ def test_pdl_switch(monkeypatch):
     assert bn.pdl_enabled()
 
 
-@pytest.mark.parametrize("unroll,pin", [(4, False), (5, False), (8, False), (10, False), (4, True), (5, True)])
+@pytest.mark.parametrize("unroll,pin", [(u, p) for p in (False, True) for u in (4, 5, 8, 10)])
 def test_sm90_gemv_compiles(unroll, pin, tmp_path):
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
@@ -546,9 +546,6 @@ def test_sm90_gemv_config():
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
     from bitdecode.layouts.resources import ctas_per_sm
 
-    def unroll(n, k):
-        return v90.config_for(n, k, 132).unroll
-
     # H200 measurements (profiles/NOTES.md): the model picks the fastest or within 5 %
     def pick(n, k):
         cfg = v90.config_for(n, k, 132)
@@ -559,6 +556,7 @@ def test_sm90_gemv_config():
     assert pick(13824, 2560) == (5, False)  # one nearly full wave: unpinned (pinned, unroll 5 takes two)
     assert pick(20480, 3200) == (5, False)  # two waves at best: unpinned (pinned, unroll 5 takes three)
     assert pick(3200, 10240) == (8, False)  # 10-warp CTAs, 2 an SM, 76 % full: unpinned
+    assert pick(16384, 2560) == (10, False)  # the only one-wave choice, 97 % full
     assert ctas_per_sm(72, 4) == 7 and ctas_per_sm(88, 3) == 6 and ctas_per_sm(72, 16) == 1
     for n, k in ((16, 128), (16, 40960), (1 << 20, 128)):
         cfg = v90.config_for(n, k, 132)
