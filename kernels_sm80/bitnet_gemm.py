@@ -261,9 +261,9 @@ class BitnetGemm:
                 words.append(self.load_weights(grps[u], w_tile, w_offs))
             if cutlass.const_expr(cfg.pdl):
                 if it == 0:
-                    # (ptxas issues this batch's weight loads after the wait; pinning them
-                    # above it as the GEMV does was slower on 13 of 16 shapes at M = 16
-                    # and 64 on the H200, by up to 1.5x: profiles/NOTES.md)
+                    # (ptxas issues this batch's weight loads after the wait; holding them
+                    # above it as the GEMV does, tensors.wait_holding, was slower on 13 of 16
+                    # shapes at M = 16 and 64 on the H200, by up to 1.5x: profiles/NOTES.md)
                     cute.arch.griddepcontrol_wait()
             xs = [self.load_activations(grps[u], x_tok, x_offs) for u in range(cfg.unroll)]
             for u in cutlass.range_constexpr(cfg.unroll):

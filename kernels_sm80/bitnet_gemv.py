@@ -45,10 +45,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import (PIN_MAGIC, WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out,
-                         xor_words)
-from .ptx import prefetch_l2
-from .tensors import prefetch_run_l2
+from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out
+from .tensors import prefetch_run_l2, wait_holding, xor_words
 
 MAX_WARPS = 16
 
@@ -218,10 +216,9 @@ class BitnetGemv:
             if cutlass.const_expr(self.pdl):
                 if it == 0:
                     if cutlass.const_expr(self.pin):
-                        # the weights in registers before the wait (see xor_words)
-                        if xor_words(wv) == Int32(PIN_MAGIC):
-                            prefetch_l2(w_lane)
-                    cute.arch.griddepcontrol_wait()
+                        wait_holding(xor_words(wv), w_lane)  # the weights in registers first
+                    else:
+                        cute.arch.griddepcontrol_wait()
             for u in cutlass.range_constexpr(self.unroll):
                 xv.append(load_v4(x_lane + Int64(grps[u]) * fmt.GROUP_K, False, self.pdl))
             for u in cutlass.range_constexpr(self.unroll):

@@ -56,27 +56,6 @@ def load_v4(addr: Int64, stream: bool, ordered: bool = False, *, loc=None, ip=No
     return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
-# Any value works (see ``xor_words``); this one is merely unlikely.
-PIN_MAGIC = 0x5A17C0DE
-
-
-def xor_words(words) -> Int32:
-    """XOR of every 32-bit word in ``words`` (nested lists / tuples of them).
-
-    What the BitNet kernels branch on right before ``griddepcontrol.wait`` to keep their
-    first batch of weight loads above it: an acquire lets ptxas sink plain loads below it
-    (on sm_90a it issued the GEMV's whole first batch after the wait), a branch on the
-    loaded values cannot be sunk below it.  The branch guards an L2 prefetch of a weight
-    line (side effects, no result), so whichever way it goes the results are the same.
-    """
-    if isinstance(words, (list, tuple)):
-        chk = Int32(0)
-        for w in words:
-            chk = chk ^ xor_words(w)
-        return chk
-    return words
-
-
 @dsl_user_op
 def load_b32(addr: Int64, stream: bool, *, loc=None, ip=None) -> Int32:
     """4-byte global load of read-only data (``stream``: read once, bypass L1)."""

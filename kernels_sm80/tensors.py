@@ -76,6 +76,33 @@ def wait_for_previous_kernel(pdl: cutlass.Constexpr[bool]):
         cute.arch.griddepcontrol_launch_dependents()
 
 
+# Any value works (see ``wait_holding``); this one is merely unlikely.
+PIN_MAGIC = 0x5A17C0DE
+
+
+def xor_words(words) -> cutlass.Int32:
+    """XOR of every 32-bit word in ``words`` (nested lists / tuples of them): what
+    ``wait_holding`` branches on."""
+    if isinstance(words, (list, tuple)):
+        chk = cutlass.Int32(0)
+        for w in words:
+            chk = chk ^ xor_words(w)
+        return chk
+    return words
+
+
+@cute.jit
+def wait_holding(chk: cutlass.Int32, addr: Int64):
+    """``griddepcontrol.wait`` with the loads that ``chk`` (their ``xor_words``) depends on
+    kept above it.  An acquire lets ptxas sink plain loads below it (on sm_90a it issued the
+    BitNet GEMV's whole first batch of weights after the wait); a branch on the loaded
+    values cannot be sunk without them.  The branch guards an L2 prefetch of ``addr`` (any
+    valid global address: side effects, no result), so either way the results are the same."""
+    if chk == cutlass.Int32(PIN_MAGIC):
+        prefetch_l2(addr)
+    cute.arch.griddepcontrol_wait()
+
+
 @cute.jit
 def prefetch_run_l2(first: Int64, nbytes, tidx, threads):
     """Ask L2 for the ``nbytes`` (a multiple of a line) from global address ``first``, the

@@ -12,11 +12,12 @@ read-only ones above the wait) and writing ``out``: 2.4 us at 1.6 MB, 6.9 us at 
 before the stripe prefetch (bitnet.json; the 1.8 us recorded earlier came from x loads
 hoisted above the wait, a race).  The first batch of weight loads is written before the
 wait too, but ptxas sinks plain loads below it (an acquire allows that); ``pin`` keeps
-them above with a branch on their XOR, so the data is in registers when the wait returns.
-That pays when the next GEMV's CTAs are resident while ours run (one wave with room to
-spare: 2560 x 2560 2.12 -> 1.87 us, 2560 x 6912 3.41 -> 2.60) and costs otherwise (the
-5-10 more registers can add a wave; a full or second wave waits anyway), so ``cost`` pins
-only one-wave configurations that leave a quarter of the CTA slots free.
+them above with a branch on their XOR (``kernels_sm80.tensors.wait_holding``), so the
+data is in registers when the wait returns.  That pays when the next GEMV's CTAs are
+resident while ours run (one wave with room to spare: 2560 x 2560 2.12 -> 1.87 us, 2560 x
+6912 3.41 -> 2.60) and costs otherwise (up to 10 more registers can add a wave; a full or
+second wave waits anyway), so ``cost`` pins only one-wave configurations that leave a
+quarter of the CTA slots free.
 
 Which unroll.  A warp issues all the loads of its batch (``unroll`` groups of 512 bytes
 per warp) before it computes, so the whole matrix is in flight at once only if every CTA
