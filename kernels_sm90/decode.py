@@ -72,6 +72,11 @@ SLAB = sm80.MMA_SHAPE[0]  # rows of one warp in an M-block
 # (the cap ``min_blocks_per_mp`` sets) and the producer warpgroup, which needs few, hands
 # the rest to the consumers.
 PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
+# With ``fold_k`` two producer warps also scale Q by K's per-channel scales for each stage:
+# they hold a k-block of Q, its 16 (scale, zero) words and the fp32 bias sum.
+SCALER_WARPS = 2
+SCALER_THREADS = SCALER_WARPS * resources.WARP
+SCALER_REGS = 56
 REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
 SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its CTAs may take
 
@@ -82,6 +87,12 @@ class Barrier:
     MAX = 1  # the per-warp maxima of a step are in shared memory
     P = 2  # P^T of a step is in shared memory (and the previous PV product is done)
     EPI = 3
+    Q = 4  # Q is in shared memory: the consumer arrives, the scalers (``fold_k``) wait
+
+
+def ncols_of(nh: int) -> int:
+    """Head columns one thread holds of a wgmma C fragment with ``nh`` columns."""
+    return 2 * (nh // 8)
 
 
 def default_ctas_per_sm(head_dim: int) -> int:
@@ -96,7 +107,7 @@ class DecodeSm90(PackedDecodeConfig):
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
-                 fold_v: bool = True, fp4: Optional[str] = None):
+                 fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -106,6 +117,18 @@ class DecodeSm90(PackedDecodeConfig):
         # the zero sums both grow like the zero point and cancel in O, which lost precision
         # over a 2^20-token split (H200: 0.0119 against a 0.0024 tolerance).
         self.fold_v = fold_v and group_size >= M_BLOCK
+        # K per channel with groups of >= 64 tokens (every 64-token M-block of S^T inside one
+        # group): K's scale goes into Q instead of into every K element,
+        #   S = (Q o s) . (code - center) + Q . (zero + center s)   (per head, per group),
+        # so the scores' wgmma takes K's exact centered codes (one lop3 and one exact fma per
+        # pair, no params in fragment order), against a Q o s copy per group of the tile; the
+        # per-head bias goes into the softmax's scaling fma.  Two producer warps (the
+        # scalers, ``scale_q``) build both for each stage as it lands, off the consumer's
+        # chain.  fp16 only: Q o s rounded to bf16 (8 bits) once per channel is shared by every
+        # token of the group (H200, eleventh session: 2x the bf16 tolerance).
+        self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and not self.is_bf16
+        self.q_copies = self.nr // group_size if self.fold_k else 0
+        self.k_center = 1 << (bits - 1) if self.fold_k else 0
         self.p_copies = self.groups_v if self.fold_v else 1
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
@@ -124,10 +147,13 @@ class DecodeSm90(PackedDecodeConfig):
         self.ctas_per_sm = ctas_per_sm or default_ctas_per_sm(head_dim)
         if num_stages == 0:
             # four stages measured best on the H200 (5 or 8 were slower at B=1; 3 no better)
-            num_stages = max(2, min(4, SMEM_BUDGET // self.ctas_per_sm // self.tx_bytes))
+            stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * 2
+            num_stages = max(2, min(4, SMEM_BUDGET // self.ctas_per_sm // stage_smem))
         self.num_stages = num_stages
         entry = REG_FILE // (self.ctas_per_sm * 2 * WG) // 8 * 8
         self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
+        if self.fold_k:
+            self.producer_regs = max(self.producer_regs, SCALER_REGS)
         self.consumer_regs = min(256, 2 * entry - self.producer_regs) // 8 * 8
         # the residual sub-tile (64 tokens of K and of V, 16-bit) reuses the K / V rings
         res_bytes = M_BLOCK * head_dim * 2
@@ -145,6 +171,10 @@ class DecodeSm90(PackedDecodeConfig):
                 sm90.make_packed_smem_layout(self.nr, 4 * self.wk, self.num_stages),
                 # V: one slot per V tile of a stage (two 4-bit tiles per 2-bit K tile in K2V4)
                 sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles))
+
+    def _qs_layout(self):
+        """``fold_k``: Q o s, one K-major wgmma B tile per (stage, K group of the tile)."""
+        return sm90.make_operand_smem_layout(self.dtype, self.nh, self.d, self.num_stages * self.q_copies)
 
     @property
     def red_slots(self) -> int:
@@ -167,7 +197,18 @@ class DecodeSm90(PackedDecodeConfig):
             sKs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_ks], 128]
             sVs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_vs], 128]
 
-        return Storage
+        if not self.fold_k:
+            return Storage
+        qs_layout = self._qs_layout()
+
+        @cute.struct
+        class FoldStorage:
+            base: Storage
+            qbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]  # the scalers' Q o s is ready
+            bias: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]
+            sQs: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(qs_layout)], 1024]
+
+        return FoldStorage
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
@@ -213,6 +254,20 @@ class DecodeSm90(PackedDecodeConfig):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
+        fold = None  # fold_k: (qready pipeline, Q o s tiles, bias) of every stage
+        if const_expr(self.fold_k):
+            qready = pipeline.PipelineAsync.create(
+                barrier_storage=storage.qbar.data_ptr(),
+                num_stages=self.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, SCALER_THREADS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPS),
+                defer_sync=True,  # the ring's create below syncs the CTA for both
+            )
+            qs_layout = self._qs_layout()
+            sQs = storage.sQs.get_tensor(qs_layout.outer, swizzle=qs_layout.inner)
+            sBias = storage.bias.get_tensor(cute.make_layout((self.nh, self.q_copies, self.num_stages)))
+            fold = (qready, sQs, sBias)
+            storage = storage.base
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,
@@ -234,11 +289,15 @@ class DecodeSm90(PackedDecodeConfig):
             if warp_idx == 0:
                 self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
                              batch, head_kv, tile_begin, packed_end)
+            if const_expr(self.fold_k):
+                if warp_idx >= 1 and warp_idx <= SCALER_WARPS:
+                    sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+                    self.scale_q(ring, fold, sQ, sKs, tid - cute.arch.WARP_SIZE, tile_begin, packed_end)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                          mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
-                         n_sink, n_sink + n_rest, softmax_scale_log2)
+                         n_sink, n_sink + n_rest, softmax_scale_log2, fold)
 
     # ---------------------------------------------------------------------------------
     # Producer: TMA of packed K / V rows, bulk copies of their params
@@ -278,12 +337,78 @@ class DecodeSm90(PackedDecodeConfig):
             state.advance()
 
     # ---------------------------------------------------------------------------------
+    # Scalers (fold_k): Q o s and the per-head bias of each stage, for the consumer
+    # ---------------------------------------------------------------------------------
+    def q_scaler_copy(self):
+        """The scalers' 16-byte shared-memory copy of Q's rows: thread ``t`` takes the 16
+        channels of k-block ``t % (d / 16)`` of head ``t // (d / 16)`` (so one head's threads
+        are adjacent lanes, reduced with butterfly shuffles).  Returns the copy and the
+        number of threads that take part."""
+        per_row = self.d // K_BLOCK
+        rows = min(SCALER_THREADS // per_row, self.nh)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=8 * sm80.CHUNK_BYTES)
+        copy = cute.make_tiled_copy_tv(atom, cute.make_layout((rows, per_row), stride=(per_row, 1)),
+                                       cute.make_layout((1, K_BLOCK)))
+        return copy, rows * per_row
+
+    @cute.jit
+    def scale_q(self, ring, fold, sQ, sKs, tid, tile_begin, packed_end):
+        """Scaler thread ``tid`` (< SCALER_THREADS): as each stage lands, for every K group
+        ``g`` of its tile, writes ``Q o s_g`` (16-bit, one rounding) to the stage's B tile of
+        that group and ``sum_d q_d (zero_d + center s_d)`` (fp32) to its bias slot, then
+        arrives on ``qready``.  The stage's params are read before the arrival and the
+        consumer releases the stage only after waiting for it, so the TMA cannot overwrite
+        them under the scalers."""
+        qready, sQs, sBias = fold
+        copy, used = self.q_scaler_copy()
+        center = Float32(self.k_center)
+        cute.arch.barrier(barrier_id=Barrier.Q, number_of_threads=WG + SCALER_THREADS)  # Q is in smem
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
+            ring.consumer_wait(state)  # waits only: the consumer warps release the stage
+            if tid < used:
+                thr = copy.get_slice(tid)
+                t_q = thr.partition_S(sQ)
+                t_c = thr.partition_S(cute.make_identity_tensor((self.nh, self.d)))
+                for r in cutlass.range_constexpr(cute.size(t_q, mode=[1])):
+                    head, col0 = t_c[0, r, 0]
+                    q = cute.make_fragment_like(t_q[None, r, 0])
+                    cute.autovec_copy(t_q[None, r, 0], q)
+                    q32 = cute.recast_tensor(q, Uint32)
+                    for g in cutlass.range_constexpr(self.q_copies):
+                        words = cute.make_rmem_tensor((K_BLOCK,), cutlass.Int32)
+                        src = cute.local_tile(sKs[None, state.index], (K_BLOCK,), (g * (self.d // K_BLOCK) + col0 // K_BLOCK,))
+                        cute.autovec_copy(src, words)
+                        qs = cute.make_fragment_like(q)
+                        qs32 = cute.recast_tensor(qs, Uint32)
+                        bias = Float32(0.0)
+                        for i in cutlass.range_constexpr(K_BLOCK // 2):
+                            # channels 2i, 2i + 1 of the k-block: fragment-order words p, p + 1
+                            p = sm80.param_position(0, i % 4, 2 * (i // 4))
+                            w0, w1 = Uint32(words[p]), Uint32(words[p + 1])
+                            s2, z2 = split_params(w0, w1)
+                            qs32[i] = ptx.fma_x2(q32[i], s2, Uint32(0), False)
+                            q_lo, q_hi = ptx.half_pair_to_f32(q32[i], False)
+                            s_lo, s_hi = ptx.half_pair_to_f32(s2, False)
+                            z_lo, z_hi = ptx.half_pair_to_f32(z2, False)
+                            bias += q_lo * (z_lo + center * s_lo) + q_hi * (z_hi + center * s_hi)
+                        for k in cutlass.range_constexpr((self.d // K_BLOCK).bit_length() - 1):
+                            bias += cute.arch.shuffle_sync_bfly(bias, 1 << k)
+                        if col0 == 0:
+                            sBias[head, g, state.index] = bias
+                        t_d = thr.partition_D(sQs[None, None, state.index * self.q_copies + g])
+                        cute.autovec_copy(qs, t_d[None, r, 0])
+            cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
+            qready.producer_commit(state)
+            state.advance()
+
+    # ---------------------------------------------------------------------------------
     # Consumer warpgroup
     # ---------------------------------------------------------------------------------
     @cute.jit
     def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                 mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, n_sink,
-                seqlen, scale_log2):
+                seqlen, scale_log2, fold=None):
         tid = cute.arch.thread_idx()[0] - WG
         warp = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
@@ -305,12 +430,19 @@ class DecodeSm90(PackedDecodeConfig):
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.bar(Barrier.P)
+        if const_expr(self.fold_k):
+            cute.arch.barrier_arrive(barrier_id=Barrier.Q, number_of_threads=WG + SCALER_THREADS)
 
         # both products are wgmma 64 x nh x 16 with A from registers: one partitioning serves
         # both (the MMA objects that issue them are made per product, see ``scores``)
         mma = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         thr_s = thr_o = mma.get_slice(tid)
         tSrQ = mma.make_fragment_B(thr_s.partition_B(sQ))
+        bias = None
+        if const_expr(self.fold_k):
+            qready, sQs, sBias = fold
+            tSrQs = mma.make_fragment_B(thr_s.partition_B(sQs))  # (MMA, N, K, stage x group)
+            bias = cute.make_rmem_tensor((ncols_of(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
@@ -319,7 +451,7 @@ class DecodeSm90(PackedDecodeConfig):
         # split), O drifted twice past the error of the reference with P in 16 bits
         acc_pv = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_pv.fill(0.0)
-        ncols = 2 * (self.nh // 8)  # head columns a thread holds
+        ncols = ncols_of(self.nh)
         row_max = cute.make_rmem_tensor((ncols,), Float32)
         row_sum = cute.make_rmem_tensor((ncols,), Float32)
         row_max.fill(-Float32.inf)
@@ -332,7 +464,8 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(self.fp4):
             dq_k = dq_v = E2M1Dequant(self.is_bf16)
         else:
-            dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16, self.v_center)
+            dq_k = WordDequant(self.bits, self.is_bf16, self.k_center)
+            dq_v = WordDequant(self.v_bits, self.is_bf16, self.v_center)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -348,15 +481,25 @@ class DecodeSm90(PackedDecodeConfig):
             vp = [sVp[None, None, state.index * self.v_tiles + i] for i in range(self.v_tiles)]
             ks = sKs[None, state.index]
             vs = sVs[None, state.index]
+            if const_expr(self.fold_k):
+                qready.consumer_wait(state)  # the scalers' Q o s of this stage
             for st in cutlass.range_constexpr(self.steps):
                 # the previous P V has landed: its V^T registers may be rewritten, its sum folded
                 warpgroup.wait_group(0)
                 self.fold(acc_o, acc_pv)
-                acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
+                if const_expr(self.fold_k):
+                    # M-block mb of the step is in K group g(mb): its scores take that group's Q o s
+                    g0 = (st * self.step) // self.group
+                    g1 = (st * self.step + (self.m_k - 1) * M_BLOCK) // self.group
+                    acc_s = self.scores(thr_s, k_frag, tSrQs[None, None, None, state.index * self.q_copies + g0],
+                                        tSrQs[None, None, None, state.index * self.q_copies + g1], g0 != g1)
+                    self.load_bias(bias, sBias, state.index, st, scale_log2, lane)
+                else:
+                    acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
                 self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, st * self.step,
-                                  lim, n_sink + tile * self.nr, zsum)
+                                  lim, n_sink + tile * self.nr, zsum, bias)
                 self.store_p(acc_s, sP, warp, lane, vs, st, zsum, self.fp4 is not None)
                 self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
@@ -449,12 +592,17 @@ class DecodeSm90(PackedDecodeConfig):
         for kt in cutlass.range_constexpr(self.d // K_BLOCK):
             j, kb = kt // self.kpw_k, kt % self.kpw_k
             for mb in cutlass.range_constexpr(self.m_k):
-                params = self.k_params(ks, bases[mb] + warp * SLAB, kt, lane, shared, bases[mb])
+                params = None  # fold_k: the exact centered codes; K's scale and zero are Q's
+                if const_expr(not self.fold_k):
+                    params = self.k_params(ks, bases[mb] + warp * SLAB, kt, lane, shared, bases[mb])
                 for h in cutlass.range_constexpr(2):
                     codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
                     for ch in cutlass.range_constexpr(2):
-                        s2, z2 = params[(h, ch)]
-                        frag32[(0, h, ch), mb, kt] = dq.scale(codes[2 * kb + ch], s2, z2)
+                        if const_expr(self.fold_k):
+                            frag32[(0, h, ch), mb, kt] = codes[2 * kb + ch]
+                        else:
+                            s2, z2 = params[(h, ch)]
+                            frag32[(0, h, ch), mb, kt] = dq.scale(codes[2 * kb + ch], s2, z2)
 
     @cute.jit
     def v_fragments(self, thr_o, vp, vs, st, dq, warp, lane):
@@ -519,18 +667,41 @@ class DecodeSm90(PackedDecodeConfig):
 
     # ---- products ------------------------------------------------------------------------
     @cute.jit
-    def scores(self, thr_s, k_frag, tSrQ):
+    def scores(self, thr_s, k_frag, tSrQ, tSrQ_last=None, per_block: cutlass.Constexpr[bool] = False):
+        """S^T = K Q^T of a step.  ``per_block`` (``fold_k`` with 64-token K groups): M-block
+        0 takes ``tSrQ`` and the last M-block ``tSrQ_last`` (at most two M-blocks a step)."""
         # a fresh tiled MMA per product: its ACCUMULATE field is state that must not
         # escape the loop body it is set in
         mma_s = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
-        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((M_BLOCK * cute.size(k_frag, mode=[1]), self.nh)),
-                                      Float32)
+        m_blocks = cute.size(k_frag, mode=[1])
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((M_BLOCK * m_blocks, self.nh)), Float32)
         warpgroup.fence()
-        for kt in cutlass.range_constexpr(self.d // K_BLOCK):
-            mma_s.set(warpgroup.Field.ACCUMULATE, kt != 0)
-            cute.gemm(mma_s, acc_s, k_frag[None, None, kt], tSrQ[None, None, kt], acc_s)
+        if const_expr(per_block):
+            a_g = cute.logical_divide(k_frag, (None, 1))
+            c_g = cute.logical_divide(acc_s, (None, 1))
+            for mb in cutlass.range_constexpr(m_blocks):
+                b = tSrQ if mb == 0 else tSrQ_last
+                for kt in cutlass.range_constexpr(self.d // K_BLOCK):
+                    mma_s.set(warpgroup.Field.ACCUMULATE, kt != 0)
+                    cute.gemm(mma_s, c_g[None, (None, mb), None], a_g[None, (None, mb), kt], b[None, None, kt],
+                              c_g[None, (None, mb), None])
+        else:
+            for kt in cutlass.range_constexpr(self.d // K_BLOCK):
+                mma_s.set(warpgroup.Field.ACCUMULATE, kt != 0)
+                cute.gemm(mma_s, acc_s, k_frag[None, None, kt], tSrQ[None, None, kt], acc_s)
         warpgroup.commit_group()
         return acc_s
+
+    @cute.jit
+    def load_bias(self, bias, sBias, stage, st, scale_log2, lane):
+        """``fold_k``: the scalers' per-head bias of each M-block's K group in step ``st``,
+        times the softmax's log2 scale, for this thread's head columns."""
+        c = lane % 4
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                for mb in cutlass.range_constexpr(self.m_k):
+                    g = (st * self.step + mb * M_BLOCK) // self.group
+                    bias[2 * nt + v0, mb] = sBias[8 * nt + 2 * c + v0, g, stage] * scale_log2
 
     @cute.jit
     def pv(self, v_frag, tOrP, acc_pv, per_group: cutlass.Constexpr[bool]):
@@ -569,11 +740,12 @@ class DecodeSm90(PackedDecodeConfig):
     # ---- softmax ------------------------------------------------------------------------
     @cute.jit
     def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0,
-                     lim=None, abs0=0, zsum=None):
+                     lim=None, abs0=0, zsum=None, bias=None):
         """Online softmax over one step's S^T (rows = tokens of all four warps).  Masks
         tokens ``>= valid`` (residual) when ``valid`` is given, and with ``lim``
         (``causal_limits``) tokens past a column's limit, at sequence position ``abs0 +
-        tok0 + row``."""
+        tok0 + row``.  ``bias`` (``fold_k``, already in log2 units): added per (head column,
+        M-block)."""
         c, g = lane % 4, lane // 4
         m_blocks = cute.size(acc_s, mode=[1])
         for nt in cutlass.range_constexpr(self.nh // 8):
@@ -582,6 +754,8 @@ class DecodeSm90(PackedDecodeConfig):
                 for mb in cutlass.range_constexpr(m_blocks):
                     for v1 in cutlass.range_constexpr(2):
                         x = acc_s[self.cv(v0, v1, nt), mb, 0] * scale_log2
+                        if const_expr(bias is not None):
+                            x = acc_s[self.cv(v0, v1, nt), mb, 0] * scale_log2 + bias[2 * nt + v0, mb]
                         if const_expr(valid is not None):
                             if tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g >= valid:
                                 x = -Float32.inf
