@@ -72,10 +72,8 @@ SLAB = sm80.MMA_SHAPE[0]  # rows of one warp in an M-block
 # (the cap ``min_blocks_per_mp`` sets) and the producer warpgroup, which needs few, hands
 # the rest to the consumers.
 PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
-# With ``fold_k`` two producer warps also scale Q by K's per-channel scales for each stage:
-# they hold a k-block of Q, its 16 (scale, zero) words and the fp32 bias sum.
-SCALER_WARPS = 2
-SCALER_THREADS = SCALER_WARPS * resources.WARP
+# With ``fold_k`` the producer warpgroup also scales Q by K's per-channel scales for each
+# stage (four (scale, zero) words, two Q pairs and two fp32 sums a thread)
 SCALER_REGS = 56
 REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
 SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its CTAs may take
@@ -88,6 +86,22 @@ class Barrier:
     P = 2  # P^T of a step is in shared memory (and the previous PV product is done)
     EPI = 3
     Q = 4  # Q is in shared memory: the consumer arrives, the scalers (``fold_k``) wait
+
+
+def seq_state(n, stages: int, producer: bool):
+    """The pipeline state of the ``n``-th use (from 0) of a ring of ``stages``: computed,
+    not carried, so a loop may skip uses (a producer's phase starts flipped)."""
+    phase = (n // stages) % 2
+    return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
+
+
+def pair_word(tile, row, col, value=None):
+    """The 32-bit word of elements ``(row, col)``, ``(row, col + 1)`` of a 16-bit smem tile
+    (``col`` even): read it, or with ``value`` write it."""
+    word = cute.recast_tensor(cute.local_tile(tile, (1, 2), (row, col // 2)), Uint32)
+    if value is None:
+        return Uint32(word[0])
+    word[0] = value
 
 
 def ncols_of(nh: int) -> int:
@@ -122,13 +136,17 @@ class DecodeSm90(PackedDecodeConfig):
         #   S = (Q o s) . (code - center) + Q . (zero + center s)   (per head, per group),
         # so the scores' wgmma takes K's exact centered codes (one lop3 and one exact fma per
         # pair, no params in fragment order), against a Q o s copy per group of the tile; the
-        # per-head bias goes into the softmax's scaling fma.  Two producer warps (the
-        # scalers, ``scale_q``) build both for each stage as it lands, off the consumer's
+        # per-head bias goes into the softmax's scaling fma.  The producer warpgroup
+        # (``produce_and_scale``) builds both for each stage as it lands, off the consumer's
         # chain.  fp16 only: Q o s rounded to bf16 (8 bits) once per channel is shared by every
         # token of the group (H200, eleventh session: 2x the bf16 tolerance).
         self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and not self.is_bf16
         self.q_copies = self.nr // group_size if self.fold_k else 0
         self.k_center = 1 << (bits - 1) if self.fold_k else 0
+        # the producer threads that scale one head (a quad of lanes per k-block), and the
+        # k-blocks each of them takes: (16, 1) at head dim 64, (32, 1) at 128, (32, 2) at 256
+        lanes = min(resources.WARP, head_dim // 4)
+        self.scale_lanes = (lanes, head_dim // 4 // lanes)
         self.p_copies = self.groups_v if self.fold_v else 1
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
@@ -259,7 +277,7 @@ class DecodeSm90(PackedDecodeConfig):
             qready = pipeline.PipelineAsync.create(
                 barrier_storage=storage.qbar.data_ptr(),
                 num_stages=self.num_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, SCALER_THREADS),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPS),
                 defer_sync=True,  # the ring's create below syncs the CTA for both
             )
@@ -286,13 +304,15 @@ class DecodeSm90(PackedDecodeConfig):
 
         if warp_idx < WARPS:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
-                             batch, head_kv, tile_begin, packed_end)
             if const_expr(self.fold_k):
-                if warp_idx >= 1 and warp_idx <= SCALER_WARPS:
-                    sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-                    self.scale_q(ring, fold, sQ, sKs, tid - cute.arch.WARP_SIZE, tile_begin, packed_end)
+                sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+                self.produce_and_scale(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
+                                       mBlockTable, batch, head_kv, tile_begin, packed_end,
+                                       mQ.shape[1] // mKr.shape[2], tid)
+            else:
+                if warp_idx == 0:
+                    self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
+                                 batch, head_kv, tile_begin, packed_end)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
@@ -302,105 +322,126 @@ class DecodeSm90(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     # Producer: TMA of packed K / V rows, bulk copies of their params
     # ---------------------------------------------------------------------------------
-    @cute.jit
-    def produce(self, ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
-                batch, head_kv, tile_begin, packed_end):
-        # (TMA values, stage) and (TMA values, row block, Hkv, P) / (TMA values, block, Hkv, P)
+    def tma_views(self, tma_k, mKt, sKp, tma_v, mVt, sVp):
+        """(smem, gmem) TMA partitions: (TMA values, stage) and (TMA values, row block, Hkv,
+        P) for K, (TMA values, block, Hkv, P) for V."""
         gK = cute.flat_divide(mKt, (self.nr, 2 * self.wk))[None, None, None, 0, None, None]
         gV = cute.flat_divide(mVt, (self.d, 2 * self.wv))[None, None, 0, 0, None, None, None]
         tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sKp, 0, 2),
                                          cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sVp, 0, 2),
                                          cute.group_modes(gV, 0, 2))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
-            page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0])
-            blk = off // self.nr
-            ring.producer_acquire(state)
-            bar = ring.producer_get_barrier(state)
-            cute.copy(tma_k, tKg[None, blk, head_kv, page], tKs[None, state.index], tma_bar_ptr=bar)
-            for i in cutlass.range_constexpr(self.v_tiles):
-                cute.copy(tma_v, tVg[None, off // self.v_tile + i, head_kv, page],
-                          tVs[None, state.index * self.v_tiles + i], tma_bar_ptr=bar)
-            with cute.arch.elect_one():
-                if const_expr(self.fp4):  # the tile's scale chunks are contiguous words
-                    ks_src = mKs[page, head_kv, off // self.nr, None, None].iterator
-                    vs_src = mVs[page, head_kv, off // self.v_tile, None, None, None].iterator
-                else:
-                    ks_first = mKs[page, head_kv, None, None]  # rows: groups of tokens (K per channel) or tokens
-                    ks_row = off // self.group if const_expr(self.k_channel) else off
-                    ks_src = ks_first.iterator + ks_row * ks_first.stride[0]
-                    vs_first = mVs[page, head_kv, None, None, None]
-                    vs_src = vs_first.iterator + (off // K_BLOCK) * vs_first.stride[0]  # a row per 16-token k-block
-                ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_src, 4 * self.words_ks, bar)
-                ptx90.bulk_g2s(sVs[None, state.index].iterator, vs_src, 4 * self.words_vs, bar)
-            state.advance()
+        return tKs, tKg, tVs, tVg
 
-    # ---------------------------------------------------------------------------------
-    # Scalers (fold_k): Q o s and the per-head bias of each stage, for the consumer
-    # ---------------------------------------------------------------------------------
-    def q_scaler_copy(self):
-        """The scalers' 16-byte shared-memory copy of Q's rows: thread ``t`` takes the 16
-        channels of k-block ``t % (d / 16)`` of head ``t // (d / 16)`` (so one head's threads
-        are adjacent lanes, reduced with butterfly shuffles).  Returns the copy and the
-        number of threads that take part."""
-        per_row = self.d // K_BLOCK
-        rows = min(SCALER_THREADS // per_row, self.nh)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=8 * sm80.CHUNK_BYTES)
-        copy = cute.make_tiled_copy_tv(atom, cute.make_layout((rows, per_row), stride=(per_row, 1)),
-                                       cute.make_layout((1, K_BLOCK)))
-        return copy, rows * per_row
+    def issue_tile(self, ring, state, tile, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
+                   head_kv):
+        """One warp: waits for stage ``state`` to be free, then loads packed tile ``tile``
+        into it (a TMA box of K rows, one per V tile, bulk copies of both params)."""
+        tKs, tKg, tVs, tVg = views
+        page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0])
+        blk = off // self.nr
+        ring.producer_acquire(state)
+        bar = ring.producer_get_barrier(state)
+        cute.copy(tma_k, tKg[None, blk, head_kv, page], tKs[None, state.index], tma_bar_ptr=bar)
+        for i in range(self.v_tiles):  # (a plain helper: unrolled by Python)
+            cute.copy(tma_v, tVg[None, off // self.v_tile + i, head_kv, page],
+                      tVs[None, state.index * self.v_tiles + i], tma_bar_ptr=bar)
+        with cute.arch.elect_one():
+            if const_expr(self.fp4):  # the tile's scale chunks are contiguous words
+                ks_src = mKs[page, head_kv, off // self.nr, None, None].iterator
+                vs_src = mVs[page, head_kv, off // self.v_tile, None, None, None].iterator
+            else:
+                ks_first = mKs[page, head_kv, None, None]  # rows: groups of tokens (K per channel) or tokens
+                ks_row = off // self.group if const_expr(self.k_channel) else off
+                ks_src = ks_first.iterator + ks_row * ks_first.stride[0]
+                vs_first = mVs[page, head_kv, None, None, None]
+                vs_src = vs_first.iterator + (off // K_BLOCK) * vs_first.stride[0]  # a row per 16-token k-block
+            ptx90.bulk_g2s(sKs[None, state.index].iterator, ks_src, 4 * self.words_ks, bar)
+            ptx90.bulk_g2s(sVs[None, state.index].iterator, vs_src, 4 * self.words_vs, bar)
 
     @cute.jit
-    def scale_q(self, ring, fold, sQ, sKs, tid, tile_begin, packed_end):
-        """Scaler thread ``tid`` (< SCALER_THREADS): as each stage lands, for every K group
-        ``g`` of its tile, writes ``Q o s_g`` (16-bit, one rounding) to the stage's B tile of
-        that group and ``sum_d q_d (zero_d + center s_d)`` (fp32) to its bias slot, then
-        arrives on ``qready``.  The stage's params are read before the arrival and the
-        consumer releases the stage only after waiting for it, so the TMA cannot overwrite
-        them under the scalers."""
-        qready, sQs, sBias = fold
-        copy, used = self.q_scaler_copy()
-        center = Float32(self.k_center)
-        cute.arch.barrier(barrier_id=Barrier.Q, number_of_threads=WG + SCALER_THREADS)  # Q is in smem
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    def produce(self, ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
+                batch, head_kv, tile_begin, packed_end):
+        """Warp 0 of the producer warpgroup: the split's tiles into the ring."""
+        views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for tile in cutlass.range(tile_begin, packed_end, unroll=1):
-            ring.consumer_wait(state)  # waits only: the consumer warps release the stage
-            if tid < used:
-                thr = copy.get_slice(tid)
-                t_q = thr.partition_S(sQ)
-                t_c = thr.partition_S(cute.make_identity_tensor((self.nh, self.d)))
-                for r in cutlass.range_constexpr(cute.size(t_q, mode=[1])):
-                    head, col0 = t_c[0, r, 0]
-                    q = cute.make_fragment_like(t_q[None, r, 0])
-                    cute.autovec_copy(t_q[None, r, 0], q)
-                    q32 = cute.recast_tensor(q, Uint32)
-                    for g in cutlass.range_constexpr(self.q_copies):
-                        words = cute.make_rmem_tensor((K_BLOCK,), cutlass.Int32)
-                        src = cute.local_tile(sKs[None, state.index], (K_BLOCK,), (g * (self.d // K_BLOCK) + col0 // K_BLOCK,))
-                        cute.autovec_copy(src, words)
-                        qs = cute.make_fragment_like(q)
-                        qs32 = cute.recast_tensor(qs, Uint32)
-                        bias = Float32(0.0)
-                        for i in cutlass.range_constexpr(K_BLOCK // 2):
-                            # channels 2i, 2i + 1 of the k-block: fragment-order words p, p + 1
-                            p = sm80.param_position(0, i % 4, 2 * (i // 4))
-                            w0, w1 = Uint32(words[p]), Uint32(words[p + 1])
+            self.issue_tile(ring, state, tile, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
+                            head_kv)
+            state.advance()
+
+    # ---------------------------------------------------------------------------------
+    # Producer with fold_k: the ring, and Q o s and the per-head bias of each stage
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def produce_and_scale(self, ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
+                          mBlockTable, batch, head_kv, tile_begin, packed_end, gq, tid):
+        """The whole producer warpgroup (``tid`` < 128).  Iteration ``it``: warp 0 loads tile
+        ``it`` into the ring; then all four warps scale tile ``it - (stages - 1)``, which has
+        had ``stages - 1`` iterations to land, so the loads run as far ahead as without the
+        scaling.  Four warps, one per SM sub-partition, share it evenly: on two warps (one
+        k-block of a head each) the decode measured 3-5 % slower than without the fold,
+        their sub-partitions' consumer warps held back at every barrier of the warpgroup."""
+        views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
+        warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
+        lag = self.num_stages - 1
+        cute.arch.barrier(barrier_id=Barrier.Q, number_of_threads=2 * WG)  # the consumers put Q in smem
+        for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
+            if warp == 0:
+                if it < packed_end:
+                    self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,
+                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv)
+            if it >= tile_begin + lag:
+                state = seq_state(it - lag - tile_begin, self.num_stages, False)
+                ring.consumer_wait(state)  # waits only: the consumer warps release the stage
+                self.scale_stage(fold, sQ, sKs, state.index, gq, tid)
+                cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
+                fold[0].producer_commit(state)
+
+    @cute.jit
+    def scale_stage(self, fold, sQ, sKs, stage, gq, tid):
+        """Q o s_g and sum_d q_d (zero_d + center s_d) of every K group ``g`` of the tile in
+        ``stage``.  Thread ``tid``: quad lane ``c`` of k-block ``kt`` of one head, i.e. the
+        four fragment-order (scale, zero) words ``16 kt + 4 c ..`` (channels ``16 kt + 2 c,
+        + 1, + 8, + 9``) and those channels of Q; a head's threads are adjacent lanes of one
+        warp (two heads a warp at head dim 64, two k-blocks a thread at 256), reduced with
+        butterfly shuffles.  Rows of padding heads (>= gq) are skipped a warp at a time:
+        their Q o s rows stay zero and so do their biases."""
+        _, sQs, sBias = fold
+        lane = tid % cute.arch.WARP_SIZE
+        center = Float32(self.k_center)
+        for ps in cutlass.range_constexpr(self.nh // (WG // self.scale_lanes[0])):
+            head = ps * (WG // self.scale_lanes[0]) + tid // self.scale_lanes[0]
+            # the first head of this warp: padding heads are skipped a whole warp at a time
+            first = ps * (WG // self.scale_lanes[0]) + (tid // cute.arch.WARP_SIZE) * (
+                cute.arch.WARP_SIZE // self.scale_lanes[0])
+            if first < gq:
+                for g in cutlass.range_constexpr(self.q_copies):
+                    zsum = Float32(0.0)
+                    ssum = Float32(0.0)
+                    for i in cutlass.range_constexpr(self.scale_lanes[1]):
+                        kt = (tid % self.scale_lanes[0]) // 4 + i * (self.scale_lanes[0] // 4)
+                        c = lane % 4
+                        words = cute.make_rmem_tensor((4,), cutlass.Int32)
+                        cute.autovec_copy(cute.local_tile(sKs[None, stage], (4,), ((g * self.d) // 4 + 4 * kt + c,)),
+                                          words)
+                        for half in cutlass.range_constexpr(2):  # channels 2c, 2c+1 and 2c+8, 2c+9
+                            col = 16 * kt + 2 * c + 8 * half
+                            q2 = pair_word(sQ, head, col)
+                            w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
                             s2, z2 = split_params(w0, w1)
-                            qs32[i] = ptx.fma_x2(q32[i], s2, Uint32(0), False)
-                            q_lo, q_hi = ptx.half_pair_to_f32(q32[i], False)
+                            pair_word(sQs[None, None, stage * self.q_copies + g], head, col,
+                                      ptx.fma_x2(q2, s2, Uint32(0), False))
+                            q_lo, q_hi = ptx.half_pair_to_f32(q2, False)
                             s_lo, s_hi = ptx.half_pair_to_f32(s2, False)
                             z_lo, z_hi = ptx.half_pair_to_f32(z2, False)
-                            bias += q_lo * (z_lo + center * s_lo) + q_hi * (z_hi + center * s_hi)
-                        for k in cutlass.range_constexpr((self.d // K_BLOCK).bit_length() - 1):
-                            bias += cute.arch.shuffle_sync_bfly(bias, 1 << k)
-                        if col0 == 0:
-                            sBias[head, g, state.index] = bias
-                        t_d = thr.partition_D(sQs[None, None, state.index * self.q_copies + g])
-                        cute.autovec_copy(qs, t_d[None, r, 0])
-            cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
-            qready.producer_commit(state)
-            state.advance()
+                            zsum += q_lo * z_lo + q_hi * z_hi
+                            ssum += q_lo * s_lo + q_hi * s_hi
+                    bias = zsum + center * ssum
+                    for k in cutlass.range_constexpr(self.scale_lanes[0].bit_length() - 1):
+                        bias += cute.arch.shuffle_sync_bfly(bias, 1 << k)
+                    if tid % self.scale_lanes[0] == 0:
+                        sBias[head, g, stage] = bias
 
     # ---------------------------------------------------------------------------------
     # Consumer warpgroup
@@ -431,7 +472,7 @@ class DecodeSm90(PackedDecodeConfig):
         cute.arch.fence_proxy("async.shared", space="cta")
         self.bar(Barrier.P)
         if const_expr(self.fold_k):
-            cute.arch.barrier_arrive(barrier_id=Barrier.Q, number_of_threads=WG + SCALER_THREADS)
+            cute.arch.barrier_arrive(barrier_id=Barrier.Q, number_of_threads=2 * WG)
 
         # both products are wgmma 64 x nh x 16 with A from registers: one partitioning serves
         # both (the MMA objects that issue them are made per product, see ``scores``)
