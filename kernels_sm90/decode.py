@@ -13,6 +13,9 @@ One CTA = (split, KV head, sequence), two warpgroups with fixed roles:
       S^T = K . Q^T    A = K   (64 tokens x 16 channels per wgmma, registers), B = Q  (smem)
       O^T = V^T . P^T  A = V^T (64 channels x 16 tokens, registers),           B = P  (smem)
 
+  With K per channel in groups of at least 64 tokens (``fold_k``, fp16) K holds its exact
+  (centered) codes and Q carries K's scale: the producer warpgroup writes Q o s and the
+  per-head bias Q . (zero + center s) of each K group into the stage (``scale_stage``).
   With V groups of at least 64 channels (``fold_v``) V^T holds V's exact (centered)
   codes and P^T carries V's per-token scale, one P^T copy per V group, while V's zero
   points reach O through per-head sums of P times zero: V costs one lop3 and one exact fma
@@ -98,10 +101,15 @@ def seq_state(n, stages: int, producer: bool):
 def pair_word(tile, row, col, value=None):
     """The 32-bit word of elements ``(row, col)``, ``(row, col + 1)`` of a 16-bit smem tile
     (``col`` even): read it, or with ``value`` write it."""
-    word = cute.recast_tensor(cute.local_tile(tile, (1, 2), (row, col // 2)), Uint32)
+    pair = cute.make_rmem_tensor((2,), tile.element_type)
+    word = cute.recast_tensor(pair, Uint32)
     if value is None:
+        pair[0] = tile[row, col]
+        pair[1] = tile[row, col + 1]
         return Uint32(word[0])
     word[0] = value
+    tile[row, col] = pair[0]
+    tile[row, col + 1] = pair[1]
 
 
 def ncols_of(nh: int) -> int:
@@ -384,7 +392,15 @@ class DecodeSm90(PackedDecodeConfig):
         their sub-partitions' consumer warps held back at every barrier of the warpgroup."""
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
         warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
-        lag = self.num_stages - 1
+        # scaling tile j waits (through warp 0's acquire of tile j + lag) for the consumer to
+        # release tile j + lag - stages: with lag = stages - 2 that is j - 2, so tile j is
+        # scaled while the consumer works on j - 1 (with stages - 1 it waited for j - 1 and
+        # the scaling sat on the consumer's critical path)
+        lag = max(1, self.num_stages - 2)
+        _, sQs, _ = fold
+        sQs_flat = cute.make_tensor(sQs.iterator, cute.make_layout(cute.cosize(sQs.layout)))
+        for i in cutlass.range(tid, cute.cosize(sQs.layout), WG, unroll=1):
+            sQs_flat[i] = self.dtype(0.0)  # padding heads' rows stay zero (scale_stage skips them)
         cute.arch.barrier(barrier_id=Barrier.Q, number_of_threads=2 * WG)  # the consumers put Q in smem
         for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
             if warp == 0:

@@ -454,3 +454,25 @@ def test_dense_ptx(arch, tmp_path):
         ptx = compile_norm_quant(True, ACT_EPS, 1e-5, opts, quantize=False, pdl=True).artifacts.PTX
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
         assert "ld.global.nc" not in ptx, "the norm reads x through the non-coherent path"
+
+
+def test_sm90_fold_k_config():
+    """K's per-channel scale goes into Q (``fold_k``) where every 64-token M-block lies in
+    one K group and the dtype is fp16 (bf16's once-per-channel rounding of Q o s measured
+    2x its tolerance); one Q o s tile per K group of a packed tile; the producer warpgroup,
+    which builds them, keeps more registers."""
+    from bitdecode.kernels_sm90.decode import PRODUCER_REGS, SCALER_REGS, DecodeSm90
+
+    f16, bf16 = cutlass.Float16, cutlass.BFloat16
+    k = DecodeSm90(f16, 4, "channel", 128, 128, 8, True)
+    assert k.fold_k and k.q_copies == 1 and k.k_center == 8
+    assert k.producer_regs == SCALER_REGS > PRODUCER_REGS[2] and k.consumer_regs == 2 * 128 - SCALER_REGS
+    two = DecodeSm90(f16, 2, "channel", 64, 128, 16, True)  # 256-token tiles: four K groups
+    assert two.fold_k and two.q_copies == 4 and two.k_center == 2
+    assert DecodeSm90(f16, 4, "channel", 128, 256, 8, False).scale_lanes == (32, 2)
+    assert DecodeSm90(f16, 4, "channel", 64, 64, 16, True).scale_lanes == (16, 1)
+    for off in (DecodeSm90(bf16, 4, "channel", 128, 128, 8, True),  # bf16
+                DecodeSm90(f16, 4, "token", 64, 128, 8, True),  # K per token
+                DecodeSm90(f16, 4, "channel", 32, 128, 8, True),  # groups inside an M-block
+                DecodeSm90(f16, 4, "channel", 128, 128, 8, True, fold_k=False)):
+        assert not off.fold_k and off.q_copies == 0 and off.producer_regs == PRODUCER_REGS[2]
