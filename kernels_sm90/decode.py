@@ -385,11 +385,11 @@ class DecodeSm90(PackedDecodeConfig):
     def produce_and_scale(self, ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
                           mBlockTable, batch, head_kv, tile_begin, packed_end, gq, tid):
         """The whole producer warpgroup (``tid`` < 128).  Iteration ``it``: warp 0 loads tile
-        ``it`` into the ring; then all four warps scale tile ``it - (stages - 1)``, which has
-        had ``stages - 1`` iterations to land, so the loads run as far ahead as without the
-        scaling.  Four warps, one per SM sub-partition, share it evenly: on two warps (one
-        k-block of a head each) the decode measured 3-5 % slower than without the fold,
-        their sub-partitions' consumer warps held back at every barrier of the warpgroup."""
+        ``it`` into the ring; then all four warps scale tile ``it - lag``, which has had
+        ``lag`` iterations to land.  Four warps, one per SM sub-partition, share the scaling
+        evenly: on two warps (one k-block of a head each) the decode measured 3-5 % slower
+        than without the fold, their sub-partitions' consumer warps held back at every
+        barrier of the warpgroup (H200, profiles/NOTES.md, thirteenth session)."""
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
         warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
         # scaling tile j waits (through warp 0's acquire of tile j + lag) for the consumer to
