@@ -48,14 +48,20 @@ class WordDequant:
     def codes(self, word, pairs: Iterable[int]) -> Dict[int, Uint32]:
         """Exact half2 codes of the requested element pairs of ``word``."""
         shifted: Dict[int, Uint32] = {}
-        out: Dict[int, Uint32] = {}
-        for p in pairs:
-            step = self.steps[p]
-            if step.shift not in shifted:
-                shifted[step.shift] = word if step.shift == 0 else word >> step.shift
-            t = ptx.lop3_and_or(shifted[step.shift], step.mask, step.magic)
-            out[p] = ptx.fma_x2_imm(t, self.fix_mul[p], self.fix_add[p], self.is_bf16)
-        return out
+        return {p: ptx.fma_x2_imm(self._lop3(word, p, shifted), self.fix_mul[p], self.fix_add[p], self.is_bf16)
+                for p in pairs}
+
+    def raw(self, word, pairs: Iterable[int]) -> Dict[int, Uint32]:
+        """The lop3 halves of the requested pairs, ``magic + code * mult`` (exact), for a
+        consumer that folds the fix-up into the other operand of its product."""
+        shifted: Dict[int, Uint32] = {}
+        return {p: self._lop3(word, p, shifted) for p in pairs}
+
+    def _lop3(self, word, p: int, shifted: Dict[int, Uint32]) -> Uint32:
+        step = self.steps[p]
+        if step.shift not in shifted:  # one shift per distinct amount, shared by its pairs
+            shifted[step.shift] = word if step.shift == 0 else word >> step.shift
+        return ptx.lop3_and_or(shifted[step.shift], step.mask, step.magic)
 
     def scale(self, code2, scale2, zero2):
         """``code * scale + zero`` on a half2 pair, one rounding."""

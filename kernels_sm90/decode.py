@@ -58,10 +58,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..kernels_sm80 import ptx
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
-from ..kernels_sm80.dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
+from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
+                                    split_params)
 from ..kernels_sm80.reduce import across_rows
 from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
 from ..layouts import resources, sm80, sm90, sm100
+from ..layouts import packing
 from ..layouts.packing import LN_2
 from . import ptx90
 
@@ -151,6 +153,15 @@ class DecodeSm90(PackedDecodeConfig):
         self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and not self.is_bf16
         self.q_copies = self.nr // group_size if self.fold_k else 0
         self.k_center = 1 << (bits - 1) if self.fold_k else 0
+        # ... and with 4-bit K not even the exact fix-up: the scores take the lop3 halves
+        # t = 1024 + code * mult themselves (mult 1 for a fragment's columns 2c, 2c + 1, 16
+        # for 2c + 8, 2c + 9), Q o s / mult is the B tile, and the offset goes into the bias:
+        #   S = sum (Q o s / mult) t - sum (Q o s / mult)(1024 + center mult) + Q . (zero + center s)
+        # (2-bit words spread a column half over five multipliers: they keep the fix-up)
+        steps = packing.dequant_steps(bits, "fp16")
+        self.raw_k = self.fold_k and all(st.mult == steps[st.pair % 2].mult for st in steps)
+        self.k_mult = tuple(steps[ch].mult for ch in range(2)) if self.raw_k else (1, 1)
+        self.k_offset = packing.MAGIC_VALUE["fp16"]
         # the producer threads that scale one head (a quad of lanes per k-block), and the
         # k-blocks each of them takes: (16, 1) at head dim 64, (32, 1) at 128, (32, 2) at 256
         lanes = min(resources.WARP, head_dim // 4)
@@ -435,6 +446,7 @@ class DecodeSm90(PackedDecodeConfig):
                 for g in cutlass.range_constexpr(self.q_copies):
                     zsum = Float32(0.0)
                     ssum = Float32(0.0)
+                    osum = Float32(0.0)  # raw_k: sum of B-tile values times their code offset
                     for i in cutlass.range_constexpr(self.scale_lanes[1]):
                         kt = (tid % self.scale_lanes[0]) // 4 + i * (self.scale_lanes[0] // 4)
                         c = lane % 4
@@ -446,14 +458,19 @@ class DecodeSm90(PackedDecodeConfig):
                             q2 = pair_word(sQ, head, col)
                             w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
                             s2, z2 = split_params(w0, w1)
-                            pair_word(sQs[None, None, stage * self.q_copies + g], head, col,
-                                      ptx.fma_x2(q2, s2, Uint32(0), False))
+                            qs2 = ptx.fma_x2(q2, s2, Uint32(0), False)
+                            if const_expr(self.k_mult[half] != 1):  # exact: a power of two
+                                qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / self.k_mult[half], False), 0, False)
+                            pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
+                            if const_expr(self.raw_k):
+                                r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
+                                osum += (r_lo + r_hi) * Float32(self.k_offset + self.k_center * self.k_mult[half])
                             q_lo, q_hi = ptx.half_pair_to_f32(q2, False)
                             s_lo, s_hi = ptx.half_pair_to_f32(s2, False)
                             z_lo, z_hi = ptx.half_pair_to_f32(z2, False)
                             zsum += q_lo * z_lo + q_hi * z_hi
                             ssum += q_lo * s_lo + q_hi * s_hi
-                    bias = zsum + center * ssum
+                    bias = zsum + center * ssum - osum
                     for k in cutlass.range_constexpr(self.scale_lanes[0].bit_length() - 1):
                         bias += cute.arch.shuffle_sync_bfly(bias, 1 << k)
                     if tid % self.scale_lanes[0] == 0:
@@ -653,7 +670,10 @@ class DecodeSm90(PackedDecodeConfig):
                 if const_expr(not self.fold_k):
                     params = self.k_params(ks, bases[mb] + warp * SLAB, kt, lane, shared, bases[mb])
                 for h in cutlass.range_constexpr(2):
-                    codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
+                    if const_expr(self.raw_k):  # the lop3 halves; the fix-up is Q's and the bias's
+                        codes = dq.raw(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
+                    else:
+                        codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
                     for ch in cutlass.range_constexpr(2):
                         if const_expr(self.fold_k):
                             frag32[(0, h, ch), mb, kt] = codes[2 * kb + ch]
