@@ -78,7 +78,7 @@ SLAB = sm80.MMA_SHAPE[0]  # rows of one warp in an M-block
 # the rest to the consumers.
 PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
 # With ``fold_k`` the producer warpgroup also scales Q by K's per-channel scales for each
-# stage (four (scale, zero) words, two Q pairs and two fp32 sums a thread)
+# stage (four (scale, zero) words, two Q pairs and three fp32 sums a thread)
 SCALER_REGS = 56
 REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
 SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its CTAs may take
@@ -428,7 +428,8 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def scale_stage(self, fold, sQ, sKs, stage, gq, tid):
         """Q o s_g and sum_d q_d (zero_d + center s_d) of every K group ``g`` of the tile in
-        ``stage``.  Thread ``tid``: quad lane ``c`` of k-block ``kt`` of one head, i.e. the
+        ``stage`` (``raw_k``: the B tile is Q o s_g / mult and the bias takes minus its
+        values times their code offsets, magic + center mult).  Thread ``tid``: quad lane ``c`` of k-block ``kt`` of one head, i.e. the
         four fragment-order (scale, zero) words ``16 kt + 4 c ..`` (channels ``16 kt + 2 c,
         + 1, + 8, + 9``) and those channels of Q; a head's threads are adjacent lanes of one
         warp (two heads a warp at head dim 64, two k-blocks a thread at 256), reduced with
