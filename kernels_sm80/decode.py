@@ -134,7 +134,7 @@ class PackedDecodeConfig:
         last token its query token may see; None for one query token."""
         lim = None
         if const_expr(self.tq > 1):
-            lim = cute.make_rmem_tensor((2 * (self.nh // 8),), cutlass.Int32)
+            lim = cute.make_rmem_tensor((sm80.head_columns(self.nh),), cutlass.Int32)
             heads = rows_per_kv_head // self.tq  # query heads per KV head
             for nt in cutlass.range_constexpr(self.nh // 8):
                 for v0 in cutlass.range_constexpr(2):
@@ -283,8 +283,8 @@ class DecodeSm80(PackedDecodeConfig):
 
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.d, self.nh)), Float32)
         acc_o.fill(0.0)
-        row_max = cute.make_rmem_tensor((2 * (self.nh // 8),), Float32)
-        row_sum = cute.make_rmem_tensor((2 * (self.nh // 8),), Float32)
+        row_max = cute.make_rmem_tensor((sm80.head_columns(self.nh),), Float32)
+        row_sum = cute.make_rmem_tensor((sm80.head_columns(self.nh),), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
 

@@ -36,6 +36,8 @@ dtype, then the product of two 16-bit values (exact in fp32) rounded.
 
 from __future__ import annotations
 
+import operator
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -46,6 +48,7 @@ from ..layouts.resources import L2_LINE_BYTES as LINE_BYTES
 from .act_quant import _load16, _store_words
 from .bitnet_ptx import WARP, load_v4
 from .ptx import cvt_pack_x2, div_rn, half_pair_to_f32, mul_rn, prefetch_l2
+from .reduce import across_lanes
 from .tensors import cute_float16, wait_for_previous_kernel
 
 GEMV_WARPS = 4  # warps per CTA
@@ -139,9 +142,7 @@ class GemvSm80:
             if cutlass.const_expr(mB is not None):
                 bias = mB[cutlass.min(row, n - 1)].to(Float32)
             for i in cutlass.range_constexpr(self.tokens):
-                s = acc[i]
-                for b in cutlass.range_constexpr(5):
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << b)
+                s = across_lanes(acc[i], WARP, operator.add)
                 if lane == 0:
                     if row < n:
                         mY[i, row] = mY.element_type(s + bias)

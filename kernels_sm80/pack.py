@@ -447,7 +447,7 @@ class PackSm80:
                     # lanes with the same quad lane share columns
                     mn2, mx2 = self.pair_reduce(mins[(kt, p)], maxs[(kt, p)], (4, 8, 16))
                     if g == 0:
-                        col = 16 * kt + 2 * c + 8 * p
+                        col = sm80.fragment_column(kt, c, p)
                         s_red[(2 * seg_idx) * self.d + col] = self.low(mn2)
                         s_red[(2 * seg_idx) * self.d + col + 1] = self.high(mn2)
                         s_red[(2 * seg_idx + 1) * self.d + col] = self.low(mx2)

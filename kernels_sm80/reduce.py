@@ -3,6 +3,8 @@ fragments (decode), and over a whole CTA (the split combine, the activation quan
 
 from __future__ import annotations
 
+import operator
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
@@ -18,17 +20,23 @@ def across_rows(x, combine):
     return x
 
 
+def across_lanes(x, lanes: int, combine):
+    """``combine`` of ``x`` over each group of ``lanes`` adjacent lanes (a power of two up to
+    the warp): butterfly shuffles by 1, 2, .. lanes / 2; every lane of a group gets the result."""
+    for step in range(lanes.bit_length() - 1):
+        x = combine(x, cute.arch.shuffle_sync_bfly(x, 1 << step))
+    return x
+
+
 @cute.jit
 def block_reduce(x: Float32, s_red, tid, warps: cutlass.Constexpr[int], is_max: cutlass.Constexpr[bool]) -> Float32:
     """Max (``is_max``) or sum of ``x`` over a CTA of ``warps`` warps: butterfly shuffles in
     each warp, then the warps' results through ``s_red`` (``warps`` fp32 in shared memory,
     free again on return)."""
-    for off in cutlass.range_constexpr(5):
-        y = cute.arch.shuffle_sync_bfly(x, 1 << off)
-        if const_expr(is_max):
-            x = cute.arch.fmax(x, y)
-        else:
-            x = x + y
+    if const_expr(is_max):
+        x = across_lanes(x, cute.arch.WARP_SIZE, cute.arch.fmax)
+    else:
+        x = across_lanes(x, cute.arch.WARP_SIZE, operator.add)
     if tid % 32 == 0:
         s_red[tid // 32] = x
     cute.arch.sync_threads()

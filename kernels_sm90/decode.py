@@ -60,10 +60,9 @@ from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
                                     split_params)
-from ..kernels_sm80.reduce import across_rows
+from ..kernels_sm80.reduce import across_lanes, across_rows
 from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
-from ..layouts import resources, sm80, sm90, sm100
-from ..layouts import packing
+from ..layouts import packing, resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
 from . import ptx90
 
@@ -112,11 +111,6 @@ def pair_word(tile, row, col, value=None):
     word[0] = value
     tile[row, col] = pair[0]
     tile[row, col + 1] = pair[1]
-
-
-def ncols_of(nh: int) -> int:
-    """Head columns one thread holds of a wgmma C fragment with ``nh`` columns."""
-    return 2 * (nh // 8)
 
 
 def default_ctas_per_sm(head_dim: int) -> int:
@@ -408,7 +402,7 @@ class DecodeSm90(PackedDecodeConfig):
         # scaled while the consumer works on j - 1 (with stages - 1 it waited for j - 1 and
         # the scaling sat on the consumer's critical path)
         lag = max(1, self.num_stages - 2)
-        _, sQs, _ = fold
+        qready, sQs, _ = fold
         sQs_flat = cute.make_tensor(sQs.iterator, cute.make_layout(cute.cosize(sQs.layout)))
         for i in cutlass.range(tid, cute.cosize(sQs.layout), WG, unroll=1):
             sQs_flat[i] = self.dtype(0.0)  # padding heads' rows stay zero (scale_stage skips them)
@@ -423,7 +417,7 @@ class DecodeSm90(PackedDecodeConfig):
                 ring.consumer_wait(state)  # waits only: the consumer warps release the stage
                 self.scale_stage(fold, sQ, sKs, state.index, gq, tid)
                 cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
-                fold[0].producer_commit(state)
+                qready.producer_commit(state)
 
     @cute.jit
     def scale_stage(self, fold, sQ, sKs, stage, gq, tid):
@@ -451,29 +445,31 @@ class DecodeSm90(PackedDecodeConfig):
                     for i in cutlass.range_constexpr(self.scale_lanes[1]):
                         kt = (tid % self.scale_lanes[0]) // 4 + i * (self.scale_lanes[0] // 4)
                         c = lane % 4
-                        words = cute.make_rmem_tensor((4,), cutlass.Int32)
-                        cute.autovec_copy(cute.local_tile(sKs[None, stage], (4,), ((g * self.d) // 4 + 4 * kt + c,)),
-                                          words)
+                        # the quad lane's four words of the k-block, one 16-byte load
+                        word0 = g * self.d + sm80.param_position(kt, c, 0)
+                        words = cute.make_rmem_tensor((sm80.CHUNK_WORDS,), cutlass.Int32)
+                        cute.autovec_copy(cute.local_tile(sKs[None, stage], (sm80.CHUNK_WORDS,),
+                                                          (word0 // sm80.CHUNK_WORDS,)), words)
                         for half in cutlass.range_constexpr(2):  # channels 2c, 2c+1 and 2c+8, 2c+9
-                            col = 16 * kt + 2 * c + 8 * half
+                            col = sm80.fragment_column(kt, c, half)
                             q2 = pair_word(sQ, head, col)
                             w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
                             s2, z2 = split_params(w0, w1)
-                            qs2 = ptx.fma_x2(q2, s2, Uint32(0), False)
+                            qs2 = ptx.fma_x2(q2, s2, Uint32(0), self.is_bf16)
                             if const_expr(self.k_mult[half] != 1):  # exact: a power of two
-                                qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / self.k_mult[half], False), 0, False)
+                                qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / self.k_mult[half], self.is_bf16), 0,
+                                                      self.is_bf16)
                             pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
                             if const_expr(self.raw_k):
-                                r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
+                                r_lo, r_hi = ptx.half_pair_to_f32(qs2, self.is_bf16)
                                 osum += (r_lo + r_hi) * Float32(self.k_offset + self.k_center * self.k_mult[half])
-                            q_lo, q_hi = ptx.half_pair_to_f32(q2, False)
-                            s_lo, s_hi = ptx.half_pair_to_f32(s2, False)
-                            z_lo, z_hi = ptx.half_pair_to_f32(z2, False)
+                            q_lo, q_hi = ptx.half_pair_to_f32(q2, self.is_bf16)
+                            s_lo, s_hi = ptx.half_pair_to_f32(s2, self.is_bf16)
+                            z_lo, z_hi = ptx.half_pair_to_f32(z2, self.is_bf16)
                             zsum += q_lo * z_lo + q_hi * z_hi
                             ssum += q_lo * s_lo + q_hi * s_hi
                     bias = zsum + center * ssum - osum
-                    for k in cutlass.range_constexpr(self.scale_lanes[0].bit_length() - 1):
-                        bias += cute.arch.shuffle_sync_bfly(bias, 1 << k)
+                    bias = across_lanes(bias, self.scale_lanes[0], operator.add)
                     if tid % self.scale_lanes[0] == 0:
                         sBias[head, g, stage] = bias
 
@@ -517,7 +513,7 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(self.fold_k):
             qready, sQs, sBias = fold
             tSrQs = mma.make_fragment_B(thr_s.partition_B(sQs))  # (MMA, N, K, stage x group)
-            bias = cute.make_rmem_tensor((ncols_of(self.nh), self.m_k), Float32)
+            bias = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
@@ -526,7 +522,7 @@ class DecodeSm90(PackedDecodeConfig):
         # split), O drifted twice past the error of the reference with P in 16 bits
         acc_pv = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_pv.fill(0.0)
-        ncols = ncols_of(self.nh)
+        ncols = sm80.head_columns(self.nh)
         row_max = cute.make_rmem_tensor((ncols,), Float32)
         row_sum = cute.make_rmem_tensor((ncols,), Float32)
         row_max.fill(-Float32.inf)

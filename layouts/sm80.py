@@ -85,6 +85,20 @@ def param_position(kblock, c, v):
     return MMA_SHAPE[2] * kblock + 4 * c + v
 
 
+def fragment_column(kblock, c, half):
+    """k column (channel) of the first of the two values quad lane ``c`` holds in column half
+    ``half`` of 16-wide k-block ``kblock`` of an m16n8k16 A / B fragment: ``16 kblock + 2 c
+    + 8 half`` (``fragment_columns``); its (scale, zero) word is ``param_position(kblock, c,
+    2 half)``, the next column's the word after."""
+    return MMA_SHAPE[2] * kblock + 2 * c + (MMA_SHAPE[2] // 2) * half
+
+
+def head_columns(heads_tile: int) -> int:
+    """Columns (query heads) one thread holds of an ``m x heads_tile`` MMA accumulator: two
+    of every 8-column block (mma.sync m16n8 and wgmma m64nN alike)."""
+    return 2 * (heads_tile // MMA_SHAPE[1])
+
+
 def k_blocks_per_word(bits: int) -> int:
     """16-wide k blocks whose fragment values one 32-bit word carries (2 or 4)."""
     return packing.codes_per_word(bits) // 4

@@ -138,6 +138,23 @@ def test_sm80_fragments_match_ptx():
     assert sm80.fragment_columns() == tuple((2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9) for c in range(4))
 
 
+def test_sm80_fragment_column_and_params():
+    """The closed forms the kernels index with agree with the traced fragment: quad lane c's
+    columns of k-block kb, the (scale, zero) word of each, and the head columns a thread
+    holds of an accumulator."""
+    cols = sm80.fragment_columns()
+    for kb in range(3):
+        for c in range(4):
+            for half in range(2):
+                first = sm80.fragment_column(kb, c, half)
+                assert (first - 16 * kb, first + 1 - 16 * kb) == cols[c][2 * half: 2 * half + 2]
+                # the pair's words are param_position(kb, c, 2 half) and the one after
+                assert sm80.param_position(kb, c, 2 * half) + 1 == sm80.param_position(kb, c, 2 * half + 1)
+    for nh in sm80.HEADS_TILES:
+        per_lane = {8 * nt + 2 * (lane % 4) + v for lane in range(4) for nt in range(nh // 8) for v in range(2)}
+        assert len(per_lane) == nh and sm80.head_columns(nh) == 2 * (nh // 8)
+
+
 def test_sm80_packed_ldmatrix_copy_matches_ptx():
     """The kernel's tiled ldmatrix copy: lane 4g+c receives word c of rows g + 8i."""
     from bitdecode.layouts._trace import evaluate
