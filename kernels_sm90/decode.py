@@ -125,7 +125,7 @@ class DecodeSm90(PackedDecodeConfig):
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
-                 fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True):
+                 fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -161,6 +161,13 @@ class DecodeSm90(PackedDecodeConfig):
         lanes = min(resources.WARP, head_dim // 4)
         self.scale_lanes = (lanes, head_dim // 4 // lanes)
         self.p_copies = self.groups_v if self.fold_v else 1
+        # Packed steps take P against the running maximum as it stands while no logit passes
+        # it by more than ``lazy_margin`` (log2 units), and exchange the maxima across the
+        # four warps (a named barrier, shuffles, shared-memory reads on every step's chain)
+        # only when one does (``lazy_softmax``).  The margin keeps P^T in fp16: P <= 2^margin
+        # times V's scale, at most 131008 / (2^bits - 1) for fp16 V, stays under 65504.
+        self.lazy_max = lazy_max
+        self.lazy_margin = 2.0 if self.v_bits == 4 or self.is_bf16 or not self.fold_v else 0.5
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
@@ -402,10 +409,14 @@ class DecodeSm90(PackedDecodeConfig):
         # scaled while the consumer works on j - 1 (with stages - 1 it waited for j - 1 and
         # the scaling sat on the consumer's critical path)
         lag = max(1, self.num_stages - 2)
-        qready, sQs, _ = fold
+        qready, sQs, sBias = fold
         sQs_flat = cute.make_tensor(sQs.iterator, cute.make_layout(cute.cosize(sQs.layout)))
         for i in cutlass.range(tid, cute.cosize(sQs.layout), WG, unroll=1):
             sQs_flat[i] = self.dtype(0.0)  # padding heads' rows stay zero (scale_stage skips them)
+        # ... and so do their biases: their scores are then exactly 0, never shared memory left
+        # by an earlier CTA (``lazy_softmax`` decides over every head column of the tile)
+        for i in cutlass.range(tid, cute.cosize(sBias.layout), WG, unroll=1):
+            sBias[i] = Float32(0.0)
         cute.arch.barrier(barrier_id=Barrier.Q, number_of_threads=2 * WG)  # the consumers put Q in smem
         for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
             if warp == 0:
@@ -569,8 +580,12 @@ class DecodeSm90(PackedDecodeConfig):
                     acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
-                self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None, st * self.step,
-                                  lim, n_sink + tile * self.nr, zsum, bias)
+                if const_expr(self.lazy_max):
+                    self.lazy_softmax(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, st * self.step, lim,
+                                      n_sink + tile * self.nr, zsum, bias)
+                else:
+                    self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None,
+                                      st * self.step, lim, n_sink + tile * self.nr, zsum, bias)
                 self.store_p(acc_s, sP, warp, lane, vs, st, zsum, self.fp4 is not None)
                 self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
@@ -815,17 +830,38 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0,
                      lim=None, abs0=0, zsum=None, bias=None):
-        """Online softmax over one step's S^T (rows = tokens of all four warps).  Masks
-        tokens ``>= valid`` (residual) when ``valid`` is given, and with ``lim``
-        (``causal_limits``) tokens past a column's limit, at sequence position ``abs0 +
-        tok0 + row``.  ``bias`` (``fold_k``, already in log2 units): added per (head column,
-        M-block)."""
-        c, g = lane % 4, lane // 4
-        m_blocks = cute.size(acc_s, mode=[1])
+        """Online softmax over one step's S^T (rows = tokens of all four warps), against the
+        exact running maximum: ``logits``, ``new_max`` (the cross-warp exchange), then P in
+        place of the logits."""
+        self.logits(acc_s, scale_log2, warp, lane, valid, tok0, lim, abs0, bias)
+        self.new_max(acc_s, acc_o, row_max, row_sum, red, warp, lane, zsum)
+        self.exponentiate(acc_s, row_max, row_sum)
+
+    @cute.jit
+    def exponentiate(self, acc_s, row_max, row_sum):
+        """P = 2^(logit - reference) in place of the logits, summed into the row sums."""
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
-                m_local = -Float32.inf
-                for mb in cutlass.range_constexpr(m_blocks):
+                col = 2 * nt + v0
+                m_use = self.reference(row_max, col)
+                part = Float32(0.0)
+                for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
+                    for v1 in cutlass.range_constexpr(2):
+                        p = cute.math.exp2(acc_s[self.cv(v0, v1, nt), mb, 0] - m_use, fastmath=True)
+                        acc_s[self.cv(v0, v1, nt), mb, 0] = p
+                        part += p
+                row_sum[col] = row_sum[col] + part
+
+    @cute.jit
+    def logits(self, acc_s, scale_log2, warp, lane, valid, tok0, lim=None, abs0=0, bias=None):
+        """S^T in log2 units, in place: masks tokens ``>= valid`` (residual) when ``valid`` is
+        given, and with ``lim`` (``causal_limits``) tokens past a column's limit, at sequence
+        position ``abs0 + tok0 + row``.  ``bias`` (``fold_k``, already in log2 units): added
+        per (head column, M-block)."""
+        g = lane // 4
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
                     for v1 in cutlass.range_constexpr(2):
                         x = acc_s[self.cv(v0, v1, nt), mb, 0] * scale_log2
                         if const_expr(bias is not None):
@@ -837,8 +873,25 @@ class DecodeSm90(PackedDecodeConfig):
                             if abs0 + tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g > lim[2 * nt + v0]:
                                 x = -Float32.inf
                         acc_s[self.cv(v0, v1, nt), mb, 0] = x
-                        m_local = cute.arch.fmax(m_local, x)
-                m_local = across_rows(m_local, cute.arch.fmax)
+
+    @cute.jit
+    def column_max(self, acc_s, nt: int, v0: int):
+        """This thread's largest logit of head column ``2 nt + v0`` in the step."""
+        m_local = -Float32.inf
+        for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
+            for v1 in cutlass.range_constexpr(2):
+                m_local = cute.arch.fmax(m_local, acc_s[self.cv(v0, v1, nt), mb, 0])
+        return m_local
+
+    @cute.jit
+    def new_max(self, acc_s, acc_o, row_max, row_sum, red, warp, lane, zsum=None):
+        """The running maximum over the step's logits of all four warps (exchanged through
+        shared memory, one named barrier), with O, the row sums and the zero sums rescaled
+        to it."""
+        c, g = lane % 4, lane // 4
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                m_local = across_rows(self.column_max(acc_s, nt, v0), cute.arch.fmax)
                 if g == 0:
                     red[8 * nt + 2 * c + v0, warp, 0] = m_local
         self.bar(Barrier.MAX)
@@ -852,13 +905,7 @@ class DecodeSm90(PackedDecodeConfig):
                 # a column that has seen only masked tokens keeps -inf; exponentiate against 0
                 m_use = m_new if m_new != -Float32.inf else Float32(0.0)
                 alpha = cute.math.exp2(row_max[col] - m_use, fastmath=True)
-                part = Float32(0.0)
-                for mb in cutlass.range_constexpr(m_blocks):
-                    for v1 in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(acc_s[self.cv(v0, v1, nt), mb, 0] - m_use, fastmath=True)
-                        acc_s[self.cv(v0, v1, nt), mb, 0] = p
-                        part += p
-                row_sum[col] = row_sum[col] * alpha + part
+                row_sum[col] = row_sum[col] * alpha
                 row_max[col] = m_new
                 if const_expr(zsum is not None):
                     for i in cutlass.range_constexpr(self.p_copies):
@@ -866,6 +913,31 @@ class DecodeSm90(PackedDecodeConfig):
                 for mo in cutlass.range_constexpr(cute.size(acc_o, mode=[1])):
                     for v1 in cutlass.range_constexpr(2):
                         acc_o[self.cv(v0, v1, nt), mo, 0] = acc_o[self.cv(v0, v1, nt), mo, 0] * alpha
+
+    @cute.jit
+    def reference(self, row_max, col: int):
+        """The maximum P is taken against: the running maximum, or 0 while a column has seen
+        only masked tokens (its maximum is -inf)."""
+        m = row_max[col]
+        return m if m != -Float32.inf else Float32(0.0)
+
+    @cute.jit
+    def lazy_softmax(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, tok0, lim, abs0, zsum,
+                     bias):
+        """``softmax_step`` of a packed step, with the cross-warp exchange of maxima only when
+        a logit passes the running maximum by more than ``lazy_margin``: the warpgroup
+        agrees on that through one barrier that ORs each thread's verdict (``barrier_or``);
+        otherwise P is taken against the running maximum as it stands (values up to
+        ``2^lazy_margin``) and O, the row sums and the zero sums need no rescaling."""
+        self.logits(acc_s, scale_log2, warp, lane, None, tok0, lim, abs0, bias)
+        over = -Float32.inf
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                # -inf - -inf (a column masked so far and now) is NaN, which fmax ignores
+                over = cute.arch.fmax(over, self.column_max(acc_s, nt, v0) - row_max[2 * nt + v0])
+        if ptx90.barrier_or(Barrier.MAX, WG, over > Float32(self.lazy_margin)) != 0:
+            self.new_max(acc_s, acc_o, row_max, row_sum, red, warp, lane, zsum)
+        self.exponentiate(acc_s, row_max, row_sum)
 
     @cute.jit
     def store_p(self, acc_s, sP, warp, lane, vs=None, st=0, zsum=None, fp4_order: cutlass.Constexpr[bool] = False):

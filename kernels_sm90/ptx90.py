@@ -19,3 +19,18 @@ def bulk_g2s(dst, src, num_bytes, mbar, *, loc=None, ip=None) -> None:
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
         "r,l,r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def barrier_or(barrier_id: int, num_threads: int, pred, *, loc=None, ip=None) -> Int32:
+    """Named barrier ``barrier_id`` over ``num_threads`` threads that also ORs a predicate
+    across them (``bar.red.or.pred``): 1 in every thread when any thread's ``pred``
+    held, else 0.  Warp-uniform control flow only (an aligned barrier)."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type,
+        [Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\n"
+        f"bar.red.or.pred q, {barrier_id}, {num_threads}, p;\n"
+        "selp.u32 $0, 1, 0, q;\n}",
+        "=r,r,~{memory}",  # a barrier: shared-memory accesses stay on their side of it
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
