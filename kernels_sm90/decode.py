@@ -28,9 +28,12 @@ One CTA = (split, KV head, sequence), two warpgroups with fixed roles:
   16-row slab with ldmatrix x4 over two 16-byte chunks (the A-operand copy of m16n8k16).
 
 Softmax is online over the whole warpgroup: the four warps hold different tokens of a
-step, so each step exchanges the per-head maxima through shared memory (one named
-barrier) and publishes P^T to shared memory for the second product (a proxy fence and a
-second named barrier); the O^T accumulators are split by channels and need no merge.
+step, so a common per-head maximum needs an exchange through shared memory.  Packed steps
+take P against the running maximum as it stands while no logit passes it by more than a
+small margin, which the warpgroup learns from one barrier that ORs every thread's verdict
+(``lazy_softmax``); only then are the maxima exchanged (shuffles, shared slots, a second
+barrier) and O rescaled.  P^T goes to shared memory for the second product (a proxy fence
+and a named barrier); the O^T accumulators are split by channels and need no merge.
 The consumer is software-pipelined with one wgmma group in flight at a time: the S wgmma
 of a step runs while V is dequantized, and its P·V wgmma while the K of the next step
 (the next stage's, across tiles) is dequantized.  Each P·V lands in its own accumulator,

@@ -137,7 +137,8 @@ def test_sm90_decode_ptx(cfg, tmp_path):
     for instr in ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.tensor", "cp.async.bulk.shared",
                   "mbarrier.try_wait", "setmaxnreg.inc", "setmaxnreg.dec", "ldmatrix.sync.aligned", "lop3.b32",
                   "fence.proxy.async.shared::cta", "wgmma.wait_group", "griddepcontrol.wait",
-                  "griddepcontrol.launch_dependents"):
+                  "griddepcontrol.launch_dependents",
+                  "bar.red.or.pred"):  # the lazy maximum's vote (``DecodeSm90.lazy_softmax``)
         assert instr in ptx, f"{instr} missing from the sm90 decode PTX"
     assert ".local" not in ptx, "the sm90 decode kernel keeps a local-memory array"
     report = ptxas.report(ptx, "sm_90a", tmp_path)
