@@ -89,7 +89,7 @@ SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its
 class Barrier:
     """Named barriers of the consumer warpgroup (id 0 is __syncthreads)."""
 
-    MAX = 1  # the per-warp maxima of a step are in shared memory
+    MAX = 1  # the step's lazy verdict is in (bar.red), or its per-warp maxima are in shared memory
     P = 2  # P^T of a step is in shared memory (and the previous PV product is done)
     EPI = 3
     Q = 4  # Q is in shared memory: the consumer arrives, the scalers (``fold_k``) wait
@@ -905,11 +905,10 @@ class DecodeSm90(PackedDecodeConfig):
                 m_new = row_max[col]
                 for w in cutlass.range_constexpr(WARPS):
                     m_new = cute.arch.fmax(m_new, red[head, w, 0])
-                # a column that has seen only masked tokens keeps -inf; exponentiate against 0
-                m_use = m_new if m_new != -Float32.inf else Float32(0.0)
-                alpha = cute.math.exp2(row_max[col] - m_use, fastmath=True)
-                row_sum[col] = row_sum[col] * alpha
+                m_old = row_max[col]
                 row_max[col] = m_new
+                alpha = cute.math.exp2(m_old - self.reference(row_max, col), fastmath=True)
+                row_sum[col] = row_sum[col] * alpha
                 if const_expr(zsum is not None):
                     for i in cutlass.range_constexpr(self.p_copies):
                         zsum[col, i] = zsum[col, i] * alpha
