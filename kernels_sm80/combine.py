@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32
 
 from ..layouts import sm80
 from ..layouts.packing import LN_2, LOG2_E
