@@ -480,3 +480,23 @@ def test_sm90_fold_k_config():
                 DecodeSm90(f16, 4, "channel", 32, 128, 8, True),  # groups inside an M-block
                 DecodeSm90(f16, 4, "channel", 128, 128, 8, True, fold_k=False)):
         assert not off.fold_k and not off.raw_k and off.q_copies == 0 and off.producer_regs == PRODUCER_REGS[2]
+
+
+def test_sm90_lazy_margin_keeps_fp16_p_finite():
+    """The lazy maximum lets P reach 2^lazy_margin; with V's scale folded into P^T (fp16)
+    that times the largest scale an fp16 V can have, (65504 - -65504) / (2^bits - 1), must
+    stay under fp16's 65504 for every V width.  Without V's scale in P (small V groups,
+    FP4) or in bf16, P itself must."""
+    from bitdecode.kernels_sm90.decode import DecodeSm90
+
+    f16, bf16 = cutlass.Float16, cutlass.BFloat16
+    fp16_max = 65504.0
+    for bits, v_bits in ((4, 4), (2, 2), (4, 2), (2, 4)):
+        k = DecodeSm90(f16, bits, "channel", 128, 128, 8, True, v_bits=v_bits)
+        assert k.lazy_max and k.fold_v
+        assert 2 ** k.lazy_margin * (2 * fp16_max / (2 ** v_bits - 1)) < fp16_max, (bits, v_bits, k.lazy_margin)
+    for k in (DecodeSm90(bf16, 2, "channel", 128, 128, 8, True),
+              DecodeSm90(f16, 4, "channel", 32, 128, 8, True),  # V groups inside an M-block: plain P
+              DecodeSm90(f16, 4, "channel", 128, 128, 8, True, fp4="nvfp4")):
+        assert 1.0 <= 2 ** k.lazy_margin < fp16_max
+    assert not DecodeSm90(f16, 4, "channel", 128, 128, 8, True, lazy_max=False).lazy_max
