@@ -101,3 +101,41 @@ def test_demo_cuda_without_gpu(capsys):
         pytest.skip("checks the message on a machine without CUDA")
     assert main(["demo", "--device", "cuda"]) == 2
     assert "no CUDA GPU is available" in capsys.readouterr().out
+
+
+def _bench_variants():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "profiles" / "bench_variants.py"
+    spec = importlib.util.spec_from_file_location("bench_variants_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_variants_arguments(capsys):
+    """profiles/bench_variants.py: NAME=key=value variants (Python literals), BxN shapes, and
+    clear refusals naming the argument; without a GPU it says so and exits 2."""
+    bv = _bench_variants()
+    assert bv.parse_variant("base=") == ("base", {})
+    assert bv.parse_variant("exact=lazy_max=False,num_stages=3") == ("exact", {"lazy_max": False, "num_stages": 3})
+    assert bv.parse_shapes("1x4096,16x65536") == [(1, 4096), (16, 65536)]
+    for bad, message in (("lazy_max=False", "expected key=value"), ("x=lazy_max", "expected key=value"),
+                         ("1x=a=1", "NAME an identifier"), ("v=step=sixty", "is not a Python literal")):
+        with pytest.raises(ValueError, match=message):
+            bv.parse_variant(bad)
+    for bad in ("16", "0x4096", "4x-1"):
+        with pytest.raises(ValueError, match="--shapes"):
+            bv.parse_shapes(bad)
+    with pytest.raises(SystemExit):
+        bv.main(["--variant", "a=", "--variant", "a=lazy_max=False"])
+    assert "names must differ" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bv.main(["--variant", "a=", "--formats", "5c128"])
+    assert "unknown format" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert bv.main(["--variant", "a="]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,0 +1,173 @@
+"""A/B of sm90 decode kernel variants: each variant is a set of ``DecodeSm90`` keyword
+arguments (its constexpr configuration), run in its own process with the kernels compiled
+afresh (the JIT cache's key does not hold these arguments, so no disk cache there), timed
+as ``bench_decode`` times (CUDA-graph replay between CUDA events, L2 flushed before each
+call, median of 30) on the same shapes, with the error against the reference at N <= 32K.
+
+    python3 profiles/bench_variants.py --variant base= --variant exact_max=lazy_max=False \\
+        --out profiles/h200
+
+writes ``<out>/variants.json``: every variant's rows and each row's time over the first
+variant's.  The variants run one after the other on one GPU, so compare them within one
+file only.  Keywords: any ``DecodeSm90.__init__`` argument after the format's (``lazy_max``,
+``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+FORMATS = {"4c128": (4, "channel", 128), "4c64": (4, "channel", 64), "2c128": (2, "channel", 128),
+           "2c64": (2, "channel", 64), "4t64": (4, "token", 64)}
+DTYPES = ("fp16", "bf16")
+DEFAULT_SHAPES = "1x4096,1x32768,1x131072,8x65536,16x32768,16x65536"
+HQ, HKV, D = 32, 8, 128
+
+
+def parse_variant(text: str) -> Tuple[str, Dict[str, object]]:
+    """``NAME=key=value,key=value`` (``NAME=`` for the defaults) -> (name, kwargs); values
+    are Python literals."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise ValueError(f"--variant must be NAME=key=value,... (NAME an identifier), got {text!r}")
+    kwargs: Dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--variant {name}: expected key=value, got {item!r}")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--variant {name}: {key}'s value {value!r} is not a Python literal") from None
+    return name, kwargs
+
+
+def parse_shapes(text: str) -> List[Tuple[int, int]]:
+    """``BxN,BxN`` -> [(B, N)]."""
+    out = []
+    for item in filter(None, text.split(",")):
+        b, sep, n = item.partition("x")
+        if not sep or not b.isdigit() or not n.isdigit() or int(b) < 1 or int(n) < 1:
+            raise ValueError(f"--shapes must be BxN,BxN,... with positive integers, got {item!r}")
+        out.append((int(b), int(n)))
+    return out
+
+
+def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> List[dict]:
+    """One variant, in this process: the rows of every (format, dtype, shape)."""
+    import torch
+
+    from bitdecode.kernels_sm90 import decode as d90
+
+    init = d90.DecodeSm90.__init__
+
+    def with_variant(self, *args, **kw):
+        init(self, *args, **{**kw, **kwargs})
+
+    d90.DecodeSm90.__init__ = with_variant  # every sm90 decode kernel this process builds
+
+    import bitdecode as bd
+    from bench_decode import Timer, _graph_time
+
+    dev = torch.device("cuda")
+    timer = Timer(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for fkey in formats:
+        fmt = bd.KVFormat(*FORMATS[fkey])
+        for dname in dtypes:
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dname]
+            for b, n in shapes:
+                q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
+                cache = bd.KVCache.allocate(b, HKV, D, n, fmt, dtype=dtype, device=dev)
+                k = torch.randn(1, n, HKV, D, device=dev, dtype=dtype, generator=gen).repeat(b, 1, 1, 1)
+                v = torch.randn(1, n, HKV, D, device=dev, dtype=dtype, generator=gen).repeat(b, 1, 1, 1)
+                cache.prefill(k, v)
+                del k, v
+                decode = functools.partial(bd.decode, q, cache, backend="sm90")
+                row = {"variant": name, "format": fkey, "dtype": dname, "B": b, "N": n,
+                       "us": _graph_time(timer, decode)}
+                if n <= 32768:
+                    ref = bd.decode(q, cache, backend="reference").float()
+                    row["rel_err"] = ((decode().float() - ref).norm() / ref.norm()).item()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                del cache, decode
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=KW",
+                   help="a variant: NAME=key=value,... of DecodeSm90 keywords (NAME= for the defaults); "
+                        "repeat it, the first is the baseline")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"BxN,... (default {DEFAULT_SHAPES})")
+    p.add_argument("--formats", default="4c128", help=f"comma-separated, of {', '.join(FORMATS)} (default 4c128)")
+    p.add_argument("--dtypes", default="fp16", help="comma-separated, of fp16, bf16 (default fp16)")
+    p.add_argument("--out", type=Path, default=None, help="write <out>/variants.json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variant]
+    if len({name for name, _ in variants}) != len(variants):
+        p.error("--variant names must differ")
+    shapes = parse_shapes(args.shapes)
+    formats = [f for f in args.formats.split(",") if f]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for f in formats:
+        if f not in FORMATS:
+            p.error(f"--formats: unknown format {f!r} (known: {', '.join(FORMATS)})")
+    for d in dtypes:
+        if d not in DTYPES:
+            p.error(f"--dtypes: unknown dtype {d!r} (known: {', '.join(DTYPES)})")
+    if args.worker:
+        worker(*variants[0], shapes, formats, dtypes)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_variants needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env = dict(os.environ, BITDECODE_NO_DISK_CACHE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
+    rows: List[dict] = []
+    for text in args.variant:
+        cmd = [sys.executable, __file__, "--worker", "--variant", text, "--shapes", args.shapes,
+               "--formats", args.formats, "--dtypes", args.dtypes]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stdout + done.stderr, file=sys.stderr)
+            return done.returncode
+        rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    base = {(r["format"], r["dtype"], r["B"], r["N"]): r["us"] for r in rows if r["variant"] == variants[0][0]}
+    for r in rows:
+        r["over_first"] = r["us"] / base[(r["format"], r["dtype"], r["B"], r["N"])]
+    for r in rows:
+        err = f"  err {r['rel_err']:.2e}" if "rel_err" in r else ""
+        print(f"{r['variant']:>12} {r['format']} {r['dtype']} B={r['B']:<3} N={r['N']:<7} "
+              f"{r['us']:8.2f} us  x{r['over_first']:.3f}{err}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = {"command": "python3 profiles/bench_variants.py " + " ".join(
+                      f"--variant {v}" for v in args.variant)
+                  + f" --shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes} --out {args.out}",
+                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                  "variants": {name: kw for name, kw in variants},
+                  "method": "sm90 decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, median of "
+                            "30 after 5 warm-ups, L2 flushed before each call; one process per variant",
+                  "rows": rows}
+        (args.out / "variants.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
