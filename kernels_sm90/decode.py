@@ -102,9 +102,20 @@ def seq_state(n, stages: int, producer: bool):
     return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
 
 
+@cute.jit
+def zero_shared(t: cute.Tensor, tid, threads: cutlass.Constexpr[int]):
+    """Zeroes all of shared tensor ``t`` (its whole cosize, swizzled or not), ``threads``
+    threads from ``tid``."""
+    flat = cute.make_tensor(t.iterator, cute.make_layout(cute.cosize(t.layout)))
+    for i in cutlass.range(tid, cute.cosize(t.layout), threads, unroll=1):
+        flat[i] = t.element_type(0.0)
+
+
 def pair_word(tile, row, col, value=None):
     """The 32-bit word of elements ``(row, col)``, ``(row, col + 1)`` of a 16-bit smem tile
-    (``col`` even): read it, or with ``value`` write it."""
+    (``col`` even): read it, or with ``value`` write it.  Two 16-bit accesses through the
+    tile's own (swizzled) layout: a 32-bit recast of a swizzled slice addressed the wrong
+    words."""
     pair = cute.make_rmem_tensor((2,), tile.element_type)
     word = cute.recast_tensor(pair, Uint32)
     if value is None:
@@ -413,13 +424,11 @@ class DecodeSm90(PackedDecodeConfig):
         # the scaling sat on the consumer's critical path)
         lag = max(1, self.num_stages - 2)
         qready, sQs, sBias = fold
-        sQs_flat = cute.make_tensor(sQs.iterator, cute.make_layout(cute.cosize(sQs.layout)))
-        for i in cutlass.range(tid, cute.cosize(sQs.layout), WG, unroll=1):
-            sQs_flat[i] = self.dtype(0.0)  # padding heads' rows stay zero (scale_stage skips them)
-        # ... and so do their biases: their scores are then exactly 0, never shared memory left
-        # by an earlier CTA (``lazy_softmax`` decides over every head column of the tile)
-        for i in cutlass.range(tid, cute.cosize(sBias.layout), WG, unroll=1):
-            sBias[i] = Float32(0.0)
+        # padding heads' Q o s rows and biases stay zero (scale_stage skips them): their scores
+        # are then exactly 0, never shared memory left by an earlier CTA (``lazy_softmax``
+        # decides over every head column of the tile)
+        zero_shared(sQs, tid, WG)
+        zero_shared(sBias, tid, WG)
         cute.arch.barrier(barrier_id=Barrier.Q, number_of_threads=2 * WG)  # the consumers put Q in smem
         for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
             if warp == 0:
@@ -437,12 +446,12 @@ class DecodeSm90(PackedDecodeConfig):
     def scale_stage(self, fold, sQ, sKs, stage, gq, tid):
         """Q o s_g and sum_d q_d (zero_d + center s_d) of every K group ``g`` of the tile in
         ``stage`` (``raw_k``: the B tile is Q o s_g / mult and the bias takes minus its
-        values times their code offsets, magic + center mult).  Thread ``tid``: quad lane ``c`` of k-block ``kt`` of one head, i.e. the
-        four fragment-order (scale, zero) words ``16 kt + 4 c ..`` (channels ``16 kt + 2 c,
-        + 1, + 8, + 9``) and those channels of Q; a head's threads are adjacent lanes of one
-        warp (two heads a warp at head dim 64, two k-blocks a thread at 256), reduced with
-        butterfly shuffles.  Rows of padding heads (>= gq) are skipped a warp at a time:
-        their Q o s rows stay zero and so do their biases."""
+        values times their code offsets, magic + center mult).  Thread ``tid``: quad lane
+        ``c`` of k-block ``kt`` of one head, i.e. the four fragment-order (scale, zero) words
+        ``16 kt + 4 c ..`` (channels ``16 kt + 2 c, + 1, + 8, + 9``) and those channels of
+        Q; a head's threads are adjacent lanes of one warp (two heads a warp at head dim 64,
+        two k-blocks a thread at 256), reduced with butterfly shuffles.  Rows of padding
+        heads (>= gq) are skipped a warp at a time: their Q o s rows and biases stay zero."""
         _, sQs, sBias = fold
         lane = tid % cute.arch.WARP_SIZE
         center = Float32(self.k_center)
@@ -866,9 +875,11 @@ class DecodeSm90(PackedDecodeConfig):
             for v0 in cutlass.range_constexpr(2):
                 for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
                     for v1 in cutlass.range_constexpr(2):
-                        x = acc_s[self.cv(v0, v1, nt), mb, 0] * scale_log2
+                        s = acc_s[self.cv(v0, v1, nt), mb, 0]
                         if const_expr(bias is not None):
-                            x = acc_s[self.cv(v0, v1, nt), mb, 0] * scale_log2 + bias[2 * nt + v0, mb]
+                            x = s * scale_log2 + bias[2 * nt + v0, mb]
+                        else:
+                            x = s * scale_log2
                         if const_expr(valid is not None):
                             if tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g >= valid:
                                 x = -Float32.inf

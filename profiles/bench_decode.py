@@ -99,10 +99,10 @@ def kernel_backends(device) -> List[str]:
     return [b for b in dispatch.available(device) if b != "reference"]
 
 
-def build(fmt, b, hkv, d, n, device, gen):
-    k = torch.randn(b, n, hkv, d, device=device, dtype=torch.float16, generator=gen)
-    v = torch.randn(b, n, hkv, d, device=device, dtype=torch.float16, generator=gen)
-    cache = bd.KVCache.allocate(b, hkv, d, n, fmt, dtype=torch.float16, device=device)
+def build(fmt, b, hkv, d, n, device, gen, dtype=torch.float16):
+    k = torch.randn(b, n, hkv, d, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(b, n, hkv, d, device=device, dtype=dtype, generator=gen)
+    cache = bd.KVCache.allocate(b, hkv, d, n, fmt, dtype=dtype, device=device)
     return cache, k, v
 
 

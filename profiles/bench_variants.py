@@ -75,7 +75,7 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
     d90.DecodeSm90.__init__ = with_variant  # every sm90 decode kernel this process builds
 
     import bitdecode as bd
-    from bench_decode import Timer, _graph_time
+    from bench_decode import Timer, _graph_time, build
 
     dev = torch.device("cuda")
     timer = Timer(dev)
@@ -87,9 +87,7 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dname]
             for b, n in shapes:
                 q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
-                cache = bd.KVCache.allocate(b, HKV, D, n, fmt, dtype=dtype, device=dev)
-                k = torch.randn(1, n, HKV, D, device=dev, dtype=dtype, generator=gen).repeat(b, 1, 1, 1)
-                v = torch.randn(1, n, HKV, D, device=dev, dtype=dtype, generator=gen).repeat(b, 1, 1, 1)
+                cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
                 cache.prefill(k, v)
                 del k, v
                 decode = functools.partial(bd.decode, q, cache, backend="sm90")
