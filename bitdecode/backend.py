@@ -114,7 +114,9 @@ class Backend(Protocol):
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 
-    hardware_validated: bool  # False: ``auto`` never takes it (its kernels have not run on its GPU)
+    # False: its kernels have not run on its GPU in this project; ``auto`` takes it only after
+    # its first-use check passes on the device (``bitdecode.selfcheck``)
+    hardware_validated: bool
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype: Optional[torch.dtype] = None) -> bool:
         """Whether ``auto`` takes it for a cache of this format, head dim and dtype (None:

@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from . import __version__, dispatch, jit
+from . import __version__, dispatch, jit, selfcheck
 from .formats import KVFormat
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -37,6 +37,16 @@ def _gpus():
     return rows
 
 
+def _auto_pick(device, fmt, head_dim, dtype) -> str:
+    """``auto``'s backend for a cache, running no first-use check (``selfcheck``): one not
+    run yet is named beside the pick."""
+    pick = dispatch.resolve("auto", device, fmt=fmt, head_dim=head_dim, dtype=dtype, first_use_checks=False)
+    order = dispatch.auto_order(device, fmt, head_dim, dtype)
+    before = order[: order.index(pick)] if pick in order else []
+    waiting = [b for b in before if selfcheck.verdict(b, device, fmt, head_dim, dtype, run=False) is None]
+    return f"{pick} ({waiting[0]} after its first-use check)" if waiting else pick
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -54,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("  backends", ", ".join(backends))
         formats = {"4-bit": KVFormat(bits=4), "2-bit": KVFormat(bits=2), "NVFP4": KVFormat(fp4="nvfp4")}
         dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-        picks = {(name, d, dt): dispatch.resolve("auto", device, fmt=fmt, head_dim=d, dtype=dtypes[dt])
+        picks = {(name, d, dt): _auto_pick(device, fmt, d, dtypes[dt])
                  for name, fmt in formats.items() for d in (128, 256) for dt in dtypes}
         table.add_row("  auto picks", ", ".join(f"{name} D{d} {dt}: {b}" for (name, d, dt), b in picks.items()))
     path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -41,10 +41,23 @@ def available(device: torch.device) -> Tuple[str, ...]:
     return kernels + ("reference",)
 
 
+def auto_order(device: torch.device, fmt=None, head_dim: int = 0, dtype: Optional[torch.dtype] = None) -> List[str]:
+    """The kernel backends ``auto`` considers for a cache of format ``fmt`` (when given),
+    best first: the registry's order (on the H200 sm90 is the faster one at 4 bits and head
+    dims up to 128: NOTES.md) among those that run on ``device`` and take the cache."""
+    kernels = [b for b in backends.shipped() if runnable(b, device)]
+    if fmt is not None:
+        kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim, dtype)] or kernels
+    return kernels
+
+
 def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, head_dim: int = 0,
-            dtype: Optional[torch.dtype] = None) -> str:
+            dtype: Optional[torch.dtype] = None, first_use_checks: bool = True) -> str:
     """The backend a call runs: ``backend`` checked against the device, or ``auto``'s choice
-    (for a cache of format ``fmt``, ``head_dim`` and ``dtype`` when given)."""
+    (for a cache of format ``fmt``, ``head_dim`` and ``dtype`` when given).  A backend whose
+    kernels have not run on their GPU in this project is taken only for a known cache whose
+    first-use check (``selfcheck``) passed on this device; ``first_use_checks=False`` takes
+    the verdicts kept so far and runs none."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -52,20 +65,18 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
     if backend == "auto" and device.type != "cuda":
         return "reference"
     if backend == "auto":
-        # the registry's order (best first), among the backends that take this cache (on
-        # the H200 sm90 is the faster one at 4 bits and head dims up to 128: NOTES.md)
-        # (a backend whose kernels have not run on their GPU yet is only taken by name)
-        kernels = [b for b in backends.shipped() if runnable(b, device) and backends.get(b).hardware_validated]
-        if fmt is not None:
-            kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim, dtype)] or kernels
-        if not kernels:
-            cap = device_capability(device)
-            raise ValueError(
-                f"no compiled {what} kernel supports {torch.cuda.get_device_name(device)} "
-                f"(sm_{cap[0]}{cap[1]}); this build ships {backends.shipped()} (needs sm_80 or newer); "
-                "use backend='reference' to run the torch reference"
-            )
-        return kernels[0]
+        from . import selfcheck  # (in-function: it is only needed where a backend is unvalidated)
+
+        for b in auto_order(device, fmt, head_dim, dtype):
+            if backends.get(b).hardware_validated or (
+                    fmt is not None and selfcheck.verdict(b, device, fmt, head_dim, dtype, run=first_use_checks)):
+                return b
+        cap = device_capability(device)
+        raise ValueError(
+            f"no compiled {what} kernel supports {torch.cuda.get_device_name(device)} "
+            f"(sm_{cap[0]}{cap[1]}); this build ships {backends.shipped()} (needs sm_80 or newer); "
+            "use backend='reference' to run the torch reference"
+        )
     if backend not in backends.shipped():
         raise ValueError(
             f"backend {backend!r} is not available for {what} in this build; "

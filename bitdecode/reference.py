@@ -526,3 +526,33 @@ def decode(
     if return_lse:
         return out, torch.stack(lses).view(bsz, tq, hq)
     return out
+
+
+def rounded_p_attention(q: torch.Tensor, cache, scale: float) -> torch.Tensor:
+    """Attention over a cache's dequantized K/V (``cache.lengths``, ``cache.dequantized(b)``:
+    a ``KVCache``) with P rounded to the model dtype, as the tensor cores consume it, fp32
+    otherwise; ``q`` ``[B, T, Hq, D]``, query ``j`` of ``T`` over the first ``len - T + 1 +
+    j`` tokens.  What a same-precision computation of the kernels' maths gets."""
+    outs = []
+    tq, hq, d = q.shape[1:]
+    for b, length in enumerate(cache.lengths):
+        kd, vd = cache.dequantized(b)
+        hkv = kd.shape[1]
+        for j in range(tq):
+            seen = max(0, length - tq + 1 + j)
+            if seen == 0:
+                outs.append(torch.zeros(hq, d, device=q.device))
+                continue
+            qg = q[b, j].float().view(hkv, hq // hkv, d)
+            s = torch.einsum("hgd,lhd->hgl", qg, kd[:seen].float()) * scale
+            p = torch.softmax(s, dim=-1)
+            o = torch.einsum("hgl,lhd->hgd", p.to(q.dtype).float(), vd[:seen].float())
+            outs.append(o.reshape(hq, d))
+    return torch.stack(outs).view(q.shape)
+
+
+def decode_tolerance(rounded: torch.Tensor, ref: torch.Tensor, factor: float = 2.0) -> float:
+    """FlashAttention's rule for a kernel's error against the fp32 reference ``ref``:
+    ``factor`` times that of a same-precision torch computation (``rounded``,
+    ``rounded_p_attention``) plus a small floor."""
+    return factor * (rounded - ref).abs().max().item() + factor * 1e-3 * max(ref.abs().max().item(), 1.0)

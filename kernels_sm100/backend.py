@@ -4,7 +4,9 @@ Everything else is the sm80 family compiled for sm_100a (the packed bytes are th
 every arch): prefill / append, the split-KV combine, and the decode of integer caches and
 of FP4 caches with head dim 64.  The FP4 kernel has only been compiled (PTX checked, no
 spills) and its arithmetic emulated on the CPU (``bitdecode.emulate_sm100``, ``tests/test_sm100_emulation``):
-no Blackwell GPU has run it, so ``auto`` does not pick it yet and ``backend="sm100"`` opts in.
+no Blackwell GPU has run it, so ``auto`` takes it on compute capability 10.x only once its
+first-use check (``bitdecode.selfcheck``: a child process runs it against the reference on
+that GPU) passed; ``backend="sm100"`` forces it.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ class Sm100Backend(sm80_backend.Sm80Backend):
     """Blackwell (sm_100a code); the decode plan, writes and limits of sm80 otherwise."""
 
     name = "sm100"
-    hardware_validated = False  # compiled and emulated only: ``auto`` keeps sm80 on Blackwell
+    hardware_validated = False  # compiled and emulated only: ``auto`` takes it after its first-use check
 
     def supports(self, capability: Tuple[int, int]) -> bool:
         return capability[0] == 10
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
-        """FP4 caches with head dims 128 / 256 (once ``hardware_validated``; until then
-        ``auto`` never considers this backend)."""
+        """FP4 caches with head dims 128 / 256 (``auto`` then runs ``bitdecode.selfcheck``
+        first: this backend is not ``hardware_validated``)."""
         return self.runs_tcgen05(fmt, head_dim)
 
     def runs_tcgen05(self, fmt: KVFormat, head_dim: int, tq: int = 1) -> bool:

@@ -22,7 +22,7 @@ def bitdecode(*args, timeout=300):
 def test_help_lists_every_command():
     out = bitdecode("--help")
     assert "usage: bitdecode" in out
-    for name in ("info", "demo", "layout", "bench", "compile"):
+    for name in ("info", "demo", "layout", "bench", "compile", "selfcheck"):
         assert re.search(rf"^\s+{name}\s+\S", out, re.M), name
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
 import bitdecode as bd
-from bitdecode import backend as backends, dispatch
+from bitdecode import backend as backends, cli, cli_selfcheck, dispatch, selfcheck
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -32,7 +35,7 @@ def test_shipped_backends_best_first():
     ((9, 0), 2, 128, torch.float16, "sm80"),  # ... nor 2-bit, where it measured slower
     ((8, 0), 4, 128, torch.float16, "sm80"),
     ((8, 9), 2, 64, torch.bfloat16, "sm80"),
-    ((10, 0), 4, 128, torch.float16, "sm80"),  # the sm100 kernel is compile-verified only: sm80 on Blackwell
+    ((10, 0), 4, 128, torch.float16, "sm80"),  # Blackwell: the tcgen05 kernel is for FP4 caches only
 ])
 def test_auto_by_capability_format_and_dtype(capability, cap, bits, head_dim, dtype, expect):
     capability(cap)
@@ -67,16 +70,142 @@ def test_compile_arch_maps_to_its_backend():
     assert backends.for_arch("sm_100a") == "sm100"
 
 
-def test_auto_leaves_the_unvalidated_sm100_kernel_alone(capability):
-    """Blackwell: ``auto`` keeps sm80 even for FP4 caches (the tcgen05 kernel has not run on a
-    GPU); ``backend="sm100"`` opts in."""
+NVFP4 = bd.KVFormat(fp4="nvfp4")
+
+
+@pytest.fixture
+def child(monkeypatch, tmp_path, capability):
+    """A Blackwell device whose first-use check's child process is faked: ``child.verdict``
+    is what it reports, ``child.calls`` the commands it was given; verdicts on disk go to
+    ``tmp_path``."""
     capability((10, 0))
-    fmt = bd.KVFormat(fp4="nvfp4")
-    assert dispatch.resolve("auto", CUDA0, fmt=fmt, head_dim=128, dtype=torch.float16) == "sm80"
-    assert dispatch.resolve("auto", CUDA0) == "sm80"
+    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(selfcheck.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "B200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+
+    class Child:
+        verdict = (True, "matches the reference")
+        calls = []
+
+        def __call__(self, command, timeout):
+            self.calls.append(list(command))
+            return self.verdict
+
+    fake = Child()
+    monkeypatch.setattr(selfcheck, "run_child", fake)
+    return fake
+
+
+def test_auto_takes_the_unvalidated_sm100_kernel_after_its_check(child):
+    """Blackwell, FP4 at head dim 128: ``auto`` runs the tcgen05 kernel's first-use check once
+    (a child process) and takes sm100 when it passed; the verdict is kept in the process and
+    on disk."""
+    assert not backends.get("sm100").hardware_validated
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm100"
+    assert len(child.calls) == 1
+    command = child.calls[0]
+    assert command[command.index("--backend") + 1] == "sm100" and command[command.index("--head-dim") + 1] == "128"
+    assert command[command.index("--dtype") + 1] == "float16"
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm100"
+    selfcheck._verdicts.clear()  # a new process: the verdict comes from disk
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm100"
+    assert len(child.calls) == 1
+    # another configuration is checked on its own
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=256, dtype=torch.bfloat16) == "sm100"
+    assert len(child.calls) == 2
+
+
+def test_auto_keeps_sm80_when_the_check_fails(child):
+    child.verdict = (False, "num_splits=3: max error 0.5 > tolerance 0.01")
+    with pytest.warns(RuntimeWarning, match=r"'sm100' failed its first-use check on B200.*max error 0\.5"):
+        assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm80"
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm80"
+    assert len(child.calls) == 1
+    assert dispatch.resolve("sm100", CUDA0) == "sm100"  # by name it still runs
+
+
+@pytest.mark.parametrize("fmt, head_dim, dtype", [
+    (bd.KVFormat(bits=4), 128, torch.float16),  # integer caches: sm80's kernels on Blackwell
+    (NVFP4, 64, torch.float16),  # head dim 64: the tcgen05 kernel's M is 128
+    (NVFP4, 128, None),  # a dtype not known yet
+    (None, 0, None),  # no cache at all
+])
+def test_auto_checks_only_where_it_would_take_sm100(child, fmt, head_dim, dtype):
+    assert dispatch.resolve("auto", CUDA0, fmt=fmt, head_dim=head_dim, dtype=dtype) == "sm80"
+    assert child.calls == []
     assert dispatch.available(CUDA0) == ("sm100", "sm80", "reference")
-    assert dispatch.resolve("sm100", CUDA0) == "sm100"
-    assert backends.get("sm100").runs_tcgen05(fmt, 128) and not backends.get("sm100").runs_tcgen05(fmt, 64)
+
+
+def test_info_names_a_pending_check_without_running_it(child):
+    """``bitdecode info`` on Blackwell shows sm80 for FP4 with the check still to come (it
+    runs none: a check compiles kernels), then sm100 once a verdict is kept."""
+    from bitdecode import cli_info
+
+    assert cli_info._auto_pick(CUDA0, NVFP4, 128, torch.float16) == "sm80 (sm100 after its first-use check)"
+    assert cli_info._auto_pick(CUDA0, bd.KVFormat(bits=2), 128, torch.float16) == "sm80"
+    assert child.calls == []
+    dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16)
+    assert cli_info._auto_pick(CUDA0, NVFP4, 128, torch.float16) == "sm100"
+
+
+def test_the_check_can_be_switched_off(child, monkeypatch):
+    monkeypatch.setenv(selfcheck.ENV_SWITCH, "0")
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm80"
+    assert child.calls == []
+
+
+def test_the_child_process_verdicts():
+    """A real child: its JSON line, a crash, a hang (the timeout)."""
+    py = sys.executable
+    ok = selfcheck.run_child([py, "-c", "print('log'); print('{\"ok\": true, \"detail\": \"fine\"}')"], 60)
+    assert ok == (True, "fine")
+    crash = selfcheck.run_child([py, "-c", "import sys; sys.stderr.write('illegal memory access\\n'); sys.exit(3)"], 60)
+    assert not crash[0] and "exited with code 3" in crash[1] and "illegal memory access" in crash[1]
+    hang = selfcheck.run_child([py, "-c", "import time; time.sleep(30)"], 0.5)
+    assert not hang[0] and "did not finish in 0 s" in hang[1] and selfcheck.ENV_TIMEOUT in hang[1]
+
+
+def test_the_child_command_round_trips_the_format():
+    fmt = bd.KVFormat(bits=4, v_bits=2, sink_tokens=16, hadamard=True)
+    command = selfcheck.child_command("sm100", 1, fmt, 128, torch.bfloat16)
+    assert command[1:4] == ["-m", "bitdecode.cli", "selfcheck"]
+    args = cli.build_parser().parse_args(command[3:])  # the child's parser takes it
+    assert args.backend == "sm100" and args.head_dim == 128 and args.dtype == "bfloat16" and args.json
+    text = command[command.index("--format-json") + 1]
+    assert bd.KVFormat(**json.loads(text)) == fmt
+    assert command[command.index("--device") + 1] == "1"
+
+
+def test_the_check_itself_passes_the_reference_and_catches_a_wrong_decode(monkeypatch):
+    """``run_check``'s comparisons on the CPU: the reference against itself passes; a decode
+    off by a little more than the tolerance rule allows is caught, and so is an LSE."""
+    fmt = bd.KVFormat(bits=4, group_size=64)
+    assert cli_selfcheck.run_check("reference", torch.device("cpu"), fmt, 64, torch.float16) == ""
+    cache = bd.KVCache.allocate(1, 2, 64, 300, fmt, device="cpu", backend="reference")
+    gen = torch.Generator().manual_seed(1)
+    cache.prefill(torch.randn(1, 290, 2, 64, generator=gen).half(), torch.randn(1, 290, 2, 64, generator=gen).half())
+    q = torch.randn(1, 1, 8, 64, generator=gen).half()
+    real = bd.decode
+
+    def skewed(q, cache, num_splits=0, backend="auto", return_lse=False, shift=(0.05, 0.0)):
+        out, lse = real(q, cache, backend="reference", return_lse=True)
+        return out + shift[0], lse + shift[1]
+
+    monkeypatch.setattr(bd, "decode", lambda *a, **k: skewed(*a, **k) if k.get("backend") == "fake"
+                        else real(*a, **k))
+    assert "max error" in cli_selfcheck.decode_mismatch(q, cache, "fake", 3)
+    monkeypatch.setattr(bd, "decode", lambda *a, **k: skewed(*a, **k, shift=(0.0, 0.01)) if k.get("backend") == "fake"
+                        else real(*a, **k))
+    assert "LSE differs" in cli_selfcheck.decode_mismatch(q, cache, "fake", 1)
+
+
+def test_the_check_needs_a_gpu_when_run_by_hand():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="selfcheck: needs a CUDA GPU"):
+        cli.main(["selfcheck", "--backend", "sm100", "--fp4", "nvfp4"])
 
 
 def test_limits_come_from_the_backend():

@@ -20,7 +20,8 @@ import torch
 
 import bitdecode as bd
 from bitdecode import cache as cache_module
-from bitdecode import dispatch
+from bitdecode import cli_selfcheck, dispatch, selfcheck
+from bitdecode.reference import decode_tolerance, rounded_p_attention
 
 from kvdata import kv, on_grid
 
@@ -64,34 +65,12 @@ def make_cache(fmt, lens, hkv, d, dtype, page_size=None, backend="reference", se
     return cache, k, v
 
 
-def lowprec_reference(q, cache, scale):
-    """Attention over the dequantized cache with P rounded to the model dtype; q [B, T, Hq,
-    D], query j of T over the first len - T + 1 + j tokens."""
-    outs = []
-    tq, hq, d = q.shape[1:]
-    for b, length in enumerate(cache.lengths):
-        kd, vd = cache.dequantized(b)
-        hkv = kd.shape[1]
-        for j in range(tq):
-            seen = max(0, length - tq + 1 + j)
-            if seen == 0:
-                outs.append(torch.zeros(hq, d, device=DEV))
-                continue
-            qg = q[b, j].float().view(hkv, hq // hkv, d)
-            s = torch.einsum("hgd,lhd->hgl", qg, kd[:seen].float()) * scale
-            p = torch.softmax(s, dim=-1)
-            o = torch.einsum("hgl,lhd->hgd", p.to(q.dtype).float(), vd[:seen].float())
-            outs.append(o.reshape(hq, d))
-    return torch.stack(outs).view(q.shape)
-
-
 def check_decode(q, cache, backend, num_splits=0):
     scale = q.shape[-1] ** -0.5
     out, lse = bd.decode(q, cache, num_splits=num_splits, backend=backend, return_lse=True)
     ref, ref_lse = bd.decode(q, cache, backend="reference", return_lse=True)
     ref = ref.float()  # reference keeps fp32 maths, rounded once at the end
-    lp = lowprec_reference(q, cache, scale)
-    tol = 2 * (lp - ref).abs().max().item() + 2e-3 * max(ref.abs().max().item(), 1.0)
+    tol = decode_tolerance(rounded_p_attention(q, cache, scale), ref)
     assert torch.isfinite(out).all()
     err = (out.float() - ref).abs().max().item()
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
@@ -146,8 +125,7 @@ def test_backends_agree(cfg):
     q = torch.randn(3, 1, 2 * gq, d, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEV)
     outs = {b: bd.decode(q, cache, backend=b).float() for b in runs}
     ref = bd.decode(q, cache, backend="reference").float()
-    lp = lowprec_reference(q, cache, q.shape[-1] ** -0.5)
-    tol = 4 * (lp - ref).abs().max().item() + 4e-3 * max(ref.abs().max().item(), 1.0)
+    tol = decode_tolerance(rounded_p_attention(q, cache, q.shape[-1] ** -0.5), ref, factor=4.0)
     for b in runs[1:]:
         err = (outs[b] - outs[runs[0]]).abs().max().item()
         assert err <= tol, f"{b} vs {runs[0]}: {err:.3g} > {tol:.3g}"
@@ -352,6 +330,32 @@ def test_cuda_graph_replay_equals_eager(backend, sinks, fp4):
     _assert_same_cache(graphed, eager)
 
 
+@pytest.mark.parametrize("fmt", [bd.KVFormat(fp4="nvfp4"), bd.KVFormat(bits=4, sink_tokens=16)], ids=["nvfp4", "4b-sinks"])
+def test_first_use_check_passes_in_its_child_process(backend, fmt):
+    """``auto``'s first-use check (``bitdecode.selfcheck``, what it runs before taking an
+    unvalidated backend such as sm100) as ``auto`` runs it: a child process on this GPU,
+    its JSON verdict read back."""
+    command = selfcheck.child_command(backend, torch.cuda.current_device(), fmt, 128, torch.float16)
+    assert selfcheck.run_child(command, timeout=600) == (True, "matches the reference")
+
+
+def test_first_use_check_catches_a_wrong_kernel(monkeypatch):
+    """The same check in this process with the sm80 decode's output nudged past the tolerance
+    rule: it must say so (a check that cannot fail would let a broken kernel through)."""
+    real = bd.decode
+
+    def nudged(q, cache, *args, **kwargs):
+        got = real(q, cache, *args, **kwargs)
+        if kwargs.get("backend") != "sm80":
+            return got
+        out, lse = got
+        return out + 0.1, lse
+
+    monkeypatch.setattr(bd, "decode", nudged)
+    why = cli_selfcheck.run_check("sm80", DEV, bd.KVFormat(bits=4), 128, torch.float16)
+    assert why.startswith("num_splits=0: max error"), why
+
+
 @pytest.mark.parametrize("tool_name", ["memcheck", "racecheck"])
 def test_compute_sanitizer_clean(tmp_path, backend, tool_name):
     tool = shutil.which("compute-sanitizer")
@@ -508,8 +512,7 @@ def test_multi_token_queries_match_reference(cfg, backend):
         check_decode(q, cache, backend, num_splits=splits)
     # without the LSE: the kernels' own output path, or (past the tile) the SDPA path
     ref = bd.decode(q, cache, backend="reference").float()
-    lp = lowprec_reference(q, cache, d ** -0.5)
-    tol = 2 * (lp - ref).abs().max().item() + 2e-3 * max(ref.abs().max().item(), 1.0)
+    tol = decode_tolerance(rounded_p_attention(q, cache, d ** -0.5), ref)
     err = (bd.decode(q, cache, backend=backend).float() - ref).abs().max().item()
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
 

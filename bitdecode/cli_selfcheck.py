@@ -1,0 +1,113 @@
+"""``bitdecode selfcheck``: one kernel backend on this GPU against the torch reference.
+
+What ``auto`` runs in a child process (``bitdecode.selfcheck``) before it takes a backend
+whose kernels have not run on their GPU in this project (sm100 on Blackwell), and what a
+user can run by hand: for one cache configuration, the backend's prefill and one-token
+appends must pack exactly the reference's bytes (the dequantized caches are equal), and its
+decode must match the reference within the GPU suite's tolerance rule
+(``reference.decode_tolerance``) with the split heuristic's choice, one split and three,
+over ragged lengths (packed tiles, a residual, sink tokens if the format has them) and GQA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from . import reference
+from .formats import KVFormat
+from .selfcheck import DTYPES
+
+GQA = 4  # query heads per KV head (the Llama family's usual ratio)
+SPLITS = (0, 1, 3)  # the split heuristic's own choice, one split (no combine), a forced few
+APPENDED = 5  # one-token appends after the prefill
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", required=True, help="a kernel backend: sm80, sm90, sm100")
+    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--bits", type=int, default=4, choices=(4, 2), help="KVFormat.bits (default 4)")
+    p.add_argument("--fp4", choices=("nvfp4", "mxfp4"), help="an FP4 format instead of integer codes")
+    p.add_argument("--format-json", help="every KVFormat field as JSON (instead of --bits / --fp4)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float16", help="model dtype (default float16)")
+    p.add_argument("--json", action="store_true", help="print the verdict as one JSON line (what auto reads)")
+    return p
+
+
+def decode_mismatch(q: torch.Tensor, cache, backend: str, num_splits: int = 0) -> str:
+    """Why ``backend``'s decode of ``q`` over ``cache`` is not the reference's ("" when it
+    is, within the tolerance rule): non-finite values, the output's error, the LSE's."""
+    import bitdecode as bd
+
+    out, lse = bd.decode(q, cache, num_splits=num_splits, backend=backend, return_lse=True)
+    ref, ref_lse = bd.decode(q, cache, backend="reference", return_lse=True)
+    ref = ref.float()  # the reference keeps fp32 maths, rounded once at the end
+    tol = reference.decode_tolerance(reference.rounded_p_attention(q, cache, q.shape[-1] ** -0.5), ref)
+    if not torch.isfinite(out).all():
+        return f"num_splits={num_splits}: non-finite outputs"
+    err = (out.float() - ref).abs().max().item()
+    if err > tol:
+        return f"num_splits={num_splits}: max error {err:.3g} > tolerance {tol:.3g}"
+    seen = torch.tensor([n > 0 for n in cache.lengths], device=lse.device)
+    if not torch.allclose(lse[seen], ref_lse[seen], atol=2e-3, rtol=1e-3):
+        worst = (lse - ref_lse)[seen].abs().max().item()
+        return f"num_splits={num_splits}: LSE differs from the reference by {worst:.3g}"
+    return ""
+
+
+def run_check(backend: str, device: torch.device, fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> str:
+    """Runs ``backend`` on ``device`` for one cache configuration against the reference, in
+    this process; "" when it agrees, else what differed."""
+    import bitdecode as bd
+
+    nr = fmt.residual_block
+    lens = [9 * nr + 37 + fmt.sink_tokens, nr + 3]  # packed tiles and residuals; one row short
+    gen = torch.Generator().manual_seed(0)
+    hkv, n = 2, max(lens) + APPENDED
+    k = torch.randn(len(lens), n, hkv, head_dim, generator=gen)
+    k[..., :3] = k[..., :3] * 8 + 10  # a few large channels, as real models' K has
+    v = torch.randn(len(lens), n, hkv, head_dim, generator=gen)
+    k, v = k.to(dtype).to(device), v.to(dtype).to(device)
+    caches = {}
+    for name in (backend, "reference"):
+        cache = bd.KVCache.allocate(len(lens), hkv, head_dim, n, fmt, dtype=dtype, device=device, backend=name)
+        cache.prefill(k[:, : max(lens)], v[:, : max(lens)], lens)
+        for t in range(n - APPENDED, n):  # a decode loop's appends
+            cache.append(k[:, t: t + 1], v[:, t: t + 1])
+        caches[name] = cache
+    for b in range(len(lens)):
+        for what, mine, ref in zip("KV", caches[backend].dequantized(b), caches["reference"].dequantized(b)):
+            if not torch.equal(mine, ref):
+                return (f"prefill + append: {what} of sequence {b} differs from the reference pack in "
+                        f"{(mine != ref).sum().item()} values")
+    q = torch.randn(len(lens), 1, hkv * GQA, head_dim, generator=gen).to(dtype).to(device)
+    for splits in SPLITS:
+        why = decode_mismatch(q, caches[backend], backend, splits)
+        if why:
+            return why
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # a fault of the last launch is the check's too
+    return ""
+
+
+def run(args) -> int:
+    fmt = KVFormat(**json.loads(args.format_json)) if args.format_json else KVFormat(bits=args.bits, fp4=args.fp4)
+    if not torch.cuda.is_available():
+        raise SystemExit("bitdecode selfcheck: needs a CUDA GPU (the check runs the backend's kernels)")
+    device = torch.device("cuda", args.device)
+    try:
+        detail = run_check(args.backend, device, fmt, args.head_dim, DTYPES[args.dtype])
+    except Exception as exc:  # noqa: BLE001 - a kernel's failure (or a refusal) is the verdict
+        detail = f"{type(exc).__name__}: {exc}"
+    ok = not detail
+    if args.json:
+        print(json.dumps({"ok": ok, "detail": detail or "matches the reference"}))
+    else:
+        print(f"{args.backend} on {torch.cuda.get_device_name(device)}, {fmt.describe()}, head_dim={args.head_dim}, "
+              f"{args.dtype}: {'matches the reference' if ok else 'FAILED: ' + detail}")
+    return 0 if ok else 1
