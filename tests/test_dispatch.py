@@ -73,12 +73,28 @@ def test_compile_arch_maps_to_its_backend():
 NVFP4 = bd.KVFormat(fp4="nvfp4")
 
 
+def test_auto_leaves_the_sm100_fp4_kernel_alone(capability, monkeypatch):
+    """Blackwell: ``auto`` keeps sm80 for FP4 caches and runs no check (the tcgen05 kernel's
+    FP4 Q and P cost 0.12-0.22 relative L2 against the reference); ``backend="sm100"`` forces it."""
+    capability((10, 0))
+    monkeypatch.setattr(selfcheck, "run_child", lambda *a: pytest.fail("auto ran a first-use check"))
+    for d in (64, 128, 256):
+        assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=d, dtype=torch.float16) == "sm80"
+    assert dispatch.resolve("auto", CUDA0) == "sm80"
+    assert dispatch.available(CUDA0) == ("sm100", "sm80", "reference")
+    assert dispatch.resolve("sm100", CUDA0) == "sm100"
+    assert backends.get("sm100").runs_tcgen05(NVFP4, 128) and not backends.get("sm100").runs_tcgen05(NVFP4, 64)
+
+
 @pytest.fixture
 def child(monkeypatch, tmp_path, capability):
-    """A Blackwell device whose first-use check's child process is faked: ``child.verdict``
-    is what it reports, ``child.calls`` the commands it was given; verdicts on disk go to
-    ``tmp_path``."""
+    """A Blackwell device whose sm100 backend ``auto`` would take for FP4 caches at head dims
+    128 / 256 (as it would once its kernel meets the tolerance rule) and whose first-use
+    check's child process is faked: ``child.verdict`` is what it reports, ``child.calls``
+    the commands it was given; verdicts on disk go to ``tmp_path``."""
     capability((10, 0))
+    sm100 = backends.get("sm100")
+    monkeypatch.setattr(sm100, "auto_picks", lambda fmt, head_dim, dtype=None: sm100.runs_tcgen05(fmt, head_dim))
     monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(selfcheck.ENV_SWITCH, raising=False)
     monkeypatch.setattr(selfcheck, "_verdicts", {})
@@ -98,10 +114,9 @@ def child(monkeypatch, tmp_path, capability):
     return fake
 
 
-def test_auto_takes_the_unvalidated_sm100_kernel_after_its_check(child):
-    """Blackwell, FP4 at head dim 128: ``auto`` runs the tcgen05 kernel's first-use check once
-    (a child process) and takes sm100 when it passed; the verdict is kept in the process and
-    on disk."""
+def test_auto_takes_an_unvalidated_backend_after_its_check(child):
+    """``auto`` runs an unvalidated backend's first-use check once (a child process) and
+    takes it when it passed; the verdict is kept in the process and on disk."""
     assert not backends.get("sm100").hardware_validated
     assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm100"
     assert len(child.calls) == 1
@@ -132,15 +147,15 @@ def test_auto_keeps_sm80_when_the_check_fails(child):
     (NVFP4, 128, None),  # a dtype not known yet
     (None, 0, None),  # no cache at all
 ])
-def test_auto_checks_only_where_it_would_take_sm100(child, fmt, head_dim, dtype):
+def test_auto_checks_only_where_it_would_take_the_backend(child, fmt, head_dim, dtype):
     assert dispatch.resolve("auto", CUDA0, fmt=fmt, head_dim=head_dim, dtype=dtype) == "sm80"
     assert child.calls == []
     assert dispatch.available(CUDA0) == ("sm100", "sm80", "reference")
 
 
 def test_info_names_a_pending_check_without_running_it(child):
-    """``bitdecode info`` on Blackwell shows sm80 for FP4 with the check still to come (it
-    runs none: a check compiles kernels), then sm100 once a verdict is kept."""
+    """``bitdecode info`` shows the validated pick with the check still to come (it runs
+    none: a check compiles kernels), then the checked backend once a verdict is kept."""
     from bitdecode import cli_info
 
     assert cli_info._auto_pick(CUDA0, NVFP4, 128, torch.float16) == "sm80 (sm100 after its first-use check)"
@@ -199,6 +214,34 @@ def test_the_check_itself_passes_the_reference_and_catches_a_wrong_decode(monkey
     monkeypatch.setattr(bd, "decode", lambda *a, **k: skewed(*a, **k, shift=(0.0, 0.01)) if k.get("backend") == "fake"
                         else real(*a, **k))
     assert "LSE differs" in cli_selfcheck.decode_mismatch(q, cache, "fake", 1)
+
+
+def test_the_sm100_kernel_is_checked_against_its_emulation(monkeypatch):
+    """The FP4 kernel takes Q and P in FP4, so ``bitdecode selfcheck`` holds it to
+    ``emulate_sm100`` (its spec): the emulation itself passes, an output off by a few
+    percent fails (here ``bd.decode`` stands in for the GPU kernel)."""
+    from bitdecode.emulate_sm100 import emulate_decode
+
+    gen = torch.Generator().manual_seed(2)
+    cache = bd.KVCache.allocate(2, 1, 128, 600, NVFP4, device="cpu", backend="reference")
+    cache.prefill(torch.randn(2, 560, 1, 128, generator=gen).half(), torch.randn(2, 560, 1, 128, generator=gen).half(),
+                  [560, 130])
+    q = torch.randn(2, 1, 4, 128, generator=gen).half()
+    assert cli_selfcheck.follows_emulation("sm100", cache)
+    assert not cli_selfcheck.follows_emulation("sm80", cache) and not cli_selfcheck.follows_emulation("reference", cache)
+
+    def kernel(scale):
+        def decode(q, cache, num_splits=0, backend="auto"):
+            t = cache.tensors()
+            out, _ = emulate_decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens,
+                                    t.fmt, t.block_table, num_splits=max(num_splits, 1), sinks=t.sinks)
+            return out * scale
+        return decode
+
+    monkeypatch.setattr(bd, "decode", kernel(1.0))
+    assert cli_selfcheck.spec_mismatch(q, cache, "sm100", 3) == ""
+    monkeypatch.setattr(bd, "decode", kernel(1.05))
+    assert "against the sm100 emulation" in cli_selfcheck.spec_mismatch(q, cache, "sm100", 0)
 
 
 def test_the_check_needs_a_gpu_when_run_by_hand():
