@@ -220,13 +220,14 @@ class DecodePlan:
         self.dtype = q_dtype
         self.splits = splits
         self.device = device
-        self.static = (cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16),
-                       cache.v_params, cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens,
-                       cache.block_table)
+        self.static = jit.bound_arguments((
+            cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16), cache.v_params,
+            cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens, cache.block_table), decode_fn)
         self.decode_fn = decode_fn
         self.combine_fn = combine_fn
-        self.unused_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        self.workspaces: dict = {}  # raw CUDA stream -> (o_part, l_part)
+        self.unused_lse, = jit.bound_arguments(
+            (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), decode_fn, combine_fn)
+        self.workspaces: dict = {}  # raw CUDA stream -> (o_part, l_part), converted as ``static``
 
     def workspace(self):
         """The split-KV partials' buffers for the current stream (fresh while capturing)."""
@@ -237,7 +238,8 @@ class DecodePlan:
         if ws is None:
             if len(self.workspaces) >= self.MAX_STREAMS:
                 self.workspaces.pop(next(iter(self.workspaces)))
-            ws = self.workspaces[stream] = self._new_workspace()
+            ws = self.workspaces[stream] = jit.bound_arguments(self._new_workspace(), self.decode_fn,
+                                                               self.combine_fn)
         return ws
 
     def _new_workspace(self):
@@ -368,9 +370,10 @@ class Sm80Backend:
         """``append`` for this cache with the kernel and its fixed arguments bound once."""
         arch = jit.target_arch(cache.device.index)
         kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, "append")
-        before = (cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens, cache.block_table)
-        after = (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.overflow, cache.commits,
-                 cache.capacity)
+        before = jit.bound_arguments((cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens,
+                                      cache.block_table), kern)
+        after = jit.bound_arguments((cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.overflow,
+                                     cache.commits, cache.capacity), kern)
 
         def append(k: torch.Tensor, v: torch.Tensor) -> None:
             kern(k.contiguous(), v.contiguous(), *before, *after)

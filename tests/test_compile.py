@@ -500,3 +500,23 @@ def test_sm90_lazy_margin_keeps_fp16_p_finite():
               DecodeSm90(f16, 4, "channel", 128, 128, 8, True, fp4="nvfp4")):
         assert 1.0 <= 2 ** k.lazy_margin < fp16_max
     assert not DecodeSm90(f16, 4, "channel", 128, 128, 8, True, lazy_max=False).lazy_max
+
+
+def test_bound_arguments_are_converted_once_for_tvm_ffi_functions():
+    """A plan's fixed arguments (the cache's tensors) become TVM-FFI tensors once when every
+    kernel it calls is a raw TVM-FFI function (``jit._positional``; on a GPU, checked by
+    ``test_plans_hold_their_cache_tensors_as_tvm_ffi_tensors``): views of the same storage,
+    not copies; with any other callable among the kernels they stay torch tensors."""
+    import torch
+    import tvm_ffi
+
+    from bitdecode import jit
+
+    fn = tvm_ffi.get_global_func("testing.nop")
+    t = torch.arange(4.0)
+    bound = jit.bound_arguments((t, 7), fn, fn)
+    assert isinstance(bound[0], tvm_ffi.Tensor) and bound[1] == 7
+    t.add_(1)  # the converted tensor aliases t's storage
+    assert torch.equal(torch.from_dlpack(bound[0]), t)
+    fn(*bound)
+    assert jit.bound_arguments((t,), fn, lambda *a: None)[0] is t

@@ -356,6 +356,22 @@ def test_first_use_check_catches_a_wrong_kernel(monkeypatch):
     assert why.startswith("num_splits=0: max error"), why
 
 
+def test_plans_hold_their_cache_tensors_as_tvm_ffi_tensors(backend):
+    """The kernels come out of the JIT cache as raw TVM-FFI functions, so a decode plan's
+    cache tensors and split workspace are converted once (``jit.bound_arguments``), not on
+    every launch; the results stay the reference's."""
+    import tvm_ffi
+
+    fmt = bd.KVFormat(bits=4)
+    cache, _, _ = make_cache(fmt, [700, 300], 2, 128, torch.float16, backend=backend)
+    q = torch.randn(2, 1, 8, 128, device=DEV).half()
+    cache.decode(q, num_splits=3)
+    plan = cache._fast[1]
+    assert all(isinstance(t, tvm_ffi.Tensor) for t in plan.static)
+    assert all(isinstance(t, tvm_ffi.Tensor) for ws in plan.workspaces.values() for t in ws)
+    check_decode(q, cache, backend, num_splits=3)
+
+
 @pytest.mark.parametrize("tool_name", ["memcheck", "racecheck"])
 def test_compute_sanitizer_clean(tmp_path, backend, tool_name):
     tool = shutil.which("compute-sanitizer")
