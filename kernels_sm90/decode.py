@@ -184,11 +184,14 @@ class DecodeSm90(PackedDecodeConfig):
         self.lazy_margin = 2.0 if self.v_bits == 4 or self.is_bf16 or not self.fold_v else 0.5
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
-        # head columns, of its accumulators) bound it; 2-bit measured faster at 64 (H200,
-        # B=16 N=64K: 400 vs 460 us; B=1 N=128K: 58 vs 66 us)
+        # head columns, of its accumulators) bound it.  128 halves the per-step chain (the
+        # S wait, the lazy verdict's barrier, P's store, fence and barrier) per token: 2-bit
+        # took 64 until K's scale went into Q and the maximum became lazy, then measured
+        # 3-12 % faster at 128 (H200, fifteenth session, profiles/h200/variants_2bit_step.json)
         # (NVFP4 at head dim 128: its 16-channel block scales spill 24 bytes at 128, which
-        # measured 1.7 % faster all the same at B=16 N=64K on the H200; kept spill-free)
-        self.step = step or (128 if bits == self.v_bits == 4 and head_dim <= 128 and heads_tile == 8
+        # measured 1.7 % faster all the same at B=16 N=64K on the H200; kept spill-free;
+        # mixed widths were never timed at 128)
+        self.step = step or (128 if bits == self.v_bits and head_dim <= 128 and heads_tile == 8
                              and not (fp4 == "nvfp4" and head_dim > 64) else 64)
         self.steps = self.nr // self.step
         self.m_k = self.step // M_BLOCK  # M-blocks of S^T per step
