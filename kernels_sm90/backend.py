@@ -26,16 +26,24 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return capability[0] == 9
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
-        """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128.  On the H200
-        (sixth session, CUDA-graph replay, L2 flushed, us, sm90 vs sm80): integer 4-bit with
-        V's scale folded into P, fp16 B=1 N=128K 58.4 vs 62.6, B=16 N=32K 189.6 vs 226.9,
-        B=16 N=64K 362.2 vs 379.7; bf16 59.9 vs 61.2, 197.0 vs 222.9, 379.7 vs 377.8 (before
-        the fold bf16 was 8 % slower here and stayed on sm80).  NVFP4 fp16 91.6 vs 95.3,
-        325.5 vs 448.9, 632.8 vs 881.5; MXFP4 bf16 85.3 vs 92.4, 299.6 vs 306.4, 584.0 vs
-        592.5.  2-bit stays on sm80, where this kernel is 7-17 % slower (its loop is bound
-        by per-token latency, not bytes), and so does head dim 256, never timed here, and
-        an unknown dtype (profiles/NOTES.md)."""
-        return fmt.bits == fmt.v_bits == 4 and head_dim <= 128 and dtype in (torch.float16, torch.bfloat16)
+        """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128, and 2-bit fp16
+        caches with K per channel in groups of 128.  On the H200 (sixth session, CUDA-graph
+        replay, L2 flushed, us, sm90 vs sm80): integer 4-bit with V's scale folded into P, fp16
+        B=1 N=128K 58.4 vs 62.6, B=16 N=32K 189.6 vs 226.9, B=16 N=64K 362.2 vs 379.7; bf16
+        59.9 vs 61.2, 197.0 vs 222.9, 379.7 vs 377.8 (before the fold bf16 was 8 % slower here
+        and stayed on sm80).  NVFP4 fp16 91.6 vs 95.3, 325.5 vs 448.9, 632.8 vs 881.5; MXFP4
+        bf16 85.3 vs 92.4, 299.6 vs 306.4, 584.0 vs 592.5.  2-bit with 128-token steps
+        (fifteenth session, ``profiles/h200/decode_backends.json`` and a side-by-side run in
+        NOTES.md): K per channel g128 fp16 faster from N = 32K (B=1 N=128K 51.1 vs 54.1, B=16
+        N=128K 577.6 vs 625.4), 1.4 us slower at B=1 N=4K; bf16 level (B=16 N=64K 312.9 vs
+        311.7) and K per token g64 slower at B=16 (348.5 vs 324.9) stay on sm80, as do head
+        dim 256, never timed here, and an unknown dtype (profiles/NOTES.md)."""
+        if head_dim > 128 or dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if fmt.bits == fmt.v_bits == 4:
+            return True
+        return (fmt.bits == fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
+                and dtype == torch.float16)
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
         from .decode import default_ctas_per_sm

@@ -32,7 +32,8 @@ def test_shipped_backends_best_first():
     ((9, 0), 4, 128, torch.bfloat16, "sm90"),  # ... and bf16 (since V's scale is folded into P)
     ((9, 0), 4, 128, None, "sm80"),  # ... nor an unknown dtype
     ((9, 0), 4, 256, torch.float16, "sm80"),  # ... nor head dim 256 (never timed)
-    ((9, 0), 2, 128, torch.float16, "sm80"),  # ... nor 2-bit, where it measured slower
+    ((9, 0), 2, 128, torch.float16, "sm90"),  # 2-bit K per channel g128 fp16 (128-token steps)
+    ((9, 0), 2, 128, torch.bfloat16, "sm80"),  # ... not in bf16, where it measured level
     ((8, 0), 4, 128, torch.float16, "sm80"),
     ((8, 9), 2, 64, torch.bfloat16, "sm80"),
     ((10, 0), 4, 128, torch.float16, "sm80"),  # Blackwell: the tcgen05 kernel is for FP4 caches only
@@ -40,6 +41,13 @@ def test_shipped_backends_best_first():
 def test_auto_by_capability_format_and_dtype(capability, cap, bits, head_dim, dtype, expect):
     capability(cap)
     assert dispatch.resolve("auto", CUDA0, fmt=bd.KVFormat(bits=bits), head_dim=head_dim, dtype=dtype) == expect
+
+
+@pytest.mark.parametrize("fmt", [bd.KVFormat(bits=2, k_mode="token", group_size=64), bd.KVFormat(bits=2, group_size=64),
+                                 bd.KVFormat(bits=4, v_bits=2)], ids=["2t64", "2c64", "k4v2"])
+def test_auto_keeps_sm80_for_the_2bit_formats_not_timed_faster_on_sm90(capability, fmt):
+    capability((9, 0))
+    assert dispatch.resolve("auto", CUDA0, fmt=fmt, head_dim=128, dtype=torch.float16) == "sm80"
 
 
 def test_auto_without_format_takes_the_first_usable(capability):
