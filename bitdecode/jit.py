@@ -172,9 +172,10 @@ def bound_arguments(args: Tuple[Any, ...], *fns) -> Tuple[Any, ...]:
     kernels ``fns`` take fastest: TVM-FFI tensors, converted here once, when every one is a
     raw TVM-FFI function (``_positional``), which otherwise converts each torch tensor
     through DLPack on every call (CPU: 12 tensors 1.4 us, pre-converted 0.3,
-    profiles/NOTES.md); as they are otherwise.  Each ffi tensor holds its torch tensor's storage alive, as the torch tensor
-    would.  The call's own torch tensors (q, the output, ``k`` / ``v`` of an append) still
-    set the launch's stream: TVM-FFI takes it from the first CUDA torch tensor of a call."""
+    profiles/NOTES.md); as they are otherwise.  Each ffi tensor holds its torch tensor's
+    storage alive, as the torch tensor would.  The call's own torch tensors (q, the output,
+    ``k`` / ``v`` of an append) still set the launch's stream: TVM-FFI takes it from the
+    first CUDA torch tensor of a call."""
     import tvm_ffi
 
     if not all(isinstance(fn, tvm_ffi.Function) for fn in fns):
