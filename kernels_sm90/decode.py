@@ -185,14 +185,15 @@ class DecodeSm90(PackedDecodeConfig):
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it.  128 halves the per-step chain (the
-        # S wait, the lazy verdict's barrier, P's store, fence and barrier) per token: 2-bit
-        # took 64 until K's scale went into Q and the maximum became lazy, then measured
-        # 3-12 % faster at 128 (H200, fifteenth session, profiles/h200/variants_2bit_step.json)
+        # S wait, the lazy verdict's barrier, P's store, fence and barrier) per token: 2-bit K
+        # per channel took 64 until K's scale went into Q and the maximum became lazy, then
+        # measured 3-12 % faster at 128 (H200, fifteenth session,
+        # profiles/h200/variants_2bit_step.json: groups 64 and 128, fp16 and bf16)
         # (NVFP4 at head dim 128: its 16-channel block scales spill 24 bytes at 128, which
         # measured 1.7 % faster all the same at B=16 N=64K on the H200; kept spill-free;
-        # mixed widths were never timed at 128)
-        self.step = step or (128 if bits == self.v_bits and head_dim <= 128 and heads_tile == 8
-                             and not (fp4 == "nvfp4" and head_dim > 64) else 64)
+        # 2-bit K per token and mixed widths were never timed at 128 and keep 64)
+        self.step = step or (128 if bits == self.v_bits and (bits == 4 or self.k_channel) and head_dim <= 128
+                             and heads_tile == 8 and not (fp4 == "nvfp4" and head_dim > 64) else 64)
         self.steps = self.nr // self.step
         self.m_k = self.step // M_BLOCK  # M-blocks of S^T per step
         self.m_v = head_dim // M_BLOCK if head_dim >= M_BLOCK else 1  # M-blocks of O^T
