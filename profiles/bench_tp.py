@@ -239,22 +239,9 @@ def all_reduce(value: float, op=dist.ReduceOp.MAX, device=None) -> float:
 
 def time_calls(fn: Callable, iters: int, warmup: int, device) -> float:
     """Median milliseconds of ``fn`` (CUDA events on a GPU, perf_counter on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    from bench_e2e import time_eager  # profiles/ is on the path of a script run from there
+
+    return statistics.median(time_eager(fn, device, warmup, iters))
 
 
 def capture(step: Callable):
