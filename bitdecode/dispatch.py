@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import _validate
-from . import backend as backends
+from . import backend as backends, selfcheck
 
 BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
 
@@ -65,8 +65,6 @@ def resolve(backend: str, device: torch.device, what: str = "decode", fmt=None, 
     if backend == "auto" and device.type != "cuda":
         return "reference"
     if backend == "auto":
-        from . import selfcheck  # (in-function: it is only needed where a backend is unvalidated)
-
         for b in auto_order(device, fmt, head_dim, dtype):
             if backends.get(b).hardware_validated or (
                     fmt is not None and selfcheck.verdict(b, device, fmt, head_dim, dtype, run=first_use_checks)):
