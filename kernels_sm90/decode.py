@@ -139,7 +139,8 @@ class DecodeSm90(PackedDecodeConfig):
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
-                 fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True):
+                 fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
+                 raw_k_all: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -165,10 +166,19 @@ class DecodeSm90(PackedDecodeConfig):
         # t = 1024 + code * mult themselves (mult 1 for a fragment's columns 2c, 2c + 1, 16
         # for 2c + 8, 2c + 9), Q o s / mult is the B tile, and the offset goes into the bias:
         #   S = sum (Q o s / mult) t - sum (Q o s / mult)(1024 + center mult) + Q . (zero + center s)
-        # (2-bit words spread a column half over five multipliers: they keep the fix-up)
+        # 2-bit words spread a column half over five multipliers, which depend on the k-block's
+        # place in its word (``k_mult[kb][half]``, the pair ``2 kb + half`` of the word):
+        # ``raw_k_all`` takes the lop3 halves there too, each scaler thread picking its
+        # k-block's multiplier at run time (not measured yet: Q o s / 256 nears fp16's
+        # subnormals), else they keep the fix-up
         steps = packing.dequant_steps(bits, "fp16")
-        self.raw_k = self.fold_k and all(st.mult == steps[st.pair % 2].mult for st in steps)
-        self.k_mult = tuple(steps[ch].mult for ch in range(2)) if self.raw_k else (1, 1)
+        mults = tuple(tuple(steps[2 * kb + half].mult for half in range(2)) for kb in range(self.kpw_k))
+        self.k_mult_uniform = len(set(mults)) == 1  # 4-bit: (1, 16) in every k-block
+        self.raw_k = self.fold_k and (self.k_mult_uniform or raw_k_all)
+        self.k_mult = mults if self.raw_k else ((1, 1),) * self.kpw_k
+        # log2 of k_mult[kb][half] in bits 4 (2 kb + half) .. + 3: the scalers' run-time lookup
+        self.k_mult_log2 = sum((self.k_mult[kb][h].bit_length() - 1) << 4 * (2 * kb + h)
+                               for kb in range(self.kpw_k) for h in range(2))
         self.k_offset = packing.MAGIC_VALUE["fp16"]
         # the producer threads that scale one head (a quad of lanes per k-block), and the
         # k-blocks each of them takes: (16, 1) at head dim 64, (32, 1) at 128, (32, 2) at 256
@@ -483,13 +493,13 @@ class DecodeSm90(PackedDecodeConfig):
                             w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
                             s2, z2 = split_params(w0, w1)
                             qs2 = ptx.fma_x2(q2, s2, Uint32(0), self.is_bf16)
-                            if const_expr(self.k_mult[half] != 1):  # exact: a power of two
-                                qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / self.k_mult[half], self.is_bf16), 0,
-                                                      self.is_bf16)
+                            offset = Float32(0.0)
+                            if const_expr(self.raw_k):
+                                qs2, offset = self.divide_by_mult(qs2, kt, half)
                             pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
                             if const_expr(self.raw_k):
                                 r_lo, r_hi = ptx.half_pair_to_f32(qs2, self.is_bf16)
-                                osum += (r_lo + r_hi) * Float32(self.k_offset + self.k_center * self.k_mult[half])
+                                osum += (r_lo + r_hi) * offset
                             q_lo, q_hi = ptx.half_pair_to_f32(q2, self.is_bf16)
                             s_lo, s_hi = ptx.half_pair_to_f32(s2, self.is_bf16)
                             z_lo, z_hi = ptx.half_pair_to_f32(z2, self.is_bf16)
@@ -499,6 +509,24 @@ class DecodeSm90(PackedDecodeConfig):
                     bias = across_lanes(bias, self.scale_lanes[0], operator.add)
                     if tid % self.scale_lanes[0] == 0:
                         sBias[head, g, stage] = bias
+
+    @cute.jit
+    def divide_by_mult(self, qs2, kt, half: cutlass.Constexpr[int]):
+        """``raw_k``: the B-tile pair ``Q o s / mult`` of k-block ``kt``'s column half
+        ``half`` and the lop3 halves' offset ``magic + center mult`` its values carry into
+        the bias.  One multiplier per half in every k-block (4-bit): immediates; else the
+        k-block's place in its word picks it at run time (exact either way: a power of two)."""
+        if const_expr(self.k_mult_uniform):
+            mult = self.k_mult[0][half]
+            if const_expr(mult != 1):
+                qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / mult, self.is_bf16), 0, self.is_bf16)
+            return qs2, Float32(self.k_offset + self.k_center * mult)
+        log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
+        # 2^-log2_mult as an fp16 pair: exponent field (15 - log2_mult), mantissa 0 (fold_k is fp16 only)
+        inv2 = ((Uint32(15) - log2_mult) << Uint32(10)) * Uint32(0x00010001)
+        qs2 = ptx.fma_x2(qs2, inv2, Uint32(0), self.is_bf16)
+        offset = Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
+        return qs2, offset
 
     # ---------------------------------------------------------------------------------
     # Consumer warpgroup

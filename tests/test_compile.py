@@ -522,6 +522,36 @@ def test_sm90_softmax_step_per_format(bits, mode, group, v_bits, dtype, d, nh, f
     assert k.step == step
 
 
+def test_sm90_raw_k_all_drops_the_2bit_k_fixup(monkeypatch, tmp_path):
+    """``raw_k_all`` (an A/B switch, off by default): 2-bit K per channel takes the lop3
+    halves as 4-bit does, the scalers dividing Q o s by each k-block's multiplier, looked up
+    at run time: the multiplier table is the dequant steps' (pair 2 kb + half of a word), the
+    K fix-up fmas leave the PTX, nothing spills; 4-bit, whose multipliers are the same in
+    every k-block, keeps its immediates."""
+    import functools
+
+    from bitdecode.kernels_sm90 import backend as sm90_backend
+    from bitdecode.kernels_sm90.decode import DecodeSm90
+    from bitdecode.layouts import packing
+
+    f16 = cutlass.Float16
+    two = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, raw_k_all=True)
+    steps = packing.dequant_steps(2, "fp16")
+    assert two.raw_k and not two.k_mult_uniform and not DecodeSm90(f16, 2, "channel", 128, 128, 8, True).raw_k
+    for kb in range(two.kpw_k):
+        for half in range(2):
+            mult = steps[2 * kb + half].mult
+            assert two.k_mult[kb][half] == mult and 1 << (two.k_mult_log2 >> 4 * (2 * kb + half) & 0xF) == mult
+    assert DecodeSm90(f16, 4, "channel", 128, 128, 8, True).k_mult_uniform
+    fmt = KVFormat(2, "channel", 128)
+    default = sm90_backend.compile_decode("sm_90a", fmt, f16, 128, 8, True, keep_ptx=True).artifacts.PTX
+    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, raw_k_all=True))
+    raw = sm90_backend.compile_decode("sm_90a", fmt, f16, 128, 8, True, keep_ptx=True).artifacts.PTX
+    assert raw.count("fma.rn.f16x2") < default.count("fma.rn.f16x2") - 100
+    report = ptxas.report(raw, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 def test_bound_arguments_are_converted_once_for_tvm_ffi_functions():
     """A plan's fixed arguments (the cache's tensors) become TVM-FFI tensors once when every
     kernel it calls is a raw TVM-FFI function (``jit._positional``; on a GPU, checked by
