@@ -468,11 +468,11 @@ def test_sm90_fold_k_config():
     k = DecodeSm90(f16, 4, "channel", 128, 128, 8, True)
     assert k.fold_k and k.q_copies == 1 and k.k_center == 8
     # 4-bit: the scores take the raw lop3 halves (one multiplier per fragment column half)
-    assert k.raw_k and k.k_mult == (1, 16) and k.k_offset == 1024
+    assert k.raw_k and k.k_mult == ((1, 16), (1, 16)) and k.k_mult_uniform and k.k_offset == 1024
     assert k.producer_regs == SCALER_REGS > PRODUCER_REGS[2] and k.consumer_regs == 2 * 128 - SCALER_REGS
     two = DecodeSm90(f16, 2, "channel", 64, 128, 16, True)  # 256-token tiles: four K groups
     assert two.fold_k and two.q_copies == 4 and two.k_center == 2
-    assert not two.raw_k and two.k_mult == (1, 1)  # 2-bit keeps the exact fix-up
+    assert not two.raw_k and two.k_mult == ((1, 1),) * 4  # 2-bit keeps the exact fix-up (raw_k_all: off)
     assert DecodeSm90(f16, 4, "channel", 128, 256, 8, False).scale_lanes == (32, 2)
     assert DecodeSm90(f16, 4, "channel", 64, 64, 16, True).scale_lanes == (16, 1)
     for off in (DecodeSm90(bf16, 4, "channel", 128, 128, 8, True),  # bf16
