@@ -49,6 +49,7 @@ in the model dtype.
 """
 
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
+import math
 import operator
 from typing import Optional, Type
 
@@ -84,6 +85,9 @@ PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
 SCALER_REGS = 56
 REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
 SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its CTAs may take
+# log2 units a logit may pass the running maximum by before the warpgroup exchanges maxima
+# (``lazy_softmax``): P then stays below 4 (H200: 2 skips nearly every exchange)
+LAZY_MARGIN = 2.0
 
 
 class Barrier:
@@ -188,10 +192,15 @@ class DecodeSm90(PackedDecodeConfig):
         # Packed steps take P against the running maximum as it stands while no logit passes
         # it by more than ``lazy_margin`` (log2 units), and exchange the maxima across the
         # four warps (a named barrier, shuffles, shared-memory reads on every step's chain)
-        # only when one does (``lazy_softmax``).  The margin keeps P^T in fp16: P <= 2^margin
-        # times V's scale, at most 131008 / (2^bits - 1) for fp16 V, stays under 65504.
+        # only when one does (``lazy_softmax``).  With V's scale in P^T (``fold_v``, fp16) the
+        # margin must keep P^T finite: 2^margin times V's largest scale, 2 fp16_max / (2^bits
+        # - 1), stays under fp16_max for a margin below log2((2^bits - 1) / 2); the largest
+        # half-unit step below it is 2.5 at 4 bits (LAZY_MARGIN's 2 stands), 0.5 at 2 bits.
         self.lazy_max = lazy_max
-        self.lazy_margin = 2.0 if self.v_bits == 4 or self.is_bf16 or not self.fold_v else 0.5
+        self.lazy_margin = LAZY_MARGIN
+        if self.fold_v and not self.is_bf16:
+            room = math.log2((2 ** self.v_bits - 1) / 2)
+            self.lazy_margin = min(LAZY_MARGIN, math.ceil(2 * room) / 2 - 0.5)
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it.  128 halves the per-step chain (the
@@ -522,8 +531,9 @@ class DecodeSm90(PackedDecodeConfig):
                 qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / mult, self.is_bf16), 0, self.is_bf16)
             return qs2, Float32(self.k_offset + self.k_center * mult)
         log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
-        # 2^-log2_mult as an fp16 pair: exponent field (15 - log2_mult), mantissa 0 (fold_k is fp16 only)
-        inv2 = ((Uint32(15) - log2_mult) << Uint32(10)) * Uint32(0x00010001)
+        # 2^-log2_mult as an fp16 pair: biased exponent (bias - log2_mult), mantissa 0 (fold_k is fp16 only)
+        inv2 = ((Uint32(packing.EXP_BIAS["fp16"]) - log2_mult) << Uint32(packing.MANTISSA_BITS["fp16"])) \
+            * Uint32(packing.HALF2_BOTH)
         qs2 = ptx.fma_x2(qs2, inv2, Uint32(0), self.is_bf16)
         offset = Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
         return qs2, offset

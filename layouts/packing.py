@@ -48,6 +48,7 @@ F32_EXP_BIAS = 127
 F32_MIN_EXP = 1 - F32_EXP_BIAS  # the smallest normal fp32 exponent, -126
 F32_SIGN_BIT = 31
 F32_MAX = (2.0 - 2.0 ** -F32_MANTISSA_BITS) * 2.0 ** F32_EXP_BIAS  # the largest finite fp32
+HALF2_BOTH = 0x00010001  # times a 16-bit pattern: the same pattern in both halves of a word
 
 # lop3 lookup tables are written with PTX's operand convention a=0xF0, b=0xCC, c=0xAA.
 LOP3_A, LOP3_B, LOP3_C = 0xF0, 0xCC, 0xAA
@@ -142,7 +143,7 @@ def dequant_steps(bits: int, dtype: str) -> Tuple[DequantStep, ...]:
     _check_dtype(dtype)
     f = codes_per_word(bits)
     room = MANTISSA_BITS[dtype]
-    magic = MAGIC_BITS[dtype] * 0x00010001
+    magic = MAGIC_BITS[dtype] * HALF2_BOTH
     steps = []
     shift = 0
     for pair in range(f // 2):
@@ -151,7 +152,7 @@ def dequant_steps(bits: int, dtype: str) -> Tuple[DequantStep, ...]:
             shift = low
         offset = low - shift
         mask = ((1 << bits) - 1) << offset
-        steps.append(DequantStep(pair, shift, mask * 0x00010001, magic, 1 << offset))
+        steps.append(DequantStep(pair, shift, mask * HALF2_BOTH, magic, 1 << offset))
     return tuple(steps)
 
 
