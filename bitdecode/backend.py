@@ -122,6 +122,11 @@ class Backend(Protocol):
         """Whether ``auto`` takes it for a cache of this format, head dim and dtype (None:
         not known yet)."""
 
+    def fp4_operands(self, fmt: KVFormat, head_dim: int) -> bool:
+        """Whether its decode of such a cache takes Q and P in FP4 (the sm100 block-scaled
+        kernel): its results then follow ``emulate_sm100``, not the reference's tolerance
+        rule (``bitdecode selfcheck`` holds it to that spec)."""
+
     def choose_splits(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int,
                       device: torch.device) -> int: ...
 

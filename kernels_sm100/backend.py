@@ -37,6 +37,9 @@ class Sm100Backend(sm80_backend.Sm80Backend):
         the same cache (module docstring), and the rest of this backend is sm80's."""
         return False
 
+    def fp4_operands(self, fmt: KVFormat, head_dim: int) -> bool:
+        return self.runs_tcgen05(fmt, head_dim)
+
     def runs_tcgen05(self, fmt: KVFormat, head_dim: int, tq: int = 1) -> bool:
         """Whether a decode request gets the tcgen05 kernel (else the sm80 one)."""
         return bool(fmt.fp4) and head_dim in HEAD_DIMS and tq == 1

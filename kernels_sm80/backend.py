@@ -296,6 +296,9 @@ class Sm80Backend:
     # whether ``auto`` may choose this backend: only kernels that have run on their GPU
     hardware_validated = True
 
+    def fp4_operands(self, fmt: KVFormat, head_dim: int) -> bool:
+        return False  # Q and P stay 16-bit (the FP4 caches are dequantized in registers)
+
     def supports(self, capability: Tuple[int, int]) -> bool:
         return tuple(capability) >= (8, 0)
 

@@ -222,6 +222,20 @@ def test_the_check_itself_passes_the_reference_and_catches_a_wrong_decode(monkey
     monkeypatch.setattr(bd, "decode", lambda *a, **k: skewed(*a, **k, shift=(0.0, 0.01)) if k.get("backend") == "fake"
                         else real(*a, **k))
     assert "LSE differs" in cli_selfcheck.decode_mismatch(q, cache, "fake", 1)
+    # multi-token queries, the first two past a 1-token sequence: they see no token
+    short = bd.KVCache.allocate(2, 2, 64, 300, fmt, device="cpu", backend="reference")
+    short.prefill(torch.randn(2, 290, 2, 64, generator=gen).half(), torch.randn(2, 290, 2, 64, generator=gen).half(),
+                  [290, 1])
+    q3 = torch.randn(2, 3, 8, 64, generator=gen).half()
+    assert cli_selfcheck.decode_mismatch(q3, short, "reference") == ""
+
+    def finite_lse(q, cache, num_splits=0, backend="auto", return_lse=False):  # no -inf for an empty query
+        out, lse = real(q, cache, backend="reference", return_lse=True)
+        return out, torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+    monkeypatch.setattr(bd, "decode", lambda *a, **k: finite_lse(*a, **k) if k.get("backend") == "fake"
+                        else real(*a, **k))
+    assert "sees no token" in cli_selfcheck.decode_mismatch(q3, short, "fake")
 
 
 def test_the_sm100_kernel_is_checked_against_its_emulation(monkeypatch):
