@@ -7,7 +7,7 @@ call, median of 30) on the same shapes, with the error against the reference at 
     python3 profiles/bench_variants.py --variant base= --variant exact_max=lazy_max=False \\
         --out profiles/h200
 
-writes ``<out>/variants.json``: every variant's rows and each row's time over the first
+writes ``<out>/variants.json`` (``variants_<tag>.json`` with ``--tag``): every variant's rows and each row's time over the first
 variant's.  The variants run one after the other on one GPU, so compare them within one
 file only.  Keywords: any ``DecodeSm90.__init__`` argument after the format's (``lazy_max``,
 ``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``).
@@ -113,8 +113,11 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="4c128", help=f"comma-separated, of {', '.join(FORMATS)} (default 4c128)")
     p.add_argument("--dtypes", default="fp16", help="comma-separated, of fp16, bf16 (default fp16)")
     p.add_argument("--out", type=Path, default=None, help="write <out>/variants.json")
+    p.add_argument("--tag", default="", help="write <out>/variants_<tag>.json instead (an identifier)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.tag and not args.tag.isidentifier():
+        p.error(f"--tag must be an identifier, got {args.tag!r}")
     variants = [parse_variant(v) for v in args.variant]
     if len({name for name, _ in variants}) != len(variants):
         p.error("--variant names must differ")
@@ -157,13 +160,15 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         result = {"command": "python3 profiles/bench_variants.py " + " ".join(
                       f"--variant {v}" for v in args.variant)
-                  + f" --shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes} --out {args.out}",
+                  + f" --shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes} --out {args.out}"
+                  + (f" --tag {args.tag}" if args.tag else ""),
                   "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                   "variants": {name: kw for name, kw in variants},
                   "method": "sm90 decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, median of "
                             "30 after 5 warm-ups, L2 flushed before each call; one process per variant",
                   "rows": rows}
-        (args.out / "variants.json").write_text(json.dumps(result, indent=1))
+        name = f"variants_{args.tag}.json" if args.tag else "variants.json"
+        (args.out / name).write_text(json.dumps(result, indent=1))
     return 0
 
 

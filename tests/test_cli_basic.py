@@ -134,6 +134,9 @@ def test_bench_variants_arguments(capsys):
     with pytest.raises(SystemExit):
         bv.main(["--variant", "a=", "--formats", "5c128"])
     assert "unknown format" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bv.main(["--variant", "a=", "--tag", "2-bit"])
+    assert "--tag must be an identifier" in capsys.readouterr().err
     import torch
 
     if not torch.cuda.is_available():
