@@ -149,6 +149,20 @@ def test_auto_keeps_sm80_when_the_check_fails(child):
     assert dispatch.resolve("sm100", CUDA0) == "sm100"  # by name it still runs
 
 
+def test_a_timed_out_check_is_not_kept_on_disk(child):
+    """A check that ran out of time (a hang, or only a slow first compile) is kept for the
+    process, not on disk: the next process, perhaps with a longer timeout, checks again."""
+    child.verdict = (False, f"{selfcheck.TIMED_OUT} 900 s (...)")
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm80"
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm80"
+    assert len(child.calls) == 1
+    selfcheck._verdicts.clear()  # a new process
+    child.verdict = (True, "matches the reference")
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm100"
+    assert len(child.calls) == 2
+
+
 @pytest.mark.parametrize("fmt, head_dim, dtype", [
     (bd.KVFormat(bits=4), 128, torch.float16),  # integer caches: sm80's kernels on Blackwell
     (NVFP4, 64, torch.float16),  # head dim 64: the tcgen05 kernel's M is 128
