@@ -43,8 +43,9 @@ def available(device: torch.device) -> Tuple[str, ...]:
 
 def auto_order(device: torch.device, fmt=None, head_dim: int = 0, dtype: Optional[torch.dtype] = None) -> List[str]:
     """The kernel backends ``auto`` considers for a cache of format ``fmt`` (when given),
-    best first: the registry's order (on the H200 sm90 is the faster one at 4 bits and head
-    dims up to 128: NOTES.md) among those that run on ``device`` and take the cache."""
+    best first: the registry's order among those that run on ``device`` and whose
+    ``auto_picks`` takes the cache (which ones each takes, and the measurements behind it,
+    are in its ``auto_picks``)."""
     kernels = [b for b in backends.shipped() if runnable(b, device)]
     if fmt is not None:
         kernels = [b for b in kernels if backends.get(b).auto_picks(fmt, head_dim, dtype)] or kernels
