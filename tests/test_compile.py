@@ -472,7 +472,8 @@ def test_sm90_fold_k_config():
     assert k.producer_regs == SCALER_REGS > PRODUCER_REGS[2] and k.consumer_regs == 2 * 128 - SCALER_REGS
     two = DecodeSm90(f16, 2, "channel", 64, 128, 16, True)  # 256-token tiles: four K groups
     assert two.fold_k and two.q_copies == 4 and two.k_center == 2
-    assert not two.raw_k and two.k_mult == ((1, 1),) * 4  # 2-bit keeps the exact fix-up (raw_k_all: off)
+    assert two.raw_k and two.k_mult != ((1, 1),) * 4  # 2-bit takes the lop3 halves too (raw_k_all)
+    assert DecodeSm90(f16, 2, "channel", 64, 128, 16, True, raw_k_all=False).k_mult == ((1, 1),) * 4
     assert DecodeSm90(f16, 4, "channel", 128, 256, 8, False).scale_lanes == (32, 2)
     assert DecodeSm90(f16, 4, "channel", 64, 64, 16, True).scale_lanes == (16, 1)
     for off in (DecodeSm90(bf16, 4, "channel", 128, 128, 8, True),  # bf16
@@ -523,11 +524,11 @@ def test_sm90_softmax_step_per_format(bits, mode, group, v_bits, dtype, d, nh, f
 
 
 def test_sm90_raw_k_all_drops_the_2bit_k_fixup(monkeypatch, tmp_path):
-    """``raw_k_all`` (an A/B switch, off by default): 2-bit K per channel takes the lop3
-    halves as 4-bit does, the scalers dividing Q o s by each k-block's multiplier, looked up
-    at run time: the multiplier table is the dequant steps' (pair 2 kb + half of a word), the
-    K fix-up fmas leave the PTX, nothing spills; 4-bit, whose multipliers are the same in
-    every k-block, keeps its immediates."""
+    """``raw_k_all`` (on by default; off is the A/B baseline): 2-bit K per channel takes the
+    lop3 halves as 4-bit does, the scalers dividing Q o s by each k-block's multiplier,
+    looked up at run time: the multiplier table is the dequant steps' (pair 2 kb + half of a
+    word), the K fix-up fmas leave the PTX, nothing spills; 4-bit, whose multipliers are the
+    same in every k-block, keeps its immediates."""
     import functools
 
     from bitdecode.kernels_sm90 import backend as sm90_backend
@@ -535,19 +536,20 @@ def test_sm90_raw_k_all_drops_the_2bit_k_fixup(monkeypatch, tmp_path):
     from bitdecode.layouts import packing
 
     f16 = cutlass.Float16
-    two = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, raw_k_all=True)
+    two = DecodeSm90(f16, 2, "channel", 128, 128, 8, True)
     steps = packing.dequant_steps(2, "fp16")
-    assert two.raw_k and not two.k_mult_uniform and not DecodeSm90(f16, 2, "channel", 128, 128, 8, True).raw_k
+    assert two.raw_k and not two.k_mult_uniform
+    assert not DecodeSm90(f16, 2, "channel", 128, 128, 8, True, raw_k_all=False).raw_k
     for kb in range(two.kpw_k):
         for half in range(2):
             mult = steps[2 * kb + half].mult
             assert two.k_mult[kb][half] == mult and 1 << (two.k_mult_log2 >> 4 * (2 * kb + half) & 0xF) == mult
     assert DecodeSm90(f16, 4, "channel", 128, 128, 8, True).k_mult_uniform
     fmt = KVFormat(2, "channel", 128)
-    default = sm90_backend.compile_decode("sm_90a", fmt, f16, 128, 8, True, keep_ptx=True).artifacts.PTX
-    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, raw_k_all=True))
     raw = sm90_backend.compile_decode("sm_90a", fmt, f16, 128, 8, True, keep_ptx=True).artifacts.PTX
-    assert raw.count("fma.rn.f16x2") < default.count("fma.rn.f16x2") - 100
+    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, raw_k_all=False))
+    exact = sm90_backend.compile_decode("sm_90a", fmt, f16, 128, 8, True, keep_ptx=True).artifacts.PTX
+    assert raw.count("fma.rn.f16x2") < exact.count("fma.rn.f16x2") - 100
     report = ptxas.report(raw, "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
