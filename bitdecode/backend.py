@@ -123,9 +123,9 @@ class Backend(Protocol):
         not known yet)."""
 
     def fp4_operands(self, fmt: KVFormat, head_dim: int) -> bool:
-        """Whether its decode of such a cache takes Q and P in FP4 (the sm100 block-scaled
-        kernel): its results then follow ``emulate_sm100``, not the reference's tolerance
-        rule (``bitdecode selfcheck`` holds it to that spec)."""
+        """Whether its decode of such a cache takes Q and P as FP4 terms (the sm100
+        block-scaled kernel): its results then follow ``emulate_sm100`` too, and
+        ``bitdecode selfcheck`` holds it to that spec besides the reference's tolerance rule."""
 
     def choose_splits(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int,
                       device: torch.device) -> int: ...

@@ -7,7 +7,7 @@ the reference's bytes (the dequantized caches are equal), and its decode must ma
 reference within the GPU suite's tolerance rule (``reference.decode_tolerance``) with the
 split heuristic's choice, one split and three, over ragged lengths (packed tiles, a
 residual, sink tokens if the format has them) and GQA.  The sm100 FP4 kernel, which takes
-Q and P in FP4, is held to its own spec instead: ``emulate_sm100.emulate_decode``.
+Q and P as FP4 terms, is held to its own spec as well: ``emulate_sm100.emulate_decode``.
 """
 
 from __future__ import annotations
@@ -123,11 +123,12 @@ def run_check(backend: str, device: torch.device, fmt: KVFormat, head_dim: int, 
                 return (f"prefill + append: {what} of sequence {b} differs from the reference pack in "
                         f"{(mine != ref).sum().item()} values")
     q = torch.randn(len(lens), 1, hkv * GQA, head_dim, generator=gen).to(dtype).to(device)
-    mismatch = spec_mismatch if follows_emulation(backend, caches[backend]) else decode_mismatch
+    checks = [decode_mismatch] + ([spec_mismatch] if follows_emulation(backend, caches[backend]) else [])
     for splits in SPLITS:
-        why = mismatch(q, caches[backend], backend, splits)
-        if why:
-            return why
+        for mismatch in checks:
+            why = mismatch(q, caches[backend], backend, splits)
+            if why:
+                return why
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a fault of the last launch is the check's too
     return ""

@@ -14,6 +14,14 @@ the same way).  So the query (B of ``S = K Q^T``) and the probabilities (B of
 ``O^T = V^T P^T``) are quantized to the cache's own format inside the kernel, Q once per
 CTA and P once per 128-token tile, in blocks of ``SF_VEC`` along the contraction.
 
+Why ``OPERAND_TERMS`` (four) terms each.  One FP4 term of Q and of P costs 0.12-0.22
+relative L2 of the output against the reference (LLM-like data; 16-bit operands: ~1e-3),
+some 50 times the tolerance rule every backend is held to.  So each operand is a sum of
+terms: term 0 quantizes the operand, term ``t + 1`` the residual the terms before it left
+(in the same blocks, on the same fp32 operand scale, with its own block scales), and each
+product is one block-scaled MMA per term accumulating into the same tensor memory.  Each
+term cuts the error 6-10x; four reach the 16-bit operands' accuracy (0.0002-0.0021).
+
 Why the fp32 operand scales ``rg`` (per query row) and ``rp`` (per query row and tile).
 NVFP4's e4m3 block scales span only ``2^-9 .. 448``: a Q row whose values are all small, or
 a tile whose probabilities are all far below the running max, would sit on the smallest
@@ -35,14 +43,15 @@ resp. 1), whatever the fp32 rounding of ``r``.
 Per (sequence b, KV head h) and per split, in fp32 unless said otherwise (G query heads per
 KV head, rows ``h G .. h G + G - 1`` of ``q[b, 0]``; scores in log2 units):
 
-1. Q: ``quantize_q_operand`` (codes, scale bytes, rg); ``qhat = e2m1(code) * s_b``;
+1. Q: ``quantize_q_operand`` (codes, scale bytes per term, rg); ``qhat = sum over the
+   terms of e2m1(code) * s_b``;
    ``c = fp32(scale_log2 / rg)`` per row, ``scale_log2 = softmax_scale * log2(e)``.
 2. Each packed 128-token tile, K and V read from the packed words and scale chunks (the
    bytes TMA copies; scale of row t, column j at byte ``sf_offsets(fmt, rows, cols)[t][j]``
    of the tile's chunks): ``s = (K qhat^T, exact then fp32) * c``; ``m_new = max(m,
    max_t s)``, ``alpha = exp2(m - m_new)`` (0 while m = -inf), ``p = exp2(s - m_new)``;
-   P: ``quantize_p_operand(p, exp2(m_tile - m_new))`` (codes, scale bytes, rp); ``l = l
-   alpha + sum_t e2m1(code) s_b / rp``, ``O = O alpha + (sum_t e2m1(code) s_b V) / rp``
+   P: ``quantize_p_operand(p, exp2(m_tile - m_new))`` (codes, scale bytes per term, rp),
+   ``phat`` its terms' sum; ``l = l alpha + sum_t phat / rp``, ``O = O alpha + (phat V) / rp``
    (``/ rp`` as a multiply by the one fp32 reciprocal per row, as the kernel does it).
 3. Each 16-bit tile (the sinks first, in split 0; the residual last): ``s = (q . k in
    fp32) * scale_log2`` with q as it is, the same running max, ``p16 = exp2(s - m_new)``
@@ -73,10 +82,11 @@ from .formats import KVFormat
 from .layouts import sm100
 from .layouts.packing import F32_MAX, LN_2, LOG2_E
 
-__all__ = ["NVFP4_MAX", "OPERAND_TOP", "split_tiles", "quantize_q_operand", "quantize_p_operand", "emulate_decode"]
+__all__ = ["NVFP4_MAX", "OPERAND_TOP", "OPERAND_TERMS", "split_tiles", "quantize_q_operand", "quantize_p_operand", "emulate_decode"]
 
 NVFP4_MAX = sm100.NVFP4_MAX
 OPERAND_TOP = sm100.OPERAND_TOP
+OPERAND_TERMS = sm100.OPERAND_TERMS
 FP32_MAX = F32_MAX
 TILE_TOKENS = sm100.SF_ATOM_ROWS  # a packed tile: 128 tokens, one chunk of K's scale rows
 
@@ -113,33 +123,51 @@ def _operand_scale(amax: torch.Tensor, fp4: str) -> torch.Tensor:
     return torch.where(amax > 0, r, torch.ones_like(r))
 
 
-def _fp4_rows(x: torch.Tensor, r: torch.Tensor, fp4: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp32 rows ``x [R, L]`` times ``r [R]`` (one fp32 multiply) quantized in blocks of
-    ``SF_VEC`` along L by the cache's own rounding -> (codes [R, L], scale bytes [R, L/V])."""
+def _fp4_terms(x: torch.Tensor, r: torch.Tensor, fp4: str, terms: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows ``x [R, L]`` times ``r [R]`` (one fp32 multiply) as ``terms`` FP4 terms in
+    blocks of ``SF_VEC`` along L -> (codes [terms, R, L], scale bytes [terms, R, L/V]).
+    Term 0 quantizes ``y = x r`` by the cache's own rounding; term ``t + 1`` quantizes the
+    residual ``y - sum of the terms so far`` (one fp32 subtraction per term: a term's
+    values ``e2m1 * scale`` are exact in fp32), with its own block scales."""
     y = x.float() * r[:, None]
     vec = sm100.SF_VEC[fp4]
-    codes, sf = reference._quantize_fp4_blocks(y.reshape(y.shape[0], -1, vec), fp4)
-    return codes.reshape(y.shape), sf
+    all_codes, all_sf = [], []
+    for _ in range(terms):
+        codes, sf = reference._quantize_fp4_blocks(y.reshape(y.shape[0], -1, vec), fp4)
+        codes = codes.reshape(y.shape)
+        all_codes.append(codes)
+        all_sf.append(sf)
+        y = y - reference.dequantize_fp4(codes, sf, fp4, torch.float32)
+    return torch.stack(all_codes), torch.stack(all_sf)
 
 
-def quantize_q_operand(q_rows: torch.Tensor, fp4: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A CTA's query rows ``[G, D]`` (16-bit) as the B operand of ``S = K Q^T`` -> (e2m1
-    codes uint8 ``[G, D]``, scale bytes uint8 ``[G, D / SF_VEC]``, rg fp32 ``[G]``), with
-    ``e2m1(code) * scale`` approximating ``q * rg``, ``rg = OPERAND_TOP / max|q row|``."""
+def _terms(terms: Optional[int]) -> int:
+    terms = OPERAND_TERMS if terms is None else terms
+    if not isinstance(terms, int) or terms < 1:
+        raise ValueError(f"terms must be a positive int, got {terms!r}")
+    return terms
+
+
+def quantize_q_operand(q_rows: torch.Tensor, fp4: str, terms: Optional[int] = None
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CTA's query rows ``[G, D]`` (16-bit) as the B operands of ``S = K Q^T`` -> (e2m1
+    codes uint8 ``[T, G, D]``, scale bytes uint8 ``[T, G, D / SF_VEC]``, rg fp32 ``[G]``),
+    ``T = terms`` (default ``OPERAND_TERMS``), with the terms' ``e2m1(code) * scale``
+    summing to ``q * rg``, ``rg = OPERAND_TOP / max|q row|``."""
     qf = q_rows.float()
     rg = _operand_scale(qf.abs().amax(dim=-1), fp4)
-    return (*_fp4_rows(qf, rg, fp4), rg)
+    return (*_fp4_terms(qf, rg, fp4, _terms(terms)), rg)
 
 
-def quantize_p_operand(p: torch.Tensor, pmax: torch.Tensor, fp4: str
+def quantize_p_operand(p: torch.Tensor, pmax: torch.Tensor, fp4: str, terms: Optional[int] = None
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tile's probabilities ``p [G, T]`` fp32 (query heads x tokens, 0 where masked) as
-    the B operand of ``O^T = V^T P^T`` -> (codes ``[G, T]``, scale bytes ``[G, T / SF_VEC]``,
-    rp fp32 ``[G]``), blocks of SF_VEC consecutive tokens.  ``pmax [G]``: the tile's largest
-    p, ``exp2(m_tile - m_new)``, which the kernel has without another reduction; ``rp =
-    OPERAND_TOP / pmax`` (1 when the whole row is masked: codes 0)."""
+    the B operands of ``O^T = V^T P^T`` -> (codes ``[terms, G, T]``, scale bytes ``[terms,
+    G, T / SF_VEC]``, rp fp32 ``[G]``), blocks of SF_VEC consecutive tokens.  ``pmax [G]``:
+    the tile's largest p, ``exp2(m_tile - m_new)``, which the kernel has without another
+    reduction; ``rp = OPERAND_TOP / pmax`` (1 when the whole row is masked: codes 0)."""
     rp = _operand_scale(pmax, fp4)
-    return (*_fp4_rows(p, rp, fp4), rp)
+    return (*_fp4_terms(p, rp, fp4, _terms(terms)), rp)
 
 
 def _fp4_values(codes: torch.Tensor, sf: torch.Tensor, fp4: str) -> torch.Tensor:
@@ -147,16 +175,18 @@ def _fp4_values(codes: torch.Tensor, sf: torch.Tensor, fp4: str) -> torch.Tensor
     return reference.dequantize_fp4(codes, sf, fp4, torch.float64)
 
 
-def _q_operand(q_rows: torch.Tensor, fp4: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(qhat float64 ``[G, D]``, rg ``[G]``): the Q operand's values and its row scale."""
-    codes, sf, rg = quantize_q_operand(q_rows, fp4)
-    return _fp4_values(codes, sf, fp4), rg
+def _q_operand(q_rows: torch.Tensor, fp4: str, terms: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(qhat float64 ``[G, D]``, rg ``[G]``): the Q terms' values summed (the MMAs of a
+    tile's scores accumulate them) and the row scale."""
+    codes, sf, rg = quantize_q_operand(q_rows, fp4, terms)
+    return _fp4_values(codes, sf, fp4).sum(dim=0), rg
 
 
-def _p_operand(p: torch.Tensor, pmax: torch.Tensor, fp4: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(phat * rp float64 ``[G, T]``, rp ``[G]``): the P operand's values and its row scale."""
-    codes, sf, rp = quantize_p_operand(p, pmax, fp4)
-    return _fp4_values(codes, sf, fp4), rp
+def _p_operand(p: torch.Tensor, pmax: torch.Tensor, fp4: str, terms: Optional[int] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(phat * rp float64 ``[G, T]``, rp ``[G]``): the P terms' values summed and the row scale."""
+    codes, sf, rp = quantize_p_operand(p, pmax, fp4, terms)
+    return _fp4_values(codes, sf, fp4).sum(dim=0), rp
 
 
 # --------------------------------------------------------------------------------------
@@ -279,13 +309,13 @@ def _exp2_masked(s: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_tile(state: _Softmax, qhat: torch.Tensor, c: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 fp4: str) -> None:
+                 fp4: str, terms: int) -> None:
     """One 128-token FP4 tile: both products on FP4 operands, P quantized per tile."""
     s = (qhat @ k.T).float() * c[:, None]  # [G, 128]
     m_tile, m_new, alpha = state.advance(s)
     p = _exp2_masked(s, m_new)
     pmax = torch.where(m_tile == -math.inf, torch.zeros_like(m_tile), torch.exp2(m_tile - m_new))
-    phat, rp = _p_operand(p, pmax, fp4)
+    phat, rp = _p_operand(p, pmax, fp4, terms)
     inv_rp = 1.0 / rp  # fp32: the kernel multiplies by the one reciprocal per row
     row_sum = phat.sum(dim=-1).float() * inv_rp
     pv = (phat @ v).float() * inv_rp[:, None]
@@ -303,7 +333,7 @@ def _sixteen_bit_tile(state: _Softmax, q_rows: torch.Tensor, scale_log2: torch.T
 
 
 def _split(cache: _HeadCache, q_rows: torch.Tensor, qhat: torch.Tensor, c: torch.Tensor,
-           scale_log2: torch.Tensor, n_sink: int, n_rest: int, split_idx: int, num_splits: int
+           scale_log2: torch.Tensor, n_sink: int, n_rest: int, split_idx: int, num_splits: int, terms: int
            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split ``split_idx``'s partial (O, lse): sinks (split 0), its packed tiles, the residual."""
     state = _Softmax.empty(*qhat.shape, qhat.device)
@@ -311,7 +341,7 @@ def _split(cache: _HeadCache, q_rows: torch.Tensor, qhat: torch.Tensor, c: torch
     if split_idx == 0 and n_sink:
         _sixteen_bit_tile(state, q_rows, scale_log2, *cache.sink_tokens(n_sink))
     for tile in range(tile_begin, packed_end):
-        _packed_tile(state, qhat, c, cache.k_tile(tile), cache.v_tile(tile), cache.fp4)
+        _packed_tile(state, qhat, c, cache.k_tile(tile), cache.v_tile(tile), cache.fp4, terms)
     if has_residual:
         _sixteen_bit_tile(state, q_rows, scale_log2, *cache.residual(n_res))
     return state.result()
@@ -349,10 +379,13 @@ def emulate_decode(
     softmax_scale: Optional[float] = None,
     num_splits: int = 1,
     sinks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    terms: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The sm100 kernel's decode of one query token: q ``[B, 1, Hq, D]`` over an FP4 cache
     (arguments as ``bitdecode.reference.decode``) -> (out ``[B, 1, Hq, D]`` in q's dtype,
-    lse ``[B, 1, Hq]`` fp32, natural log), ``num_splits`` partials merged."""
+    lse ``[B, 1, Hq]`` fp32, natural log), ``num_splits`` partials merged; Q and P in
+    ``terms`` FP4 terms each (default ``OPERAND_TERMS``, as the kernel)."""
+    terms = _terms(terms)
     if not isinstance(fmt, KVFormat) or not fmt.fp4:
         raise ValueError(f"emulate_decode emulates the FP4 (nvfp4 / mxfp4) kernel, got fmt={fmt!r}")
     bsz, tq, hq, d = q.shape
@@ -374,9 +407,9 @@ def emulate_decode(
             rows = slice(h * g, (h + 1) * g)
             cache = _HeadCache(tensors, block_table[b].cpu(), b, h)
             q_rows = q[b, 0, rows]
-            qhat, rg = _q_operand(q_rows, fmt.fp4)  # once per CTA (every split forms the same)
+            qhat, rg = _q_operand(q_rows, fmt.fp4, terms)  # once per CTA (every split forms the same)
             c = scale_log2 / rg
-            parts = [_split(cache, q_rows, qhat, c, scale_log2, n_sink, seqlen - n_sink, s, num_splits)
+            parts = [_split(cache, q_rows, qhat, c, scale_log2, n_sink, seqlen - n_sink, s, num_splits, terms)
                      for s in range(num_splits)]
             o, l = _merge_splits(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
             out[b, 0, rows] = o.to(q.dtype)

@@ -4,9 +4,8 @@ A backend marked ``hardware_validated = False`` is taken by ``auto``, where its
 ``auto_picks`` wants it, only once a child process, ``bitdecode selfcheck``
 (``cli_selfcheck``), has run it on this device for the cache's format, head dim and dtype
 and found it equal to the torch reference.  (Today that backend is sm100, compiled for
-sm_100a and emulated on the CPU, never run on a Blackwell GPU by this project, and its
-``auto_picks`` wants nothing yet: its FP4 kernel takes Q and P in FP4, beyond the
-reference's tolerance rule.)  A
+sm_100a and emulated on the CPU, never run on a Blackwell GPU by this project; its
+``auto_picks`` wants FP4 caches at head dims 128 / 256.)  A
 child process, because a kernel that faults leaves its CUDA context unusable and one that
 hangs never returns: either costs only the child, and ``auto`` keeps the validated
 backend with a warning that says why.

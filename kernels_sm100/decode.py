@@ -8,8 +8,11 @@ scales to tensor memory.  The instruction kinds that read an NVFP4 operand as it
 FP4 on both sides (``kind::mxf4nvf4``; MXFP4 the same with ``kind::mxf4``), so Q and P are
 quantized on the fly to the cache's own format, with one fp32 scale per query row (Q) and
 per tile and query row (P) that maps the largest value to the top of the e4m3 block-scale
-range; ``bitdecode.emulate_sm100`` is the arithmetic step by step, in torch, and the CPU
-test that checks it against the reference.  The 16-bit tiles (sink tokens, the residual
+range, each as ``OPERAND_TERMS`` FP4 terms (every term the residual of the ones before,
+with its own block scales): one term alone costs 0.12-0.22 relative L2 of the output,
+four reach 16-bit operands' accuracy, at four block-scaled MMAs per product accumulating
+in the same tensor memory; ``bitdecode.emulate_sm100`` is the arithmetic step by step, in
+torch, and the CPU test that checks it against the reference.  The 16-bit tiles (sink tokens, the residual
 block) run on ``kind::f16`` with 16-bit Q and P::
 
     S^T = K . Q^T    A = K   (128 tokens x D, smem),        B = Q (N query heads x D)
@@ -18,9 +21,9 @@ block) run on ``kind::f16`` with 16-bit Q and P::
 One CTA = (split, KV head, sequence), six warps with fixed roles:
 
 * warps 0-3, **softmax**: thread ``t`` owns TMEM lane ``t`` (token ``t`` of S^T, channel
-  ``t`` of O^T; a warp reads only its own lane quarter).  Quantizes Q once; per tile reads
-  S^T, exchanges the per-head tile maxima through shared memory, writes P (FP4 codes and
-  block scales, or 16 bits), reads the tile's O^T and folds it into fp32 registers with
+  ``t`` of O^T; a warp reads only its own lane quarter).  Quantizes Q's terms once; per tile reads
+  S^T, exchanges the per-head tile maxima through shared memory, writes P (FP4 terms' codes
+  and block scales, or 16 bits), reads the tile's O^T and folds it into fp32 registers with
   the running-max correction (each tile's P V lands in a fresh accumulator: summing a
   million tokens inside the tensor core drifted on sm90), and writes the split's O / LSE;
   for 16-bit tiles it also stages K and V^T in shared memory.
@@ -51,7 +54,7 @@ from ..kernels_sm80.pack_fp4 import FIELD_BITS, Fp4Blocks, _fabs
 from ..kernels_sm80.tensors import page_of, split_tiles, wait_for_previous_kernel
 from ..kernels_sm90 import ptx90
 from ..layouts import sm100
-from ..layouts.packing import F32_MAX, LN_2
+from ..layouts.packing import F32_MAX, F32_SIGN_BIT, LN_2
 
 ROWS = sm100.UMMA_M  # tokens of a tile = TMEM lanes = softmax threads
 SOFTMAX_WARPS = 4
@@ -59,6 +62,12 @@ LOAD_WARP = 4
 MMA_WARP = 5
 THREADS = 32 * 6
 E2M1_PER_WORD = 32 // FIELD_BITS
+# twice the e2m1 magnitudes, one byte each (codes 0-3 low word, 4-7 high): a prmt picks a
+# code's, so a term's dequantized value costs three instructions, not a compare per code
+E2M1_TWICE = [int(2 * m) for m in sm100.E2M1_MAGNITUDES]
+assert all(2 * m == t for m, t in zip(sm100.E2M1_MAGNITUDES, E2M1_TWICE))
+E2M1_TWICE_LO = sum(t << 8 * i for i, t in enumerate(E2M1_TWICE[:4]))
+E2M1_TWICE_HI = sum(t << 8 * i for i, t in enumerate(E2M1_TWICE[4:]))
 SMEM_BYTES = 200 * 1024  # of the 227 KB a Blackwell SM gives one CTA
 
 
@@ -86,7 +95,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     """FP4-cache decode attention on tcgen05; constexpr configuration here."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], fp4: str, head_dim: int, heads_tile: int, split: bool,
-                 pdl: bool = True, sinks: int = 0, num_stages: int = 0):
+                 pdl: bool = True, sinks: int = 0, num_stages: int = 0, terms: int = sm100.OPERAND_TERMS):
         Fp4Blocks.__init__(self, fp4)
         PackedDecodeConfig.__init__(self, dtype, 4, "token", self.vec, head_dim, heads_tile, split, pdl, sinks,
                                     4, 1, fp4)
@@ -99,7 +108,10 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         self.bytes_sfk = 4 * self.words_ks
         self.bytes_sfv = 4 * self.words_vs
         self.tx_bytes = self.bytes_kp + self.bytes_vp + self.bytes_sfk + self.bytes_sfv
-        fixed = 2 * (2 * ROWS * head_dim) + 4 * 1024  # the 16-bit K / V^T tiles, Q, P, scales
+        assert terms >= 1
+        self.terms = terms  # FP4 terms of Q and of P (sm100.OPERAND_TERMS says why four)
+        # the 16-bit K / V^T tiles, 16-bit Q and P, and per term FP4 Q and P with their scales
+        fixed = 2 * (2 * ROWS * head_dim) + 4 * 1024 + (terms - 1) * (heads_tile * (head_dim + ROWS) // 2 + 2048)
         self.num_stages = num_stages or max(2, min(4, (SMEM_BYTES - fixed) // self.tx_bytes))
         self.q_blocks = heads_tile * head_dim // self.vec  # Q's scale blocks
 
@@ -115,20 +127,37 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         return SimpleNamespace(
             k=sm100.mma_operand_layout(mma, self.k_tiler, e2m1, "a", st),
             v=sm100.mma_operand_layout(mma, self.v_tiler, e2m1, "a", st),
-            q=sm100.mma_operand_layout(mma, self.k_tiler, e2m1, "b"),
-            p=sm100.mma_operand_layout(mma, self.v_tiler, e2m1, "b"),
+            q=sm100.mma_operand_layout(mma, self.k_tiler, e2m1, "b", self.terms),  # a stage per term
+            p=sm100.mma_operand_layout(mma, self.v_tiler, e2m1, "b", self.terms),
             sfk=blockscaled.make_smem_layout_sfa(mma, self.k_tiler, self.vec, st),
             sfv=blockscaled.make_smem_layout_sfa(mma, self.v_tiler, self.vec, st),
-            sfq=blockscaled.make_smem_layout_sfb(mma, self.k_tiler, self.vec, 1),
-            sfp=blockscaled.make_smem_layout_sfb(mma, self.v_tiler, self.vec, 1),
+            sfq=blockscaled.make_smem_layout_sfb(mma, self.k_tiler, self.vec, self.terms),
+            sfp=blockscaled.make_smem_layout_sfb(mma, self.v_tiler, self.vec, self.terms),
             k16=sm100.mma_operand_layout(mma16, self.k_tiler, self.dtype, "a"),
             v16=sm100.mma_operand_layout(mma16, self.v_tiler, self.dtype, "a"),
             q16=sm100.mma_operand_layout(mma16, self.k_tiler, self.dtype, "b"),
             p16=sm100.mma_operand_layout(mma16, self.v_tiler, self.dtype, "b"),
         )
 
+    def _p_region(self, lay):
+        """Byte offsets of the buffers sharing the P region, and its size (call in a trace).
+
+        The FP4 P terms with their scales (packed tiles), 16-bit P (sink / residual tiles)
+        and Q's scale terms (read once, by the tcgen05.cp before the first MMA) are never
+        live together, so they share bytes: every write of P follows the ``p`` pipeline's
+        acquire, which waits for the MMA warp's release of the previous P, a tcgen05.commit
+        that arrives once the MMAs (and scale copies) reading it have completed; and the
+        first P is written after the first S^T landed, committed after Q's scale copies.
+        It keeps four terms within a Blackwell SM's shared memory at head dim 256 and 16
+        query columns (NVFP4: 12 KB less, 232 KB otherwise)."""
+        bytes_of = lambda layout, bits: cute.cosize(layout) * bits // 8  # noqa: E731
+        sfp = -(-bytes_of(lay.p, FIELD_BITS) // 1024) * 1024
+        size = max(sfp + bytes_of(lay.sfp, 8), bytes_of(lay.p16, self.dtype.width), bytes_of(lay.sfq, 8))
+        return {"sP": 0, "sSFP": sfp, "sP16": 0, "sSFQ": 0}, size
+
     def _shared_storage(self, lay):
         st, nh, e2m1 = self.num_stages, self.nh, cutlass.Float4E2M1FN
+        _, p_bytes = self._p_region(lay)
 
         def buf(dtype, layout, align=1024):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], align]
@@ -146,15 +175,12 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             sK: buf(e2m1, lay.k)
             sV: buf(e2m1, lay.v)
             sQ: buf(e2m1, lay.q)
-            sP: buf(e2m1, lay.p)
             sSFK: buf(self.sf_dtype, lay.sfk, 128)
             sSFV: buf(self.sf_dtype, lay.sfv, 128)
-            sSFQ: buf(self.sf_dtype, lay.sfq, 128)
-            sSFP: buf(self.sf_dtype, lay.sfp, 128)
             sK16: buf(self.dtype, lay.k16)
             sV16: buf(self.dtype, lay.v16)
             sQ16: buf(self.dtype, lay.q16)
-            sP16: buf(self.dtype, lay.p16)
+            sPQ: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, p_bytes], 1024]  # _p_region
 
         return Storage
 
@@ -259,12 +285,17 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
               blockscaled.make_tmem_layout_sfb(mma, self.v_tiler, self.vec, cute.slice_(lay.sfp, one)))
         return acc_s, acc_o, sf
 
+    def _sf_copies(self):
+        """How many TMEM copies of each scale-factor operand (K, Q, V, P): one per term of Q
+        and of P, so no term's scales overwrite another's under an MMA in flight."""
+        return (1, self.terms, 1, self.terms)
+
     def tmem_columns(self, mma, lay) -> int:
         """TMEM columns to allocate: S^T, O^T, the scale factors, rounded up to a power of two."""
         acc_s, acc_o, sf = self._tmem_layouts(mma, lay)
         cols = tcgen05.find_tmem_tensor_col_offset(acc_s) + tcgen05.find_tmem_tensor_col_offset(acc_o)
-        for layout in sf:  # (a TMEM tensor at address 0 only to measure the layout's columns)
-            cols += tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(cute.make_ptr(
+        for layout, copies in zip(sf, self._sf_copies()):  # (a TMEM tensor at address 0 only to measure it)
+            cols += copies * tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(cute.make_ptr(
                 self.sf_dtype, 0, cute.AddressSpace.tmem, assumed_align=16), layout))
         return max(32, 1 << (cols - 1).bit_length())
 
@@ -277,19 +308,29 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         tO = cute.make_tensor(base + col, acc_o.layout)
         col += tcgen05.find_tmem_tensor_col_offset(acc_o)
         sfs = []
-        for layout in sf:
-            t = cute.make_tensor(cute.recast_ptr(base + col, dtype=self.sf_dtype), layout)
-            sfs.append(t)
-            col += tcgen05.find_tmem_tensor_col_offset(t)
-        return SimpleNamespace(base=base, s=tS, o=tO, sfk=sfs[0], sfq=sfs[1], sfv=sfs[2], sfp=sfs[3])
+        for layout, copies in zip(sf, self._sf_copies()):
+            ts = []
+            for _ in cutlass.range_constexpr(copies):
+                t = cute.make_tensor(cute.recast_ptr(base + col, dtype=self.sf_dtype), layout)
+                ts.append(t)
+                col += tcgen05.find_tmem_tensor_col_offset(t)
+            sfs.append(ts)
+        return SimpleNamespace(base=base, s=tS, o=tO, sfk=sfs[0][0], sfq=sfs[1], sfv=sfs[2][0], sfp=sfs[3])
 
-    def _smem(self, storage, name: str, layout, dtype):
+    def _bytes(self, storage, lay, name: str):
+        """Byte pointer of smem buffer ``name`` (those of ``_p_region`` inside it)."""
+        offsets, _ = self._p_region(lay)
+        if name in offsets:
+            return storage.sPQ.data_ptr() + offsets[name]
+        return cute.recast_ptr(getattr(storage, name).data_ptr(), dtype=cutlass.Uint8)
+
+    def _smem(self, storage, lay, name: str, layout, dtype):
         """A staged smem operand tensor with its swizzle on the pointer (MMA / TMA view)."""
-        ptr = getattr(storage, name).data_ptr()
-        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
+        return cute.make_tensor(cute.recast_ptr(self._bytes(storage, lay, name), layout.inner, dtype=dtype),
+                                layout.outer)
 
-    def _sf_smem(self, storage, name: str, layout):
-        return cute.make_tensor(cute.recast_ptr(getattr(storage, name).data_ptr(), dtype=self.sf_dtype), layout)
+    def _sf_smem(self, storage, lay, name: str, layout):
+        return cute.make_tensor(cute.recast_ptr(self._bytes(storage, lay, name), dtype=self.sf_dtype), layout)
 
     # ---------------------------------------------------------------------------------
     # Load warp: TMA of the packed rows, bulk copies of the scale chunks
@@ -298,8 +339,8 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     def load(self, kv, tma_k, mKt, tma_v, mVt, mKs, mVs, storage, lay, mma, mBlockTable, batch, head_kv,
              tile_begin, packed_end):
         e2m1 = cutlass.Float4E2M1FN
-        sK = self._smem(storage, "sK", lay.k, e2m1)
-        sV = self._smem(storage, "sV", lay.v, e2m1)
+        sK = self._smem(storage, lay, "sK", lay.k, e2m1)
+        sV = self._smem(storage, lay, "sV", lay.v, e2m1)
         thr = mma.get_slice(0)
         gK = cute.local_tile(mKt, (ROWS, self.d), (None, None, None))
         gV = cute.local_tile(mVt, (self.d, ROWS), (None, None, None))
@@ -341,22 +382,25 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     def issue(self, mma, mma16, lay, storage, tmem, pipes, sink_tile, tile_begin, packed_end, has_residual):
         """The MMAs of the split (one warp; each MMA is issued by one elected thread)."""
         e2m1 = cutlass.Float4E2M1FN
-        rK = mma.make_fragment_A(self._smem(storage, "sK", lay.k, e2m1))
-        rV = mma.make_fragment_A(self._smem(storage, "sV", lay.v, e2m1))
-        rQ = mma.make_fragment_B(self._smem(storage, "sQ", lay.q, e2m1))
-        rP = mma.make_fragment_B(self._smem(storage, "sP", lay.p, e2m1))
-        rK16 = mma16.make_fragment_A(self._smem(storage, "sK16", lay.k16, self.dtype))
-        rV16 = mma16.make_fragment_A(self._smem(storage, "sV16", lay.v16, self.dtype))
-        rQ16 = mma16.make_fragment_B(self._smem(storage, "sQ16", lay.q16, self.dtype))
-        rP16 = mma16.make_fragment_B(self._smem(storage, "sP16", lay.p16, self.dtype))
-        cp_k, src_k, dst_k = self._s2t(self._sf_smem(storage, "sSFK", lay.sfk), tmem.sfk)
-        cp_v, src_v, dst_v = self._s2t(self._sf_smem(storage, "sSFV", lay.sfv), tmem.sfv)
-        cp_q, src_q, dst_q = self._s2t(self._sf_smem(storage, "sSFQ", lay.sfq), tmem.sfq)
-        cp_p, src_p, dst_p = self._s2t(self._sf_smem(storage, "sSFP", lay.sfp), tmem.sfp)
-        stage = (None, None, None, None, 0)
+        rK = mma.make_fragment_A(self._smem(storage, lay, "sK", lay.k, e2m1))
+        rV = mma.make_fragment_A(self._smem(storage, lay, "sV", lay.v, e2m1))
+        rQ = mma.make_fragment_B(self._smem(storage, lay, "sQ", lay.q, e2m1))
+        rP = mma.make_fragment_B(self._smem(storage, lay, "sP", lay.p, e2m1))
+        rK16 = mma16.make_fragment_A(self._smem(storage, lay, "sK16", lay.k16, self.dtype))
+        rV16 = mma16.make_fragment_A(self._smem(storage, lay, "sV16", lay.v16, self.dtype))
+        rQ16 = mma16.make_fragment_B(self._smem(storage, lay, "sQ16", lay.q16, self.dtype))
+        rP16 = mma16.make_fragment_B(self._smem(storage, lay, "sP16", lay.p16, self.dtype))
+        cp_k, src_k, dst_k = self._s2t(self._sf_smem(storage, lay, "sSFK", lay.sfk), tmem.sfk)
+        cp_v, src_v, dst_v = self._s2t(self._sf_smem(storage, lay, "sSFV", lay.sfv), tmem.sfv)
+        # one (copy, source, TMEM destination) per term; the smem source's stage is the term
+        cp_q = [self._s2t(self._sf_smem(storage, lay, "sSFQ", lay.sfq), t) for t in tmem.sfq]
+        cp_p = [self._s2t(self._sf_smem(storage, lay, "sSFP", lay.sfp), t) for t in tmem.sfp]
 
         cute.arch.barrier(barrier_id=Barrier.Q_READY, number_of_threads=32 * (SOFTMAX_WARPS + 1))
-        cute.copy(cp_q, src_q[stage], dst_q)  # Q's scales stay in TMEM for the whole split
+        # (the copies are indexed, never unpacked into locals: a local assigned inside the
+        # staged tile loop would be carried through it, and a tiled copy cannot be)
+        for t in cutlass.range_constexpr(self.terms):  # Q's scales stay in TMEM for the whole split
+            cute.copy(cp_q[t][0], cp_q[t][1][(None, None, None, None, t)], cp_q[t][2])
 
         producer, consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
         kv_st = pipeline.make_pipeline_state(consumer, self.num_stages)
@@ -373,13 +417,16 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             sync(pipes.kv.consumer_wait, kv_st)
             sync(pipes.s.producer_acquire, s_st)
             cute.copy(cp_k, src_k[(None, None, None, None, kv_st.index)], dst_k)
-            mma = self.accumulate_k(mma, tmem.s, rK, rQ, kv_st.index, tmem.sfk, tmem.sfq)
+            for t in cutlass.range_constexpr(self.terms):  # S^T = sum over Q's terms of K qhat_t^T
+                mma = self.accumulate_k(mma, tmem.s, rK, rQ, kv_st.index, tmem.sfk, tmem.sfq[t], t, t > 0)
             sync(pipes.s.producer_commit, s_st)
             sync(pipes.p.consumer_wait, p_st)
             sync(pipes.o.producer_acquire, o_st)
             cute.copy(cp_v, src_v[(None, None, None, None, kv_st.index)], dst_v)
-            cute.copy(cp_p, src_p[stage], dst_p)
-            mma = self.accumulate_k(mma, tmem.o, rV, rP, kv_st.index, tmem.sfv, tmem.sfp)  # every M-block of O^T
+            for t in cutlass.range_constexpr(self.terms):
+                cute.copy(cp_p[t][0], cp_p[t][1][(None, None, None, None, t)], cp_p[t][2])
+            for t in cutlass.range_constexpr(self.terms):  # every M-block of O^T, every term of P
+                mma = self.accumulate_k(mma, tmem.o, rV, rP, kv_st.index, tmem.sfv, tmem.sfp[t], t, t > 0)
             sync(pipes.o.producer_commit, o_st)
             sync(pipes.kv.consumer_release, kv_st)
             sync(pipes.p.consumer_release, p_st)
@@ -393,17 +440,19 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         sync(pipes.o.producer_tail, o_st)  # the softmax read the last O^T: the TMEM can go
 
     @cute.jit
-    def accumulate_k(self, mma, acc, a, b, a_stage, sfa=None, sfb=None):
-        """``acc = A B`` over the K-blocks of operand fragments ``a`` (stage ``a_stage``) and
-        ``b``, with their scale-factor fragments in TMEM for the block-scaled kinds; the
-        MMA is handed back (its ACCUMULATE field is set per block)."""
+    def accumulate_k(self, mma, acc, a, b, a_stage, sfa=None, sfb=None, b_stage: cutlass.Constexpr = 0,
+                     onto: cutlass.Constexpr = False):
+        """``acc = A B`` (``acc += A B`` when ``onto``) over the K-blocks of operand fragments
+        ``a`` (stage ``a_stage``) and ``b`` (stage ``b_stage``: an FP4 term), with their
+        scale-factor fragments in TMEM for the block-scaled kinds; the MMA is handed back
+        (its ACCUMULATE field is set per block)."""
         for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
-            mma.set(tcgen05.Field.ACCUMULATE, k != 0)
+            mma.set(tcgen05.Field.ACCUMULATE, k != 0 or onto)
             if cutlass.const_expr(sfa is None):
-                cute.gemm(mma, acc, a[None, None, k, a_stage], b[None, None, k, 0], acc)
+                cute.gemm(mma, acc, a[None, None, k, a_stage], b[None, None, k, b_stage], acc)
             else:
                 cute.gemm(mma, acc, [a[None, None, k, a_stage], sfa[None, None, k]],
-                          [b[None, None, k, 0], sfb[None, None, k]], acc)
+                          [b[None, None, k, b_stage], sfb[None, None, k]], acc)
         return mma
 
     @cute.jit
@@ -498,10 +547,12 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
                 store_at(p16 + b16((row, 2 * (col0 + i))), x)
             q_amax[b] = amax
         cute.arch.barrier(barrier_id=Barrier.SOFTMAX, number_of_threads=32 * SOFTMAX_WARPS)
-        # pass 2: the row scale, codes and block scales
+        # pass 2: the row scale, then each term's codes and block scales (the residual of
+        # the terms before it, ``emulate_sm100._fp4_terms``)
         bq = sm100.rows_cols_bytes(lay.q, cutlass.Float4E2M1FN)
-        pq = cute.recast_ptr(storage.sQ.data_ptr(), dtype=cutlass.Uint8)
-        sfq = cute.recast_ptr(storage.sSFQ.data_ptr(), dtype=cutlass.Uint8)
+        pq = self._bytes(storage, lay, "sQ")
+        sfq = self._bytes(storage, lay, "sSFQ")
+        q_term, sfq_term = self.term_bytes(lay.q.outer, FIELD_BITS), self.term_bytes(lay.sfq, 8)
         for b in cutlass.range(tid, self.q_blocks, 32 * SOFTMAX_WARPS, unroll=1):
             row, col0 = b // per_row, (b % per_row) * self.vec
             rg = self.row_scale(q_amax, row * per_row, per_row)
@@ -511,15 +562,41 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
                 if row < gq:
                     x = mQ[batch, q0 + row, col0 + i].to(Float32)
                 vals.append(ptx.mul_rn(x, rg))
-            byte, words = self.quantize_block(vals)
-            for w in cutlass.range_constexpr(len(words)):
-                store_at(pq + bq((row, (col0 + w * E2M1_PER_WORD) // 2)), words[w])
-            self.store_scale(sfq, row, col0 // self.vec, byte)
+            for t in cutlass.range_constexpr(self.terms):
+                byte, scale, words = self.quantize_block_scaled(vals)
+                for w in cutlass.range_constexpr(len(words)):
+                    store_at(pq + (t * q_term + bq((row, (col0 + w * E2M1_PER_WORD) // 2))), words[w])
+                self.store_scale(sfq + t * sfq_term, row, col0 // self.vec, byte)
+                if const_expr(t + 1 < self.terms):
+                    vals = self.residual(vals, words, scale)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by tcgen05
         rg = cute.make_rmem_tensor((self.nh,), Float32)
         for h in cutlass.range_constexpr(self.nh):
             rg[h] = self.row_scale(q_amax, h * per_row, per_row)
         return rg
+
+    def term_bytes(self, layout, bits: int) -> int:
+        """Bytes from one FP4 term (stage) of a Q / P operand or scale-factor smem layout to
+        the next (call in a trace): the offset of the second stage's first element."""
+        return cute.crd2idx(cute.size(layout) // self.terms, layout) * bits // 8
+
+    @cute.jit
+    def residual(self, vals, words, scale):
+        """``vals`` minus the values their term holds (``e2m1(code) * scale``, exact in
+        fp32): what the next term quantizes."""
+        out = []
+        for i in cutlass.range_constexpr(len(vals)):
+            code = (words[i // E2M1_PER_WORD] >> (FIELD_BITS * (i % E2M1_PER_WORD))) & Uint32(0xF)
+            out.append(vals[i] - self.e2m1_signed(code) * scale)
+        return out
+
+    @cute.jit
+    def e2m1_signed(self, code) -> Float32:
+        """Value of an e2m1 code (sign in bit 3): twice its magnitude picked by a byte
+        permute, converted and halved (exact), the sign bit moved over."""
+        twice = Uint32(cute.arch.prmt(E2M1_TWICE_LO, E2M1_TWICE_HI, code & Uint32((1 << sm100.E2M1_SIGN_BIT) - 1)))
+        mag = twice.to(Float32) * Float32(0.5)
+        return ptx.u32_as_f32(ptx.f32_bits(mag) | ((code >> sm100.E2M1_SIGN_BIT) << F32_SIGN_BIT))
 
     @cute.jit
     def row_scale(self, q_amax, first, count) -> Float32:
@@ -614,6 +691,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             m_use = cute.arch.fmax(m_new, Float32(-F32_MAX))
             alpha[h] = cute.math.exp2(st.row_max[h] - m_use, fastmath=True)
             st.row_max[h] = m_new
+            st.row_sum[h] = st.row_sum[h] * alpha[h]  # (O^T's registers take alpha below)
             p[h] = cute.math.exp2(x[h] - m_use, fastmath=True)
             inv_rp[h] = Float32(1.0)
             if const_expr(fp4):
@@ -649,43 +727,42 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
 
     @cute.jit
     def store_p_fp4(self, lay, storage, st, y, inv_rp):
-        """P^T's column of this token (``y``: p times the tile's ``rp``) as e2m1 codes with a
-        block scale per ``vec`` tokens: the block's maximum over ``vec`` lanes, eight lanes'
-        codes gathered into one word; adds the dequantized p to the row sums."""
+        """P^T's column of this token (``y``: p times the tile's ``rp``) as FP4 terms, each
+        e2m1 codes with a block scale per ``vec`` tokens (the block's maximum magnitude over
+        ``vec`` lanes; eight lanes' codes gathered into one word) quantizing the residual of
+        the terms before it; adds the terms' dequantized sum to the row sums."""
         bp = sm100.rows_cols_bytes(lay.p, cutlass.Float4E2M1FN)
-        pp = cute.recast_ptr(storage.sP.data_ptr(), dtype=cutlass.Uint8)
-        sfp = cute.recast_ptr(storage.sSFP.data_ptr(), dtype=cutlass.Uint8)
-        t = st.tid
+        pp = self._bytes(storage, lay, "sP")
+        sfp = self._bytes(storage, lay, "sSFP")
+        p_term, sfp_term = self.term_bytes(lay.p.outer, FIELD_BITS), self.term_bytes(lay.sfp, 8)
+        token = st.tid
         for h in cutlass.range_constexpr(self.nh):
-            amax = y[h]  # p >= 0
-            for k in cutlass.range_constexpr(int(math.log2(self.vec))):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-            byte, scale = self.block_scale(amax)
-            thresholds = [Float32(m) * scale for m in sm100.E2M1_MIDPOINTS]
-            code = self.code_of(y[h], thresholds, amax > Float32(0.0), True)
-            st.row_sum[h] = st.row_sum[h] + self.e2m1_value(code) * scale * inv_rp[h]
-            word = code << (FIELD_BITS * (st.lane % E2M1_PER_WORD))
-            for k in cutlass.range_constexpr(int(math.log2(E2M1_PER_WORD))):
-                word = word | cute.arch.shuffle_sync_bfly(word, offset=1 << k)
-            if st.lane % E2M1_PER_WORD == 0:
-                store_at(pp + bp((h, t // 2)), word)
-            if st.lane % self.vec == 0:
-                self.store_scale(sfp, h, t // self.vec, byte)
-
-    @cute.jit
-    def e2m1_value(self, code) -> Float32:
-        """Magnitude of an e2m1 code (the codes of p are never negative)."""
-        mag = code & Uint32((1 << sm100.E2M1_SIGN_BIT) - 1)
-        v = Float32(0.0)
-        for c in cutlass.range_constexpr(1, len(sm100.E2M1_MAGNITUDES)):
-            if mag == Uint32(c):
-                v = Float32(sm100.E2M1_MAGNITUDES[c])
-        return v
+            r = y[h]  # term 0 quantizes p >= 0, the later ones signed residuals
+            phat = Float32(0.0)
+            for t in cutlass.range_constexpr(self.terms):
+                amax = _fabs(r)
+                for k in cutlass.range_constexpr(int(math.log2(self.vec))):
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+                byte, scale = self.block_scale(amax)
+                thresholds = [Float32(m) * scale for m in sm100.E2M1_MIDPOINTS]
+                code = self.code_of(r, thresholds, amax > Float32(0.0), True)
+                value = self.e2m1_signed(code) * scale
+                phat = phat + value
+                word = code << (FIELD_BITS * (st.lane % E2M1_PER_WORD))
+                for k in cutlass.range_constexpr(int(math.log2(E2M1_PER_WORD))):
+                    word = word | cute.arch.shuffle_sync_bfly(word, offset=1 << k)
+                if st.lane % E2M1_PER_WORD == 0:
+                    store_at(pp + (t * p_term + bp((h, token // 2))), word)
+                if st.lane % self.vec == 0:
+                    self.store_scale(sfp + t * sfp_term, h, token // self.vec, byte)
+                if const_expr(t + 1 < self.terms):
+                    r = r - value
+            st.row_sum[h] = st.row_sum[h] + phat * inv_rp[h]
 
     @cute.jit
     def store_p_16bit(self, lay, storage, st, p):
         bp = sm100.rows_cols_bytes(lay.p16, self.dtype)
-        pp = cute.recast_ptr(storage.sP16.data_ptr(), dtype=cutlass.Uint8)
+        pp = self._bytes(storage, lay, "sP16")
         for h in cutlass.range_constexpr(self.nh):
             p16 = p[h].to(self.dtype)
             st.row_sum[h] = st.row_sum[h] + p16.to(Float32)

@@ -128,6 +128,12 @@ class Fp4Blocks:
     @cute.jit
     def quantize_block(self, vals):
         """``vals`` (SF_VEC fp32 values) -> (scale byte, code words)."""
+        byte, _, words = self.quantize_block_scaled(vals)
+        return byte, words
+
+    @cute.jit
+    def quantize_block_scaled(self, vals):
+        """``vals`` (SF_VEC fp32 values) -> (scale byte, scale value, code words)."""
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(self.vec):
             amax = cute.arch.fmax(amax, _fabs(vals[i]), nan=True)
@@ -144,7 +150,7 @@ class Fp4Blocks:
                 code = self.code_of(vals[CODES_PER_WORD * w + i], thresholds, graded, finite)
                 word = word | (code << (FIELD_BITS * i))
             words.append(word)
-        return byte, words
+        return byte, scale, words
 
 
 class PackFp4Sm80(PackSm80, Fp4Blocks):

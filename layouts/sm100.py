@@ -145,6 +145,13 @@ NVFP4_MAX = E2M1_MAX * UE4M3_MAX  # 2688: the largest value an NVFP4 block holds
 # the sm100 decode kernel's fp32 operand scales (Q per row, P per row and tile) map the
 # largest |value| here: the top of the block format (bitdecode.emulate_sm100 says why)
 OPERAND_TOP = {"nvfp4": NVFP4_MAX, "mxfp4": E2M1_MAX}
+# ... and split each operand into this many FP4 terms, every term the previous terms'
+# residual quantized again in the same blocks on the same fp32 operand scale, so the terms
+# are block-scaled MMAs accumulating into one tensor-memory accumulator.  Relative L2 of
+# the output against the reference on the emulation's six cases, 1 / 2 / 3 / 4 terms:
+# 0.12-0.22 / 0.010-0.027 / 0.0015-0.0043 / 0.0002-0.0021 (16-bit Q and P: 0.0002-0.0023;
+# profiles/NOTES.md, fifteenth session): four reach 16-bit operands' accuracy.
+OPERAND_TERMS = 4
 
 
 # --------------------------------------------------------------------------------------

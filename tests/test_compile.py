@@ -16,6 +16,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from bitdecode import KVFormat  # noqa: E402
 from bitdecode.kernels_sm80 import backend as kernels  # noqa: E402
+from bitdecode.layouts import sm100  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
@@ -335,6 +336,10 @@ def test_sm100_decode_ptx(fp4, dtype, head_dim, nh, split, sinks, tmp_path):
     kind = {"nvfp4": "kind::mxf4nvf4", "mxfp4": "kind::mxf4"}[fp4]
     mma = [ln for ln in ptx.splitlines() if "tcgen05.mma" in ln]
     assert any(kind in ln and "block_scale" in ln for ln in mma), f"no block-scaled {kind} tcgen05.mma"
+    # per tile, both products once per FP4 term of Q / P: S^T over head_dim / 64 K-blocks, O^T
+    # over 128 tokens / 64 K-blocks in each of head_dim / 128 M-blocks (four terms: 16 / 32)
+    scaled = sum(kind in ln and "block_scale" in ln for ln in mma)
+    assert scaled == sm100.OPERAND_TERMS * (head_dim // 64 + 2 * (head_dim // 128)), scaled
     assert any("kind::f16" in ln for ln in mma), "no kind::f16 tcgen05.mma for the 16-bit tiles"
     for instr in ("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.cp", "tcgen05.commit",
                   "cp.async.bulk.tensor", "cp.async.bulk.shared::cluster.global", "mbarrier.try_wait",

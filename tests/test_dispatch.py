@@ -81,28 +81,26 @@ def test_compile_arch_maps_to_its_backend():
 NVFP4 = bd.KVFormat(fp4="nvfp4")
 
 
-def test_auto_leaves_the_sm100_fp4_kernel_alone(capability, monkeypatch):
-    """Blackwell: ``auto`` keeps sm80 for FP4 caches and runs no check (the tcgen05 kernel's
-    FP4 Q and P cost 0.12-0.22 relative L2 against the reference); ``backend="sm100"`` forces it."""
+def test_auto_wants_the_sm100_fp4_kernel_for_fp4_caches_it_runs(capability):
+    """Blackwell: the sm100 backend's ``auto_picks`` wants FP4 caches at head dims 128 / 256
+    (its tcgen05 kernel, whose four FP4 terms of Q and P meet the tolerance rule), not head
+    dim 64, integer caches or multi-token queries' kernels (sm80's, taken through sm80)."""
     capability((10, 0))
-    monkeypatch.setattr(selfcheck, "run_child", lambda *a: pytest.fail("auto ran a first-use check"))
-    for d in (64, 128, 256):
-        assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=d, dtype=torch.float16) == "sm80"
-    assert dispatch.resolve("auto", CUDA0) == "sm80"
+    sm100 = backends.get("sm100")
+    for fmt, d, want in ((NVFP4, 128, True), (bd.KVFormat(fp4="mxfp4"), 256, True), (NVFP4, 64, False),
+                         (bd.KVFormat(bits=4), 128, False)):
+        assert sm100.auto_picks(fmt, d, torch.float16) is want, (fmt, d)
+        assert sm100.runs_tcgen05(fmt, d) is want
     assert dispatch.available(CUDA0) == ("sm100", "sm80", "reference")
     assert dispatch.resolve("sm100", CUDA0) == "sm100"
-    assert backends.get("sm100").runs_tcgen05(NVFP4, 128) and not backends.get("sm100").runs_tcgen05(NVFP4, 64)
 
 
 @pytest.fixture
 def child(monkeypatch, tmp_path, capability):
-    """A Blackwell device whose sm100 backend ``auto`` would take for FP4 caches at head dims
-    128 / 256 (as it would once its kernel meets the tolerance rule) and whose first-use
-    check's child process is faked: ``child.verdict`` is what it reports, ``child.calls``
-    the commands it was given; verdicts on disk go to ``tmp_path``."""
+    """A Blackwell device (whose sm100 backend ``auto`` takes for FP4 caches at head dims
+    128 / 256) whose first-use check's child process is faked: ``child.verdict`` is what it
+    reports, ``child.calls`` the commands it was given; verdicts on disk go to ``tmp_path``."""
     capability((10, 0))
-    sm100 = backends.get("sm100")
-    monkeypatch.setattr(sm100, "auto_picks", lambda fmt, head_dim, dtype=None: sm100.runs_tcgen05(fmt, head_dim))
     monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(selfcheck.ENV_SWITCH, raising=False)
     monkeypatch.setattr(selfcheck, "_verdicts", {})
