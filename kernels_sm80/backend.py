@@ -207,11 +207,15 @@ class DecodePlan:
     replay, whatever stream it runs on, never shares one with eager calls.  Only the LSE that
     nobody asked for (``return_lse=False``) goes to one buffer per plan: it is written and
     never read, so calls that share it cannot disturb each other.  The kernels take ``q``
-    and the output as the caller's ``[B, 1, Hq, D]`` tensors.  All of this keeps the host
-    work per call to one allocation (the output) and the launches: on the H200's host a
-    torch allocation costs ~5 us and a launch ~7-9 us (profiles/NOTES.md)."""
+    and the output as the caller's ``[B, 1, Hq, D]`` tensors.  The outputs come from
+    chunks of ``OUT_CHUNK`` allocated at once, per stream (each call's output is a view
+    of its own, never handed out twice; a chunk is freed once all its views are), since a
+    torch allocation costs about as much host time as a launch (H200 hosts: 5-9 us, a
+    launch 5-7 us; profiles/NOTES.md).  All of this keeps the host work per call to the
+    launches."""
 
     MAX_STREAMS = 8  # workspaces kept per plan (least recently added dropped first)
+    OUT_CHUNK = 32  # outputs allocated at once
 
     def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
         bsz, _, hq, d = q_shape
@@ -228,12 +232,12 @@ class DecodePlan:
         self.unused_lse, = jit.bound_arguments(
             (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), decode_fn, combine_fn)
         self.workspaces: dict = {}  # raw CUDA stream -> (o_part, l_part), converted as ``static``
+        self.outputs: dict = {}  # raw CUDA stream -> outputs not handed out yet (views of a chunk)
 
-    def workspace(self):
-        """The split-KV partials' buffers for the current stream (fresh while capturing)."""
-        if torch.cuda.is_current_stream_capturing():
+    def workspace(self, stream):
+        """The split-KV partials' buffers for ``stream`` (None while capturing: fresh ones)."""
+        if stream is None:
             return self._new_workspace()
-        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         ws = self.workspaces.get(stream)
         if ws is None:
             if len(self.workspaces) >= self.MAX_STREAMS:
@@ -242,18 +246,39 @@ class DecodePlan:
                                                                self.combine_fn)
         return ws
 
+    def output(self, shape, stream):
+        """A fresh output of ``shape`` for ``stream`` (None while capturing: allocated from
+        the graph's pool, as every capture-time tensor must be).  Chunks are per stream so
+        that the caching allocator ties each one to the stream its kernels write it on."""
+        if stream is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        free = self.outputs.get(stream)
+        if not free:
+            if stream not in self.outputs and len(self.outputs) >= self.MAX_STREAMS:
+                self.outputs.pop(next(iter(self.outputs)))
+            chunk = torch.empty((self.OUT_CHUNK, *shape), dtype=self.dtype, device=self.device)
+            free = self.outputs[stream] = list(reversed(chunk.unbind(0)))
+        return free.pop()
+
+    def _stream(self):
+        """The current raw CUDA stream, or None while it is capturing a graph."""
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return None
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
+
     def _new_workspace(self):
         return (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
                 torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         # q is on the cache's device (attention.check_query), the device the plan was built for
-        out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
+        stream = self._stream()
+        out = self.output(q.shape, stream)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
         if self.splits == 1:
             self.decode_fn(q, *self.static, out, lse, scale_log2)
         else:
-            o_part, l_part = self.workspace()
+            o_part, l_part = self.workspace(stream)
             self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
             self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out

@@ -406,6 +406,23 @@ def test_one_cache_decoded_on_two_streams_equals_serial(backend):
             assert torch.equal(o, serial[i])
 
 
+def test_decode_outputs_are_never_handed_out_twice(backend):
+    """Outputs come from chunks allocated ``DecodePlan.OUT_CHUNK`` at a time: every call's
+    is its own memory, so outputs kept over more calls than a chunk holds keep their values."""
+    from bitdecode.kernels_sm80.backend import DecodePlan
+
+    fmt = bd.KVFormat(bits=4)
+    cache, _, _ = make_cache(fmt, [5 * fmt.residual_block + 9, 77], 2, 128, torch.float16, backend=backend)
+    gen = torch.Generator().manual_seed(3)
+    qs = [torch.randn(2, 1, 8, 128, generator=gen).half().to(DEV) for _ in range(DecodePlan.OUT_CHUNK + 5)]
+    outs = [bd.decode(q, cache, num_splits=split) for q in qs for split in (1, 3)]
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    torch.cuda.synchronize()
+    again = [bd.decode(q, cache, num_splits=split).clone() for q in qs for split in (1, 3)]
+    for o, a in zip(outs, again):
+        assert torch.equal(o, a)
+
+
 def test_edited_block_table_never_takes_a_kernel_outside_the_cache(backend):
     """A block table edited after prefill (the host check has passed) to hold page ids
     outside the cache: the append kernel skips those blocks (writes nothing anywhere) and the
