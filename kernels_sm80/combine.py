@@ -56,30 +56,27 @@ def merge_splits(mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.T
     cute.arch.fence_acq_rel_gpu()  # after the verdict, before reading the other splits' partials
     for idx in cutlass.range(tid, rows * vecs, threads, unroll=1):
         r = idx // vecs
-        vec = idx - r * vecs
+        c0 = (idx - r * vecs) * VEC  # this thread's first channel
         qh = qh0 + r
-        # loads of many splits in flight (their addresses do not depend on the sums): the
-        # merge is the CTA's tail, its length a few L2 round trips, not one per split
         m = -Float32.inf
-        for s in cutlass.range(num_splits, unroll=8):
+        for s in cutlass.range(num_splits, unroll=4):
             m = cute.arch.fmax(m, mLp[s, batch, qh])
         m_use = m if m != -Float32.inf else Float32(0.0)
         total = Float32(0.0)
-        acc = cute.make_rmem_tensor((VEC,), Float32)
-        acc.fill(0.0)
-        for s in cutlass.range(num_splits, unroll=8):
-            part = cute.make_rmem_tensor((VEC,), Float32)
-            cute.autovec_copy(cute.local_tile(mOp[s, batch, qh, None], (VEC,), (vec,)), part)
+        a0, a1, a2, a3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+        for s in cutlass.range(num_splits, unroll=2):
             w = cute.math.exp2((mLp[s, batch, qh] - m_use) * LOG2_E, fastmath=True)
             total += w
-            for i in cutlass.range_constexpr(VEC):
-                acc[i] = acc[i] + w * part[i]
+            a0 += w * mOp[s, batch, qh, c0]
+            a1 += w * mOp[s, batch, qh, c0 + 1]
+            a2 += w * mOp[s, batch, qh, c0 + 2]
+            a3 += w * mOp[s, batch, qh, c0 + 3]
         inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
-        out = cute.make_rmem_tensor((VEC,), mO.element_type)
-        for i in cutlass.range_constexpr(VEC):
-            out[i] = (acc[i] * inv).to(mO.element_type)
-        cute.autovec_copy(out, cute.local_tile(mO[batch, qh, None], (VEC,), (vec,)))
-        if vec == 0:
+        mO[batch, qh, c0] = (a0 * inv).to(mO.element_type)
+        mO[batch, qh, c0 + 1] = (a1 * inv).to(mO.element_type)
+        mO[batch, qh, c0 + 2] = (a2 * inv).to(mO.element_type)
+        mO[batch, qh, c0 + 3] = (a3 * inv).to(mO.element_type)
+        if c0 == 0:
             lse = -Float32.inf
             if total > Float32(0.0):
                 lse = m + cute.math.log2(total, fastmath=True) * LN_2
