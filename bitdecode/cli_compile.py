@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 from .backend import Variant
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
-KINDS = ("decode", "pack")
+KINDS = ("decode", "pack", "combine")
 # instructions counted per variant: sm80 MMAs, sm90 MMAs, the dequant, the loads
 COUNTED = ("mma.sync.aligned.m16n8k16", "wgmma.mma_async", "tcgen05.mma", "ldmatrix", "lop3.b32", "cp.async.bulk",
            "cp.async")
@@ -35,7 +35,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="sm_80", choices=ARCHS, help="target GPU arch (default sm_80)")
     p.add_argument("--out", type=Path, help="directory for the PTX files (created)")
-    p.add_argument("--kernels", type=_csv(str), default=list(KINDS), help="comma list of decode,pack")
+    p.add_argument("--kernels", type=_csv(str), default=list(KINDS), help="comma list of decode,pack,combine")
     p.add_argument("--bits", type=_csv(int), default=[4, 2])
     p.add_argument("--k-mode", type=_csv(str), default=["channel", "token"])
     p.add_argument("--group-size", type=_csv(int), default=[32, 64, 128])

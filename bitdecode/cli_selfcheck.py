@@ -22,7 +22,7 @@ from .formats import KVFormat
 from .selfcheck import DTYPES
 
 GQA = 4  # query heads per KV head (the Llama family's usual ratio)
-SPLITS = (0, 1, 3)  # the split heuristic's own choice, one split (no merge), a forced few
+SPLITS = (0, 1, 3)  # the split heuristic's own choice, one split (no combine), a forced few
 APPENDED = 5  # one-token appends after the prefill
 # The sm100 FP4 kernel against its emulation (relative L2, the worst sequence): fp32 sums in
 # another order and exp2.approx may move a P value across an FP4 rounding boundary; the

@@ -57,7 +57,7 @@ KV head, rows ``h G .. h G + G - 1`` of ``q[b, 0]``; scores in log2 units):
    fp32) * scale_log2`` with q as it is, the same running max, ``p16 = exp2(s - m_new)``
    rounded to the cache dtype, ``l = l alpha + sum p16``, ``O = O alpha + p16 . v``.
 4. ``O / l`` and ``lse = (m + log2 l) ln 2`` per split (no tokens: 0 and -inf), merged as
-   ``kernels_sm80/combine.py`` (the last split CTA) merges them, cast to q's dtype.
+   ``kernels_sm80/combine.py`` merges them, cast to q's dtype.
 
 The tiles a split owns are those of ``kernels_sm80.tensors.split_tiles`` (``split_tiles``
 here is its integer arithmetic in Python).  Sums the MMA forms exactly are formed in

@@ -1,7 +1,7 @@
 """The sm100 backend: the tcgen05 block-scaled decode kernel for FP4 caches (``decode.DecodeSm100``).
 
 Everything else is the sm80 family compiled for sm_100a (the packed bytes are the same on
-every arch): prefill / append, and the decode of integer caches and
+every arch): prefill / append, the split-KV combine, and the decode of integer caches and
 of FP4 caches with head dim 64.  The FP4 kernel has only been compiled (PTX checked, no
 spills) and its arithmetic emulated on the CPU (``bitdecode.emulate_sm100``, ``tests/test_sm100_emulation``):
 no Blackwell GPU has run it.  Its block-scaled MMA kinds take Q and P in FP4 too; each is

@@ -49,7 +49,6 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..kernels_sm80 import ptx
-from ..kernels_sm80.combine import merge_when_last
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.pack_fp4 import FIELD_BITS, Fp4Blocks, _fabs
 from ..kernels_sm80.tensors import page_of, split_tiles, wait_for_previous_kernel
@@ -188,11 +187,11 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
                  mKr: cute.Tensor, mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor,
-                 mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mOp: cute.Tensor, mLp: cute.Tensor,
-                 mCount: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+                 mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale_log2: Float32, stream):
         """The decode calling convention of ``DecodeSm80.__call__`` (``k_pack`` / ``v_pack``
         as int32 words here), so every backend shares one ``DecodePlan``."""
-        mQ, mO = query_views(mQ, mO)
+        mQ, mO = query_views(mQ, mO, self.split)
         mma, mma16 = self._mmas()
         lay = self._layouts(mma, mma16)
         Storage = self._shared_storage(lay)
@@ -208,10 +207,10 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             op, k_view, cute.slice_(lay.k, (None, None, None, 0)), self.k_tiler, mma)
         tma_v, tma_tv = cute.nvgpu.make_tiled_tma_atom_A(
             op, v_view, cute.slice_(lay.v, (None, None, None, 0)), self.v_tiler, mma)
-        num_splits = mOp.shape[0] if const_expr(self.split) else 1
+        num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         self.kernel(mma, mma16, mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mKsink, mVsink, mSeqlens,
-                    mBlockTable, mOp, mLp, mCount, mO, mLSE, softmax_scale_log2, Storage).launch(
+                    mBlockTable, mO, mLSE, softmax_scale_log2, Storage).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
@@ -219,8 +218,8 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     # ---------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mma: cute.TiledMma, mma16: cute.TiledMma, mQ, tma_k: cute.CopyAtom, mKt: cute.Tensor, mKs,
-               tma_v: cute.CopyAtom, mVt: cute.Tensor, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mOp,
-               mLp, mCount, mO, mLSE, softmax_scale_log2: Float32, Storage: cutlass.Constexpr):
+               tma_v: cute.CopyAtom, mVt: cute.Tensor, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO,
+               mLSE, softmax_scale_log2: Float32, Storage: cutlass.Constexpr):
         lay = self._layouts(mma, mma16)
         split_idx, head_kv, batch = cute.arch.block_idx()
         num_splits, _, _ = cute.arch.grid_dim()
@@ -269,7 +268,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             cute.arch.relinquish_tmem_alloc_permit()
             cute.arch.dealloc_tmem(tmem.base, tmem_cols)
         elif warp_idx < SOFTMAX_WARPS:
-            self.softmax(lay, storage, tmem, pipes, mQ, mKr, mVr, mKsink, mVsink, mOp, mLp, mCount, mO,
+            self.softmax(lay, storage, tmem, pipes, mQ, mKr, mVr, mKsink, mVsink, mO,
                          mLSE, batch, head_kv, split_idx, sink_tile, n_sink, tile_begin, packed_end, has_residual,
                          n_res, softmax_scale_log2)
 
@@ -479,7 +478,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     # Softmax warps
     # ---------------------------------------------------------------------------------
     @cute.jit
-    def softmax(self, lay, storage, tmem, pipes, mQ, mKr, mVr, mKsink, mVsink, mOp, mLp, mCount, mO,
+    def softmax(self, lay, storage, tmem, pipes, mQ, mKr, mVr, mKsink, mVsink, mO,
                 mLSE, batch, head_kv, split_idx, sink_tile, n_sink, tile_begin, packed_end, has_residual, n_res,
                 scale_log2):
         tid = cute.arch.thread_idx()[0]
@@ -524,12 +523,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             res_v = mVr[batch, None, head_kv, None]
             x_st = self.stage_16bit(lay, storage, pipes, x_st, res_k, res_v, None, None, n_res, tid)
             s_st, p_st, o_st = self.tile(lay, storage, st, pipes, s_st, p_st, o_st, None, scale_log2, n_res, False)
-        if const_expr(self.split):  # this split's partials; the last split merges them all
-            self.epilogue(st, mOp, mLp, batch, head_kv, split_idx, gq)
-            s_flag = cute.make_tensor(cute.recast_ptr(st.red.iterator, dtype=Int32), cute.make_layout(1))
-            merge_when_last(mOp, mLp, mCount, mO, mLSE, gq, s_flag, 0, 32 * SOFTMAX_WARPS, Barrier.SOFTMAX, self.d)
-        else:
-            self.epilogue(st, mO, mLSE, batch, head_kv, split_idx, gq)
+        self.epilogue(st, mO, mLSE, batch, head_kv, split_idx, gq)
 
     # ---- Q: both operand forms, once ------------------------------------------------
     @cute.jit

@@ -40,9 +40,7 @@ def as_halves(dims):
 
 
 def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
-    """Fake arguments of DecodeSm80 (same order as the call; every decode kernel takes
-    them).  The split workspace (partials and the per-(sequence, KV head) arrival
-    counters, ``combine.py``) comes before the output; the direct variant never reads it."""
+    """Fake arguments of DecodeSm80 (same order as the call)."""
     import cutlass
 
     f16, i32, f32 = cutlass.Float16, cutlass.Int32, cutlass.Float32
@@ -61,13 +59,10 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
         fake_vector(i32, 1),                                       # cache_seqlens
         fake_vector(i32, 2),                                       # block_table
     ]
-    args += [
-        fake_tensor(f32, (None, None, None, d)),                   # o_part (S, B, Hq, D)
-        fake_vector(f32, 3),                                       # lse_part (S, B, Hq)
-        fake_vector(i32, 1),                                       # counters (B * Hkv,), zero between calls
-        fake_tensor(dtype, (None, 1, None, d)),                    # out (B, 1, Hq, D)
-        fake_vector(f32, 2),                                       # lse (B, Hq)
-    ]
+    if split:
+        args += [fake_tensor(f32, (None, None, None, d)), fake_vector(f32, 3)]
+    else:
+        args += [fake_tensor(dtype, (None, 1, None, d)), fake_vector(f32, 2)]
     return args
 
 
@@ -75,6 +70,19 @@ def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, spli
                    keep_ptx: bool = False, tq: int = 1):
     """The sm80 decode kernel for ``arch`` (``Sm80Backend.compile_decode``)."""
     return BACKEND.compile_decode(arch, fmt, dtype, head_dim, nh, split, keep_ptx=keep_ptx, tq=tq)
+
+
+def compile_combine(arch: str, dtype, head_dim: int, keep_ptx: bool = False):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .combine import CombineSm80
+
+    f32 = cutlass.Float32
+    kernel = CombineSm80(dtype, head_dim, pdl=jit.has_pdl(arch))
+    args = [fake_tensor(f32, (None, None, None, head_dim)), fake_vector(f32, 3),
+            fake_tensor(dtype, (None, 1, None, head_dim)), fake_vector(f32, 2)]
+    return cute.compile(kernel, *args, _stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
 
 def pack_args(fmt: KVFormat, dtype, head_dim: int):
@@ -125,6 +133,11 @@ def sink_tensors(cache: CacheTensors) -> Tuple[torch.Tensor, torch.Tensor]:
     """The sink buffers the kernels take: the cache's; without sink tokens the residual
     buffers fill the two arguments (the kernels compiled for ``sinks = 0`` never read them)."""
     return cache.sinks if cache.fmt.sink_tokens else (cache.k_res, cache.v_res)
+
+
+def _combine_kernel(arch, dtype, d):
+    key = ("combine_sm80", arch, str(dtype), d)
+    return jit.KERNELS.get(key, lambda: compile_combine(arch, dtype, d))
 
 
 def _pack_kernel(arch, fmt, dtype, d, mode):
@@ -185,8 +198,7 @@ class DecodePlan:
     the split count and the cache tensors in the form the kernels take.  Building it once
     per (cache, query shape, splits) keeps the per-call host work to the allocations below
     and one or two TVM-FFI launches.  Every backend whose decode kernel takes the sm80
-    argument list (``decode_args``: split, it writes fp32 partials into a per-stream
-    workspace and its last CTA per (sequence, KV head) merges them, ``combine.py``) uses it.
+    argument list (and writes fp32 partials merged by the combine kernel when split) uses it.
 
     The split-KV workspace (fp32 partial outputs and LSEs) is kept per CUDA stream: calls
     on one stream are ordered, so they can reuse it, and calls on different streams (one
@@ -205,7 +217,7 @@ class DecodePlan:
     MAX_STREAMS = 8  # workspaces kept per plan (least recently added dropped first)
     OUT_CHUNK = 32  # outputs allocated at once
 
-    def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn):
+    def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
         bsz, _, hq, d = q_shape
         self.part_shape = (splits, bsz, hq, d)
         self.lse_shape = (bsz, hq)
@@ -215,15 +227,10 @@ class DecodePlan:
         self.static = jit.bound_arguments((
             cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16), cache.v_params,
             cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens, cache.block_table), decode_fn)
-        self.counters = bsz * cache.k_res.shape[2]  # one per (sequence, KV head)
         self.decode_fn = decode_fn
+        self.combine_fn = combine_fn
         self.unused_lse, = jit.bound_arguments(
-            (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), decode_fn)
-        # the direct kernel's workspace arguments: never read, the smallest tensors that fit
-        self.no_workspace = jit.bound_arguments((
-            torch.empty((1, 1, 1, d), dtype=torch.float32, device=device),
-            torch.empty((1, 1, 1), dtype=torch.float32, device=device),
-            torch.zeros((1,), dtype=torch.int32, device=device)), decode_fn)
+            (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), decode_fn, combine_fn)
         self.workspaces: dict = {}  # raw CUDA stream -> (o_part, l_part), converted as ``static``
         self.outputs: dict = {}  # raw CUDA stream -> outputs not handed out yet (views of a chunk)
 
@@ -235,7 +242,8 @@ class DecodePlan:
         if ws is None:
             if len(self.workspaces) >= self.MAX_STREAMS:
                 self.workspaces.pop(next(iter(self.workspaces)))
-            ws = self.workspaces[stream] = jit.bound_arguments(self._new_workspace(), self.decode_fn)
+            ws = self.workspaces[stream] = jit.bound_arguments(self._new_workspace(), self.decode_fn,
+                                                               self.combine_fn)
         return ws
 
     def output(self, shape, stream):
@@ -259,19 +267,20 @@ class DecodePlan:
         return torch._C._cuda_getCurrentRawStream(self.device.index)
 
     def _new_workspace(self):
-        """(partial O, partial LSE, arrival counters): the counters start at zero and the
-        kernel leaves them there (a graph captures their zeroing too)."""
         return (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
-                torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device),
-                torch.zeros((self.counters,), dtype=torch.int32, device=self.device))
+                torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         # q is on the cache's device (attention.check_query), the device the plan was built for
         stream = self._stream()
         out = self.output(q.shape, stream)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
-        workspace = self.no_workspace if self.splits == 1 else self.workspace(stream)
-        self.decode_fn(q, *self.static, *workspace, out, lse, scale_log2)
+        if self.splits == 1:
+            self.decode_fn(q, *self.static, out, lse, scale_log2)
+        else:
+            o_part, l_part = self.workspace(stream)
+            self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
+            self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 
@@ -365,7 +374,8 @@ class Sm80Backend:
         hkv = cache.k_res.shape[2]
         rows = query_rows(tq, hq, hkv)
         decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, sm80.heads_tile(rows), splits > 1, tq)
-        plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn)
+        combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
+        plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn)
         return plan if tq == 1 else MultiTokenPlan(plan, hkv)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------
@@ -402,6 +412,8 @@ class Sm80Backend:
     def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:
         out: List[Variant] = []
         for dtype, d in itertools.product(dtypes, head_dims):
+            if "combine" in kinds:
+                out.append(Variant("combine", dtype, d))
             for fmt in formats:
                 try:
                     fmt.check_head_dim(d)
@@ -428,9 +440,13 @@ class Sm80Backend:
             if cached:
                 return self.decode_kernel(arch, fmt, dtype, v.head_dim, nh, split)
             return self.compile_decode(arch, fmt, dtype, v.head_dim, nh, split, keep_ptx=keep_ptx)
+        if v.kind == "pack":
+            if cached:
+                return _pack_kernel(arch, fmt, dtype, v.head_dim, v.extra[0])
+            return compile_pack(arch, fmt, dtype, v.head_dim, v.extra[0], keep_ptx=keep_ptx)
         if cached:
-            return _pack_kernel(arch, fmt, dtype, v.head_dim, v.extra[0])
-        return compile_pack(arch, fmt, dtype, v.head_dim, v.extra[0], keep_ptx=keep_ptx)
+            return _combine_kernel(arch, dtype, v.head_dim)
+        return compile_combine(arch, dtype, v.head_dim, keep_ptx=keep_ptx)
 
 
 BACKEND = Sm80Backend()

@@ -16,8 +16,7 @@ Both A operands come from the same fragment-induced packed rows (``layouts.sm80`
 ldmatrix x4 per 32 rows of a chunk hands every lane its four words, ``lop3`` turns each
 word into exact half2 codes and one packed fma applies (scale, zero).  Softmax is online
 per warp; the four warps merge through shared memory at the end of the split
-(LSE-weighted), and the last split CTA of a (sequence, KV head) merges the splits
-(``combine.py``).  The 16-bit residual
+(LSE-weighted), and splits are merged by the combine kernel.  The 16-bit residual
 block (``len % Nr`` tokens) is the last tile, read with plain ldmatrix in sub-tiles of
 64 tokens (16 per warp); a format's 16-bit sink tokens (the first ``sinks`` of the
 sequence, ``[B, sinks, Hkv, D]`` buffers) are more such sub-tiles, attended by split 0.
@@ -49,7 +48,6 @@ from ..layouts.packing import LN_2
 from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
-from .combine import merge_when_last
 from .reduce import across_rows
 from .tensors import aligned_ptr, assume_aligned, one_token, page_of, split_tiles, wait_for_previous_kernel
 
@@ -64,10 +62,10 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def query_views(mQ: cute.Tensor, mO: cute.Tensor):
-    """The kernels' (B, Hq, D) views of the query and of the output (the split partials
-    are already (S, B, Hq, D))."""
-    return one_token(mQ), one_token(mO)
+def query_views(mQ: cute.Tensor, mO: cute.Tensor, split: bool):
+    """The kernels' (B, Hq, D) views of the query and of the unsplit output (the split
+    output is the fp32 partials, already (S, B, Hq, D))."""
+    return one_token(mQ), (mO if split else one_token(mO))
 
 
 class PackedDecodeConfig:
@@ -92,7 +90,7 @@ class PackedDecodeConfig:
         self.split = split
         # programmatic dependent launch (sm_90+): the CTAs start while the previous kernel
         # on the stream (the append that wrote the cache) drains and wait for it before the
-        # first read
+        # first read; the combine that follows launches early the same way
         self.pdl = pdl
         # 16-bit sink tokens ahead of the packed blocks (KVFormat.sink_tokens): positions of
         # packed tiles count from the token after them
@@ -222,28 +220,25 @@ class DecodeSm80(PackedDecodeConfig):
         mVsink: cute.Tensor,
         mSeqlens: cute.Tensor,  # (B,) int32
         mBlockTable: cute.Tensor,  # (B, max_pages) int32
-        mOp: cute.Tensor,  # split: (S, B, Hq, D) f32 partials (else unused)
-        mLp: cute.Tensor,  # split: (S, B, Hq) f32
-        mCount: cute.Tensor,  # split: (B * Hkv,) int32 arrival counters, zero between calls
-        mO: cute.Tensor,  # (B, 1, Hq, D) dtype
-        mLSE: cute.Tensor,  # (B, Hq) f32
+        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, 1, Hq, D) dtype
+        mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
         softmax_scale_log2: Float32,
         stream,
     ):
-        mQ, mO = query_views(mQ, mO)
-        num_splits = mOp.shape[0] if const_expr(self.split) else 1
+        mQ, mO = query_views(mQ, mO, self.split)
+        num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
-        self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mOp, mLp, mCount,
-                    mO, mLSE, softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
-                                                         min_blocks_per_mp=self.min_blocks_per_sm,
-                                                         preferred_smem_carveout=100, use_pdl=self.pdl)
+        self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                                               min_blocks_per_mp=self.min_blocks_per_sm,
+                                               preferred_smem_carveout=100, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
     # Device side
     # ---------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mOp, mLp, mCount,
-               mO, mLSE, softmax_scale_log2: Float32):
+    def kernel(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+               softmax_scale_log2: Float32):
         tid, _, _ = cute.arch.thread_idx()
         split_idx, head_kv, batch = cute.arch.block_idx()
         num_splits, _, _ = cute.arch.grid_dim()
@@ -322,16 +317,9 @@ class DecodeSm80(PackedDecodeConfig):
                 self.sixteen_bit_tokens(mma, thr_mma, tQrQ, mKsink, mVsink, union, batch, head_kv, n_sink, acc_o,
                                         row_max, row_sum, softmax_scale_log2, warp_idx, lane, tid, lim, 0)
 
-        # ---- merge the warps, write this split (the last split merges them all) ------
-        if const_expr(self.split):
-            self.epilogue(acc_o, row_max, row_sum, union, mOp, mLp, batch, head_kv, split_idx, gq,
-                          warp_idx, lane, tid)
-            s_flag = cute.make_tensor(cute.recast_ptr(aligned_ptr(union, 128), dtype=cutlass.Int32),
-                                      cute.make_layout(1))
-            merge_when_last(mOp, mLp, mCount, mO, mLSE, gq, s_flag, 0, NUM_THREADS, 0, self.d)
-        else:
-            self.epilogue(acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,
-                          warp_idx, lane, tid)
+        # ---- merge the warps, write this split ---------------------------------------
+        self.epilogue(acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,
+                      warp_idx, lane, tid)
 
     # ---------------------------------------------------------------------------------
     # Loads

@@ -2,7 +2,7 @@
 
 Everything but the decode kernel is shared with the sm80 backend, compiled for sm_90a: the
 packed format is the same bytes on every arch, so prefill / append run the sm80 pack
-kernels (the decode kernels merge their split-KV partials themselves, ``kernels_sm80/combine.py``).
+kernels, and split-KV partials are merged by the sm80 combine kernel.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ V^T registers are rewritten only after the P·V that reads them has landed.
 The 16-bit residual block (``len % Nr`` tokens) is the last tile, in 64-token sub-tiles
 read from the (by then idle) stage buffers; a format's 16-bit sink tokens (the first
 ``sinks`` of the sequence) are more such sub-tiles, attended by split 0.  The output of a
-split is the fp32 partial O and its LSE, merged by the last split CTA of its (sequence, KV
-head) (``kernels_sm80/combine.py``); one split writes O in the model dtype.
+split is the fp32 partial O and its LSE, merged by the combine kernel; one split writes O
+in the model dtype.
 """
 
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
@@ -60,7 +60,6 @@ from cutlass import Float32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..kernels_sm80 import ptx
-from ..kernels_sm80.combine import merge_when_last
 from ..kernels_sm80.copy import copy_rows, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
@@ -291,11 +290,11 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
                  mKr: cute.Tensor, mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor,
-                 mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mOp: cute.Tensor, mLp: cute.Tensor,
-                 mCount: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+                 mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 softmax_scale_log2: Float32, stream):
         """The decode calling convention of ``DecodeSm80.__call__`` (shapes documented there),
         so the backends share one ``DecodePlan``."""
-        mQ, mO = query_views(mQ, mO)
+        mQ, mO = query_views(mQ, mO, self.split)
         Storage = self._shared_storage()
         _, _, kp_layout, vp_layout = self._layouts()
         # TMA views with the tile's two modes first: K (page rows, words, Hkv, P) and
@@ -306,11 +305,11 @@ class DecodeSm90(PackedDecodeConfig):
             cpasync.CopyBulkTensorTileG2SOp(), k_view, cute.select(kp_layout, mode=[0, 1]), (self.nr, 2 * self.wk))
         tma_v, tma_tv = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), v_view, cute.select(vp_layout, mode=[0, 1]), (self.d, 2 * self.wv))
-        num_splits = mOp.shape[0] if const_expr(self.split) else 1
+        num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         # the register cap at entry (from the CTAs per SM) is what setmaxnreg redistributes
         self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable,
-                    mOp, mLp, mCount, mO, mLSE, softmax_scale_log2, Storage).launch(
+                    mO, mLSE, softmax_scale_log2, Storage).launch(
             grid=grid, block=[2 * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, use_pdl=self.pdl)
 
@@ -319,8 +318,8 @@ class DecodeSm90(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ, tma_k: cute.CopyAtom, mKt: cute.Tensor, mKs, tma_v: cute.CopyAtom, mVt: cute.Tensor,
-               mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mOp, mLp, mCount, mO, mLSE,
-               softmax_scale_log2: Float32, Storage: cutlass.Constexpr):
+               mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE, softmax_scale_log2: Float32,
+               Storage: cutlass.Constexpr):
         q_layout, p_layout, kp_layout, vp_layout = self._layouts()
         tid, _, _ = cute.arch.thread_idx()
         split_idx, head_kv, batch = cute.arch.block_idx()
@@ -376,8 +375,8 @@ class DecodeSm90(PackedDecodeConfig):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
-                         mOp, mLp, mCount, mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end,
-                         has_residual, n_res, n_sink, n_sink + n_rest, softmax_scale_log2, fold)
+                         mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
+                         n_sink, n_sink + n_rest, softmax_scale_log2, fold)
 
     # ---------------------------------------------------------------------------------
     # Producer: TMA of packed K / V rows, bulk copies of their params
@@ -546,10 +545,8 @@ class DecodeSm90(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     @cute.jit
     def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
-                mOp, mLp, mCount, mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual,
-                n_res, n_sink, seqlen, scale_log2, fold=None):
-        """The consumer warpgroup; ``mOp``, ``mLp``, ``mCount`` (the split workspace) and ``mO``,
-        ``mLSE`` as ``DecodeSm80.__call__`` takes them."""
+                mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, n_sink,
+                seqlen, scale_log2, fold=None):
         tid = cute.arch.thread_idx()[0] - WG
         warp = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
@@ -666,12 +663,7 @@ class DecodeSm90(PackedDecodeConfig):
                               acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, 0, zsum)
         warpgroup.wait_group(0)
         self.fold(acc_o, acc_pv)
-        if const_expr(self.split):  # this split's partials; the last split merges them all
-            self.epilogue(acc_o, row_max, row_sum, red, mOp, mLp, batch, head_kv, split_idx, gq, warp, lane, zsum)
-            s_flag = cute.make_tensor(cute.recast_ptr(red.iterator, dtype=cutlass.Int32), cute.make_layout(1))
-            merge_when_last(mOp, mLp, mCount, mO, mLSE, gq, s_flag, WG, WG, Barrier.EPI, self.d)
-        else:
-            self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane, zsum)
+        self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane, zsum)
 
     def bar(self, barrier_id: int):
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG)

@@ -49,25 +49,3 @@ def sass(report_dir) -> str | None:
         return None
     res = subprocess.run([tool, "-c", str(report_dir / "k.cubin")], capture_output=True, text=True)
     return res.stdout if res.returncode == 0 else None
-
-
-def loop_spills(code: str) -> int:
-    """Spill instructions (``STL`` / ``LDL``) inside a loop of SASS ``code``: between a
-    label and a later branch back to it."""
-    addr = re.compile(r"/\*([0-9a-f]{4,})\*/")
-    labels, loops, spills, last = {}, [], [], 0
-    for line in code.splitlines():
-        label = re.match(r"^(\.L_x_\d+):", line.strip())
-        if label:
-            labels[label.group(1)] = last + 0x10  # the next instruction's address
-            continue
-        m = addr.search(line)
-        if not m:
-            continue
-        last = int(m.group(1), 16)
-        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if target and labels.get(target.group(1), last + 1) <= last:
-            loops.append((labels[target.group(1)], last))
-        if re.search(r"\b(STL|LDL)\b", line):
-            spills.append(last)
-    return sum(any(lo <= a <= hi for lo, hi in loops) for a in spills)

@@ -10,7 +10,7 @@ backend through the ``backend`` fixture).
   decoding its own cache on its own stream, give the serial results bit for bit.
 * A sequence of 2^20 tokens decodes correctly at 4 and 2 bits.
 * compute-sanitizer memcheck, racecheck and synccheck over a small case of every kernel
-  (decode direct and split with its in-kernel merge, pack prefill and append, dense and paged, the
+  (decode direct and split + combine, pack prefill and append, dense and paged, the
   device-side capacity guard; the BitNet GEMV and GEMMs).
 
 Expected values are never the kernels' own: bytes come from an eager twin cache fed only
@@ -395,7 +395,7 @@ for fmt in (bd.KVFormat(bits=4, k_mode="channel", group_size=128), bd.KVFormat(b
         c.append(k[:, :1], v[:, :1])                              # append kernel: residual only
         c.append(k[:, :nr - 8], v[:, :nr - 8])                    # append completing a block (seq 0)
         q = torch.randn(2, 1, 8, 128, device="cuda").half()
-        for splits in (1, 3):                                     # direct decode; split decode, merged in-kernel
+        for splits in (1, 3):                                     # direct decode; split decode + combine
             o = bd.decode(q, c, num_splits=splits); assert bool(torch.isfinite(o).all())
         # the device-side capacity guard: a captured append replayed past capacity
         k1, v1 = k[:, :1].clone(), v[:, :1].clone()
@@ -448,7 +448,7 @@ def run_sanitizer(tmp_path, tool_name, source):
 @pytest.mark.parametrize("tool_name", SANITIZER_TOOLS)
 def test_compute_sanitizer_every_kv_kernel(tmp_path, backend, tool_name):
     """memcheck / racecheck / synccheck report nothing for the backend's decode (direct,
-    split, merged in-kernel), pack (prefill, append, block-completing append) on dense and paged
+    split + combine), pack (prefill, append, block-completing append) on dense and paged
     caches at 4 and 2 bits, and graph-replayed appends refused by the capacity guard."""
     run_sanitizer(tmp_path, tool_name, KV_KERNELS.format(backend=backend))
 

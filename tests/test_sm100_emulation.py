@@ -193,7 +193,7 @@ def test_with_sixteen_bit_q_and_p_the_rest_is_exact(case, monkeypatch):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_split_count_changes_only_rounding(case):
-    """Three splits (the kernels' tile partition, merged as the split kernels merge) give
+    """Three splits (the kernels' tile partition, merged as the combine kernel merges) give
     the unsplit result up to 16-bit rounding: P of a 16-bit tile is rounded after
     ``exp2(s - m_new)``, and m_new depends on the tiles a split saw.  FP4 P is not moved by
     it: ``rp`` quantizes every tile relative to its own max."""
