@@ -373,7 +373,11 @@ def decode(
     before the call, and query ``j`` attends to the first ``len - T + 1 + j`` tokens
     (causal).  The kernels take up to 16 query rows per KV head (``T`` x query heads per
     KV head: 4 tokens at GQA 4, 2 at GQA 8, 16 at MHA) in one launch, CUDA-graph safe;
-    more run the cache dequantized to 16 bits + SDPA (``attention.chunk_decode``)."""
+    more run the cache dequantized to 16 bits + SDPA (``attention.chunk_decode``).
+
+    With a kernel backend the output is a view into a buffer allocated for several calls'
+    outputs (each call's its own memory): ``torch.save`` of it writes that whole buffer;
+    ``out.clone()`` is a tensor of its own."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,

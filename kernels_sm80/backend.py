@@ -210,9 +210,10 @@ class DecodePlan:
     and the output as the caller's ``[B, 1, Hq, D]`` tensors.  The outputs come from
     chunks of ``OUT_CHUNK`` allocated at once, per stream (each call's output is a view
     of its own, never handed out twice; a chunk is freed once all its views are), since a
-    torch allocation costs about as much host time as a launch (H200 hosts: 5-9 us, a
-    launch 5-7 us; profiles/NOTES.md).  All of this keeps the host work per call to the
-    launches."""
+    torch allocation costs about as much host time as a launch (H200 hosts: 2-9 us, a
+    launch 3-7 us; profiles/NOTES.md).  All of this keeps the host work per call to the
+    launches.  (An output's storage is its chunk's: ``torch.save`` of one writes the
+    chunk, ``clone()`` gives a tensor of its own.)"""
 
     MAX_STREAMS = 8  # workspaces kept per plan (least recently added dropped first)
     OUT_CHUNK = 32  # outputs allocated at once
