@@ -28,6 +28,28 @@ from bitdecode import backend as backends, dispatch
 TARGET_US = 15.0
 
 
+def host_reference(calls: int = 200) -> dict:
+    """Host time per call of two torch operations on this host (no sync in the timed loop,
+    median of 7): an allocation and a small in-place add (one launch).  The host behind a
+    lent GPU changes between sessions (an allocation took 2.4 us on one, 8.7 on another),
+    so the per-layer numbers compare across runs only relative to these."""
+    x = torch.zeros(1024, device="cuda")
+    ops = {"torch_empty_us": lambda: torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda"),
+           "torch_add_launch_us": lambda: x.add_(1.0)}
+    out = {}
+    for name, op in ops.items():
+        times = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                op()
+            times.append((time.perf_counter() - t0) * 1e6 / calls)
+        torch.cuda.synchronize()
+        out[name] = statistics.median(times)
+    return out
+
+
 def measure(backend: str, bits: int, batch: int, layers: int, steps: int, context: int) -> dict:
     fmt = bd.KVFormat(bits=bits)
     hkv, hq, d = 8, 32, 128
@@ -85,7 +107,9 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{name} {bits}-bit B={batch}: host {row['host_us_per_layer']:.1f} us/layer, "
                       f"GPU {row['gpu_us_per_layer']:.1f} us/layer")
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    reference = host_reference()
+    print("this host: " + ", ".join(f"{k} {v:.1f}" for k, v in reference.items()))
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_reference": reference,
               "command": " ".join(["python3 profiles/bench_host.py", *(sys.argv[1:] if argv is None else argv)]),
               "method": __doc__.strip().split("\n\n")[1].replace("\n", " "), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
