@@ -83,12 +83,10 @@ def spec_mismatch(q: torch.Tensor, cache, backend: str, num_splits: int = 0) -> 
     """Why the sm100 FP4 kernel's decode is not its spec's (``emulate_sm100``), "" when it is
     within ``SPEC_REL_L2``."""
     import bitdecode as bd
-    from .emulate_sm100 import emulate_decode
+    from .emulate_sm100 import emulate_cache
 
     out = bd.decode(q, cache, num_splits=num_splits, backend=backend)
-    t = cache.tensors()
-    want, _ = emulate_decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens,
-                             t.fmt, t.block_table, num_splits=max(num_splits, 1), sinks=t.sinks)
+    want, _ = emulate_cache(q, cache, num_splits)
     if not torch.isfinite(out).all():
         return f"num_splits={num_splits}: non-finite outputs"
     rel = max(float((o.float() - w.float()).norm() / w.float().norm()) for o, w in zip(out, want))

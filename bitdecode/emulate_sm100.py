@@ -82,7 +82,7 @@ from .formats import KVFormat
 from .layouts import sm100
 from .layouts.packing import F32_MAX, LN_2, LOG2_E
 
-__all__ = ["NVFP4_MAX", "OPERAND_TOP", "OPERAND_TERMS", "split_tiles", "quantize_q_operand", "quantize_p_operand", "emulate_decode"]
+__all__ = ["NVFP4_MAX", "OPERAND_TOP", "OPERAND_TERMS", "emulate_cache", "split_tiles", "quantize_q_operand", "quantize_p_operand", "emulate_decode"]
 
 NVFP4_MAX = sm100.NVFP4_MAX
 OPERAND_TOP = sm100.OPERAND_TOP
@@ -415,3 +415,14 @@ def emulate_decode(
             out[b, 0, rows] = o.to(q.dtype)
             lse[b, 0, rows] = l
     return out, lse
+
+
+def emulate_cache(q: torch.Tensor, cache, num_splits: int = 0, terms: Optional[int] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``emulate_decode`` over a ``KVCache``'s tensors, with ``bd.decode``'s ``num_splits``
+    (0, the split heuristic's choice, is emulated as one split: splits change only the
+    rounding, ``tests/test_sm100_emulation.py``)."""
+    t = cache.tensors()
+    return emulate_decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.fmt,
+                          t.block_table, num_splits=max(num_splits, 1), sinks=t.sinks, terms=terms)
+

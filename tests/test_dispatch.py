@@ -254,7 +254,7 @@ def test_the_sm100_kernel_is_checked_against_its_emulation(monkeypatch):
     """The FP4 kernel takes Q and P in FP4, so ``bitdecode selfcheck`` holds it to
     ``emulate_sm100`` (its spec): the emulation itself passes, an output off by a few
     percent fails (here ``bd.decode`` stands in for the GPU kernel)."""
-    from bitdecode.emulate_sm100 import emulate_decode
+    from bitdecode.emulate_sm100 import emulate_cache
 
     gen = torch.Generator().manual_seed(2)
     cache = bd.KVCache.allocate(2, 1, 128, 600, NVFP4, device="cpu", backend="reference")
@@ -266,10 +266,7 @@ def test_the_sm100_kernel_is_checked_against_its_emulation(monkeypatch):
 
     def kernel(scale):
         def decode(q, cache, num_splits=0, backend="auto"):
-            t = cache.tensors()
-            out, _ = emulate_decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens,
-                                    t.fmt, t.block_table, num_splits=max(num_splits, 1), sinks=t.sinks)
-            return out * scale
+            return emulate_cache(q, cache, num_splits)[0] * scale
         return decode
 
     monkeypatch.setattr(bd, "decode", kernel(1.0))

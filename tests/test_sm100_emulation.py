@@ -417,10 +417,7 @@ def test_the_spec_passes_the_first_use_check(monkeypatch, fp4, head_dim, dtype, 
     def spec_decode(q, cache, num_splits=0, backend="auto", return_lse=False, **kw):
         if backend != "sm100":
             return decode(q, cache, num_splits=num_splits, backend=backend, return_lse=return_lse, **kw)
-        t = cache.tensors()
-        out, lse = emulate.emulate_decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
-                                          t.cache_seqlens, t.fmt, t.block_table, num_splits=max(num_splits, 1),
-                                          sinks=t.sinks)
+        out, lse = emulate.emulate_cache(q, cache, num_splits)
         return (out, lse) if return_lse else out
 
     monkeypatch.setattr(bd, "decode", spec_decode)
