@@ -62,12 +62,6 @@ LOAD_WARP = 4
 MMA_WARP = 5
 THREADS = 32 * 6
 E2M1_PER_WORD = 32 // FIELD_BITS
-# twice the e2m1 magnitudes, one byte each (codes 0-3 low word, 4-7 high): a prmt picks a
-# code's, so a term's dequantized value costs three instructions, not a compare per code
-E2M1_TWICE = [int(2 * m) for m in sm100.E2M1_MAGNITUDES]
-assert all(2 * m == t for m, t in zip(sm100.E2M1_MAGNITUDES, E2M1_TWICE))
-E2M1_TWICE_LO = sum(t << 8 * i for i, t in enumerate(E2M1_TWICE[:4]))
-E2M1_TWICE_HI = sum(t << 8 * i for i, t in enumerate(E2M1_TWICE[4:]))
 SMEM_BYTES = 200 * 1024  # of the 227 KB a Blackwell SM gives one CTA
 
 
@@ -594,7 +588,8 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     def e2m1_signed(self, code) -> Float32:
         """Value of an e2m1 code (sign in bit 3): twice its magnitude picked by a byte
         permute, converted and halved (exact), the sign bit moved over."""
-        twice = Uint32(cute.arch.prmt(E2M1_TWICE_LO, E2M1_TWICE_HI, code & Uint32((1 << sm100.E2M1_SIGN_BIT) - 1)))
+        lo, hi = sm100.E2M1_TWICE_WORDS
+        twice = Uint32(cute.arch.prmt(lo, hi, code & Uint32((1 << sm100.E2M1_SIGN_BIT) - 1)))
         mag = twice.to(Float32) * Float32(0.5)
         return ptx.u32_as_f32(ptx.f32_bits(mag) | ((code >> sm100.E2M1_SIGN_BIT) << F32_SIGN_BIT))
 

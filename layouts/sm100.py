@@ -136,6 +136,11 @@ def ue8m0_value(byte: int) -> float:
 # c and c + 1 whether a value exactly on it goes up (to the even code c + 1)
 E2M1_MAGNITUDES = E2M1_VALUES[:8]
 E2M1_MAX = E2M1_MAGNITUDES[-1]
+# twice the magnitudes, one byte each in two words (codes 0-3, 4-7): a byte permute picks a
+# code's (the sm100 decode kernel reads its FP4 terms' values back that way)
+_E2M1_TWICE = tuple(int(2 * m) for m in E2M1_MAGNITUDES)
+assert all(2 * m == t for m, t in zip(E2M1_MAGNITUDES, _E2M1_TWICE))
+E2M1_TWICE_WORDS = tuple(sum(t << 8 * i for i, t in enumerate(_E2M1_TWICE[w:w + 4])) for w in (0, 4))
 E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
 E2M1_TIE_UP = tuple(c % 2 == 1 for c in range(7))
 UE4M3_MIN = ue4m3_value(1)  # 2^-9, the smallest positive scale
