@@ -1,10 +1,11 @@
-"""BitNet W2A8 GEMM on Hopper: ``wgmma.mma_async m64nNk32`` s8 x s8 -> s32, A from registers.
+"""BitNet W2A8 GEMM on Hopper: ``wgmma.mma_async m64nNk32`` s8 x s8 -> s32, A from registers,
+warp-specialized around a TMA / bulk-copy ring.
 
-Operands.  The 2-bit weights are the wgmma A operand (64 rows per warpgroup, decoded in
-registers: wgmma RS), the int8 tokens are B (N = ``block_m`` tokens, read by wgmma
-from a K-major 128B-swizzled shared-memory tile), so the accumulators hold
-``out.T``.  CuTe DSL 4.8.1 has the int8 wgmma atom (``warpgroup.MmaI8Op``, sm_90a),
-so the MMA, its shared-memory descriptors and the fragment layouts all come from CuTe.
+Operands.  The 2-bit weights are the wgmma A operand (64 rows per consumer warpgroup,
+decoded in registers: wgmma RS), the int8 tokens are B (N = ``block_m`` tokens, read by
+wgmma from a K-major 128B-swizzled shared-memory tile), so the accumulators hold
+``out.T``.  CuTe DSL 4.8.1 has the int8 wgmma atom (``warpgroup.MmaI8Op``, sm_90a), so
+the MMA, its shared-memory descriptors and the fragment layouts all come from CuTe.
 
 Decode.  wgmma reads B in natural k order, so A must be in natural order too: per
 32-column k-step, A register ``j`` of lane ``(g, tq)`` is decode step ``tq`` of the word
@@ -14,44 +15,46 @@ broadcast), so there is no bank conflict and no shuffle.  Each register is decod
 straight to the signed weights ``c - 2`` (shift, lop3, sub, xor: ``decode_s8``), so the
 MMA is s8 x s8 and needs no correction by the token sums.
 
-Pipeline.  Both operands go global -> shared with 16-byte ``cp.async`` in a
-``stages``-deep ring: per 128-column group, the CTA's weight rows (4 x 512 contiguous
-bytes per warpgroup: each 16-row stripe's group is one run) and the ``block_m`` x 128
-token tile (tokens past M are zero-filled).  The A registers are double-buffered, so the
-wgmmas of group g run while group g + 1 is decoded (one wgmma group in flight,
-``wait_group(1)``); the ring is therefore filled ``stages - 2`` groups ahead (the slot a
-copy overwrites was last read by the wgmmas of two groups back).  One
-``__syncthreads`` per group publishes the landed stage (after ``fence.proxy.async``
-makes it visible to wgmma) and frees the slot the next copy overwrites.  Two warpgroups
-can share each token tile (128 weight rows per CTA), halving the L2 traffic of the token
-tiles.
+Roles.  Warp 0 of the producer warpgroup (registers handed to the consumers with
+``setmaxnreg``) fills a ``cutlass.pipeline.PipelineTmaAsync`` ring, one stage per
+128-column group: one TMA box of the ``block_m`` x 128 token tile (tokens past M are
+zero-filled by TMA) and one 512-byte bulk copy per 16-row weight stripe (a stripe's group
+is one contiguous run), all completing on the stage's mbarrier.  Each consumer warpgroup
+waits for a stage, decodes its 64 rows into one of two A register sets, issues the
+group's four wgmmas and keeps them in flight while it decodes the next group
+(``wait_group(1)``); a stage is released once the wgmmas that read it are done.  There is
+no CTA-wide barrier in the loop: the warpgroups run ahead of each other and of the loads as
+far as the ring lets them.  (The previous kernel, cp.async by every thread and a
+``__syncthreads`` per group, kept only two groups of loads in flight and its warpgroups in
+lock step: with its wgmmas removed it still took 489 us at M = 4096, 20480 x 3200, against
+640 us in all, H200; profiles/NOTES.md.)
 
-No programmatic dependent launch, measured: with the weight copies of the prologue and an
-L2 prefetch of the CTA's rows before ``griddepcontrol.wait`` (trigger at entry), back-to-back
-GEMMs on the H200 took 13.5 -> 19.4 us (M = 256, 2560 x 2560) and 37.8 -> 63.6 us (M = 256,
-3200 x 10240), and were level (+-1 %) from M = 1024: the next GEMM's waiting CTAs hold SM
-slots (shared memory) that this GEMM's later CTAs need.
+No programmatic dependent launch, measured on the previous kernel: with the weight copies of
+the prologue and an L2 prefetch of the CTA's rows before ``griddepcontrol.wait``,
+back-to-back GEMMs on the H200 took 13.5 -> 19.4 us (M = 256, 2560 x 2560) and were level
+from M = 1024: the next GEMM's waiting CTAs hold SM slots (shared memory) that this GEMM's
+later CTAs need.
 
 Epilogue.  The scaled bf16 (or raw int32) results go through shared memory (the token
-ring, free by then) transposed to ``out``'s [token, row] order, then out in 16-byte
-row-contiguous stores (a fragment's own stores would write 16 of every 32 bytes).
+ring, free once every consumer is done) transposed to ``out``'s [token, row] order, then
+out in 16-byte row-contiguous stores (a fragment's own stores would write 16 of every 32
+bytes).
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..kernels_sm80.bitnet_ptx import (
     WARP,
     copy16_s2g,
-    cp_async_16,
     decode_s8,
     lds_b32,
     matmul_fake_args,
@@ -61,35 +64,52 @@ from ..kernels_sm80.bitnet_ptx import (
     store_i32,
 )
 from ..layouts import bitnet as fmt
-from ..layouts import sm90
+from ..layouts import resources, sm90
+from . import ptx90
 
-WG_ROWS = sm90.WGMMA_M  # weight rows per warpgroup (the wgmma M)
-WG_THREADS = 128
-STAGE_W_BYTES = WG_ROWS // fmt.TILE_N * fmt.GROUP_BYTES  # 2 KB per warpgroup and stage
+WG_ROWS = sm90.WGMMA_M  # weight rows per consumer warpgroup (the wgmma M)
+WG_THREADS = sm90.WARPGROUP_THREADS
+WG_STRIPES = WG_ROWS // fmt.TILE_N  # 16-row weight stripes per warpgroup (one per warp)
+STAGE_W_BYTES = WG_STRIPES * fmt.GROUP_BYTES  # 2 KB per warpgroup and stage
 X_ROW_BYTES = fmt.GROUP_K  # one token's 128 bytes of a group
-CHUNKS_PER_X_ROW = X_ROW_BYTES // fmt.CHUNK_BYTES
 KSTEPS = fmt.GROUP_K // fmt.TILE_K  # wgmma k-steps per group
 A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas read
 OUT_PAD_BYTES = 16  # per staged output row: rows 16 bytes apart mod 128 -> no bank conflicts
+PRODUCER_REGS = 40  # the producer warpgroup only issues copies
+MAX_REGS = 240  # setmaxnreg's ceiling is 256; ptxas wants headroom below it
+REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
+
+
+class Barrier:
+    """Named barriers (id 0 is __syncthreads)."""
+
+    EPI = 1  # the consumer warpgroups: every wgmma is done, the token ring may hold the output
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """``block_m``: tokens per CTA (the wgmma N); ``warpgroups``: 64-row weight tiles per
-    CTA sharing each token tile; ``stages``: depth of the cp.async ring (``stages - 2``
-    groups loaded ahead)."""
+    """``block_m``: tokens per CTA (the wgmma N); ``warpgroups``: consumer warpgroups, 64
+    weight rows each, sharing each token tile; ``stages``: depth of the ring;
+    ``ctas_per_sm``: the residency the registers are split for."""
 
     block_m: int = 128
     warpgroups: int = 2
     stages: int = 4
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
+    ctas_per_sm: int = 1
 
     def __post_init__(self):
-        assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2, 3, 4) and self.stages >= 3
+        assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 2
+        assert self.ctas_per_sm in (1, 2)
 
     @property
     def threads(self) -> int:
+        """Consumer threads (the producer warpgroup comes on top)."""
         return WG_THREADS * self.warpgroups
+
+    @property
+    def block_threads(self) -> int:
+        return self.threads + WG_THREADS
 
     @property
     def block_n(self) -> int:
@@ -105,31 +125,62 @@ class WgmmaConfig:
         return self.block_n * self.out_bytes + OUT_PAD_BYTES
 
     @property
+    def x_stage_bytes(self) -> int:
+        return self.block_m * X_ROW_BYTES
+
+    @property
+    def w_stage_bytes(self) -> int:
+        return self.warpgroups * STAGE_W_BYTES
+
+    @property
     def x_ring_bytes(self) -> int:
         """The token ring, which the staged output tile reuses."""
-        return max(self.stages * self.block_m * X_ROW_BYTES, self.block_m * self.out_row_bytes)
+        return max(self.stages * self.x_stage_bytes, self.block_m * self.out_row_bytes)
+
+    @property
+    def entry_regs(self) -> int:
+        """Registers per thread at launch: ptxas's cap for ``ctas_per_sm`` CTAs an SM."""
+        return min(255, REG_FILE // self.ctas_per_sm // self.block_threads) // 8 * 8
+
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per consumer thread after setmaxnreg: what the CTA was launched with,
+        less the producer warpgroup's.  More would deadlock: ``setmaxnreg.inc`` waits
+        until the CTA's own pool can serve it."""
+        pool = self.entry_regs * self.block_threads - WG_THREADS * PRODUCER_REGS
+        return min(MAX_REGS, pool // self.threads // 8 * 8)
 
 
-# From this many weight rows on, a 64-token tile's CTA count fills the GPU and the larger
-# tiles win (H200 sweep over the eight BitNet shapes, profiles/NOTES.md)
-LARGE_N = 8192
-LARGE_M = 1024
+# Tiles by M, from the H200 sweep of this kernel over 2560 x 2560, 3200 x 10240, 20480 x 3200
+# and 13824 x 2560 at M = 256 / 1024 / 4096 (profiles/NOTES.md, seventeenth session): each
+# pick within 11 % of the sweep's best at every point.  Two warpgroups sharing a 256-token
+# tile (1 CTA an SM) halve the token traffic per MAC and win from 1024 tokens; below,
+# shorter single-warpgroup CTAs, two an SM, give the GPU enough of them.
+SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2)
+MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2)
+LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1)
+MEDIUM_M = 128  # above this many tokens, MEDIUM
+LARGE_M = 1024  # from this many, LARGE
 
 
 def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
-    """The tile by M and N, from the H200 sweep: 64 tokens x 64 rows up to M = 64; from
-    M = 1024 or N = 8192 on, 128 x 128 (two warpgroups sharing the token tile); between,
-    64 x 128 while that is one wave of CTAs, else 64 x 64 (more, shorter CTAs)."""
-    if m <= 64:
-        return WgmmaConfig(block_m=64, warpgroups=1)
-    if m >= LARGE_M or n >= LARGE_N:
-        return WgmmaConfig(block_m=128, warpgroups=2)
-    return WgmmaConfig(block_m=64, warpgroups=2 if -(-m // 64) * -(-n // (2 * WG_ROWS)) <= sms else 1)
+    """The tile by M (``n`` and ``sms`` are kept for the dispatch's signature; the sweep
+    found no pick by N that beat these by more than ~10 %)."""
+    if m >= LARGE_M:
+        return LARGE
+    return MEDIUM if m > MEDIUM_M else SMALL
 
 
 def grid_for(cfg: WgmmaConfig, m, n):
     """(token tiles, weight-row tiles): host ints or the kernel's traced sizes."""
     return ((m + cfg.block_m - 1) // cfg.block_m, (n + cfg.block_n - 1) // cfg.block_n)
+
+
+def group_state(n, stages: int, producer: bool):
+    """The pipeline state of group ``n`` (the ``n``-th use of the ring, from 0): computed,
+    not carried, so the consumer can name the group before the one it works on."""
+    phase = (n // stages) % 2
+    return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
 
 
 class BitnetGemmSm90:
@@ -138,11 +189,10 @@ class BitnetGemmSm90:
 
     def __init__(self, cfg: WgmmaConfig):
         self.cfg = cfg
-        self.ahead = cfg.stages - 2  # groups in flight ahead of the one being computed
-        self.x_chunks = cfg.block_m * CHUNKS_PER_X_ROW // cfg.threads  # token copies a thread
         self.out_chunks = cfg.block_n * cfg.out_bytes // fmt.CHUNK_BYTES  # 16-byte stores a token
-        assert self.x_chunks * cfg.threads == cfg.block_m * CHUNKS_PER_X_ROW
+        self.tx_bytes = cfg.x_stage_bytes + cfg.w_stage_bytes  # what one stage's copies bring
         assert (cfg.block_m * self.out_chunks) % cfg.threads == 0
+        assert cfg.warpgroups * WG_STRIPES <= WARP  # one producer lane per weight stripe
 
     def x_layout(self):
         """The staged token tiles: (block_m, 128, stages), K-major, 128-byte swizzle."""
@@ -162,6 +212,18 @@ class BitnetGemmSm90:
             warpgroup.OperandSource.RMEM,
         )
 
+    def _shared_storage(self):
+        cfg = self.cfg
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            sX: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.x_ring_bytes], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.stages * cfg.w_stage_bytes], 128]
+            sXScale: cute.struct.MemRange[Float32, cfg.block_m]  # the tile's token scales
+
+        return Storage
+
     @cute.jit
     def __call__(
         self,
@@ -176,20 +238,23 @@ class BitnetGemmSm90:
         stream,
     ):
         cfg = self.cfg
-        m = mX.shape[0]
-        n = mW.shape[0]
-        # shared memory (token ring / output tile, weight ring) is sized by the DSL from the
-        # allocations in the kernel
-        self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3).launch(
-            grid=[*grid_for(cfg, m, n), 1],
-            block=[cfg.threads, 1, 1],
+        x_layout = self.x_layout()
+        tma_x, tma_tx = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.select(x_layout, mode=[0, 1]), (cfg.block_m, fmt.GROUP_K)
+        )
+        self.kernel(tma_x, tma_tx, mW, mXScale, mWScale, mOut, e1, e2, e3, self._shared_storage()).launch(
+            grid=[*grid_for(cfg, mX.shape[0], mW.shape[0]), 1],
+            block=[cfg.block_threads, 1, 1],
             stream=stream,
+            min_blocks_per_mp=cfg.ctas_per_sm,
+            preferred_smem_carveout=100,
         )
 
     @cute.kernel
     def kernel(
         self,
-        mX: cute.Tensor,
+        tma_x: cute.CopyAtom,
+        mXt: cute.Tensor,
         mW: cute.Tensor,
         mXScale: cute.Tensor,
         mWScale: cute.Tensor,
@@ -197,34 +262,87 @@ class BitnetGemmSm90:
         e1: Int32,
         e2: Int32,
         e3: Int32,
+        Storage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_x)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(Storage)
+        x_layout = self.x_layout()
+        sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
+        sW = storage.sW.get_tensor(cute.make_layout((cfg.stages * cfg.w_stage_bytes,)))
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.threads // WARP),
+            tx_count=self.tx_bytes,
+        )
+        groups = mW.shape[1] // (fmt.GROUP_BYTES // fmt.TILE_N)
+        if warp < WG_THREADS // WARP:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.produce(ring, tma_x, mXt, sX, mW, sW, groups, tidx)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
+            if const_expr(not cfg.raw):
+                self.stage_token_scales(mXScale, sXScale, tidx - WG_THREADS)
+            acc, thr_mma = self.consume(ring, sX, sW, groups, tidx - WG_THREADS)
+            # every consumer's wgmmas are done: the token ring may hold the output tile (all
+            # loads have landed, as every stage was waited for); the token scales are in
+            cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
+            self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, mWScale, mOut, e1, e2, e3,
+                          tidx - WG_THREADS)
+
+    # ---------------------------------------------------------------------------------
+    # Producer: warp 0 of warpgroup 0
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, ring, tma_x, mXt: cute.Tensor, sX: cute.Tensor, mW: cute.Tensor, sW: cute.Tensor,
+                groups: Int32, tidx: Int32):
+        """Group after group: wait for a free stage, then one TMA box of the token tile and
+        lane ``i``'s bulk copy of weight stripe ``i`` (512 contiguous bytes), all on the
+        stage's mbarrier."""
+        cfg = self.cfg
         bm, bn, _ = cute.arch.block_idx()
-        warp = tidx // WARP
         lane = tidx % WARP
+        gX = cute.local_tile(mXt, (cfg.block_m, fmt.GROUP_K), (bm, None))  # (block_m, 128, groups)
+        tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                         cute.group_modes(gX, 0, 2))
+        n_stripes = mW.shape[0] // fmt.TILE_N
+        row_bytes = mW.shape[1]
+        w_stripes = cfg.warpgroups * WG_STRIPES
+        # rows past N: the last stripe again (their outputs are never stored)
+        stripe = cutlass.min(bn * w_stripes + lane, n_stripes - 1)
+        w_src = mW.iterator + Int64(stripe) * Int64(row_bytes * fmt.TILE_N)
+        w_dst = sW.iterator + lane * fmt.GROUP_BYTES
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        for kg in cutlass.range(groups, unroll=1):
+            ring.producer_acquire(state)
+            bar = ring.producer_get_barrier(state)
+            cute.copy(tma_x, tXg[None, kg], tXs[None, state.index], tma_bar_ptr=bar)
+            if lane < w_stripes:
+                ptx90.bulk_g2s(w_dst + state.index * cfg.w_stage_bytes, w_src + Int64(kg) * fmt.GROUP_BYTES,
+                               fmt.GROUP_BYTES, bar)
+            state.advance()
+
+    # ---------------------------------------------------------------------------------
+    # Consumers: 64 weight rows each
+    # ---------------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, ring, sX: cute.Tensor, sW: cute.Tensor, groups: Int32, ctid: Int32):
+        """The warpgroup's 64 x ``block_m`` int32 tile of ``out.T`` over every group."""
+        cfg = self.cfg
+        lane = ctid % WARP
         g = lane >> 2
         tq = lane & 3
-
-        m = mX.shape[0]
-        n = mW.shape[0]
-        row_bytes = mW.shape[1]  # K / 4
-        k = row_bytes * fmt.CODES_PER_BYTE
-        groups = row_bytes // (fmt.GROUP_BYTES // fmt.TILE_N)
-        n_stripes = n // fmt.TILE_N
-
-        x_layout = self.x_layout()
-        smem = cutlass.memory.SmemAllocator()
-        x_ptr = smem.allocate(cfg.x_ring_bytes, 1024)
-        sX = cute.make_tensor(cute.recast_ptr(x_ptr, x_layout.inner, dtype=cutlass.Int8), x_layout.outer)
-        sW = smem.allocate_tensor(cutlass.Int8, cute.make_layout((cfg.stages * cfg.warpgroups * STAGE_W_BYTES,)), 128)
-        x_base = sX.iterator.toint()
-        w_base = sW.iterator.toint()
-        x_stage_bytes = cfg.block_m * X_ROW_BYTES
-        w_stage_bytes = cfg.warpgroups * STAGE_W_BYTES
-
         tiled_mma = self.tiled_mma()
-        thr_mma = tiled_mma.get_slice(tidx % WG_THREADS)
+        thr_mma = tiled_mma.get_slice(ctid % WG_THREADS)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
         a_shape = thr_mma.partition_shape_A((WG_ROWS, fmt.GROUP_K))
         tCrA = [tiled_mma.make_fragment_A(a_shape) for _ in range(A_BUFFERS)]
@@ -232,91 +350,86 @@ class BitnetGemmSm90:
         acc.fill(0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-        # This thread's copies: one 16-byte weight chunk and x_chunks token chunks.
-        stripe = cutlass.min(bn * (cfg.block_n // fmt.TILE_N) + warp, n_stripes - 1)
-        w_src = mW.iterator.toint() + Int64(stripe) * Int64(row_bytes * fmt.TILE_N) + Int64(lane * fmt.CHUNK_BYTES)
-        w_dst = w_base + tidx * fmt.CHUNK_BYTES
-        x_src = []
-        x_dst = []
-        x_bytes = []
-        for i in cutlass.range_constexpr(self.x_chunks):
-            idx = tidx + i * cfg.threads
-            r = idx // CHUNKS_PER_X_ROW
-            c = idx % CHUNKS_PER_X_ROW
-            tok = bm * cfg.block_m + r
-            x_src.append(mX.iterator.toint() + Int64(cutlass.min(tok, m - 1)) * Int64(k) + Int64(c * fmt.CHUNK_BYTES))
-            x_dst.append(x_base + x_layout((r, c * fmt.CHUNK_BYTES, 0)))
-            x_bytes.append(cutlass.select_(tok < m, Int32(fmt.CHUNK_BYTES), Int32(0)))
-        copies = (w_src, w_dst, x_src, x_dst, x_bytes, w_stage_bytes, x_stage_bytes)
-
-        # Prologue: the first `ahead` groups in flight.
-        for s in cutlass.range_constexpr(self.ahead):
-            if s < groups:
-                self.issue(s, s, *copies)
-            cute.arch.cp_async_commit_group()
-
-        w_warp = w_base + warp * fmt.GROUP_BYTES
+        # warp w of warpgroup c decodes stripe 4c + w of each stage
+        w_warp = sW.iterator.toint() + (ctid // WARP) * fmt.GROUP_BYTES
         a_offs = [fmt.kstep_word_offset(g, j) for j in range(4)]
         shift = fmt.kstep_shift(tq)
         # Pairs of groups, one per A buffer; an odd count ends with a phantom group whose A
         # is zero (no branch around the wgmmas: ptxas serializes every wgmma (C7513) when
-        # the accumulators pass through one)
+        # the accumulators pass through one); its B is whatever the next stage holds
         for kg0 in cutlass.range(0, groups, A_BUFFERS, unroll=1):
             for buf in cutlass.range_constexpr(A_BUFFERS):
                 kg = kg0 + buf
-                cute.arch.cp_async_wait_group(self.ahead - 1)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()
-                nxt = kg + self.ahead
-                if nxt < groups:
-                    self.issue(nxt, nxt % cfg.stages, *copies)
-                cute.arch.cp_async_commit_group()
-
-                st = kg % cfg.stages
+                state = group_state(kg, cfg.stages, False)
+                if const_expr(buf == 0):
+                    ring.consumer_wait(state)
+                else:
+                    if kg < groups:
+                        ring.consumer_wait(state)
                 words = cute.recast_tensor(tCrA[buf], Int32)  # word j + 4*kstep
-                w_stage = w_warp + st * w_stage_bytes
+                w_stage = w_warp + state.index * cfg.w_stage_bytes
                 for ks in cutlass.range_constexpr(KSTEPS):
                     for j in cutlass.range_constexpr(4):
                         a = decode_s8(lds_b32(w_stage + ks * fmt.TILE_BYTES + a_offs[j]), shift)
-                        if cutlass.const_expr(buf > 0):
+                        if const_expr(buf > 0):
                             a = cutlass.select_(kg < groups, a, Int32(0))
                         words[j + 4 * ks] = a
                 warpgroup.fence()
                 for ks in cutlass.range_constexpr(KSTEPS):
-                    cute.gemm(tiled_mma, acc, tCrA[buf][None, None, ks], tCrB[None, None, ks, st], acc)
+                    cute.gemm(tiled_mma, acc, tCrA[buf][None, None, ks], tCrB[None, None, ks, state.index], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(A_BUFFERS - 1)
+                # the wgmmas of the group before are done: its stage is free
+                if kg >= 1:
+                    if kg <= groups:
+                        ring.consumer_release(group_state(kg - 1, cfg.stages, False))
         warpgroup.wait_group(0)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()  # every warpgroup is done with the token ring
-        self.epilogue(acc, thr_mma, x_base, mXScale, mWScale, mOut, e1, e2, e3)
+        return acc, thr_mma
 
     @cute.jit
-    def epilogue(self, acc, thr_mma, s_base: Int32, mXScale, mWScale, mOut, e1: Int32, e2: Int32, e3: Int32):
+    def stage_token_scales(self, mXScale: cute.Tensor, sXScale: cute.Tensor, ctid: Int32):
+        """The tile's token scales into shared memory once (tokens past M: the last one's),
+        for the epilogue (which would otherwise load one per value, each behind the last)."""
+        bm, _, _ = cute.arch.block_idx()
+        m = mXScale.shape[0]
+        for t in cutlass.range(ctid, self.cfg.block_m, self.cfg.threads, unroll=1):
+            sXScale[t] = mXScale[cutlass.min(bm * self.cfg.block_m + t, m - 1)]
+
+    @cute.jit
+    def epilogue(self, acc, thr_mma, s_base: Int32, sXScale: cute.Tensor, mWScale, mOut, e1: Int32, e2: Int32,
+                 e3: Int32, ctid: Int32):
         """Scale each sum (``(acc / x_scale) * w_scale``, or the raw int32), stage the tile
-        in [token, row] order in shared memory, store it in 16-byte row runs."""
+        in [token, row] order in shared memory, store it in 16-byte row runs.  A thread's
+        values lie on two rows (one segment scale each, looked up once) and pairs of them
+        in one token column (one token scale load each)."""
         cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
         bm, bn, _ = cute.arch.block_idx()
         m = mOut.shape[0]
         n = mOut.shape[1]
         coords = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.block_m)))
-        row_in_tile0 = (tidx // WG_THREADS) * WG_ROWS
+        row_in_tile0 = (ctid // WG_THREADS) * WG_ROWS
+        w_scale = {}
+        x_scale = {}
+        if const_expr(not cfg.raw):
+            for i in cutlass.range_constexpr(2):
+                first = sm90.acc_row_value(2 * i)
+                row = cutlass.min(bn * cfg.block_n + row_in_tile0 + coords[first][0], n - 1)
+                w_scale[first] = segment_scale(mWScale, row, e1, e2, e3)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = coords[i]
-            row_in_tile = row_in_tile0 + r
-            addr = s_base + c * cfg.out_row_bytes + row_in_tile * cfg.out_bytes
-            if cutlass.const_expr(cfg.raw):
+            addr = s_base + c * cfg.out_row_bytes + (row_in_tile0 + r) * cfg.out_bytes
+            if const_expr(cfg.raw):
                 store_i32(addr, acc[i], "shared")
             else:
-                tok = cutlass.min(bm * cfg.block_m + c, m - 1)
-                row = cutlass.min(bn * cfg.block_n + row_in_tile, n - 1)
-                value = scale_out(acc[i], Float32(mXScale[tok]), segment_scale(mWScale, row, e1, e2, e3))
+                col = sm90.acc_col_value(i)
+                if const_expr(col == i):
+                    x_scale[col] = Float32(sXScale[c])
+                value = scale_out(acc[i], x_scale[col], w_scale[sm90.acc_row_value(i)])
                 store_bf16(addr, value, "shared")
-        cute.arch.sync_threads()
+        cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
         per_elem = fmt.CHUNK_BYTES // cfg.out_bytes
         for it in cutlass.range_constexpr(cfg.block_m * self.out_chunks // cfg.threads):
-            idx = tidx + it * cfg.threads
+            idx = ctid + it * cfg.threads
             c = idx // self.out_chunks
             q = idx % self.out_chunks
             tok = bm * cfg.block_m + c
@@ -326,13 +439,6 @@ class BitnetGemmSm90:
                     s_base + c * cfg.out_row_bytes + q * fmt.CHUNK_BYTES,
                     mOut.iterator.toint() + (Int64(tok) * Int64(n) + Int64(row)) * cfg.out_bytes,
                 )
-
-    @cute.jit
-    def issue(self, grp: Int32, stage: Int32, w_src, w_dst, x_src: list, x_dst: list, x_bytes: list, w_stage_bytes: int, x_stage_bytes: int):
-        """cp.async of group ``grp`` into ring slot ``stage``."""
-        cp_async_16(w_dst + stage * w_stage_bytes, w_src + Int64(grp) * fmt.GROUP_BYTES, Int32(fmt.CHUNK_BYTES))
-        for i in cutlass.range_constexpr(len(x_src)):
-            cp_async_16(x_dst[i] + stage * x_stage_bytes, x_src[i] + Int64(grp) * fmt.GROUP_K, x_bytes[i])
 
 
 def compile_gemm(cfg: WgmmaConfig, options: str):

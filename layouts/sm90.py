@@ -217,6 +217,19 @@ def wgmma_fragment(operand: str, n: int = 64) -> Tuple[Tuple[Tuple[int, int], ..
     return tuple(out)
 
 
+def acc_row_value(i: int) -> int:
+    """The first value of a wgmma accumulator fragment on the same row as value ``i``: each
+    8-column block holds (row g: two columns, row g + 8: two columns), so a thread's values
+    sit on two rows, those of values 0 and 2 (``wgmma_fragment("c")`` checks it)."""
+    return 2 * ((i // 2) % 2)
+
+
+def acc_col_value(i: int) -> int:
+    """The first value of a wgmma accumulator fragment in the same column as value ``i``
+    (its row-g twin: ``i`` less the row step)."""
+    return i - acc_row_value(i)
+
+
 @_traced
 def _wgmma_tv(operand: str, n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
     """The tiled MMA's TV layout, (thread, value) -> column-major offset in the (M, K|N) tile."""

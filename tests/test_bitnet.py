@@ -583,19 +583,33 @@ def test_mma_gemm_pdl_compiles(tmp_path):
 
 
 def test_wgmma_gemm_compiles(tmp_path):
-    """s8 x s8 wgmma with the A operand from registers, pipelined (no wgmma serialization
-    by ptxas: C7513 / C7514), no spills, for every tile shape."""
+    """s8 x s8 wgmma with the A operand from registers, fed by a TMA + bulk-copy mbarrier
+    ring (warp-specialized: setmaxnreg), one wgmma group in flight, no CTA-wide barrier in
+    the main loop; no wgmma serialization by ptxas (C7513 / C7514), no spills, for the
+    shipped tiles and the largest ring."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    for bm, wg in ((64, 1), (128, 2), (256, 2)):
-        cfg = g90.WgmmaConfig(block_m=bm, warpgroups=wg)
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5)):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
         assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", ptx), "one wgmma group kept in flight"
-        assert "cp.async.cg.shared.global" in ptx and "st.global.v4.b32" in ptx
+        for instr in ("cp.async.bulk.tensor.2d.shared::cta.global", "cp.async.bulk.shared::cluster.global",
+                      "mbarrier.try_wait.parity", "mbarrier.arrive.expect_tx", "st.global.v4.b32"):
+            assert instr in ptx, (instr, cfg)
+        assert re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{g90.PRODUCER_REGS};", ptx)
+        assert re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{cfg.consumer_regs};", ptx)
+        assert "cp.async.cg" not in ptx and "cp.async.wait_group" not in ptx
+        # the only CTA-wide barrier is the pipeline's init; the consumers' named barrier
+        # comes after the main loop
+        assert len(re.findall(r"bar.sync\s+0;", ptx)) == 1
+        assert len(re.findall(rf"bar.sync\s+1, {cfg.threads};", ptx)) == 2
         report = ptxas.report(ptx, "sm_90a", tmp_path)
         assert "C7513" not in report and "C7514" not in report, f"ptxas serializes the wgmmas ({cfg})"
         assert ptxas.spill_bytes(report) == 0, f"spills ({cfg})"
+        # setmaxnreg.inc waits for registers the CTA's own pool holds: more would deadlock
+        used = int(re.search(r"Used (\d+) registers", report).group(1))
+        assert used <= cfg.entry_regs
+        assert 128 * g90.PRODUCER_REGS + cfg.threads * cfg.consumer_regs <= cfg.entry_regs * cfg.block_threads
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
@@ -815,8 +829,9 @@ def test_gpu_gemm(n, k, kernel):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("block_m,warpgroups,stages", [(64, 1, 4), (64, 2, 3), (128, 1, 4), (128, 2, 5), (256, 1, 4), (256, 2, 4)])
-def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages):
+@pytest.mark.parametrize("block_m,warpgroups,stages,ctas", [(64, 1, 8, 2), (64, 2, 3, 2), (128, 1, 6, 2), (128, 2, 5, 1),
+                                                          (256, 1, 4, 1), (256, 2, 4, 1), (256, 2, 2, 1)])
+def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
     """Every tile shape of the sm90 GEMM (the default picks only some per shape): ragged
     M and N tiles, an odd group count (the phantom group), exact sums and bf16 output."""
     if torch.cuda.get_device_capability()[0] != 9:
@@ -828,7 +843,7 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages):
     ws = torch.tensor([0.7, 1.3], device="cuda")
     segs = (n - 16, 16)
     for raw in (True, False):
-        cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw)
+        cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw, ctas_per_sm=ctas)
         fn = g90.compile_gemm(cfg, jit.compile_options("sm_90a"))
         for m in (1, block_m - 3, block_m + 5, 3 * block_m):
             x, xs = _acts(m, k, m)

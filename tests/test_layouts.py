@@ -476,6 +476,11 @@ def test_sm90_fragments_match_ptx():
         assert is_permutation([r * n + c for vals in d for r, c in vals], 64 * n)
         for t in range(128):
             assert list(d[t]) == ptx_wgmma_d(t, n)
+    for n in (64, 128, 256):  # what the BitNet GEMM's epilogue takes once per row / per column
+        d = sm90.wgmma_fragment("c", n)
+        for t in range(128):
+            for i, (r, c) in enumerate(d[t]):
+                assert d[t][sm90.acc_row_value(i)][0] == r and d[t][sm90.acc_col_value(i)][1] == c
     for t in range(128):
         assert list(a[t]) == ptx_wgmma_a(t)
     stsm = sm90.stsm_fragment()
