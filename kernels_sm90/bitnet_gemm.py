@@ -151,11 +151,12 @@ class WgmmaConfig:
         return min(MAX_REGS, pool // self.threads // 8 * 8)
 
 
-# Tiles by M, from the H200 sweep of this kernel over 2560 x 2560, 3200 x 10240, 20480 x 3200
-# and 13824 x 2560 at M = 256 / 1024 / 4096 (profiles/NOTES.md, seventeenth session): each
-# pick within 11 % of the sweep's best at every point.  Two warpgroups sharing a 256-token
-# tile (1 CTA an SM) halve the token traffic per MAC and win from 1024 tokens; below,
-# shorter single-warpgroup CTAs, two an SM, give the GPU enough of them.
+# Tiles by M, from the H200 sweep of this kernel over 2560 x 2560, 2560 x 6912, 3200 x 10240,
+# 20480 x 3200 and 13824 x 2560 at M = 64 / 256 / 1024 / 4096 (profiles/NOTES.md, seventeenth
+# session): the pick is the sweep's best (within 1 %) at 14 of the 15 points from M = 256,
+# 17 % off at M = 256, 13824 x 2560.  Two warpgroups sharing a 256-token tile (1 CTA an SM) halve the token
+# traffic per MAC and win from 1024 tokens; below, shorter single-warpgroup CTAs, two an
+# SM, give the GPU enough of them.
 SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2)
 MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2)
 LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1)
@@ -164,8 +165,8 @@ LARGE_M = 1024  # from this many, LARGE
 
 
 def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
-    """The tile by M (``n`` and ``sms`` are kept for the dispatch's signature; the sweep
-    found no pick by N that beat these by more than ~10 %)."""
+    """The tile by M (``n`` and ``sms`` are kept for the dispatch's signature: a pick by
+    waves of CTAs fitted to the sweep was no better than this rule on it)."""
     if m >= LARGE_M:
         return LARGE
     return MEDIUM if m > MEDIUM_M else SMALL
