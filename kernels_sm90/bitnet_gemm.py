@@ -66,6 +66,7 @@ from ..kernels_sm80.bitnet_ptx import (
 from ..layouts import bitnet as fmt
 from ..layouts import resources, sm90
 from . import ptx90
+from .decode import seq_state
 
 WG_ROWS = sm90.WGMMA_M  # weight rows per consumer warpgroup (the wgmma M)
 WG_THREADS = sm90.WARPGROUP_THREADS
@@ -76,7 +77,7 @@ KSTEPS = fmt.GROUP_K // fmt.TILE_K  # wgmma k-steps per group
 A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas read
 OUT_PAD_BYTES = 16  # per staged output row: rows 16 bytes apart mod 128 -> no bank conflicts
 PRODUCER_REGS = 40  # the producer warpgroup only issues copies
-MAX_REGS = 240  # setmaxnreg's ceiling is 256; ptxas wants headroom below it
+MAX_REGS = 240  # what a consumer asks for at most (setmaxnreg allows 256)
 REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
 
 
@@ -154,9 +155,9 @@ class WgmmaConfig:
 # Tiles by M, from the H200 sweep of this kernel over 2560 x 2560, 2560 x 6912, 3200 x 10240,
 # 20480 x 3200 and 13824 x 2560 at M = 64 / 256 / 1024 / 4096 (profiles/NOTES.md, seventeenth
 # session): the pick is the sweep's best (within 1 %) at 14 of the 15 points from M = 256,
-# 17 % off at M = 256, 13824 x 2560.  Two warpgroups sharing a 256-token tile (1 CTA an SM) halve the token
-# traffic per MAC and win from 1024 tokens; below, shorter single-warpgroup CTAs, two an
-# SM, give the GPU enough of them.
+# 17 % off at M = 256, 13824 x 2560.  Two warpgroups sharing a 256-token tile (1 CTA an
+# SM) halve the token traffic per MAC and win from 1024 tokens; below, shorter
+# single-warpgroup CTAs, two an SM, give the GPU enough of them.
 SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2)
 MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2)
 LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1)
@@ -175,13 +176,6 @@ def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
 def grid_for(cfg: WgmmaConfig, m, n):
     """(token tiles, weight-row tiles): host ints or the kernel's traced sizes."""
     return ((m + cfg.block_m - 1) // cfg.block_m, (n + cfg.block_n - 1) // cfg.block_n)
-
-
-def group_state(n, stages: int, producer: bool):
-    """The pipeline state of group ``n`` (the ``n``-th use of the ring, from 0): computed,
-    not carried, so the consumer can name the group before the one it works on."""
-    phase = (n // stages) % 2
-    return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
 
 
 class BitnetGemmSm90:
@@ -361,7 +355,7 @@ class BitnetGemmSm90:
         for kg0 in cutlass.range(0, groups, A_BUFFERS, unroll=1):
             for buf in cutlass.range_constexpr(A_BUFFERS):
                 kg = kg0 + buf
-                state = group_state(kg, cfg.stages, False)
+                state = seq_state(kg, cfg.stages, False)
                 if const_expr(buf == 0):
                     ring.consumer_wait(state)
                 else:
@@ -383,7 +377,7 @@ class BitnetGemmSm90:
                 # the wgmmas of the group before are done: its stage is free
                 if kg >= 1:
                     if kg <= groups:
-                        ring.consumer_release(group_state(kg - 1, cfg.stages, False))
+                        ring.consumer_release(seq_state(kg - 1, cfg.stages, False))
         warpgroup.wait_group(0)
         return acc, thr_mma
 
