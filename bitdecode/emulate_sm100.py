@@ -425,4 +425,3 @@ def emulate_cache(q: torch.Tensor, cache, num_splits: int = 0, terms: Optional[i
     t = cache.tensors()
     return emulate_decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.fmt,
                           t.block_table, num_splits=max(num_splits, 1), sinks=t.sinks, terms=terms)
-

@@ -78,7 +78,6 @@ A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas
 OUT_PAD_BYTES = 16  # per staged output row: rows 16 bytes apart mod 128 -> no bank conflicts
 PRODUCER_REGS = 40  # the producer warpgroup only issues copies
 MAX_REGS = 240  # what a consumer asks for at most (setmaxnreg allows 256)
-REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
 
 
 class Barrier:
@@ -141,15 +140,13 @@ class WgmmaConfig:
     @property
     def entry_regs(self) -> int:
         """Registers per thread at launch: ptxas's cap for ``ctas_per_sm`` CTAs an SM."""
-        return min(255, REG_FILE // self.ctas_per_sm // self.block_threads) // 8 * 8
+        return resources.launch_registers(self.ctas_per_sm, self.block_threads)
 
     @property
     def consumer_regs(self) -> int:
-        """Registers per consumer thread after setmaxnreg: what the CTA was launched with,
-        less the producer warpgroup's.  More would deadlock: ``setmaxnreg.inc`` waits
-        until the CTA's own pool can serve it."""
-        pool = self.entry_regs * self.block_threads - WG_THREADS * PRODUCER_REGS
-        return min(MAX_REGS, pool // self.threads // 8 * 8)
+        """Registers per consumer thread after setmaxnreg (``resources.consumer_registers``:
+        more would deadlock)."""
+        return resources.consumer_registers(self.ctas_per_sm, WG_THREADS, PRODUCER_REGS, self.threads, MAX_REGS)
 
 
 # Tiles by M, from the H200 sweep of this kernel over 2560 x 2560, 2560 x 6912, 3200 x 10240,

@@ -83,7 +83,6 @@ PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
 # With ``fold_k`` the producer warpgroup also scales Q by K's per-channel scales for each
 # stage (four (scale, zero) words, two Q pairs and three fp32 sums a thread)
 SCALER_REGS = 56
-REG_FILE = resources.SUBPARTITIONS * resources.SUBPARTITION_REGISTERS
 SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its CTAs may take
 # log2 units a logit may pass the running maximum by before the warpgroup exchanges maxima
 # (``lazy_softmax``): P then stays below 4 (H200: 2 skips nearly every exchange)
@@ -227,11 +226,10 @@ class DecodeSm90(PackedDecodeConfig):
             stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * 2
             num_stages = max(2, min(4, SMEM_BUDGET // self.ctas_per_sm // stage_smem))
         self.num_stages = num_stages
-        entry = REG_FILE // (self.ctas_per_sm * 2 * WG) // 8 * 8
         self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
         if self.fold_k:
             self.producer_regs = max(self.producer_regs, SCALER_REGS)
-        self.consumer_regs = min(256, 2 * entry - self.producer_regs) // 8 * 8
+        self.consumer_regs = resources.consumer_registers(self.ctas_per_sm, WG, self.producer_regs, WG, 256)
         # the residual sub-tile (64 tokens of K and of V, 16-bit) reuses the K / V rings
         res_bytes = M_BLOCK * head_dim * 2
         assert num_stages * self.bytes_kp >= res_bytes and num_stages * self.bytes_vp >= res_bytes

@@ -16,6 +16,9 @@ MAX_WARPS_PER_SM = 64
 MAX_CTAS_PER_SM = 32
 WARP = 32
 L2_LINE_BYTES = 128  # an L2 cache line: the granularity of the GEMVs' weight prefetches
+REGISTER_FILE = SUBPARTITIONS * SUBPARTITION_REGISTERS  # registers of one SM
+MAX_THREAD_REGISTERS = 255
+SETMAXNREG_STEP = 8  # setmaxnreg counts are multiples of 8
 
 
 def ctas_per_sm(registers: int, warps: int) -> int:
@@ -24,3 +27,20 @@ def ctas_per_sm(registers: int, warps: int) -> int:
     per_warp = -(-registers * WARP // REGISTER_UNIT) * REGISTER_UNIT
     warps_per_sm = min(MAX_WARPS_PER_SM, SUBPARTITIONS * min(16, SUBPARTITION_REGISTERS // per_warp))
     return min(MAX_CTAS_PER_SM, warps_per_sm // warps)
+
+
+def launch_registers(ctas: int, threads: int) -> int:
+    """Registers per thread a CTA of ``threads`` launches with when ``ctas`` of them are to
+    share an SM (ptxas's cap under that launch bound), as a setmaxnreg count."""
+    return min(MAX_THREAD_REGISTERS, REGISTER_FILE // ctas // threads) // SETMAXNREG_STEP * SETMAXNREG_STEP
+
+
+def consumer_registers(ctas: int, producer_threads: int, producer_regs: int, consumer_threads: int,
+                       cap: int) -> int:
+    """Registers per consumer thread of a warp-specialized CTA after setmaxnreg: the pool
+    the CTA launched with (``launch_registers``) less what its producer threads keep, at
+    most ``cap``.  Never more: ``setmaxnreg.inc`` waits until the CTA's own pool can serve
+    it, so asking beyond it hangs the CTA."""
+    pool = launch_registers(ctas, producer_threads + consumer_threads) * (producer_threads + consumer_threads)
+    pool -= producer_threads * producer_regs
+    return min(cap, pool // consumer_threads // SETMAXNREG_STEP * SETMAXNREG_STEP)

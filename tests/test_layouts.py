@@ -753,6 +753,24 @@ def test_residency_from_registers():
         4, 2, 2, 3, 2, 2]
 
 
+def test_setmaxnreg_split_stays_in_the_pool():
+    """layouts.resources.consumer_registers: the producer's and the consumers' registers
+    after setmaxnreg fit the pool the CTA launched with (beyond it setmaxnreg.inc hangs),
+    in multiples of 8; e.g. 384 threads at 2 CTAs an SM launch with 80 registers, so two
+    consumer warpgroups get 96, not the 104 the register file / CTAs would suggest."""
+    from bitdecode.layouts import resources as r
+
+    for ctas in (1, 2, 3):
+        for consumers in (128, 256):
+            for producer_regs in (24, 40, 56):
+                entry = r.launch_registers(ctas, 128 + consumers)
+                got = r.consumer_registers(ctas, 128, producer_regs, consumers, 256)
+                assert entry % 8 == 0 and got % 8 == 0 and entry <= 255
+                assert 128 * producer_regs + consumers * got <= entry * (128 + consumers)
+                assert 128 * producer_regs + consumers * (got + 8) > entry * (128 + consumers) or got == 256
+    assert r.launch_registers(2, 384) == 80 and r.consumer_registers(2, 128, 40, 256, 240) == 96
+
+
 @pytest.mark.parametrize("dtype, operand, rows, cols, n", [
     ("e2m1", "a", 256, 128, 8),  # V^T of head dim 256 (two M-blocks), the FP4 MMA's A
     ("e2m1", "b", 16, 128, 16),  # Q / P as the FP4 MMA's B
