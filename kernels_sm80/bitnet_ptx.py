@@ -18,7 +18,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from ..layouts import bitnet as fmt
 from ..layouts import packing
 from ..layouts import resources
-from .ptx import _asm, div_rn, mul_rn
+from .ptx import _asm, div_rn, fma_rn, mul_rn
 
 WARP = resources.WARP
 
@@ -227,6 +227,20 @@ def segment_scale(mWScale: cute.Tensor, row: Int32, e1: Int32, e2: Int32, e3: In
 def scale_out(acc: Int32, x_scale: Float32, w_scale: Float32) -> Float32:
     """``(acc / x_scale) * w_scale`` in fp32, each op rounded once like the torch reference."""
     return mul_rn(div_rn(Float32(acc), x_scale), w_scale)
+
+
+@cute.jit
+def scale_out_rcp(acc: Int32, x_scale: Float32, x_rcp: Float32, w_scale: Float32) -> Float32:
+    """``scale_out`` with the token's correctly rounded reciprocal ``x_rcp`` (``rcp.rn``)
+    given: the quotient ``q0 = a r`` is corrected once with the exact residual ``a - q0 b``
+    (an fma), which is the correctly rounded ``a / b`` whenever ``r`` is the correctly
+    rounded ``1 / b`` and nothing under- or overflows (Markstein's theorem; the tests check
+    it against exact rational arithmetic).  Three fp32 ops a value instead of ``div.rn``'s
+    sequence with its range check and slow-path branch."""
+    a = Float32(acc)
+    q0 = mul_rn(a, x_rcp)
+    q = fma_rn(fma_rn(-q0, x_scale, a), x_rcp, q0)
+    return mul_rn(q, w_scale)
 
 
 def matmul_fake_args(raw: bool, tokens=None, launch_arg: bool = True) -> tuple:

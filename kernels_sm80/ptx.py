@@ -111,6 +111,15 @@ def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
+    """fp32 ``a * b + c`` rounded once."""
+    res = _asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip),
+                         Float32(c).ir_value(loc=loc, ip=ip)],
+               "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", loc=loc, ip=ip)
+    return Float32(res)
+
+
+@dsl_user_op
 def u32_as_f32(x, *, loc=None, ip=None) -> Float32:
     """The bits of ``x`` as an fp32 value."""
     res = _asm(T.f32(), [_u32(x, loc, ip)], "mov.b32 $0, $1;", "=f,r", loc=loc, ip=ip)

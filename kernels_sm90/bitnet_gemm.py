@@ -58,11 +58,11 @@ from ..kernels_sm80.bitnet_ptx import (
     decode_s8,
     lds_b32,
     matmul_fake_args,
-    scale_out,
+    scale_out_rcp,
     segment_scale,
-    store_bf16,
     store_i32,
 )
+from ..kernels_sm80.ptx import cvt_pack_x2, rcp_rn
 from ..layouts import bitnet as fmt
 from ..layouts import resources, sm90
 from . import ptx90
@@ -75,6 +75,7 @@ STAGE_W_BYTES = WG_STRIPES * fmt.GROUP_BYTES  # 2 KB per warpgroup and stage
 X_ROW_BYTES = fmt.GROUP_K  # one token's 128 bytes of a group
 KSTEPS = fmt.GROUP_K // fmt.TILE_K  # wgmma k-steps per group
 A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas read
+WARP_ROWS = WG_ROWS // (WG_THREADS // WARP)  # accumulator rows of one warp (its m16 slab)
 OUT_PAD_BYTES = 16  # per staged output row: rows 16 bytes apart mod 128 -> no bank conflicts
 PRODUCER_REGS = 40  # the producer warpgroup only issues copies
 MAX_REGS = 240  # what a consumer asks for at most (setmaxnreg allows 256)
@@ -213,6 +214,7 @@ class BitnetGemmSm90:
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.x_ring_bytes], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.stages * cfg.w_stage_bytes], 128]
             sXScale: cute.struct.MemRange[Float32, cfg.block_m]  # the tile's token scales
+            sXRcp: cute.struct.MemRange[Float32, cfg.block_m]  # and their reciprocals
 
         return Storage
 
@@ -282,13 +284,14 @@ class BitnetGemmSm90:
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
+            sXRcp = storage.sXRcp.get_tensor(cute.make_layout((cfg.block_m,)))
             if const_expr(not cfg.raw):
-                self.stage_token_scales(mXScale, sXScale, tidx - WG_THREADS)
+                self.stage_token_scales(mXScale, sXScale, sXRcp, tidx - WG_THREADS)
             acc, thr_mma = self.consume(ring, sX, sW, groups, tidx - WG_THREADS)
             # every consumer's wgmmas are done: the token ring may hold the output tile (all
             # loads have landed, as every stage was waited for); the token scales are in
             cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
-            self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, mWScale, mOut, e1, e2, e3,
+            self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
                           tidx - WG_THREADS)
 
     # ---------------------------------------------------------------------------------
@@ -379,45 +382,65 @@ class BitnetGemmSm90:
         return acc, thr_mma
 
     @cute.jit
-    def stage_token_scales(self, mXScale: cute.Tensor, sXScale: cute.Tensor, ctid: Int32):
-        """The tile's token scales into shared memory once (tokens past M: the last one's),
-        for the epilogue (which would otherwise load one per value, each behind the last)."""
+    def stage_token_scales(self, mXScale: cute.Tensor, sXScale: cute.Tensor, sXRcp: cute.Tensor, ctid: Int32):
+        """The tile's token scales and their correctly rounded reciprocals into shared memory
+        once (tokens past M: the last one's), for the epilogue (which would otherwise load a
+        scale per value, each behind the last, and divide by it: ``scale_out_rcp``)."""
         bm, _, _ = cute.arch.block_idx()
         m = mXScale.shape[0]
         for t in cutlass.range(ctid, self.cfg.block_m, self.cfg.threads, unroll=1):
-            sXScale[t] = mXScale[cutlass.min(bm * self.cfg.block_m + t, m - 1)]
+            xs = Float32(mXScale[cutlass.min(bm * self.cfg.block_m + t, m - 1)])
+            sXScale[t] = xs
+            sXRcp[t] = rcp_rn(xs)
 
     @cute.jit
-    def epilogue(self, acc, thr_mma, s_base: Int32, sXScale: cute.Tensor, mWScale, mOut, e1: Int32, e2: Int32,
-                 e3: Int32, ctid: Int32):
+    def epilogue(self, acc, thr_mma, s_base: Int32, sXScale: cute.Tensor, sXRcp: cute.Tensor, mWScale, mOut,
+                 e1: Int32, e2: Int32, e3: Int32, ctid: Int32):
         """Scale each sum (``(acc / x_scale) * w_scale``, or the raw int32), stage the tile
         in [token, row] order in shared memory, store it in 16-byte row runs.  A thread's
         values lie on two rows (one segment scale each, looked up once) and pairs of them
-        in one token column (one token scale load each)."""
+        in one token column (one token scale and reciprocal each).  bf16 values reach
+        shared memory through ``stmatrix .trans``: the accumulator's 8 x 8 blocks (weight
+        rows x tokens) are mma C fragments, and transposed each token's 8 rows are one
+        16-byte run of the [token, row] tile (a value at a time would be 128 16-bit stores
+        a thread)."""
         cfg = self.cfg
         bm, bn, _ = cute.arch.block_idx()
         m = mOut.shape[0]
         n = mOut.shape[1]
         coords = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.block_m)))
         row_in_tile0 = (ctid // WG_THREADS) * WG_ROWS
-        w_scale = {}
-        x_scale = {}
-        if const_expr(not cfg.raw):
+        if const_expr(cfg.raw):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, c = coords[i]
+                store_i32(s_base + c * cfg.out_row_bytes + (row_in_tile0 + r) * cfg.out_bytes, acc[i], "shared")
+        else:
+            w_scale = {}
             for i in cutlass.range_constexpr(2):
                 first = sm90.acc_row_value(2 * i)
                 row = cutlass.min(bn * cfg.block_n + row_in_tile0 + coords[first][0], n - 1)
                 w_scale[first] = segment_scale(mWScale, row, e1, e2, e3)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            r, c = coords[i]
-            addr = s_base + c * cfg.out_row_bytes + (row_in_tile0 + r) * cfg.out_bytes
-            if const_expr(cfg.raw):
-                store_i32(addr, acc[i], "shared")
-            else:
-                col = sm90.acc_col_value(i)
-                if const_expr(col == i):
-                    x_scale[col] = Float32(sXScale[c])
-                value = scale_out(acc[i], x_scale[col], w_scale[sm90.acc_row_value(i)])
-                store_bf16(addr, value, "shared")
+            # this lane's address in each stmatrix: a token column, 8 weight rows of its warp's 16
+            tok, row = sm90.acc_stsm_lane_target(ctid % WARP)
+            row = row + row_in_tile0 + WARP_ROWS * ((ctid % WG_THREADS) // WARP)
+            lane_addr = s_base + tok * cfg.out_row_bytes + row * cfg.out_bytes
+            x_scale = {}
+            x_rcp = {}
+            for p in cutlass.range_constexpr(cfg.block_m // sm90.ACC_STSM_COLS):
+                regs = []
+                for mat in cutlass.range_constexpr(4):
+                    i = sm90.acc_stsm_value(p, mat)  # (row, col) and (row, col + 1)
+                    vals = []
+                    for v in cutlass.range_constexpr(2):
+                        col = sm90.acc_col_value(i + v)
+                        if const_expr(col not in x_scale):
+                            c = coords[col][1]
+                            x_scale[col] = Float32(sXScale[c])
+                            x_rcp[col] = Float32(sXRcp[c])
+                        vals.append(scale_out_rcp(acc[i + v], x_scale[col], x_rcp[col],
+                                                  w_scale[sm90.acc_row_value(i + v)]))
+                    regs.append(cvt_pack_x2(vals[0], vals[1], True))
+                ptx90.stmatrix_x4_trans(lane_addr + p * sm90.ACC_STSM_COLS * cfg.out_row_bytes, *regs)
         cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
         per_elem = fmt.CHUNK_BYTES // cfg.out_bytes
         for it in cutlass.range_constexpr(cfg.block_m * self.out_chunks // cfg.threads):

@@ -34,3 +34,16 @@ def barrier_or(barrier_id: int, num_threads: int, pred, *, loc=None, ip=None) ->
         "selp.u32 $0, 1, 0, q;\n}",
         "=r,r,~{memory}",  # a barrier: shared-memory accesses stay on their side of it
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def stmatrix_x4_trans(addr, r0, r1, r2, r3, *, loc=None, ip=None) -> None:
+    """``stmatrix .x4 .trans`` of four 8x8 16-bit matrices (the mma C-fragment order of each
+    in ``r0..r3``): lane ``8 m + k`` gives the shared address of row ``k`` of matrix ``m`` as
+    stored, which holds column ``k`` of the fragment's matrix (8 contiguous values)."""
+    llvm.inline_asm(
+        None,
+        [Int32(addr).ir_value(loc=loc, ip=ip)] + [Int32(r).ir_value(loc=loc, ip=ip) for r in (r0, r1, r2, r3)],
+        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

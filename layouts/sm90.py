@@ -230,6 +230,49 @@ def acc_col_value(i: int) -> int:
     return i - acc_row_value(i)
 
 
+# The accumulator through ``stmatrix .x4 .trans`` (the BitNet GEMM's epilogue: its wgmma C
+# tile is weight rows x tokens, its output [token, row]).  Each 8 x 8 block of a warp's C
+# slab is an m16n8 C fragment of 16-bit values (a 32-bit register: columns 2c, 2c + 1 of
+# row g); ``.trans`` stores column k of matrix ``mat`` as the 8 contiguous values that lane
+# ``8 mat + k`` addresses.  Matrices 0..3 of stmatrix ``p``: (rows 0-7, columns 16 p + 0-7),
+# (rows 8-15, the same columns), then both again for columns 16 p + 8-15.
+ACC_STSM_COLS = 16  # accumulator columns (tokens) of one stmatrix x4
+
+
+def acc_stsm_value(p: int, mat: int) -> int:
+    """The first of the two accumulator values (fragment order) packed into register ``mat``
+    of stmatrix ``p``; the other is the next value (the adjacent column)."""
+    return 4 * (2 * p + mat // 2) + 2 * (mat % 2)
+
+
+def acc_stsm_lane_target(lane: int) -> Tuple[int, int]:
+    """(column, row) in the warp's 16-row slab of the first value of the 8 that lane
+    ``lane``'s address receives from each stmatrix (add ``ACC_STSM_COLS * p`` to the
+    column); the 8 are rows ``row .. row + 7`` of that column, contiguous."""
+    mat = lane // 8  # (// and %, not divmod: ``lane`` may be a traced kernel value)
+    return 8 * (mat // 2) + lane % 8, 8 * (mat % 2)
+
+
+@functools.lru_cache(maxsize=None)
+def acc_stsm_trans_placement(n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """Where the stores put each accumulator value: ``[thread][value] = (row, col)`` of the
+    64 x ``n`` tile, from stmatrix's semantics (lane ``4 r + c`` holds elements (r, 2 c),
+    (r, 2 c + 1) of each matrix) and the two functions above.  Equal to
+    ``wgmma_fragment("c", n)`` when the epilogue stores every value where it belongs."""
+    out = [[None] * (n // 2) for _ in range(WARPGROUP_THREADS)]
+    for w in range(WARPGROUP_WARPS):
+        for p in range(n // ACC_STSM_COLS):
+            for mat in range(4):
+                for k in range(8):  # stored row k of matrix mat: its address comes from lane 8 mat + k
+                    col0, row0 = acc_stsm_lane_target(8 * mat + k)
+                    col = ACC_STSM_COLS * p + col0
+                    for r in range(8):  # element r of that stored row is fragment (r, k)
+                        lane = 4 * r + k // 2
+                        value = acc_stsm_value(p, mat) + k % 2
+                        out[w * WARP_THREADS + lane][value] = (16 * w + row0 + r, col)
+    return tuple(tuple(v) for v in out)
+
+
 @_traced
 def _wgmma_tv(operand: str, n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
     """The tiled MMA's TV layout, (thread, value) -> column-major offset in the (M, K|N) tile."""

@@ -13,6 +13,7 @@ reference on the device.
 from __future__ import annotations
 
 import itertools
+import random
 import re
 
 import pytest
@@ -599,6 +600,10 @@ def test_wgmma_gemm_compiles(tmp_path):
         assert re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{g90.PRODUCER_REGS};", ptx)
         assert re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{cfg.consumer_regs};", ptx)
         assert "cp.async.cg" not in ptx and "cp.async.wait_group" not in ptx
+        # the epilogue: one reciprocal per token (no division per value), bf16 pairs through
+        # stmatrix .trans into the [token, row] staging tile
+        assert "div.rn.f32" not in ptx and "rcp.rn.f32" in ptx and "fma.rn.f32" in ptx
+        assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
         # the only CTA-wide barrier is the pipeline's init; the consumers' named barrier
         # comes after the main loop
         assert len(re.findall(r"bar.sync\s+0;", ptx)) == 1
@@ -610,6 +615,46 @@ def test_wgmma_gemm_compiles(tmp_path):
         used = int(re.search(r"Used (\d+) registers", report).group(1))
         assert used <= cfg.entry_regs
         assert 128 * g90.PRODUCER_REGS + cfg.threads * cfg.consumer_regs <= cfg.entry_regs * cfg.block_threads
+
+
+def _rn32(x):
+    """A rational rounded to the nearest binary32 (ties to even; normal range)."""
+    from fractions import Fraction
+
+    if x == 0:
+        return Fraction(0)
+    sign, x = (-1 if x < 0 else 1), abs(x)
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    while Fraction(2) ** e > x:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= x:
+        e += 1
+    q = x / Fraction(2) ** (e - 23)
+    whole, rest = divmod(q.numerator, q.denominator)
+    half = Fraction(rest, q.denominator)
+    if half > Fraction(1, 2) or (half == Fraction(1, 2) and whole % 2):
+        whole += 1
+    return sign * whole * Fraction(2) ** (e - 23)
+
+
+def test_scale_out_rcp_is_correctly_rounded():
+    """``bitnet_ptx.scale_out_rcp``'s quotient, q0 = RN(a r), q = RN(q0 + RN(a - q0 b) r) with
+    r = RN(1 / b), equals RN(a / b) (``div.rn``) for the GEMM's operands: integer sums up to
+    2^22 over token scales 127 / absmax, absmax over nine decades, each step in exact
+    rational arithmetic.  A plain RN(a r) differs from RN(a / b) on some of them."""
+    from fractions import Fraction
+
+    rng = random.Random(5)
+    plain_differs = 0
+    for _ in range(4000):
+        a = Fraction(rng.randint(-(1 << 22), 1 << 22))
+        b = Fraction(float(torch.tensor(127.0) / torch.tensor(10 ** rng.uniform(-5, 4))))
+        r = _rn32(1 / b)
+        q0 = _rn32(a * r)
+        q = _rn32(q0 + _rn32(a - q0 * b) * r)
+        assert q == _rn32(a / b), (a, b)
+        plain_differs += q0 != q
+    assert plain_differs > 0  # the correction step is needed
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])

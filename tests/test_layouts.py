@@ -791,3 +791,11 @@ def test_sm100_writes_land_where_the_mma_reads(dtype, operand, rows, cols, n):
         for cb in range(width):
             e = cb * 8 // bits  # the element holding byte column cb
             assert got[r][cb] == canon[r][e] * bits // 8 + (cb % 2 if bits == 16 else 0), (r, cb)
+
+
+@pytest.mark.parametrize("n", [64, 128, 256])
+def test_acc_stsm_trans_places_every_accumulator_value(n):
+    """The BitNet GEMM's epilogue: stmatrix .x4 .trans of the packed accumulator pairs
+    (``acc_stsm_value``) to the lane addresses ``acc_stsm_lane_target`` gives, put every
+    value of the 64 x n wgmma accumulator at its own (row, column) of the [token, row] tile."""
+    assert sm90.acc_stsm_trans_placement(n) == sm90.wgmma_fragment("c", n)
