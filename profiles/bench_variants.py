@@ -73,6 +73,11 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
         init(self, *args, **{**kw, **kwargs})
 
     d90.DecodeSm90.__init__ = with_variant  # every sm90 decode kernel this process builds
+    if "ctas_per_sm" in kwargs:
+        # the split heuristic fills the SMs with the CTAs per SM the kernel is built for
+        from bitdecode.kernels_sm90.backend import Sm90Backend
+
+        Sm90Backend.ctas_per_sm = lambda self, fmt, head_dim, nh: kwargs["ctas_per_sm"]
 
     import bitdecode as bd
     from bench_decode import Timer, _graph_time, build
