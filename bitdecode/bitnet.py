@@ -621,19 +621,52 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
         cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
         if kernel == "mma":
             cfg = _with_pdl(cfg, arch)
-        # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
-        extra = (mod.split_for(cfg, m, n, k, sms),) if kernel == "mma" else ()
+            # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
+            extra, tail = (mod.split_for(cfg, m, n, k, sms),), None
+        else:
+            # the wgmma kernel splits the tiles of a partial last wave along K (its workspace:
+            # the tail tiles' int32 sums and arrival counts)
+            full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
+            extra, tail = (full, splits), ((tails * splits * cfg.block_m * cfg.block_n, tails) if tails else ())
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
-        hit = _LAUNCHERS[key] = (fn, extra)
+        hit = _LAUNCHERS[key] = (fn, extra, tail)
     return hit
+
+
+# (device index, raw CUDA stream) -> (partial sums, counts): the wgmma GEMM's split-K
+# workspace; the counts are zero between launches (each launch leaves them so).  Per stream,
+# as launches on one stream are ordered and those on different streams may overlap.
+_SPLIT_WORK: dict = {}
+_SPLIT_WORK_STREAMS = 8  # workspaces kept (least recently added dropped first)
+
+
+def _split_workspace(device: torch.device, values: int, tiles: int):
+    """The split-K workspace of the current stream, at least ``values`` partial sums and
+    ``tiles`` counts; while a CUDA graph is captured, a fresh one from the graph's pool (so
+    a replay never shares it with eager launches; only its counts are zeroed on replay)."""
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return (torch.empty(values, dtype=torch.int32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    ws = _SPLIT_WORK.get(key)
+    if ws is None or ws[0].numel() < values or ws[1].numel() < tiles:
+        if ws is None and len(_SPLIT_WORK) >= _SPLIT_WORK_STREAMS:
+            _SPLIT_WORK.pop(next(iter(_SPLIT_WORK)))
+        ws = _SPLIT_WORK[key] = (torch.empty(values, dtype=torch.int32, device=device),
+                                 torch.zeros(tiles, dtype=torch.int32, device=device))
+    return ws
 
 
 def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:
     m, n, k = x.shape[0], w.shape[0], x.shape[1]
-    fn, extra = _gemm_kernel(x.device, m, n, k, kernel, raw)
+    fn, extra, tail = _gemm_kernel(x.device, m, n, k, kernel, raw)
     x, w = _aligned(x), _aligned(w)
     x_scale, w_scales = x_scale.contiguous(), w_scales.contiguous()
     out = _out(m, n, raw, x.device)
+    if tail is not None:
+        # no split tile: the kernel never touches the workspace, the output stands in for it
+        work = _split_workspace(x.device, *tail) if tail else (out.view(torch.int32).view(-1),) * 2
+        extra = (*work, *extra)
     fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], *extra)
     return out
 

@@ -98,6 +98,11 @@ class WgmmaConfig:
     stages: int = 4
     raw: bool = False  # store the int32 sums instead of the scaled bf16 output
     ctas_per_sm: int = 1
+    # split-K of a partial last wave (``split_plan``): the most CTAs a tile is split into
+    # (the last one reads every other's partial tile back through L2) and what a split
+    # costs (storing, counting, reading back), in this tile's 128-column groups
+    max_splits: int = 4
+    split_cost_groups: int = 16
 
     def __post_init__(self):
         assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 2
@@ -156,9 +161,11 @@ class WgmmaConfig:
 # 17 % off at M = 256, 13824 x 2560.  Two warpgroups sharing a 256-token tile (1 CTA an
 # SM) halve the token traffic per MAC and win from 1024 tokens; below, shorter
 # single-warpgroup CTAs, two an SM, give the GPU enough of them.
-SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2)
-MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2)
-LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1)
+# The split costs: H200, split against whole tiles on the eight shapes at M = 64 / 256 /
+# 1024 / 4096 (profiles/NOTES.md, eighteenth session).
+SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2, max_splits=6, split_cost_groups=23)
+MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28)
+LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1, max_splits=4, split_cost_groups=16)
 MEDIUM_M = 128  # above this many tokens, MEDIUM
 LARGE_M = 1024  # from this many, LARGE
 
@@ -174,6 +181,53 @@ def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
 def grid_for(cfg: WgmmaConfig, m, n):
     """(token tiles, weight-row tiles): host ints or the kernel's traced sizes."""
     return ((m + cfg.block_m - 1) // cfg.block_m, (n + cfg.block_n - 1) // cfg.block_n)
+
+
+# Split-K of the last partial wave.  A tile is one CTA's whole K loop, so tiles that do
+# not fill the last wave (or a first wave: 40 tiles of 64 x 64 at M = 64, N = 2560) leave
+# SMs idle for a tile's time.  Those tail tiles are split along K instead, each into as
+# many CTAs as the idle slots allow (at most ``max_splits``, at least this many 128-column
+# groups each), when the groups that saves outweigh ``split_cost_groups``; the splits
+# leave their int32 sums in a workspace and the last one of a tile adds them up (exact, in
+# any order) and stores the tile.
+MIN_SPLIT_GROUPS = 2
+
+
+def split_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int):
+    """(full tiles, splits per tail tile, tail tiles): the first ``full`` tiles (in launch
+    order) run whole, each of the last ``tail`` as ``splits`` CTAs over K."""
+    tiles_m, tiles_n = grid_for(cfg, m, n)
+    tiles = tiles_m * tiles_n
+    slots = sms * cfg.ctas_per_sm
+    tail = tiles % slots
+    groups = k // fmt.GROUP_K
+    splits = min(slots // tail, cfg.max_splits, groups // MIN_SPLIT_GROUPS) if tail else 1
+    if splits <= 1 or groups * (splits - 1) < cfg.split_cost_groups * splits:
+        return tiles, 1, 0
+    return tiles - tail, splits, tail
+
+
+class CtaWork:
+    """What CTA ``bid`` of the 1-D grid computes (traced values): token / row tile ``bm``,
+    ``bn`` (launch order: token tiles fastest, so CTAs in flight share weight rows), K groups
+    ``group0 .. + groups``, its tile's ``splits`` (1: a whole tile) and, split, which
+    ``part`` of them it is and the tile's index ``tail`` among the tail tiles (its
+    workspace slots and count)."""
+
+    def __init__(self, bm, bn, group0, groups, splits, part, tail):
+        self.bm, self.bn, self.group0, self.groups = bm, bn, group0, groups
+        self.splits, self.part, self.tail = splits, part, tail
+
+    @staticmethod
+    def of(bid, full_tiles, splits, total_groups, tiles_m):
+        in_tail = bid >= full_tiles
+        j = bid - full_tiles
+        tile = cutlass.select_(in_tail, full_tiles + j // splits, bid)
+        part = cutlass.select_(in_tail, j % splits, Int32(0))
+        parts = cutlass.select_(in_tail, splits, Int32(1))
+        group0 = part * total_groups // parts
+        group1 = (part + 1) * total_groups // parts
+        return CtaWork(tile % tiles_m, tile // tiles_m, group0, group1 - group0, parts, part, tile - full_tiles)
 
 
 class BitnetGemmSm90:
@@ -215,6 +269,7 @@ class BitnetGemmSm90:
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.stages * cfg.w_stage_bytes], 128]
             sXScale: cute.struct.MemRange[Float32, cfg.block_m]  # the tile's token scales
             sXRcp: cute.struct.MemRange[Float32, cfg.block_m]  # and their reciprocals
+            flag: cute.struct.MemRange[Int32, 1]  # a split CTA learned it is its tile's last
 
         return Storage
 
@@ -229,15 +284,26 @@ class BitnetGemmSm90:
         e1: Int32,
         e2: Int32,
         e3: Int32,
+        mWork: cute.Tensor,
+        mCount: cute.Tensor,
+        full_tiles: Int32,
+        splits: Int32,
         stream,
     ):
+        """``mWork`` int32 [>= tail tiles x splits x block_m x block_n] (any contents) and
+        ``mCount`` int32 [>= tail tiles] (zero; the kernel leaves it so): the split-K tail's
+        partial sums and arrivals.  The first ``full_tiles`` tiles are whole CTAs, each later
+        one ``splits`` CTAs (``split_plan``)."""
         cfg = self.cfg
         x_layout = self.x_layout()
         tma_x, tma_tx = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mX, cute.select(x_layout, mode=[0, 1]), (cfg.block_m, fmt.GROUP_K)
         )
-        self.kernel(tma_x, tma_tx, mW, mXScale, mWScale, mOut, e1, e2, e3, self._shared_storage()).launch(
-            grid=[*grid_for(cfg, mX.shape[0], mW.shape[0]), 1],
+        tiles_m, tiles_n = grid_for(cfg, mX.shape[0], mW.shape[0])
+        ctas = full_tiles + (tiles_m * tiles_n - full_tiles) * splits
+        self.kernel(tma_x, tma_tx, mW, mXScale, mWScale, mOut, e1, e2, e3, mWork, mCount, full_tiles, splits,
+                    self._shared_storage()).launch(
+            grid=[ctas, 1, 1],
             block=[cfg.block_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=cfg.ctas_per_sm,
@@ -256,10 +322,16 @@ class BitnetGemmSm90:
         e1: Int32,
         e2: Int32,
         e3: Int32,
+        mWork: cute.Tensor,
+        mCount: cute.Tensor,
+        full_tiles: Int32,
+        splits: Int32,
         Storage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
+        work = CtaWork.of(cute.arch.block_idx()[0], full_tiles, splits,
+                          mW.shape[1] // (fmt.GROUP_BYTES // fmt.TILE_N), grid_for(cfg, mOut.shape[0], mOut.shape[1])[0])
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cpasync.prefetch_descriptor(tma_x)
@@ -276,48 +348,51 @@ class BitnetGemmSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.threads // WARP),
             tx_count=self.tx_bytes,
         )
-        groups = mW.shape[1] // (fmt.GROUP_BYTES // fmt.TILE_N)
         if warp < WG_THREADS // WARP:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.produce(ring, tma_x, mXt, sX, mW, sW, groups, tidx)
+                self.produce(ring, tma_x, mXt, sX, mW, sW, work, tidx)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
             sXRcp = storage.sXRcp.get_tensor(cute.make_layout((cfg.block_m,)))
             if const_expr(not cfg.raw):
-                self.stage_token_scales(mXScale, sXScale, sXRcp, tidx - WG_THREADS)
-            acc, thr_mma = self.consume(ring, sX, sW, groups, tidx - WG_THREADS)
+                self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, tidx - WG_THREADS)
+            acc, thr_mma = self.consume(ring, sX, sW, work.groups, tidx - WG_THREADS)
             # every consumer's wgmmas are done: the token ring may hold the output tile (all
             # loads have landed, as every stage was waited for); the token scales are in
             cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
-            self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
-                          tidx - WG_THREADS)
+            last = Int32(1)
+            if work.splits > 1:
+                last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work,
+                                       tidx - WG_THREADS)
+            if last != 0:
+                self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
+                              work, tidx - WG_THREADS)
 
     # ---------------------------------------------------------------------------------
     # Producer: warp 0 of warpgroup 0
     # ---------------------------------------------------------------------------------
     @cute.jit
     def produce(self, ring, tma_x, mXt: cute.Tensor, sX: cute.Tensor, mW: cute.Tensor, sW: cute.Tensor,
-                groups: Int32, tidx: Int32):
+                work, tidx: Int32):
         """Group after group: wait for a free stage, then one TMA box of the token tile and
         lane ``i``'s bulk copy of weight stripe ``i`` (512 contiguous bytes), all on the
         stage's mbarrier."""
         cfg = self.cfg
-        bm, bn, _ = cute.arch.block_idx()
         lane = tidx % WARP
-        gX = cute.local_tile(mXt, (cfg.block_m, fmt.GROUP_K), (bm, None))  # (block_m, 128, groups)
+        gX = cute.local_tile(mXt, (cfg.block_m, fmt.GROUP_K), (work.bm, None))  # (block_m, 128, groups)
         tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                          cute.group_modes(gX, 0, 2))
         n_stripes = mW.shape[0] // fmt.TILE_N
         row_bytes = mW.shape[1]
         w_stripes = cfg.warpgroups * WG_STRIPES
         # rows past N: the last stripe again (their outputs are never stored)
-        stripe = cutlass.min(bn * w_stripes + lane, n_stripes - 1)
+        stripe = cutlass.min(work.bn * w_stripes + lane, n_stripes - 1)
         w_src = mW.iterator + Int64(stripe) * Int64(row_bytes * fmt.TILE_N)
         w_dst = sW.iterator + lane * fmt.GROUP_BYTES
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        for kg in cutlass.range(groups, unroll=1):
+        for kg in cutlass.range(work.group0, work.group0 + work.groups, unroll=1):
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)
             cute.copy(tma_x, tXg[None, kg], tXs[None, state.index], tma_bar_ptr=bar)
@@ -382,11 +457,11 @@ class BitnetGemmSm90:
         return acc, thr_mma
 
     @cute.jit
-    def stage_token_scales(self, mXScale: cute.Tensor, sXScale: cute.Tensor, sXRcp: cute.Tensor, ctid: Int32):
+    def stage_token_scales(self, mXScale: cute.Tensor, sXScale: cute.Tensor, sXRcp: cute.Tensor, bm: Int32,
+                           ctid: Int32):
         """The tile's token scales and their correctly rounded reciprocals into shared memory
         once (tokens past M: the last one's), for the epilogue (which would otherwise load a
         scale per value, each behind the last, and divide by it: ``scale_out_rcp``)."""
-        bm, _, _ = cute.arch.block_idx()
         m = mXScale.shape[0]
         for t in cutlass.range(ctid, self.cfg.block_m, self.cfg.threads, unroll=1):
             xs = Float32(mXScale[cutlass.min(bm * self.cfg.block_m + t, m - 1)])
@@ -394,8 +469,46 @@ class BitnetGemmSm90:
             sXRcp[t] = rcp_rn(xs)
 
     @cute.jit
+    def sum_splits(self, acc, mWork: cute.Tensor, mCount: cute.Tensor, s_flag: cute.Tensor, work, ctid: Int32):
+        """A split-K CTA stores its partial int32 sums in its own workspace slot and counts
+        itself in; the last of its tile to arrive adds the other splits' slots to ``acc`` (int32:
+        exact in any order) and resets the count.  Returns 1 in the last CTA (which stores
+        the tile), 0 in the others.  Memory order as CUDA's threadfence reduction: every
+        thread fences its stores before the count (acq_rel, GPU scope), the last CTA fences
+        again and reads through L2.  A slot is 16-byte words value-group-major, so a warp's
+        store covers 512 contiguous bytes."""
+        cfg = self.cfg
+        tile_values = cfg.block_m * cfg.block_n
+        words = cute.size(acc) // 4
+        first = work.tail * work.splits  # the tile's first slot
+        base = mWork.iterator.toint() + Int64(ctid) * 16
+        mine = base + Int64(first + work.part) * (tile_values * 4)
+        for j in cutlass.range_constexpr(words):
+            ptx90.st_global_v4(mine + j * cfg.threads * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
+                               acc[4 * j + 3])
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
+        if ctid == 0:
+            arrived = cute.arch.atomic_add(mCount.iterator + work.tail, Int32(1), sem="acq_rel", scope="gpu")
+            s_flag[0] = Int32(arrived == work.splits - 1)
+        cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
+        last = s_flag[0]
+        if last != 0:
+            cute.arch.fence_acq_rel_gpu()
+            for z in cutlass.range(work.splits, unroll=1):
+                if z != work.part:
+                    slot = base + Int64(first + z) * (tile_values * 4)
+                    for j in cutlass.range_constexpr(words):
+                        v = ptx90.ld_global_cg_v4(slot + j * cfg.threads * 16)
+                        for e in cutlass.range_constexpr(4):
+                            acc[4 * j + e] = acc[4 * j + e] + v[e]
+            if ctid == 0:
+                mCount[work.tail] = Int32(0)
+        return last
+
+    @cute.jit
     def epilogue(self, acc, thr_mma, s_base: Int32, sXScale: cute.Tensor, sXRcp: cute.Tensor, mWScale, mOut,
-                 e1: Int32, e2: Int32, e3: Int32, ctid: Int32):
+                 e1: Int32, e2: Int32, e3: Int32, work, ctid: Int32):
         """Scale each sum (``(acc / x_scale) * w_scale``, or the raw int32), stage the tile
         in [token, row] order in shared memory, store it in 16-byte row runs.  A thread's
         values lie on two rows (one segment scale each, looked up once) and pairs of them
@@ -405,7 +518,7 @@ class BitnetGemmSm90:
         16-byte run of the [token, row] tile (a value at a time would be 128 16-bit stores
         a thread)."""
         cfg = self.cfg
-        bm, bn, _ = cute.arch.block_idx()
+        bm, bn = work.bm, work.bn
         m = mOut.shape[0]
         n = mOut.shape[1]
         coords = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.block_m)))
@@ -457,5 +570,10 @@ class BitnetGemmSm90:
 
 
 def compile_gemm(cfg: WgmmaConfig, options: str):
-    """Compile for every M and every (N, K) with N % 16 == 0, K % 128 == 0 (sm_90a only)."""
-    return cute.compile(BitnetGemmSm90(cfg), *matmul_fake_args(cfg.raw, launch_arg=False), options=options)
+    """Compile for every M and every (N, K) with N % 16 == 0, K % 128 == 0 (sm_90a only).
+    The launch takes, after the segment ends, the split-K workspace and counts (int32
+    vectors) and ``split_plan``'s full tiles and splits."""
+    *args, stream = matmul_fake_args(cfg.raw, launch_arg=False)
+    work = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=16)
+    count = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)
+    return cute.compile(BitnetGemmSm90(cfg), *args, work, count, Int32(0), Int32(1), stream, options=options)

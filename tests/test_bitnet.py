@@ -483,6 +483,26 @@ def test_kernel_configs():
                 assert 1 <= wk <= min(cfg.max_wk, groups)
             cfg90 = g90.config_for(m, n, 132)
             assert cfg90.block_m >= min(m, 64) and cfg90.threads in (128, 256)
+    # split-K only where the last wave is partial: whole tiles first, at most the idle slots
+    # of tail CTAs, at least MIN_SPLIT_GROUPS groups each
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE):
+        slots = 132 * cfg.ctas_per_sm
+        for m in (2, 64, 256, 1024, 4096):
+            for n, k in ((2560, 2560), (4800, 3200), (3200, 10240), (20480, 3200), (16, 256)):
+                gm, gn = g90.grid_for(cfg, m, n)
+                full, splits, tail = g90.split_plan(cfg, m, n, k, 132)
+                assert full + tail == gm * gn
+                if splits > 1:
+                    assert full % slots == 0 and 0 < tail < slots and tail * splits <= slots
+                    assert splits <= cfg.max_splits and splits * g90.MIN_SPLIT_GROUPS <= k // 128
+                    # the groups a split saves pay for it
+                    assert (k // 128) * (1 - 1 / splits) >= cfg.split_cost_groups
+                else:
+                    assert tail == 0
+    assert g90.split_plan(g90.LARGE, 1024, 4800, 3200, 132) == (132, 4, 20)  # 152 tiles: not two waves
+    assert g90.split_plan(g90.LARGE, 4096, 4800, 3200, 132)[1] == 1  # 608 tiles: the last wave 61 % full
+    assert g90.split_plan(g90.SMALL, 64, 2560, 6912, 132) == (0, 6, 40)  # 40 tiles for 264 slots, K long
+    assert g90.split_plan(g90.SMALL, 64, 2560, 2560, 132)[1] == 1  # K too short to pay for a split
     # the H200 sweep's picks: mma.sync up to 16 tokens, wgmma above 64, between by N
     pick = bn._default_gemm_kernel
     assert [pick("sm_90a", m, 2560) for m in (1, 16, 17, 64, 65, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 3
@@ -604,10 +624,14 @@ def test_wgmma_gemm_compiles(tmp_path):
         # stmatrix .trans into the [token, row] staging tile
         assert "div.rn.f32" not in ptx and "rcp.rn.f32" in ptx and "fma.rn.f32" in ptx
         assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+        # the split-K tail: partial sums stored 16 bytes at a time, an acq_rel arrival count,
+        # the last split reads the others' through L2
+        for instr in ("atom.global.acq_rel.add", "fence.acq_rel.gpu", "ld.global.cg.v4.b32"):
+            assert instr in ptx, (instr, cfg)
         # the only CTA-wide barrier is the pipeline's init; the consumers' named barrier
-        # comes after the main loop
+        # comes after the main loop (twice more in a split-K tail CTA: the arrival count)
         assert len(re.findall(r"bar.sync\s+0;", ptx)) == 1
-        assert len(re.findall(rf"bar.sync\s+1, {cfg.threads};", ptx)) == 2
+        assert len(re.findall(rf"bar.sync\s+1, {cfg.threads};", ptx)) == 4
         report = ptxas.report(ptx, "sm_90a", tmp_path)
         assert "C7513" not in report and "C7514" not in report, f"ptxas serializes the wgmmas ({cfg})"
         assert ptxas.spill_bytes(report) == 0, f"spills ({cfg})"
@@ -892,12 +916,20 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
         fn = g90.compile_gemm(cfg, jit.compile_options("sm_90a"))
         for m in (1, block_m - 3, block_m + 5, 3 * block_m):
             x, xs = _acts(m, k, m)
-            out = torch.full((m, n), -7, dtype=torch.int32 if raw else torch.bfloat16, device="cuda")
-            fn(x, wp, xs, ws, out, n - 16, n, n)
-            if raw:
-                assert torch.equal(out, bn.accumulate(x, w)), (cfg, m)
-            else:
-                _check(out, bn.reference_gemm(x, wp, xs, ws, segs), torch.zeros(1), torch.zeros(1))
+            tiles = g90.grid_for(cfg, m, n)[0] * g90.grid_for(cfg, m, n)[1]
+            # whole tiles; every tile split in 3; the last one split in 7 (25 groups: 3 or 4 each)
+            for full, splits in ((tiles, 1), (0, 3), (tiles - 1, 7)):
+                work = torch.full(((tiles - full) * splits * block_m * cfg.block_n + 4,), -5, dtype=torch.int32,
+                                  device="cuda")
+                count = torch.zeros(tiles - full + 1, dtype=torch.int32, device="cuda")
+                out = torch.full((m, n), -7, dtype=torch.int32 if raw else torch.bfloat16, device="cuda")
+                fn(x, wp, xs, ws, out, n - 16, n, n, work, count, full, splits)
+                if raw:
+                    assert torch.equal(out, bn.accumulate(x, w)), (cfg, m, full, splits)
+                else:
+                    _check(out, bn.reference_gemm(x, wp, xs, ws, segs), torch.zeros(1), torch.zeros(1))
+                # the split CTAs leave the counts at zero, for the next launch
+                assert not count.any(), (cfg, m, full, splits)
 
 
 @pytest.mark.gpu
