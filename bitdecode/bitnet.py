@@ -548,10 +548,10 @@ def gemv_config_for(device: torch.device, n: int, k: int):
     return _with_pdl(_gemv_module(arch).config_for(n, k, num_sms(device)), arch)
 
 
-def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None) -> str:
-    """The GEMM kernel ``gemm(kernel="auto")`` runs for M tokens (and N weight rows, if
-    given; the choice may depend on it) on ``device``."""
-    return _default_gemm_kernel(_arch(torch.device(device)), m, n)
+def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None, k: Optional[int] = None) -> str:
+    """The GEMM kernel ``gemm(kernel="auto")`` runs for M tokens (and N weight rows, K
+    inputs, if given; the choice may depend on them) on ``device``."""
+    return _default_gemm_kernel(_arch(torch.device(device)), m, n, k)
 
 
 def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
@@ -612,7 +612,7 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
 
         arch = _arch(device)
         if kernel == "auto":
-            kernel = _default_gemm_kernel(arch, m, n)
+            kernel = _default_gemm_kernel(arch, m, n, k)
         if kernel == "wgmma":
             from .kernels_sm90 import bitnet_gemm as mod
         else:
@@ -628,6 +628,10 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
             # the tail tiles' int32 sums and arrival counts)
             full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
             extra, tail = (full, splits), ((tails * splits * cfg.block_m * cfg.block_n, tails) if tails else ())
+            # programmatic launch where the next GEMM's CTAs fit beside ours (a one-wave grid
+            # of two-an-SM CTAs): its weights stream in while we finish
+            fits = cfg.ctas_per_sm == 2 and full + tails * splits <= sms
+            cfg = dataclasses.replace(cfg, pdl=fits and pdl_enabled())
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, extra, tail)
     return hit
@@ -676,20 +680,23 @@ GEMM_KERNELS = ("auto", "mma", "wgmma")
 
 # Hopper: the wgmma kernel (pipelined s8 x s8 wgmma, the token tile staged once per CTA)
 # beats the mma.sync kernel above M = 64 on every BitNet shape, and at M <= 64 from this
-# many weight rows on, where the mma.sync kernel's CTA columns each re-read the
-# activations (H200 sweep, profiles/NOTES.md); at M <= 16 mma.sync always wins.
-WGMMA_MIN_N = 8192
+# many weight rows or this many inputs on (wider: more CTAs; longer: split-K pays), where
+# the mma.sync kernel's CTA columns each re-read the activations (H200, profiles/NOTES.md,
+# eighteenth session: at M = 64 mma.sync keeps 2560 x 2560, 6.4 vs 7.8 us, and 3200 x 3200,
+# 9.1 vs 9.3); at M <= 16 mma.sync always wins.
+WGMMA_MIN_N = 3840
+WGMMA_MIN_K = 6912
 WGMMA_SMALL_M = 16
 WGMMA_ALL_N_M = 64
 
 
-def _default_gemm_kernel(arch: str, m: int, n: Optional[int] = None) -> str:
+def _default_gemm_kernel(arch: str, m: int, n: Optional[int] = None, k: Optional[int] = None) -> str:
     """mma.sync (split-K, streaming the weights) on every GPU, except on Hopper for
-    M > 64 tokens, or M > 16 tokens times at least ``WGMMA_MIN_N`` rows (measured on the
-    H200)."""
+    M > 64 tokens, or M > 16 tokens times at least ``WGMMA_MIN_N`` rows or ``WGMMA_MIN_K``
+    inputs (measured on the H200)."""
     if arch != "sm_90a" or m <= WGMMA_SMALL_M:
         return "mma"
-    if m > WGMMA_ALL_N_M or (n is not None and n >= WGMMA_MIN_N):
+    if m > WGMMA_ALL_N_M or (n is not None and n >= WGMMA_MIN_N) or (k is not None and k >= WGMMA_MIN_K):
         return "wgmma"
     return "mma"
 

@@ -29,11 +29,16 @@ far as the ring lets them.  (The previous kernel, cp.async by every thread and a
 lock step: with its wgmmas removed it still took 489 us at M = 4096, 20480 x 3200, against
 640 us in all, H200; profiles/NOTES.md.)
 
-No programmatic dependent launch, measured on the previous kernel: with the weight copies of
-the prologue and an L2 prefetch of the CTA's rows before ``griddepcontrol.wait``,
-back-to-back GEMMs on the H200 took 13.5 -> 19.4 us (M = 256, 2560 x 2560) and were level
-from M = 1024: the next GEMM's waiting CTAs hold SM slots (shared memory) that this GEMM's
-later CTAs need.
+Programmatic dependent launch only where the next GEMM's CTAs fit beside ours (a grid of
+at most one CTA an SM of a two-an-SM tile; the host sets ``pdl``): then the producer
+requests the first stages' weights before ``griddepcontrol.wait`` and the tokens after it,
+the consumers wait before the token scales.  On the previous kernel, PDL with larger grids
+made back-to-back GEMMs slower (M = 256, 2560 x 2560: 13.5 -> 19.4 us, H200): the next
+GEMM's waiting CTAs held SM slots that this GEMM's later CTAs needed.
+
+Split-K.  Tiles that do not fill the last wave are split along K (``split_plan``): each
+split stores its int32 sums in a workspace, and the last of a tile to arrive adds them and
+stores the tile (``sum_splits``).
 
 Epilogue.  The scaled bf16 (or raw int32) results go through shared memory (the token
 ring, free once every consumer is done) transposed to ``out``'s [token, row] order, then
@@ -66,7 +71,7 @@ from ..kernels_sm80.ptx import cvt_pack_x2, rcp_rn
 from ..layouts import bitnet as fmt
 from ..layouts import resources, sm90
 from . import ptx90
-from .decode import seq_state
+from .rings import seq_state
 
 WG_ROWS = sm90.WGMMA_M  # weight rows per consumer warpgroup (the wgmma M)
 WG_THREADS = sm90.WARPGROUP_THREADS
@@ -103,6 +108,9 @@ class WgmmaConfig:
     # costs (storing, counting, reading back), in this tile's 128-column groups
     max_splits: int = 4
     split_cost_groups: int = 16
+    # programmatic dependent launch: the weights of the first stages are requested before
+    # ``griddepcontrol.wait`` (the host sets it where the next GEMM's CTAs fit beside ours)
+    pdl: bool = False
 
     def __post_init__(self):
         assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 2
@@ -308,6 +316,7 @@ class BitnetGemmSm90:
             stream=stream,
             min_blocks_per_mp=cfg.ctas_per_sm,
             preferred_smem_carveout=100,
+            use_pdl=cfg.pdl,
         )
 
     @cute.kernel
@@ -348,6 +357,8 @@ class BitnetGemmSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.threads // WARP),
             tx_count=self.tx_bytes,
         )
+        if const_expr(cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # the next GEMM's prologue may start
         if warp < WG_THREADS // WARP:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
@@ -356,6 +367,8 @@ class BitnetGemmSm90:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
             sXRcp = storage.sXRcp.get_tensor(cute.make_layout((cfg.block_m,)))
+            if const_expr(cfg.pdl):
+                cute.arch.griddepcontrol_wait()  # the token scales (and, later, out) after the previous kernel
             if const_expr(not cfg.raw):
                 self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, tidx - WG_THREADS)
             acc, thr_mma = self.consume(ring, sX, sW, work.groups, tidx - WG_THREADS)
@@ -391,15 +404,32 @@ class BitnetGemmSm90:
         stripe = cutlass.min(work.bn * w_stripes + lane, n_stripes - 1)
         w_src = mW.iterator + Int64(stripe) * Int64(row_bytes * fmt.TILE_N)
         w_dst = sW.iterator + lane * fmt.GROUP_BYTES
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        for kg in cutlass.range(work.group0, work.group0 + work.groups, unroll=1):
+        early = 0
+        if const_expr(cfg.pdl):
+            # the weights never depend on the previous kernel: the first stages' copies go out
+            # before the wait, the tokens' after it, on the same stage barriers
+            early = cutlass.min(work.groups, cfg.stages)
+            for i in cutlass.range(early, unroll=1):
+                state = seq_state(i, cfg.stages, True)
+                ring.producer_acquire(state)
+                if lane < w_stripes:
+                    ptx90.bulk_g2s(w_dst + state.index * cfg.w_stage_bytes,
+                                   w_src + Int64(work.group0 + i) * fmt.GROUP_BYTES, fmt.GROUP_BYTES,
+                                   ring.producer_get_barrier(state))
+            cute.arch.griddepcontrol_wait()
+            for i in cutlass.range(early, unroll=1):
+                state = seq_state(i, cfg.stages, True)
+                cute.copy(tma_x, tXg[None, work.group0 + i], tXs[None, state.index],
+                          tma_bar_ptr=ring.producer_get_barrier(state))
+        for i in cutlass.range(early, work.groups, unroll=1):
+            state = seq_state(i, cfg.stages, True)
+            kg = work.group0 + i
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)
             cute.copy(tma_x, tXg[None, kg], tXs[None, state.index], tma_bar_ptr=bar)
             if lane < w_stripes:
                 ptx90.bulk_g2s(w_dst + state.index * cfg.w_stage_bytes, w_src + Int64(kg) * fmt.GROUP_BYTES,
                                fmt.GROUP_BYTES, bar)
-            state.advance()
 
     # ---------------------------------------------------------------------------------
     # Consumers: 64 weight rows each

@@ -69,6 +69,7 @@ from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_fo
 from ..layouts import packing, resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
 from . import ptx90
+from .rings import seq_state
 
 WG = sm90.WARPGROUP_THREADS
 WARPS = sm90.WARPGROUP_WARPS
@@ -96,13 +97,6 @@ class Barrier:
     P = 2  # P^T of a step is in shared memory (and the previous PV product is done)
     EPI = 3
     Q = 4  # Q is in shared memory: the consumer arrives, the scalers (``fold_k``) wait
-
-
-def seq_state(n, stages: int, producer: bool):
-    """The pipeline state of the ``n``-th use (from 0) of a ring of ``stages``: computed,
-    not carried, so a loop may skip uses (a producer's phase starts flipped)."""
-    phase = (n // stages) % 2
-    return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
 
 
 @cute.jit

@@ -179,7 +179,7 @@ def bench_gemm(n: int, k: int, ms, kernels, device, l2: int, replays: int) -> Li
         x16 = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
         calls16 = [(lambda q=w16s[i % copies16]: torch.matmul(x16, q.t())) for i in range(max(copies16, MIN_CALLS))]
         t16 = graph_time_us(calls16, replays)
-        default = bn.gemm_kernel_for(m, device, n)
+        default = bn.gemm_kernel_for(m, device, n, k)
         for kernel in kernels:
             calls = [
                 (lambda p=packs[i % copies]: bn.gemm(x, p, xs, ws, kernel=kernel)) for i in range(max(copies, MIN_CALLS))
