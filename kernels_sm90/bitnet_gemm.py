@@ -29,12 +29,12 @@ far as the ring lets them.  (The previous kernel, cp.async by every thread and a
 lock step: with its wgmmas removed it still took 489 us at M = 4096, 20480 x 3200, against
 640 us in all, H200; profiles/NOTES.md.)
 
-Programmatic dependent launch only where the next GEMM's CTAs fit beside ours (a grid of
-at most one CTA an SM of a two-an-SM tile; the host sets ``pdl``): then the producer
-requests the first stages' weights before ``griddepcontrol.wait`` and the tokens after it,
-the consumers wait before the token scales.  On the previous kernel, PDL with larger grids
-made back-to-back GEMMs slower (M = 256, 2560 x 2560: 13.5 -> 19.4 us, H200): the next
-GEMM's waiting CTAs held SM slots that this GEMM's later CTAs needed.
+Programmatic dependent launch (``pdl``, off by default): the producer requests the first
+stages' weights before ``griddepcontrol.wait`` and the tokens after it, the consumers wait
+before the token scales.  Measured on the H200 where the next GEMM's CTAs fit beside ours
+(one-wave grids of two-an-SM tiles) it was slower, M = 256, 2560 x 2560 10.5 against 8.7 us
+(eighteenth session); on the previous kernel, with larger grids, 13.5 -> 19.4 us: the next
+GEMM's waiting CTAs hold SM slots (and, here, ask for weights) while ours still run.
 
 Split-K.  Tiles that do not fill the last wave are split along K (``split_plan``): each
 split stores its int32 sums in a workspace, and the last of a tile to arrive adds them and
@@ -109,7 +109,7 @@ class WgmmaConfig:
     max_splits: int = 4
     split_cost_groups: int = 16
     # programmatic dependent launch: the weights of the first stages are requested before
-    # ``griddepcontrol.wait`` (the host sets it where the next GEMM's CTAs fit beside ours)
+    # ``griddepcontrol.wait`` (measured slower; the host leaves it off, see above)
     pdl: bool = False
 
     def __post_init__(self):
