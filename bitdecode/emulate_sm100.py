@@ -82,7 +82,8 @@ from .formats import KVFormat
 from .layouts import sm100
 from .layouts.packing import F32_MAX, LN_2, LOG2_E
 
-__all__ = ["NVFP4_MAX", "OPERAND_TOP", "OPERAND_TERMS", "emulate_cache", "split_tiles", "quantize_q_operand", "quantize_p_operand", "emulate_decode"]
+__all__ = ["NVFP4_MAX", "OPERAND_TOP", "OPERAND_TERMS", "emulate_cache", "split_tiles", "quantize_q_operand",
+           "quantize_p_operand", "emulate_decode"]
 
 NVFP4_MAX = sm100.NVFP4_MAX
 OPERAND_TOP = sm100.OPERAND_TOP

@@ -339,8 +339,9 @@ class BitnetGemmSm90:
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        work = CtaWork.of(cute.arch.block_idx()[0], full_tiles, splits,
-                          mW.shape[1] // (fmt.GROUP_BYTES // fmt.TILE_N), grid_for(cfg, mOut.shape[0], mOut.shape[1])[0])
+        groups = mW.shape[1] // (fmt.GROUP_BYTES // fmt.TILE_N)
+        work = CtaWork.of(cute.arch.block_idx()[0], full_tiles, splits, groups,
+                          grid_for(cfg, mOut.shape[0], mOut.shape[1])[0])
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cpasync.prefetch_descriptor(tma_x)
