@@ -1030,6 +1030,47 @@ def test_gpu_norm_quant(dtype):
 
 @pytest.mark.gpu
 @cuda
+def test_gpu_split_k_gemm_in_a_cuda_graph():
+    """A GEMM whose tiles are split along K (M = 64, 2560 x 6912 on the wgmma kernel: 40
+    tiles over the idle slots) captured in a CUDA graph takes a workspace of its own from
+    the graph's pool: replays on new input equal the exact sums and the eager bf16 output,
+    and eager calls between replays do not disturb them."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the split-K GEMM is the Hopper wgmma kernel")
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    m, n, k = 64, 2560, 6912
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if bn.gemm_kernel_for(m, "cuda", n, k) != "wgmma" or g90.split_plan(g90.config_for(m, n, sms), m, n, k,
+                                                                          sms)[1] == 1:
+        pytest.skip("no split-K at this shape on this GPU")
+    w, wp = _weights(n, k)
+    ws = torch.tensor([0.9], device="cuda")
+    x, xs = _acts(m, k, 1)
+    static_x, static_s = x.clone(), xs.clone()
+    bn.gemm(static_x, wp, static_s, ws)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        bn.gemm(static_x, wp, static_s, ws, out_dtype=torch.int32)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_raw = bn.gemm(static_x, wp, static_s, ws, out_dtype=torch.int32)
+        static_y = bn.gemm(static_x, wp, static_s, ws)
+    for seed in (2, 3, 4):
+        x2, xs2 = _acts(m, k, seed)
+        static_x.copy_(x2)
+        static_s.copy_(xs2)
+        graph.replay()
+        eager = bn.gemm(x2, wp, xs2, ws)  # the eager workspace, between replays
+        torch.cuda.synchronize()
+        assert torch.equal(static_raw, bn.accumulate(x2, w)), seed
+        assert torch.equal(static_y, eager), seed
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_bitlinear_end_to_end_and_cuda_graph():
     torch.manual_seed(0)
     lin = torch.nn.Linear(2560, 3840, bias=True, device="cuda", dtype=torch.bfloat16)
