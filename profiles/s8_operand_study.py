@@ -8,7 +8,9 @@ other operand (``fold_k``, ``fold_v``): S = (Q o s_K) . codes + bias, O = (P o s
 to int8 instead, as ``terms`` int8 values side by side in the wgmma's N columns (GQA 4
 pads N = 8 with four unused columns today): x ~ r (t1 + t2 / 127 + ...), r = max |x| / 127
 per (head, K group) for Q o s_K and per (head, 128-token tile) for P o s_V, each term the
-rounded residual of the ones before.  Sums of int8 products are exact in s32.
+rounded residual of the ones before (or, for P o s_V, r = 4 max s_V / 127 from the tile's V
+scales alone: the kernel's lazy maximum keeps P below 4, so the scale is known before P and
+needs no exchange across warps).  Sums of int8 products are exact in s32.
 
 On SmolLM2-135M's own Q / K / V (``tests/data/smollm2_kv.pt``), 4-bit K per channel and V
 per token in groups of 128 (the reference's quantizer): the relative L2 error of the
@@ -27,9 +29,10 @@ GROUP = 128
 TILE = 128
 
 
-def int8_terms(x: torch.Tensor, terms: int, dim: int) -> torch.Tensor:
-    """``x`` as ``terms`` int8 values with one scale per slice along ``dim`` (max |x| / 127)."""
-    r = x.abs().amax(dim, keepdim=True).clamp(min=1e-30) / 127
+def int8_terms(x: torch.Tensor, terms: int, dim: int, bound=None) -> torch.Tensor:
+    """``x`` as ``terms`` int8 values with one scale per slice along ``dim``: max |x| / 127,
+    or ``bound`` / 127 (a bound known before ``x``, broadcast against it)."""
+    r = (x.abs().amax(dim, keepdim=True) if bound is None else bound).clamp(min=1e-30) / 127
     out = torch.zeros_like(x)
     rest = x / r
     for i in range(terms):
@@ -41,16 +44,17 @@ def int8_terms(x: torch.Tensor, terms: int, dim: int) -> torch.Tensor:
 
 
 def decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, operand):
-    """One query token over one KV head's cache, the kernel's way: ``operand(x, dim)``
+    """One query token over one KV head's cache, the kernel's way: ``operand(x, dim, bound)``
     rounds Q o s_K (per head and K group, along channels) and P o s_V (per head and tile,
-    along tokens) as the MMA would take them; everything else in float64."""
+    along tokens; ``bound``: a bound of it known before P) as the MMA would take them;
+    everything else in float64."""
     g, d = q.shape
     n = k_codes.shape[0]
     scale = d ** -0.5
     s = torch.zeros(g, n, dtype=torch.float64)
     for t0 in range(0, n, GROUP):
         sk, zk = k_scale[t0 // GROUP], k_zero[t0 // GROUP]  # [d] per channel
-        qs = operand(q * sk, 1)
+        qs = operand(q * sk, 1, None)
         s[:, t0:t0 + GROUP] = qs @ k_codes[t0:t0 + GROUP].T + (q @ zk)[:, None]
     s = s * scale
     p = torch.exp(s - s.amax(-1, keepdim=True))
@@ -59,15 +63,18 @@ def decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, operand):
     for t0 in range(0, n, TILE):
         sv, zv = v_scale[t0:t0 + TILE, 0], v_zero[t0:t0 + TILE, 0]  # per token (one group = d)
         pt = p[:, t0:t0 + TILE]
-        o += operand(pt * sv, 1) @ v_codes[t0:t0 + TILE] + (pt @ zv)[:, None]
+        # the kernel's P stays below 2^LAZY_MARGIN = 4 of the running maximum: with V's
+        # largest scale in the tile that bounds P o s_V before P is known (no exchange)
+        o += operand(pt * sv, 1, 4 * sv.abs().max()) @ v_codes[t0:t0 + TILE] + (pt @ zv)[:, None]
     return o / l
 
 
 def main() -> None:
     data = torch.load(Path(__file__).resolve().parent.parent / "tests" / "data" / "smollm2_kv.pt")
-    operands = {"fp16": lambda x, dim: x.half().double()}
+    operands = {"fp16": lambda x, dim, bound: x.half().double()}
     for terms in (1, 2, 3):
-        operands[f"s8 x{terms}"] = lambda x, dim, t=terms: int8_terms(x, t, dim)
+        operands[f"s8 x{terms}"] = lambda x, dim, bound, t=terms: int8_terms(x, t, dim)
+    operands["s8 x2, P o s_V scaled by a bound"] = lambda x, dim, bound: int8_terms(x, 2, dim, bound)
     for layer in data["layers"]:
         q, k, v = (data[f"{name}{layer}"].view(torch.float8_e4m3fn).float() * data[f"{name}{layer}_scale"]
                    for name in ("q", "k", "v"))
