@@ -43,7 +43,10 @@ stores the tile (``sum_splits``).
 Epilogue.  The scaled bf16 (or raw int32) results go through shared memory (the token
 ring, free once every consumer is done) transposed to ``out``'s [token, row] order, then
 out in 16-byte row-contiguous stores (a fragment's own stores would write 16 of every 32
-bytes).
+bytes).  The scaling divides by the token's scale through its reciprocal with one exact
+correction (``scale_out_rcp``: the same bits as ``div.rn``), the bf16 pairs are
+transposed on the way by ``stmatrix .trans`` (``layouts.sm90.acc_stsm_*``): ~880
+instructions a thread where a division and a 16-bit store per value took ~2800.
 """
 
 
