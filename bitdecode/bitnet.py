@@ -628,9 +628,6 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
             # the tail tiles' int32 sums and arrival counts)
             full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
             extra, tail = (full, splits), ((tails * splits * cfg.block_m * cfg.block_n, tails) if tails else ())
-            # (no programmatic launch: where the next GEMM's CTAs would fit beside ours, its
-            # kernel's PDL variant measured slower on the H200, e.g. M = 256, 2560 x 2560 10.5
-            # against 8.7 us: profiles/NOTES.md, eighteenth session)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, extra, tail)
     return hit

@@ -29,12 +29,11 @@ far as the ring lets them.  (The previous kernel, cp.async by every thread and a
 lock step: with its wgmmas removed it still took 489 us at M = 4096, 20480 x 3200, against
 640 us in all, H200; profiles/NOTES.md.)
 
-Programmatic dependent launch (``pdl``, off by default): the producer requests the first
-stages' weights before ``griddepcontrol.wait`` and the tokens after it, the consumers wait
-before the token scales.  Measured on the H200 where the next GEMM's CTAs fit beside ours
-(one-wave grids of two-an-SM tiles) it was slower, M = 256, 2560 x 2560 10.5 against 8.7 us
-(eighteenth session); on the previous kernel, with larger grids, 13.5 -> 19.4 us: the next
-GEMM's waiting CTAs hold SM slots (and, here, ask for weights) while ours still run.
+No programmatic dependent launch: with the first stages' weights requested before
+``griddepcontrol.wait`` (db2e5cb, removed since) back-to-back GEMMs were slower on the H200
+even where the next GEMM's CTAs fit beside ours (M = 256, 2560 x 2560: 10.5 against 8.7
+us), and on the previous kernel with larger grids 13.5 -> 19.4 us: the next GEMM's waiting
+CTAs hold SM slots (and ask for weights) while ours still run.
 
 Split-K.  Tiles that do not fill the last wave are split along K (``split_plan``): each
 split stores its int32 sums in a workspace, and the last of a tile to arrive adds them and
@@ -111,9 +110,6 @@ class WgmmaConfig:
     # costs (storing, counting, reading back), in this tile's 128-column groups
     max_splits: int = 4
     split_cost_groups: int = 16
-    # programmatic dependent launch: the weights of the first stages are requested before
-    # ``griddepcontrol.wait`` (measured slower; the host leaves it off, see above)
-    pdl: bool = False
 
     def __post_init__(self):
         assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 2
@@ -319,7 +315,6 @@ class BitnetGemmSm90:
             stream=stream,
             min_blocks_per_mp=cfg.ctas_per_sm,
             preferred_smem_carveout=100,
-            use_pdl=cfg.pdl,
         )
 
     @cute.kernel
@@ -361,8 +356,6 @@ class BitnetGemmSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.threads // WARP),
             tx_count=self.tx_bytes,
         )
-        if const_expr(cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the next GEMM's prologue may start
         if warp < WG_THREADS // WARP:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
@@ -371,8 +364,6 @@ class BitnetGemmSm90:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
             sXRcp = storage.sXRcp.get_tensor(cute.make_layout((cfg.block_m,)))
-            if const_expr(cfg.pdl):
-                cute.arch.griddepcontrol_wait()  # the token scales (and, later, out) after the previous kernel
             if const_expr(not cfg.raw):
                 self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, tidx - WG_THREADS)
             acc, thr_mma = self.consume(ring, sX, sW, work.groups, tidx - WG_THREADS)
@@ -408,32 +399,15 @@ class BitnetGemmSm90:
         stripe = cutlass.min(work.bn * w_stripes + lane, n_stripes - 1)
         w_src = mW.iterator + Int64(stripe) * Int64(row_bytes * fmt.TILE_N)
         w_dst = sW.iterator + lane * fmt.GROUP_BYTES
-        early = 0
-        if const_expr(cfg.pdl):
-            # the weights never depend on the previous kernel: the first stages' copies go out
-            # before the wait, the tokens' after it, on the same stage barriers
-            early = cutlass.min(work.groups, cfg.stages)
-            for i in cutlass.range(early, unroll=1):
-                state = seq_state(i, cfg.stages, True)
-                ring.producer_acquire(state)
-                if lane < w_stripes:
-                    ptx90.bulk_g2s(w_dst + state.index * cfg.w_stage_bytes,
-                                   w_src + Int64(work.group0 + i) * fmt.GROUP_BYTES, fmt.GROUP_BYTES,
-                                   ring.producer_get_barrier(state))
-            cute.arch.griddepcontrol_wait()
-            for i in cutlass.range(early, unroll=1):
-                state = seq_state(i, cfg.stages, True)
-                cute.copy(tma_x, tXg[None, work.group0 + i], tXs[None, state.index],
-                          tma_bar_ptr=ring.producer_get_barrier(state))
-        for i in cutlass.range(early, work.groups, unroll=1):
-            state = seq_state(i, cfg.stages, True)
-            kg = work.group0 + i
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        for kg in cutlass.range(work.group0, work.group0 + work.groups, unroll=1):
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)
             cute.copy(tma_x, tXg[None, kg], tXs[None, state.index], tma_bar_ptr=bar)
             if lane < w_stripes:
                 ptx90.bulk_g2s(w_dst + state.index * cfg.w_stage_bytes, w_src + Int64(kg) * fmt.GROUP_BYTES,
                                fmt.GROUP_BYTES, bar)
+            state.advance()
 
     # ---------------------------------------------------------------------------------
     # Consumers: 64 weight rows each

@@ -12,7 +12,6 @@ reference on the device.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import re
@@ -613,13 +612,8 @@ def test_wgmma_gemm_compiles(tmp_path):
     shipped tiles and the largest ring."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5),
-                dataclasses.replace(g90.SMALL, pdl=True), dataclasses.replace(g90.MEDIUM, pdl=True)):
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5)):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
-        # programmatic launch: the first stages' weight copies before the wait (the producer),
-        # the token scales after it (the consumers)
-        assert ptx.count("griddepcontrol.wait") == (2 if cfg.pdl else 0), cfg
-        assert ("griddepcontrol.launch_dependents" in ptx) == cfg.pdl
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
         assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", ptx), "one wgmma group kept in flight"
         for instr in ("cp.async.bulk.tensor.2d.shared::cta.global", "cp.async.bulk.shared::cluster.global",
@@ -906,15 +900,12 @@ def test_gpu_gemm(n, k, kernel):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("block_m,warpgroups,stages,ctas,pdl", [(64, 1, 8, 2, False), (64, 1, 8, 2, True),
-                                                              (64, 2, 3, 2, False), (128, 1, 6, 2, False),
-                                                              (128, 1, 6, 2, True), (128, 2, 5, 1, False),
-                                                              (256, 1, 4, 1, False), (256, 2, 4, 1, False),
-                                                              (256, 2, 2, 1, False)])
-def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas, pdl):
+@pytest.mark.parametrize("block_m,warpgroups,stages,ctas", [(64, 1, 8, 2), (64, 2, 3, 2), (128, 1, 6, 2), (128, 2, 5, 1),
+                                                          (256, 1, 4, 1), (256, 2, 4, 1), (256, 2, 2, 1)])
+def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
     """Every tile shape of the sm90 GEMM (the default picks only some per shape): ragged
-    M and N tiles, an odd group count (the phantom group), exact sums and bf16 output, with
-    and without programmatic launch (split CTAs with fewer groups than stages included)."""
+    M and N tiles, an odd group count (the phantom group), exact sums and bf16 output,
+    whole and split along K (split CTAs with fewer groups than stages included)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs Hopper")
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
@@ -924,8 +915,7 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas, pdl):
     ws = torch.tensor([0.7, 1.3], device="cuda")
     segs = (n - 16, 16)
     for raw in (True, False):
-        cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw, ctas_per_sm=ctas,
-                              pdl=pdl)
+        cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw, ctas_per_sm=ctas)
         fn = g90.compile_gemm(cfg, jit.compile_options("sm_90a"))
         for m in (1, block_m - 3, block_m + 5, 3 * block_m):
             x, xs = _acts(m, k, m)
