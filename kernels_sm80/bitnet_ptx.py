@@ -26,7 +26,7 @@ WARP = resources.WARP
 
 
 @dsl_user_op
-def load_v4(addr: Int64, stream: bool, ordered: bool = False, *, loc=None, ip=None):
+def load_v4(addr: Int64, stream: bool, ordered: bool = False, l2_only: bool = False, *, loc=None, ip=None):
     """16-byte global load of read-only data as four 32-bit words.
 
     ``stream``: the data is read exactly once (the weights), so it bypasses L1
@@ -37,16 +37,21 @@ def load_v4(addr: Int64, stream: bool, ordered: bool = False, *, loc=None, ip=No
     ``griddepcontrol.wait``: declared with side effects, so LLVM keeps it after the wait,
     and a coherent ``ld.global`` (not ``.nc``: ptxas may hoist a read-only load above the
     wait; on the H200 a GEMV behind a programmatic launch read stale activations so).
+    ``l2_only``: data another SM wrote earlier in this kernel (behind a fence), read past
+    this SM's L1, which may hold the same addresses from an earlier launch (``ld.global.cg``,
+    kept in place like ``ordered``).
     """
-    space = "global" if ordered else "global.nc"
-    hint = ".L1::no_allocate" if stream else ""
+    if l2_only:
+        op = "ld.global.cg"
+    else:
+        op = ("ld.global" if ordered else "ld.global.nc") + (".L1::no_allocate" if stream else "")
     struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
     res = llvm.inline_asm(
         struct_ty,
         [Int64(addr).ir_value(loc=loc, ip=ip)],
-        f"ld.{space}{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
+        f"{op}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
         "=r,=r,=r,=r,l",
-        has_side_effects=ordered,
+        has_side_effects=ordered or l2_only,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
@@ -54,6 +59,13 @@ def load_v4(addr: Int64, stream: bool, ordered: bool = False, *, loc=None, ip=No
     )
     i32 = T.i32()
     return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def store_v4(addr: Int64, a, b, c, d, *, loc=None, ip=None) -> None:
+    """16-byte global store of four 32-bit words (``addr`` 16-byte aligned)."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -64,10 +64,12 @@ from ..kernels_sm80.bitnet_ptx import (
     copy16_s2g,
     decode_s8,
     lds_b32,
+    load_v4,
     matmul_fake_args,
     scale_out_rcp,
     segment_scale,
     store_i32,
+    store_v4,
 )
 from ..kernels_sm80.ptx import cvt_pack_x2, rcp_rn
 from ..layouts import bitnet as fmt
@@ -492,8 +494,7 @@ class BitnetGemmSm90:
         base = mWork.iterator.toint() + Int64(ctid) * 16
         mine = base + Int64(first + work.part) * (tile_values * 4)
         for j in cutlass.range_constexpr(words):
-            ptx90.st_global_v4(mine + j * cfg.threads * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
-                               acc[4 * j + 3])
+            store_v4(mine + j * cfg.threads * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
         if ctid == 0:
@@ -507,7 +508,7 @@ class BitnetGemmSm90:
                 if z != work.part:
                     slot = base + Int64(first + z) * (tile_values * 4)
                     for j in cutlass.range_constexpr(words):
-                        v = ptx90.ld_global_cg_v4(slot + j * cfg.threads * 16)
+                        v = load_v4(slot + j * cfg.threads * 16, False, l2_only=True)
                         for e in cutlass.range_constexpr(4):
                             acc[4 * j + e] = acc[4 * j + e] + v[e]
             if ctid == 0:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from cutlass import Int32, Int64
-from cutlass._mlir import ir
+from cutlass import Int32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..kernels_sm80.ptx import _asm
 
@@ -47,19 +46,3 @@ def stmatrix_x4_trans(addr, r0, r1, r2, r3, *, loc=None, ip=None) -> None:
     _asm(None, [Int32(v).ir_value(loc=loc, ip=ip) for v in (addr, r0, r1, r2, r3)],
          "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
          side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def st_global_v4(addr, a, b, c, d, *, loc=None, ip=None) -> None:
-    """16-byte global store of four 32-bit words (``addr`` a 16-byte aligned int64 address)."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
-         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_global_cg_v4(addr, *, loc=None, ip=None):
-    """16-byte global load cached in L2 only (``.cg``: another SM wrote it in this kernel; this
-    SM's L1 may hold the same addresses from an earlier launch), as four Int32."""
-    res = _asm(ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"), [Int64(addr).ir_value(loc=loc, ip=ip)],
-               "ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effects=True, loc=loc, ip=ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))

@@ -628,7 +628,7 @@ def test_wgmma_gemm_compiles(tmp_path):
         assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
         # the split-K tail: partial sums stored 16 bytes at a time, an acq_rel arrival count,
         # the last split reads the others' through L2
-        for instr in ("atom.global.acq_rel.add", "fence.acq_rel.gpu", "ld.global.cg.v4.b32"):
+        for instr in ("atom.global.acq_rel.add", "fence.acq_rel.gpu", "ld.global.cg.v4.u32"):
             assert instr in ptx, (instr, cfg)
         # the only CTA-wide barrier is the pipeline's init; the consumers' named barrier
         # comes after the main loop (twice more in a split-K tail CTA: the arrival count)
