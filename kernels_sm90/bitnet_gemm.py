@@ -84,7 +84,6 @@ STAGE_W_BYTES = WG_STRIPES * fmt.GROUP_BYTES  # 2 KB per warpgroup and stage
 X_ROW_BYTES = fmt.GROUP_K  # one token's 128 bytes of a group
 KSTEPS = fmt.GROUP_K // fmt.TILE_K  # wgmma k-steps per group
 A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas read
-WARP_ROWS = WG_ROWS // (WG_THREADS // WARP)  # accumulator rows of one warp (its m16 slab)
 OUT_PAD_BYTES = 16  # per staged output row: rows 16 bytes apart mod 128 -> no bank conflicts
 PRODUCER_REGS = 40  # the producer warpgroup only issues copies
 MAX_REGS = 240  # what a consumer asks for at most (setmaxnreg allows 256)
@@ -544,7 +543,7 @@ class BitnetGemmSm90:
                 w_scale[first] = segment_scale(mWScale, row, e1, e2, e3)
             # this lane's address in each stmatrix: a token column, 8 weight rows of its warp's 16
             tok, row = sm90.acc_stsm_lane_target(ctid % WARP)
-            row = row + row_in_tile0 + WARP_ROWS * ((ctid % WG_THREADS) // WARP)
+            row = row + row_in_tile0 + sm90.WARP_SLAB_ROWS * ((ctid % WG_THREADS) // WARP)
             lane_addr = s_base + tok * cfg.out_row_bytes + row * cfg.out_bytes
             x_scale = {}
             x_rcp = {}

@@ -76,7 +76,7 @@ WARPS = sm90.WARPGROUP_WARPS
 M_BLOCK = sm90.WGMMA_M  # rows of one wgmma: tokens of S^T, channels of O^T
 K_BLOCK = sm90.WGMMA_K  # = sm80.MMA_SHAPE[2]: tokens of a V params row, channels of a K k-block
 assert K_BLOCK == sm80.MMA_SHAPE[2]
-SLAB = sm80.MMA_SHAPE[0]  # rows of one warp in an M-block
+SLAB = sm90.WARP_SLAB_ROWS  # rows of one warp in an M-block
 # Registers per thread after setmaxnreg: a CTA enters with its share of the register file
 # (the cap ``min_blocks_per_mp`` sets) and the producer warpgroup, which needs few, hands
 # the rest to the consumers.

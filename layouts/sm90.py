@@ -64,6 +64,8 @@ WGMMA_K = 16  # contraction of one 16-bit wgmma
 WARPGROUP_WARPS = 4
 WARP_THREADS = resources.WARP
 WARPGROUP_THREADS = WARPGROUP_WARPS * WARP_THREADS
+WARP_SLAB_ROWS = WGMMA_M // WARPGROUP_WARPS  # rows of a wgmma that one warp's registers hold
+assert WARP_SLAB_ROWS == sm80.MMA_SHAPE[0]  # ... the m16 of the warp-level mma fragments
 STSM_BLOCK = 16  # one stmatrix x4 stores a 16 x 16 block (four 8 x 8 matrices)
 ELEM_BYTES = 2
 CHUNK_BYTES = sm80.CHUNK_BYTES
@@ -210,7 +212,7 @@ def wgmma_fragment(operand: str, n: int = 64) -> Tuple[Tuple[Tuple[int, int], ..
         w, lane = divmod(t, WARP_THREADS)
         blocks = 1 if operand == "a" else n // sm80.MMA_SHAPE[1]
         expect = tuple(
-            (16 * w + r, sm80.MMA_SHAPE[1] * nb + c) for nb in range(blocks) for r, c in ref[lane]
+            (WARP_SLAB_ROWS * w + r, sm80.MMA_SHAPE[1] * nb + c) for nb in range(blocks) for r, c in ref[lane]
         )
         assert vals == expect, f"wgmma {operand} fragment of thread {t} is not the m16n8k16 one"
         out.append(vals)
@@ -269,7 +271,7 @@ def acc_stsm_trans_placement(n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
                     for r in range(8):  # element r of that stored row is fragment (r, k)
                         lane = 4 * r + k // 2
                         value = acc_stsm_value(p, mat) + k % 2
-                        out[w * WARP_THREADS + lane][value] = (16 * w + row0 + r, col)
+                        out[w * WARP_THREADS + lane][value] = (WARP_SLAB_ROWS * w + row0 + r, col)
     return tuple(tuple(v) for v in out)
 
 
@@ -301,8 +303,7 @@ def s8_a_columns(bits: int, length: int) -> Tuple[int, ...]:
     element = {packing.field_of_element(bits, e): e for e in range(packing.codes_per_word(bits))}
     out = [-1] * length
     for c in range(4):
-        regs = [(w, s) for w in range(c, len(words), 4) for s in range(per)
-                if w % sm80.CHUNK_WORDS == lane_word[c]]
+        regs = [(w, s) for w in range(lane_word[c], len(words), sm80.CHUNK_WORDS) for s in range(per)]
         for i, (w, s) in enumerate(regs):
             for b in range(4):
                 k = S8_K * (i // 2) + 16 * (i % 2) + 4 * c + b
