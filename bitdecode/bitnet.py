@@ -633,28 +633,25 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
     return hit
 
 
-# (device index, raw CUDA stream) -> (partial sums, counts): the wgmma GEMM's split-K
-# workspace; the counts are zero between launches (each launch leaves them so).  Per stream,
-# as launches on one stream are ordered and those on different streams may overlap.
-_SPLIT_WORK: dict = {}
-_SPLIT_WORK_STREAMS = 8  # workspaces kept (least recently added dropped first)
+# The wgmma GEMM's split-K workspace (partial sums, counts) per (device, stream); the counts
+# are zero between launches (each launch leaves them so).
+_SPLIT_WORK = jit.PerStream()
 
 
 def _split_workspace(device: torch.device, values: int, tiles: int):
     """The split-K workspace of the current stream, at least ``values`` partial sums and
     ``tiles`` counts; while a CUDA graph is captured, a fresh one from the graph's pool (so
     a replay never shares it with eager launches; only its counts are zeroed on replay)."""
-    if torch._C._cuda_isCurrentStreamCapturing():
+
+    def make():
         return (torch.empty(values, dtype=torch.int32, device=device),
                 torch.zeros(tiles, dtype=torch.int32, device=device))
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
-    ws = _SPLIT_WORK.get(key)
-    if ws is None or ws[0].numel() < values or ws[1].numel() < tiles:
-        if ws is None and len(_SPLIT_WORK) >= _SPLIT_WORK_STREAMS:
-            _SPLIT_WORK.pop(next(iter(_SPLIT_WORK)))
-        ws = _SPLIT_WORK[key] = (torch.empty(values, dtype=torch.int32, device=device),
-                                 torch.zeros(tiles, dtype=torch.int32, device=device))
-    return ws
+
+    stream = jit.current_stream(device.index)
+    if stream is None:
+        return make()
+    return _SPLIT_WORK.get((device.index, stream), make,
+                           keep=lambda ws: ws[0].numel() >= values and ws[1].numel() >= tiles)
 
 
 def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:

@@ -185,4 +185,38 @@ def bound_arguments(args: Tuple[Any, ...], *fns) -> Tuple[Any, ...]:
     return tuple(tvm_ffi.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+class PerStream:
+    """Values a host object keeps per CUDA stream (a split workspace, a chunk of outputs):
+    launches on one stream are ordered, so they may share one; launches on different
+    streams may overlap, so they never do.  At most ``limit`` streams are kept (the least
+    recently added dropped first).  While a graph is captured there is no stream to key on
+    (``current_stream`` gives None): callers make a fresh value from the graph's pool."""
+
+    def __init__(self, limit: int = 8) -> None:
+        self.limit = limit
+        self._by_stream: Dict[Hashable, Any] = {}
+
+    def get(self, stream: Hashable, make: Callable[[], Any], keep: Optional[Callable[[Any], bool]] = None) -> Any:
+        """The value kept for ``stream``, or ``make()``'s, kept from now on; also when
+        ``keep`` says the kept one no longer serves (an empty list, a buffer too small)."""
+        value = self._by_stream.get(stream)
+        if value is None or (keep is not None and not keep(value)):
+            if value is None and len(self._by_stream) >= self.limit:
+                self._by_stream.pop(next(iter(self._by_stream)))
+            value = self._by_stream[stream] = make()
+        return value
+
+    def values(self):
+        return self._by_stream.values()
+
+
+def current_stream(device_index: int):
+    """The current raw CUDA stream of ``device_index``, or None while it captures a graph."""
+    import torch
+
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return None
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 KERNELS = KernelCache()

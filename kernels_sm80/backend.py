@@ -232,20 +232,14 @@ class DecodePlan:
         self.combine_fn = combine_fn
         self.unused_lse, = jit.bound_arguments(
             (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), decode_fn, combine_fn)
-        self.workspaces: dict = {}  # raw CUDA stream -> (o_part, l_part), converted as ``static``
-        self.outputs: dict = {}  # raw CUDA stream -> outputs not handed out yet (views of a chunk)
+        self.workspaces = jit.PerStream(self.MAX_STREAMS)  # (o_part, l_part), converted as ``static``
+        self.outputs = jit.PerStream(self.MAX_STREAMS)  # outputs not handed out yet (views of a chunk)
 
     def workspace(self, stream):
         """The split-KV partials' buffers for ``stream`` (None while capturing: fresh ones)."""
         if stream is None:
             return self._new_workspace()
-        ws = self.workspaces.get(stream)
-        if ws is None:
-            if len(self.workspaces) >= self.MAX_STREAMS:
-                self.workspaces.pop(next(iter(self.workspaces)))
-            ws = self.workspaces[stream] = jit.bound_arguments(self._new_workspace(), self.decode_fn,
-                                                               self.combine_fn)
-        return ws
+        return self.workspaces.get(stream, self._new_bound_workspace)
 
     def output(self, shape, stream):
         """A fresh output of ``shape`` for ``stream`` (None while capturing: allocated from
@@ -253,23 +247,21 @@ class DecodePlan:
         that the caching allocator ties each one to the stream its kernels write it on."""
         if stream is None:
             return torch.empty(shape, dtype=self.dtype, device=self.device)
-        free = self.outputs.get(stream)
-        if not free:
-            if stream not in self.outputs and len(self.outputs) >= self.MAX_STREAMS:
-                self.outputs.pop(next(iter(self.outputs)))
-            chunk = torch.empty((self.OUT_CHUNK, *shape), dtype=self.dtype, device=self.device)
-            free = self.outputs[stream] = list(reversed(chunk.unbind(0)))
-        return free.pop()
+        return self.outputs.get(stream, lambda: self._new_outputs(shape), keep=bool).pop()
 
     def _stream(self):
-        """The current raw CUDA stream, or None while it is capturing a graph."""
-        if torch._C._cuda_isCurrentStreamCapturing():
-            return None
-        return torch._C._cuda_getCurrentRawStream(self.device.index)
+        return jit.current_stream(self.device.index)
 
     def _new_workspace(self):
         return (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
                 torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
+
+    def _new_bound_workspace(self):
+        return jit.bound_arguments(self._new_workspace(), self.decode_fn, self.combine_fn)
+
+    def _new_outputs(self, shape):
+        chunk = torch.empty((self.OUT_CHUNK, *shape), dtype=self.dtype, device=self.device)
+        return list(reversed(chunk.unbind(0)))
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         # q is on the cache's device (attention.check_query), the device the plan was built for

@@ -577,3 +577,30 @@ def test_bound_arguments_are_converted_once_for_tvm_ffi_functions():
     assert torch.equal(torch.from_dlpack(bound[0]), t)
     fn(*bound)
     assert jit.bound_arguments((t,), fn, lambda *a: None)[0] is t
+
+
+def test_per_stream_values():
+    """``jit.PerStream``, what the decode plans' split workspaces and output chunks and the
+    BitNet GEMM's split-K workspace are kept in: one value per stream, made once and kept
+    while ``keep`` accepts it, remade when it does not (the same stream's slot), the oldest
+    stream dropped past ``limit``."""
+    from bitdecode import jit
+
+    made = []
+
+    def make(tag):
+        def f():
+            made.append(tag)
+            return [tag]
+        return f
+
+    cache = jit.PerStream(limit=2)
+    a = cache.get("s1", make("a"))
+    assert cache.get("s1", make("x")) is a and made == ["a"]
+    a.pop()  # used up: ``keep=bool`` asks for a new one on the same stream
+    b = cache.get("s1", make("b"), keep=bool)
+    assert b == ["b"] and made == ["a", "b"]
+    cache.get("s2", make("c"))
+    cache.get("s3", make("d"))  # past the limit: s1, the oldest, goes
+    assert list(cache.values()) == [["c"], ["d"]]
+    assert cache.get("s1", make("e")) == ["e"]
