@@ -622,14 +622,14 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
         if kernel == "mma":
             cfg = _with_pdl(cfg, arch)
             # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
-            extra, tail = (mod.split_for(cfg, m, n, k, sms),), None
+            extra, split_work = (mod.split_for(cfg, m, n, k, sms),), None
         else:
             # the wgmma kernel splits the tiles of a partial last wave along K (its workspace:
-            # the tail tiles' int32 sums and arrival counts)
+            # the tail tiles' int32 partial sums and arrival counts; none without a tail)
             full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
-            extra, tail = (full, splits), ((tails * splits * cfg.block_m * cfg.block_n, tails) if tails else ())
+            extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
-        hit = _LAUNCHERS[key] = (fn, extra, tail)
+        hit = _LAUNCHERS[key] = (fn, extra, split_work)
     return hit
 
 
@@ -656,13 +656,14 @@ def _split_workspace(device: torch.device, values: int, tiles: int):
 
 def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: bool) -> torch.Tensor:
     m, n, k = x.shape[0], w.shape[0], x.shape[1]
-    fn, extra, tail = _gemm_kernel(x.device, m, n, k, kernel, raw)
+    fn, extra, split_work = _gemm_kernel(x.device, m, n, k, kernel, raw)
     x, w = _aligned(x), _aligned(w)
     x_scale, w_scales = x_scale.contiguous(), w_scales.contiguous()
     out = _out(m, n, raw, x.device)
-    if tail is not None:
+    if split_work is not None:  # the wgmma kernel
+        values, tiles = split_work
         # no split tile: the kernel never touches the workspace, the output stands in for it
-        work = _split_workspace(x.device, *tail) if tail else (out.view(torch.int32).view(-1),) * 2
+        work = _split_workspace(x.device, values, tiles) if tiles else (out.view(torch.int32).view(-1),) * 2
         extra = (*work, *extra)
     fn(x, w, x_scale, w_scales, out, ends[0], ends[1], ends[2], *extra)
     return out
