@@ -115,7 +115,7 @@ def build(kind: str, n: int, rs: bool, warpgroups: int, iters: int):
     return fn, 64 * n * k_block * ksteps * M_BLOCKS  # MACs of one iteration of one warpgroup
 
 
-def measure(kind: str, n: int, rs: bool, per_sm: int, clock_hz: float, iters: int = 4000) -> dict:
+def measure(timer, kind: str, n: int, rs: bool, per_sm: int, clock_hz: float, iters: int = 4000) -> dict:
     import torch
     from cutlass import Int32
 
@@ -124,16 +124,7 @@ def measure(kind: str, n: int, rs: bool, per_sm: int, clock_hz: float, iters: in
     ctas = sms * per_sm // warpgroups
     fn, macs = build(kind, n, rs, warpgroups, iters)
     out = torch.zeros(ctas * 128 * warpgroups, device="cuda", dtype=torch.float32)
-    fn(out, Int32(ctas))  # warm-up
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(out, Int32(ctas))
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    t = sorted(times)[len(times) // 2]
+    t = timer(lambda: fn(out, Int32(ctas)), iters=7, warmup=1, flush=False) * 1e-6  # the operands live in smem
     # thread 0 sums its n accumulator values, each 128 channels x iters of 1 x 1: every wgmma ran
     expect = n * 128 * iters
     assert float(out[0]) == expect, (kind, n, float(out[0]), expect)
@@ -157,10 +148,13 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(0)
     # the maximum SM clock (kHz in the device properties where torch has it; the H200's 1.98 GHz else)
     clock_hz = args.clock_ghz * 1e9 if args.clock_ghz else getattr(props, "clock_rate", 1_980_000) * 1e3
+    from bench_decode import Timer
+
+    timer = Timer(torch.device("cuda"))
     rows = []
     for per_sm in WARPGROUPS_PER_SM:
         for kind, n, rs in CASES:
-            row = measure(kind, n, rs, per_sm, clock_hz)
+            row = measure(timer, kind, n, rs, per_sm, clock_hz)
             print(f"{kind} 64x{n}x{256 // (8 if kind == 's8' else 16)} A in {row['a']:9} {per_sm} WG/SM: "
                   f"{row['sm_cycles_per_wgmma']:6.1f} cycles / wgmma / SM, {row['dense_tops']:6.0f} TOPS", flush=True)
             rows.append(row)
@@ -168,7 +162,7 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         result = {"command": f"python3 profiles/bench_wgmma.py --out {args.out}", "gpu": props.name,
                   "clock_hz": clock_hz, "method": "CUDA events around one launch of iters x ksteps x 2 wgmmas per "
-                  "warpgroup on every SM, median of 7", "rows": rows}
+                  "warpgroup on every SM, median of 7 (bench_decode.Timer, no flush)", "rows": rows}
         (args.out / "wgmma.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
