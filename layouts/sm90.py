@@ -275,60 +275,6 @@ def acc_stsm_trans_placement(n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
     return tuple(tuple(v) for v in out)
 
 
-# ---- s8 operands: a possible decode path (profiles/s8_operand_study.py, NOTES.md) ---------
-# An s8 wgmma (64 x N x 32) costs what a 16-bit 64 x N x 16 does (profiles/h200/wgmma.json),
-# so K's and V's codes as bytes would halve the decode's wgmmas.  Register s of a packed word,
-# ``(word >> bits * s) & S8_BYTE_MASK[bits]``, holds four codes of the word's row as bytes
-# (byte b: the code in field ``b * 8 / bits + s``): one LOP3 (and a shift) per four codes,
-# no fix-up.  Which channels land on which k of the MMA follows; the other operand (Q o s
-# for the scores) is stored in that k order.
-S8_K = 32  # contraction of one s8 wgmma
-S8_BYTE_MASK = {4: 0x0F0F0F0F, 2: 0x03030303}
-
-
-def s8_word_registers(bits: int) -> int:
-    """Byte registers one packed word gives (each four codes of its row)."""
-    return 8 // bits
-
-
-def s8_a_columns(bits: int, length: int) -> Tuple[int, ...]:
-    """For every k of the s8 A operand over a row of ``length`` channels, in MMA order, the
-    channel whose code it holds.  Lane ``c`` of a quad reads the words ``ldmatrix`` gives it
-    (word ``c'`` of each 16-byte chunk) and makes their byte registers in order; register i
-    is the A register of k ``32 (i // 2) + 16 (i % 2) + 4 c + b`` (the m16n8k32 A fragment:
-    ``s8_wgmma_fragment`` checks it) for its byte b."""
-    words = sm80.word_elements(bits, length)
-    lane_word = {lane % 4: wc for lane, (_, wc) in enumerate(sm80.ldmatrix_lane_word())}
-    per = s8_word_registers(bits)
-    element = {packing.field_of_element(bits, e): e for e in range(packing.codes_per_word(bits))}
-    out = [-1] * length
-    for c in range(4):
-        regs = [(w, s) for w in range(lane_word[c], len(words), sm80.CHUNK_WORDS) for s in range(per)]
-        for i, (w, s) in enumerate(regs):
-            for b in range(4):
-                k = S8_K * (i // 2) + 16 * (i % 2) + 4 * c + b
-                out[k] = words[w][element[b * per + s]]
-    assert sorted(out) == list(range(length)), "s8 operand columns are not a permutation"
-    return tuple(out)
-
-
-@_traced
-def s8_wgmma_fragment() -> Tuple[Tuple[Tuple[int, int], ...], ...]:
-    """The s8 wgmma (64 x 8 x 32, A from registers) A fragment, ``[thread][value] = (row,
-    k)``: 16 bytes a thread, four registers of four."""
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as hopper
-    from cutlass.cute.nvgpu import OperandMajorMode
-
-    k = OperandMajorMode.K
-    mma = hopper.make_trivial_tiled_mma(cutlass.Int8, cutlass.Int8, k, k, cutlass.Int32, (1, 1, 1), (WGMMA_M, 8),
-                                        hopper.OperandSource.RMEM)
-    tv = mma.tv_layout_A_tiled
-    return tuple(tuple(divmod(tv((t, v)), WGMMA_M)[::-1] for v in range(cute.size(tv, mode=[1])))
-                 for t in range(WARPGROUP_THREADS))
-
-
 @_traced
 def _wgmma_tv(operand: str, n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
     """The tiled MMA's TV layout, (thread, value) -> column-major offset in the (M, K|N) tile."""
