@@ -627,6 +627,7 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
             # the wgmma kernel splits the tiles of a partial last wave along K (its workspace:
             # the tail tiles' int32 partial sums and arrival counts; none without a tail)
             full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
+            cfg = dataclasses.replace(cfg, split_k=tails > 0)  # whole tiles only: the leaner variant
             extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, extra, split_work)

@@ -111,6 +111,11 @@ class WgmmaConfig:
     # costs (storing, counting, reading back), in this tile's 128-column groups
     max_splits: int = 4
     split_cost_groups: int = 16
+    # compiled with the split-K tail (a 1-D grid walked by ``CtaWork.of``, ``sum_splits``);
+    # without it a CTA's tile is its 2-D block index and its K loop the whole of K: the
+    # split arithmetic and the branch around the epilogue cost whole tiles 0.5-0.9 us a call
+    # (H200, nineteenth session), so the host takes this variant only for a plan with tails
+    split_k: bool = False
 
     def __post_init__(self):
         assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 2
@@ -237,6 +242,12 @@ class CtaWork:
         group1 = (part + 1) * total_groups // parts
         return CtaWork(tile % tiles_m, tile // tiles_m, group0, group1 - group0, parts, part, tile - full_tiles)
 
+    @staticmethod
+    def whole(total_groups):
+        """A CTA of the 2-D grid of a launch without split tiles: the whole of K."""
+        bm, bn, _ = cute.arch.block_idx()
+        return CtaWork(bm, bn, Int32(0), total_groups, Int32(1), Int32(0), Int32(0))
+
 
 class BitnetGemmSm90:
     """Arguments: ``x`` int8 [M, K], ``w`` int8 [N, K/4] packed, ``x_scale`` fp32 [M],
@@ -308,10 +319,12 @@ class BitnetGemmSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mX, cute.select(x_layout, mode=[0, 1]), (cfg.block_m, fmt.GROUP_K)
         )
         tiles_m, tiles_n = grid_for(cfg, mX.shape[0], mW.shape[0])
-        ctas = full_tiles + (tiles_m * tiles_n - full_tiles) * splits
+        grid = [tiles_m, tiles_n, 1]
+        if const_expr(cfg.split_k):
+            grid = [full_tiles + (tiles_m * tiles_n - full_tiles) * splits, 1, 1]
         self.kernel(tma_x, tma_tx, mW, mXScale, mWScale, mOut, e1, e2, e3, mWork, mCount, full_tiles, splits,
                     self._shared_storage()).launch(
-            grid=[ctas, 1, 1],
+            grid=grid,
             block=[cfg.block_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=cfg.ctas_per_sm,
@@ -339,8 +352,11 @@ class BitnetGemmSm90:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         groups = mW.shape[1] // (fmt.GROUP_BYTES // fmt.TILE_N)
-        work = CtaWork.of(cute.arch.block_idx()[0], full_tiles, splits, groups,
-                          grid_for(cfg, mOut.shape[0], mOut.shape[1])[0])
+        if const_expr(cfg.split_k):
+            work = CtaWork.of(cute.arch.block_idx()[0], full_tiles, splits, groups,
+                              grid_for(cfg, mOut.shape[0], mOut.shape[1])[0])
+        else:
+            work = CtaWork.whole(groups)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cpasync.prefetch_descriptor(tma_x)
@@ -371,11 +387,15 @@ class BitnetGemmSm90:
             # every consumer's wgmmas are done: the token ring may hold the output tile (all
             # loads have landed, as every stage was waited for); the token scales are in
             cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
-            last = Int32(1)
-            if work.splits > 1:
-                last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work,
-                                       tidx - WG_THREADS)
-            if last != 0:
+            if const_expr(cfg.split_k):
+                last = Int32(1)
+                if work.splits > 1:
+                    last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work,
+                                           tidx - WG_THREADS)
+                if last != 0:
+                    self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
+                                  work, tidx - WG_THREADS)
+            else:
                 self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
                               work, tidx - WG_THREADS)
 

@@ -12,6 +12,7 @@ reference on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -587,8 +588,6 @@ def test_sm90_gemv_config():
 
 
 def test_mma_gemm_pdl_compiles(tmp_path):
-    import dataclasses
-
     from bitdecode.kernels_sm80 import bitnet_gemm as g80
 
     for cfg in (g80.STREAM, g80.TILED):
@@ -612,7 +611,8 @@ def test_wgmma_gemm_compiles(tmp_path):
     shipped tiles and the largest ring."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5)):
+    split = [dataclasses.replace(cfg, split_k=True) for cfg in (g90.SMALL, g90.LARGE)]
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
         assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", ptx), "one wgmma group kept in flight"
@@ -627,13 +627,13 @@ def test_wgmma_gemm_compiles(tmp_path):
         assert "div.rn.f32" not in ptx and "rcp.rn.f32" in ptx and "fma.rn.f32" in ptx
         assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
         # the split-K tail: partial sums stored 16 bytes at a time, an acq_rel arrival count,
-        # the last split reads the others' through L2
+        # the last split reads the others' through L2; none of it in the whole-tile variant
         for instr in ("atom.global.acq_rel.add", "fence.acq_rel.gpu", "ld.global.cg.v4.u32"):
-            assert instr in ptx, (instr, cfg)
+            assert (instr in ptx) == cfg.split_k, (instr, cfg)
         # the only CTA-wide barrier is the pipeline's init; the consumers' named barrier
         # comes after the main loop (twice more in a split-K tail CTA: the arrival count)
         assert len(re.findall(r"bar.sync\s+0;", ptx)) == 1
-        assert len(re.findall(rf"bar.sync\s+1, {cfg.threads};", ptx)) == 4
+        assert len(re.findall(rf"bar.sync\s+1, {cfg.threads};", ptx)) == (4 if cfg.split_k else 2)
         report = ptxas.report(ptx, "sm_90a", tmp_path)
         assert "C7513" not in report and "C7514" not in report, f"ptxas serializes the wgmmas ({cfg})"
         assert ptxas.spill_bytes(report) == 0, f"spills ({cfg})"
@@ -916,12 +916,15 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
     segs = (n - 16, 16)
     for raw in (True, False):
         cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw, ctas_per_sm=ctas)
-        fn = g90.compile_gemm(cfg, jit.compile_options("sm_90a"))
+        fns = {split_k: g90.compile_gemm(dataclasses.replace(cfg, split_k=split_k), jit.compile_options("sm_90a"))
+               for split_k in (False, True)}
         for m in (1, block_m - 3, block_m + 5, 3 * block_m):
             x, xs = _acts(m, k, m)
             tiles = g90.grid_for(cfg, m, n)[0] * g90.grid_for(cfg, m, n)[1]
-            # whole tiles; every tile split in 3; the last one split in 7 (25 groups: 3 or 4 each)
-            for full, splits in ((tiles, 1), (0, 3), (tiles - 1, 7)):
+            # whole tiles (both variants); every tile split in 3; the last one split in 7 (25
+            # groups: 3 or 4 each)
+            for split_k, full, splits in ((False, tiles, 1), (True, tiles, 1), (True, 0, 3), (True, tiles - 1, 7)):
+                fn = fns[split_k]
                 work = torch.full(((tiles - full) * splits * block_m * cfg.block_n + 4,), -5, dtype=torch.int32,
                                   device="cuda")
                 count = torch.zeros(tiles - full + 1, dtype=torch.int32, device="cuda")
