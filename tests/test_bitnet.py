@@ -504,6 +504,10 @@ def test_kernel_configs():
     assert g90.split_plan(g90.LARGE, 4096, 4800, 3200, 132)[1] == 1  # 608 tiles: the last wave 61 % full
     assert g90.split_plan(g90.SMALL, 64, 2560, 6912, 132) == (0, 6, 40)  # 40 tiles for 264 slots, K long
     assert g90.split_plan(g90.SMALL, 64, 2560, 2560, 132)[1] == 1  # K too short to pay for a split
+    # from M = 1024 the large tile, unless the medium one needs fewer waves' time
+    assert g90.config_for(1024, 4800, 132) == g90.MEDIUM  # 152 large tiles = 2 waves, 600 medium = 3
+    for m, n in ((1024, 2560), (1024, 20480), (4096, 4800), (4096, 13824), (4096, 2560)):
+        assert g90.config_for(m, n, 132) == g90.LARGE, (m, n)
     # the H200 sweep's picks: mma.sync up to 16 tokens, wgmma above 64, between by N and K
     pick = bn._default_gemm_kernel
     assert [pick("sm_90a", m, 2560) for m in (1, 16, 17, 64, 65, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 3
