@@ -626,8 +626,12 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
         else:
             # the wgmma kernel splits the tiles of a partial last wave along K (its workspace:
             # the tail tiles' int32 partial sums and arrival counts; none without a tail)
+            # (or, where its tiles leave most CTA slots idle, along K over a cluster's CTAs)
+            cluster_k = mod.cluster_plan(cfg, m, n, k, sms)
             full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
-            cfg = dataclasses.replace(cfg, split_k=tails > 0)  # whole tiles only: the leaner variant
+            if cluster_k > 1:
+                full, splits, tails = full + tails, 1, 0
+            cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k)  # only what the plan needs
             extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, extra, split_work)
@@ -673,27 +677,31 @@ def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: boo
 GEMM_KERNELS = ("auto", "mma", "wgmma")
 
 
-# Hopper: the wgmma kernel (pipelined s8 x s8 wgmma, the token tile staged once per CTA)
-# beats the mma.sync kernel above M = 64 on every BitNet shape, and at M <= 64 from this
-# many weight rows or this many inputs on (wider: more CTAs; longer: split-K pays), where
-# the mma.sync kernel's CTA columns each re-read the activations (H200, profiles/NOTES.md,
-# eighteenth session: at M = 64 mma.sync keeps 2560 x 2560, 6.4 vs 7.8 us, and 3200 x 3200,
-# 9.1 vs 9.3); at M <= 16 mma.sync always wins.
-WGMMA_MIN_N = 3840
-WGMMA_MIN_K = 6912
-WGMMA_SMALL_M = 16
-WGMMA_ALL_N_M = 64
+# Hopper: the wgmma kernel (pipelined s8 x s8 wgmma, the token tile staged once per CTA,
+# K split over a cluster where its tiles leave the GPU half idle) beats the mma.sync kernel
+# above 48 tokens on every BitNet shape, above 32 on all but the smallest matrix, and from
+# 17 on the widest (more weight rows than the mma.sync kernel's CTA columns re-reading the
+# activations can stream); up to 16 tokens mma.sync always wins (H200, profiles/NOTES.md,
+# nineteenth session: 2560 x 2560 at 48 tokens 5.6 vs 6.1 us, at 64 6.6 vs 6.2; 3200 x
+# 10240 at 32 12.7 vs 13.9, at 48 16.6 vs 11.6; 13824 x 2560 at 24 17.0 vs 11.0).
+WGMMA_SMALL_M = 16  # up to this many tokens: mma.sync
+WGMMA_ALL_M = 48  # above: wgmma
+WGMMA_MOST_M = 32  # above: wgmma unless the matrix is at most WGMMA_SMALL_MATRIX
+WGMMA_SMALL_MATRIX = 2560 * 2560
+WGMMA_MIN_N = 13824  # from WGMMA_SMALL_M + 1 tokens: wgmma from this many weight rows
 
 
 def _default_gemm_kernel(arch: str, m: int, n: Optional[int] = None, k: Optional[int] = None) -> str:
-    """mma.sync (split-K, streaming the weights) on every GPU, except on Hopper for
-    M > 64 tokens, or M > 16 tokens times at least ``WGMMA_MIN_N`` rows or ``WGMMA_MIN_K``
-    inputs (measured on the H200)."""
+    """mma.sync (split-K, streaming the weights) on every GPU, except on Hopper above
+    ``WGMMA_ALL_M`` tokens, above ``WGMMA_MOST_M`` but for the smallest matrices, and above
+    ``WGMMA_SMALL_M`` for at least ``WGMMA_MIN_N`` weight rows (measured on the H200)."""
     if arch != "sm_90a" or m <= WGMMA_SMALL_M:
         return "mma"
-    if m > WGMMA_ALL_N_M or (n is not None and n >= WGMMA_MIN_N) or (k is not None and k >= WGMMA_MIN_K):
+    if m > WGMMA_ALL_M:
         return "wgmma"
-    return "mma"
+    if m > WGMMA_MOST_M:
+        return "mma" if n is not None and k is not None and n * k <= WGMMA_SMALL_MATRIX else "wgmma"
+    return "wgmma" if n is not None and n >= WGMMA_MIN_N else "mma"
 
 
 @torch.library.custom_op("bitdecode::bitnet_gemv", mutates_args=())

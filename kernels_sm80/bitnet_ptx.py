@@ -204,6 +204,23 @@ def copy16_s2g(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None
 
 
 @dsl_user_op
+def lds_v4(smem_addr: Int32, *, loc=None, ip=None):
+    """16-byte shared load as four 32-bit words (kept in order with barriers: side effects)."""
+    res = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
 def lds_b32(smem_addr: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int32(smem_addr).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];",
                       "=r,r", side_effects=True, loc=loc, ip=ip))

@@ -65,6 +65,7 @@ from ..kernels_sm80.bitnet_ptx import (
     decode_s8,
     lds_b32,
     load_v4,
+    lds_v4,
     matmul_fake_args,
     scale_out_rcp,
     segment_scale,
@@ -116,10 +117,27 @@ class WgmmaConfig:
     # split arithmetic and the branch around the epilogue cost whole tiles 0.5-0.9 us a call
     # (H200, nineteenth session), so the host takes this variant only for a plan with tails
     split_k: bool = False
+    # K split over the CTAs of a thread-block cluster (``cluster_plan``): each of the
+    # ``cluster_k`` CTAs of a tile takes a run of K groups, the others store their int32
+    # sums into the first one's token ring through distributed shared memory
+    cluster_k: int = 1
+    # ``cluster_plan``: a cluster CTA per this many K groups (0: this tile never splits so)
+    cluster_groups: int = 0
 
     def __post_init__(self):
         assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 2
         assert self.ctas_per_sm in (1, 2)
+        assert 1 <= self.cluster_k <= self.max_cluster_k and not (self.split_k and self.cluster_k > 1)
+
+    @property
+    def tile_sum_bytes(self) -> int:
+        """A tile's int32 sums (one K split's share of a cluster's reduction)."""
+        return self.block_m * self.block_n * 4
+
+    @property
+    def max_cluster_k(self) -> int:
+        """CTAs a cluster split may have: the first one's token ring holds the others' sums."""
+        return 1 + self.x_ring_bytes // self.tile_sum_bytes
 
     @property
     def threads(self) -> int:
@@ -176,8 +194,12 @@ class WgmmaConfig:
 # single-warpgroup CTAs, two an SM, give the GPU enough of them.
 # The split costs: H200, split against whole tiles on the eight shapes at M = 64 / 256 /
 # 1024 / 4096 (profiles/NOTES.md, eighteenth session).
-SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2, max_splits=6, split_cost_groups=23)
-MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28)
+# The cluster splits: H200, whole vs 2-5 CTAs a cluster on the eight shapes at M = 64 /
+# 256 / 1024 (nineteenth session); the 256 x 128 tile (one an SM) lost at every count.
+SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2, max_splits=6, split_cost_groups=23,
+                    cluster_groups=10)
+MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28,
+                     cluster_groups=32)
 LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1, max_splits=4, split_cost_groups=16)
 MEDIUM_M = 128  # above this many tokens, MEDIUM
 LARGE_M = 1024  # from this many, LARGE unless MEDIUM needs fewer waves (``config_for``)
@@ -232,6 +254,28 @@ def split_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int):
     return tiles - tail, splits, tail
 
 
+# K split over a cluster's CTAs, where the tiles leave at least half of the CTA slots idle
+# (a first partial wave: 40 tiles of 64 x 64 at M = 64, N = 2560).  Each CTA streams only
+# its run of K through the SM (at M = 64 a CTA's time is its token and weight bytes), and
+# the sums meet in shared memory, where the workspace split (``split_plan``) pays a global
+# store, fence, count and read-back: M = 64, 2560 x 2560, whole 7.28 us, 2 CTAs a cluster
+# 6.12, the workspace split 8.5 (H200).
+MAX_CLUSTER_K = 4
+
+
+def cluster_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int) -> int:
+    """CTAs per cluster (1: no cluster split): one per ``cfg.cluster_groups`` K groups, at
+    most ``MAX_CLUSTER_K`` (and what the first CTA's ring holds), only while every tile's
+    cluster fits in the CTA slots."""
+    tiles_m, tiles_n = grid_for(cfg, m, n)
+    tiles = tiles_m * tiles_n
+    slots = sms * cfg.ctas_per_sm
+    if not cfg.cluster_groups or 2 * tiles > slots:
+        return 1
+    groups = k // fmt.GROUP_K
+    return max(1, min(groups // cfg.cluster_groups, MAX_CLUSTER_K, cfg.max_cluster_k, slots // tiles))
+
+
 class CtaWork:
     """What CTA ``bid`` of the 1-D grid computes (traced values): token / row tile ``bm``,
     ``bn`` (launch order: token tiles fastest, so CTAs in flight share weight rows), K groups
@@ -253,6 +297,16 @@ class CtaWork:
         group0 = part * total_groups // parts
         group1 = (part + 1) * total_groups // parts
         return CtaWork(tile % tiles_m, tile // tiles_m, group0, group1 - group0, parts, part, tile - full_tiles)
+
+    @staticmethod
+    def cluster(total_groups, cluster_k: int):
+        """A CTA of a cluster split: the clusters tile the 2-D grid's x, the CTA's rank in
+        its cluster is its ``part`` of K."""
+        bx, bn, _ = cute.arch.block_idx()
+        part = bx % cluster_k
+        group0 = part * total_groups // cluster_k
+        group1 = (part + 1) * total_groups // cluster_k
+        return CtaWork(bx // cluster_k, bn, group0, group1 - group0, Int32(cluster_k), part, Int32(0))
 
     @staticmethod
     def whole(total_groups):
@@ -301,6 +355,7 @@ class BitnetGemmSm90:
             sXScale: cute.struct.MemRange[Float32, cfg.block_m]  # the tile's token scales
             sXRcp: cute.struct.MemRange[Float32, cfg.block_m]  # and their reciprocals
             flag: cute.struct.MemRange[Int32, 1]  # a split CTA learned it is its tile's last
+            sums_bar: cute.struct.MemRange[cutlass.Int64, 1]  # a cluster split's sums have landed
 
         return Storage
 
@@ -331,12 +386,14 @@ class BitnetGemmSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mX, cute.select(x_layout, mode=[0, 1]), (cfg.block_m, fmt.GROUP_K)
         )
         tiles_m, tiles_n = grid_for(cfg, mX.shape[0], mW.shape[0])
-        grid = [tiles_m, tiles_n, 1]
+        grid = [tiles_m * cfg.cluster_k, tiles_n, 1]
         if const_expr(cfg.split_k):
             grid = [full_tiles + (tiles_m * tiles_n - full_tiles) * splits, 1, 1]
+        cluster = {"cluster": [cfg.cluster_k, 1, 1]} if cfg.cluster_k > 1 else {}
         self.kernel(tma_x, tma_tx, mW, mXScale, mWScale, mOut, e1, e2, e3, mWork, mCount, full_tiles, splits,
                     self._shared_storage()).launch(
             grid=grid,
+            **cluster,
             block=[cfg.block_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=cfg.ctas_per_sm,
@@ -367,6 +424,8 @@ class BitnetGemmSm90:
         if const_expr(cfg.split_k):
             work = CtaWork.of(cute.arch.block_idx()[0], full_tiles, splits, groups,
                               grid_for(cfg, mOut.shape[0], mOut.shape[1])[0])
+        elif const_expr(cfg.cluster_k > 1):
+            work = CtaWork.cluster(groups, cfg.cluster_k)
         else:
             work = CtaWork.whole(groups)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -378,6 +437,9 @@ class BitnetGemmSm90:
         x_layout = self.x_layout()
         sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sW = storage.sW.get_tensor(cute.make_layout((cfg.stages * cfg.w_stage_bytes,)))
+        if const_expr(cfg.cluster_k > 1):
+            if tidx == 0:  # (the ring's creation fences and syncs the inits)
+                cute.arch.mbarrier_init(storage.sums_bar.data_ptr(), 1)
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=cfg.stages,
@@ -389,6 +451,11 @@ class BitnetGemmSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self.produce(ring, tma_x, mXt, sX, mW, sW, work, tidx)
+            if const_expr(cfg.cluster_k > 1):
+                # the cluster's two barriers count every thread (see ``sum_cluster``)
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                cute.arch.cluster_arrive()
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
@@ -399,7 +466,11 @@ class BitnetGemmSm90:
             # every consumer's wgmmas are done: the token ring may hold the output tile (all
             # loads have landed, as every stage was waited for); the token scales are in
             cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
-            if const_expr(cfg.split_k):
+            if const_expr(cfg.cluster_k > 1):
+                if self.sum_cluster(acc, storage, work, tidx - WG_THREADS) != 0:
+                    self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
+                                  work, tidx - WG_THREADS)
+            elif const_expr(cfg.split_k):
                 last = Int32(1)
                 if work.splits > 1:
                     last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work,
@@ -508,6 +579,44 @@ class BitnetGemmSm90:
             xs = Float32(mXScale[cutlass.min(bm * self.cfg.block_m + t, m - 1)])
             sXScale[t] = xs
             sXRcp[t] = rcp_rn(xs)
+
+    @cute.jit
+    def sum_cluster(self, acc, storage, work, ctid: Int32):
+        """A cluster split: once every CTA of the cluster is past its main loop (the first
+        one's token ring is free: cluster barrier one), the others store their int32 sums
+        into slots of that ring (``st.async``, 16 bytes a store, completing on its
+        ``sums_bar``) and the first one adds them (exact in any order).  No global memory
+        and no fence: the whole reduction stays in the cluster's shared memory.  Cluster
+        barrier two keeps the others resident until the first one has every byte.  Returns
+        1 in the first CTA (which stores the tile), else 0."""
+        cfg = self.cfg
+        words = cute.size(acc) // 4
+        bar = storage.sums_bar.data_ptr()
+        ring = storage.sX.data_ptr()
+        lane_off = ctid * 16
+        if work.part == 0:
+            if ctid == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, (cfg.cluster_k - 1) * cfg.tile_sum_bytes)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if work.part != 0:
+            slot = ring.toint() + (work.part - 1) * cfg.tile_sum_bytes + lane_off
+            for j in cutlass.range_constexpr(words):
+                dst = cute.make_ptr(Int32, slot + j * cfg.threads * 16, cute.AddressSpace.smem, assumed_align=16)
+                cute.arch.store_async_dsmem(dst, (acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]), bar, 0)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.mbarrier_wait(bar, 0)
+            cute.arch.cluster_arrive()
+            for z in cutlass.range_constexpr(cfg.cluster_k - 1):
+                for j in cutlass.range_constexpr(words):
+                    v = lds_v4(ring.toint() + z * cfg.tile_sum_bytes + lane_off + j * cfg.threads * 16)
+                    for e in cutlass.range_constexpr(4):
+                        acc[4 * j + e] = acc[4 * j + e] + v[e]
+            # every thread has read the ring before the epilogue stages the output tile there
+            cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
+        return Int32(work.part == 0)
 
     @cute.jit
     def sum_splits(self, acc, mWork: cute.Tensor, mCount: cute.Tensor, s_flag: cute.Tensor, work, ctid: Int32):

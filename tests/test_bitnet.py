@@ -504,16 +504,30 @@ def test_kernel_configs():
     assert g90.split_plan(g90.LARGE, 4096, 4800, 3200, 132)[1] == 1  # 608 tiles: the last wave 61 % full
     assert g90.split_plan(g90.SMALL, 64, 2560, 6912, 132) == (0, 6, 40)  # 40 tiles for 264 slots, K long
     assert g90.split_plan(g90.SMALL, 64, 2560, 2560, 132)[1] == 1  # K too short to pay for a split
+    # K split over a cluster only where the tiles leave half the CTA slots idle, every
+    # tile's cluster in the slots, at most what the first CTA's ring holds the sums of
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE):
+        for m in (2, 64, 256, 1024):
+            for n, k in ((2560, 2560), (4800, 3200), (3200, 10240), (20480, 3200), (16, 256)):
+                ck = g90.cluster_plan(cfg, m, n, k, 132)
+                gm, gn = g90.grid_for(cfg, m, n)
+                assert 1 <= ck <= min(g90.MAX_CLUSTER_K, cfg.max_cluster_k)
+                assert ck == 1 or (gm * gn * ck <= 132 * cfg.ctas_per_sm and cfg.cluster_groups)
+    assert g90.cluster_plan(g90.SMALL, 64, 2560, 2560, 132) == 2  # 40 tiles, 20 groups
+    assert g90.cluster_plan(g90.SMALL, 64, 3200, 10240, 132) == 4
+    assert g90.cluster_plan(g90.SMALL, 64, 13824, 2560, 132) == 1  # 216 tiles of 264 slots
+    assert g90.cluster_plan(g90.LARGE, 1024, 2560, 2560, 132) == 1  # never on the large tile
     # from M = 1024 the large tile, unless the medium one needs fewer waves' time
     assert g90.config_for(1024, 4800, 132) == g90.MEDIUM  # 152 large tiles = 2 waves, 600 medium = 3
     for m, n in ((1024, 2560), (1024, 20480), (4096, 4800), (4096, 13824), (4096, 2560)):
         assert g90.config_for(m, n, 132) == g90.LARGE, (m, n)
-    # the H200 sweep's picks: mma.sync up to 16 tokens, wgmma above 64, between by N and K
+    # the H200 sweep's picks: mma.sync up to 16 tokens, wgmma above 48, between by N and K
     pick = bn._default_gemm_kernel
-    assert [pick("sm_90a", m, 2560) for m in (1, 16, 17, 64, 65, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 3
+    assert [pick("sm_90a", m, 2560, 2560) for m in (1, 16, 17, 48, 49, 64, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 4
     assert [pick("sm_90a", m, 20480) for m in (16, 17, 64)] == ["mma", "wgmma", "wgmma"]
-    assert [pick("sm_90a", 64, n, k) for n, k in ((2560, 2560), (3200, 3200), (3840, 2560), (2560, 6912))] == [
-        "mma", "mma", "wgmma", "wgmma"]
+    assert [pick("sm_90a", m, n, k) for m, n, k in ((40, 2560, 2560), (40, 3200, 3200), (24, 3200, 10240),
+                                                    (24, 13824, 2560), (64, 2560, 2560))] == [
+        "mma", "wgmma", "mma", "wgmma", "wgmma"]
     assert {pick(arch, 4096, 20480) for arch in ("sm_80", "sm_100a")} == {"mma"}
 
 
@@ -616,7 +630,9 @@ def test_wgmma_gemm_compiles(tmp_path):
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     split = [dataclasses.replace(cfg, split_k=True) for cfg in (g90.SMALL, g90.LARGE)]
-    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split):
+    cluster = [dataclasses.replace(cfg, cluster_k=3) for cfg in (g90.SMALL, g90.MEDIUM)]
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split,
+                *cluster):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
         assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", ptx), "one wgmma group kept in flight"
@@ -634,10 +650,15 @@ def test_wgmma_gemm_compiles(tmp_path):
         # the last split reads the others' through L2; none of it in the whole-tile variant
         for instr in ("atom.global.acq_rel.add", "fence.acq_rel.gpu", "ld.global.cg.v4.u32"):
             assert (instr in ptx) == cfg.split_k, (instr, cfg)
+        # a cluster split: the other CTAs' sums reach the first one's shared memory through
+        # st.async between two cluster barriers
+        assert ("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32" in ptx) == (cfg.cluster_k > 1)
+        assert len(re.findall(r"barrier.cluster.arrive;", ptx)) == (5 if cfg.cluster_k > 1 else 0)
         # the only CTA-wide barrier is the pipeline's init; the consumers' named barrier
         # comes after the main loop (twice more in a split-K tail CTA: the arrival count)
         assert len(re.findall(r"bar.sync\s+0;", ptx)) == 1
-        assert len(re.findall(rf"bar.sync\s+1, {cfg.threads};", ptx)) == (4 if cfg.split_k else 2)
+        bars = len(re.findall(rf"bar.sync\s+1, {cfg.threads};", ptx))
+        assert bars == 2 + 2 * cfg.split_k + (cfg.cluster_k > 1), (bars, cfg)  # (the cluster sum's read)
         report = ptxas.report(ptx, "sm_90a", tmp_path)
         assert "C7513" not in report and "C7514" not in report, f"ptxas serializes the wgmmas ({cfg})"
         assert ptxas.spill_bytes(report) == 0, f"spills ({cfg})"
@@ -944,6 +965,38 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("block_m,warpgroups,stages,ctas,cluster_k", [(64, 1, 8, 2, 2), (64, 1, 8, 2, 5), (128, 1, 6, 2, 3),
+                                                                    (256, 2, 4, 1, 2)])
+def test_gpu_wgmma_gemm_cluster_split(block_m, warpgroups, stages, ctas, cluster_k):
+    """K split over the CTAs of a cluster, summed through distributed shared memory: exact
+    sums and bf16 output with ragged M and N tiles, K runs of unequal group counts (25
+    groups), and fewer groups than CTAs (one group: the others add zeros)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs Hopper")
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    ws = torch.tensor([0.7, 1.3], device="cuda")
+    for raw in (True, False):
+        cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw, ctas_per_sm=ctas,
+                              cluster_k=cluster_k)
+        fn = g90.compile_gemm(cfg, jit.compile_options("sm_90a"))
+        for n, k in ((4800 + 16, 3200), (160, 128)):
+            w, wp = _weights(n, k)
+            segs = (n - 16, 16)
+            for m in (1, block_m + 5, 3 * block_m):
+                x, xs = _acts(m, k, m)
+                tiles = g90.grid_for(cfg, m, n)[0] * g90.grid_for(cfg, m, n)[1]
+                dummy = torch.zeros(4, dtype=torch.int32, device="cuda")
+                out = torch.full((m, n), -7, dtype=torch.int32 if raw else torch.bfloat16, device="cuda")
+                fn(x, wp, xs, ws, out, n - 16, n, n, dummy, dummy, tiles, 1)
+                if raw:
+                    assert torch.equal(out, bn.accumulate(x, w)), (cfg, m, n, k)
+                else:
+                    _check(out, bn.reference_gemm(x, wp, xs, ws, segs), torch.zeros(1), torch.zeros(1))
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_act_quant_bit_exact(dtype):
     """The quantizer kernel equals the torch ops bit for bit: model widths, a ragged K,
@@ -1027,20 +1080,22 @@ def test_gpu_norm_quant(dtype):
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_split_k_gemm_in_a_cuda_graph():
-    """A GEMM whose tiles are split along K (M = 64, 2560 x 6912 on the wgmma kernel: 40
-    tiles over the idle slots) captured in a CUDA graph takes a workspace of its own from
+@pytest.mark.parametrize("m,n,k,cluster", [(256, 2560, 6912, False), (64, 2560, 6912, True)])
+def test_gpu_split_k_gemm_in_a_cuda_graph(m, n, k, cluster):
+    """A GEMM whose tiles are split along K through the workspace (M = 256, 2560 x 6912 on
+    the wgmma kernel: 80 tiles over the idle slots; or, M = 64, over a cluster) captured in a CUDA graph takes a workspace of its own from
     the graph's pool: replays on new input equal the exact sums and the eager bf16 output,
     and eager calls between replays do not disturb them."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the split-K GEMM is the Hopper wgmma kernel")
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    m, n, k = 64, 2560, 6912
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if bn.gemm_kernel_for(m, "cuda", n, k) != "wgmma" or g90.split_plan(g90.config_for(m, n, sms), m, n, k,
-                                                                          sms)[1] == 1:
-        pytest.skip("no split-K at this shape on this GPU")
+    cfg = g90.config_for(m, n, sms)
+    planned = g90.cluster_plan(cfg, m, n, k, sms) > 1 if cluster else (
+        g90.cluster_plan(cfg, m, n, k, sms) == 1 and g90.split_plan(cfg, m, n, k, sms)[1] > 1)
+    if bn.gemm_kernel_for(m, "cuda", n, k) != "wgmma" or not planned:
+        pytest.skip("no such split at this shape on this GPU")
     w, wp = _weights(n, k)
     ws = torch.tensor([0.9], device="cuda")
     x, xs = _acts(m, k, 1)
