@@ -626,7 +626,7 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
         else:
             # the wgmma kernel splits the tiles of a partial last wave along K (its workspace:
             # the tail tiles' int32 partial sums and arrival counts; none without a tail)
-            # (or, where its tiles leave most CTA slots idle, along K over a cluster's CTAs)
+            # (or, where its tiles leave half the CTA slots idle, along K over a cluster's CTAs)
             cluster_k = mod.cluster_plan(cfg, m, n, k, sms)
             full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
             if cluster_k > 1:

@@ -1083,9 +1083,10 @@ def test_gpu_norm_quant(dtype):
 @pytest.mark.parametrize("m,n,k,cluster", [(256, 2560, 6912, False), (64, 2560, 6912, True)])
 def test_gpu_split_k_gemm_in_a_cuda_graph(m, n, k, cluster):
     """A GEMM whose tiles are split along K through the workspace (M = 256, 2560 x 6912 on
-    the wgmma kernel: 80 tiles over the idle slots; or, M = 64, over a cluster) captured in a CUDA graph takes a workspace of its own from
-    the graph's pool: replays on new input equal the exact sums and the eager bf16 output,
-    and eager calls between replays do not disturb them."""
+    the wgmma kernel: 80 tiles over the idle slots) or over a cluster (M = 64) captured in
+    a CUDA graph: the workspace split takes a workspace of its own from the graph's pool;
+    replays on new input equal the exact sums and the eager bf16 output, and eager calls
+    between replays do not disturb them."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the split-K GEMM is the Hopper wgmma kernel")
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
