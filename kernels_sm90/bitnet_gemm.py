@@ -61,7 +61,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from ..kernels_sm80.bitnet_ptx import (
     WARP,
@@ -89,7 +88,6 @@ STAGE_W_BYTES = WG_STRIPES * fmt.GROUP_BYTES  # 2 KB per warpgroup and stage
 X_ROW_BYTES = fmt.GROUP_K  # one token's 128 bytes of a group
 KSTEPS = fmt.GROUP_K // fmt.TILE_K  # wgmma k-steps per group
 A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas read
-OUT_PAD_BYTES = 16  # per staged output row: rows 16 bytes apart mod 128 -> no bank conflicts
 PRODUCER_REGS = 40  # the producer warpgroup only issues copies
 MAX_REGS = 240  # what a consumer asks for at most (setmaxnreg allows 256)
 
@@ -163,7 +161,7 @@ class WgmmaConfig:
     @property
     def out_row_bytes(self) -> int:
         """Bytes per token row of the staged output tile."""
-        return self.block_n * self.out_bytes + OUT_PAD_BYTES
+        return sm90.staged_row_bytes(self.block_n * self.out_bytes)
 
     @property
     def x_stage_bytes(self) -> int:
@@ -332,9 +330,7 @@ class BitnetGemmSm90:
 
     def x_layout(self):
         """The staged token tiles: (block_m, 128, stages), K-major, 128-byte swizzle."""
-        return sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (WG_ROWS, self.cfg.block_m, fmt.GROUP_K), cutlass.Int8, self.cfg.stages
-        )
+        return sm90.make_operand_smem_layout(cutlass.Int8, self.cfg.block_m, fmt.GROUP_K, self.cfg.stages)
 
     def tiled_mma(self):
         return sm90_utils.make_trivial_tiled_mma(

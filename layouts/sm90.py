@@ -240,6 +240,18 @@ def acc_col_value(i: int) -> int:
 # (rows 8-15, the same columns), then both again for columns 16 p + 8-15.
 ACC_STSM_COLS = 16  # accumulator columns (tokens) of one stmatrix x4
 
+# A tile staged in shared memory for 16-byte row-contiguous global stores (the BitNet GEMM's
+# [token, row] output): rows a multiple of 128 bytes long are padded by 16, so the 8 rows an
+# 8 x 8 matrix of a stmatrix (or ldmatrix) addresses fall on 8 different 16-byte bank
+# groups (row r at 16 r mod 128) instead of all on one.
+STAGED_ROW_PAD_BYTES = 16
+
+
+def staged_row_bytes(row_bytes: int) -> int:
+    """The pitch of a staged row of ``row_bytes`` (a multiple of 128)."""
+    assert row_bytes % 128 == 0, row_bytes
+    return row_bytes + STAGED_ROW_PAD_BYTES
+
 
 def acc_stsm_value(p: int, mat: int) -> int:
     """The first of the two accumulator values (fragment order) packed into register ``mat``

@@ -799,3 +799,17 @@ def test_acc_stsm_trans_places_every_accumulator_value(n):
     (``acc_stsm_value``) to the lane addresses ``acc_stsm_lane_target`` gives, put every
     value of the 64 x n wgmma accumulator at its own (row, column) of the [token, row] tile."""
     assert sm90.acc_stsm_trans_placement(n) == sm90.wgmma_fragment("c", n)
+
+
+@pytest.mark.parametrize("row_bytes", [128, 256, 512, 1024])
+def test_staged_rows_spread_over_the_banks(row_bytes):
+    """The staged output tile's pitch: the 8 rows one 8 x 8 matrix of a stmatrix addresses
+    (16 bytes each) land on 8 different 16-byte bank groups, wherever the matrix starts;
+    unpadded they would all share one (an 8-way conflict)."""
+    pitch = sm90.staged_row_bytes(row_bytes)
+    for first in range(16):
+        groups = {((first + r) * pitch // 16) % 8 for r in range(8)}
+        assert len(groups) == 8, (row_bytes, first)
+    assert len({(r * row_bytes // 16) % 8 for r in range(8)}) == 1
+    with pytest.raises(AssertionError):
+        sm90.staged_row_bytes(row_bytes + 16)
