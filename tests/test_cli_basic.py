@@ -142,3 +142,60 @@ def test_bench_variants_arguments(capsys):
     if not torch.cuda.is_available():
         assert bv.main(["--variant", "a="]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _bench_gemm_variants():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "profiles" / "bench_gemm_variants.py"
+    spec = importlib.util.spec_from_file_location("bench_gemm_variants_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_gemm_variants_arguments(capsys):
+    """profiles/bench_gemm_variants.py: the variant keys (tile, WgmmaConfig fields, cluster
+    CTAs, workspace splits, kernel) become the tile and plans the host launches, unset keys
+    keep the host's; bad keys, values and shapes are refused naming the argument; without a
+    Hopper GPU it says so and exits 2."""
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    bg = _bench_gemm_variants()
+    host = g90.config_for, g90.cluster_plan, g90.split_plan
+
+    def chosen(kwargs, m, n, k):
+        cfg = bg.variant_tile(kwargs, m, n, 132, host[0])
+        return cfg, bg.variant_plan(kwargs, cfg, m, n, k, 132, *host[1:])
+
+    # no key: the host's own choices (M = 64, 2560 x 2560: a cluster of two on the small tile)
+    assert chosen({}, 64, 2560, 2560) == (g90.SMALL, (2, (40, 1, 0)))
+    assert chosen({"cluster_k": 1, "splits": 1}, 64, 2560, 2560) == (g90.SMALL, (1, (40, 1, 0)))
+    # 80 medium tiles for 264 slots: all of them the last wave's, three CTAs each
+    assert chosen({"splits": 3}, 256, 2560, 2560) == (g90.MEDIUM, (1, (0, 3, 80)))
+    cfg, plan = chosen({"tile": "large", "stages": 3}, 256, 2560, 2560)
+    assert (cfg.block_m, cfg.stages, plan[0]) == (256, 3, 1)
+    with bg.applied({"tile": "medium", "cluster_k": 2}):
+        assert g90.config_for(64, 2560, 132) == g90.MEDIUM
+        assert g90.cluster_plan(g90.MEDIUM, 64, 2560, 2560, 132) == 2
+    assert (g90.config_for, g90.cluster_plan, g90.split_plan) == host  # restored
+    assert bg.parse_shapes("2560x2560,20480x3200") == [(2560, 2560), (20480, 3200)]
+    for bad in ("2560", "2561x2560", "2560x100", "0x128"):
+        with pytest.raises(ValueError, match="--shapes"):
+            bg.parse_shapes(bad)
+    for kwargs, message in (({"foo": 1}, "unknown key 'foo'"), ({"tile": "huge"}, "tile must be"),
+                            ({"kernel": "cublas"}, "kernel must be")):
+        with pytest.raises(ValueError, match=message):
+            bg.check_variant("v", kwargs)
+    with pytest.raises(SystemExit):
+        bg.main(["--variant", "a=foo=1"])
+    assert "unknown key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bg.main(["--variant", "a=", "--variant", "a=splits=1"])
+    assert "names must differ" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert bg.main(["--variant", "a="]) == 2
+        assert "needs a Hopper GPU" in capsys.readouterr().err

@@ -1,0 +1,199 @@
+"""A/B of BitNet GEMM variants on the Hopper wgmma kernel: each variant overrides the
+host's per-shape choices (the tile, the K split), every variant runs on the same shapes
+in one process, timed as ``bench_bitnet`` times (CUDA-graph replay of back-to-back calls
+over weight copies that exceed L2, median of 20), its output checked against the torch
+reference, bf16 cuBLAS beside it.
+
+    python3 profiles/bench_gemm_variants.py --variant plan= --variant whole=cluster_k=1,splits=1 \\
+        --variant c2=cluster_k=2 --ms 64,256 --out profiles/h200 --tag cluster
+
+writes ``<out>/gemm_variants.json`` (``gemm_variants_<tag>.json`` with ``--tag``): each
+(M, shape)'s time under every variant and over the first.  Keys (any subset; unset ones
+keep the host's choice): ``tile`` (small, medium or large: ``kernels_sm90.bitnet_gemm``'s
+SMALL / MEDIUM / LARGE), any ``WgmmaConfig`` field of the tile (``stages``,
+``ctas_per_sm``, ...), ``cluster_k`` (CTAs a cluster split puts on a tile; 1: none),
+``splits`` (the workspace split of the last wave's tiles: that many CTAs a tail tile,
+1: whole tiles), ``kernel`` (``mma`` times the mma.sync kernel instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_variants import parse_variant  # noqa: E402
+
+DEFAULT_SHAPES = "2560x2560,3840x2560,13824x2560,2560x6912,3200x3200,4800x3200,3200x10240,20480x3200"
+TILES = ("small", "medium", "large")
+PLAN_KEYS = ("tile", "cluster_k", "splits", "kernel")
+
+
+def parse_shapes(text: str) -> List[Tuple[int, int]]:
+    """``NxK,NxK`` -> [(N, K)] (N a multiple of 16, K of 128: the GEMM's contract)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        n, sep, k = item.partition("x")
+        if not sep or not n.isdigit() or not k.isdigit() or int(n) % 16 or int(k) % 128 or not int(n) or not int(k):
+            raise ValueError(f"--shapes must be NxK,... with N % 16 == 0 and K % 128 == 0, got {item!r}")
+        out.append((int(n), int(k)))
+    return out
+
+
+def check_variant(name: str, kwargs: Dict[str, object]) -> None:
+    """Reject keys the variant cannot apply before any GPU work."""
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    fields = {f.name for f in dataclasses.fields(g90.WgmmaConfig)}
+    for key, value in kwargs.items():
+        if key not in PLAN_KEYS and key not in fields:
+            raise ValueError(f"--variant {name}: unknown key {key!r} (known: {', '.join(PLAN_KEYS)}, "
+                             f"or a WgmmaConfig field: {', '.join(sorted(fields))})")
+    if "tile" in kwargs and kwargs["tile"] not in TILES:
+        raise ValueError(f"--variant {name}: tile must be one of {', '.join(TILES)}, got {kwargs['tile']!r}")
+    if kwargs.get("kernel", "wgmma") not in ("mma", "wgmma"):
+        raise ValueError(f"--variant {name}: kernel must be mma or wgmma, got {kwargs['kernel']!r}")
+
+
+def variant_tile(kwargs: Dict[str, object], m: int, n: int, sms: int, config_for):
+    """The tile config the variant gives this GEMM (unset: ``config_for``'s)."""
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    cfg = config_for(m, n, sms)
+    if "tile" in kwargs:
+        cfg = {"small": g90.SMALL, "medium": g90.MEDIUM, "large": g90.LARGE}[kwargs["tile"]]
+    return dataclasses.replace(cfg, **{key: v for key, v in kwargs.items() if key not in PLAN_KEYS})
+
+
+def variant_plan(kwargs: Dict[str, object], cfg, m: int, n: int, k: int, sms: int, cluster_plan, split_plan):
+    """(cluster CTAs, workspace plan) the variant gives this GEMM on tile ``cfg``; unset
+    keys keep the host's (``cluster_plan``, ``split_plan``)."""
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    cluster_k = kwargs.get("cluster_k", cluster_plan(cfg, m, n, k, sms))
+    tiles_m, tiles_n = g90.grid_for(cfg, m, n)
+    tiles = tiles_m * tiles_n
+    if cluster_k > 1:
+        return cluster_k, (tiles, 1, 0)
+    if "splits" not in kwargs:
+        return 1, split_plan(cfg, m, n, k, sms)
+    tail = tiles % (sms * cfg.ctas_per_sm) or tiles
+    return 1, (tiles, 1, 0) if kwargs["splits"] == 1 else (tiles - tail, kwargs["splits"], tail)
+
+
+@contextlib.contextmanager
+def applied(kwargs: Dict[str, object]):
+    """The host's tile and split choices replaced by the variant's for this block."""
+    from bitdecode import bitnet as bn
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    host = g90.config_for, g90.cluster_plan, g90.split_plan
+    g90.config_for = lambda m, n, sms: variant_tile(kwargs, m, n, sms, host[0])
+    g90.cluster_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:])[0]
+    g90.split_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:])[1]
+    bn._LAUNCHERS.clear()
+    try:
+        yield
+    finally:
+        g90.config_for, g90.cluster_plan, g90.split_plan = host
+        bn._LAUNCHERS.clear()
+
+
+def run(variants, shapes, ms, replays: int = 20) -> List[dict]:
+    import torch
+
+    from bench_bitnet import MIN_CALLS, copies_for, graph_time_us
+    from bitdecode import bitnet as bn
+
+    dev = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    rows = []
+    for n, k in shapes:
+        gen = torch.Generator(device=dev).manual_seed(n * 3 + k)
+        w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=dev)
+        packed = bn.pack_weight(w)
+        copies = copies_for(packed.numel(), l2)
+        packs = [packed.clone() for _ in range(copies)]
+        w16 = w.to(torch.bfloat16)
+        copies16 = copies_for(w16.numel() * 2, l2)
+        w16s = [w16.clone() for _ in range(copies16)]
+        ws = torch.ones(1, device=dev)
+        for m in ms:
+            x, xs = bn.quantize_activation(torch.randn(m, k, generator=gen, device=dev))
+            x16 = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)
+            row = {"m": m, "n": n, "k": k, "bf16_us": graph_time_us(
+                [(lambda q=w16s[i % copies16]: torch.matmul(x16, q.t())) for i in range(max(copies16, MIN_CALLS))],
+                replays)}
+            ref = bn.reference_gemm(x, packs[0], xs, ws).float()
+            for name, kwargs in variants:
+                kernel = kwargs.get("kernel", "wgmma")
+                with applied(kwargs):
+                    got = bn.gemm(x, packs[0], xs, ws, kernel=kernel).float()
+                    err = ((got - ref).norm() / ref.norm()).item()
+                    if err > 1e-2:
+                        raise AssertionError(f"variant {name}: M={m} {n}x{k} relative error {err:.2e}")
+                    row[name] = graph_time_us(
+                        [(lambda p=packs[i % copies]: bn.gemm(x, p, xs, ws, kernel=kernel))
+                         for i in range(max(copies, MIN_CALLS))], replays)
+            row["over_first"] = {name: row[name] / row[variants[0][0]] for name, _ in variants}
+            print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
+            rows.append(row)
+        del packs, w16s
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=KW",
+                   help="a variant: NAME=key=value,... (NAME= for the host's choices); repeat it, the first "
+                        "is the baseline")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,... (default: the eight BitNet 2B shapes)")
+    p.add_argument("--ms", default="64,256,1024", help="tokens, comma-separated (default 64,256,1024)")
+    p.add_argument("--out", type=Path, default=None, help="write <out>/gemm_variants.json")
+    p.add_argument("--tag", default="", help="write <out>/gemm_variants_<tag>.json instead (an identifier)")
+    args = p.parse_args(argv)
+    if args.tag and not args.tag.isidentifier():
+        p.error(f"--tag must be an identifier, got {args.tag!r}")
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+        for name, kwargs in variants:
+            check_variant(name, kwargs)
+        shapes = parse_shapes(args.shapes)
+        ms = [int(v) for v in args.ms.split(",") if v]
+    except ValueError as e:
+        p.error(str(e))
+    if len({name for name, _ in variants}) != len(variants):
+        p.error("--variant names must differ")
+    if not ms or min(ms) < 1:
+        p.error("--ms must be positive integers")
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("bench_gemm_variants needs a Hopper GPU (the wgmma kernel)", file=sys.stderr)
+        return 2
+    rows = run(variants, shapes, ms)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = {"command": "python3 profiles/bench_gemm_variants.py " + " ".join(
+                      f"--variant {v}" for v in args.variant)
+                  + f" --shapes {args.shapes} --ms {args.ms} --out {args.out}"
+                  + (f" --tag {args.tag}" if args.tag else ""),
+                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                  "variants": dict(variants),
+                  "method": "CUDA-graph replay of back-to-back calls over weight copies > L2, median of 20; "
+                            "output within 1e-2 relative of the torch reference; bf16 cuBLAS rotated the same way",
+                  "rows": rows}
+        name = f"gemm_variants_{args.tag}.json" if args.tag else "gemm_variants.json"
+        (args.out / name).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
