@@ -163,15 +163,22 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, v
     }
 
 
-def bench_gemm(n: int, k: int, ms, kernels, device, l2: int, replays: int) -> List[Dict[str, object]]:
+def gemm_operands(n: int, k: int, device, l2: int):
+    """A GEMM shape's ternary weights (seeded by the shape): (generator, weights, packed
+    copies, bf16 copies), each set rotated over enough copies to exceed L2; the generator
+    goes on to make the activations."""
     gen = torch.Generator(device=device).manual_seed(n * 3 + k)
     w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device)
     packed = bn.pack_weight(w)
-    copies = copies_for(packed.numel(), l2)
-    packs = [packed.clone() for _ in range(copies)]
+    packs = [packed.clone() for _ in range(copies_for(packed.numel(), l2))]
     w16 = w.to(torch.bfloat16)
-    copies16 = copies_for(w16.numel() * 2, l2)
-    w16s = [w16.clone() for _ in range(copies16)]
+    w16s = [w16.clone() for _ in range(copies_for(w16.numel() * 2, l2))]
+    return gen, w, packs, w16s
+
+
+def bench_gemm(n: int, k: int, ms, kernels, device, l2: int, replays: int) -> List[Dict[str, object]]:
+    gen, _, packs, w16s = gemm_operands(n, k, device, l2)
+    copies, copies16 = len(packs), len(w16s)
     ws = torch.ones(1, device=device)
     rows = []
     for m in ms:

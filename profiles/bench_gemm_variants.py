@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_variants import parse_variant  # noqa: E402
+from bench_variants import add_variant_arguments, variants_of, write_result  # noqa: E402
 
 DEFAULT_SHAPES = "2560x2560,3840x2560,13824x2560,2560x6912,3200x3200,4800x3200,3200x10240,20480x3200"
 TILES = ("small", "medium", "large")
@@ -107,21 +107,15 @@ def applied(kwargs: Dict[str, object]):
 def run(variants, shapes, ms, replays: int = 20) -> List[dict]:
     import torch
 
-    from bench_bitnet import MIN_CALLS, copies_for, graph_time_us
+    from bench_bitnet import MIN_CALLS, gemm_operands, graph_time_us
     from bitdecode import bitnet as bn
 
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows = []
     for n, k in shapes:
-        gen = torch.Generator(device=dev).manual_seed(n * 3 + k)
-        w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=dev)
-        packed = bn.pack_weight(w)
-        copies = copies_for(packed.numel(), l2)
-        packs = [packed.clone() for _ in range(copies)]
-        w16 = w.to(torch.bfloat16)
-        copies16 = copies_for(w16.numel() * 2, l2)
-        w16s = [w16.clone() for _ in range(copies16)]
+        gen, _, packs, w16s = gemm_operands(n, k, dev, l2)
+        copies, copies16 = len(packs), len(w16s)
         ws = torch.ones(1, device=dev)
         for m in ms:
             x, xs = bn.quantize_activation(torch.randn(m, k, generator=gen, device=dev))
@@ -151,26 +145,18 @@ def run(variants, shapes, ms, replays: int = 20) -> List[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", action="append", required=True, metavar="NAME=KW",
-                   help="a variant: NAME=key=value,... (NAME= for the host's choices); repeat it, the first "
-                        "is the baseline")
+    add_variant_arguments(p, "the keys above (NAME= for the host's choices)", "gemm_variants")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,... (default: the eight BitNet 2B shapes)")
     p.add_argument("--ms", default="64,256,1024", help="tokens, comma-separated (default 64,256,1024)")
-    p.add_argument("--out", type=Path, default=None, help="write <out>/gemm_variants.json")
-    p.add_argument("--tag", default="", help="write <out>/gemm_variants_<tag>.json instead (an identifier)")
     args = p.parse_args(argv)
-    if args.tag and not args.tag.isidentifier():
-        p.error(f"--tag must be an identifier, got {args.tag!r}")
+    variants = variants_of(p, args)
     try:
-        variants = [parse_variant(v) for v in args.variant]
         for name, kwargs in variants:
             check_variant(name, kwargs)
         shapes = parse_shapes(args.shapes)
         ms = [int(v) for v in args.ms.split(",") if v]
     except ValueError as e:
         p.error(str(e))
-    if len({name for name, _ in variants}) != len(variants):
-        p.error("--variant names must differ")
     if not ms or min(ms) < 1:
         p.error("--ms must be positive integers")
     import torch
@@ -180,7 +166,6 @@ def main(argv=None) -> int:
         return 2
     rows = run(variants, shapes, ms)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         result = {"command": "python3 profiles/bench_gemm_variants.py " + " ".join(
                       f"--variant {v}" for v in args.variant)
                   + f" --shapes {args.shapes} --ms {args.ms} --out {args.out}"
@@ -190,8 +175,7 @@ def main(argv=None) -> int:
                   "method": "CUDA-graph replay of back-to-back calls over weight copies > L2, median of 20; "
                             "output within 1e-2 relative of the torch reference; bf16 cuBLAS rotated the same way",
                   "rows": rows}
-        name = f"gemm_variants_{args.tag}.json" if args.tag else "gemm_variants.json"
-        (args.out / name).write_text(json.dumps(result, indent=1))
+        write_result(args, "gemm_variants", result)
     return 0
 
 

@@ -50,6 +50,37 @@ def parse_variant(text: str) -> Tuple[str, Dict[str, object]]:
     return name, kwargs
 
 
+def add_variant_arguments(p: argparse.ArgumentParser, what: str, stem: str) -> None:
+    """The A/B scripts' shared options: ``--variant`` (repeated, the first the baseline),
+    ``--out`` and ``--tag`` (``<out>/<stem>.json``, ``<stem>_<tag>.json``)."""
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=KW",
+                   help=f"a variant: NAME=key=value,... of {what} (NAME= for the defaults); "
+                        "repeat it, the first is the baseline")
+    p.add_argument("--out", type=Path, default=None, help=f"write <out>/{stem}.json")
+    p.add_argument("--tag", default="", help=f"write <out>/{stem}_<tag>.json instead (an identifier)")
+
+
+def variants_of(p: argparse.ArgumentParser, args) -> List[Tuple[str, Dict[str, object]]]:
+    """The parsed ``--variant`` list (``p.error`` on a bad one, a repeated name or ``--tag``)."""
+    if args.tag and not args.tag.isidentifier():
+        p.error(f"--tag must be an identifier, got {args.tag!r}")
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        p.error(str(e))
+    if len({name for name, _ in variants}) != len(variants):
+        p.error("--variant names must differ")
+    return variants
+
+
+def write_result(args, stem: str, result: dict) -> None:
+    """``result`` to ``<out>/<stem>[_<tag>].json`` when ``--out`` was given."""
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"{stem}_{args.tag}.json" if args.tag else f"{stem}.json"
+        (args.out / name).write_text(json.dumps(result, indent=1))
+
+
 def parse_shapes(text: str) -> List[Tuple[int, int]]:
     """``BxN,BxN`` -> [(B, N)]."""
     out = []
@@ -111,21 +142,13 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", action="append", required=True, metavar="NAME=KW",
-                   help="a variant: NAME=key=value,... of DecodeSm90 keywords (NAME= for the defaults); "
-                        "repeat it, the first is the baseline")
+    add_variant_arguments(p, "DecodeSm90 keywords", "variants")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"BxN,... (default {DEFAULT_SHAPES})")
     p.add_argument("--formats", default="4c128", help=f"comma-separated, of {', '.join(FORMATS)} (default 4c128)")
     p.add_argument("--dtypes", default="fp16", help="comma-separated, of fp16, bf16 (default fp16)")
-    p.add_argument("--out", type=Path, default=None, help="write <out>/variants.json")
-    p.add_argument("--tag", default="", help="write <out>/variants_<tag>.json instead (an identifier)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.tag and not args.tag.isidentifier():
-        p.error(f"--tag must be an identifier, got {args.tag!r}")
-    variants = [parse_variant(v) for v in args.variant]
-    if len({name for name, _ in variants}) != len(variants):
-        p.error("--variant names must differ")
+    variants = variants_of(p, args)
     shapes = parse_shapes(args.shapes)
     formats = [f for f in args.formats.split(",") if f]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -162,7 +185,6 @@ def main(argv=None) -> int:
         print(f"{r['variant']:>12} {r['format']} {r['dtype']} B={r['B']:<3} N={r['N']:<7} "
               f"{r['us']:8.2f} us  x{r['over_first']:.3f}{err}")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         result = {"command": "python3 profiles/bench_variants.py " + " ".join(
                       f"--variant {v}" for v in args.variant)
                   + f" --shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes} --out {args.out}"
@@ -172,8 +194,7 @@ def main(argv=None) -> int:
                   "method": "sm90 decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, median of "
                             "30 after 5 warm-ups, L2 flushed before each call; one process per variant",
                   "rows": rows}
-        name = f"variants_{args.tag}.json" if args.tag else "variants.json"
-        (args.out / name).write_text(json.dumps(result, indent=1))
+        write_result(args, "variants", result)
     return 0
 
 

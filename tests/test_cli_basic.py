@@ -103,15 +103,20 @@ def test_demo_cuda_without_gpu(capsys):
     assert "no CUDA GPU is available" in capsys.readouterr().out
 
 
-def _bench_variants():
+def _profile_script(name: str):
+    """profiles/<name>.py, loaded by path (profiles/ is not a package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "profiles" / "bench_variants.py"
-    spec = importlib.util.spec_from_file_location("bench_variants_under_test", path)
+    path = Path(__file__).resolve().parent.parent / "profiles" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_variants():
+    return _profile_script("bench_variants")
 
 
 def test_bench_variants_arguments(capsys):
@@ -144,17 +149,6 @@ def test_bench_variants_arguments(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def _bench_gemm_variants():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "profiles" / "bench_gemm_variants.py"
-    spec = importlib.util.spec_from_file_location("bench_gemm_variants_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_gemm_variants_arguments(capsys):
     """profiles/bench_gemm_variants.py: the variant keys (tile, WgmmaConfig fields, cluster
     CTAs, workspace splits, kernel) become the tile and plans the host launches, unset keys
@@ -162,7 +156,7 @@ def test_bench_gemm_variants_arguments(capsys):
     Hopper GPU it says so and exits 2."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    bg = _bench_gemm_variants()
+    bg = _profile_script("bench_gemm_variants")
     host = g90.config_for, g90.cluster_plan, g90.split_plan
 
     def chosen(kwargs, m, n, k):
