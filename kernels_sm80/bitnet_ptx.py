@@ -45,13 +45,17 @@ def load_v4(addr: Int64, stream: bool, ordered: bool = False, l2_only: bool = Fa
         op = "ld.global.cg"
     else:
         op = ("ld.global" if ordered else "ld.global.nc") + (".L1::no_allocate" if stream else "")
-    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    return _load_words4(f"{op}.v4.u32", Int64(addr).ir_value(loc=loc, ip=ip), "l", ordered or l2_only, loc, ip)
+
+
+def _load_words4(op: str, addr, addr_constraint: str, side_effects: bool, loc, ip):
+    """One 16-byte vector load ``op`` from ``addr`` as four 32-bit words."""
     res = llvm.inline_asm(
-        struct_ty,
-        [Int64(addr).ir_value(loc=loc, ip=ip)],
-        f"{op}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
-        "=r,=r,=r,=r,l",
-        has_side_effects=ordered or l2_only,
+        ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"),
+        [addr],
+        f"{op} {{$0, $1, $2, $3}}, [$4];",
+        f"=r,=r,=r,=r,{addr_constraint}",
+        has_side_effects=side_effects,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
@@ -206,18 +210,7 @@ def copy16_s2g(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None
 @dsl_user_op
 def lds_v4(smem_addr: Int32, *, loc=None, ip=None):
     """16-byte shared load as four 32-bit words (kept in order with barriers: side effects)."""
-    res = llvm.inline_asm(
-        ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"),
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+    return _load_words4("ld.shared.v4.b32", Int32(smem_addr).ir_value(loc=loc, ip=ip), "r", True, loc, ip)
 
 
 @dsl_user_op

@@ -212,8 +212,7 @@ MEDIUM_WAVE = 0.65
 
 
 def _waves(cfg: WgmmaConfig, m: int, n: int, sms: int) -> int:
-    tiles_m, tiles_n = grid_for(cfg, m, n)
-    return -(-(tiles_m * tiles_n) // (sms * cfg.ctas_per_sm))
+    return -(-tile_count(cfg, m, n) // (sms * cfg.ctas_per_sm))
 
 
 def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
@@ -232,6 +231,11 @@ def grid_for(cfg: WgmmaConfig, m, n):
     return ((m + cfg.block_m - 1) // cfg.block_m, (n + cfg.block_n - 1) // cfg.block_n)
 
 
+def tile_count(cfg: WgmmaConfig, m, n):
+    tiles_m, tiles_n = grid_for(cfg, m, n)
+    return tiles_m * tiles_n
+
+
 # Split-K of the last partial wave.  A tile is one CTA's whole K loop, so tiles that do
 # not fill the last wave (or a first wave: 40 tiles of 64 x 64 at M = 64, N = 2560) leave
 # SMs idle for a tile's time.  Those tail tiles are split along K instead, each into as
@@ -245,8 +249,7 @@ MIN_SPLIT_GROUPS = 2
 def split_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int):
     """(full tiles, splits per tail tile, tail tiles): the first ``full`` tiles (in launch
     order) run whole, each of the last ``tail`` as ``splits`` CTAs over K."""
-    tiles_m, tiles_n = grid_for(cfg, m, n)
-    tiles = tiles_m * tiles_n
+    tiles = tile_count(cfg, m, n)
     slots = sms * cfg.ctas_per_sm
     tail = tiles % slots
     groups = k // fmt.GROUP_K
@@ -269,13 +272,17 @@ def cluster_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int) -> int:
     """CTAs per cluster (1: no cluster split): one per ``cfg.cluster_groups`` K groups, at
     most ``MAX_CLUSTER_K`` (and what the first CTA's ring holds), only while every tile's
     cluster fits in the CTA slots."""
-    tiles_m, tiles_n = grid_for(cfg, m, n)
-    tiles = tiles_m * tiles_n
+    tiles = tile_count(cfg, m, n)
     slots = sms * cfg.ctas_per_sm
     if not cfg.cluster_groups or 2 * tiles > slots:
         return 1
     groups = k // fmt.GROUP_K
     return max(1, min(groups // cfg.cluster_groups, MAX_CLUSTER_K, cfg.max_cluster_k, slots // tiles))
+
+
+def k_bounds(part, parts, total_groups):
+    """(first group, end group) of K part ``part`` of ``parts`` (host ints or traced values)."""
+    return part * total_groups // parts, (part + 1) * total_groups // parts
 
 
 class CtaWork:
@@ -296,8 +303,7 @@ class CtaWork:
         tile = cutlass.select_(in_tail, full_tiles + j // splits, bid)
         part = cutlass.select_(in_tail, j % splits, Int32(0))
         parts = cutlass.select_(in_tail, splits, Int32(1))
-        group0 = part * total_groups // parts
-        group1 = (part + 1) * total_groups // parts
+        group0, group1 = k_bounds(part, parts, total_groups)
         return CtaWork(tile % tiles_m, tile // tiles_m, group0, group1 - group0, parts, part, tile - full_tiles)
 
     @staticmethod
@@ -306,8 +312,7 @@ class CtaWork:
         its cluster is its ``part`` of K."""
         bx, bn, _ = cute.arch.block_idx()
         part = bx % cluster_k
-        group0 = part * total_groups // cluster_k
-        group1 = (part + 1) * total_groups // cluster_k
+        group0, group1 = k_bounds(part, cluster_k, total_groups)
         return CtaWork(bx // cluster_k, bn, group0, group1 - group0, Int32(cluster_k), part, Int32(0))
 
     @staticmethod
@@ -466,21 +471,21 @@ class BitnetGemmSm90:
             # every consumer's wgmmas are done: the token ring may hold the output tile (all
             # loads have landed, as every stage was waited for); the token scales are in
             cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
-            if const_expr(cfg.cluster_k > 1):
-                if self.sum_cluster(acc, storage, work, tidx - WG_THREADS) != 0:
-                    self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
-                                  work, tidx - WG_THREADS)
-            elif const_expr(cfg.split_k):
-                last = Int32(1)
-                if work.splits > 1:
-                    last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work,
-                                           tidx - WG_THREADS)
+            ctid = tidx - WG_THREADS
+            if const_expr(cfg.cluster_k == 1 and not cfg.split_k):
+                self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
+            else:
+                # a split tile: the CTA that ends up with the whole sum stores it
+                if const_expr(cfg.cluster_k > 1):
+                    last = self.sum_cluster(acc, storage, work, ctid)
+                else:
+                    last = Int32(1)
+                    if work.splits > 1:
+                        last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)),
+                                               work, ctid)
                 if last != 0:
                     self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
-                                  work, tidx - WG_THREADS)
-            else:
-                self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
-                              work, tidx - WG_THREADS)
+                                  work, ctid)
 
     # ---------------------------------------------------------------------------------
     # Producer: warp 0 of warpgroup 0
@@ -628,11 +633,10 @@ class BitnetGemmSm90:
         again and reads through L2.  A slot is 16-byte words value-group-major, so a warp's
         store covers 512 contiguous bytes (``sum_cluster``'s slots likewise)."""
         cfg = self.cfg
-        tile_values = cfg.block_m * cfg.block_n
         words = cute.size(acc) // 4
         first = work.tail * work.splits  # the tile's first slot
         base = mWork.iterator.toint() + Int64(ctid) * 16
-        mine = base + Int64(first + work.part) * (tile_values * 4)
+        mine = base + Int64(first + work.part) * cfg.tile_sum_bytes
         for j in cutlass.range_constexpr(words):
             store_v4(mine + j * cfg.threads * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
         cute.arch.fence_acq_rel_gpu()
@@ -646,7 +650,7 @@ class BitnetGemmSm90:
             cute.arch.fence_acq_rel_gpu()
             for z in cutlass.range(work.splits, unroll=1):
                 if z != work.part:
-                    slot = base + Int64(first + z) * (tile_values * 4)
+                    slot = base + Int64(first + z) * cfg.tile_sum_bytes
                     for j in cutlass.range_constexpr(words):
                         v = load_v4(slot + j * cfg.threads * 16, False, l2_only=True)
                         for e in cutlass.range_constexpr(4):

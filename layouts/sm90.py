@@ -238,19 +238,7 @@ def acc_col_value(i: int) -> int:
 # row g); ``.trans`` stores column k of matrix ``mat`` as the 8 contiguous values that lane
 # ``8 mat + k`` addresses.  Matrices 0..3 of stmatrix ``p``: (rows 0-7, columns 16 p + 0-7),
 # (rows 8-15, the same columns), then both again for columns 16 p + 8-15.
-ACC_STSM_COLS = 16  # accumulator columns (tokens) of one stmatrix x4
-
-# A tile staged in shared memory for 16-byte row-contiguous global stores (the BitNet GEMM's
-# [token, row] output): rows a multiple of 128 bytes long are padded by 16, so the 8 rows an
-# 8 x 8 matrix of a stmatrix (or ldmatrix) addresses fall on 8 different 16-byte bank
-# groups (row r at 16 r mod 128) instead of all on one.
-STAGED_ROW_PAD_BYTES = 16
-
-
-def staged_row_bytes(row_bytes: int) -> int:
-    """The pitch of a staged row of ``row_bytes`` (a multiple of 128)."""
-    assert row_bytes % 128 == 0, row_bytes
-    return row_bytes + STAGED_ROW_PAD_BYTES
+ACC_STSM_COLS = STSM_BLOCK  # accumulator columns (tokens) of one stmatrix x4
 
 
 def acc_stsm_value(p: int, mat: int) -> int:
@@ -285,6 +273,19 @@ def acc_stsm_trans_placement(n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
                         value = acc_stsm_value(p, mat) + k % 2
                         out[w * WARP_THREADS + lane][value] = (WARP_SLAB_ROWS * w + row0 + r, col)
     return tuple(tuple(v) for v in out)
+
+
+# A tile staged in shared memory for 16-byte row-contiguous global stores (the BitNet GEMM's
+# [token, row] output): rows a multiple of 128 bytes long are padded by 16, so the 8 rows an
+# 8 x 8 matrix of a stmatrix (or ldmatrix) addresses fall on 8 different 16-byte bank
+# groups (row r at 16 r mod 128) instead of all on one.
+STAGED_ROW_PAD_BYTES = 16
+
+
+def staged_row_bytes(row_bytes: int) -> int:
+    """The pitch of a staged row of ``row_bytes`` (a multiple of 128)."""
+    assert row_bytes % 128 == 0, row_bytes
+    return row_bytes + STAGED_ROW_PAD_BYTES
 
 
 @_traced
