@@ -127,7 +127,7 @@ class WgmmaConfig:
     cluster_groups: int = 0
 
     def __post_init__(self):
-        assert self.block_m in (64, 128, 256) and self.warpgroups in (1, 2) and self.stages >= 2
+        assert self.block_m in (64, 96, 128, 192, 256) and self.warpgroups in (1, 2) and self.stages >= 2
         assert self.ctas_per_sm in (1, 2)
         assert 1 <= self.cluster_k <= self.max_cluster_k and not (self.split_k and self.cluster_k > 1)
 
@@ -203,6 +203,12 @@ SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2, max_split
 MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28,
                      cluster_groups=32)
 LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1, max_splits=4, split_cost_groups=16)
+# Three quarters of MEDIUM / LARGE's tokens, for grids of at most one CTA an SM either way
+# (``config_for``): such a GEMM takes one tile's time, and a shorter tile takes less (H200,
+# twentieth session, us: M = 256 2560 x 2560 7.92 -> 7.37, 2560 x 6912 15.8 -> 14.8; M =
+# 1024 2560 x 2560 17.1 -> 14.8, 2560 x 6912 36.6 -> 31.2; profiles/NOTES.md).
+MEDIUM_96 = WgmmaConfig(block_m=96, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28)
+LARGE_192 = WgmmaConfig(block_m=192, warpgroups=2, stages=4, ctas_per_sm=1, max_splits=4, split_cost_groups=16)
 MEDIUM_M = 128  # above this many tokens, MEDIUM
 LARGE_M = 1024  # from this many, LARGE unless MEDIUM needs fewer waves (``config_for``)
 # A wave of MEDIUM tiles (two 128 x 64 tiles an SM) takes this fraction of a wave of LARGE
@@ -215,15 +221,24 @@ def _waves(cfg: WgmmaConfig, m: int, n: int, sms: int) -> int:
     return -(-tile_count(cfg, m, n) // (sms * cfg.ctas_per_sm))
 
 
+def _shorter(cfg: WgmmaConfig, short: WgmmaConfig, m: int, n: int, sms: int) -> WgmmaConfig:
+    """``short`` (fewer tokens a tile) where both grids have at most a CTA an SM: the GEMM
+    then takes one tile's time on the SMs it keeps busy (M = 256, 2560 x 2560: 80 tiles of
+    128 tokens or 120 of 96 for 132 SMs)."""
+    return short if max(tile_count(cfg, m, n), tile_count(short, m, n)) <= sms else cfg
+
+
 def config_for(m: int, n: int, sms: int) -> WgmmaConfig:
     """The tile by M; from ``LARGE_M`` tokens LARGE unless MEDIUM's waves take less time
     (its finer tiles fill a last wave that LARGE leaves mostly empty: M = 1024, 4800 x
     3200, 152 LARGE tiles = 2 waves for 132 SMs, 37.9 us against MEDIUM's 31.8, the only
-    such shape of the eight at M = 1024 and 4096)."""
+    such shape of the eight at M = 1024 and 4096); the shorter tiles where a grid has
+    fewer CTAs than SMs (``_shorter``)."""
     if m >= LARGE_M:
-        medium_faster = MEDIUM_WAVE * _waves(MEDIUM, m, n, sms) < _waves(LARGE, m, n, sms)
-        return MEDIUM if medium_faster else LARGE
-    return MEDIUM if m > MEDIUM_M else SMALL
+        if MEDIUM_WAVE * _waves(MEDIUM, m, n, sms) < _waves(LARGE, m, n, sms):
+            return MEDIUM
+        return _shorter(LARGE, LARGE_192, m, n, sms)
+    return _shorter(MEDIUM, MEDIUM_96, m, n, sms) if m > MEDIUM_M else SMALL
 
 
 def grid_for(cfg: WgmmaConfig, m, n):

@@ -519,8 +519,13 @@ def test_kernel_configs():
     assert g90.cluster_plan(g90.LARGE, 1024, 2560, 2560, 132) == 1  # never on the large tile
     # from M = 1024 the large tile, unless the medium one needs fewer waves' time
     assert g90.config_for(1024, 4800, 132) == g90.MEDIUM  # 152 large tiles = 2 waves, 600 medium = 3
-    for m, n in ((1024, 2560), (1024, 20480), (4096, 4800), (4096, 13824), (4096, 2560)):
+    for m, n in ((1024, 20480), (4096, 4800), (4096, 13824), (4096, 2560)):
         assert g90.config_for(m, n, 132) == g90.LARGE, (m, n)
+    # three quarters of the tokens a tile where both grids have at most a CTA an SM
+    assert g90.config_for(1024, 2560, 132) == g90.LARGE_192  # 80 large tiles or 120 of 192 tokens
+    assert g90.config_for(1024, 3200, 132) == g90.LARGE  # 150 of 192 tokens: more than the SMs
+    assert g90.config_for(256, 2560, 132) == g90.MEDIUM_96
+    assert g90.config_for(256, 3840, 132) == g90.MEDIUM
     # the H200 sweep's picks: mma.sync up to 16 tokens, wgmma above 48, between by N and K
     pick = bn._default_gemm_kernel
     assert [pick("sm_90a", m, 2560, 2560) for m in (1, 16, 17, 48, 49, 64, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 4
@@ -631,8 +636,8 @@ def test_wgmma_gemm_compiles(tmp_path):
 
     split = [dataclasses.replace(cfg, split_k=True) for cfg in (g90.SMALL, g90.LARGE)]
     cluster = [dataclasses.replace(cfg, cluster_k=3) for cfg in (g90.SMALL, g90.MEDIUM)]
-    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split,
-                *cluster):
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.MEDIUM_96, g90.LARGE_192,
+                g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split, *cluster):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
         assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", ptx), "one wgmma group kept in flight"
@@ -925,8 +930,9 @@ def test_gpu_gemm(n, k, kernel):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("block_m,warpgroups,stages,ctas", [(64, 1, 8, 2), (64, 2, 3, 2), (128, 1, 6, 2), (128, 2, 5, 1),
-                                                          (256, 1, 4, 1), (256, 2, 4, 1), (256, 2, 2, 1)])
+@pytest.mark.parametrize("block_m,warpgroups,stages,ctas", [(64, 1, 8, 2), (64, 2, 3, 2), (96, 1, 6, 2), (128, 1, 6, 2),
+                                                          (128, 2, 5, 1), (192, 2, 4, 1), (256, 1, 4, 1), (256, 2, 4, 1),
+                                                          (256, 2, 2, 1)])
 def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
     """Every tile shape of the sm90 GEMM (the default picks only some per shape): ragged
     M and N tiles, an odd group count (the phantom group), exact sums and bf16 output,
