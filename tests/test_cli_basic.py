@@ -166,8 +166,10 @@ def test_bench_gemm_variants_arguments(capsys):
     # no key: the host's own choices (M = 64, 2560 x 2560: a cluster of two on the small tile)
     assert chosen({}, 64, 2560, 2560) == (g90.SMALL, (2, (40, 1, 0)))
     assert chosen({"cluster_k": 1, "splits": 1}, 64, 2560, 2560) == (g90.SMALL, (1, (40, 1, 0)))
-    # 80 medium tiles for 264 slots: all of them the last wave's, three CTAs each
-    assert chosen({"splits": 3}, 256, 2560, 2560) == (g90.MEDIUM, (1, (0, 3, 80)))
+    # 120 tiles of 96 tokens (the host's pick: fewer CTAs than SMs) for 264 slots: all of
+    # them the last wave's, three CTAs each
+    assert chosen({"splits": 3}, 256, 2560, 2560) == (g90.MEDIUM_96, (1, (0, 3, 120)))
+    assert chosen({"tile": "medium", "splits": 3}, 256, 2560, 2560) == (g90.MEDIUM, (1, (0, 3, 80)))
     cfg, plan = chosen({"tile": "large", "stages": 3}, 256, 2560, 2560)
     assert (cfg.block_m, cfg.stages, plan[0]) == (256, 3, 1)
     with bg.applied({"tile": "medium", "cluster_k": 2}):
