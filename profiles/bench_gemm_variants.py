@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK,... (default: the eight BitNet 2B shapes)")
     p.add_argument("--ms", default="64,256,1024", help="tokens, comma-separated (default 64,256,1024)")
     args = p.parse_args(argv)
-    variants = variants_of(p, args)
+    variants = variants_of(p, args, words=("tile", "kernel"))
     try:
         for name, kwargs in variants:
             check_variant(name, kwargs)

@@ -32,9 +32,9 @@ DEFAULT_SHAPES = "1x4096,1x32768,1x131072,8x65536,16x32768,16x65536"
 HQ, HKV, D = 32, 8, 128
 
 
-def parse_variant(text: str) -> Tuple[str, Dict[str, object]]:
+def parse_variant(text: str, words: Tuple[str, ...] = ()) -> Tuple[str, Dict[str, object]]:
     """``NAME=key=value,key=value`` (``NAME=`` for the defaults) -> (name, kwargs); values
-    are Python literals."""
+    are Python literals, or for the keys in ``words`` also bare words (``tile=medium``)."""
     name, sep, rest = text.partition("=")
     if not sep or not name.isidentifier():
         raise ValueError(f"--variant must be NAME=key=value,... (NAME an identifier), got {text!r}")
@@ -46,6 +46,9 @@ def parse_variant(text: str) -> Tuple[str, Dict[str, object]]:
         try:
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
+            if key in words and value.isidentifier():
+                kwargs[key] = value
+                continue
             raise ValueError(f"--variant {name}: {key}'s value {value!r} is not a Python literal") from None
     return name, kwargs
 
@@ -60,12 +63,13 @@ def add_variant_arguments(p: argparse.ArgumentParser, what: str, stem: str) -> N
     p.add_argument("--tag", default="", help=f"write <out>/{stem}_<tag>.json instead (an identifier)")
 
 
-def variants_of(p: argparse.ArgumentParser, args) -> List[Tuple[str, Dict[str, object]]]:
-    """The parsed ``--variant`` list (``p.error`` on a bad one, a repeated name or ``--tag``)."""
+def variants_of(p: argparse.ArgumentParser, args, words: Tuple[str, ...] = ()) -> List[Tuple[str, Dict[str, object]]]:
+    """The parsed ``--variant`` list (``p.error`` on a bad one, a repeated name or ``--tag``;
+    ``words``: keys that take bare words, see ``parse_variant``)."""
     if args.tag and not args.tag.isidentifier():
         p.error(f"--tag must be an identifier, got {args.tag!r}")
     try:
-        variants = [parse_variant(v) for v in args.variant]
+        variants = [parse_variant(v, words) for v in args.variant]
     except ValueError as e:
         p.error(str(e))
     if len({name for name, _ in variants}) != len(variants):

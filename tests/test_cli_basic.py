@@ -166,6 +166,13 @@ def test_bench_gemm_variants_arguments(capsys):
     # no key: the host's own choices (M = 64, 2560 x 2560: a cluster of two on the small tile)
     assert chosen({}, 64, 2560, 2560) == (g90.SMALL, (2, (40, 1, 0)))
     assert chosen({"cluster_k": 1, "splits": 1}, 64, 2560, 2560) == (g90.SMALL, (1, (40, 1, 0)))
+    # tile and kernel take bare words on the command line, other keys Python literals
+    bv = _profile_script("bench_variants")
+    words = ("tile", "kernel")
+    assert bv.parse_variant("a=tile=medium,kernel=mma,stages=3", words) == ("a", {"tile": "medium", "kernel": "mma",
+                                                                                  "stages": 3})
+    with pytest.raises(ValueError, match="not a Python literal"):
+        bv.parse_variant("a=stages=three", words)
     # 120 tiles of 96 tokens (the host's pick: fewer CTAs than SMs) for 264 slots: all of
     # them the last wave's, three CTAs each
     assert chosen({"splits": 3}, 256, 2560, 2560) == (g90.MEDIUM_96, (1, (0, 3, 120)))
