@@ -203,10 +203,11 @@ SMALL = WgmmaConfig(block_m=64, warpgroups=1, stages=8, ctas_per_sm=2, max_split
 MEDIUM = WgmmaConfig(block_m=128, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28,
                      cluster_groups=32)
 LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1, max_splits=4, split_cost_groups=16)
-# Three quarters of MEDIUM / LARGE's tokens, for grids of at most one CTA an SM either way
-# (``config_for``): such a GEMM takes one tile's time, and a shorter tile takes less (H200,
-# twentieth session, us: M = 256 2560 x 2560 7.92 -> 7.37, 2560 x 6912 15.8 -> 14.8; M =
-# 1024 2560 x 2560 17.1 -> 14.8, 2560 x 6912 36.6 -> 31.2; profiles/NOTES.md).
+# Three quarters of MEDIUM / LARGE's tokens, where they leave the busiest SM fewer token
+# rows (``_shorter``): e.g. a grid of at most a CTA an SM either way takes one tile's time,
+# and a shorter tile takes less (H200, twentieth session, us: M = 256 2560 x 2560 7.92 ->
+# 7.37, 2560 x 6912 15.8 -> 14.8; M = 1024 2560 x 2560 17.1 -> 14.8, 2560 x 6912 36.6 ->
+# 31.2; profiles/NOTES.md).  No cluster split (``cluster_groups`` 0: none was measured).
 MEDIUM_96 = WgmmaConfig(block_m=96, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28)
 LARGE_192 = WgmmaConfig(block_m=192, warpgroups=2, stages=4, ctas_per_sm=1, max_splits=4, split_cost_groups=16)
 MEDIUM_M = 128  # above this many tokens, MEDIUM
