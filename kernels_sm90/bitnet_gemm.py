@@ -627,7 +627,7 @@ class BitnetGemmSm90:
         words = cute.size(acc) // 4
         bar = storage.sums_bar.data_ptr()
         ring = storage.sX.data_ptr()
-        lane_off = ctid * 16  # a slot's layout: as ``sum_splits``'s
+        lane_off = sm90.sum_thread_offset(ctid)
         if work.part == 0:
             if ctid == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, (cfg.cluster_k - 1) * cfg.tile_sum_bytes)
@@ -636,7 +636,8 @@ class BitnetGemmSm90:
         if work.part != 0:
             slot = ring.toint() + (work.part - 1) * cfg.tile_sum_bytes + lane_off
             for j in cutlass.range_constexpr(words):
-                dst = cute.make_ptr(Int32, slot + j * cfg.threads * 16, cute.AddressSpace.smem, assumed_align=16)
+                dst = cute.make_ptr(Int32, slot + sm90.sum_word_offset(j, cfg.threads), cute.AddressSpace.smem,
+                                   assumed_align=16)
                 cute.arch.store_async_dsmem(dst, (acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]), bar, 0)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -645,7 +646,7 @@ class BitnetGemmSm90:
             cute.arch.cluster_arrive()
             for z in cutlass.range_constexpr(cfg.cluster_k - 1):
                 for j in cutlass.range_constexpr(words):
-                    v = lds_v4(ring.toint() + z * cfg.tile_sum_bytes + lane_off + j * cfg.threads * 16)
+                    v = lds_v4(ring.toint() + z * cfg.tile_sum_bytes + lane_off + sm90.sum_word_offset(j, cfg.threads))
                     for e in cutlass.range_constexpr(4):
                         acc[4 * j + e] = acc[4 * j + e] + v[e]
             # every thread has read the ring before the epilogue stages the output tile there
@@ -659,15 +660,15 @@ class BitnetGemmSm90:
         exact in any order) and resets the count.  Returns 1 in the last CTA (which stores
         the tile), 0 in the others.  Memory order as CUDA's threadfence reduction: every
         thread fences its stores before the count (acq_rel, GPU scope), the last CTA fences
-        again and reads through L2.  A slot is 16-byte words value-group-major, so a warp's
-        store covers 512 contiguous bytes (``sum_cluster``'s slots likewise)."""
+        again and reads through L2.  A slot's layout: ``layouts.sm90.sum_thread_offset`` /
+        ``sum_word_offset`` (``sum_cluster``'s slots likewise)."""
         cfg = self.cfg
         words = cute.size(acc) // 4
         first = work.tail * work.splits  # the tile's first slot
-        base = mWork.iterator.toint() + Int64(ctid) * 16
+        base = mWork.iterator.toint() + sm90.sum_thread_offset(Int64(ctid))
         mine = base + Int64(first + work.part) * cfg.tile_sum_bytes
         for j in cutlass.range_constexpr(words):
-            store_v4(mine + j * cfg.threads * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
+            store_v4(mine + sm90.sum_word_offset(j, cfg.threads), acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
         if ctid == 0:
@@ -681,7 +682,7 @@ class BitnetGemmSm90:
                 if z != work.part:
                     slot = base + Int64(first + z) * cfg.tile_sum_bytes
                     for j in cutlass.range_constexpr(words):
-                        v = load_v4(slot + j * cfg.threads * 16, False, l2_only=True)
+                        v = load_v4(slot + sm90.sum_word_offset(j, cfg.threads), False, l2_only=True)
                         for e in cutlass.range_constexpr(4):
                             acc[4 * j + e] = acc[4 * j + e] + v[e]
             if ctid == 0:

@@ -275,6 +275,22 @@ def acc_stsm_trans_placement(n: int) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
     return tuple(tuple(v) for v in out)
 
 
+# A K split's int32 partial tile in a slot (the BitNet GEMM's workspace split and its
+# cluster split): thread t's j-th 16-byte word of accumulators (values 4 j .. 4 j + 3) at
+# byte t * 16 + j * threads * 16, so a warp's store covers 512 contiguous bytes.
+SUM_WORD_BYTES = 16
+
+
+def sum_thread_offset(t):
+    """Byte offset of thread ``t``'s first word in a partial-sum slot (host or traced)."""
+    return t * SUM_WORD_BYTES
+
+
+def sum_word_offset(j: int, threads: int) -> int:
+    """Byte offset of word ``j`` from its thread's first word in a partial-sum slot."""
+    return j * threads * SUM_WORD_BYTES
+
+
 # A tile staged in shared memory for 16-byte row-contiguous global stores (the BitNet GEMM's
 # [token, row] output): rows a multiple of 128 bytes long are padded by 16, so the 8 rows an
 # 8 x 8 matrix of a stmatrix (or ldmatrix) addresses fall on 8 different 16-byte bank

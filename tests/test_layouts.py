@@ -813,3 +813,17 @@ def test_staged_rows_spread_over_the_banks(row_bytes):
     assert len({(r * row_bytes // 16) % 8 for r in range(8)}) == 1
     with pytest.raises(AssertionError):
         sm90.staged_row_bytes(row_bytes + 16)
+
+
+@pytest.mark.parametrize("threads", [128, 256])
+def test_partial_sum_slot_words(threads):
+    """A K split's partial-sum slot (the BitNet GEMM's workspace and cluster sums): every
+    thread's words at distinct 16-byte offsets covering the slot exactly, and one word index
+    across a warp is 512 contiguous bytes (one coalesced store)."""
+    words = 8
+    offsets = sorted(sm90.sum_thread_offset(t) + sm90.sum_word_offset(j, threads)
+                     for t in range(threads) for j in range(words))
+    assert offsets == list(range(0, threads * words * sm90.SUM_WORD_BYTES, sm90.SUM_WORD_BYTES))
+    for j in range(words):
+        warp = sorted(sm90.sum_thread_offset(t) + sm90.sum_word_offset(j, threads) for t in range(32, 64))
+        assert warp[-1] + sm90.SUM_WORD_BYTES - warp[0] == 512
