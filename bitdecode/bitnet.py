@@ -628,9 +628,10 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
             # the tail tiles' int32 partial sums and arrival counts; none without a tail)
             # (or, where its tiles leave half the CTA slots idle, along K over a cluster's CTAs)
             cluster_k = mod.cluster_plan(cfg, m, n, k, sms)
-            full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
             if cluster_k > 1:
-                full, splits, tails = full + tails, 1, 0
+                full, splits, tails = mod.tile_count(cfg, m, n), 1, 0
+            else:
+                full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
             cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k)  # only what the plan needs
             extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))

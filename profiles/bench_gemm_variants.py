@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_variants import add_variant_arguments, variants_of, write_result  # noqa: E402
 
 DEFAULT_SHAPES = "2560x2560,3840x2560,13824x2560,2560x6912,3200x3200,4800x3200,3200x10240,20480x3200"
-TILES = ("small", "medium", "large")
+TILES = {"small": "SMALL", "medium": "MEDIUM", "large": "LARGE"}  # --variant tile=... -> bitnet_gemm's config
 PLAN_KEYS = ("tile", "cluster_k", "splits", "kernel")
 
 
@@ -66,7 +66,7 @@ def variant_tile(kwargs: Dict[str, object], m: int, n: int, sms: int, config_for
 
     cfg = config_for(m, n, sms)
     if "tile" in kwargs:
-        cfg = {"small": g90.SMALL, "medium": g90.MEDIUM, "large": g90.LARGE}[kwargs["tile"]]
+        cfg = getattr(g90, TILES[kwargs["tile"]])
     return dataclasses.replace(cfg, **{key: v for key, v in kwargs.items() if key not in PLAN_KEYS})
 
 
@@ -76,8 +76,7 @@ def variant_plan(kwargs: Dict[str, object], cfg, m: int, n: int, k: int, sms: in
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     cluster_k = kwargs.get("cluster_k", cluster_plan(cfg, m, n, k, sms))
-    tiles_m, tiles_n = g90.grid_for(cfg, m, n)
-    tiles = tiles_m * tiles_n
+    tiles = g90.tile_count(cfg, m, n)
     if cluster_k > 1:
         return cluster_k, (tiles, 1, 0)
     if "splits" not in kwargs:
@@ -165,17 +164,9 @@ def main(argv=None) -> int:
         print("bench_gemm_variants needs a Hopper GPU (the wgmma kernel)", file=sys.stderr)
         return 2
     rows = run(variants, shapes, ms)
-    if args.out is not None:
-        result = {"command": "python3 profiles/bench_gemm_variants.py " + " ".join(
-                      f"--variant {v}" for v in args.variant)
-                  + f" --shapes {args.shapes} --ms {args.ms} --out {args.out}"
-                  + (f" --tag {args.tag}" if args.tag else ""),
-                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                  "variants": dict(variants),
-                  "method": "CUDA-graph replay of back-to-back calls over weight copies > L2, median of 20; "
-                            "output within 1e-2 relative of the torch reference; bf16 cuBLAS rotated the same way",
-                  "rows": rows}
-        write_result(args, "gemm_variants", result)
+    write_result(args, "gemm_variants", f"--shapes {args.shapes} --ms {args.ms}", variants,
+                 "CUDA-graph replay of back-to-back calls over weight copies > L2, median of 20; "
+                 "output within 1e-2 relative of the torch reference; bf16 cuBLAS rotated the same way", rows)
     return 0
 
 

@@ -77,12 +77,21 @@ def variants_of(p: argparse.ArgumentParser, args, words: Tuple[str, ...] = ()) -
     return variants
 
 
-def write_result(args, stem: str, result: dict) -> None:
-    """``result`` to ``<out>/<stem>[_<tag>].json`` when ``--out`` was given."""
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = f"{stem}_{args.tag}.json" if args.tag else f"{stem}.json"
-        (args.out / name).write_text(json.dumps(result, indent=1))
+def write_result(args, stem: str, options: str, variants, method: str, rows: List[dict]) -> None:
+    """The run to ``<out>/<stem>[_<tag>].json`` when ``--out`` was given: the command that
+    reproduces it (``profiles/bench_<stem>.py``, its ``--variant`` list, the script's own
+    ``options``, ``--out``, ``--tag``), the GPU and torch, the variants, ``method`` and ``rows``."""
+    if args.out is None:
+        return
+    import torch
+
+    command = " ".join([f"python3 profiles/bench_{stem}.py", *(f"--variant {v}" for v in args.variant), options,
+                        f"--out {args.out}", *([f"--tag {args.tag}"] if args.tag else [])])
+    result = {"command": command, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "variants": dict(variants), "method": method, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"{stem}_{args.tag}.json" if args.tag else f"{stem}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
 
 
 def parse_shapes(text: str) -> List[Tuple[int, int]]:
@@ -188,17 +197,9 @@ def main(argv=None) -> int:
         err = f"  err {r['rel_err']:.2e}" if "rel_err" in r else ""
         print(f"{r['variant']:>12} {r['format']} {r['dtype']} B={r['B']:<3} N={r['N']:<7} "
               f"{r['us']:8.2f} us  x{r['over_first']:.3f}{err}")
-    if args.out is not None:
-        result = {"command": "python3 profiles/bench_variants.py " + " ".join(
-                      f"--variant {v}" for v in args.variant)
-                  + f" --shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes} --out {args.out}"
-                  + (f" --tag {args.tag}" if args.tag else ""),
-                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                  "variants": {name: kw for name, kw in variants},
-                  "method": "sm90 decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, median of "
-                            "30 after 5 warm-ups, L2 flushed before each call; one process per variant",
-                  "rows": rows}
-        write_result(args, "variants", result)
+    write_result(args, "variants", f"--shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes}",
+                 variants, "sm90 decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, median of "
+                           "30 after 5 warm-ups, L2 flushed before each call; one process per variant", rows)
     return 0
 
 

@@ -1,5 +1,6 @@
 """The CLI as a user runs it: ``bitdecode --help``, ``info``, ``demo --device cpu``."""
 
+import json
 import os
 import re
 import subprocess
@@ -119,6 +120,13 @@ def _bench_variants():
     return _profile_script("bench_variants")
 
 
+def _refused(main, argv, message, capsys):
+    """A profiles/ script's ``main(argv)`` exits through argparse with ``message`` on stderr."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_bench_variants_arguments(capsys):
     """profiles/bench_variants.py: NAME=key=value variants (Python literals), BxN shapes, and
     clear refusals naming the argument; without a GPU it says so and exits 2."""
@@ -133,20 +141,35 @@ def test_bench_variants_arguments(capsys):
     for bad in ("16", "0x4096", "4x-1"):
         with pytest.raises(ValueError, match="--shapes"):
             bv.parse_shapes(bad)
-    with pytest.raises(SystemExit):
-        bv.main(["--variant", "a=", "--variant", "a=lazy_max=False"])
-    assert "names must differ" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bv.main(["--variant", "a=", "--formats", "5c128"])
-    assert "unknown format" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bv.main(["--variant", "a=", "--tag", "2-bit"])
-    assert "--tag must be an identifier" in capsys.readouterr().err
+    _refused(bv.main, ["--variant", "a=", "--variant", "a=lazy_max=False"], "names must differ", capsys)
+    _refused(bv.main, ["--variant", "a=", "--formats", "5c128"], "unknown format", capsys)
+    _refused(bv.main, ["--variant", "a=", "--tag", "2-bit"], "--tag must be an identifier", capsys)
     import torch
 
     if not torch.cuda.is_available():
         assert bv.main(["--variant", "a="]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_variants_write_result(tmp_path, monkeypatch):
+    """The A/B scripts' JSON: the command that reproduces the run (script, every --variant,
+    the script's options, --out, --tag), the GPU, torch, the variants, method and rows."""
+    import argparse
+
+    import torch
+
+    bv = _bench_variants()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "H200-like")
+    args = argparse.Namespace(variant=["plan=", "t96=block_m=96"], out=tmp_path, tag="short")
+    bv.write_result(args, "gemm_variants", "--shapes 4800x3200 --ms 256", [("plan", {}), ("t96", {"block_m": 96})],
+                    "graph replay", [{"m": 256}])
+    got = json.loads((tmp_path / "gemm_variants_short.json").read_text())
+    assert got == {"command": f"python3 profiles/bench_gemm_variants.py --variant plan= --variant t96=block_m=96 "
+                              f"--shapes 4800x3200 --ms 256 --out {tmp_path} --tag short",
+                   "gpu": "H200-like", "torch": torch.__version__, "variants": {"plan": {}, "t96": {"block_m": 96}},
+                   "method": "graph replay", "rows": [{"m": 256}]}
+    bv.write_result(argparse.Namespace(variant=["a="], out=None, tag=""), "variants", "", [("a", {})], "", [])
+    assert [p.name for p in tmp_path.iterdir()] == ["gemm_variants_short.json"]  # no --out: nothing written
 
 
 def test_bench_gemm_variants_arguments(capsys):
@@ -191,12 +214,8 @@ def test_bench_gemm_variants_arguments(capsys):
                             ({"kernel": "cublas"}, "kernel must be")):
         with pytest.raises(ValueError, match=message):
             bg.check_variant("v", kwargs)
-    with pytest.raises(SystemExit):
-        bg.main(["--variant", "a=foo=1"])
-    assert "unknown key" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bg.main(["--variant", "a=", "--variant", "a=splits=1"])
-    assert "names must differ" in capsys.readouterr().err
+    _refused(bg.main, ["--variant", "a=foo=1"], "unknown key", capsys)
+    _refused(bg.main, ["--variant", "a=", "--variant", "a=splits=1"], "names must differ", capsys)
     import torch
 
     if not torch.cuda.is_available():
