@@ -324,7 +324,9 @@ class Sm80Backend:
         return True
 
     # ---- decode -------------------------------------------------------------------------
-    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
+    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16) -> int:
+        """CTAs of the decode kernel one SM holds (the split heuristic fills them); ``dtype``:
+        the model's, which some backends' kernels depend on."""
         return ctas_per_sm(fmt, head_dim, nh)
 
     def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1):
@@ -356,7 +358,7 @@ class Sm80Backend:
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
-        per_sm = self.ctas_per_sm(cache.fmt, d, sm80.heads_tile(query_rows(tq, hq, hkv)))
+        per_sm = self.ctas_per_sm(cache.fmt, d, sm80.heads_tile(query_rows(tq, hq, hkv)), cache.k_res.dtype)
         return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)
 
     def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int):

@@ -45,10 +45,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return (fmt.bits == fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
                 and dtype == torch.float16)
 
-    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int) -> int:
-        from .decode import default_ctas_per_sm
-
-        return default_ctas_per_sm(head_dim)
+    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16) -> int:
+        """What the decode kernel for these arguments is built for (its constexpr config)."""
+        return self.make_decode("sm_90a", fmt, sm80_backend._cute_dtype(dtype), head_dim, nh, True).ctas_per_sm
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
         from .decode import DecodeSm90

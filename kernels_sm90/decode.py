@@ -91,12 +91,24 @@ LAZY_MARGIN = 2.0
 
 
 class Barrier:
-    """Named barriers of the consumer warpgroup (id 0 is __syncthreads)."""
+    """Named barriers (id 0 is __syncthreads): three per consumer warpgroup (consumer ``c``
+    uses ``MAX + PER_CONSUMER c`` ..), then two of the whole CTA after the last consumer's."""
 
     MAX = 1  # the step's lazy verdict is in (bar.red), or its per-warp maxima are in shared memory
     P = 2  # P^T of a step is in shared memory (and the previous PV product is done)
     EPI = 3
-    Q = 4  # Q is in shared memory: the consumer arrives, the scalers (``fold_k``) wait
+    PER_CONSUMER = 3
+
+    @staticmethod
+    def q(consumers: int) -> int:
+        """Q is in shared memory: the consumers arrive (several consumers: sync), the scalers
+        (``fold_k``) wait."""
+        return 1 + Barrier.PER_CONSUMER * consumers
+
+    @staticmethod
+    def done(consumers: int) -> int:
+        """Consumers 1 .. left their partial softmax state for consumer 0 (and the rings)."""
+        return 2 + Barrier.PER_CONSUMER * consumers
 
 
 @cute.jit
@@ -137,7 +149,7 @@ class DecodeSm90(PackedDecodeConfig):
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
-                 raw_k_all: bool = True):
+                 raw_k_all: bool = True, consumers: int = 0):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -214,16 +226,31 @@ class DecodeSm90(PackedDecodeConfig):
         assert head_dim % M_BLOCK == 0, "head_dim must be a multiple of 64"
         # bytes one stage's TMA and bulk copies bring (the mbarrier's transaction count)
         self.tx_bytes = self.bytes_kp + self.bytes_vp + 4 * (self.words_ks + self.words_vs)
-        self.ctas_per_sm = ctas_per_sm or default_ctas_per_sm(head_dim)
+        # Consumer warpgroups of a CTA: with several, consumer c takes the split's tiles c,
+        # c + consumers, .. from the one ring (its own softmax state, P^T tile and named
+        # barriers) and consumer 0 merges the others' partial state at the end (``merge``).
+        # Two in one CTA an SM, against two CTAs of one, for 2-bit with K's scale in Q: 1.4-6 %
+        # faster at every shape measured (H200, 2c128 fp16, B=1 N=4K-128K, B=8 / 16 N=64K,
+        # profiles/h200/variants_consumers.json); 4-bit lost 14 % at B=8 and 16 that way (one
+        # warpgroup of scalers for both consumers), and three consumers at 64-token steps
+        # (152 registers each) were slower still (profiles/NOTES.md, twenty-first session)
+        if consumers == 0:
+            consumers = 2 if self.fold_k and bits == self.v_bits == 2 and head_dim <= 128 else 1
+        assert 1 <= consumers and Barrier.done(consumers) < 16, "named barriers: at most four consumers"
+        self.consumers = consumers
+        self.ctas_per_sm = ctas_per_sm or (1 if consumers > 1 else default_ctas_per_sm(head_dim))
         if num_stages == 0:
-            # four stages measured best on the H200 (5 or 8 were slower at B=1; 3 no better)
+            # four stages measured best on the H200 with one consumer (5 or 8 were slower at
+            # B=1; 3 no better); several consumers hold a stage each
             stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * 2
-            num_stages = max(2, min(4, SMEM_BUDGET // self.ctas_per_sm // stage_smem))
+            cap = 4 if consumers == 1 else 3 * consumers
+            num_stages = max(2, min(cap, SMEM_BUDGET // self.ctas_per_sm // stage_smem))
         self.num_stages = num_stages
         self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
         if self.fold_k:
             self.producer_regs = max(self.producer_regs, SCALER_REGS)
-        self.consumer_regs = resources.consumer_registers(self.ctas_per_sm, WG, self.producer_regs, WG, 256)
+        self.consumer_regs = resources.consumer_registers(self.ctas_per_sm, WG, self.producer_regs,
+                                                          consumers * WG, 256)
         # the residual sub-tile (64 tokens of K and of V, 16-bit) reuses the K / V rings
         res_bytes = M_BLOCK * head_dim * 2
         assert num_stages * self.bytes_kp >= res_bytes and num_stages * self.bytes_vp >= res_bytes
@@ -236,7 +263,7 @@ class DecodeSm90(PackedDecodeConfig):
         one copy per V group with ``fold_v``) and the packed K / V rings (TMA swizzle atoms, a
         stage mode last)."""
         return (sm90.make_operand_smem_layout(self.dtype, self.nh, self.d),
-                sm90.make_operand_smem_layout(self.dtype, self.nh, self.step, self.p_copies),
+                sm90.make_operand_smem_layout(self.dtype, self.nh, self.step, self.p_copies * self.consumers),
                 sm90.make_packed_smem_layout(self.nr, 4 * self.wk, self.num_stages),
                 # V: one slot per V tile of a stage (two 4-bit tiles per 2-bit K tile in K2V4)
                 sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles))
@@ -251,20 +278,31 @@ class DecodeSm90(PackedDecodeConfig):
         row sums, and with ``fold_v`` one P.zero sum per V group."""
         return 2 + (self.p_copies if self.fold_v else 0)
 
+    @property
+    def stash_slots(self) -> int:
+        """fp32 values of a consumer thread's partial softmax state: its head columns' maxima
+        and row sums, with ``fold_v`` their zero sums, and its O^T accumulators."""
+        ncols = sm80.head_columns(self.nh)
+        return 2 * ncols + (ncols * self.p_copies if self.fold_v else 0) + M_BLOCK * self.m_v * self.nh // WG
+
     def _shared_storage(self):
         stages = self.num_stages
         q_layout, p_layout, kp_layout, vp_layout = self._layouts()
 
+        n = self.consumers
+
         @cute.struct
         class Storage:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            red: cute.struct.MemRange[Float32, self.red_slots * WARPS * self.nh]
+            red: cute.struct.MemRange[Float32, self.red_slots * WARPS * self.nh * n]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(p_layout)], 1024]
             sKp: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(kp_layout)], 1024]
             sVp: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(vp_layout)], 1024]
             sKs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_ks], 128]
             sVs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_vs], 128]
+            if n > 1:  # consumers 1 .. n-1: their partial softmax state, per thread (``merge``)
+                stash: cute.struct.MemRange[Float32, WG * self.stash_slots * (n - 1)]
 
         if not self.fold_k:
             return Storage
@@ -302,7 +340,7 @@ class DecodeSm90(PackedDecodeConfig):
         # the register cap at entry (from the CTAs per SM) is what setmaxnreg redistributes
         self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable,
                     mO, mLSE, softmax_scale_log2, Storage).launch(
-            grid=grid, block=[2 * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
+            grid=grid, block=[(1 + self.consumers) * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
@@ -435,18 +473,19 @@ class DecodeSm90(PackedDecodeConfig):
         barrier of the warpgroup (H200, profiles/NOTES.md, thirteenth session)."""
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
         warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
-        # scaling tile j waits (through warp 0's acquire of tile j + lag) for the consumer to
-        # release tile j + lag - stages: with lag = stages - 2 that is j - 2, so tile j is
-        # scaled while the consumer works on j - 1 (with stages - 1 it waited for j - 1 and
-        # the scaling sat on the consumer's critical path)
-        lag = max(1, self.num_stages - 2)
+        # scaling tile j waits (through warp 0's acquire of tile j + lag) for the consumers to
+        # release tile j + lag - stages: with lag = stages - 1 - consumers that is j - 1 -
+        # consumers, so tile j is scaled while the consumers work on the tiles before it (one
+        # consumer with stages - 1 waited for j - 1: the scaling sat on its critical path)
+        lag = max(1, self.num_stages - 1 - self.consumers)
         qready, sQs, sBias = fold
         # padding heads' Q o s rows and biases stay zero (scale_stage skips them): their scores
         # are then exactly 0, never shared memory left by an earlier CTA (``lazy_softmax``
         # decides over every head column of the tile)
         zero_shared(sQs, tid, WG)
         zero_shared(sBias, tid, WG)
-        cute.arch.barrier(barrier_id=Barrier.Q, number_of_threads=2 * WG)  # the consumers put Q in smem
+        # the consumers put Q in smem
+        cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=(1 + self.consumers) * WG)
         for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
             if warp == 0:
                 if it < packed_end:
@@ -539,29 +578,39 @@ class DecodeSm90(PackedDecodeConfig):
     def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                 mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, n_sink,
                 seqlen, scale_log2, fold=None):
-        tid = cute.arch.thread_idx()[0] - WG
+        n = self.consumers
+        consumer = self.consumer_index()
+        tid_all = cute.arch.thread_idx()[0] - WG  # over every consumer warpgroup
+        tid = tid_all if const_expr(n == 1) else tid_all - WG * consumer
         warp = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
         gq = mQ.shape[1] // mKr.shape[2]
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        # the consumer's own P^T copies and exchange slots
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        red = storage.red.get_tensor(cute.make_layout((self.nh, WARPS, self.red_slots)))
+        if const_expr(n > 1):  # (a tile of the stage mode: the wgmma descriptors need its alignment)
+            sP = cute.local_tile(sP, (self.nh, self.step, self.p_copies), (0, 0, consumer))
+        red_layout = cute.make_layout((self.nh, WARPS, self.red_slots))
+        red = cute.make_tensor(storage.red.data_ptr() + consumer * cute.cosize(red_layout), red_layout)
         lim = self.causal_limits(seqlen, gq, lane)  # multi-token queries: each column's last token
 
-        # ---- Q: global -> smem (rows >= gq zero) ---------------------------------------
+        # ---- Q: global -> smem (rows >= gq zero), by every consumer warpgroup ------------
         q_rows = mQ[batch, None, None]
         gQ = cute.local_tile(q_rows, (self.nh, self.d), (0, 0))
         gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
         if const_expr(self.fp4):  # Q's channels in the fragment order of FP4's natural K rows
-            self.copy_fp4_order(gQ, sQ, gq, tid, WG)
+            self.copy_fp4_order(gQ, sQ, gq, tid_all, n * WG)
         else:
-            copy_rows(gQ, sQ, tid, WG, gq, True)
+            copy_rows(gQ, sQ, tid_all, n * WG, gq, True)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
-        self.bar(Barrier.P)
-        if const_expr(self.fold_k):
-            cute.arch.barrier_arrive(barrier_id=Barrier.Q, number_of_threads=2 * WG)
+        if const_expr(n == 1):
+            self.bar(Barrier.P)
+            if const_expr(self.fold_k):
+                cute.arch.barrier_arrive(barrier_id=Barrier.q(n), number_of_threads=2 * WG)
+        else:  # Q is every consumer's: a barrier of all of them (and of the scalers, who read it)
+            cute.arch.barrier(barrier_id=Barrier.q(n), number_of_threads=(n + (1 if self.fold_k else 0)) * WG)
 
         # both products are wgmma 64 x nh x 16 with A from registers: one partitioning serves
         # both (the MMA objects that issue them are made per product, see ``scores``)
@@ -602,11 +651,15 @@ class DecodeSm90(PackedDecodeConfig):
         # next stage's, across tiles), so neither product's latency is exposed.  K goes
         # to one register tensor that every step rewrites only after its S has landed.
         k_frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.dtype)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if tile_begin < packed_end:
+        first = tile_begin if const_expr(n == 1) else tile_begin + consumer  # consumer c: tiles c, c + n, ..
+        if const_expr(n == 1):
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        else:
+            state = seq_state(consumer, self.num_stages, False)
+        if first < packed_end:
             ring.consumer_wait(state)
             self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0, dq_k, warp, lane)
-        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
+        for tile in cutlass.range(first, packed_end, n, unroll=1):
             kp = sKp[None, None, state.index]
             vp = [sVp[None, None, state.index * self.v_tiles + i] for i in range(self.v_tiles)]
             ks = sKs[None, state.index]
@@ -640,12 +693,41 @@ class DecodeSm90(PackedDecodeConfig):
                     self.k_fragments(k_frag, kp, ks, st + 1, dq_k, warp, lane)
                 else:
                     ring.consumer_release(state)  # this stage's words are all in registers
-                    state.advance()
-                    if tile + 1 < packed_end:
+                    if const_expr(n == 1):
+                        state.advance()
+                    else:  # the consumer's next tile, n uses of the ring on
+                        state = seq_state(tile + n - tile_begin, self.num_stages, False)
+                    if tile + n < packed_end:
                         ring.consumer_wait(state)
                         self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0,
                                          dq_k, warp, lane)
 
+        if const_expr(n == 1):
+            self.finish(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch, head_kv,
+                        split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max, row_sum, zsum,
+                        scale_log2, red, gq, warp, lane, tid, lim)
+        else:
+            warpgroup.wait_group(0)
+            self.fold(acc_o, acc_pv)
+            stash = storage.stash.get_tensor(cute.make_layout((WG, self.stash_slots, n - 1)))
+            if consumer > 0:
+                self.stash_state(stash[None, None, consumer - 1], tid, acc_o, row_max, row_sum, zsum)
+                # the rings are idle too once every consumer is here (the residual reuses them)
+                cute.arch.barrier_arrive(barrier_id=Barrier.done(n), number_of_threads=n * WG)
+            else:
+                acc_pv.fill(0.0)  # folded above: ``finish`` folds it again
+                cute.arch.barrier(barrier_id=Barrier.done(n), number_of_threads=n * WG)
+                self.merge(stash, tid, acc_o, row_max, row_sum, zsum)
+                self.finish(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch,
+                            head_kv, split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max,
+                            row_sum, zsum, scale_log2, red, gq, warp, lane, tid, lim)
+
+    @cute.jit
+    def finish(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch, head_kv,
+               split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max, row_sum, zsum, scale_log2,
+               red, gq, warp, lane, tid, lim):
+        """After the packed tiles (consumer 0, with the others' state merged): the 16-bit
+        residual block, the sink tokens and the epilogue."""
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                           acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res, zsum)
@@ -657,8 +739,73 @@ class DecodeSm90(PackedDecodeConfig):
         self.fold(acc_o, acc_pv)
         self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane, zsum)
 
+    def state_slots(self, acc_o, row_max, row_sum, zsum):
+        """A consumer thread's partial softmax state as ``[(registers, index, head column)]``
+        in ``stash_slots`` order: the maxima, row sums, zero sums (``fold_v``) and O^T of its
+        head columns."""
+        ncols = sm80.head_columns(self.nh)
+        slots = [(row_max, col, col) for col in range(ncols)] + [(row_sum, col, col) for col in range(ncols)]
+        if zsum is not None:
+            slots += [(zsum, (col, i), col) for col in range(ncols) for i in range(self.p_copies)]
+        for nt in range(self.nh // 8):
+            for v0 in range(2):
+                for v1 in range(2):
+                    for mo in range(cute.size(acc_o, mode=[1])):
+                        slots.append((acc_o, (self.cv(v0, v1, nt), mo, 0), 2 * nt + v0))
+        assert len(slots) == self.stash_slots
+        return slots
+
+    @cute.jit
+    def stash_state(self, stash, tid, acc_o, row_max, row_sum, zsum):
+        """Consumers 1 ..: this thread's partial state into its column of ``stash`` (slot-major:
+        a warp's stores of one slot are consecutive words)."""
+        for j, (regs, idx, _) in enumerate(self.state_slots(acc_o, row_max, row_sum, zsum)):
+            stash[tid, j] = regs[idx]
+
+    @cute.jit
+    def merge(self, stash, tid, acc_o, row_max, row_sum, zsum):
+        """Consumer 0: the other consumers' partial state (thread ``tid``'s same fragment
+        positions, each at its own running maximum) added into this thread's at the largest
+        maximum.  A consumer that saw no unmasked token (maximum -inf, sums zero) adds
+        nothing."""
+        ncols = sm80.head_columns(self.nh)
+        slots = self.state_slots(acc_o, row_max, row_sum, zsum)
+        for col in cutlass.range_constexpr(ncols):
+            m_all = row_max[col]
+            for c in cutlass.range_constexpr(self.consumers - 1):
+                m_all = cute.arch.fmax(m_all, stash[tid, col, c])
+            weights = []
+            for c in cutlass.range_constexpr(self.consumers):
+                m = row_max[col] if c == 0 else stash[tid, col, c - 1]
+                w = Float32(0.0)
+                if m != -Float32.inf:
+                    w = cute.math.exp2(m - m_all, fastmath=True)
+                weights.append(w)
+            row_max[col] = m_all
+            for j in cutlass.range_constexpr(ncols, len(slots)):
+                regs, idx, slot_col = slots[j]
+                if const_expr(slot_col == col):
+                    total = regs[idx] * weights[0]
+                    for c in cutlass.range_constexpr(1, self.consumers):
+                        total += weights[c] * stash[tid, j, c - 1]
+                    regs[idx] = total
+
     def bar(self, barrier_id: int):
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG)
+        """Named barrier ``barrier_id`` of the calling consumer warpgroup."""
+        cute.arch.barrier(barrier_id=self.own_barrier(barrier_id), number_of_threads=WG)
+
+    def own_barrier(self, barrier_id: int):
+        """The calling consumer warpgroup's copy of ``Barrier`` id ``barrier_id`` (an immediate
+        with one consumer)."""
+        if const_expr(self.consumers == 1):
+            return barrier_id
+        return barrier_id + Barrier.PER_CONSUMER * self.consumer_index()
+
+    def consumer_index(self):
+        """0 .. consumers - 1: the calling consumer warpgroup (warpgroup 0 is the producer)."""
+        if const_expr(self.consumers == 1):
+            return 0
+        return cute.arch.make_warp_uniform(cute.arch.warp_idx()) // WARPS - 1
 
     # ---- fragments ----------------------------------------------------------------------
     def slab_words(self, tile16, row0, chunk0: int, chunks: int, lane):
@@ -984,7 +1131,7 @@ class DecodeSm90(PackedDecodeConfig):
             for v0 in cutlass.range_constexpr(2):
                 # -inf - -inf (a column masked so far and now) is NaN, which fmax ignores
                 over = cute.arch.fmax(over, self.column_max(acc_s, nt, v0) - row_max[2 * nt + v0])
-        if ptx90.barrier_or(Barrier.MAX, WG, over > Float32(self.lazy_margin)) != 0:
+        if ptx90.barrier_or(self.own_barrier(Barrier.MAX), WG, over > Float32(self.lazy_margin)) != 0:
             self.new_max(acc_s, acc_o, row_max, row_sum, red, warp, lane, zsum)
         self.exponentiate(acc_s, row_max, row_sum)
 

@@ -24,17 +24,26 @@ def bulk_g2s(dst, src, num_bytes, mbar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def barrier_or(barrier_id: int, num_threads: int, pred, *, loc=None, ip=None) -> Int32:
-    """Named barrier ``barrier_id`` over ``num_threads`` threads that also ORs a predicate
-    across them (``bar.red.or.pred``): 1 in every thread when any thread's ``pred``
-    held, else 0.  Warp-uniform control flow only (an aligned barrier)."""
+def barrier_or(barrier_id, num_threads: int, pred, *, loc=None, ip=None) -> Int32:
+    """Named barrier ``barrier_id`` (an immediate, or a warp-uniform run-time value) over
+    ``num_threads`` threads that also ORs a predicate across them (``bar.red.or.pred``): 1
+    in every thread when any thread's ``pred`` held, else 0.  Warp-uniform control flow
+    only (an aligned barrier)."""
+    operands = [Int32(pred).ir_value(loc=loc, ip=ip)]
+    constraints = "=r,r"
+    if isinstance(barrier_id, int):
+        name = str(barrier_id)
+    else:
+        operands.append(Int32(barrier_id).ir_value(loc=loc, ip=ip))
+        constraints += ",r"
+        name = "$2"
     return Int32(llvm.inline_asm(
         Int32.mlir_type,
-        [Int32(pred).ir_value(loc=loc, ip=ip)],
+        operands,
         "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\n"
-        f"bar.red.or.pred q, {barrier_id}, {num_threads}, p;\n"
+        f"bar.red.or.pred q, {name}, {num_threads}, p;\n"
         "selp.u32 $0, 1, 0, q;\n}",
-        "=r,r,~{memory}",  # a barrier: shared-memory accesses stay on their side of it
+        constraints + ",~{memory}",  # a barrier: shared-memory accesses stay on their side of it
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 

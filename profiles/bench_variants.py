@@ -10,7 +10,7 @@ call, median of 30) on the same shapes, with the error against the reference at 
 writes ``<out>/variants.json`` (``variants_<tag>.json`` with ``--tag``): every variant's rows and each row's time over the first
 variant's.  The variants run one after the other on one GPU, so compare them within one
 file only.  Keywords: any ``DecodeSm90.__init__`` argument after the format's (``lazy_max``,
-``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``).
+``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``, ``consumers``).
 """
 
 from __future__ import annotations
@@ -116,12 +116,9 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
     def with_variant(self, *args, **kw):
         init(self, *args, **{**kw, **kwargs})
 
-    d90.DecodeSm90.__init__ = with_variant  # every sm90 decode kernel this process builds
-    if "ctas_per_sm" in kwargs:
-        # the split heuristic fills the SMs with the CTAs per SM the kernel is built for
-        from bitdecode.kernels_sm90.backend import Sm90Backend
-
-        Sm90Backend.ctas_per_sm = lambda self, fmt, head_dim, nh: kwargs["ctas_per_sm"]
+    # every sm90 decode kernel this process builds (the split heuristic reads the CTAs per SM
+    # a variant is built for from the kernel's config)
+    d90.DecodeSm90.__init__ = with_variant
 
     import bitdecode as bd
     from bench_decode import Timer, _graph_time, build

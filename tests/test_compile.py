@@ -122,6 +122,7 @@ def test_dequant_probe_sm90_ptx(cfg):
 # (bits, k_mode, group, dtype, head_dim, heads per tile, split): the sm90 decode kernel
 SM90_DECODE = [
     (4, "channel", 128, "fp16", 128, 8, True),
+    (2, "channel", 128, "fp16", 128, 8, True),  # two consumer warpgroups (``DecodeSm90.consumers``)
     (2, "channel", 32, "bf16", 128, 8, False),
     (4, "token", 64, "fp16", 64, 16, True),
 ]
@@ -486,6 +487,48 @@ def test_sm90_fold_k_config():
                 DecodeSm90(f16, 4, "channel", 32, 128, 8, True),  # groups inside an M-block
                 DecodeSm90(f16, 4, "channel", 128, 128, 8, True, fold_k=False)):
         assert not off.fold_k and not off.raw_k and off.q_copies == 0 and off.producer_regs == PRODUCER_REGS[2]
+
+
+def test_sm90_consumers_config(tmp_path):
+    """Consumer warpgroups a CTA: two in one CTA an SM for 2-bit with K's scale in Q (the
+    measured default), one (two CTAs an SM) elsewhere; the split heuristic counts the CTAs
+    the kernel is built for.  Several consumers vote and wait on their own named barriers
+    (ids in registers), hand their state to consumer 0 through one barrier of all of them,
+    and three at 64-token steps fit their 152 registers."""
+    import cutlass.cute as cute
+    import torch
+
+    from bitdecode import jit
+    from bitdecode.kernels_sm90 import backend as sm90
+    from bitdecode.kernels_sm90.decode import SCALER_REGS, Barrier, DecodeSm90
+
+    f16, bf16 = cutlass.Float16, cutlass.BFloat16
+    two = DecodeSm90(f16, 2, "channel", 128, 128, 8, True)
+    assert two.consumers == 2 and two.ctas_per_sm == 1 and two.consumer_regs == 224
+    for one in (DecodeSm90(bf16, 2, "channel", 128, 128, 8, True),  # no K scale in Q
+                DecodeSm90(f16, 4, "channel", 128, 128, 8, True), DecodeSm90(f16, 2, "channel", 128, 256, 8, True)):
+        assert one.consumers == 1
+    fmt2 = KVFormat(2, "channel", 128)
+    assert sm90.BACKEND.ctas_per_sm(fmt2, 128, 8, torch.float16) == 1
+    assert sm90.BACKEND.ctas_per_sm(fmt2, 128, 8, torch.bfloat16) == 2
+    assert sm90.BACKEND.ctas_per_sm(KVFormat(4, "channel", 128), 128, 8, torch.float16) == 2
+    three = DecodeSm90(f16, 4, "channel", 128, 128, 8, True, consumers=3, step=64)
+    assert three.ctas_per_sm == 1 and three.consumer_regs == (65536 - 128 * SCALER_REGS) // (3 * 128)
+    assert three.num_stages == 9 and Barrier.done(3) < 16
+    with pytest.raises(AssertionError, match="at most four consumers"):
+        DecodeSm90(f16, 4, "channel", 128, 128, 8, True, consumers=5)
+    args = kernels.decode_args(KVFormat(4, "channel", 128), f16, 128, True)
+    ptx = cute.compile(three, *args, cutlass.Float32(1.0), kernels._stream(),
+                       options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+    def has(pattern):
+        return re.search(pattern.replace(" ", r"\s+"), ptx) is not None
+
+    assert has(r"bar\.red\.or\.pred q, %r\d+, 128, p;"), "the lazy vote's barrier is not the consumer's own"
+    assert has(r"bar\.sync %r\d+, 128;"), "the consumers' barriers are not per consumer (run-time ids)"
+    assert has(rf"bar\.sync {Barrier.done(3)}, 384;") and has(rf"bar\.arrive {Barrier.done(3)}, 384;")
+    assert has(rf"bar\.sync {Barrier.q(3)}, 512;")  # Q: every consumer and the scalers
+    report = ptxas.report(ptx, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
 def test_sm90_lazy_margin_keeps_fp16_p_finite():
