@@ -1,13 +1,14 @@
 """Split-KV decode attention over a packed low-bit KV cache on Hopper (sm_90a).
 
-One CTA = (split, KV head, sequence), two warpgroups with fixed roles:
+One CTA = (split, KV head, sequence), warpgroups with fixed roles:
 
 * **producer** (warpgroup 0, registers given back with ``setmaxnreg``): one warp walks the
   split's packed tiles and, per tile, issues a TMA tensor load of the packed K rows and of
   the packed V rows (into the 16-byte-granule swizzle ``layouts.sm90`` reads them with) and
   two bulk copies of their (scale, zero) words, all completing on the stage's mbarrier of a
   ``cutlass.pipeline.PipelineTmaAsync`` ring;
-* **consumer** (warpgroup 1): dequantizes each stage in registers and runs both products
+* **consumer** (warpgroup 1; with ``consumers`` > 1, warpgroups 1 .. on alternate tiles of
+  the split, merged at the end): dequantizes each stage in registers and runs both products
   on ``wgmma`` with the dequantized operand read from registers (RS)::
 
       S^T = K . Q^T    A = K   (64 tokens x 16 channels per wgmma, registers), B = Q  (smem)
