@@ -324,17 +324,26 @@ class Sm80Backend:
         return True
 
     # ---- decode -------------------------------------------------------------------------
-    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16) -> int:
+    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
         """CTAs of the decode kernel one SM holds (the split heuristic fills them); ``dtype``:
-        the model's, which some backends' kernels depend on."""
+        the model's, which some backends' kernels depend on; ``variant``: ``grid_variant``'s."""
         return ctas_per_sm(fmt, head_dim, nh)
 
-    def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1):
+    def grid_variant(self, fmt: KVFormat, dtype, head_dim: int, nh: int, batch: int, kv_heads: int, tq: int,
+                     device) -> str:
+        """A decode kernel variant for this launch's size ("" : the one kernel of the format),
+        which ``choose_splits`` and ``plan`` both follow.  sm80 has none."""
+        return ""
+
+    def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
+                    variant: str = ""):
         """The decode kernel object (its constexpr configuration) for ``arch``; ``tq`` query
-        tokens per sequence (``MultiTokenPlan``)."""
+        tokens per sequence (``MultiTokenPlan``); ``variant``: one of ``grid_variant``'s."""
         from .decode import DecodeSm80
 
         check_decode_request(fmt, tq)
+        if variant:
+            raise ValueError(f"the {self.name} decode kernel has no variant {variant!r}")
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
@@ -342,23 +351,29 @@ class Sm80Backend:
                           sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4)
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
-                       keep_ptx: bool = False, tq: int = 1):
+                       keep_ptx: bool = False, tq: int = 1, variant: str = ""):
         import cutlass
         import cutlass.cute as cute
 
-        kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq)
+        kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant)
         return cute.compile(kernel, *decode_args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), _stream(),
                             options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
-    def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1):
+    def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
+                      variant: str = ""):
         """``compile_decode`` through the JIT cache (memory, then disk)."""
-        key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split) + ((tq,) if tq > 1 else ())
-        return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split, tq=tq))
+        key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split) + ((tq,) if tq > 1 else ()) \
+            + ((variant,) if variant else ())
+        return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split, tq=tq,
+                                                                variant=variant))
 
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
-        per_sm = self.ctas_per_sm(cache.fmt, d, sm80.heads_tile(query_rows(tq, hq, hkv)), cache.k_res.dtype)
+        nh = sm80.heads_tile(query_rows(tq, hq, hkv))
+        dtype = cache.k_res.dtype
+        variant = self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device)
+        per_sm = self.ctas_per_sm(cache.fmt, d, nh, dtype, variant)
         return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)
 
     def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int):
@@ -368,7 +383,9 @@ class Sm80Backend:
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
         rows = query_rows(tq, hq, hkv)
-        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, sm80.heads_tile(rows), splits > 1, tq)
+        nh = sm80.heads_tile(rows)
+        variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device)
+        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
         plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn)
         return plan if tq == 1 else MultiTokenPlan(plan, hkv)
@@ -432,9 +449,10 @@ class Sm80Backend:
         fmt = KVFormat(fp4=v.fp4) if v.fp4 else KVFormat(v.bits, v.k_mode, v.group_size) if v.bits else None
         if v.kind == "decode":
             nh, split = int(v.extra[0][1:]), v.extra[1] == "split"
+            variant = v.extra[2] if len(v.extra) > 2 else ""  # a ``grid_variant``
             if cached:
-                return self.decode_kernel(arch, fmt, dtype, v.head_dim, nh, split)
-            return self.compile_decode(arch, fmt, dtype, v.head_dim, nh, split, keep_ptx=keep_ptx)
+                return self.decode_kernel(arch, fmt, dtype, v.head_dim, nh, split, variant=variant)
+            return self.compile_decode(arch, fmt, dtype, v.head_dim, nh, split, keep_ptx=keep_ptx, variant=variant)
         if v.kind == "pack":
             if cached:
                 return _pack_kernel(arch, fmt, dtype, v.head_dim, v.extra[0])

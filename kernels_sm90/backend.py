@@ -7,13 +7,32 @@ kernels, and split-KV partials are merged by the sm80 combine kernel.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
 from .. import jit
+from ..backend import Variant, num_sms
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
+
+
+# grid_variant's kernels: their DecodeSm90 keywords
+SMALL_GRID = {"consumers": 2, "fold_k": False}
+VARIANTS = {"": {}, "small": SMALL_GRID}
+# splits per (sequence, KV head) the default kernel would need for a grid to count as small
+SMALL_GRID_SPLITS = 16
+
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def small_grid_kernel(fmt: KVFormat, dtype, head_dim: int, nh: int) -> bool:
+    """Whether small grids of this decode request take the ``"small"`` variant: measured for
+    4-bit K per channel (groups >= 64, where the default puts K's scale in Q) in fp16 at
+    head dim 128 and 8-head GQA tiles only (``Sm90Backend.grid_variant``)."""
+    return (fmt.bits == fmt.v_bits == 4 and not fmt.fp4 and fmt.k_mode == "channel" and fmt.group_size >= 64
+            and dtype == torch.float16 and head_dim == 128 and nh == 8)
 
 
 class Sm90Backend(sm80_backend.Sm80Backend):
@@ -45,18 +64,42 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return (fmt.bits == fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
                 and dtype == torch.float16)
 
-    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16) -> int:
+    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
         """What the decode kernel for these arguments is built for (its constexpr config)."""
-        return self.make_decode("sm_90a", fmt, sm80_backend._cute_dtype(dtype), head_dim, nh, True).ctas_per_sm
+        kernel = self.make_decode("sm_90a", fmt, sm80_backend._cute_dtype(dtype), head_dim, nh, True, variant=variant)
+        return kernel.ctas_per_sm
 
-    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1):
+    def grid_variant(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, device) -> str:
+        """``"small"`` where ``small_grid_kernel`` takes the request and (sequence, KV head)
+        pairs are so few that the default kernel needs at least ``SMALL_GRID_SPLITS`` splits
+        each to fill the SMs: there one CTA an SM with two consumer warpgroups and K's scale
+        left out of Q (``SMALL_GRID``) is faster.  H200, one run (B=1, Hkv=8, 4-bit K per
+        channel g128 fp16, profiles/h200/variants_consumers.json, "c2nf" against "base", us):
+        N=4K 12.54 -> 11.90, 32K 25.28 -> 22.42, 128K 57.17 -> 53.97; at B=8 it was 3 %
+        slower (173.9 -> 179.7), so bigger grids keep the default."""
+        small = (tq == 1 and small_grid_kernel(fmt, dtype, head_dim, nh)
+                 and batch * kv_heads * SMALL_GRID_SPLITS <= num_sms(device))
+        return "small" if small else ""
+
+    def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:
+        """sm80's list, and the ``"small"`` grid variant of each decode kernel that has one."""
+        out = super().variants(kinds, formats, head_dims, dtypes)
+        for v in list(out):
+            if v.kind == "decode" and not v.fp4 and small_grid_kernel(
+                    KVFormat(v.bits, v.k_mode, v.group_size), DTYPES[v.dtype], v.head_dim, int(v.extra[0][1:])):
+                out.append(v._replace(extra=v.extra + ("small",)))
+        return out
+
+    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
         from .decode import DecodeSm90
 
         sm80_backend.check_decode_request(fmt, tq)
         if arch != "sm_90a":
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"the sm90 decode kernel has no variant {variant!r} (known: {sorted(VARIANTS)})")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4, **VARIANTS[variant])
 
 
 BACKEND = Sm90Backend()

@@ -531,6 +531,51 @@ def test_sm90_consumers_config(tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+def test_sm90_small_grid_variant(monkeypatch, tmp_path):
+    """Grids of few (sequence, KV head) pairs (B=1 at Hkv=8 on 132 SMs) take the one-CTA
+    kernel with two consumers and K's scale not in Q, for the formats it was measured on;
+    the split heuristic and the plan follow the same choice, the JIT cache keeps the two
+    kernels apart, ``bitdecode compile`` lists it, and it compiles without spills."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bitdecode import jit
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    for module in (sm90, sm80_backend):  # the H200's SMs
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    be, fmt, f16 = sm90.BACKEND, KVFormat(4, "channel", 128), torch.float16
+    dev = torch.device("cpu")
+    assert be.grid_variant(fmt, f16, 128, 8, 1, 8, 1, dev) == "small"
+    for args in ((fmt, f16, 128, 8, 2, 8, 1), (fmt, torch.bfloat16, 128, 8, 1, 8, 1), (fmt, f16, 64, 8, 1, 8, 1),
+                 (fmt, f16, 128, 16, 1, 8, 1), (fmt, f16, 128, 8, 1, 8, 2), (KVFormat(2, "channel", 128), f16, 128, 8, 1, 8, 1),
+                 (KVFormat(4, "channel", 32), f16, 128, 8, 1, 8, 1), (KVFormat(4, "token", 64), f16, 128, 8, 1, 8, 1)):
+        assert be.grid_variant(*args, dev) == "", args
+    small = be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="small")
+    assert small.consumers == 2 and not small.fold_k and small.ctas_per_sm == 1
+    assert be.ctas_per_sm(fmt, 128, 8, f16, "small") == 1 and be.ctas_per_sm(fmt, 128, 8, f16) == 2
+    with pytest.raises(ValueError, match="no variant 'tiny'"):
+        be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="tiny")
+    with pytest.raises(ValueError, match="no variant 'small'"):
+        sm80_backend.BACKEND.make_decode("sm_80", fmt, cutlass.Float16, 128, 8, True, variant="small")
+    cache = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=f16))
+    assert be.choose_splits(cache, (1, 1, 32, 128), 131072, dev) == 16  # one CTA an SM
+    assert be.choose_splits(cache, (2, 1, 32, 128), 131072, dev) == 16  # two CTAs an SM, 16 pairs
+    built = []
+    monkeypatch.setattr(jit.KERNELS, "get", lambda key, make: built.append(key))
+    be.decode_kernel("sm_90a", fmt, cutlass.Float16, 128, 8, True)
+    be.decode_kernel("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="small")
+    assert built[0] != built[1] and built[1][-1] == "small"
+    listed = be.variants(("decode",), [fmt, KVFormat(2, "channel", 128)], [128], ["fp16", "bf16"])
+    assert [v.name for v in listed if v.extra[-1] == "small"] == [
+        "decode_fp16_d128_4bit_channel_g128_h8_direct_small", "decode_fp16_d128_4bit_channel_g128_h8_split_small"]
+    v = next(v for v in listed if v.extra[-1] == "small" and v.extra[1] == "split")
+    report = ptxas.report(be.compile_variant("sm_90a", v, keep_ptx=True).artifacts.PTX, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 def test_sm90_lazy_margin_keeps_fp16_p_finite():
     """The lazy maximum lets P reach 2^lazy_margin; with V's scale folded into P^T (fp16)
     that times the largest scale an fp16 V can have, (65504 - -65504) / (2^bits - 1), must
