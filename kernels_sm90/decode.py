@@ -486,7 +486,7 @@ class DecodeSm90(PackedDecodeConfig):
         zero_shared(sQs, tid, WG)
         zero_shared(sBias, tid, WG)
         # the consumers put Q in smem
-        cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=(1 + self.consumers) * WG)
+        cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
         for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
             if warp == 0:
                 if it < packed_end:
@@ -609,9 +609,9 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(n == 1):
             self.bar(Barrier.P)
             if const_expr(self.fold_k):
-                cute.arch.barrier_arrive(barrier_id=Barrier.q(n), number_of_threads=2 * WG)
+                cute.arch.barrier_arrive(barrier_id=Barrier.q(n), number_of_threads=self.q_threads)
         else:  # Q is every consumer's: a barrier of all of them (and of the scalers, who read it)
-            cute.arch.barrier(barrier_id=Barrier.q(n), number_of_threads=(n + (1 if self.fold_k else 0)) * WG)
+            cute.arch.barrier(barrier_id=Barrier.q(n), number_of_threads=self.q_threads)
 
         # both products are wgmma 64 x nh x 16 with A from registers: one partitioning serves
         # both (the MMA objects that issue them are made per product, see ``scores``)
@@ -716,7 +716,7 @@ class DecodeSm90(PackedDecodeConfig):
                 # the rings are idle too once every consumer is here (the residual reuses them)
                 cute.arch.barrier_arrive(barrier_id=Barrier.done(n), number_of_threads=n * WG)
             else:
-                acc_pv.fill(0.0)  # folded above: ``finish`` folds it again
+                acc_pv.fill(0.0)  # its last product is in acc_o now, and ``finish`` folds once more
                 cute.arch.barrier(barrier_id=Barrier.done(n), number_of_threads=n * WG)
                 self.merge(stash, tid, acc_o, row_max, row_sum, zsum)
                 self.finish(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch,
@@ -807,6 +807,12 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(self.consumers == 1):
             return 0
         return cute.arch.make_warp_uniform(cute.arch.warp_idx()) // WARPS - 1
+
+    @property
+    def q_threads(self) -> int:
+        """Threads of the barrier that publishes Q: the consumers, and with ``fold_k`` the
+        producer warpgroup, whose scalers read it."""
+        return (self.consumers + (1 if self.fold_k else 0)) * WG
 
     # ---- fragments ----------------------------------------------------------------------
     def slab_words(self, tile16, row0, chunk0: int, chunks: int, lane):
