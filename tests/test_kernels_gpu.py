@@ -360,6 +360,24 @@ def test_plans_hold_their_cache_tensors_as_tvm_ffi_tensors(backend):
     check_decode(q, cache, backend, num_splits=3)
 
 
+@pytest.mark.parametrize("lens, hkv, splits", [([9000], 8, 0), ([700, 300], 2, 3), ([2000], 8, 1),
+                                               ([900, 1200, 64, 3000], 8, 0)])
+def test_sm90_grid_variants_match_reference(lens, hkv, splits):
+    """A 4-bit fp16 cache on sm90 takes the one-CTA kernel (two consumer warpgroups, K's
+    scale not in Q) while batch x Hkv x 16 fits in the SMs and the default kernel above;
+    both, split (auto or forced) and direct, against the reference."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    fmt = bd.KVFormat(4, "channel", 128)
+    cache, _, _ = make_cache(fmt, lens, hkv, 128, torch.float16, backend="sm90")
+    q = torch.randn(len(lens), 1, 4 * hkv, 128, device=DEV).half()
+    small = len(lens) * hkv * sm90.SMALL_GRID_SPLITS <= torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert sm90.BACKEND.grid_variant(fmt, torch.float16, 128, 8, len(lens), hkv, 1, DEV) == ("small" if small else "")
+    check_decode(q, cache, "sm90", num_splits=splits)
+
+
 @pytest.mark.parametrize("tool_name", ["memcheck", "racecheck"])
 def test_compute_sanitizer_clean(tmp_path, backend, tool_name):
     tool = shutil.which("compute-sanitizer")
