@@ -7,6 +7,7 @@ kernels, and split-KV partials are merged by the sm80 combine kernel.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Tuple
 
 import torch
@@ -66,8 +67,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
         """What the decode kernel for these arguments is built for (its constexpr config)."""
-        kernel = self.make_decode("sm_90a", fmt, sm80_backend._cute_dtype(dtype), head_dim, nh, True, variant=variant)
-        return kernel.ctas_per_sm
+        return _kernel_ctas_per_sm(self, fmt, head_dim, nh, dtype, variant)
 
     def grid_variant(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, device) -> str:
         """``"small"`` where ``small_grid_kernel`` takes the request and (sequence, KV head)
@@ -100,6 +100,14 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             raise ValueError(f"the sm90 decode kernel has no variant {variant!r} (known: {sorted(VARIANTS)})")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),
                           sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4, **VARIANTS[variant])
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_ctas_per_sm(backend: Sm90Backend, fmt: KVFormat, head_dim: int, nh: int, dtype, variant: str) -> int:
+    """``Sm90Backend.ctas_per_sm``, remembered: the split heuristic asks on every decode call
+    that misses the cache's fast path, and building the kernel's config costs ~10 us."""
+    kernel = backend.make_decode("sm_90a", fmt, sm80_backend._cute_dtype(dtype), head_dim, nh, True, variant=variant)
+    return kernel.ctas_per_sm
 
 
 BACKEND = Sm90Backend()
