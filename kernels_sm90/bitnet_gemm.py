@@ -501,20 +501,15 @@ class BitnetGemmSm90:
             # loads have landed, as every stage was waited for); the token scales are in
             cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
             ctid = tidx - WG_THREADS
-            if const_expr(cfg.cluster_k == 1 and not cfg.split_k):
+            last = Int32(1)  # a split tile: only the CTA that ends up with the whole sum stores it
+            if const_expr(cfg.cluster_k > 1):
+                last = self.sum_cluster(acc, storage, work, ctid)
+            elif const_expr(cfg.split_k):
+                if work.splits > 1:
+                    last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work,
+                                           ctid)
+            if last != 0:
                 self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
-            else:
-                # a split tile: the CTA that ends up with the whole sum stores it
-                if const_expr(cfg.cluster_k > 1):
-                    last = self.sum_cluster(acc, storage, work, ctid)
-                else:
-                    last = Int32(1)
-                    if work.splits > 1:
-                        last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)),
-                                               work, ctid)
-                if last != 0:
-                    self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3,
-                                  work, ctid)
 
     # ---------------------------------------------------------------------------------
     # Producer: warp 0 of warpgroup 0
