@@ -188,6 +188,17 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
     return max(1, min(splits, tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
 
 
+def variant_format(v: Variant):
+    """The KVFormat a ``bitdecode compile`` variant was listed for (None: the combine)."""
+    return KVFormat(fp4=v.fp4) if v.fp4 else KVFormat(v.bits, v.k_mode, v.group_size) if v.bits else None
+
+
+def decode_variant_args(v: Variant) -> Tuple[int, bool, str]:
+    """A decode variant's (heads tile, split, ``grid_variant``) from its ``extra`` words
+    (``h8``, ``split`` / ``direct``, then the grid variant where there is one)."""
+    return int(v.extra[0][1:]), v.extra[1] == "split", v.extra[2] if len(v.extra) > 2 else ""
+
+
 # --------------------------------------------------------------------------------------
 # The backend object
 # --------------------------------------------------------------------------------------
@@ -446,10 +457,9 @@ class Sm80Backend:
         import cutlass
 
         dtype = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[v.dtype]
-        fmt = KVFormat(fp4=v.fp4) if v.fp4 else KVFormat(v.bits, v.k_mode, v.group_size) if v.bits else None
+        fmt = variant_format(v)
         if v.kind == "decode":
-            nh, split = int(v.extra[0][1:]), v.extra[1] == "split"
-            variant = v.extra[2] if len(v.extra) > 2 else ""  # a ``grid_variant``
+            nh, split, variant = decode_variant_args(v)
             if cached:
                 return self.decode_kernel(arch, fmt, dtype, v.head_dim, nh, split, variant=variant)
             return self.compile_decode(arch, fmt, dtype, v.head_dim, nh, split, keep_ptx=keep_ptx, variant=variant)

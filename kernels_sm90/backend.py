@@ -25,15 +25,12 @@ VARIANTS = {"": {}, "small": SMALL_GRID}
 SMALL_GRID_SPLITS = 16
 
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def small_grid_kernel(fmt: KVFormat, dtype, head_dim: int, nh: int) -> bool:
+def small_grid_kernel(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
     """Whether small grids of this decode request take the ``"small"`` variant: measured for
     4-bit K per channel (groups >= 64, where the default puts K's scale in Q) in fp16 at
     head dim 128 and 8-head GQA tiles only (``Sm90Backend.grid_variant``)."""
     return (fmt.bits == fmt.v_bits == 4 and not fmt.fp4 and fmt.k_mode == "channel" and fmt.group_size >= 64
-            and dtype == torch.float16 and head_dim == 128 and nh == 8)
+            and fp16 and head_dim == 128 and nh == 8)
 
 
 class Sm90Backend(sm80_backend.Sm80Backend):
@@ -77,18 +74,15 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         channel g128 fp16, profiles/h200/variants_consumers.json, "c2nf" against "base", us):
         N=4K 12.54 -> 11.90, 32K 25.28 -> 22.42, 128K 57.17 -> 53.97; at B=8 it was 3 %
         slower (173.9 -> 179.7), so bigger grids keep the default."""
-        small = (tq == 1 and small_grid_kernel(fmt, dtype, head_dim, nh)
+        small = (tq == 1 and small_grid_kernel(fmt, dtype == torch.float16, head_dim, nh)
                  and batch * kv_heads * SMALL_GRID_SPLITS <= num_sms(device))
         return "small" if small else ""
 
     def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:
         """sm80's list, and the ``"small"`` grid variant of each decode kernel that has one."""
         out = super().variants(kinds, formats, head_dims, dtypes)
-        for v in list(out):
-            if v.kind == "decode" and not v.fp4 and small_grid_kernel(
-                    KVFormat(v.bits, v.k_mode, v.group_size), DTYPES[v.dtype], v.head_dim, int(v.extra[0][1:])):
-                out.append(v._replace(extra=v.extra + ("small",)))
-        return out
+        return out + [v._replace(extra=v.extra + ("small",)) for v in out if v.kind == "decode" and small_grid_kernel(
+            sm80_backend.variant_format(v), v.dtype == "fp16", v.head_dim, sm80_backend.decode_variant_args(v)[0])]
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
         from .decode import DecodeSm90
