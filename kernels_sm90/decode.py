@@ -708,27 +708,26 @@ class DecodeSm90(PackedDecodeConfig):
                         split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max, row_sum, zsum,
                         scale_log2, red, gq, warp, lane, tid, lim)
         else:
-            warpgroup.wait_group(0)
-            self.fold(acc_o, acc_pv)
             stash = storage.stash.get_tensor(cute.make_layout((WG, self.stash_slots, n - 1)))
             if consumer > 0:
+                warpgroup.wait_group(0)
+                self.fold(acc_o, acc_pv)
                 self.stash_state(stash[None, None, consumer - 1], tid, acc_o, row_max, row_sum, zsum)
                 # the rings are idle too once every consumer is here (the residual reuses them)
                 cute.arch.barrier_arrive(barrier_id=Barrier.done(n), number_of_threads=n * WG)
             else:
-                acc_pv.fill(0.0)  # its last product is in acc_o now, and ``finish`` folds once more
                 cute.arch.barrier(barrier_id=Barrier.done(n), number_of_threads=n * WG)
-                self.merge(stash, tid, acc_o, row_max, row_sum, zsum)
                 self.finish(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch,
                             head_kv, split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max,
-                            row_sum, zsum, scale_log2, red, gq, warp, lane, tid, lim)
+                            row_sum, zsum, scale_log2, red, gq, warp, lane, tid, lim, stash)
 
     @cute.jit
     def finish(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch, head_kv,
                split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max, row_sum, zsum, scale_log2,
-               red, gq, warp, lane, tid, lim):
-        """After the packed tiles (consumer 0, with the others' state merged): the 16-bit
-        residual block, the sink tokens and the epilogue."""
+               red, gq, warp, lane, tid, lim, stash=None):
+        """After the packed tiles (consumer 0): the 16-bit residual block, the sink tokens,
+        the other consumers' state (``stash``: softmax states merge in any order) and the
+        epilogue."""
         if has_residual:
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                           acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res, zsum)
@@ -738,6 +737,8 @@ class DecodeSm90(PackedDecodeConfig):
                               acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, 0, zsum)
         warpgroup.wait_group(0)
         self.fold(acc_o, acc_pv)
+        if const_expr(stash is not None):
+            self.merge(stash, tid, acc_o, row_max, row_sum, zsum)
         self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane, zsum)
 
     def state_slots(self, acc_o, row_max, row_sum, zsum):
