@@ -279,6 +279,15 @@ class DecodeSm90(PackedDecodeConfig):
         row sums, and with ``fold_v`` one P.zero sum per V group."""
         return 2 + (self.p_copies if self.fold_v else 0)
 
+    def _red_layout(self):
+        """One consumer's exchange slots: (head, warp, ``red_slots``) fp32, consumers apart."""
+        return cute.make_layout((self.nh, WARPS, self.red_slots))
+
+    def _stash_layout(self):
+        """Consumers 1 ..: their partial softmax state, (thread, ``stash_slots``, consumer - 1)
+        fp32, slot-major so a warp's stores of one slot are consecutive words (``merge``)."""
+        return cute.make_layout((WG, self.stash_slots, self.consumers - 1))
+
     @property
     def stash_slots(self) -> int:
         """fp32 values of a consumer thread's partial softmax state: its head columns' maxima
@@ -295,15 +304,15 @@ class DecodeSm90(PackedDecodeConfig):
         @cute.struct
         class Storage:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            red: cute.struct.MemRange[Float32, self.red_slots * WARPS * self.nh * n]
+            red: cute.struct.MemRange[Float32, cute.cosize(self._red_layout()) * n]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(p_layout)], 1024]
             sKp: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(kp_layout)], 1024]
             sVp: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(vp_layout)], 1024]
             sKs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_ks], 128]
             sVs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_vs], 128]
-            if n > 1:  # consumers 1 .. n-1: their partial softmax state, per thread (``merge``)
-                stash: cute.struct.MemRange[Float32, WG * self.stash_slots * (n - 1)]
+            if n > 1:
+                stash: cute.struct.MemRange[Float32, cute.cosize(self._stash_layout())]
 
         if not self.fold_k:
             return Storage
@@ -591,7 +600,7 @@ class DecodeSm90(PackedDecodeConfig):
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         if const_expr(n > 1):  # (a tile of the stage mode: the wgmma descriptors need its alignment)
             sP = cute.local_tile(sP, (self.nh, self.step, self.p_copies), (0, 0, consumer))
-        red_layout = cute.make_layout((self.nh, WARPS, self.red_slots))
+        red_layout = self._red_layout()
         red = cute.make_tensor(storage.red.data_ptr() + consumer * cute.cosize(red_layout), red_layout)
         lim = self.causal_limits(seqlen, gq, lane)  # multi-token queries: each column's last token
 
@@ -708,7 +717,7 @@ class DecodeSm90(PackedDecodeConfig):
                         split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max, row_sum, zsum,
                         scale_log2, red, gq, warp, lane, tid, lim)
         else:
-            stash = storage.stash.get_tensor(cute.make_layout((WG, self.stash_slots, n - 1)))
+            stash = storage.stash.get_tensor(self._stash_layout())
             if consumer > 0:
                 warpgroup.wait_group(0)
                 self.fold(acc_o, acc_pv)
@@ -759,8 +768,7 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def stash_state(self, stash, tid, acc_o, row_max, row_sum, zsum):
-        """Consumers 1 ..: this thread's partial state into its column of ``stash`` (slot-major:
-        a warp's stores of one slot are consecutive words)."""
+        """Consumers 1 ..: this thread's partial state into its column of ``stash``."""
         for j, (regs, idx, _) in enumerate(self.state_slots(acc_o, row_max, row_sum, zsum)):
             stash[tid, j] = regs[idx]
 
