@@ -22,7 +22,7 @@ from ..kernels_sm80 import backend as sm80_backend
 SMALL_GRID = {"consumers": 2, "fold_k": False}
 VARIANTS = {"": {}, "small": SMALL_GRID}
 # splits per (sequence, KV head) the default kernel would need for a grid to count as small
-SMALL_GRID_SPLITS = 16
+SMALL_GRID_SPLITS = 8
 
 
 def small_grid_kernel(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
@@ -54,13 +54,17 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         NOTES.md): K per channel g128 fp16 faster from N = 32K (B=1 N=128K 51.1 vs 54.1, B=16
         N=128K 577.6 vs 625.4), 1.4 us slower at B=1 N=4K; bf16 level (B=16 N=64K 312.9 vs
         311.7) and K per token g64 slower at B=16 (348.5 vs 324.9) stay on sm80, as do head
-        dim 256, never timed here, and an unknown dtype (profiles/NOTES.md)."""
+        dim 256, never timed here, and an unknown dtype (profiles/NOTES.md).  K 4-bit / V 2-bit
+        (K per channel g128, fp16), two recordings of ``decode_backends.json`` (twenty-first
+        and twenty-second sessions), sm90 vs sm80: B=1 N=32K 25.5 vs 30.8, N=128K 54.8 vs
+        70.2, B=16 N=4K 33.5 vs 38.3, N=32K 165.1 vs 174.3, N=128K 612.1 vs 644.5; 1.7 us
+        slower at B=1 N=4K (15.0 vs 13.3); in bf16 never timed."""
         if head_dim > 128 or dtype not in (torch.float16, torch.bfloat16):
             return False
         if fmt.bits == fmt.v_bits == 4:
             return True
-        return (fmt.bits == fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
-                and dtype == torch.float16)
+        return (fmt.bits in (2, 4) and fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
+                and dtype == torch.float16 and not fmt.fp4)
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
         """What the decode kernel for these arguments is built for (its constexpr config)."""
@@ -73,7 +77,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         left out of Q (``SMALL_GRID``) is faster.  H200, one run (B=1, Hkv=8, 4-bit K per
         channel g128 fp16, profiles/h200/variants_consumers.json, "c2nf" against "base", us):
         N=4K 12.54 -> 11.90, 32K 25.28 -> 22.42, 128K 57.17 -> 53.97; at B=8 it was 3 %
-        slower (173.9 -> 179.7), so bigger grids keep the default."""
+        slower (173.9 -> 179.7).  At N=64K (profiles/h200/variants_scalers.json, one run):
+        B=2 55.26 -> 53.92, B=4 94.38 -> 95.52, so the threshold sits between 8 and 4 splits
+        a pair (B=2 at Hkv=8 on 132 SMs) and bigger grids keep the default."""
         small = (tq == 1 and small_grid_kernel(fmt, dtype == torch.float16, head_dim, nh)
                  and batch * kv_heads * SMALL_GRID_SPLITS <= num_sms(device))
         return "small" if small else ""

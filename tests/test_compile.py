@@ -532,7 +532,7 @@ def test_sm90_consumers_config(tmp_path):
 
 
 def test_sm90_small_grid_variant(monkeypatch, tmp_path):
-    """Grids of few (sequence, KV head) pairs (B=1 at Hkv=8 on 132 SMs) take the one-CTA
+    """Grids of few (sequence, KV head) pairs (B <= 2 at Hkv=8 on 132 SMs) take the one-CTA
     kernel with two consumers and K's scale not in Q, for the formats it was measured on;
     the split heuristic and the plan follow the same choice, the JIT cache keeps the two
     kernels apart, ``bitdecode compile`` lists it, and it compiles without spills."""
@@ -549,7 +549,8 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     be, fmt, f16 = sm90.BACKEND, KVFormat(4, "channel", 128), torch.float16
     dev = torch.device("cpu")
     assert be.grid_variant(fmt, f16, 128, 8, 1, 8, 1, dev) == "small"
-    for args in ((fmt, f16, 128, 8, 2, 8, 1), (fmt, torch.bfloat16, 128, 8, 1, 8, 1), (fmt, f16, 64, 8, 1, 8, 1),
+    assert be.grid_variant(fmt, f16, 128, 8, 2, 8, 1, dev) == "small"
+    for args in ((fmt, f16, 128, 8, 3, 8, 1), (fmt, torch.bfloat16, 128, 8, 1, 8, 1), (fmt, f16, 64, 8, 1, 8, 1),
                  (fmt, f16, 128, 16, 1, 8, 1), (fmt, f16, 128, 8, 1, 8, 2), (KVFormat(2, "channel", 128), f16, 128, 8, 1, 8, 1),
                  (KVFormat(4, "channel", 32), f16, 128, 8, 1, 8, 1), (KVFormat(4, "token", 64), f16, 128, 8, 1, 8, 1)):
         assert be.grid_variant(*args, dev) == "", args
@@ -562,7 +563,8 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
         sm80_backend.BACKEND.make_decode("sm_80", fmt, cutlass.Float16, 128, 8, True, variant="small")
     cache = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=f16))
     assert be.choose_splits(cache, (1, 1, 32, 128), 131072, dev) == 16  # one CTA an SM
-    assert be.choose_splits(cache, (2, 1, 32, 128), 131072, dev) == 16  # two CTAs an SM, 16 pairs
+    assert be.choose_splits(cache, (2, 1, 32, 128), 131072, dev) == 8  # one CTA an SM, 16 pairs
+    assert be.choose_splits(cache, (3, 1, 32, 128), 131072, dev) == 11  # two CTAs an SM, 24 pairs
     built = []
     monkeypatch.setattr(jit.KERNELS, "get", lambda key, make: built.append(key))
     be.decode_kernel("sm_90a", fmt, cutlass.Float16, 128, 8, True)

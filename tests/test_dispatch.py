@@ -34,17 +34,22 @@ def test_shipped_backends_best_first():
     ((9, 0), 4, 256, torch.float16, "sm80"),  # ... nor head dim 256 (never timed)
     ((9, 0), 2, 128, torch.float16, "sm90"),  # 2-bit K per channel g128 fp16 (128-token steps)
     ((9, 0), 2, 128, torch.bfloat16, "sm80"),  # ... not in bf16, where it measured level
+    ((9, 0), (4, 2), 128, torch.float16, "sm90"),  # K 4-bit / V 2-bit, K per channel g128 fp16
+    ((9, 0), (4, 2), 128, torch.bfloat16, "sm80"),  # ... not in bf16 (never timed)
     ((8, 0), 4, 128, torch.float16, "sm80"),
     ((8, 9), 2, 64, torch.bfloat16, "sm80"),
     ((10, 0), 4, 128, torch.float16, "sm80"),  # Blackwell: the tcgen05 kernel is for FP4 caches only
 ])
 def test_auto_by_capability_format_and_dtype(capability, cap, bits, head_dim, dtype, expect):
     capability(cap)
-    assert dispatch.resolve("auto", CUDA0, fmt=bd.KVFormat(bits=bits), head_dim=head_dim, dtype=dtype) == expect
+    bits, v_bits = bits if isinstance(bits, tuple) else (bits, bits)
+    fmt = bd.KVFormat(bits=bits, v_bits=v_bits)
+    assert dispatch.resolve("auto", CUDA0, fmt=fmt, head_dim=head_dim, dtype=dtype) == expect
 
 
 @pytest.mark.parametrize("fmt", [bd.KVFormat(bits=2, k_mode="token", group_size=64), bd.KVFormat(bits=2, group_size=64),
-                                 bd.KVFormat(bits=4, v_bits=2)], ids=["2t64", "2c64", "k4v2"])
+                                 bd.KVFormat(bits=4, v_bits=2, group_size=64), bd.KVFormat(bits=2, v_bits=4)],
+                         ids=["2t64", "2c64", "k4v2g64", "k2v4"])
 def test_auto_keeps_sm80_for_the_2bit_formats_not_timed_faster_on_sm90(capability, fmt):
     capability((9, 0))
     assert dispatch.resolve("auto", CUDA0, fmt=fmt, head_dim=128, dtype=torch.float16) == "sm80"

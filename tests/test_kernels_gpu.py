@@ -364,7 +364,7 @@ def test_plans_hold_their_cache_tensors_as_tvm_ffi_tensors(backend):
                                                ([900, 1200, 64, 3000], 8, 0)])
 def test_sm90_grid_variants_match_reference(lens, hkv, splits):
     """A 4-bit fp16 cache on sm90 takes the one-CTA kernel (two consumer warpgroups, K's
-    scale not in Q) while batch x Hkv x 16 fits in the SMs and the default kernel above;
+    scale not in Q) while batch x Hkv x SMALL_GRID_SPLITS fits in the SMs and the default kernel above;
     both, split (auto or forced) and direct, against the reference."""
     if not dispatch.runnable("sm90", DEV):
         pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
