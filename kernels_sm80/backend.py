@@ -340,6 +340,13 @@ class Sm80Backend:
         the model's, which some backends' kernels depend on; ``variant``: ``grid_variant``'s."""
         return ctas_per_sm(fmt, head_dim, nh)
 
+    decode_tiles = sm80.HEADS_TILES  # every ``heads_tile`` (``bitdecode compile`` lists them)
+
+    def heads_tile(self, rows: int, tq: int) -> int:
+        """The decode kernel's query-head tile for ``rows`` query rows per KV head (``tq``
+        tokens of each head): the MMA's N side, 8 or 16."""
+        return sm80.heads_tile(rows)
+
     def grid_variant(self, fmt: KVFormat, dtype, head_dim: int, nh: int, batch: int, kv_heads: int, tq: int,
                      device) -> str:
         """A decode kernel variant for this launch's size ("" : the one kernel of the format),
@@ -381,7 +388,7 @@ class Sm80Backend:
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
-        nh = sm80.heads_tile(query_rows(tq, hq, hkv))
+        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
         dtype = cache.k_res.dtype
         variant = self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device)
         per_sm = self.ctas_per_sm(cache.fmt, d, nh, dtype, variant)
@@ -394,7 +401,7 @@ class Sm80Backend:
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
         rows = query_rows(tq, hq, hkv)
-        nh = sm80.heads_tile(rows)
+        nh = self.heads_tile(rows, tq)
         variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device)
         decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
@@ -444,7 +451,7 @@ class Sm80Backend:
                     continue
                 fkey = () if fmt.fp4 else (fmt.bits, fmt.k_mode, fmt.group_size)
                 if "decode" in kinds:
-                    for nh, split in itertools.product(sm80.HEADS_TILES, (False, True)):
+                    for nh, split in itertools.product(self.decode_tiles, (False, True)):
                         extra = (f"h{nh}", "split" if split else "direct")
                         out.append(Variant("decode", dtype, d, *fkey, extra=extra, fp4=fmt.fp4 or ""))
                 if "pack" in kinds:

@@ -16,6 +16,7 @@ from .. import jit
 from ..backend import Variant, num_sms
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
+from ..layouts import sm80
 
 
 # grid_variant's kernels: their DecodeSm90 keywords
@@ -25,12 +26,18 @@ VARIANTS = {"": {}, "small": SMALL_GRID}
 SMALL_GRID_SPLITS = 8
 
 
+# the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose
+# quad lanes 2 and 3 take their partner's second rows instead of padding (``half_cols``;
+# 2-4 % faster at B=8 / 16, level at B=1, profiles/h200/variants_half_cols.json)
+HALF_TILE = 4
+
+
 def small_grid_kernel(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
     """Whether small grids of this decode request take the ``"small"`` variant: measured for
     4-bit K per channel (groups >= 64, where the default puts K's scale in Q) in fp16 at
-    head dim 128 and 8-head GQA tiles only (``Sm90Backend.grid_variant``)."""
+    head dim 128 and GQA tiles of 8 columns (4 or 8 heads) only (``Sm90Backend.grid_variant``)."""
     return (fmt.bits == fmt.v_bits == 4 and not fmt.fp4 and fmt.k_mode == "channel" and fmt.group_size >= 64
-            and fp16 and head_dim == 128 and nh == 8)
+            and fp16 and head_dim == 128 and nh in (HALF_TILE, 8))
 
 
 class Sm90Backend(sm80_backend.Sm80Backend):
@@ -39,8 +46,15 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     name = "sm90"
     whole_waves = True  # two (or one) CTAs per SM: a partial second wave costs a full one
 
+    decode_tiles = (HALF_TILE,) + sm80.HEADS_TILES
+
     def supports(self, capability: Tuple[int, int]) -> bool:
         return capability[0] == 9
+
+    def heads_tile(self, rows: int, tq: int) -> int:
+        """``HALF_TILE`` for at most 4 rows of one query token (GQA <= 4: half the softmax
+        work of an 8-head tile, see ``DecodeSm90.half_cols``), else sm80's 8 or 16."""
+        return HALF_TILE if rows <= HALF_TILE and tq == 1 else super().heads_tile(rows, tq)
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128, and 2-bit fp16
@@ -98,8 +112,12 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             raise ValueError(f"the sm90 decode kernel (wgmma, setmaxnreg) compiles for sm_90a only, got {arch!r}")
         if variant not in VARIANTS:
             raise ValueError(f"the sm90 decode kernel has no variant {variant!r} (known: {sorted(VARIANTS)})")
-        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4, **VARIANTS[variant])
+        half = nh == HALF_TILE
+        if half and tq != 1:
+            raise ValueError(f"the sm90 decode kernel's {HALF_TILE}-head tile takes one query token, got tq={tq}")
+        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, 8 if half else nh, split,
+                          pdl=jit.has_pdl(arch), sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4,
+                          **({"half_cols": True} if half else {}), **VARIANTS[variant])
 
 
 @functools.lru_cache(maxsize=None)

@@ -150,7 +150,7 @@ class DecodeSm90(PackedDecodeConfig):
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
-                 raw_k_all: bool = True, consumers: int = 0):
+                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -235,6 +235,16 @@ class DecodeSm90(PackedDecodeConfig):
         # profiles/h200/variants_consumers.json); 4-bit lost 14 % at B=8 and 16 that way (one
         # warpgroup of scalers for both consumers), and three consumers at 64-token steps
         # (152 registers each) were slower still (profiles/NOTES.md, twenty-first session)
+        # GQA groups of at most four query heads (one query token) fill columns 0..3 of the
+        # N = 8 tile only, which quad lanes 0 and 1 hold: with ``half_cols`` quad lanes 2 and 3
+        # take the second row (g + 8) of their partner's (quad lane - 2) values by one shuffle
+        # a value (``gather_rows``) instead of running the softmax on padding, so every thread
+        # scales, exponentiates, sums and stores half as many values (the 4-bit loop's SASS:
+        # 548 -> 500 instructions a tile).  H200, one run (profiles/h200/variants_half_cols.json,
+        # GQA 4, fp16, us, half / full): 4c128 B=8 N=64K 168.6 / 176.0, B=16 319.5 / 332.4;
+        # 2c128 144.5 / 148.0, 272.7 / 280.1; B=1 level (4K-128K within +-1 %)
+        assert not half_cols or (heads_tile == 8 and tq == 1), "half_cols: 8-head tiles of one query token"
+        self.half_cols = half_cols
         if consumers == 0:
             consumers = 2 if self.fold_k and bits == self.v_bits == 2 and head_dim <= 128 else 1
         assert 1 <= consumers and Barrier.done(consumers) < 16, "named barriers: at most four consumers"
@@ -602,6 +612,8 @@ class DecodeSm90(PackedDecodeConfig):
             sP = cute.local_tile(sP, (self.nh, self.step, self.p_copies), (0, 0, consumer))
         red_layout = self._red_layout()
         red = cute.make_tensor(storage.red.data_ptr() + consumer * cute.cosize(red_layout), red_layout)
+        if const_expr(self.half_cols):  # P^T's padding heads are never written: zero (published with Q)
+            zero_shared(sP, tid, WG)
         lim = self.causal_limits(seqlen, gq, lane)  # multi-token queries: each column's last token
 
         # ---- Q: global -> smem (rows >= gq zero), by every consumer warpgroup ------------
@@ -1001,7 +1013,7 @@ class DecodeSm90(PackedDecodeConfig):
             for v0 in cutlass.range_constexpr(2):
                 for mb in cutlass.range_constexpr(self.m_k):
                     g = (st * self.step + mb * M_BLOCK) // self.group
-                    bias[2 * nt + v0, mb] = sBias[8 * nt + 2 * c + v0, g, stage] * scale_log2
+                    bias[2 * nt + v0, mb] = sBias[self.head_of(nt, v0, c), g, stage] * scale_log2
 
     @cute.jit
     def pv(self, v_frag, tOrP, acc_pv, per_group: cutlass.Constexpr[bool]):
@@ -1037,6 +1049,47 @@ class DecodeSm90(PackedDecodeConfig):
         """Value index of (head 2c + v0 + 8 nt, row g + 8 v1) in a wgmma C fragment."""
         return (v0, v1) if self.nh == 8 else (v0, v1, nt)
 
+    # ---- the softmax's view of the S^T fragment: all of it, or half of it (``half_cols``) --
+    @property
+    def row_slots(self) -> int:
+        """The ``v1`` slots of a C fragment the softmax takes (with ``half_cols`` slot 0
+        holds the thread's row after ``gather_rows``)."""
+        return 1 if self.half_cols else 2
+
+    def row_of(self, v1: int, c):
+        """Row offset (0 or 8, within the thread's 16-row slab past ``g``) of slot ``v1`` for
+        quad lane ``c``: ``8 v1``, or with ``half_cols`` 8 for quad lanes 2 and 3 (their
+        partner's second row)."""
+        if const_expr(self.half_cols):
+            return c // 2 * 8
+        return 8 * v1
+
+    def head_of(self, nt: int, v0: int, c):
+        """The query head (tile column) of quad lane ``c``'s softmax column ``2 nt + v0``:
+        ``8 nt + 2 c + v0``, or with ``half_cols`` ``2 (c % 2) + v0`` (partners share heads)."""
+        if const_expr(self.half_cols):
+            return c % 2 * 2 + v0
+        return 8 * nt + 2 * c + v0
+
+    @cute.jit
+    def gather_rows(self, acc_s, lane):
+        """``half_cols``: quad lanes 2 and 3 replace slot 0 of their values (padding heads) by
+        slot 1 of quad lane - 2's (heads 0..3, rows g + 8), one butterfly shuffle a value."""
+        if const_expr(self.half_cols):
+            upper = lane % 4 >= 2
+            for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
+                for v0 in cutlass.range_constexpr(2):
+                    other = cute.arch.shuffle_sync_bfly(acc_s[self.cv(v0, 1, 0), mb, 0], 2)
+                    acc_s[self.cv(v0, 0, 0), mb, 0] = cutlass.select_(upper, other, acc_s[self.cv(v0, 0, 0), mb, 0])
+
+    def across_column(self, x, combine):
+        """``combine`` of a softmax column's per-thread ``x`` over the threads that share the
+        column: its 8 rows' lanes, and with ``half_cols`` the partner quad lane too."""
+        x = across_rows(x, combine)
+        if const_expr(self.half_cols):
+            x = combine(x, cute.arch.shuffle_sync_bfly(x, 2))
+        return x
+
     # ---- softmax ------------------------------------------------------------------------
     @cute.jit
     def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0,
@@ -1044,6 +1097,7 @@ class DecodeSm90(PackedDecodeConfig):
         """Online softmax over one step's S^T (rows = tokens of all four warps), against the
         exact running maximum: ``logits``, ``new_max`` (the cross-warp exchange), then P in
         place of the logits."""
+        self.gather_rows(acc_s, lane)
         self.logits(acc_s, scale_log2, warp, lane, valid, tok0, lim, abs0, bias)
         self.new_max(acc_s, acc_o, row_max, row_sum, red, warp, lane, zsum)
         self.exponentiate(acc_s, row_max, row_sum)
@@ -1057,7 +1111,7 @@ class DecodeSm90(PackedDecodeConfig):
                 m_use = self.reference(row_max, col)
                 part = Float32(0.0)
                 for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
-                    for v1 in cutlass.range_constexpr(2):
+                    for v1 in cutlass.range_constexpr(self.row_slots):
                         p = cute.math.exp2(acc_s[self.cv(v0, v1, nt), mb, 0] - m_use, fastmath=True)
                         acc_s[self.cv(v0, v1, nt), mb, 0] = p
                         part += p
@@ -1070,17 +1124,18 @@ class DecodeSm90(PackedDecodeConfig):
         position ``abs0 + tok0 + row``.  ``bias`` (``fold_k``, already in log2 units): added
         per (head column, M-block)."""
         g = lane // 4
+        c = lane % 4 if const_expr(self.half_cols) else 0  # (row_of reads it with half_cols only)
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
                 for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
-                    for v1 in cutlass.range_constexpr(2):
+                    for v1 in cutlass.range_constexpr(self.row_slots):
                         s = acc_s[self.cv(v0, v1, nt), mb, 0]
                         if const_expr(bias is not None):
                             x = s * scale_log2 + bias[2 * nt + v0, mb]
                         else:
                             x = s * scale_log2
                         if const_expr(valid is not None):
-                            if tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g >= valid:
+                            if tok0 + mb * M_BLOCK + warp * SLAB + self.row_of(v1, c) + g >= valid:
                                 x = -Float32.inf
                         if const_expr(lim is not None):
                             if abs0 + tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g > lim[2 * nt + v0]:
@@ -1092,7 +1147,7 @@ class DecodeSm90(PackedDecodeConfig):
         """This thread's largest logit of head column ``2 nt + v0`` in the step."""
         m_local = -Float32.inf
         for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
-            for v1 in cutlass.range_constexpr(2):
+            for v1 in cutlass.range_constexpr(self.row_slots):
                 m_local = cute.arch.fmax(m_local, acc_s[self.cv(v0, v1, nt), mb, 0])
         return m_local
 
@@ -1104,14 +1159,14 @@ class DecodeSm90(PackedDecodeConfig):
         c, g = lane % 4, lane // 4
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
-                m_local = across_rows(self.column_max(acc_s, nt, v0), cute.arch.fmax)
+                m_local = self.across_column(self.column_max(acc_s, nt, v0), cute.arch.fmax)
                 if g == 0:
                     red[8 * nt + 2 * c + v0, warp, 0] = m_local
         self.bar(Barrier.MAX)
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
                 col = 2 * nt + v0
-                head = 8 * nt + 2 * c + v0
+                head = self.head_of(nt, v0, c)
                 m_new = row_max[col]
                 for w in cutlass.range_constexpr(WARPS):
                     m_new = cute.arch.fmax(m_new, red[head, w, 0])
@@ -1141,6 +1196,7 @@ class DecodeSm90(PackedDecodeConfig):
         agrees on that through one barrier that ORs each thread's verdict (``barrier_or``);
         otherwise P is taken against the running maximum as it stands (values up to
         ``2^lazy_margin``) and O, the row sums and the zero sums need no rescaling."""
+        self.gather_rows(acc_s, lane)
         self.logits(acc_s, scale_log2, warp, lane, None, tok0, lim, abs0, bias)
         over = -Float32.inf
         for nt in cutlass.range_constexpr(self.nh // 8):
@@ -1161,27 +1217,28 @@ class DecodeSm90(PackedDecodeConfig):
         (FP4's natural V rows, ``sm80.fp4_position``)."""
         c, g = lane % 4, lane // 4
         for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
-            for v1 in cutlass.range_constexpr(2):
-                tok = mb * M_BLOCK + warp * SLAB + 8 * v1 + g
+            for v1 in cutlass.range_constexpr(self.row_slots):
+                tok = mb * M_BLOCK + warp * SLAB + self.row_of(v1, c) + g
                 if const_expr(fp4_order):
                     tok = sm80.fp4_fragment_position(tok)
                 if const_expr(zsum is None):
                     for nt in cutlass.range_constexpr(self.nh // 8):
                         for v0 in cutlass.range_constexpr(2):
-                            sP[8 * nt + 2 * c + v0, tok, 0] = self.dtype(acc_s[self.cv(v0, v1, nt), mb, 0])
+                            sP[self.head_of(nt, v0, c), tok, 0] = self.dtype(acc_s[self.cv(v0, v1, nt), mb, 0])
                 else:
                     # the token's (scale, zero) word of each group: row kt of the stage's
                     # params is in fragment order (quad lane g // 2, value g % 2 + 2 v1)
                     kt = (st * self.step + mb * M_BLOCK) // K_BLOCK + warp
                     for i in cutlass.range_constexpr(self.p_copies):
-                        word = Uint32(vs[sm80.param_position(kt * self.groups_v + i, g // 2, g % 2 + 2 * v1)])
+                        word = Uint32(vs[sm80.param_position(kt * self.groups_v + i, g // 2,
+                                                             g % 2 + self.row_of(v1, c) // 4)])
                         scale = ptx.half_to_f32(word, self.is_bf16)
                         # the codes come centered: v = (code - center) * scale + zero'
                         zero = ptx.half_to_f32(word >> 16, self.is_bf16) + self.v_center * scale
                         for nt in cutlass.range_constexpr(self.nh // 8):
                             for v0 in cutlass.range_constexpr(2):
                                 p = acc_s[self.cv(v0, v1, nt), mb, 0]
-                                sP[8 * nt + 2 * c + v0, tok, i] = self.dtype(p * scale)
+                                sP[self.head_of(nt, v0, c), tok, i] = self.dtype(p * scale)
                                 zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero
         cute.arch.fence_proxy("async.shared", space="cta")  # wgmma reads sP through the async proxy
         self.bar(Barrier.P)
@@ -1236,10 +1293,10 @@ class DecodeSm90(PackedDecodeConfig):
         c, g = lane % 4, lane // 4
         nt_count = self.nh // 8
         for col in cutlass.range_constexpr(2 * nt_count):
-            row_sum[col] = across_rows(row_sum[col], operator.add)
+            row_sum[col] = self.across_column(row_sum[col], operator.add)
             if const_expr(zsum is not None):
                 for i in cutlass.range_constexpr(self.p_copies):
-                    zsum[col, i] = across_rows(zsum[col, i], operator.add)
+                    zsum[col, i] = self.across_column(zsum[col, i], operator.add)
         if g == 0:
             for nt in cutlass.range_constexpr(nt_count):
                 for v0 in cutlass.range_constexpr(2):

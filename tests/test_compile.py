@@ -122,6 +122,8 @@ def test_dequant_probe_sm90_ptx(cfg):
 # (bits, k_mode, group, dtype, head_dim, heads per tile, split): the sm90 decode kernel
 SM90_DECODE = [
     (4, "channel", 128, "fp16", 128, 8, True),
+    (4, "channel", 128, "fp16", 128, 4, True),  # GQA <= 4: the half-column softmax (``half_cols``)
+    (2, "channel", 128, "fp16", 128, 4, False),
     (2, "channel", 128, "fp16", 128, 8, True),  # two consumer warpgroups (``DecodeSm90.consumers``)
     (2, "channel", 32, "bf16", 128, 8, False),
     (4, "token", 64, "fp16", 64, 16, True),
@@ -149,6 +151,28 @@ def test_sm90_decode_ptx(cfg, tmp_path):
     # C7514: ptxas makes every wgmma wait for the previous one when it cannot prove an
     # accumulator read safe (it did, unseen, for the kernel's first versions)
     assert "C7514" not in report, "ptxas serializes the sm90 decode kernel's wgmmas"
+
+
+def test_sm90_half_tile():
+    """GQA groups of at most 4 heads (one query token) take the 4-head tile: the 8-column
+    wgmma with quad lanes 2 and 3 on their partner's second rows (one butterfly shuffle by 2
+    lanes a value), so the softmax runs half the exponentials of the 8-head kernel; more
+    rows, or several query tokens, keep sm80's tiles, and the 4-head tile refuses them."""
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    be = sm90.BACKEND
+    assert [be.heads_tile(r, 1) for r in (1, 2, 4, 5, 8, 9, 16)] == [4, 4, 4, 8, 8, 16, 16]
+    assert be.heads_tile(4, 2) == 8 and kernels.BACKEND.heads_tile(4, 1) == 8
+    fmt = KVFormat(4, "channel", 128)
+    half = be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 4, True)
+    assert half.half_cols and half.nh == 8 and not be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True).half_cols
+    with pytest.raises(ValueError, match="one query token"):
+        be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 4, True, tq=2)
+    ex2 = {nh: _count(sm90.compile_decode("sm_90a", fmt, cutlass.Float16, 128, nh, True, keep_ptx=True).artifacts.PTX,
+                      "ex2.approx") for nh in (4, 8)}
+    # per step 4 exponentials a thread instead of 8 (the lazy and exact paths, the residual)
+    assert ex2[4] < ex2[8], ex2
+    assert any(v.extra[0] == "h4" for v in be.variants(("decode",), [fmt], [128], ["fp16"]))
 
 
 def test_sm90_decode_refuses_other_archs():
@@ -550,6 +574,7 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     dev = torch.device("cpu")
     assert be.grid_variant(fmt, f16, 128, 8, 1, 8, 1, dev) == "small"
     assert be.grid_variant(fmt, f16, 128, 8, 2, 8, 1, dev) == "small"
+    assert be.grid_variant(fmt, f16, 128, 4, 1, 8, 1, dev) == "small"  # the 4-head tile (GQA <= 4)
     for args in ((fmt, f16, 128, 8, 3, 8, 1), (fmt, torch.bfloat16, 128, 8, 1, 8, 1), (fmt, f16, 64, 8, 1, 8, 1),
                  (fmt, f16, 128, 16, 1, 8, 1), (fmt, f16, 128, 8, 1, 8, 2), (KVFormat(2, "channel", 128), f16, 128, 8, 1, 8, 1),
                  (KVFormat(4, "channel", 32), f16, 128, 8, 1, 8, 1), (KVFormat(4, "token", 64), f16, 128, 8, 1, 8, 1)):
@@ -572,8 +597,9 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     assert built[0] != built[1] and built[1][-1] == "small"
     listed = be.variants(("decode",), [fmt, KVFormat(2, "channel", 128)], [128], ["fp16", "bf16"])
     assert [v.name for v in listed if v.extra[-1] == "small"] == [
-        "decode_fp16_d128_4bit_channel_g128_h8_direct_small", "decode_fp16_d128_4bit_channel_g128_h8_split_small"]
-    v = next(v for v in listed if v.extra[-1] == "small" and v.extra[1] == "split")
+        f"decode_fp16_d128_4bit_channel_g128_h{nh}_{split}_small" for nh in (4, 8) for split in ("direct", "split")]
+    # the kernel B=1 at GQA 4 runs: the small grid's, with the 4-head tile
+    v = next(v for v in listed if v.extra == ("h4", "split", "small"))
     report = ptxas.report(be.compile_variant("sm_90a", v, keep_ptx=True).artifacts.PTX, "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
