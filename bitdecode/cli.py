@@ -24,6 +24,18 @@ COMMANDS = {
 }
 
 
+# ``--dtype`` of the commands that build a model or a cache (``torch_dtype`` maps them)
+DTYPE_NAMES = ("fp16", "bf16")
+
+
+def torch_dtype(name: str):
+    """A ``--dtype`` name (``DTYPE_NAMES``) as the torch dtype (torch imported on use, so that
+    ``bitdecode --help`` stays fast)."""
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
 def positive_int(text: str) -> int:
     """argparse type of the subcommands' counts (tokens, batch, steps)."""
     value = int(text)

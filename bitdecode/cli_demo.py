@@ -18,12 +18,11 @@ import torch
 
 from . import dispatch, reference
 from .cache import KVCache
-from .cli import positive_int
+from .cli import DTYPE_NAMES, positive_int, torch_dtype
 from .formats import GROUP_SIZES, K_MODES, KVFormat
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
 APPENDED = 8  # tokens added by decode-step appends after the prefill
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -36,7 +35,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--k-mode", choices=K_MODES, default="channel", help="K groups: per channel over tokens (KIVI) or per token over channels (default: channel)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=128, help="values per (scale, zero) pair (default: 128)")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences (default: 1)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16", help="model dtype (default: fp16)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp16", help="model dtype (default: fp16)")
     p.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                    help="auto (default): the compiled kernel on a GPU, the torch reference on the CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic cache (default: 0)")
@@ -134,7 +133,7 @@ def _mib(n: int) -> str:
 def measure(args, device: str, n: int, backend: str):
     """(16-bit row, one row per bit width); a row is (label or KVFormat, error, bytes, ms)."""
     on_gpu = device == "cuda"
-    dtype, bsz = DTYPES[args.dtype], args.batch
+    dtype, bsz = torch_dtype(args.dtype), args.batch
     k, v, q = (t.to(device=device, dtype=dtype) for t in make_kv(bsz, n, args.seed))
     # 16-bit attention: fp32 maths over the original 16-bit K/V
     ref = torch.stack([reference.attention(q[b, 0], k[b], v[b])[0] for b in range(bsz)])[:, None]

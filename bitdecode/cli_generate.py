@@ -26,10 +26,9 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import nonnegative_int, positive_int
+from .cli import DTYPE_NAMES, nonnegative_int, positive_int, torch_dtype
 from .formats import FP4_FORMATS, GROUP_SIZES, K_MODES
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Llama shapes for --random-llama (and profiles/bench_e2e.py): LlamaConfig keyword arguments
 RANDOM_LLAMA = {
@@ -118,7 +117,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                           "--group-size and --v-bits do not apply; --sinks and --hadamard do)")
     fmt.add_argument("--device", choices=("cpu", "cuda"), default=None,
                      help="where to run (default: cuda when available, else cpu)")
-    fmt.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="model and cache dtype (default: bf16)")
+    fmt.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="model and cache dtype (default: bf16)")
     fmt.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                      help="auto (default): the compiled kernels on a GPU, the torch reference on the CPU")
     return p
@@ -308,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
 
     from . import hf
 
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     t_load = time.perf_counter()
     try:
         model, tokenizer, what = load_model(args, device, dtype)
@@ -337,7 +336,7 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
     from . import hf
     from .eval import cache_bytes
 
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     group = args.group_size or min(128, head_dim)

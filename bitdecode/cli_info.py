@@ -9,6 +9,7 @@ import platform
 import torch
 
 from . import __version__, dispatch, jit, selfcheck
+from .cli import DTYPE_NAMES, torch_dtype
 from .formats import KVFormat
 
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -63,9 +64,8 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("GPU", label)
         table.add_row("  backends", ", ".join(backends))
         formats = {"4-bit": KVFormat(bits=4), "2-bit": KVFormat(bits=2), "NVFP4": KVFormat(fp4="nvfp4")}
-        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-        picks = {(name, d, dt): _auto_pick(device, fmt, d, dtypes[dt])
-                 for name, fmt in formats.items() for d in (128, 256) for dt in dtypes}
+        picks = {(name, d, dt): _auto_pick(device, fmt, d, torch_dtype(dt))
+                 for name, fmt in formats.items() for d in (128, 256) for dt in DTYPE_NAMES}
         table.add_row("  auto picks", ", ".join(f"{name} D{d} {dt}: {b}" for (name, d, dt), b in picks.items()))
     path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
     env = jit.ENV_CACHE_DIR

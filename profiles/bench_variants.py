@@ -27,9 +27,10 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from bitdecode.cli import DTYPE_NAMES, torch_dtype
+
 FORMATS = {"4c128": (4, "channel", 128), "4c64": (4, "channel", 64), "2c128": (2, "channel", 128),
            "2c64": (2, "channel", 64), "4t64": (4, "token", 64), "2t64": (2, "token", 64)}
-DTYPES = ("fp16", "bf16")
 DEFAULT_SHAPES = "1x4096,1x32768,1x131072,8x65536,16x32768,16x65536"
 HQ, HKV, D = 32, 8, 128
 
@@ -132,7 +133,7 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
     for fkey in formats:
         fmt = bd.KVFormat(*FORMATS[fkey])
         for dname in dtypes:
-            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dname]
+            dtype = torch_dtype(dname)
             for b, n in shapes:
                 q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
                 cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
@@ -168,8 +169,8 @@ def main(argv=None) -> int:
         if f not in FORMATS:
             p.error(f"--formats: unknown format {f!r} (known: {', '.join(FORMATS)})")
     for d in dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown dtype {d!r} (known: {', '.join(DTYPES)})")
+        if d not in DTYPE_NAMES:
+            p.error(f"--dtypes: unknown dtype {d!r} (known: {', '.join(DTYPE_NAMES)})")
     if args.worker:
         worker(*variants[0], shapes, formats, dtypes)
         return 0
