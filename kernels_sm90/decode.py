@@ -1138,7 +1138,7 @@ class DecodeSm90(PackedDecodeConfig):
                             if tok0 + mb * M_BLOCK + warp * SLAB + self.row_of(v1, c) + g >= valid:
                                 x = -Float32.inf
                         if const_expr(lim is not None):
-                            if abs0 + tok0 + mb * M_BLOCK + warp * SLAB + 8 * v1 + g > lim[2 * nt + v0]:
+                            if abs0 + tok0 + mb * M_BLOCK + warp * SLAB + self.row_of(v1, c) + g > lim[2 * nt + v0]:
                                 x = -Float32.inf
                         acc_s[self.cv(v0, v1, nt), mb, 0] = x
 
@@ -1160,7 +1160,7 @@ class DecodeSm90(PackedDecodeConfig):
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
                 m_local = self.across_column(self.column_max(acc_s, nt, v0), cute.arch.fmax)
-                if g == 0:
+                if g == 0:  # (with half_cols quad lanes 2, 3 fill the padding heads' slots)
                     red[8 * nt + 2 * c + v0, warp, 0] = m_local
         self.bar(Barrier.MAX)
         for nt in cutlass.range_constexpr(self.nh // 8):
