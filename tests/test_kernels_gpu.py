@@ -378,6 +378,28 @@ def test_sm90_grid_variants_match_reference(lens, hkv, splits):
     check_decode(q, cache, "sm90", num_splits=splits)
 
 
+@pytest.mark.parametrize("bits, gq, sinks", [(4, 1, 0), (4, 3, 0), (4, 5, 0), (2, 3, 0), (4, 2, 4), (2, 4, 4)])
+def test_sm90_head_tiles_match_reference(bits, gq, sinks):
+    """GQA groups of 1-4 heads take the 4-head tile (``half_cols``: quad lanes 2 and 3 run the
+    softmax on their partner's second rows), 5 the 8-head tile: ragged lengths with residual
+    tokens, the lazy maximum's exchange (scores that jump), sink tokens, one and two consumer
+    warpgroups (4-bit / 2-bit), split and direct, against the reference."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    assert sm90.BACKEND.heads_tile(gq, 1) == (sm90.HALF_TILE if gq <= 4 else 8)
+    fmt = bd.KVFormat(bits, "channel", 128, sink_tokens=sinks)
+    lens, hkv = [3000, 700, 4100], 2
+    cache, _, _ = make_cache(fmt, lens, hkv, 128, torch.float16, backend="sm90", seed=gq)
+    gen = torch.Generator().manual_seed(40 + gq)
+    q = torch.randn(len(lens), 1, hkv * gq, 128, generator=gen)
+    q[1, 0, gq - 1] *= 6  # one head whose scores jump past the running maximum (the exchange path)
+    q = q.half().to(DEV)
+    for splits in (1, 3):
+        check_decode(q, cache, "sm90", num_splits=splits)
+
+
 @pytest.mark.parametrize("tool_name", ["memcheck", "racecheck"])
 def test_compute_sanitizer_clean(tmp_path, backend, tool_name):
     tool = shutil.which("compute-sanitizer")
