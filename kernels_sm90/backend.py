@@ -16,7 +16,7 @@ from .. import jit
 from ..backend import Variant, num_sms
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
-from ..layouts import sm80
+from ..layouts import sm80, sm90
 
 
 # grid_variant's kernels: their DecodeSm90 keywords
@@ -29,7 +29,7 @@ SMALL_GRID_SPLITS = 8
 # the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose
 # quad lanes 2 and 3 take their partner's second rows instead of padding (``half_cols``;
 # 2-4 % faster at B=8 / 16, level at B=1, profiles/h200/variants_half_cols.json)
-HALF_TILE = 4
+HALF_TILE = sm90.HALF_HEADS_TILE
 
 
 def small_grid_kernel(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
@@ -115,9 +115,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         half = nh == HALF_TILE
         if half and tq != 1:
             raise ValueError(f"the sm90 decode kernel's {HALF_TILE}-head tile takes one query token, got tq={tq}")
-        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, 8 if half else nh, split,
+        return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, sm80.HEADS_TILES[0] if half else nh, split,
                           pdl=jit.has_pdl(arch), sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4,
-                          **({"half_cols": True} if half else {}), **VARIANTS[variant])
+                          half_cols=half, **VARIANTS[variant])
 
 
 @functools.lru_cache(maxsize=None)

@@ -1057,29 +1057,25 @@ class DecodeSm90(PackedDecodeConfig):
         return 1 if self.half_cols else 2
 
     def row_of(self, v1: int, c):
-        """Row offset (0 or 8, within the thread's 16-row slab past ``g``) of slot ``v1`` for
-        quad lane ``c``: ``8 v1``, or with ``half_cols`` 8 for quad lanes 2 and 3 (their
-        partner's second row)."""
-        if const_expr(self.half_cols):
-            return c // 2 * 8
-        return 8 * v1
+        """Row offset (0 or 8, within the thread's 16-row slab past ``g``) of quad lane
+        ``c``'s slot ``v1`` (``layouts.sm90.c_slot_v1``)."""
+        return sm90.c_slot_v1(v1, c, self.half_cols) * 8
 
     def head_of(self, nt: int, v0: int, c):
-        """The query head (tile column) of quad lane ``c``'s softmax column ``2 nt + v0``:
-        ``8 nt + 2 c + v0``, or with ``half_cols`` ``2 (c % 2) + v0`` (partners share heads)."""
-        if const_expr(self.half_cols):
-            return c % 2 * 2 + v0
-        return 8 * nt + 2 * c + v0
+        """The query head of quad lane ``c``'s softmax column ``2 nt + v0``
+        (``layouts.sm90.c_slot_head``)."""
+        return sm90.c_slot_head(nt, v0, c, self.half_cols)
 
     @cute.jit
     def gather_rows(self, acc_s, lane):
         """``half_cols``: quad lanes 2 and 3 replace slot 0 of their values (padding heads) by
-        slot 1 of quad lane - 2's (heads 0..3, rows g + 8), one butterfly shuffle a value."""
+        slot 1 of quad lane - 2's (heads 0..3, rows g + 8), one butterfly shuffle a value
+        (the view ``layouts.sm90`` defines for ``HALF_HEADS_TILE``)."""
         if const_expr(self.half_cols):
             upper = lane % 4 >= 2
             for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
                 for v0 in cutlass.range_constexpr(2):
-                    other = cute.arch.shuffle_sync_bfly(acc_s[self.cv(v0, 1, 0), mb, 0], 2)
+                    other = cute.arch.shuffle_sync_bfly(acc_s[self.cv(v0, 1, 0), mb, 0], sm90.HALF_SOURCE_XOR)
                     acc_s[self.cv(v0, 0, 0), mb, 0] = cutlass.select_(upper, other, acc_s[self.cv(v0, 0, 0), mb, 0])
 
     def across_column(self, x, combine):
@@ -1087,7 +1083,7 @@ class DecodeSm90(PackedDecodeConfig):
         column: its 8 rows' lanes, and with ``half_cols`` the partner quad lane too."""
         x = across_rows(x, combine)
         if const_expr(self.half_cols):
-            x = combine(x, cute.arch.shuffle_sync_bfly(x, 2))
+            x = combine(x, cute.arch.shuffle_sync_bfly(x, sm90.HALF_SOURCE_XOR))
         return x
 
     # ---- softmax ------------------------------------------------------------------------
@@ -1124,7 +1120,7 @@ class DecodeSm90(PackedDecodeConfig):
         position ``abs0 + tok0 + row``.  ``bias`` (``fold_k``, already in log2 units): added
         per (head column, M-block)."""
         g = lane // 4
-        c = lane % 4 if const_expr(self.half_cols) else 0  # (row_of reads it with half_cols only)
+        c = lane % 4
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
                 for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
@@ -1231,7 +1227,7 @@ class DecodeSm90(PackedDecodeConfig):
                     kt = (st * self.step + mb * M_BLOCK) // K_BLOCK + warp
                     for i in cutlass.range_constexpr(self.p_copies):
                         word = Uint32(vs[sm80.param_position(kt * self.groups_v + i, g // 2,
-                                                             g % 2 + self.row_of(v1, c) // 4)])
+                                                             g % 2 + 2 * sm90.c_slot_v1(v1, c, self.half_cols))])
                         scale = ptx.half_to_f32(word, self.is_bf16)
                         # the codes come centered: v = (code - center) * scale + zero'
                         zero = ptx.half_to_f32(word >> 16, self.is_bf16) + self.v_center * scale

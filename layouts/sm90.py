@@ -232,6 +232,29 @@ def acc_col_value(i: int) -> int:
     return i - acc_row_value(i)
 
 
+# The decode's heads tile for GQA groups of at most 4 query heads (one query token): the
+# 8-column wgmma, whose columns 4..7 are padding and belong to whole lanes of the C fragment
+# (quad lanes 2 and 3).  The softmax then takes one value slot a column instead of two:
+# quad lanes 0, 1 keep their row-g values, quad lanes 2, 3 take the row-g + 8 values of quad
+# lane - 2 (``HALF_SOURCE_XOR``; ``DecodeSm90.gather_rows``), so every real (row, head) of
+# the tile is one slot of one thread (``test_layouts`` checks it against ``wgmma_fragment``).
+HALF_HEADS_TILE = 4
+HALF_SOURCE_XOR = 2  # the lane a quad lane 2 / 3 takes its values from: lane ^ 2
+
+
+def c_slot_v1(v1: int, c, half: bool):
+    """The row half (0: row g, 1: row g + 8 of the warp's 16-row slab) of quad lane ``c``'s
+    softmax slot ``v1``: ``v1``, or in the half view ``c // 2`` (one slot, ``v1 = 0``)."""
+    return c // 2 if half else v1
+
+
+def c_slot_head(nt: int, v0: int, c, half: bool):
+    """The tile column (query head) of quad lane ``c``'s softmax column ``2 nt + v0``:
+    ``8 nt + 2 c + v0``, or in the half view ``2 (c % 2) + v0`` (quad lanes c and c ^ 2
+    share heads).  ``c`` may be a traced integer."""
+    return c % 2 * 2 + v0 if half else 8 * nt + 2 * c + v0
+
+
 # The accumulator through ``stmatrix .x4 .trans`` (the BitNet GEMM's epilogue: its wgmma C
 # tile is weight rows x tokens, its output [token, row]).  Each 8 x 8 block of a warp's C
 # slab is an m16n8 C fragment of 16-bit values (a 32-bit register: columns 2c, 2c + 1 of

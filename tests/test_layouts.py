@@ -827,3 +827,26 @@ def test_partial_sum_slot_words(threads):
     for j in range(words):
         warp = sorted(sm90.sum_thread_offset(t) + sm90.sum_word_offset(j, threads) for t in range(32, 64))
         assert warp[-1] + sm90.SUM_WORD_BYTES - warp[0] == 512
+
+
+def test_half_heads_tile_view_covers_the_real_heads_once():
+    """The 4-head tile's softmax view of the 8-column wgmma C fragment: every (row, head)
+    of heads 0..3 is one slot of one thread, and the slot holds the value the C fragment
+    puts there (quad lanes 2 and 3 take value ``v0 + 2`` of lane ``^ HALF_SOURCE_XOR``)."""
+    frag = sm90.wgmma_fragment("c", 8)  # thread -> (row, column) of each value, v0 + 2 v1 order
+    seen = []
+    for t, values in enumerate(frag):
+        lane, c = t % 32, t % 4
+        source = t ^ sm90.HALF_SOURCE_XOR if c >= 2 else t
+        for v0 in range(2):
+            v1 = sm90.c_slot_v1(0, c, True)
+            pos = (sm90.WARP_SLAB_ROWS * (t // 32) + lane // 4 + 8 * v1, sm90.c_slot_head(0, v0, c, True))
+            assert frag[source][v0 + 2 * (1 if c >= 2 else 0)] == pos, (t, v0)
+            seen.append(pos)
+        # the full view: slot (v0, v1) is the C fragment's value v0 + 2 v1
+        for v0 in range(2):
+            for v1 in range(2):
+                full = (sm90.WARP_SLAB_ROWS * (t // 32) + lane // 4 + 8 * sm90.c_slot_v1(v1, c, False),
+                        sm90.c_slot_head(0, v0, c, False))
+                assert values[v0 + 2 * v1] == full
+    assert sorted(seen) == [(r, h) for r in range(sm90.WGMMA_M) for h in range(sm90.HALF_HEADS_TILE)]
