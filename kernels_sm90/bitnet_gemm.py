@@ -53,7 +53,7 @@ instructions a thread where a division and a 16-bit store per value took ~2800.
 """
 
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
@@ -208,8 +208,8 @@ LARGE = WgmmaConfig(block_m=256, warpgroups=2, stages=4, ctas_per_sm=1, max_spli
 # and a shorter tile takes less (H200, twentieth session, us: M = 256 2560 x 2560 7.92 ->
 # 7.37, 2560 x 6912 15.8 -> 14.8; M = 1024 2560 x 2560 17.1 -> 14.8, 2560 x 6912 36.6 ->
 # 31.2; profiles/NOTES.md).  No cluster split (``cluster_groups`` 0: none was measured).
-MEDIUM_96 = WgmmaConfig(block_m=96, warpgroups=1, stages=6, ctas_per_sm=2, max_splits=6, split_cost_groups=28)
-LARGE_192 = WgmmaConfig(block_m=192, warpgroups=2, stages=4, ctas_per_sm=1, max_splits=4, split_cost_groups=16)
+MEDIUM_96 = replace(MEDIUM, block_m=3 * MEDIUM.block_m // 4, cluster_groups=0)
+LARGE_192 = replace(LARGE, block_m=3 * LARGE.block_m // 4)
 MEDIUM_M = 128  # above this many tokens, MEDIUM
 LARGE_M = 1024  # from this many, LARGE unless MEDIUM needs fewer waves (``config_for``)
 # A wave of MEDIUM tiles (two 128 x 64 tiles an SM) takes this fraction of a wave of LARGE
