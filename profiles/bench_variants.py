@@ -10,8 +10,8 @@ call, median of 30) on the same shapes, with the error against the reference at 
 writes ``<out>/variants.json`` (``variants_<tag>.json`` with ``--tag``): every variant's rows and each row's time over the first
 variant's.  The variants run one after the other on one GPU, so compare them within one
 file only.  Keywords: any ``DecodeSm90.__init__`` argument after the format's (``lazy_max``,
-``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``, ``consumers``).  Where the
-backend builds a grid variant (``Sm90Backend.grid_variant``: 4-bit fp16 at B=1, Hkv=8), the
+``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``, ``consumers``, ``half_cols``).  Where the
+backend builds a grid variant (``Sm90Backend.grid_variant``: 4-bit fp16 at B <= 2, Hkv=8), the
 variant's keywords apply on top of that kernel's.
 """
 
