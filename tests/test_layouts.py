@@ -850,3 +850,48 @@ def test_half_heads_tile_view_covers_the_real_heads_once():
                         sm90.c_slot_head(0, v0, c, False))
                 assert values[v0 + 2 * v1] == full
     assert sorted(seen) == [(r, h) for r in range(sm90.WGMMA_M) for h in range(sm90.HALF_HEADS_TILE)]
+
+
+def test_s8_wgmma_a_fragment_is_the_mma_one():
+    """The s8 wgmma's A fragment (64 x 32, registers) is the m16n8k32 one per warp: thread
+    (w, g, c) holds rows 16 w + g (+ 8) at k 4 c .. + 3 and 16 + 4 c .. + 3, four bytes a
+    register; ``s8_a_columns`` assumes it."""
+    frag = sm90.s8_wgmma_fragment()
+    for t, vals in enumerate(frag):
+        w, g, c = t // 32, (t % 32) // 4, t % 4
+        assert vals == tuple((16 * w + g + 8 * ((v // 4) % 2), 16 * (v // 8) + 4 * c + v % 4) for v in range(16))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_s8_registers_of_packed_words(bits):
+    """A packed row (the reference packer's bits) read as s8 registers, ``(word >> bits s) &
+    S8_BYTE_MASK``, gives at every k of the MMA the code of channel ``s8_a_columns[k]``: the
+    other operand in that channel order makes the s8 product the plain dot product."""
+    from bitdecode import reference
+
+    length, rows = 128, 16
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (rows, length), generator=gen, dtype=torch.uint8)
+    words = reference.pack_rows(codes, bits).long() & 0xFFFFFFFF
+    cols = sm90.s8_a_columns(bits, length)
+    lane_word = {lane % 4: wc for lane, (_, wc) in enumerate(sm80.ldmatrix_lane_word())}
+    for r in range(rows):
+        for c in range(4):
+            mine = [w for w in range(words.shape[1]) if w % sm80.CHUNK_WORDS == lane_word[c]]
+            regs = [(int(words[r, w]) >> (bits * s)) & sm90.S8_BYTE_MASK[bits]
+                    for w in mine for s in range(sm90.s8_word_registers(bits))]
+            for i, reg in enumerate(regs):
+                for b in range(4):
+                    k = sm90.S8_K * (i // 2) + 16 * (i % 2) + 4 * c + b
+                    assert (reg >> 8 * b) & 0xFF == int(codes[r, cols[k]]), (bits, r, c, i, b)
+    q = torch.randn(length, dtype=torch.float64)
+    a = codes.double()[:, list(cols)]  # the A operand in MMA k order
+    assert torch.allclose(a @ q[list(cols)], codes.double() @ q)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("length", [64, 128, 256])
+def test_s8_k_of_channel_inverts_the_columns(bits, length):
+    """The closed form the decode's scalers store Q o s with is ``s8_a_columns``' inverse."""
+    cols = sm90.s8_a_columns(bits, length)
+    assert [sm90.s8_k_of_channel(bits, ch) for ch in cols] == list(range(length))
