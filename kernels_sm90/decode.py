@@ -150,7 +150,7 @@ class DecodeSm90(PackedDecodeConfig):
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
-                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, s8_k: bool = True):
+                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -245,16 +245,6 @@ class DecodeSm90(PackedDecodeConfig):
         # 2c128 144.5 / 148.0, 272.7 / 280.1; B=1 level (4K-128K within +-1 %)
         assert not half_cols or (heads_tile == 8 and tq == 1), "half_cols: 8-head tiles of one query token"
         self.half_cols = half_cols
-        # With K's scale in Q and the 4-head tile, the scores' padding columns take Q o s's
-        # second term: the scalers write Q o s per head and K group as two int8 terms (hi +
-        # lo / 256, in units of the head's largest |Q o s| / 127: 15 bits, as exact as the fp16
-        # B tile where it matters), hi in columns 0..3 and lo in 4..7, and K's codes enter the
-        # MMA as bytes, ``(word >> bits s) & 0x0F0F0F0F`` (4-bit; ``0x03030303`` 2-bit): one
-        # s8 wgmma 64 x 8 x 32 takes the channels two fp16 ones took, and 4-bit K costs three
-        # instructions a word instead of five.  Quad lanes c and c ^ 2 hold a row's two terms
-        # of one head, so ``combine_terms`` is the 4-head tile's gather with an integer
-        # 256 hi + lo on the way (``layouts.sm90.s8_k_of_channel``: the byte order of K)
-        self.s8_k = s8_k and self.fold_k and half_cols
         if consumers == 0:
             consumers = 2 if self.fold_k and bits == self.v_bits == 2 and head_dim <= 128 else 1
         assert 1 <= consumers and Barrier.done(consumers) < 16, "named barriers: at most four consumers"
@@ -263,7 +253,7 @@ class DecodeSm90(PackedDecodeConfig):
         if num_stages == 0:
             # four stages measured best on the H200 with one consumer (5 or 8 were slower at
             # B=1; 3 no better); several consumers hold a stage each
-            stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * (1 if self.s8_k else 2)
+            stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * 2
             cap = 4 if consumers == 1 else 3 * consumers
             num_stages = max(2, min(cap, SMEM_BUDGET // self.ctas_per_sm // stage_smem))
         self.num_stages = num_stages
@@ -289,14 +279,9 @@ class DecodeSm90(PackedDecodeConfig):
                 # V: one slot per V tile of a stage (two 4-bit tiles per 2-bit K tile in K2V4)
                 sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles))
 
-    @property
-    def qs_dtype(self):
-        """``fold_k``: the element type of the Q o s tiles (``s8_k``: its two int8 terms)."""
-        return cutlass.Int8 if self.s8_k else self.dtype
-
     def _qs_layout(self):
         """``fold_k``: Q o s, one K-major wgmma B tile per (stage, K group of the tile)."""
-        return sm90.make_operand_smem_layout(self.qs_dtype, self.nh, self.d, self.num_stages * self.q_copies)
+        return sm90.make_operand_smem_layout(self.dtype, self.nh, self.d, self.num_stages * self.q_copies)
 
     @property
     def red_slots(self) -> int:
@@ -348,9 +333,7 @@ class DecodeSm90(PackedDecodeConfig):
             base: Storage
             qbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]  # the scalers' Q o s is ready
             bias: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]
-            if self.s8_k:  # each head's factor of its two int8 terms
-                mult: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]
-            sQs: cute.struct.Align[cute.struct.MemRange[self.qs_dtype, cute.cosize(qs_layout)], 1024]
+            sQs: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(qs_layout)], 1024]
 
         return FoldStorage
 
@@ -398,7 +381,7 @@ class DecodeSm90(PackedDecodeConfig):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
-        fold = None  # fold_k: (qready pipeline, Q o s tiles, bias, s8_k's factors) of every stage
+        fold = None  # fold_k: (qready pipeline, Q o s tiles, bias) of every stage
         if const_expr(self.fold_k):
             qready = pipeline.PipelineAsync.create(
                 barrier_storage=storage.qbar.data_ptr(),
@@ -409,10 +392,8 @@ class DecodeSm90(PackedDecodeConfig):
             )
             qs_layout = self._qs_layout()
             sQs = storage.sQs.get_tensor(qs_layout.outer, swizzle=qs_layout.inner)
-            per_head = cute.make_layout((self.nh, self.q_copies, self.num_stages))
-            sBias = storage.bias.get_tensor(per_head)
-            sMult = storage.mult.get_tensor(per_head) if const_expr(self.s8_k) else None
-            fold = (qready, sQs, sBias, sMult)
+            sBias = storage.bias.get_tensor(cute.make_layout((self.nh, self.q_copies, self.num_stages)))
+            fold = (qready, sQs, sBias)
             storage = storage.base
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
@@ -517,14 +498,12 @@ class DecodeSm90(PackedDecodeConfig):
         # consumers, so tile j is scaled while the consumers work on the tiles before it (one
         # consumer with stages - 1 waited for j - 1: the scaling sat on its critical path)
         lag = max(1, self.num_stages - 1 - self.consumers)
-        qready, sQs, sBias, sMult = fold
+        qready, sQs, sBias = fold
         # padding heads' Q o s rows and biases stay zero (scale_stage skips them): their scores
         # are then exactly 0, never shared memory left by an earlier CTA (``lazy_softmax``
         # decides over every head column of the tile)
         zero_shared(sQs, tid, WG)
         zero_shared(sBias, tid, WG)
-        if const_expr(self.s8_k):
-            zero_shared(sMult, tid, WG)
         # the consumers put Q in smem
         cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
         for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
@@ -535,10 +514,7 @@ class DecodeSm90(PackedDecodeConfig):
             if it >= tile_begin + lag:
                 state = seq_state(it - lag - tile_begin, self.num_stages, False)
                 ring.consumer_wait(state)  # waits only: the consumer warps release the stage
-                if const_expr(self.s8_k):
-                    self.scale_stage_s8(fold, sQ, sKs, state.index, gq, tid)
-                else:
-                    self.scale_stage(fold, sQ, sKs, state.index, gq, tid)
+                self.scale_stage(fold, sQ, sKs, state.index, gq, tid)
                 cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
                 qready.producer_commit(state)
 
@@ -552,7 +528,7 @@ class DecodeSm90(PackedDecodeConfig):
         Q; a head's threads are adjacent lanes of one warp (two heads a warp at head dim 64,
         two k-blocks a thread at 256), reduced with butterfly shuffles.  Rows of padding
         heads (>= gq) are skipped a warp at a time: their Q o s rows and biases stay zero."""
-        _, sQs, sBias, _ = fold
+        _, sQs, sBias = fold
         lane = tid % cute.arch.WARP_SIZE
         center = Float32(self.k_center)
         for ps in cutlass.range_constexpr(self.nh // (WG // self.scale_lanes[0])):
@@ -615,68 +591,6 @@ class DecodeSm90(PackedDecodeConfig):
         offset = Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
         return qs2, offset
 
-    @cute.jit
-    def scale_stage_s8(self, fold, sQ, sKs, stage, gq, tid):
-        """``s8_k``: Q o s_g of every K group ``g`` of the tile in ``stage`` as two int8 terms
-        per head, ``(hi + lo / 256) u`` with ``u`` the head's largest |Q o s| / 127, hi in row
-        ``head`` of the B tile and lo in row ``head + 4``, each channel at the k its code takes
-        in K's byte registers (``layouts.sm90.s8_k_of_channel``); per head the factor ``u /
-        256`` and the bias ``Q . zero + center sum (Q o s - its terms)``: the MMA takes K's
-        codes uncentered, the bias takes the rounding's part at the center, so the error is
-        that of centered codes.  Threads as in ``scale_stage`` (a head's lanes reduce the
-        maximum and the bias); only the tile's four heads."""
-        _, sQs, sBias, sMult = fold
-        lane = tid % cute.arch.WARP_SIZE
-        lanes, per_thread = self.scale_lanes
-        heads = WG // lanes  # heads of one pass
-        c = lane % 4
-        for ps in cutlass.range_constexpr(max(1, sm90.HALF_HEADS_TILE // heads)):
-            head = ps * heads + tid // lanes
-            first = ps * heads + (tid // cute.arch.WARP_SIZE) * (cute.arch.WARP_SIZE // lanes)
-            if first < gq:  # (a warp's heads past gq have zero Q: zero terms, zero factor)
-                for g in cutlass.range_constexpr(self.q_copies):
-                    qs = cute.make_rmem_tensor((4 * per_thread,), Float32)
-                    zsum = Float32(0.0)
-                    amax = Float32(0.0)
-                    for i in cutlass.range_constexpr(per_thread):
-                        kt = (tid % lanes) // 4 + i * (lanes // 4)
-                        word0 = g * self.d + sm80.param_position(kt, c, 0)
-                        words = cute.make_rmem_tensor((sm80.CHUNK_WORDS,), cutlass.Int32)
-                        cute.autovec_copy(cute.local_tile(sKs[None, stage], (sm80.CHUNK_WORDS,),
-                                                          (word0 // sm80.CHUNK_WORDS,)), words)
-                        for half in cutlass.range_constexpr(2):  # channels 2c, 2c+1 and 2c+8, 2c+9
-                            q2 = pair_word(sQ, head, sm80.fragment_column(kt, c, half))
-                            s2, z2 = split_params(Uint32(words[2 * half]), Uint32(words[2 * half + 1]))
-                            q_lo, q_hi = ptx.half_pair_to_f32(q2, self.is_bf16)
-                            s_lo, s_hi = ptx.half_pair_to_f32(s2, self.is_bf16)
-                            z_lo, z_hi = ptx.half_pair_to_f32(z2, self.is_bf16)
-                            zsum += q_lo * z_lo + q_hi * z_hi
-                            for e in cutlass.range_constexpr(2):
-                                x = q_lo * s_lo if e == 0 else q_hi * s_hi
-                                qs[4 * i + 2 * half + e] = x
-                                amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
-                    amax = across_lanes(amax, lanes, cute.arch.fmax)
-                    # 1 / u (finite when the head's Q o s is all zero: its terms are then 0)
-                    inv_u = Float32(127.0) / cute.arch.fmax(amax, Float32(1e-30))
-                    rest = Float32(0.0)  # sum of Q o s - its terms, in units of u
-                    tile = stage * self.q_copies + g
-                    for i in cutlass.range_constexpr(per_thread):
-                        kt = (tid % lanes) // 4 + i * (lanes // 4)
-                        for half in cutlass.range_constexpr(2):
-                            for e in cutlass.range_constexpr(2):
-                                k = sm90.s8_k_of_channel(self.bits, sm80.fragment_column(kt, c, half) + e)
-                                t = qs[4 * i + 2 * half + e] * inv_u
-                                hi = ptx.round_even(t)
-                                lo = cute.arch.fmin(ptx.round_even((t - hi) * Float32(256.0)), Float32(127.0))
-                                rest += t - hi - lo * Float32(1.0 / 256)
-                                sQs[head, k, tile] = cutlass.Int8(cutlass.Int32(hi))
-                                sQs[head + sm90.HALF_HEADS_TILE, k, tile] = cutlass.Int8(cutlass.Int32(lo))
-                    u = amax * Float32(1.0 / 127)
-                    bias = across_lanes(zsum + Float32(self.k_center) * rest * u, lanes, operator.add)
-                    if tid % lanes == 0:
-                        sBias[head, g, stage] = bias
-                        sMult[head, g, stage] = u * Float32(1.0 / 256)
-
     # ---------------------------------------------------------------------------------
     # Consumer warpgroup
     # ---------------------------------------------------------------------------------
@@ -725,16 +639,11 @@ class DecodeSm90(PackedDecodeConfig):
         mma = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         thr_s = thr_o = mma.get_slice(tid)
         tSrQ = mma.make_fragment_B(thr_s.partition_B(sQ))
-        bias = mult = None
-        # the packed steps' scores: s8 operands with ``s8_k``, else the 16-bit MMA's
-        mma_k = sm90.make_wgmma(cutlass.Int8, self.nh, a_from_registers=True) if const_expr(self.s8_k) else mma
-        thr_k = mma_k.get_slice(tid)
+        bias = None
         if const_expr(self.fold_k):
-            qready, sQs, sBias, sMult = fold
-            tSrQs = mma_k.make_fragment_B(thr_k.partition_B(sQs))
+            qready, sQs, sBias = fold
+            tSrQs = mma.make_fragment_B(thr_s.partition_B(sQs))  # (MMA, N, K, stage x group)
             bias = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
-            if const_expr(self.s8_k):
-                mult = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
@@ -763,10 +672,7 @@ class DecodeSm90(PackedDecodeConfig):
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
         # next stage's, across tiles), so neither product's latency is exposed.  K goes
         # to one register tensor that every step rewrites only after its S has landed.
-        if const_expr(self.s8_k):
-            k_frag = mma_k.make_fragment_A(thr_k.partition_shape_A((M_BLOCK * self.m_k, self.d)))
-        else:
-            k_frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.dtype)
+        k_frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.dtype)
         first = tile_begin if const_expr(n == 1) else tile_begin + consumer  # consumer c: tiles c, c + n, ..
         if const_expr(n == 1):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -774,7 +680,7 @@ class DecodeSm90(PackedDecodeConfig):
             state = seq_state(consumer, self.num_stages, False)
         if first < packed_end:
             ring.consumer_wait(state)
-            self.load_k(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0, dq_k, warp, lane)
+            self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0, dq_k, warp, lane)
         for tile in cutlass.range(first, packed_end, n, unroll=1):
             kp = sKp[None, None, state.index]
             vp = [sVp[None, None, state.index * self.v_tiles + i] for i in range(self.v_tiles)]
@@ -790,25 +696,23 @@ class DecodeSm90(PackedDecodeConfig):
                     # M-block mb of the step is in K group g(mb): its scores take that group's Q o s
                     g0 = (st * self.step) // self.group
                     g1 = (st * self.step + (self.m_k - 1) * M_BLOCK) // self.group
-                    acc_s = self.scores(thr_k, k_frag, tSrQs[None, None, None, state.index * self.q_copies + g0],
+                    acc_s = self.scores(thr_s, k_frag, tSrQs[None, None, None, state.index * self.q_copies + g0],
                                         tSrQs[None, None, None, state.index * self.q_copies + g1], g0 != g1)
-                    self.load_bias(bias, sBias, state.index, st, scale_log2, lane, mult, fold[3])
+                    self.load_bias(bias, sBias, state.index, st, scale_log2, lane)
                 else:
                     acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
-                if const_expr(self.s8_k):  # the two terms' integer scores -> fp32, gathered
-                    acc_s = self.combine_terms(acc_s, thr_s, lane)
                 if const_expr(self.lazy_max):
                     self.lazy_softmax(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, st * self.step, lim,
-                                      n_sink + tile * self.nr, zsum, bias, mult)
+                                      n_sink + tile * self.nr, zsum, bias)
                 else:
                     self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None,
-                                      st * self.step, lim, n_sink + tile * self.nr, zsum, bias, mult)
+                                      st * self.step, lim, n_sink + tile * self.nr, zsum, bias)
                 self.store_p(acc_s, sP, warp, lane, vs, st, zsum, self.fp4 is not None)
                 self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
-                    self.load_k(k_frag, kp, ks, st + 1, dq_k, warp, lane)
+                    self.k_fragments(k_frag, kp, ks, st + 1, dq_k, warp, lane)
                 else:
                     ring.consumer_release(state)  # this stage's words are all in registers
                     if const_expr(n == 1):
@@ -817,7 +721,7 @@ class DecodeSm90(PackedDecodeConfig):
                         state = seq_state(tile + n - tile_begin, self.num_stages, False)
                     if tile + n < packed_end:
                         ring.consumer_wait(state)
-                        self.load_k(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0,
+                        self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0,
                                          dq_k, warp, lane)
 
         if const_expr(n == 1):
@@ -986,36 +890,6 @@ class DecodeSm90(PackedDecodeConfig):
         return fp4_scale_pair(Uint32(words[chunk * sm100.SF_CHUNK_WORDS + w]), byte, self.fp4, self.is_bf16)
 
     @cute.jit
-    def load_k(self, frag, kp, ks, st, dq, warp, lane):
-        """K of step ``st`` into ``frag``: its codes as bytes (``s8_k``) or dequantized."""
-        if const_expr(self.s8_k):
-            self.k_bytes(frag, kp, st, warp, lane)
-        else:
-            self.k_fragments(frag, kp, ks, st, dq, warp, lane)
-
-    @cute.jit
-    def k_bytes(self, frag, kp, st, warp, lane):
-        """``s8_k``: K of step ``st`` as s8 A fragments ``(regs, M-blocks, D/32)``.  Register
-        ``s`` of a packed word, ``(word >> bits s) & mask``, is four codes of its row as bytes;
-        a lane's words (one per 16-byte chunk, as ldmatrix gives them) make its registers in
-        order, register ``i`` being k-block ``i // 2``'s half ``i % 2`` (``layouts.sm90``)."""
-        frag32 = cute.recast_tensor(frag, Uint32)
-        per = sm90.s8_word_registers(self.bits)
-        mask = Uint32(sm90.S8_BYTE_MASK[self.bits])
-        chunks = self.wk // sm80.CHUNK_WORDS
-        words = [self.slab_words(kp, st * self.step + mb * M_BLOCK + warp * SLAB, 0, chunks, lane)
-                 for mb in range(self.m_k)]
-        for mb in cutlass.range_constexpr(self.m_k):
-            for h in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(chunks):
-                    for s in cutlass.range_constexpr(per):
-                        i = j * per + s
-                        word = words[mb][(h, j)]
-                        if const_expr(s > 0):
-                            word = word >> Uint32(self.bits * s)
-                        frag32[(0, h, i % 2), mb, i // 2] = word & mask
-
-    @cute.jit
     def k_fragments(self, frag, kp, ks, st, dq, warp, lane):
         """Dequantizes K of step ``st`` into ``frag``, its A-fragments ``(regs, M-blocks, D/16)``."""
         frag32 = cute.recast_tensor(frag, Uint32)
@@ -1110,41 +984,36 @@ class DecodeSm90(PackedDecodeConfig):
         0 takes ``tSrQ`` and the last M-block ``tSrQ_last`` (at most two M-blocks a step)."""
         # a fresh tiled MMA per product: its ACCUMULATE field is state that must not
         # escape the loop body it is set in
-        s8 = k_frag.element_type is cutlass.Int8  # ``s8_k``: s8 x s8 -> s32
-        mma_s = sm90.make_wgmma(cutlass.Int8 if s8 else self.dtype, self.nh, a_from_registers=True)
+        mma_s = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         m_blocks = cute.size(k_frag, mode=[1])
-        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((M_BLOCK * m_blocks, self.nh)),
-                                      cutlass.Int32 if s8 else Float32)
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((M_BLOCK * m_blocks, self.nh)), Float32)
         warpgroup.fence()
         if const_expr(per_block):
             a_g = cute.logical_divide(k_frag, (None, 1))
             c_g = cute.logical_divide(acc_s, (None, 1))
             for mb in cutlass.range_constexpr(m_blocks):
                 b = tSrQ if mb == 0 else tSrQ_last
-                for kt in cutlass.range_constexpr(cute.size(k_frag, mode=[2])):
+                for kt in cutlass.range_constexpr(self.d // K_BLOCK):
                     mma_s.set(warpgroup.Field.ACCUMULATE, kt != 0)
                     cute.gemm(mma_s, c_g[None, (None, mb), None], a_g[None, (None, mb), kt], b[None, None, kt],
                               c_g[None, (None, mb), None])
         else:
-            for kt in cutlass.range_constexpr(cute.size(k_frag, mode=[2])):
+            for kt in cutlass.range_constexpr(self.d // K_BLOCK):
                 mma_s.set(warpgroup.Field.ACCUMULATE, kt != 0)
                 cute.gemm(mma_s, acc_s, k_frag[None, None, kt], tSrQ[None, None, kt], acc_s)
         warpgroup.commit_group()
         return acc_s
 
     @cute.jit
-    def load_bias(self, bias, sBias, stage, st, scale_log2, lane, mult=None, sMult=None):
+    def load_bias(self, bias, sBias, stage, st, scale_log2, lane):
         """``fold_k``: the scalers' per-head bias of each M-block's K group in step ``st``,
-        times the softmax's log2 scale, for this thread's head columns (``s8_k``: and the
-        factor of its two terms into ``mult``)."""
+        times the softmax's log2 scale, for this thread's head columns."""
         c = lane % 4
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
                 for mb in cutlass.range_constexpr(self.m_k):
                     g = (st * self.step + mb * M_BLOCK) // self.group
                     bias[2 * nt + v0, mb] = sBias[self.head_of(nt, v0, c), g, stage] * scale_log2
-                    if const_expr(mult is not None):
-                        mult[2 * nt + v0, mb] = sMult[self.head_of(nt, v0, c), g, stage] * scale_log2
 
     @cute.jit
     def pv(self, v_frag, tOrP, acc_pv, per_group: cutlass.Constexpr[bool]):
@@ -1209,25 +1078,6 @@ class DecodeSm90(PackedDecodeConfig):
                     other = cute.arch.shuffle_sync_bfly(acc_s[self.cv(v0, 1, 0), mb, 0], sm90.HALF_SOURCE_XOR)
                     acc_s[self.cv(v0, 0, 0), mb, 0] = cutlass.select_(upper, other, acc_s[self.cv(v0, 0, 0), mb, 0])
 
-    @cute.jit
-    def combine_terms(self, acc_i, thr_s, lane):
-        """``s8_k``: the step's scores as fp32 in the 4-head view (slot 0 of every value pair,
-        as ``gather_rows`` leaves it) from the s8 product's integer terms: quad lanes 0, 1
-        hold the high term (columns 0..3) of rows g and g + 8, lanes 2, 3 the low term; each
-        sends its partner the value the partner's row needs (row g + 8's high, row g's low)
-        and keeps ``256 hi + lo`` of its own row (|.| < 2^31; one rounding to fp32)."""
-        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((M_BLOCK * cute.size(acc_i, mode=[1]), self.nh)),
-                                      Float32)
-        upper = lane % 4 >= 2
-        for mb in cutlass.range_constexpr(cute.size(acc_i, mode=[1])):
-            for v0 in cutlass.range_constexpr(2):
-                row_g, row_g8 = acc_i[self.cv(v0, 0, 0), mb, 0], acc_i[self.cv(v0, 1, 0), mb, 0]
-                other = cute.arch.shuffle_sync_bfly(cutlass.select_(upper, row_g, row_g8), sm90.HALF_SOURCE_XOR)
-                hi = cutlass.select_(upper, other, row_g)
-                lo = cutlass.select_(upper, row_g8, other)
-                acc_s[self.cv(v0, 0, 0), mb, 0] = Float32(cutlass.Int32(hi * 256 + lo))
-        return acc_s
-
     def across_column(self, x, combine):
         """``combine`` of a softmax column's per-thread ``x`` over the threads that share the
         column: its 8 rows' lanes, and with ``half_cols`` the partner quad lane too."""
@@ -1239,13 +1089,12 @@ class DecodeSm90(PackedDecodeConfig):
     # ---- softmax ------------------------------------------------------------------------
     @cute.jit
     def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0,
-                     lim=None, abs0=0, zsum=None, bias=None, mult=None):
+                     lim=None, abs0=0, zsum=None, bias=None):
         """Online softmax over one step's S^T (rows = tokens of all four warps), against the
         exact running maximum: ``logits``, ``new_max`` (the cross-warp exchange), then P in
         place of the logits."""
-        if const_expr(mult is None):  # (``s8_k``: ``combine_terms`` gathered them)
-            self.gather_rows(acc_s, lane)
-        self.logits(acc_s, scale_log2, warp, lane, valid, tok0, lim, abs0, bias, mult)
+        self.gather_rows(acc_s, lane)
+        self.logits(acc_s, scale_log2, warp, lane, valid, tok0, lim, abs0, bias)
         self.new_max(acc_s, acc_o, row_max, row_sum, red, warp, lane, zsum)
         self.exponentiate(acc_s, row_max, row_sum)
 
@@ -1265,11 +1114,11 @@ class DecodeSm90(PackedDecodeConfig):
                 row_sum[col] = row_sum[col] + part
 
     @cute.jit
-    def logits(self, acc_s, scale_log2, warp, lane, valid, tok0, lim=None, abs0=0, bias=None, mult=None):
+    def logits(self, acc_s, scale_log2, warp, lane, valid, tok0, lim=None, abs0=0, bias=None):
         """S^T in log2 units, in place: masks tokens ``>= valid`` (residual) when ``valid`` is
         given, and with ``lim`` (``causal_limits``) tokens past a column's limit, at sequence
         position ``abs0 + tok0 + row``.  ``bias`` (``fold_k``, already in log2 units): added
-        per (head column, M-block); ``mult`` (``s8_k``, in log2 units too) replaces the scale."""
+        per (head column, M-block)."""
         g = lane // 4
         c = lane % 4
         for nt in cutlass.range_constexpr(self.nh // 8):
@@ -1277,9 +1126,7 @@ class DecodeSm90(PackedDecodeConfig):
                 for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
                     for v1 in cutlass.range_constexpr(self.row_slots):
                         s = acc_s[self.cv(v0, v1, nt), mb, 0]
-                        if const_expr(mult is not None):
-                            x = s * mult[2 * nt + v0, mb] + bias[2 * nt + v0, mb]
-                        elif const_expr(bias is not None):
+                        if const_expr(bias is not None):
                             x = s * scale_log2 + bias[2 * nt + v0, mb]
                         else:
                             x = s * scale_log2
@@ -1339,15 +1186,14 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def lazy_softmax(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, tok0, lim, abs0, zsum,
-                     bias, mult=None):
+                     bias):
         """``softmax_step`` of a packed step, with the cross-warp exchange of maxima only when
         a logit passes the running maximum by more than ``lazy_margin``: the warpgroup
         agrees on that through one barrier that ORs each thread's verdict (``barrier_or``);
         otherwise P is taken against the running maximum as it stands (values up to
         ``2^lazy_margin``) and O, the row sums and the zero sums need no rescaling."""
-        if const_expr(mult is None):  # (``s8_k``: ``combine_terms`` gathered them)
-            self.gather_rows(acc_s, lane)
-        self.logits(acc_s, scale_log2, warp, lane, None, tok0, lim, abs0, bias, mult)
+        self.gather_rows(acc_s, lane)
+        self.logits(acc_s, scale_log2, warp, lane, None, tok0, lim, abs0, bias)
         over = -Float32.inf
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):

@@ -127,16 +127,14 @@ def warp_loads(bits: int, operand: str, head_dim: int) -> Tuple[Tuple[Tuple[int,
 
 
 def make_wgmma(dtype, n: int, a_from_registers: bool = False):
-    """One-warpgroup ``wgmma 64 x n x 16`` (fp32 accumulate), both operands K-major; with
-    ``cutlass.Int8`` operands ``64 x n x 32`` (s32 accumulate)."""
+    """One-warpgroup ``wgmma 64 x n x 16`` (fp32 accumulate), both operands K-major."""
     import cutlass
     import cutlass.utils.hopper_helpers as hopper
     from cutlass.cute.nvgpu import OperandMajorMode
 
     source = hopper.OperandSource.RMEM if a_from_registers else hopper.OperandSource.SMEM
     k = OperandMajorMode.K
-    acc = cutlass.Int32 if dtype is cutlass.Int8 else cutlass.Float32
-    return hopper.make_trivial_tiled_mma(dtype, dtype, k, k, acc, (1, 1, 1), (WGMMA_M, n), source)
+    return hopper.make_trivial_tiled_mma(dtype, dtype, k, k, cutlass.Float32, (1, 1, 1), (WGMMA_M, n), source)
 
 
 def smem_atom_kind(dtype, row_elems: int):
@@ -327,64 +325,6 @@ def staged_row_bytes(row_bytes: int) -> int:
     """The pitch of a staged row of ``row_bytes`` (a multiple of 128)."""
     assert row_bytes % 128 == 0, row_bytes
     return row_bytes + STAGED_ROW_PAD_BYTES
-
-
-# ---- s8 operands: the decode's scores with K's codes as bytes (``DecodeSm90.s8_k``) ---------
-# An s8 wgmma (64 x N x 32) costs what a 16-bit 64 x N x 16 does (profiles/h200/wgmma.json),
-# so K's codes as bytes halve the scores' wgmmas.  Register s of a packed word,
-# ``(word >> bits * s) & S8_BYTE_MASK[bits]``, holds four codes of the word's row as bytes
-# (byte b: the code in field ``b * 8 / bits + s``): one LOP3 (and a shift) per four codes,
-# no fix-up.  Which channels land on which k of the MMA follows; the other operand (Q o s
-# for the scores) is stored in that k order.
-S8_K = 32  # contraction of one s8 wgmma
-S8_BYTE_MASK = {4: 0x0F0F0F0F, 2: 0x03030303}
-
-
-def s8_word_registers(bits: int) -> int:
-    """Byte registers one packed word gives (each four codes of its row)."""
-    return 8 // bits
-
-
-def s8_k_of_channel(bits: int, channel):
-    """The k of the s8 A operand that holds ``channel``'s code (the inverse of
-    ``s8_a_columns``, in closed form: within each block of ``2 H`` channels, ``H = 64 / bits``,
-    the block's two halves interleave).  ``channel`` may be a traced integer."""
-    h = 64 // bits
-    return channel // (2 * h) * (2 * h) + 2 * (channel % h) + channel % (2 * h) // h
-
-
-def s8_a_columns(bits: int, length: int) -> Tuple[int, ...]:
-    """For every k of the s8 A operand over a row of ``length`` channels, in MMA order, the
-    channel whose code it holds.  Lane ``c`` of a quad reads the words ``ldmatrix`` gives it
-    (word ``c'`` of each 16-byte chunk) and makes their byte registers in order; register i
-    is the A register of k ``32 (i // 2) + 16 (i % 2) + 4 c + b`` (the m16n8k32 A fragment:
-    ``s8_wgmma_fragment`` checks it) for its byte b."""
-    words = sm80.word_elements(bits, length)
-    lane_word = {lane % 4: wc for lane, (_, wc) in enumerate(sm80.ldmatrix_lane_word())}
-    per = s8_word_registers(bits)
-    element = {packing.field_of_element(bits, e): e for e in range(packing.codes_per_word(bits))}
-    out = [-1] * length
-    for c in range(4):
-        regs = [(w, s) for w in range(c, len(words), 4) for s in range(per)
-                if w % sm80.CHUNK_WORDS == lane_word[c]]
-        for i, (w, s) in enumerate(regs):
-            for b in range(4):
-                k = S8_K * (i // 2) + 16 * (i % 2) + 4 * c + b
-                out[k] = words[w][element[b * per + s]]
-    assert sorted(out) == list(range(length)), "s8 operand columns are not a permutation"
-    return tuple(out)
-
-
-@_traced
-def s8_wgmma_fragment() -> Tuple[Tuple[Tuple[int, int], ...], ...]:
-    """The s8 wgmma (64 x 8 x 32, A from registers) A fragment, ``[thread][value] = (row,
-    k)``: 16 bytes a thread, four registers of four."""
-    import cutlass
-    import cutlass.cute as cute
-
-    tv = make_wgmma(cutlass.Int8, 8, a_from_registers=True).tv_layout_A_tiled
-    return tuple(tuple(divmod(tv((t, v)), WGMMA_M)[::-1] for v in range(cute.size(tv, mode=[1])))
-                 for t in range(WARPGROUP_THREADS))
 
 
 @_traced

@@ -175,29 +175,6 @@ def test_sm90_half_tile():
     assert any(v.extra[0] == "h4" for v in be.variants(("decode",), [fmt], [128], ["fp16"]))
 
 
-def test_sm90_s8_scores():
-    """With K's scale in Q and the 4-head tile (``DecodeSm90.s8_k``) the packed steps' scores
-    are s8 wgmmas (64 x 8 x 32: half the 16-bit path's count) on K's codes as bytes, the
-    scalers' Q o s in two int8 terms; bf16 (no fold), the 8-head tile and K per token keep
-    the 16-bit scores."""
-    from bitdecode.kernels_sm90 import backend as sm90
-
-    s8 = "wgmma.mma_async.sync.aligned.m64n8k32.satfinite.s32.s8.s8"  # (sums stay far below 2^31)
-
-    def ptx(fmt, dtype, nh):
-        return sm90.compile_decode("sm_90a", fmt, dtype, 128, nh, True, keep_ptx=True).artifacts.PTX
-
-    for bits in (4, 2):
-        fmt = KVFormat(bits, "channel", 128)
-        assert sm90.BACKEND.make_decode("sm_90a", fmt, cutlass.Float16, 128, 4, True).s8_k
-        assert _count(ptx(fmt, cutlass.Float16, 4), s8) > 0, f"{bits}-bit: no s8 scores in the 4-head tile"
-    fmt = KVFormat(4, "channel", 128)
-    for dtype, nh, f in ((cutlass.BFloat16, 4, fmt), (cutlass.Float16, 8, fmt),
-                         (cutlass.Float16, 4, KVFormat(4, "token", 128))):
-        assert not sm90.BACKEND.make_decode("sm_90a", f, dtype, 128, nh, True).s8_k
-        assert _count(ptx(f, dtype, nh), s8) == 0, (f, dtype, nh)
-
-
 def test_sm90_decode_refuses_other_archs():
     from bitdecode.kernels_sm90 import backend as sm90
 
