@@ -348,9 +348,10 @@ class Sm80Backend:
         return sm80.heads_tile(rows)
 
     def grid_variant(self, fmt: KVFormat, dtype, head_dim: int, nh: int, batch: int, kv_heads: int, tq: int,
-                     device) -> str:
+                     device, splits: int = 0) -> str:
         """A decode kernel variant for this launch's size ("" : the one kernel of the format),
-        which ``choose_splits`` and ``plan`` both follow.  sm80 has none."""
+        which ``choose_splits`` (``splits`` 0: not chosen yet) and ``plan`` (the splits it
+        runs) both follow.  sm80 has none."""
         return ""
 
     def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
@@ -402,7 +403,7 @@ class Sm80Backend:
         hkv = cache.k_res.shape[2]
         rows = query_rows(tq, hq, hkv)
         nh = self.heads_tile(rows, tq)
-        variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device)
+        variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device, splits)
         decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
         plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn)

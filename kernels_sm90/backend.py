@@ -13,17 +13,24 @@ from typing import List, Tuple
 import torch
 
 from .. import jit
-from ..backend import Variant, num_sms
+from ..backend import CacheTensors, Variant, num_sms, query_rows
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
 from ..layouts import sm80, sm90
 
 
-# grid_variant's kernels: their DecodeSm90 keywords
+# grid_variant's kernels: their DecodeSm90 keywords (the "small" grid's by format,
+# ``small_grid``: 4-bit leaves K's scale out of Q there, 2-bit keeps it)
 SMALL_GRID = {"consumers": 2, "fold_k": False}
-VARIANTS = {"": {}, "small": SMALL_GRID}
+SMALL_GRID_2BIT = {"consumers": 2}
+VARIANTS = ("", "small")
 # splits per (sequence, KV head) the default kernel would need for a grid to count as small
 SMALL_GRID_SPLITS = 8
+# 2-bit (4-head tile): where the (sequence, KV head) pairs fill more than half the SMs (the
+# default two CTAs an SM need two splits, and the combine) and no sequence is longer than
+# this many 256-token tiles, one split of the small grid's kernel (one CTA an SM, two
+# consumers) instead (``Sm90Backend.choose_splits``): H200, B=16 Hkv=8, N=4K 26.8 vs 30.5 us
+SHORT_TILES_2BIT = 32
 
 
 # the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose
@@ -32,12 +39,24 @@ SMALL_GRID_SPLITS = 8
 HALF_TILE = sm90.HALF_HEADS_TILE
 
 
+def small_grid(fmt: KVFormat, fp16: bool, head_dim: int, nh: int):
+    """The ``"small"`` variant's keywords where small grids of this decode request take it,
+    else None (``Sm90Backend.grid_variant``).  Measured for K per channel (groups >= 64, where
+    the default puts K's scale in Q) in fp16 at head dim 128: 4-bit with GQA tiles of 8
+    columns (4 or 8 heads), two consumers in one CTA without the fold; 2-bit with the 4-head
+    tile, two consumers (its default there is one, two CTAs an SM)."""
+    if fmt.fp4 or fmt.k_mode != "channel" or fmt.group_size < 64 or not fp16 or head_dim != 128:
+        return None
+    if fmt.bits == fmt.v_bits == 4 and nh in (HALF_TILE, 8):
+        return SMALL_GRID
+    if fmt.bits == fmt.v_bits == 2 and nh == HALF_TILE:
+        return SMALL_GRID_2BIT
+    return None
+
+
 def small_grid_kernel(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
-    """Whether small grids of this decode request take the ``"small"`` variant: measured for
-    4-bit K per channel (groups >= 64, where the default puts K's scale in Q) in fp16 at
-    head dim 128 and GQA tiles of 8 columns (4 or 8 heads) only (``Sm90Backend.grid_variant``)."""
-    return (fmt.bits == fmt.v_bits == 4 and not fmt.fp4 and fmt.k_mode == "channel" and fmt.group_size >= 64
-            and fp16 and head_dim == 128 and nh in (HALF_TILE, 8))
+    """Whether small grids of this decode request take the ``"small"`` variant."""
+    return small_grid(fmt, fp16, head_dim, nh) is not None
 
 
 class Sm90Backend(sm80_backend.Sm80Backend):
@@ -84,8 +103,21 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         """What the decode kernel for these arguments is built for (its constexpr config)."""
         return _kernel_ctas_per_sm(self, fmt, head_dim, nh, dtype, variant)
 
-    def grid_variant(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, device) -> str:
-        """``"small"`` where ``small_grid_kernel`` takes the request and (sequence, KV head)
+    def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
+        """sm80's heuristic for the kernel ``grid_variant`` picks, but one split where a
+        2-bit request's pairs fill more than half the SMs and its sequences are short
+        (``SHORT_TILES_2BIT``): ``grid_variant`` then takes the one-CTA kernel."""
+        bsz, tq, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
+        sms = num_sms(device)
+        if (tq == 1 and small_grid(cache.fmt, cache.k_res.dtype == torch.float16, d, nh) is SMALL_GRID_2BIT
+                and sms < 2 * bsz * hkv <= 2 * sms and -(-max_len // cache.fmt.residual_block) <= SHORT_TILES_2BIT):
+            return 1
+        return super().choose_splits(cache, q_shape, max_len, device)
+
+    def grid_variant(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, device, splits=0) -> str:
+        """``"small"`` where ``small_grid`` takes the request and (sequence, KV head)
         pairs are so few that the default kernel needs at least ``SMALL_GRID_SPLITS`` splits
         each to fill the SMs: there one CTA an SM with two consumer warpgroups and K's scale
         left out of Q (``SMALL_GRID``) is faster.  H200, one run (B=1, Hkv=8, 4-bit K per
@@ -93,10 +125,19 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         N=4K 12.54 -> 11.90, 32K 25.28 -> 22.42, 128K 57.17 -> 53.97; at B=8 it was 3 %
         slower (173.9 -> 179.7).  At N=64K (profiles/h200/variants_scalers.json, one run):
         B=2 55.26 -> 53.92, B=4 94.38 -> 95.52, so the threshold sits between 8 and 4 splits
-        a pair (B=2 at Hkv=8 on 132 SMs) and bigger grids keep the default."""
-        small = (tq == 1 and small_grid_kernel(fmt, dtype == torch.float16, head_dim, nh)
-                 and batch * kv_heads * SMALL_GRID_SPLITS <= num_sms(device))
-        return "small" if small else ""
+        a pair (B=2 at Hkv=8 on 132 SMs) and bigger grids keep the default.  2-bit (4-head
+        tile): two consumers in one CTA, K's scale kept in Q, against the default two CTAs of
+        one (profiles/h200/variants_consumers_2bit.json, us): B=1 N=128K 45.8 vs 47.1, and
+        the default ahead at B=8 / 16 N=64K (141.5 vs 143.7, 267.9 vs 272.4)."""
+        keywords = small_grid(fmt, dtype == torch.float16, head_dim, nh) if tq == 1 else None
+        if keywords is None:
+            return ""
+        pairs, sms = batch * kv_heads, num_sms(device)
+        if pairs * SMALL_GRID_SPLITS <= sms:
+            return "small"
+        # 2-bit: one split that one CTA a pair fits in the SMs (two CTAs an SM would leave
+        # half their slots idle, and ``choose_splits`` asks for it on short sequences)
+        return "small" if keywords is SMALL_GRID_2BIT and splits == 1 and pairs <= sms else ""
 
     def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:
         """sm80's list, and the ``"small"`` grid variant of each decode kernel that has one."""
@@ -115,9 +156,17 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         half = nh == HALF_TILE
         if half and tq != 1:
             raise ValueError(f"the sm90 decode kernel's {HALF_TILE}-head tile takes one query token, got tq={tq}")
+        keywords = {}
+        if variant == "small":
+            import cutlass
+
+            keywords = small_grid(fmt, dtype is cutlass.Float16, head_dim, nh)
+            if keywords is None:
+                raise ValueError(f"the sm90 decode kernel has no small-grid variant for {fmt} at head dim {head_dim}, "
+                                 f"{nh} heads, {dtype.__name__}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, sm80.HEADS_TILES[0] if half else nh, split,
                           pdl=jit.has_pdl(arch), sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4,
-                          half_cols=half, **VARIANTS[variant])
+                          half_cols=half, **keywords)
 
 
 @functools.lru_cache(maxsize=None)

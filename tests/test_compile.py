@@ -582,6 +582,26 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     small = be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="small")
     assert small.consumers == 2 and not small.fold_k and small.ctas_per_sm == 1
     assert be.ctas_per_sm(fmt, 128, 8, f16, "small") == 1 and be.ctas_per_sm(fmt, 128, 8, f16) == 2
+    # 2-bit with the 4-head tile: one consumer, two CTAs an SM, and the small grid's two
+    # consumers in one CTA keep K's scale in Q; its 8-head tile keeps two consumers everywhere
+    two = KVFormat(2, "channel", 128)
+    assert be.grid_variant(two, f16, 128, 4, 1, 8, 1, dev) == "small"
+    assert be.grid_variant(two, f16, 128, 4, 3, 8, 1, dev) == ""
+    default2, small2 = (be.make_decode("sm_90a", two, cutlass.Float16, 128, 4, True, variant=v) for v in ("", "small"))
+    assert (default2.consumers, default2.ctas_per_sm, small2.consumers, small2.ctas_per_sm) == (1, 2, 2, 1)
+    assert default2.fold_k and small2.fold_k
+    assert be.make_decode("sm_90a", two, cutlass.Float16, 128, 8, True).consumers == 2
+    with pytest.raises(ValueError, match="no small-grid variant"):
+        be.make_decode("sm_90a", two, cutlass.Float16, 128, 8, True, variant="small")
+    # ... and at B=16 (128 pairs: more than half the SMs) one split of it for short sequences
+    cache2 = SimpleNamespace(fmt=two, k_res=torch.empty(1, 256, 8, 128, dtype=f16))
+    assert be.choose_splits(cache2, (16, 1, 32, 128), 32 * 256, dev) == 1
+    assert be.choose_splits(cache2, (16, 1, 32, 128), 33 * 256, dev) == 2
+    assert be.choose_splits(cache2, (8, 1, 32, 128), 4096, dev) == 4  # 64 pairs: the default kernel
+    assert be.grid_variant(two, f16, 128, 4, 16, 8, 1, dev, splits=1) == "small"
+    assert be.grid_variant(two, f16, 128, 4, 16, 8, 1, dev, splits=2) == ""
+    assert be.grid_variant(two, f16, 128, 4, 17, 8, 1, dev, splits=1) == ""  # 136 pairs: not one wave
+    assert be.grid_variant(fmt, f16, 128, 4, 16, 8, 1, dev, splits=1) == ""  # 4-bit: only B <= 2
     with pytest.raises(ValueError, match="no variant 'tiny'"):
         be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="tiny")
     with pytest.raises(ValueError, match="no variant 'small'"):
@@ -597,7 +617,8 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     assert built[0] != built[1] and built[1][-1] == "small"
     listed = be.variants(("decode",), [fmt, KVFormat(2, "channel", 128)], [128], ["fp16", "bf16"])
     assert [v.name for v in listed if v.extra[-1] == "small"] == [
-        f"decode_fp16_d128_4bit_channel_g128_h{nh}_{split}_small" for nh in (4, 8) for split in ("direct", "split")]
+        f"decode_fp16_d128_4bit_channel_g128_h{nh}_{split}_small" for nh in (4, 8) for split in ("direct", "split")] + [
+        f"decode_fp16_d128_2bit_channel_g128_h4_{split}_small" for split in ("direct", "split")]
     # the kernel B=1 at GQA 4 runs: the small grid's, with the 4-head tile
     v = next(v for v in listed if v.extra == ("h4", "split", "small"))
     report = ptxas.report(be.compile_variant("sm_90a", v, keep_ptx=True).artifacts.PTX, "sm_90a", tmp_path)
