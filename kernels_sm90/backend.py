@@ -29,8 +29,10 @@ SMALL_GRID_SPLITS = 8
 # 2-bit (4-head tile): where the (sequence, KV head) pairs fill more than half the SMs (the
 # default two CTAs an SM need two splits, and the combine) and no sequence is longer than
 # this many 256-token tiles, one split of the small grid's kernel (one CTA an SM, two
-# consumers) instead (``Sm90Backend.choose_splits``): H200, B=16 Hkv=8, N=4K 26.8 vs 30.5 us
-SHORT_TILES_2BIT = 32
+# consumers) instead (``Sm90Backend.choose_splits``).  H200, B=16 Hkv=8, one run, us, one
+# split of it / two of the default: N=4K 26.4 / 29.5, 8K 43.2 / 45.6, 12K 59.6 / 61.0, 16K
+# 75.9 / 77.3, 32K 142.1 / 140.8 (B=12 N=8K 42.5 / 44.3; profiles/NOTES.md)
+SHORT_TILES_2BIT = 64
 
 
 # the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose

@@ -595,8 +595,8 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
         be.make_decode("sm_90a", two, cutlass.Float16, 128, 8, True, variant="small")
     # ... and at B=16 (128 pairs: more than half the SMs) one split of it for short sequences
     cache2 = SimpleNamespace(fmt=two, k_res=torch.empty(1, 256, 8, 128, dtype=f16))
-    assert be.choose_splits(cache2, (16, 1, 32, 128), 32 * 256, dev) == 1
-    assert be.choose_splits(cache2, (16, 1, 32, 128), 33 * 256, dev) == 2
+    assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES_2BIT * 256, dev) == 1
+    assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES_2BIT * 256 + 1, dev) == 2
     assert be.choose_splits(cache2, (8, 1, 32, 128), 4096, dev) == 4  # 64 pairs: the default kernel
     assert be.grid_variant(two, f16, 128, 4, 16, 8, 1, dev, splits=1) == "small"
     assert be.grid_variant(two, f16, 128, 4, 16, 8, 1, dev, splits=2) == ""
