@@ -1,0 +1,65 @@
+"""sm90 decode time by split count: each shape at ``--splits`` (0: the backend's own choice),
+through the public API, so each count runs the kernel the dispatch builds for it (2-bit
+with the 4-head tile at one split whose pairs fill the SMs: the one-CTA two-consumer kernel;
+at more splits the default two CTAs an SM).  CUDA-graph replay, L2 flushed before each call,
+median of 30 (``bench_decode``'s timer).
+
+    python3 profiles/bench_splits.py --format 2c128 --shapes 16x4096,16x8192,16x16384,16x32768 \\
+        --splits 1,2,0 --out profiles/h200 --tag short_2bit
+
+writes ``<out>/splits_<tag>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import bitdecode as bd
+from bench_decode import Timer, _graph_time, build
+from bench_variants import FORMATS, HKV, HQ, D, parse_shapes
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--format", default="2c128", choices=sorted(FORMATS))
+    p.add_argument("--shapes", default="16x4096,16x8192,16x16384,16x32768", help="BxN,...")
+    p.add_argument("--splits", default="1,2,0", help="split counts, comma-separated (0: the heuristic's)")
+    p.add_argument("--out", type=Path, default=Path("profiles/h200"))
+    p.add_argument("--tag", default="", help="suffix of the output file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_splits needs a CUDA GPU")
+    counts = [int(s) for s in args.splits.split(",")]
+    dev = torch.device("cuda")
+    timer, gen = Timer(dev), torch.Generator(device=dev).manual_seed(0)
+    fmt = bd.KVFormat(*FORMATS[args.format])
+    rows = []
+    for b, n in parse_shapes(args.shapes):
+        q = torch.randn(b, 1, HQ, D, device=dev, dtype=torch.float16, generator=gen)
+        cache, k, v = build(fmt, b, HKV, D, n, dev, gen)
+        cache.prefill(k, v)
+        del k, v
+        row = {"B": b, "N": n}
+        for s in counts:
+            row[f"splits_{s}_us"] = _graph_time(timer, functools.partial(bd.decode, q, cache, num_splits=s,
+                                                                         backend="sm90"))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del cache
+        torch.cuda.empty_cache()
+    result = {"command": " ".join(["python3 profiles/bench_splits.py", *(sys.argv[1:] if argv is None else argv)]),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "format": args.format,
+              "method": __doc__.split("\n\n")[0].replace("\n", " "), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"splits{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
