@@ -56,9 +56,11 @@ def small_grid(fmt: KVFormat, fp16: bool, head_dim: int, nh: int):
     return None
 
 
-def small_grid_kernel(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
-    """Whether small grids of this decode request take the ``"small"`` variant."""
-    return small_grid(fmt, fp16, head_dim, nh) is not None
+def one_split_small(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
+    """Whether one split of this request whose pairs fit the SMs takes the ``"small"`` kernel
+    too (2-bit, where it keeps K's scale in Q; ``Sm90Backend.choose_splits`` asks for one
+    split on short sequences)."""
+    return fmt.bits == 2 and small_grid(fmt, fp16, head_dim, nh) is not None
 
 
 class Sm90Backend(sm80_backend.Sm80Backend):
@@ -113,7 +115,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         hkv = cache.k_res.shape[2]
         nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
         sms = num_sms(device)
-        if (tq == 1 and small_grid(cache.fmt, cache.k_res.dtype == torch.float16, d, nh) is SMALL_GRID_2BIT
+        if (tq == 1 and one_split_small(cache.fmt, cache.k_res.dtype == torch.float16, d, nh)
                 and sms < 2 * bsz * hkv <= 2 * sms and -(-max_len // cache.fmt.residual_block) <= SHORT_TILES_2BIT):
             return 1
         return super().choose_splits(cache, q_shape, max_len, device)
@@ -131,21 +133,22 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         tile): two consumers in one CTA, K's scale kept in Q, against the default two CTAs of
         one (profiles/h200/variants_consumers_2bit.json, us): B=1 N=128K 45.8 vs 47.1, and
         the default ahead at B=8 / 16 N=64K (141.5 vs 143.7, 267.9 vs 272.4)."""
-        keywords = small_grid(fmt, dtype == torch.float16, head_dim, nh) if tq == 1 else None
-        if keywords is None:
+        fp16 = dtype == torch.float16
+        if tq != 1 or small_grid(fmt, fp16, head_dim, nh) is None:
             return ""
         pairs, sms = batch * kv_heads, num_sms(device)
         if pairs * SMALL_GRID_SPLITS <= sms:
             return "small"
-        # 2-bit: one split that one CTA a pair fits in the SMs (two CTAs an SM would leave
-        # half their slots idle, and ``choose_splits`` asks for it on short sequences)
-        return "small" if keywords is SMALL_GRID_2BIT and splits == 1 and pairs <= sms else ""
+        # one split that one CTA a pair fits in the SMs (two CTAs an SM would leave half
+        # their slots idle)
+        return "small" if splits == 1 and pairs <= sms and one_split_small(fmt, fp16, head_dim, nh) else ""
 
     def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:
         """sm80's list, and the ``"small"`` grid variant of each decode kernel that has one."""
         out = super().variants(kinds, formats, head_dims, dtypes)
-        return out + [v._replace(extra=v.extra + ("small",)) for v in out if v.kind == "decode" and small_grid_kernel(
-            sm80_backend.variant_format(v), v.dtype == "fp16", v.head_dim, sm80_backend.decode_variant_args(v)[0])]
+        return out + [v._replace(extra=v.extra + ("small",)) for v in out if v.kind == "decode" and small_grid(
+            sm80_backend.variant_format(v), v.dtype == "fp16", v.head_dim, sm80_backend.decode_variant_args(v)[0])
+            is not None]
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
         from .decode import DecodeSm90

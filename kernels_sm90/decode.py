@@ -1163,7 +1163,7 @@ class DecodeSm90(PackedDecodeConfig):
             for v0 in cutlass.range_constexpr(2):
                 m_local = self.across_column(self.column_max(acc_s, nt, v0), cute.arch.fmax)
                 if g == 0:  # (with half_cols quad lanes 2, 3 fill the padding heads' slots)
-                    red[8 * nt + 2 * c + v0, warp, 0] = m_local
+                    red[sm90.c_slot_head(nt, v0, c, False), warp, 0] = m_local
         self.bar(Barrier.MAX)
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
@@ -1302,14 +1302,14 @@ class DecodeSm90(PackedDecodeConfig):
         if g == 0:
             for nt in cutlass.range_constexpr(nt_count):
                 for v0 in cutlass.range_constexpr(2):
-                    red[8 * nt + 2 * c + v0, warp, 1] = row_sum[2 * nt + v0]
+                    red[sm90.c_slot_head(nt, v0, c, False), warp, 1] = row_sum[2 * nt + v0]
                     if const_expr(zsum is not None):
                         for i in cutlass.range_constexpr(self.p_copies):
-                            red[8 * nt + 2 * c + v0, warp, 2 + i] = zsum[2 * nt + v0, i]
+                            red[sm90.c_slot_head(nt, v0, c, False), warp, 2 + i] = zsum[2 * nt + v0, i]
         self.bar(Barrier.EPI)
         for nt in cutlass.range_constexpr(nt_count):
             for v0 in cutlass.range_constexpr(2):
-                head = 8 * nt + 2 * c + v0
+                head = sm90.c_slot_head(nt, v0, c, False)  # O^T's columns: the whole C fragment
                 total = Float32(0.0)
                 for w in cutlass.range_constexpr(WARPS):
                     total += red[head, w, 1]
