@@ -56,6 +56,18 @@ def small_grid(fmt: KVFormat, fp16: bool, head_dim: int, nh: int):
     return None
 
 
+def grid_keywords(fmt: KVFormat, fp16: bool, head_dim: int, nh: int, variant: str):
+    """``DecodeSm90`` keywords of ``grid_variant``'s kernel ``variant`` (None: there is no
+    such kernel).  The default kernel's are DecodeSm90's own, but for 2-bit with the 4-head
+    tile (``one_split_small``): one consumer warpgroup, two CTAs an SM, where the grid fills
+    the SMs (H200, one run, 2c128 fp16 GQA 4, us, two / one consumers,
+    profiles/h200/variants_consumers_2bit.json: B=8 N=64K 143.7 / 141.5, B=16 272.4 / 267.9,
+    but B=1 N=128K 45.8 / 47.1, so its "small" kernel keeps two)."""
+    if variant == "small":
+        return small_grid(fmt, fp16, head_dim, nh)
+    return {"consumers": 1} if one_split_small(fmt, fp16, head_dim, nh) else {}
+
+
 def one_split_small(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
     """Whether one split of this request whose pairs fit the SMs takes the ``"small"`` kernel
     too (2-bit, where it keeps K's scale in Q; ``Sm90Backend.choose_splits`` asks for one
@@ -151,6 +163,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             is not None]
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
+        import cutlass
+
         from .decode import DecodeSm90
 
         sm80_backend.check_decode_request(fmt, tq)
@@ -161,14 +175,10 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         half = nh == HALF_TILE
         if half and tq != 1:
             raise ValueError(f"the sm90 decode kernel's {HALF_TILE}-head tile takes one query token, got tq={tq}")
-        keywords = {}
-        if variant == "small":
-            import cutlass
-
-            keywords = small_grid(fmt, dtype is cutlass.Float16, head_dim, nh)
-            if keywords is None:
-                raise ValueError(f"the sm90 decode kernel has no small-grid variant for {fmt} at head dim {head_dim}, "
-                                 f"{nh} heads, {dtype.__name__}")
+        keywords = grid_keywords(fmt, dtype is cutlass.Float16, head_dim, nh, variant)
+        if keywords is None:
+            raise ValueError(f"the sm90 decode kernel has no small-grid variant for {fmt} at head dim {head_dim}, "
+                             f"{nh} heads, {dtype.__name__}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, sm80.HEADS_TILES[0] if half else nh, split,
                           pdl=jit.has_pdl(arch), sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4,
                           half_cols=half, **keywords)

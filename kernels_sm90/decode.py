@@ -246,13 +246,9 @@ class DecodeSm90(PackedDecodeConfig):
         assert not half_cols or (heads_tile == 8 and tq == 1), "half_cols: 8-head tiles of one query token"
         self.half_cols = half_cols
         if consumers == 0:
-            # with the 4-head tile a 2-bit consumer is light enough that two CTAs of one beat
-            # one of two where the grid fills the SMs: H200, one run, 2c128 fp16 GQA 4, us,
-            # two / one consumers (profiles/h200/variants_consumers_2bit.json): B=8 N=64K
-            # 143.7 / 141.5, B=16 272.4 / 267.9, but B=1 N=128K 45.8 / 47.1, so small grids
-            # keep two (``Sm90Backend.grid_variant``)
-            two = self.fold_k and bits == self.v_bits == 2 and head_dim <= 128 and not (half_cols and head_dim == 128)
-            consumers = 2 if two else 1
+            # (the sm90 backend passes one for 2-bit with the 4-head tile at head dim 128, and
+            # two again for its small grids: ``kernels_sm90.backend.grid_keywords``)
+            consumers = 2 if self.fold_k and bits == self.v_bits == 2 and head_dim <= 128 else 1
         assert 1 <= consumers and Barrier.done(consumers) < 16, "named barriers: at most four consumers"
         self.consumers = consumers
         self.ctas_per_sm = ctas_per_sm or (1 if consumers > 1 else default_ctas_per_sm(head_dim))
