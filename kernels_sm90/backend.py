@@ -26,13 +26,18 @@ SMALL_GRID_2BIT = {"consumers": 2}
 VARIANTS = ("", "small")
 # splits per (sequence, KV head) the default kernel would need for a grid to count as small
 SMALL_GRID_SPLITS = 8
-# 2-bit (4-head tile): where the (sequence, KV head) pairs fill more than half the SMs (the
-# default two CTAs an SM need two splits, and the combine) and no sequence is longer than
-# this many 256-token tiles, one split of the small grid's kernel (one CTA an SM, two
-# consumers) instead (``Sm90Backend.choose_splits``).  H200, B=16 Hkv=8, one run, us, one
-# split of it / two of the default: N=4K 26.4 / 29.5, 8K 43.2 / 45.6, 12K 59.6 / 61.0, 16K
-# 75.9 / 77.3, 32K 142.1 / 140.8 (B=12 N=8K 42.5 / 44.3; profiles/NOTES.md)
-SHORT_TILES_2BIT = 64
+# The 4-head tile (GQA <= 4): where the (sequence, KV head) pairs fill more than half the
+# SMs (the default two CTAs an SM need two splits, and the combine) and no sequence is
+# longer than this many tiles, one split of the small grid's kernel (one CTA an SM, two
+# consumers) instead (``Sm90Backend.choose_splits``).  H200, Hkv=8, one run each, us, one
+# split of it / two of the default (profiles/h200/splits_short_*.json, profiles/NOTES.md):
+# - 2-bit (256-token tiles), B=16: N=4K 26.7 / 30.0, 8K 43.5 / 45.5, 12K 60.1 / 61.5, 16K
+#   76.3 / 77.6, 32K 141.3 / 140.7; B=12 N=8K 42.8 / 44.7; B=9 N=4K 25.7 / 27.9, 16K 75.3 /
+#   75.9;
+# - 4-bit (128-token tiles), B=16: N=4K 30.4 / 34.6, 6K 41.9 / 44.9, 8K 50.8 / 53.7, 12K
+#   73.0 / 73.1, 16K 93.2 / 90.8, 32K 176.9 / 164.3; B=12 N=4K 28.8 / 30.3, 8K 48.8 / 48.7;
+#   B=9 N=4K 28.2 / 29.0.
+SHORT_TILES = {2: 64, 4: 64}
 
 
 # the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose
@@ -59,20 +64,28 @@ def small_grid(fmt: KVFormat, fp16: bool, head_dim: int, nh: int):
 def grid_keywords(fmt: KVFormat, fp16: bool, head_dim: int, nh: int, variant: str):
     """``DecodeSm90`` keywords of ``grid_variant``'s kernel ``variant`` (None: there is no
     such kernel).  The default kernel's are DecodeSm90's own, but for 2-bit with the 4-head
-    tile (``one_split_small``): one consumer warpgroup, two CTAs an SM, where the grid fills
+    tile (``one_consumer``): one consumer warpgroup, two CTAs an SM, where the grid fills
     the SMs (H200, one run, 2c128 fp16 GQA 4, us, two / one consumers,
     profiles/h200/variants_consumers_2bit.json: B=8 N=64K 143.7 / 141.5, B=16 272.4 / 267.9,
     but B=1 N=128K 45.8 / 47.1, so its "small" kernel keeps two)."""
     if variant == "small":
         return small_grid(fmt, fp16, head_dim, nh)
-    return {"consumers": 1} if one_split_small(fmt, fp16, head_dim, nh) else {}
+    return {"consumers": 1} if one_consumer(fmt, fp16, head_dim, nh) else {}
 
 
-def one_split_small(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
-    """Whether one split of this request whose pairs fit the SMs takes the ``"small"`` kernel
-    too (2-bit, where it keeps K's scale in Q; ``Sm90Backend.choose_splits`` asks for one
-    split on short sequences)."""
+def one_consumer(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
+    """Whether the default kernel runs one consumer warpgroup, two CTAs an SM (2-bit with
+    the 4-head tile, ``grid_keywords``)."""
     return fmt.bits == 2 and small_grid(fmt, fp16, head_dim, nh) is not None
+
+
+def short_tiles(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> int:
+    """The most tiles a sequence may have for one split of the small grid's kernel to
+    replace the default's two where the pairs fill the SMs (``SHORT_TILES``; 0: never).
+    The 4-head tile only: the 8-head tile's small grid was measured at B <= 2 alone."""
+    if nh != HALF_TILE or small_grid(fmt, fp16, head_dim, nh) is None:
+        return 0
+    return SHORT_TILES[fmt.bits]
 
 
 class Sm90Backend(sm80_backend.Sm80Backend):
@@ -120,15 +133,15 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return _kernel_ctas_per_sm(self, fmt, head_dim, nh, dtype, variant)
 
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
-        """sm80's heuristic for the kernel ``grid_variant`` picks, but one split where a
-        2-bit request's pairs fill more than half the SMs and its sequences are short
-        (``SHORT_TILES_2BIT``): ``grid_variant`` then takes the one-CTA kernel."""
+        """sm80's heuristic for the kernel ``grid_variant`` picks, but one split where the
+        request's pairs fill more than half the SMs and its sequences are short
+        (``short_tiles``): ``grid_variant`` then takes the one-CTA kernel."""
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
         nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
         sms = num_sms(device)
-        if (tq == 1 and one_split_small(cache.fmt, cache.k_res.dtype == torch.float16, d, nh)
-                and sms < 2 * bsz * hkv <= 2 * sms and -(-max_len // cache.fmt.residual_block) <= SHORT_TILES_2BIT):
+        short = short_tiles(cache.fmt, cache.k_res.dtype == torch.float16, d, nh) if tq == 1 else 0
+        if short and sms < 2 * bsz * hkv <= 2 * sms and -(-max_len // cache.fmt.residual_block) <= short:
             return 1
         return super().choose_splits(cache, q_shape, max_len, device)
 
@@ -153,7 +166,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             return "small"
         # one split that one CTA a pair fits in the SMs (two CTAs an SM would leave half
         # their slots idle)
-        return "small" if splits == 1 and pairs <= sms and one_split_small(fmt, fp16, head_dim, nh) else ""
+        return "small" if splits == 1 and pairs <= sms and short_tiles(fmt, fp16, head_dim, nh) else ""
 
     def variants(self, kinds, formats, head_dims, dtypes) -> List[Variant]:
         """sm80's list, and the ``"small"`` grid variant of each decode kernel that has one."""

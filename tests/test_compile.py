@@ -595,13 +595,22 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
         be.make_decode("sm_90a", two, cutlass.Float16, 128, 8, True, variant="small")
     # ... and at B=16 (128 pairs: more than half the SMs) one split of it for short sequences
     cache2 = SimpleNamespace(fmt=two, k_res=torch.empty(1, 256, 8, 128, dtype=f16))
-    assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES_2BIT * 256, dev) == 1
-    assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES_2BIT * 256 + 1, dev) == 2
+    assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES[2] * 256, dev) == 1
+    assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES[2] * 256 + 1, dev) == 2
     assert be.choose_splits(cache2, (8, 1, 32, 128), 4096, dev) == 4  # 64 pairs: the default kernel
     assert be.grid_variant(two, f16, 128, 4, 16, 8, 1, dev, splits=1) == "small"
     assert be.grid_variant(two, f16, 128, 4, 16, 8, 1, dev, splits=2) == ""
     assert be.grid_variant(two, f16, 128, 4, 17, 8, 1, dev, splits=1) == ""  # 136 pairs: not one wave
-    assert be.grid_variant(fmt, f16, 128, 4, 16, 8, 1, dev, splits=1) == ""  # 4-bit: only B <= 2
+    # 4-bit: the same for its 4-head tile (128-token tiles), not for its 8-head one
+    cache4 = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=f16))
+    assert be.choose_splits(cache4, (16, 1, 32, 128), sm90.SHORT_TILES[4] * 128, dev) == 1
+    assert be.choose_splits(cache4, (16, 1, 32, 128), sm90.SHORT_TILES[4] * 128 + 1, dev) == 2
+    assert be.choose_splits(cache4, (16, 1, 64, 128), 4096, dev) == 2  # GQA 8: the 8-head tile
+    assert be.choose_splits(cache4, (8, 1, 32, 128), 4096, dev) == 4  # 64 pairs: half the SMs
+    assert be.grid_variant(fmt, f16, 128, 4, 16, 8, 1, dev, splits=1) == "small"
+    assert be.grid_variant(fmt, f16, 128, 8, 16, 8, 1, dev, splits=1) == ""
+    assert be.choose_splits(SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=torch.bfloat16)),
+                            (16, 1, 32, 128), 4096, dev) == 2  # bf16: no small grid
     with pytest.raises(ValueError, match="no variant 'tiny'"):
         be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="tiny")
     with pytest.raises(ValueError, match="no variant 'small'"):

@@ -368,7 +368,8 @@ def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits):
     """A 4-bit / 2-bit fp16 cache on sm90 (GQA 4) takes the one-CTA kernel (two consumer
     warpgroups; 4-bit without K's scale in Q) while batch x Hkv x SMALL_GRID_SPLITS fits in
     the SMs and the default kernel above (2-bit: one consumer, two CTAs an SM; at B=16 with
-    short sequences the one-CTA kernel's one split, or two splits of the default); both,
+    short sequences, 4-bit and 2-bit, the one-CTA kernel's one split, or two splits of the
+    default); both,
     split (auto or forced) and direct, against the reference."""
     if not dispatch.runnable("sm90", DEV):
         pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
