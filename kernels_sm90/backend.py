@@ -36,7 +36,8 @@ SMALL_GRID_SPLITS = 8
 #   75.9;
 # - 4-bit (128-token tiles), B=16: N=4K 30.4 / 34.6, 6K 41.9 / 44.9, 8K 50.8 / 53.7, 12K
 #   73.0 / 73.1, 16K 93.2 / 90.8, 32K 176.9 / 164.3; B=12 N=4K 28.8 / 30.3, 8K 48.8 / 48.7;
-#   B=9 N=4K 28.2 / 29.0.
+#   B=9 N=4K 28.2 / 29.0; bf16 B=16 N=4K 31.1 / 35.1, 8K 52.8 / 56.2
+#   (variants_small_grid_bf16.json).
 SHORT_TILES = {2: 64, 4: 64}
 
 
@@ -49,14 +50,15 @@ HALF_TILE = sm90.HALF_HEADS_TILE
 def small_grid(fmt: KVFormat, fp16: bool, head_dim: int, nh: int):
     """The ``"small"`` variant's keywords where small grids of this decode request take it,
     else None (``Sm90Backend.grid_variant``).  Measured for K per channel (groups >= 64, where
-    the default puts K's scale in Q) in fp16 at head dim 128: 4-bit with GQA tiles of 8
-    columns (4 or 8 heads), two consumers in one CTA without the fold; 2-bit with the 4-head
-    tile, two consumers (its default there is one, two CTAs an SM)."""
-    if fmt.fp4 or fmt.k_mode != "channel" or fmt.group_size < 64 or not fp16 or head_dim != 128:
+    the default puts K's scale in Q) at head dim 128: 4-bit with GQA tiles of 8 columns (4 or
+    8 heads; in bf16 the 4-head tile, the one measured), two consumers in one CTA without the
+    fold; 2-bit fp16 with the 4-head tile, two consumers (its default there is one, two CTAs
+    an SM)."""
+    if fmt.fp4 or fmt.k_mode != "channel" or fmt.group_size < 64 or head_dim != 128:
         return None
-    if fmt.bits == fmt.v_bits == 4 and nh in (HALF_TILE, 8):
+    if fmt.bits == fmt.v_bits == 4 and (nh == HALF_TILE or (nh == 8 and fp16)):
         return SMALL_GRID
-    if fmt.bits == fmt.v_bits == 2 and nh == HALF_TILE:
+    if fmt.bits == fmt.v_bits == 2 and nh == HALF_TILE and fp16:
         return SMALL_GRID_2BIT
     return None
 
@@ -152,7 +154,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         left out of Q (``SMALL_GRID``) is faster.  H200, one run (B=1, Hkv=8, 4-bit K per
         channel g128 fp16, profiles/h200/variants_consumers.json, "c2nf" against "base", us):
         N=4K 12.54 -> 11.90, 32K 25.28 -> 22.42, 128K 57.17 -> 53.97; at B=8 it was 3 %
-        slower (173.9 -> 179.7).  At N=64K (profiles/h200/variants_scalers.json, one run):
+        slower (173.9 -> 179.7).  bf16, GQA 4 (profiles/h200/variants_small_grid_bf16.json):
+        B=1 N=4K 12.26 -> 12.02, 32K 25.38 -> 22.29, 128K 57.95 -> 55.94, B=2 N=64K 57.02 ->
+        56.10, B=4 100.0 -> 101.7.  At N=64K (profiles/h200/variants_scalers.json, one run):
         B=2 55.26 -> 53.92, B=4 94.38 -> 95.52, so the threshold sits between 8 and 4 splits
         a pair (B=2 at Hkv=8 on 132 SMs) and bigger grids keep the default.  2-bit (4-head
         tile): two consumers in one CTA, K's scale kept in Q, against the default two CTAs of

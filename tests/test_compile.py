@@ -609,8 +609,11 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     assert be.choose_splits(cache4, (8, 1, 32, 128), 4096, dev) == 4  # 64 pairs: half the SMs
     assert be.grid_variant(fmt, f16, 128, 4, 16, 8, 1, dev, splits=1) == "small"
     assert be.grid_variant(fmt, f16, 128, 8, 16, 8, 1, dev, splits=1) == ""
-    assert be.choose_splits(SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=torch.bfloat16)),
-                            (16, 1, 32, 128), 4096, dev) == 2  # bf16: no small grid
+    bf16 = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=torch.bfloat16))
+    assert be.choose_splits(bf16, (16, 1, 32, 128), 4096, dev) == 1  # bf16 too (4-head tile)
+    assert be.choose_splits(bf16, (16, 1, 64, 128), 4096, dev) == 2  # not its 8-head tile
+    assert be.grid_variant(fmt, torch.bfloat16, 128, 4, 1, 8, 1, dev) == "small"
+    assert be.grid_variant(two, torch.bfloat16, 128, 4, 1, 8, 1, dev) == ""  # 2-bit: fp16 only
     with pytest.raises(ValueError, match="no variant 'tiny'"):
         be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="tiny")
     with pytest.raises(ValueError, match="no variant 'small'"):
@@ -627,7 +630,8 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     listed = be.variants(("decode",), [fmt, KVFormat(2, "channel", 128)], [128], ["fp16", "bf16"])
     assert [v.name for v in listed if v.extra[-1] == "small"] == [
         f"decode_fp16_d128_4bit_channel_g128_h{nh}_{split}_small" for nh in (4, 8) for split in ("direct", "split")] + [
-        f"decode_fp16_d128_2bit_channel_g128_h4_{split}_small" for split in ("direct", "split")]
+        f"decode_fp16_d128_2bit_channel_g128_h4_{split}_small" for split in ("direct", "split")] + [
+        f"decode_bf16_d128_4bit_channel_g128_h4_{split}_small" for split in ("direct", "split")]
     # the kernel B=1 at GQA 4 runs: the small grid's, with the 4-head tile
     v = next(v for v in listed if v.extra == ("h4", "split", "small"))
     report = ptxas.report(be.compile_variant("sm_90a", v, keep_ptx=True).artifacts.PTX, "sm_90a", tmp_path)

@@ -360,26 +360,26 @@ def test_plans_hold_their_cache_tensors_as_tvm_ffi_tensors(backend):
     check_decode(q, cache, backend, num_splits=3)
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits, dtype", [(4, torch.float16), (2, torch.float16), (4, torch.bfloat16)])
 @pytest.mark.parametrize("lens, hkv, splits", [([9000], 8, 0), ([700, 300], 2, 3), ([2000], 8, 1),
                                                ([900, 1200, 64, 3000], 8, 0), ([1500, 300] * 8, 8, 0),
                                                ([1500, 300] * 8, 8, 2)])
-def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits):
-    """A 4-bit / 2-bit fp16 cache on sm90 (GQA 4) takes the one-CTA kernel (two consumer
-    warpgroups; 4-bit without K's scale in Q) while batch x Hkv x SMALL_GRID_SPLITS fits in
-    the SMs and the default kernel above (2-bit: one consumer, two CTAs an SM; at B=16 with
-    short sequences, 4-bit and 2-bit, the one-CTA kernel's one split, or two splits of the
-    default); both,
-    split (auto or forced) and direct, against the reference."""
+def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits, dtype):
+    """A 4-bit (fp16 or bf16) / 2-bit (fp16) cache on sm90 (GQA 4) takes the one-CTA kernel
+    (two consumer warpgroups; 4-bit without K's scale in Q) while batch x Hkv x
+    SMALL_GRID_SPLITS fits in the SMs and the default kernel above (2-bit: one consumer, two
+    CTAs an SM; at B=16 with short sequences, 4-bit and 2-bit, the one-CTA kernel's one
+    split, or two splits of the default); both, split (auto or forced) and direct, against
+    the reference."""
     if not dispatch.runnable("sm90", DEV):
         pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
     from bitdecode.kernels_sm90 import backend as sm90
 
     fmt = bd.KVFormat(bits, "channel", 128)
-    cache, _, _ = make_cache(fmt, lens, hkv, 128, torch.float16, backend="sm90")
-    q = torch.randn(len(lens), 1, 4 * hkv, 128, device=DEV).half()
+    cache, _, _ = make_cache(fmt, lens, hkv, 128, dtype, backend="sm90")
+    q = torch.randn(len(lens), 1, 4 * hkv, 128, device=DEV).to(dtype)
     small = len(lens) * hkv * sm90.SMALL_GRID_SPLITS <= torch.cuda.get_device_properties(DEV).multi_processor_count
-    assert sm90.BACKEND.grid_variant(fmt, torch.float16, 128, sm90.HALF_TILE, len(lens), hkv, 1, DEV) == \
+    assert sm90.BACKEND.grid_variant(fmt, dtype, 128, sm90.HALF_TILE, len(lens), hkv, 1, DEV) == \
         ("small" if small else "")
     check_decode(q, cache, "sm90", num_splits=splits)
 
