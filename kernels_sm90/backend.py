@@ -39,6 +39,14 @@ SMALL_GRID_SPLITS = 8
 #   B=9 N=4K 28.2 / 29.0; bf16 B=16 N=4K 31.1 / 35.1, 8K 52.8 / 56.2
 #   (variants_small_grid_bf16.json).
 SHORT_TILES = {2: 64, 4: 64}
+# ... and small grids (``grid_variant``'s "small": pairs x SMALL_GRID_SPLITS fit the SMs) on
+# sequences of at most this many tiles (512 tokens) run that kernel unsplit: one launch and
+# no combine, where the splits' few tiles each do not pay for the combine's launch and pass.
+# H200, B=1 Hkv=8 GQA 4 fp16, one run, us, unsplit / the best split count
+# (profiles/h200/splits_direct_*.json): 4-bit N=512 8.85 / 9.47, 1K 11.71 / 9.98, 2K 16.5 /
+# 10.8.  2-bit: N=512 10.40 / 11.23, 1K 12.54 / 12.03, where sm80's heuristic already
+# leaves its two 256-token tiles unsplit (``MIN_TILES_PER_SPLIT``), so no entry.
+DIRECT_TILES = {4: 4}
 
 
 # the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose
@@ -137,13 +145,17 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
         """sm80's heuristic for the kernel ``grid_variant`` picks, but one split where the
         request's pairs fill more than half the SMs and its sequences are short
-        (``short_tiles``): ``grid_variant`` then takes the one-CTA kernel."""
+        (``short_tiles``): ``grid_variant`` then takes the one-CTA kernel; and none for a
+        small grid's very short sequences (``DIRECT_TILES``)."""
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
         nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
         sms = num_sms(device)
         short = short_tiles(cache.fmt, cache.k_res.dtype == torch.float16, d, nh) if tq == 1 else 0
-        if short and sms < 2 * bsz * hkv <= 2 * sms and -(-max_len // cache.fmt.residual_block) <= short:
+        pairs, tiles = bsz * hkv, -(-max_len // cache.fmt.residual_block)
+        if short and sms < 2 * pairs <= 2 * sms and tiles <= short:
+            return 1
+        if short and pairs * SMALL_GRID_SPLITS <= sms and tiles <= DIRECT_TILES.get(cache.fmt.bits, 0):
             return 1
         return super().choose_splits(cache, q_shape, max_len, device)
 

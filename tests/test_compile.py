@@ -620,6 +620,12 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
         sm80_backend.BACKEND.make_decode("sm_80", fmt, cutlass.Float16, 128, 8, True, variant="small")
     cache = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=f16))
     assert be.choose_splits(cache, (1, 1, 32, 128), 131072, dev) == 16  # one CTA an SM
+    # a small grid's very short sequences: unsplit (GQA 4: the 4-head tile), else split
+    assert be.choose_splits(cache, (1, 1, 32, 128), sm90.DIRECT_TILES[4] * 128, dev) == 1
+    assert be.choose_splits(cache, (1, 1, 32, 128), sm90.DIRECT_TILES[4] * 128 + 1, dev) > 1
+    assert be.choose_splits(cache, (1, 1, 64, 128), sm90.DIRECT_TILES[4] * 128, dev) > 1  # GQA 8
+    assert be.choose_splits(cache, (4, 1, 32, 128), sm90.DIRECT_TILES[4] * 128, dev) > 1  # not a small grid
+    assert be.choose_splits(cache2, (1, 1, 32, 128), 512, dev) == 1  # 2-bit: sm80's heuristic already
     assert be.choose_splits(cache, (2, 1, 32, 128), 131072, dev) == 8  # one CTA an SM, 16 pairs
     assert be.choose_splits(cache, (3, 1, 32, 128), 131072, dev) == 11  # two CTAs an SM, 24 pairs
     built = []

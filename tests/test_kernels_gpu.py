@@ -361,7 +361,7 @@ def test_plans_hold_their_cache_tensors_as_tvm_ffi_tensors(backend):
 
 
 @pytest.mark.parametrize("bits, dtype", [(4, torch.float16), (2, torch.float16), (4, torch.bfloat16)])
-@pytest.mark.parametrize("lens, hkv, splits", [([9000], 8, 0), ([700, 300], 2, 3), ([2000], 8, 1),
+@pytest.mark.parametrize("lens, hkv, splits", [([9000], 8, 0), ([500], 8, 0), ([700, 300], 2, 3), ([2000], 8, 1),
                                                ([900, 1200, 64, 3000], 8, 0), ([1500, 300] * 8, 8, 0),
                                                ([1500, 300] * 8, 8, 2)])
 def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits, dtype):
