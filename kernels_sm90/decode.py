@@ -150,7 +150,7 @@ class DecodeSm90(PackedDecodeConfig):
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
-                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False):
+                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -168,8 +168,17 @@ class DecodeSm90(PackedDecodeConfig):
         # per-head bias goes into the softmax's scaling fma.  The producer warpgroup
         # (``produce_and_scale``) builds both for each stage as it lands, off the consumer's
         # chain.  fp16 only: Q o s rounded to bf16 (8 bits) once per channel is shared by every
-        # token of the group (H200, eleventh session: 2x the bf16 tolerance).
-        self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and not self.is_bf16
+        # token of the group (H200, eleventh session: 2x the bf16 tolerance).  ``fold_k_bf16``
+        # (opt-in, not yet measured on a GPU): bf16 kernels fold too, with the scores' operands
+        # in fp16 (``s_dtype``): K's exact lop3 halves, and Q o s / mult rounded from fp32 to
+        # fp16 (11 bits, not bf16's 8).  A CPU model on stored codes (.scratch-style, twenty-
+        # fourth session, profiles/NOTES.md) put its scores 8-14x closer to exact arithmetic
+        # than today's bf16 K per element.  Q o s must stay within fp16's range (|q s| < 65504).
+        self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and (
+            not self.is_bf16 or fold_k_bf16)
+        # the scores' wgmma operand type: fp16 wherever K's scale is in Q, else the model's
+        self.s_dtype = cutlass.Float16 if self.fold_k else dtype
+        self.s_bf16 = self.s_dtype is cutlass.BFloat16
         self.q_copies = self.nr // group_size if self.fold_k else 0
         self.k_center = 1 << (bits - 1) if self.fold_k else 0
         # ... and with 4-bit K not even the exact fix-up: the scores take the lop3 halves
@@ -283,7 +292,7 @@ class DecodeSm90(PackedDecodeConfig):
 
     def _qs_layout(self):
         """``fold_k``: Q o s, one K-major wgmma B tile per (stage, K group of the tile)."""
-        return sm90.make_operand_smem_layout(self.dtype, self.nh, self.d, self.num_stages * self.q_copies)
+        return sm90.make_operand_smem_layout(self.s_dtype, self.nh, self.d, self.num_stages * self.q_copies)
 
     @property
     def red_slots(self) -> int:
@@ -335,7 +344,7 @@ class DecodeSm90(PackedDecodeConfig):
             base: Storage
             qbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]  # the scalers' Q o s is ready
             bias: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]
-            sQs: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(qs_layout)], 1024]
+            sQs: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(qs_layout)], 1024]
 
         return FoldStorage
 
@@ -556,13 +565,16 @@ class DecodeSm90(PackedDecodeConfig):
                             q2 = pair_word(sQ, head, col)
                             w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
                             s2, z2 = split_params(w0, w1)
-                            qs2 = ptx.fma_x2(q2, s2, Uint32(0), self.is_bf16)
-                            offset = Float32(0.0)
-                            if const_expr(self.raw_k):
-                                qs2, offset = self.divide_by_mult(qs2, kt, half)
+                            if const_expr(self.is_bf16):  # fold_k_bf16: Q o s / mult from fp32 to fp16
+                                qs2, offset = self.scale_pair_f32(q2, s2, kt, half)
+                            else:
+                                qs2 = ptx.fma_x2(q2, s2, Uint32(0), False)
+                                offset = Float32(0.0)
+                                if const_expr(self.raw_k):
+                                    qs2, offset = self.divide_by_mult(qs2, kt, half)
                             pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
                             if const_expr(self.raw_k):
-                                r_lo, r_hi = ptx.half_pair_to_f32(qs2, self.is_bf16)
+                                r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
                                 osum += (r_lo + r_hi) * offset
                             q_lo, q_hi = ptx.half_pair_to_f32(q2, self.is_bf16)
                             s_lo, s_hi = ptx.half_pair_to_f32(s2, self.is_bf16)
@@ -573,6 +585,23 @@ class DecodeSm90(PackedDecodeConfig):
                     bias = across_lanes(bias, self.scale_lanes[0], operator.add)
                     if tid % self.scale_lanes[0] == 0:
                         sBias[head, g, stage] = bias
+
+    @cute.jit
+    def scale_pair_f32(self, q2, s2, kt, half: cutlass.Constexpr[int]):
+        """``fold_k_bf16``: the fp16 B-tile pair ``Q o s / mult`` of k-block ``kt``'s column
+        half ``half`` from bf16 ``q2``, ``s2`` (products in fp32, one rounding to fp16) and
+        the offset ``divide_by_mult`` gives (without ``raw_k``: mult 1, offset 0)."""
+        q_lo, q_hi = ptx.half_pair_to_f32(q2, True)
+        s_lo, s_hi = ptx.half_pair_to_f32(s2, True)
+        inv, offset = Float32(1.0), Float32(0.0)
+        if const_expr(self.raw_k and self.k_mult_uniform):
+            mult = self.k_mult[0][half]
+            inv, offset = Float32(1.0 / mult), Float32(self.k_offset + self.k_center * mult)
+        elif const_expr(self.raw_k):
+            log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
+            inv = ptx.u32_as_f32((Uint32(127) - log2_mult) << Uint32(23))  # 2^-log2_mult, exact
+            offset = Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
+        return ptx.cvt_pack_x2(q_lo * s_lo * inv, q_hi * s_hi * inv, False), offset
 
     @cute.jit
     def divide_by_mult(self, qs2, kt, half: cutlass.Constexpr[int]):
@@ -586,7 +615,7 @@ class DecodeSm90(PackedDecodeConfig):
                 qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / mult, self.is_bf16), 0, self.is_bf16)
             return qs2, Float32(self.k_offset + self.k_center * mult)
         log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
-        # 2^-log2_mult as an fp16 pair: biased exponent (bias - log2_mult), mantissa 0 (fold_k is fp16 only)
+        # 2^-log2_mult as an fp16 pair: biased exponent (bias - log2_mult), mantissa 0 (the fp16 kernels' path)
         inv2 = ((Uint32(packing.EXP_BIAS["fp16"]) - log2_mult) << Uint32(packing.MANTISSA_BITS["fp16"])) \
             * Uint32(packing.HALF2_BOTH)
         qs2 = ptx.fma_x2(qs2, inv2, Uint32(0), self.is_bf16)
@@ -644,7 +673,9 @@ class DecodeSm90(PackedDecodeConfig):
         bias = None
         if const_expr(self.fold_k):
             qready, sQs, sBias = fold
-            tSrQs = mma.make_fragment_B(thr_s.partition_B(sQs))  # (MMA, N, K, stage x group)
+            # (MMA, N, K, stage x group); an fp16 MMA's descriptors in a bf16 kernel (fold_k_bf16)
+            mma_s = mma if const_expr(self.s_dtype is self.dtype) else sm90.make_wgmma(self.s_dtype, self.nh, a_from_registers=True)
+            tSrQs = mma_s.make_fragment_B(thr_s.partition_B(sQs))
             bias = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
@@ -667,14 +698,14 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(self.fp4):
             dq_k = dq_v = E2M1Dequant(self.is_bf16)
         else:
-            dq_k = WordDequant(self.bits, self.is_bf16, self.k_center)
+            dq_k = WordDequant(self.bits, self.s_bf16, self.k_center)
             dq_v = WordDequant(self.v_bits, self.is_bf16, self.v_center)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
         # next stage's, across tiles), so neither product's latency is exposed.  K goes
         # to one register tensor that every step rewrites only after its S has landed.
-        k_frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.dtype)
+        k_frag = cute.make_rmem_tensor(thr_s.partition_shape_A((M_BLOCK * self.m_k, self.d)), self.s_dtype)
         first = tile_begin if const_expr(n == 1) else tile_begin + consumer  # consumer c: tiles c, c + n, ..
         if const_expr(n == 1):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -985,8 +1016,9 @@ class DecodeSm90(PackedDecodeConfig):
         """S^T = K Q^T of a step.  ``per_block`` (``fold_k`` with 64-token K groups): M-block
         0 takes ``tSrQ`` and the last M-block ``tSrQ_last`` (at most two M-blocks a step)."""
         # a fresh tiled MMA per product: its ACCUMULATE field is state that must not
-        # escape the loop body it is set in
-        mma_s = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
+        # escape the loop body it is set in; of K's type (fp16 under fold_k_bf16, the
+        # model's for the 16-bit residual)
+        mma_s = sm90.make_wgmma(k_frag.element_type, self.nh, a_from_registers=True)
         m_blocks = cute.size(k_frag, mode=[1])
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((M_BLOCK * m_blocks, self.nh)), Float32)
         warpgroup.fence()

@@ -511,6 +511,31 @@ def test_sm90_fold_k_config():
                 DecodeSm90(f16, 4, "channel", 32, 128, 8, True),  # groups inside an M-block
                 DecodeSm90(f16, 4, "channel", 128, 128, 8, True, fold_k=False)):
         assert not off.fold_k and not off.raw_k and off.q_copies == 0 and off.producer_regs == PRODUCER_REGS[2]
+        assert off.s_dtype is off.dtype
+    assert k.s_dtype is f16
+    # bf16 folds only when asked (``fold_k_bf16``): the scores' operands are then fp16
+    on = DecodeSm90(bf16, 4, "channel", 128, 128, 8, True, fold_k_bf16=True)
+    assert on.fold_k and on.raw_k and on.s_dtype is f16 and not on.s_bf16 and on.is_bf16
+    assert not DecodeSm90(bf16, 4, "token", 64, 128, 8, True, fold_k_bf16=True).fold_k
+
+
+def test_sm90_fold_k_bf16_ptx(monkeypatch, tmp_path):
+    """``fold_k_bf16``: a bf16 kernel whose scores' wgmma runs on fp16 operands (K's lop3
+    halves, Q o s / mult rounded once from fp32) and whose P V wgmma stays bf16; spill-free,
+    no serialized wgmmas; without the keyword the bf16 kernel has no fp16 wgmma."""
+    import functools
+
+    from bitdecode.kernels_sm90 import backend as sm90_backend
+    from bitdecode.kernels_sm90.decode import DecodeSm90
+
+    fmt, bf16 = KVFormat(4, "channel", 128), cutlass.BFloat16
+    plain = sm90_backend.compile_decode("sm_90a", fmt, bf16, 128, 8, True, keep_ptx=True).artifacts.PTX
+    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, fold_k_bf16=True))
+    ptx = sm90_backend.compile_decode("sm_90a", fmt, bf16, 128, 8, True, keep_ptx=True).artifacts.PTX
+    assert ".f32.f16.f16" in ptx and ".f32.bf16.bf16" in ptx and "cvt.rn.f16x2.f32" in ptx
+    assert ".f32.f16.f16" not in plain and ".f32.bf16.bf16" in plain
+    report = ptxas.report(ptx, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
 def test_sm90_consumers_config(tmp_path):
