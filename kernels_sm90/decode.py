@@ -167,8 +167,8 @@ class DecodeSm90(PackedDecodeConfig):
         # pair, no params in fragment order), against a Q o s copy per group of the tile; the
         # per-head bias goes into the softmax's scaling fma.  The producer warpgroup
         # (``produce_and_scale``) builds both for each stage as it lands, off the consumer's
-        # chain.  fp16 only: Q o s rounded to bf16 (8 bits) once per channel is shared by every
-        # token of the group (H200, eleventh session: 2x the bf16 tolerance).  ``fold_k_bf16``
+        # chain.  fp16 by default: Q o s rounded to bf16 (8 bits) once per channel is shared by
+        # every token of the group (H200, eleventh session: 2x the bf16 tolerance).  ``fold_k_bf16``
         # (opt-in, not yet measured on a GPU): bf16 kernels fold too, with the scores' operands
         # in fp16 (``s_dtype``): K's exact lop3 halves, and Q o s / mult rounded from fp32 to
         # fp16 (11 bits, not bf16's 8).  A CPU model on stored codes (.scratch-style, twenty-
@@ -605,20 +605,20 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def divide_by_mult(self, qs2, kt, half: cutlass.Constexpr[int]):
-        """``raw_k``: the B-tile pair ``Q o s / mult`` of k-block ``kt``'s column half
-        ``half`` and the lop3 halves' offset ``magic + center mult`` its values carry into
-        the bias.  One multiplier per half in every k-block (4-bit): immediates; else the
+        """``raw_k`` in fp16 kernels (bf16's: ``scale_pair_f32``): the B-tile pair ``Q o s /
+        mult`` of k-block ``kt``'s column half ``half`` and the lop3 halves' offset ``magic +
+        center mult`` its values carry into the bias.  One multiplier per half in every k-block (4-bit): immediates; else the
         k-block's place in its word picks it at run time (exact either way: a power of two)."""
         if const_expr(self.k_mult_uniform):
             mult = self.k_mult[0][half]
             if const_expr(mult != 1):
-                qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / mult, self.is_bf16), 0, self.is_bf16)
+                qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / mult, False), 0, False)
             return qs2, Float32(self.k_offset + self.k_center * mult)
         log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
         # 2^-log2_mult as an fp16 pair: biased exponent (bias - log2_mult), mantissa 0 (the fp16 kernels' path)
         inv2 = ((Uint32(packing.EXP_BIAS["fp16"]) - log2_mult) << Uint32(packing.MANTISSA_BITS["fp16"])) \
             * Uint32(packing.HALF2_BOTH)
-        qs2 = ptx.fma_x2(qs2, inv2, Uint32(0), self.is_bf16)
+        qs2 = ptx.fma_x2(qs2, inv2, Uint32(0), False)
         offset = Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
         return qs2, offset
 
@@ -674,7 +674,9 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(self.fold_k):
             qready, sQs, sBias = fold
             # (MMA, N, K, stage x group); an fp16 MMA's descriptors in a bf16 kernel (fold_k_bf16)
-            mma_s = mma if const_expr(self.s_dtype is self.dtype) else sm90.make_wgmma(self.s_dtype, self.nh, a_from_registers=True)
+            mma_s = mma
+            if const_expr(self.s_dtype is not self.dtype):
+                mma_s = sm90.make_wgmma(self.s_dtype, self.nh, a_from_registers=True)
             tSrQs = mma_s.make_fragment_B(thr_s.partition_B(sQs))
             bias = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
