@@ -89,6 +89,9 @@ SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its
 # log2 units a logit may pass the running maximum by before the warpgroup exchanges maxima
 # (``lazy_softmax``): P then stays below 4 (H200: 2 skips nearly every exchange)
 LAZY_MARGIN = 2.0
+# ``k_shift``: the B tile's rows stay under 2^K_SHIFT_LOG2, fp16's largest power of two, so
+# their rounding to fp16 cannot reach infinity
+K_SHIFT_LOG2 = 15
 
 
 class Barrier:
@@ -173,12 +176,17 @@ class DecodeSm90(PackedDecodeConfig):
         # in fp16 (``s_dtype``): K's exact lop3 halves, and Q o s / mult rounded from fp32 to
         # fp16 (11 bits, not bf16's 8).  A CPU model on stored codes (.scratch-style, twenty-
         # fourth session, profiles/NOTES.md) put its scores 8-14x closer to exact arithmetic
-        # than today's bf16 K per element.  Q o s must stay within fp16's range (|q s| < 65504).
+        # than today's bf16 K per element; ``k_shift`` keeps Q o s within fp16's range.
         self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and (
             not self.is_bf16 or fold_k_bf16)
         # the scores' wgmma operand type: fp16 wherever K's scale is in Q, else the model's
         self.s_dtype = cutlass.Float16 if self.fold_k else dtype
         self.s_bf16 = self.s_dtype is cutlass.BFloat16
+        # bf16 Q and scales may take Q o s past fp16's range: each (head, K group) row of the
+        # B tile is scaled by 2^-e, the smallest power that keeps its largest magnitude under
+        # 2^K_SHIFT_LOG2 (e = 0 wherever |q s| stays below 32768), and the scaling
+        # fma takes 2^e back with the softmax scale (``scale_shifted``)
+        self.k_shift = self.fold_k and self.is_bf16
         self.q_copies = self.nr // group_size if self.fold_k else 0
         self.k_center = 1 << (bits - 1) if self.fold_k else 0
         # ... and with 4-bit K not even the exact fix-up: the scores take the lop3 halves
@@ -344,6 +352,8 @@ class DecodeSm90(PackedDecodeConfig):
             base: Storage
             qbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]  # the scalers' Q o s is ready
             bias: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]
+            if self.k_shift:
+                shift: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]  # 2^e of each row
             sQs: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(qs_layout)], 1024]
 
         return FoldStorage
@@ -404,7 +414,10 @@ class DecodeSm90(PackedDecodeConfig):
             qs_layout = self._qs_layout()
             sQs = storage.sQs.get_tensor(qs_layout.outer, swizzle=qs_layout.inner)
             sBias = storage.bias.get_tensor(cute.make_layout((self.nh, self.q_copies, self.num_stages)))
-            fold = (qready, sQs, sBias)
+            sShift = None
+            if const_expr(self.k_shift):
+                sShift = storage.shift.get_tensor(cute.make_layout((self.nh, self.q_copies, self.num_stages)))
+            fold = (qready, sQs, sBias, sShift)
             storage = storage.base
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
@@ -509,12 +522,14 @@ class DecodeSm90(PackedDecodeConfig):
         # consumers, so tile j is scaled while the consumers work on the tiles before it (one
         # consumer with stages - 1 waited for j - 1: the scaling sat on its critical path)
         lag = max(1, self.num_stages - 1 - self.consumers)
-        qready, sQs, sBias = fold
+        qready, sQs, sBias, sShift = fold
         # padding heads' Q o s rows and biases stay zero (scale_stage skips them): their scores
         # are then exactly 0, never shared memory left by an earlier CTA (``lazy_softmax``
         # decides over every head column of the tile)
         zero_shared(sQs, tid, WG)
         zero_shared(sBias, tid, WG)
+        if const_expr(self.k_shift):
+            zero_shared(sShift, tid, WG)
         # the consumers put Q in smem
         cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
         for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
@@ -539,7 +554,7 @@ class DecodeSm90(PackedDecodeConfig):
         Q; a head's threads are adjacent lanes of one warp (two heads a warp at head dim 64,
         two k-blocks a thread at 256), reduced with butterfly shuffles.  Rows of padding
         heads (>= gq) are skipped a warp at a time: their Q o s rows and biases stay zero."""
-        _, sQs, sBias = fold
+        _, sQs, sBias, sShift = fold
         lane = tid % cute.arch.WARP_SIZE
         center = Float32(self.k_center)
         for ps in cutlass.range_constexpr(self.nh // (WG // self.scale_lanes[0])):
@@ -547,7 +562,15 @@ class DecodeSm90(PackedDecodeConfig):
             # the first head of this warp: padding heads are skipped a whole warp at a time
             first = ps * (WG // self.scale_lanes[0]) + (tid // cute.arch.WARP_SIZE) * (
                 cute.arch.WARP_SIZE // self.scale_lanes[0])
-            if first < gq:
+            if const_expr(self.k_shift):
+                if first < gq:
+                    for g in cutlass.range_constexpr(self.q_copies):
+                        bias, up = self.scale_shifted(sQ, sQs, sKs, stage, g, head, lane, tid)
+                        bias = across_lanes(bias, self.scale_lanes[0], operator.add)
+                        if tid % self.scale_lanes[0] == 0:
+                            sBias[head, g, stage] = bias
+                            sShift[head, g, stage] = up
+            elif first < gq:
                 for g in cutlass.range_constexpr(self.q_copies):
                     zsum = Float32(0.0)
                     ssum = Float32(0.0)
@@ -565,13 +588,10 @@ class DecodeSm90(PackedDecodeConfig):
                             q2 = pair_word(sQ, head, col)
                             w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
                             s2, z2 = split_params(w0, w1)
-                            if const_expr(self.is_bf16):  # fold_k_bf16: Q o s / mult from fp32 to fp16
-                                qs2, offset = self.scale_pair_f32(q2, s2, kt, half)
-                            else:
-                                qs2 = ptx.fma_x2(q2, s2, Uint32(0), False)
-                                offset = Float32(0.0)
-                                if const_expr(self.raw_k):
-                                    qs2, offset = self.divide_by_mult(qs2, kt, half)
+                            qs2 = ptx.fma_x2(q2, s2, Uint32(0), False)
+                            offset = Float32(0.0)
+                            if const_expr(self.raw_k):
+                                qs2, offset = self.divide_by_mult(qs2, kt, half)
                             pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
                             if const_expr(self.raw_k):
                                 r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
@@ -587,25 +607,65 @@ class DecodeSm90(PackedDecodeConfig):
                         sBias[head, g, stage] = bias
 
     @cute.jit
-    def scale_pair_f32(self, q2, s2, kt, half: cutlass.Constexpr[int]):
-        """``fold_k_bf16``: the fp16 B-tile pair ``Q o s / mult`` of k-block ``kt``'s column
-        half ``half`` from bf16 ``q2``, ``s2`` (products in fp32, one rounding to fp16) and
-        the offset ``divide_by_mult`` gives (without ``raw_k``: mult 1, offset 0)."""
-        q_lo, q_hi = ptx.half_pair_to_f32(q2, True)
-        s_lo, s_hi = ptx.half_pair_to_f32(s2, True)
-        inv, offset = Float32(1.0), Float32(0.0)
-        if const_expr(self.raw_k and self.k_mult_uniform):
+    def scale_shifted(self, sQ, sQs, sKs, stage, g, head, lane, tid):
+        """``k_shift`` (bf16 kernels with the fold): this thread's channels of head ``head``'s
+        B-tile row of K group ``g`` in ``stage``, ``Q o s / mult`` in fp32 times ``2^-e``,
+        rounded once to fp16, with ``e`` shared by the row (its largest magnitude, over the
+        head's lanes, under ``2^K_SHIFT_LOG2``).  Returns this thread's part of the bias (the
+        lop3 halves' offsets scaled back by ``2^e``) and ``2^e``."""
+        zsum = Float32(0.0)
+        ssum = Float32(0.0)
+        big = Float32(0.0)
+        rows = []  # (column, low, high, offset) of this thread's pairs
+        for i in cutlass.range_constexpr(self.scale_lanes[1]):
+            kt = (tid % self.scale_lanes[0]) // 4 + i * (self.scale_lanes[0] // 4)
+            c = lane % 4
+            word0 = g * self.d + sm80.param_position(kt, c, 0)
+            words = cute.make_rmem_tensor((sm80.CHUNK_WORDS,), cutlass.Int32)
+            cute.autovec_copy(cute.local_tile(sKs[None, stage], (sm80.CHUNK_WORDS,), (word0 // sm80.CHUNK_WORDS,)),
+                              words)
+            for half in cutlass.range_constexpr(2):
+                col = sm80.fragment_column(kt, c, half)
+                q_lo, q_hi = ptx.half_pair_to_f32(pair_word(sQ, head, col), True)
+                s2, z2 = split_params(Uint32(words[2 * half]), Uint32(words[2 * half + 1]))
+                s_lo, s_hi = ptx.half_pair_to_f32(s2, True)
+                z_lo, z_hi = ptx.half_pair_to_f32(z2, True)
+                inv, offset = self.mult_inverse(kt, half)
+                lo, hi = q_lo * s_lo * inv, q_hi * s_hi * inv
+                big = cute.arch.fmax(big, cute.arch.fmax(cute.arch.fmax(lo, -lo), cute.arch.fmax(hi, -hi)))
+                rows.append((col, lo, hi, offset))
+                zsum += q_lo * z_lo + q_hi * z_hi
+                ssum += q_lo * s_lo + q_hi * s_hi
+        big = across_lanes(big, self.scale_lanes[0], cute.arch.fmax)
+        exponent = cutlass.Int32((ptx.f32_bits(big) >> Uint32(23)) & Uint32(0xFF)) - 127
+        e = cutlass.max(exponent - (K_SHIFT_LOG2 - 1), cutlass.Int32(0))
+        down = ptx.u32_as_f32(Uint32(127 - e) << Uint32(23))
+        up = ptx.u32_as_f32(Uint32(127 + e) << Uint32(23))
+        osum = Float32(0.0)  # raw_k: sum of B-tile values times their code offset
+        for col, lo, hi, offset in rows:
+            qs2 = ptx.cvt_pack_x2(lo * down, hi * down, False)
+            pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
+            if const_expr(self.raw_k):
+                r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
+                osum += (r_lo + r_hi) * offset
+        return zsum + Float32(self.k_center) * ssum - up * osum, up
+
+    @cute.jit
+    def mult_inverse(self, kt, half: cutlass.Constexpr[int]):
+        """(1 / mult, the lop3 halves' offset ``magic + center mult``) of k-block ``kt``'s
+        column half ``half`` in fp32, as ``divide_by_mult`` takes them (without ``raw_k``: 1, 0)."""
+        if const_expr(not self.raw_k):
+            return Float32(1.0), Float32(0.0)
+        if const_expr(self.k_mult_uniform):
             mult = self.k_mult[0][half]
-            inv, offset = Float32(1.0 / mult), Float32(self.k_offset + self.k_center * mult)
-        elif const_expr(self.raw_k):
-            log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
-            inv = ptx.u32_as_f32((Uint32(127) - log2_mult) << Uint32(23))  # 2^-log2_mult, exact
-            offset = Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
-        return ptx.cvt_pack_x2(q_lo * s_lo * inv, q_hi * s_hi * inv, False), offset
+            return Float32(1.0 / mult), Float32(self.k_offset + self.k_center * mult)
+        log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
+        inv = ptx.u32_as_f32((Uint32(127) - log2_mult) << Uint32(23))  # 2^-log2_mult, exact
+        return inv, Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
 
     @cute.jit
     def divide_by_mult(self, qs2, kt, half: cutlass.Constexpr[int]):
-        """``raw_k`` in fp16 kernels (bf16's: ``scale_pair_f32``): the B-tile pair ``Q o s /
+        """``raw_k`` in fp16 kernels (bf16's: ``scale_shifted``): the B-tile pair ``Q o s /
         mult`` of k-block ``kt``'s column half ``half`` and the lop3 halves' offset ``magic +
         center mult`` its values carry into the bias.  One multiplier per half in every k-block (4-bit): immediates; else the
         k-block's place in its word picks it at run time (exact either way: a power of two)."""
@@ -670,15 +730,17 @@ class DecodeSm90(PackedDecodeConfig):
         mma = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         thr_s = thr_o = mma.get_slice(tid)
         tSrQ = mma.make_fragment_B(thr_s.partition_B(sQ))
-        bias = None
+        bias = mul = None
         if const_expr(self.fold_k):
-            qready, sQs, sBias = fold
+            qready, sQs, sBias, sShift = fold
             # (MMA, N, K, stage x group); an fp16 MMA's descriptors in a bf16 kernel (fold_k_bf16)
             mma_s = mma
             if const_expr(self.s_dtype is not self.dtype):
                 mma_s = sm90.make_wgmma(self.s_dtype, self.nh, a_from_registers=True)
             tSrQs = mma_s.make_fragment_B(thr_s.partition_B(sQs))
             bias = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
+            if const_expr(self.k_shift):  # the scaling fma's multiplier, 2^e times the softmax scale
+                mul = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
@@ -733,17 +795,17 @@ class DecodeSm90(PackedDecodeConfig):
                     g1 = (st * self.step + (self.m_k - 1) * M_BLOCK) // self.group
                     acc_s = self.scores(thr_s, k_frag, tSrQs[None, None, None, state.index * self.q_copies + g0],
                                         tSrQs[None, None, None, state.index * self.q_copies + g1], g0 != g1)
-                    self.load_bias(bias, sBias, state.index, st, scale_log2, lane)
+                    self.load_bias(bias, sBias, state.index, st, scale_log2, lane, mul, sShift)
                 else:
                     acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
                 v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
                 if const_expr(self.lazy_max):
                     self.lazy_softmax(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, st * self.step, lim,
-                                      n_sink + tile * self.nr, zsum, bias)
+                                      n_sink + tile * self.nr, zsum, bias, mul)
                 else:
                     self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None,
-                                      st * self.step, lim, n_sink + tile * self.nr, zsum, bias)
+                                      st * self.step, lim, n_sink + tile * self.nr, zsum, bias, mul)
                 self.store_p(acc_s, sP, warp, lane, vs, st, zsum, self.fp4 is not None)
                 self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
@@ -1041,15 +1103,18 @@ class DecodeSm90(PackedDecodeConfig):
         return acc_s
 
     @cute.jit
-    def load_bias(self, bias, sBias, stage, st, scale_log2, lane):
+    def load_bias(self, bias, sBias, stage, st, scale_log2, lane, mul=None, sShift=None):
         """``fold_k``: the scalers' per-head bias of each M-block's K group in step ``st``,
-        times the softmax's log2 scale, for this thread's head columns."""
+        times the softmax's log2 scale, for this thread's head columns (``k_shift``: and into
+        ``mul`` the row's 2^e times that scale)."""
         c = lane % 4
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
                 for mb in cutlass.range_constexpr(self.m_k):
                     g = (st * self.step + mb * M_BLOCK) // self.group
                     bias[2 * nt + v0, mb] = sBias[self.head_of(nt, v0, c), g, stage] * scale_log2
+                    if const_expr(mul is not None):
+                        mul[2 * nt + v0, mb] = sShift[self.head_of(nt, v0, c), g, stage] * scale_log2
 
     @cute.jit
     def pv(self, v_frag, tOrP, acc_pv, per_group: cutlass.Constexpr[bool]):
@@ -1125,12 +1190,12 @@ class DecodeSm90(PackedDecodeConfig):
     # ---- softmax ------------------------------------------------------------------------
     @cute.jit
     def softmax_step(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, tok0,
-                     lim=None, abs0=0, zsum=None, bias=None):
+                     lim=None, abs0=0, zsum=None, bias=None, mul=None):
         """Online softmax over one step's S^T (rows = tokens of all four warps), against the
         exact running maximum: ``logits``, ``new_max`` (the cross-warp exchange), then P in
         place of the logits."""
         self.gather_rows(acc_s, lane)
-        self.logits(acc_s, scale_log2, warp, lane, valid, tok0, lim, abs0, bias)
+        self.logits(acc_s, scale_log2, warp, lane, valid, tok0, lim, abs0, bias, mul)
         self.new_max(acc_s, acc_o, row_max, row_sum, red, warp, lane, zsum)
         self.exponentiate(acc_s, row_max, row_sum)
 
@@ -1150,11 +1215,12 @@ class DecodeSm90(PackedDecodeConfig):
                 row_sum[col] = row_sum[col] + part
 
     @cute.jit
-    def logits(self, acc_s, scale_log2, warp, lane, valid, tok0, lim=None, abs0=0, bias=None):
+    def logits(self, acc_s, scale_log2, warp, lane, valid, tok0, lim=None, abs0=0, bias=None, mul=None):
         """S^T in log2 units, in place: masks tokens ``>= valid`` (residual) when ``valid`` is
         given, and with ``lim`` (``causal_limits``) tokens past a column's limit, at sequence
         position ``abs0 + tok0 + row``.  ``bias`` (``fold_k``, already in log2 units): added
-        per (head column, M-block)."""
+        per (head column, M-block); ``mul`` (``k_shift``): the multiplier per (head column,
+        M-block) in place of ``scale_log2``."""
         g = lane // 4
         c = lane % 4
         for nt in cutlass.range_constexpr(self.nh // 8):
@@ -1162,7 +1228,9 @@ class DecodeSm90(PackedDecodeConfig):
                 for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
                     for v1 in cutlass.range_constexpr(self.row_slots):
                         s = acc_s[self.cv(v0, v1, nt), mb, 0]
-                        if const_expr(bias is not None):
+                        if const_expr(mul is not None):
+                            x = s * mul[2 * nt + v0, mb] + bias[2 * nt + v0, mb]
+                        elif const_expr(bias is not None):
                             x = s * scale_log2 + bias[2 * nt + v0, mb]
                         else:
                             x = s * scale_log2
@@ -1222,14 +1290,14 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def lazy_softmax(self, acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, tok0, lim, abs0, zsum,
-                     bias):
+                     bias, mul=None):
         """``softmax_step`` of a packed step, with the cross-warp exchange of maxima only when
         a logit passes the running maximum by more than ``lazy_margin``: the warpgroup
         agrees on that through one barrier that ORs each thread's verdict (``barrier_or``);
         otherwise P is taken against the running maximum as it stands (values up to
         ``2^lazy_margin``) and O, the row sums and the zero sums need no rescaling."""
         self.gather_rows(acc_s, lane)
-        self.logits(acc_s, scale_log2, warp, lane, None, tok0, lim, abs0, bias)
+        self.logits(acc_s, scale_log2, warp, lane, None, tok0, lim, abs0, bias, mul)
         over = -Float32.inf
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):

@@ -516,6 +516,7 @@ def test_sm90_fold_k_config():
     # bf16 folds only when asked (``fold_k_bf16``): the scores' operands are then fp16
     on = DecodeSm90(bf16, 4, "channel", 128, 128, 8, True, fold_k_bf16=True)
     assert on.fold_k and on.raw_k and on.s_dtype is f16 and not on.s_bf16 and on.is_bf16
+    assert on.k_shift and not k.k_shift  # bf16's rows of Q o s shifted into fp16's range
     assert not DecodeSm90(bf16, 4, "token", 64, 128, 8, True, fold_k_bf16=True).fold_k
 
 

@@ -406,22 +406,27 @@ def test_sm90_head_tiles_match_reference(bits, gq, sinks):
         check_decode(q, cache, "sm90", num_splits=splits)
 
 
-def fold_case():
+def fold_case(big: bool = False):
     """A bf16 4-bit K-per-channel cache with outlier channels and per-channel offsets (where
-    rounding K to bf16 per element costs most), GQA 4, ragged lengths, and its query;
-    deterministic, so a subprocess builds the same one.  24 (sequence, KV head) pairs: the
-    default kernel's grid (the small grid's kernel leaves K's scale out of Q)."""
+    rounding K to bf16 per element costs most), GQA 4, ragged lengths, its query and softmax
+    scale; deterministic, so a subprocess builds the same one.  24 (sequence, KV head) pairs:
+    the default kernel's grid (the small grid's kernel leaves K's scale out of Q).  ``big``:
+    outliers whose |q s| passes fp16's range (``DecodeSm90.k_shift``), the softmax scale
+    shrunk to keep the logits O(1)."""
     gen = torch.Generator().manual_seed(24)
     lens, hkv, n = [3000, 700, 4100], 8, 4100
     k = torch.randn(len(lens), n, hkv, 128, generator=gen)
-    k[..., :8] *= 8
+    k[..., :8] *= 20000 if big else 8
     k += 2 * torch.randn(1, 1, hkv, 128, generator=gen)
     v = torch.randn(len(lens), n, hkv, 128, generator=gen)
-    q = torch.randn(len(lens), 1, 4 * hkv, 128, generator=gen).bfloat16().to(DEV)
+    q = torch.randn(len(lens), 1, 4 * hkv, 128, generator=gen) * (20 if big else 1)
+    # big: logits with a standard deviation of about 2 (sequence 0's first KV head)
+    scale = 2.0 / float((q[0, 0, :4] @ k[0, :512, 0].T).std()) if big else 128 ** -0.5
+    q = q.bfloat16().to(DEV)
     cache = bd.KVCache.allocate(len(lens), hkv, 128, n + 64, bd.KVFormat(4, "channel", 128), dtype=torch.bfloat16,
                                 device=DEV, backend="sm90")
     cache.prefill(k.bfloat16().to(DEV), v.bfloat16().to(DEV), lens)
-    return cache, q
+    return cache, q, scale
 
 
 FOLD_SCRIPT = """
@@ -433,19 +438,21 @@ if sys.argv[1] == "fold":
     d90.DecodeSm90.__init__ = functools.partialmethod(d90.DecodeSm90.__init__, fold_k_bf16=True)
 sys.path.insert(0, sys.argv[3])
 from test_kernels_gpu import fold_case
-cache, q = fold_case()
-torch.save(torch.stack([bd.decode(q, cache, backend="sm90", num_splits=s).float().cpu() for s in (1, 3)]),
-           sys.argv[2])
+cache, q, scale = fold_case(sys.argv[4] == "big")
+torch.save(torch.stack([bd.decode(q, cache, softmax_scale=scale, backend="sm90", num_splits=s).float().cpu()
+                        for s in (1, 3)]), sys.argv[2])
 """
 
 
-def test_sm90_fold_k_bf16_is_closer_to_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("big", [False, True])
+def test_sm90_fold_k_bf16_is_closer_to_exact(tmp_path, monkeypatch, big):
     """``DecodeSm90(fold_k_bf16=True)`` (opt-in): K's scale in Q for bf16 caches, the scores'
     wgmma on fp16 operands.  Against exact arithmetic on the stored codes (the reference with
     K and V dequantized without rounding), its outputs are finite and at least as close as
     the default bf16 kernel's (K rounded to bf16 per element; a CPU model of the scores put
-    the fold 8-14x closer, profiles/NOTES.md).  Each kernel runs in its own process without
-    the disk cache: the keyword is not part of a compiled kernel's key."""
+    the fold 8-14x closer, profiles/NOTES.md), also where |q s| passes fp16's range (``big``:
+    the rows' power-of-two shift).  Each kernel runs in its own process without the disk
+    cache: the keyword is not part of a compiled kernel's key."""
     if not dispatch.runnable("sm90", DEV):
         pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
     from bitdecode import reference
@@ -456,11 +463,12 @@ def test_sm90_fold_k_bf16_is_closer_to_exact(tmp_path, monkeypatch):
     outs = {}
     for name in ("plain", "fold"):
         path = tmp_path / f"{name}.pt"
-        res = subprocess.run([sys.executable, str(script), name, str(path), os.path.dirname(__file__)],
+        res = subprocess.run([sys.executable, str(script), name, str(path), os.path.dirname(__file__),
+                              "big" if big else "plain"],
                              capture_output=True, text=True, env=env, timeout=600)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         outs[name] = torch.load(path)
-    cache, q = fold_case()
+    cache, q, scale = fold_case(big)
     exact = reference.dequantize
 
     def unrounded(codes, scale, zero, group_size, dim=-1):
@@ -469,7 +477,7 @@ def test_sm90_fold_k_bf16_is_closer_to_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(reference, "dequantize", unrounded)
     c = cache.tensors()
     truth = reference.decode(q.float(), c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res,
-                             c.cache_seqlens, c.fmt, c.block_table).float().cpu()
+                             c.cache_seqlens, c.fmt, c.block_table, softmax_scale=scale).float().cpu()
     err = {name: (o - truth).abs().max().item() for name, o in outs.items()}
     assert torch.isfinite(outs["fold"]).all()
     assert not torch.equal(outs["fold"], outs["plain"]), "the keyword did not reach the kernel"
