@@ -21,13 +21,16 @@ from pathlib import Path
 import torch
 
 import bitdecode as bd
-from bench_decode import Timer, _graph_time, build
-from bench_variants import FORMATS, HKV, HQ, D, parse_shapes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import Timer, _graph_time, build  # noqa: E402
+from bench_variants import FORMATS, HKV, HQ, D, parse_shapes  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="2c128", choices=sorted(FORMATS))
+    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="the model dtype (default fp16)")
     p.add_argument("--shapes", default="16x4096,16x8192,16x16384,16x32768", help="BxN,...")
     p.add_argument("--splits", default="1,2,0", help="split counts, comma-separated (0: the heuristic's)")
     p.add_argument("--out", type=Path, default=Path("profiles/h200"))
@@ -39,10 +42,11 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     timer, gen = Timer(dev), torch.Generator(device=dev).manual_seed(0)
     fmt = bd.KVFormat(*FORMATS[args.format])
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     rows = []
     for b, n in parse_shapes(args.shapes):
-        q = torch.randn(b, 1, HQ, D, device=dev, dtype=torch.float16, generator=gen)
-        cache, k, v = build(fmt, b, HKV, D, n, dev, gen)
+        q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
+        cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
         cache.prefill(k, v)
         del k, v
         row = {"B": b, "N": n}
@@ -55,6 +59,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     result = {"command": " ".join(["python3 profiles/bench_splits.py", *(sys.argv[1:] if argv is None else argv)]),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "format": args.format,
+              "dtype": args.dtype,
               "method": __doc__.split("\n\n")[0].replace("\n", " "), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"splits{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1))

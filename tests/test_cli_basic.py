@@ -127,6 +127,19 @@ def _refused(main, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_bench_splits_arguments(capsys):
+    """profiles/bench_splits.py: a known format and model dtype, else argparse refuses; on a
+    machine without a GPU it says so instead of timing anything."""
+    import torch
+
+    bs = _profile_script("bench_splits")
+    _refused(bs.main, ["--dtype", "fp8"], "invalid choice", capsys)
+    _refused(bs.main, ["--format", "9c1"], "invalid choice", capsys)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bs.main(["--dtype", "bf16"])
+
+
 def test_bench_variants_arguments(capsys):
     """profiles/bench_variants.py: NAME=key=value variants (Python literals), BxN shapes, and
     clear refusals naming the argument; without a GPU it says so and exits 2."""
