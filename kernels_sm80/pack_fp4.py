@@ -29,23 +29,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr
 
 from ..layouts import packing, sm100
-from ..layouts.packing import F32_EXP_BIAS, F32_EXP_BITS, F32_MANTISSA_BITS, F32_MIN_EXP, F32_SIGN_BIT
+from ..layouts.packing import F32_EXP_BIAS, F32_MANTISSA_BITS, F32_MIN_EXP, F32_SIGN_BIT
 from ..layouts.sm100 import E4M3_EXP_BIAS, E4M3_MANTISSA_BITS, E4M3_MIN_EXP
 from . import ptx
 from .pack import NUM_THREADS, PackSm80
 
 FIELD_BITS = sm100.ELEM_BITS["e2m1"]
 CODES_PER_WORD = packing.codes_per_word(FIELD_BITS)
-
-
-def _exponent(bits) -> Int32:
-    """Unbiased exponent field of fp32 bits (normal numbers)."""
-    return Int32((bits >> F32_MANTISSA_BITS) & ((1 << F32_EXP_BITS) - 1)) - F32_EXP_BIAS
-
-
-def _fabs(x) -> Float32:
-    """|x| by clearing the sign bit (NaN stays NaN)."""
-    return ptx.u32_as_f32(ptx.f32_bits(x) & Uint32((1 << F32_SIGN_BIT) - 1))
 
 
 def _pow2(e: int) -> float:
@@ -66,13 +56,13 @@ class Fp4Blocks:
     @cute.jit
     def e4m3_round(self, s: Float32):
         """``s`` in [2^-9, 448] -> (its e4m3 byte, the e4m3 value) rounding half to even."""
-        e = cutlass.max(_exponent(ptx.f32_bits(s)), E4M3_MIN_EXP)
+        e = cutlass.max(ptx.f32_exponent(ptx.f32_bits(s)), E4M3_MIN_EXP)
         # 1.5 * 2^(23 + quantum exponent): adding it leaves s rounded to the quantum
         magic = ptx.u32_as_f32(Uint32(e - E4M3_MANTISSA_BITS + F32_MANTISSA_BITS + F32_EXP_BIAS) << F32_MANTISSA_BITS
                                | Uint32(1 << (F32_MANTISSA_BITS - 1)))
         r = ptx.add_rn(ptx.add_rn(s, magic), -magic)
         rb = ptx.f32_bits(r)
-        re = _exponent(rb)
+        re = ptx.f32_exponent(rb)
         byte = (Uint32(((re + E4M3_EXP_BIAS) << E4M3_MANTISSA_BITS))
                 | ((rb >> (F32_MANTISSA_BITS - E4M3_MANTISSA_BITS)) & ((1 << E4M3_MANTISSA_BITS) - 1)))
         if re < E4M3_MIN_EXP:  # subnormal: the value in quanta of 2^-9, read off 2^23 + it
@@ -89,7 +79,7 @@ class Fp4Blocks:
         if amax < Float32(_pow2(F32_MIN_EXP)):
             a = amax * Float32(_pow2(64))
             lift = 64
-        e = _exponent(ptx.f32_bits(a)) - lift - sm100.E2M1_EMAX
+        e = ptx.f32_exponent(ptx.f32_bits(a)) - lift - sm100.E2M1_EMAX
         if amax == Float32(0.0):
             e = Int32(sm100.UE8M0_MIN_EXP)
         e = cutlass.min(cutlass.max(e, sm100.UE8M0_MIN_EXP), sm100.UE8M0_BIAS)
@@ -116,7 +106,7 @@ class Fp4Blocks:
         only when ``graded`` (a finite block with a nonzero amax: an all-zero block's
         thresholds would be subnormal, its codes are signed zeros), the sign bit when
         ``finite``."""
-        a = _fabs(x)
+        a = ptx.fabs(x)
         mag = Uint32(0)
         if graded:
             for m in cutlass.range_constexpr(len(thresholds)):
@@ -136,7 +126,7 @@ class Fp4Blocks:
         """``vals`` (SF_VEC fp32 values) -> (scale byte, scale value, code words)."""
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(self.vec):
-            amax = cute.arch.fmax(amax, _fabs(vals[i]), nan=True)
+            amax = cute.arch.fmax(amax, ptx.fabs(vals[i]), nan=True)
         byte, scale = self.block_scale(amax)
         thresholds = [Float32(m) * scale for m in sm100.E2M1_MIDPOINTS]
         finite = amax < Float32.inf  # false for NaN too

@@ -14,7 +14,7 @@ fma, the cvt packs and rounding conversions.
 
 from __future__ import annotations
 
-from cutlass import Float32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -188,6 +188,21 @@ def add_rn(a, b, *, loc=None, ip=None) -> Float32:
 def f32_bits(x, *, loc=None, ip=None) -> Uint32:
     res = _asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f", loc=loc, ip=ip)
     return Uint32(res)
+
+
+def f32_exponent(bits) -> Int32:
+    """Unbiased exponent field of fp32 bits ``bits`` (normal numbers)."""
+    return Int32((bits >> packing.F32_MANTISSA_BITS) & ((1 << packing.F32_EXP_BITS) - 1)) - packing.F32_EXP_BIAS
+
+
+def fabs(x) -> Float32:
+    """|x| by clearing the sign bit (NaN stays NaN)."""
+    return u32_as_f32(f32_bits(x) & Uint32((1 << packing.F32_SIGN_BIT) - 1))
+
+
+def pow2(e) -> Float32:
+    """2^e in fp32, built from its exponent bits (``e``, traced or not, in the normal range)."""
+    return u32_as_f32(Uint32(e + packing.F32_EXP_BIAS) << packing.F32_MANTISSA_BITS)
 
 
 def _minmax_x2(op: str, a, b, is_bf16: bool, loc, ip) -> Uint32:

@@ -89,9 +89,9 @@ SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its
 # log2 units a logit may pass the running maximum by before the warpgroup exchanges maxima
 # (``lazy_softmax``): P then stays below 4 (H200: 2 skips nearly every exchange)
 LAZY_MARGIN = 2.0
-# ``k_shift``: the B tile's rows stay under 2^K_SHIFT_LOG2, fp16's largest power of two, so
-# their rounding to fp16 cannot reach infinity
-K_SHIFT_LOG2 = 15
+# ``k_shift``: the B tile's rows stay under 2^K_SHIFT_LOG2, fp16's largest power of two (its
+# exponent bias), so their rounding to fp16 cannot reach infinity
+K_SHIFT_LOG2 = packing.EXP_BIAS["fp16"]
 
 
 class Barrier:
@@ -632,15 +632,13 @@ class DecodeSm90(PackedDecodeConfig):
                 z_lo, z_hi = ptx.half_pair_to_f32(z2, True)
                 inv, offset = self.mult_inverse(kt, half)
                 lo, hi = q_lo * s_lo * inv, q_hi * s_hi * inv
-                big = cute.arch.fmax(big, cute.arch.fmax(cute.arch.fmax(lo, -lo), cute.arch.fmax(hi, -hi)))
+                big = cute.arch.fmax(big, cute.arch.fmax(ptx.fabs(lo), ptx.fabs(hi)))
                 rows.append((col, lo, hi, offset))
                 zsum += q_lo * z_lo + q_hi * z_hi
                 ssum += q_lo * s_lo + q_hi * s_hi
         big = across_lanes(big, self.scale_lanes[0], cute.arch.fmax)
-        exponent = cutlass.Int32((ptx.f32_bits(big) >> Uint32(23)) & Uint32(0xFF)) - 127
-        e = cutlass.max(exponent - (K_SHIFT_LOG2 - 1), cutlass.Int32(0))
-        down = ptx.u32_as_f32(Uint32(127 - e) << Uint32(23))
-        up = ptx.u32_as_f32(Uint32(127 + e) << Uint32(23))
+        e = cutlass.max(ptx.f32_exponent(ptx.f32_bits(big)) - (K_SHIFT_LOG2 - 1), cutlass.Int32(0))
+        down, up = ptx.pow2(-e), ptx.pow2(e)
         osum = Float32(0.0)  # raw_k: sum of B-tile values times their code offset
         for col, lo, hi, offset in rows:
             qs2 = ptx.cvt_pack_x2(lo * down, hi * down, False)
@@ -659,28 +657,37 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(self.k_mult_uniform):
             mult = self.k_mult[0][half]
             return Float32(1.0 / mult), Float32(self.k_offset + self.k_center * mult)
-        log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
-        inv = ptx.u32_as_f32((Uint32(127) - log2_mult) << Uint32(23))  # 2^-log2_mult, exact
-        return inv, Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
+        log2_mult = self.k_log2_mult(kt, half)
+        return ptx.pow2(-cutlass.Int32(log2_mult)), self.k_offset_of(log2_mult)
+
+    def k_log2_mult(self, kt, half: int):
+        """log2 of k-block ``kt``'s column-half ``half`` multiplier where it depends on the
+        k-block's place in its word (2-bit ``raw_k``): a run-time lookup in ``k_mult_log2``."""
+        return (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
+
+    def k_offset_of(self, log2_mult):
+        """The offset ``magic + center mult`` that B-tile values of a run-time multiplier
+        carry into the bias."""
+        return Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
 
     @cute.jit
     def divide_by_mult(self, qs2, kt, half: cutlass.Constexpr[int]):
         """``raw_k`` in fp16 kernels (bf16's: ``scale_shifted``): the B-tile pair ``Q o s /
         mult`` of k-block ``kt``'s column half ``half`` and the lop3 halves' offset ``magic +
-        center mult`` its values carry into the bias.  One multiplier per half in every k-block (4-bit): immediates; else the
-        k-block's place in its word picks it at run time (exact either way: a power of two)."""
+        center mult`` its values carry into the bias.  One multiplier per half in every
+        k-block (4-bit): immediates; else the k-block's place in its word picks it at run
+        time (exact either way: a power of two)."""
         if const_expr(self.k_mult_uniform):
             mult = self.k_mult[0][half]
             if const_expr(mult != 1):
                 qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / mult, False), 0, False)
             return qs2, Float32(self.k_offset + self.k_center * mult)
-        log2_mult = (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
+        log2_mult = self.k_log2_mult(kt, half)
         # 2^-log2_mult as an fp16 pair: biased exponent (bias - log2_mult), mantissa 0 (the fp16 kernels' path)
         inv2 = ((Uint32(packing.EXP_BIAS["fp16"]) - log2_mult) << Uint32(packing.MANTISSA_BITS["fp16"])) \
             * Uint32(packing.HALF2_BOTH)
         qs2 = ptx.fma_x2(qs2, inv2, Uint32(0), False)
-        offset = Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
-        return qs2, offset
+        return qs2, self.k_offset_of(log2_mult)
 
     # ---------------------------------------------------------------------------------
     # Consumer warpgroup
