@@ -50,7 +50,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..kernels_sm80 import ptx
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
-from ..kernels_sm80.pack_fp4 import FIELD_BITS, Fp4Blocks, _fabs
+from ..kernels_sm80.pack_fp4 import FIELD_BITS, Fp4Blocks
 from ..kernels_sm80.tensors import page_of, split_tiles, wait_for_previous_kernel
 from ..kernels_sm90 import ptx90
 from ..layouts import sm100
@@ -537,7 +537,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
                 x = self.dtype(0.0)
                 if row < gq:
                     x = mQ[batch, q0 + row, col0 + i]
-                amax = cute.arch.fmax(amax, _fabs(x.to(Float32)))
+                amax = cute.arch.fmax(amax, ptx.fabs(x.to(Float32)))
                 store_at(p16 + b16((row, 2 * (col0 + i))), x)
             q_amax[b] = amax
         cute.arch.barrier(barrier_id=Barrier.SOFTMAX, number_of_threads=32 * SOFTMAX_WARPS)
@@ -735,7 +735,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
             r = y[h]  # term 0 quantizes p >= 0, the later ones signed residuals
             phat = Float32(0.0)
             for t in cutlass.range_constexpr(self.terms):
-                amax = _fabs(r)
+                amax = ptx.fabs(r)
                 for k in cutlass.range_constexpr(int(math.log2(self.vec))):
                     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
                 byte, scale = self.block_scale(amax)
