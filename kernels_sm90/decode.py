@@ -185,7 +185,7 @@ class DecodeSm90(PackedDecodeConfig):
         # bf16 Q and scales may take Q o s past fp16's range: each (head, K group) row of the
         # B tile is scaled by 2^-e, the smallest power that keeps its largest magnitude under
         # 2^K_SHIFT_LOG2 (e = 0 wherever |q s| stays below 32768), and the scaling
-        # fma takes 2^e back with the softmax scale (``scale_shifted``)
+        # fma takes 2^e back with the softmax scale (``scale_row_shifted``)
         self.k_shift = self.fold_k and self.is_bf16
         self.q_copies = self.nr // group_size if self.fold_k else 0
         self.k_center = 1 << (bits - 1) if self.fold_k else 0
@@ -556,94 +556,95 @@ class DecodeSm90(PackedDecodeConfig):
         heads (>= gq) are skipped a warp at a time: their Q o s rows and biases stay zero."""
         _, sQs, sBias, sShift = fold
         lane = tid % cute.arch.WARP_SIZE
-        center = Float32(self.k_center)
         for ps in cutlass.range_constexpr(self.nh // (WG // self.scale_lanes[0])):
             head = ps * (WG // self.scale_lanes[0]) + tid // self.scale_lanes[0]
             # the first head of this warp: padding heads are skipped a whole warp at a time
             first = ps * (WG // self.scale_lanes[0]) + (tid // cute.arch.WARP_SIZE) * (
                 cute.arch.WARP_SIZE // self.scale_lanes[0])
-            if const_expr(self.k_shift):
-                if first < gq:
-                    for g in cutlass.range_constexpr(self.q_copies):
-                        bias, up = self.scale_shifted(sQ, sQs, sKs, stage, g, head, lane, tid)
-                        bias = across_lanes(bias, self.scale_lanes[0], operator.add)
-                        if tid % self.scale_lanes[0] == 0:
-                            sBias[head, g, stage] = bias
-                            sShift[head, g, stage] = up
-            elif first < gq:
+            if first < gq:
                 for g in cutlass.range_constexpr(self.q_copies):
-                    zsum = Float32(0.0)
-                    ssum = Float32(0.0)
-                    osum = Float32(0.0)  # raw_k: sum of B-tile values times their code offset
-                    for i in cutlass.range_constexpr(self.scale_lanes[1]):
-                        kt = (tid % self.scale_lanes[0]) // 4 + i * (self.scale_lanes[0] // 4)
-                        c = lane % 4
-                        # the quad lane's four words of the k-block, one 16-byte load
-                        word0 = g * self.d + sm80.param_position(kt, c, 0)
-                        words = cute.make_rmem_tensor((sm80.CHUNK_WORDS,), cutlass.Int32)
-                        cute.autovec_copy(cute.local_tile(sKs[None, stage], (sm80.CHUNK_WORDS,),
-                                                          (word0 // sm80.CHUNK_WORDS,)), words)
-                        for half in cutlass.range_constexpr(2):  # channels 2c, 2c+1 and 2c+8, 2c+9
-                            col = sm80.fragment_column(kt, c, half)
-                            q2 = pair_word(sQ, head, col)
-                            w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
-                            s2, z2 = split_params(w0, w1)
-                            qs2 = ptx.fma_x2(q2, s2, Uint32(0), False)
-                            offset = Float32(0.0)
-                            if const_expr(self.raw_k):
-                                qs2, offset = self.divide_by_mult(qs2, kt, half)
-                            pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
-                            if const_expr(self.raw_k):
-                                r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
-                                osum += (r_lo + r_hi) * offset
-                            q_lo, q_hi = ptx.half_pair_to_f32(q2, self.is_bf16)
-                            s_lo, s_hi = ptx.half_pair_to_f32(s2, self.is_bf16)
-                            z_lo, z_hi = ptx.half_pair_to_f32(z2, self.is_bf16)
-                            zsum += q_lo * z_lo + q_hi * z_hi
-                            ssum += q_lo * s_lo + q_hi * s_hi
-                    bias = zsum + center * ssum - osum
+                    row = sQs[None, None, stage * self.q_copies + g]
+                    pairs = self.row_pairs(sQ, sKs, stage, g, head, lane, tid)
+                    if const_expr(self.k_shift):
+                        bias, up = self.scale_row_shifted(pairs, row, head)
+                    else:
+                        bias = self.scale_row(pairs, row, head)
                     bias = across_lanes(bias, self.scale_lanes[0], operator.add)
                     if tid % self.scale_lanes[0] == 0:
                         sBias[head, g, stage] = bias
+                        if const_expr(self.k_shift):
+                            sShift[head, g, stage] = up
 
-    @cute.jit
-    def scale_shifted(self, sQ, sQs, sKs, stage, g, head, lane, tid):
-        """``k_shift`` (bf16 kernels with the fold): this thread's channels of head ``head``'s
-        B-tile row of K group ``g`` in ``stage``, ``Q o s / mult`` in fp32 times ``2^-e``,
-        rounded once to fp16, with ``e`` shared by the row (its largest magnitude, over the
-        head's lanes, under ``2^K_SHIFT_LOG2``).  Returns this thread's part of the bias (the
-        lop3 halves' offsets scaled back by ``2^e``) and ``2^e``."""
+    def row_pairs(self, sQ, sKs, stage, g, head, lane, tid):
+        """This scaler thread's pairs of head ``head``'s B-tile row for K group ``g`` of
+        ``stage``: ``(kt, half, column, Q pair, scale pair, zero pair)`` per k-block ``kt``
+        and column half (channels 2c, 2c+1 and 2c+8, 2c+9), generated as the caller takes
+        them, so each k-block's words are loaded next to their use."""
+        for i in range(self.scale_lanes[1]):
+            kt = (tid % self.scale_lanes[0]) // 4 + i * (self.scale_lanes[0] // 4)
+            c = lane % 4
+            # the quad lane's four words of the k-block, one 16-byte load
+            word0 = g * self.d + sm80.param_position(kt, c, 0)
+            words = cute.make_rmem_tensor((sm80.CHUNK_WORDS,), cutlass.Int32)
+            cute.autovec_copy(cute.local_tile(sKs[None, stage], (sm80.CHUNK_WORDS,),
+                                              (word0 // sm80.CHUNK_WORDS,)), words)
+            for half in range(2):
+                col = sm80.fragment_column(kt, c, half)
+                q2 = pair_word(sQ, head, col)
+                w0, w1 = Uint32(words[2 * half]), Uint32(words[2 * half + 1])
+                s2, z2 = split_params(w0, w1)
+                yield kt, half, col, q2, s2, z2
+
+    def scale_row(self, pairs, row, head):
+        """fp16 kernels: this thread's pairs of ``Q o s`` (``raw_k``: ``/ mult``, packed fp16
+        fmas) into B-tile ``row``, and its part of the bias."""
+        zsum = Float32(0.0)
+        ssum = Float32(0.0)
+        osum = Float32(0.0)  # raw_k: sum of B-tile values times their code offset
+        for kt, half, col, q2, s2, z2 in pairs:
+            qs2 = ptx.fma_x2(q2, s2, Uint32(0), False)
+            offset = Float32(0.0)
+            if self.raw_k:
+                qs2, offset = self.divide_by_mult(qs2, kt, half)
+            pair_word(row, head, col, qs2)
+            if self.raw_k:
+                r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
+                osum += (r_lo + r_hi) * offset
+            q_lo, q_hi = ptx.half_pair_to_f32(q2, self.is_bf16)
+            s_lo, s_hi = ptx.half_pair_to_f32(s2, self.is_bf16)
+            z_lo, z_hi = ptx.half_pair_to_f32(z2, self.is_bf16)
+            zsum += q_lo * z_lo + q_hi * z_hi
+            ssum += q_lo * s_lo + q_hi * s_hi
+        return zsum + Float32(self.k_center) * ssum - osum
+
+    def scale_row_shifted(self, pairs, row, head):
+        """``k_shift`` (bf16 kernels with the fold): this thread's pairs of ``Q o s / mult``
+        in fp32 times ``2^-e``, rounded once to fp16 into B-tile ``row``, with ``e`` shared by
+        the row (its largest magnitude, over the head's lanes, under ``2^K_SHIFT_LOG2``).
+        Returns this thread's part of the bias (the lop3 halves' offsets scaled back by
+        ``2^e``) and ``2^e``."""
         zsum = Float32(0.0)
         ssum = Float32(0.0)
         big = Float32(0.0)
-        rows = []  # (column, low, high, offset) of this thread's pairs
-        for i in cutlass.range_constexpr(self.scale_lanes[1]):
-            kt = (tid % self.scale_lanes[0]) // 4 + i * (self.scale_lanes[0] // 4)
-            c = lane % 4
-            word0 = g * self.d + sm80.param_position(kt, c, 0)
-            words = cute.make_rmem_tensor((sm80.CHUNK_WORDS,), cutlass.Int32)
-            cute.autovec_copy(cute.local_tile(sKs[None, stage], (sm80.CHUNK_WORDS,), (word0 // sm80.CHUNK_WORDS,)),
-                              words)
-            for half in cutlass.range_constexpr(2):
-                col = sm80.fragment_column(kt, c, half)
-                q_lo, q_hi = ptx.half_pair_to_f32(pair_word(sQ, head, col), True)
-                s2, z2 = split_params(Uint32(words[2 * half]), Uint32(words[2 * half + 1]))
-                s_lo, s_hi = ptx.half_pair_to_f32(s2, True)
-                z_lo, z_hi = ptx.half_pair_to_f32(z2, True)
-                inv, offset = self.mult_inverse(kt, half)
-                lo, hi = q_lo * s_lo * inv, q_hi * s_hi * inv
-                big = cute.arch.fmax(big, cute.arch.fmax(ptx.fabs(lo), ptx.fabs(hi)))
-                rows.append((col, lo, hi, offset))
-                zsum += q_lo * z_lo + q_hi * z_hi
-                ssum += q_lo * s_lo + q_hi * s_hi
+        products = []  # (column, low, high, offset) of this thread's pairs
+        for kt, half, col, q2, s2, z2 in pairs:
+            q_lo, q_hi = ptx.half_pair_to_f32(q2, True)
+            s_lo, s_hi = ptx.half_pair_to_f32(s2, True)
+            z_lo, z_hi = ptx.half_pair_to_f32(z2, True)
+            inv, offset = self.mult_inverse(kt, half)
+            lo, hi = q_lo * s_lo * inv, q_hi * s_hi * inv
+            big = cute.arch.fmax(big, cute.arch.fmax(ptx.fabs(lo), ptx.fabs(hi)))
+            products.append((col, lo, hi, offset))
+            zsum += q_lo * z_lo + q_hi * z_hi
+            ssum += q_lo * s_lo + q_hi * s_hi
         big = across_lanes(big, self.scale_lanes[0], cute.arch.fmax)
         e = cutlass.max(ptx.f32_exponent(ptx.f32_bits(big)) - (K_SHIFT_LOG2 - 1), cutlass.Int32(0))
         down, up = ptx.pow2(-e), ptx.pow2(e)
         osum = Float32(0.0)  # raw_k: sum of B-tile values times their code offset
-        for col, lo, hi, offset in rows:
+        for col, lo, hi, offset in products:
             qs2 = ptx.cvt_pack_x2(lo * down, hi * down, False)
-            pair_word(sQs[None, None, stage * self.q_copies + g], head, col, qs2)
-            if const_expr(self.raw_k):
+            pair_word(row, head, col, qs2)
+            if self.raw_k:
                 r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
                 osum += (r_lo + r_hi) * offset
         return zsum + Float32(self.k_center) * ssum - up * osum, up
@@ -672,7 +673,7 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def divide_by_mult(self, qs2, kt, half: cutlass.Constexpr[int]):
-        """``raw_k`` in fp16 kernels (bf16's: ``scale_shifted``): the B-tile pair ``Q o s /
+        """``raw_k`` in fp16 kernels (bf16's: ``scale_row_shifted``): the B-tile pair ``Q o s /
         mult`` of k-block ``kt``'s column half ``half`` and the lop3 halves' offset ``magic +
         center mult`` its values carry into the bias.  One multiplier per half in every
         k-block (4-bit): immediates; else the k-block's place in its word picks it at run
