@@ -1,7 +1,7 @@
 """sm90 decode time by split count: each shape at ``--splits`` (0: the backend's own choice),
-through the public API, so each count runs the kernel the dispatch builds for it (2-bit
-with the 4-head tile at one split whose pairs fill the SMs: the one-CTA two-consumer kernel;
-at more splits the default two CTAs an SM).  CUDA-graph replay, L2 flushed before each call,
+through the public API, so each count runs the kernel the dispatch builds for it (with the
+4-head tile, one split whose pairs fit the SMs takes the one-CTA two-consumer kernel, more
+splits the default two CTAs an SM: ``Sm90Backend.grid_variant``).  CUDA-graph replay, L2 flushed before each call,
 median of 30 (``bench_decode``'s timer).
 
     python3 profiles/bench_splits.py --format 2c128 --shapes 16x4096,16x8192,16x16384,16x32768 \\
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import bitdecode as bd
+from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import Timer, _graph_time, build  # noqa: E402
@@ -30,7 +31,7 @@ from bench_variants import FORMATS, HKV, HQ, D, parse_shapes  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="2c128", choices=sorted(FORMATS))
-    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="the model dtype (default fp16)")
+    p.add_argument("--dtype", default="fp16", choices=DTYPE_NAMES, help="the model dtype (default fp16)")
     p.add_argument("--shapes", default="16x4096,16x8192,16x16384,16x32768", help="BxN,...")
     p.add_argument("--splits", default="1,2,0", help="split counts, comma-separated (0: the heuristic's)")
     p.add_argument("--out", type=Path, default=Path("profiles/h200"))
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     timer, gen = Timer(dev), torch.Generator(device=dev).manual_seed(0)
     fmt = bd.KVFormat(*FORMATS[args.format])
-    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    dtype = torch_dtype(args.dtype)
     rows = []
     for b, n in parse_shapes(args.shapes):
         q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)

@@ -11,8 +11,8 @@ writes ``<out>/variants.json`` (``variants_<tag>.json`` with ``--tag``): every v
 variant's.  The variants run one after the other on one GPU, so compare them within one
 file only.  Keywords: any ``DecodeSm90.__init__`` argument after the format's (``lazy_max``,
 ``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``, ``consumers``, ``half_cols``).  Where the
-backend builds a grid variant (``Sm90Backend.grid_variant``: 4-bit and 2-bit fp16 at B <= 2,
-Hkv=8; 2-bit also at one split of B=9..16 sequences of up to 16K tokens), the
+backend builds a grid variant (``Sm90Backend.grid_variant``: small grids, and one split of
+short sequences whose pairs fill the SMs; ``kernels_sm90.backend`` says which formats), the
 variant's keywords apply on top of that kernel's.
 """
 
