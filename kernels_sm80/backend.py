@@ -386,11 +386,19 @@ class Sm80Backend:
         return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split, tq=tq,
                                                                 variant=variant))
 
+    def unsplit(self, fmt: KVFormat, dtype, head_dim: int, nh: int, batch: int, kv_heads: int, tq: int,
+                max_len: int, device) -> bool:
+        """Whether this request runs one split whatever ``choose_splits``' fill rule says (a
+        kernel ``grid_variant`` gives one split that is faster unsplit).  sm80: never."""
+        return False
+
     def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
         nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
         dtype = cache.k_res.dtype
+        if self.unsplit(cache.fmt, dtype, d, nh, bsz, hkv, tq, max_len, device):
+            return 1
         variant = self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device)
         per_sm = self.ctas_per_sm(cache.fmt, d, nh, dtype, variant)
         return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)

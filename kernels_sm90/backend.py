@@ -13,7 +13,7 @@ from typing import List, Tuple
 import torch
 
 from .. import jit
-from ..backend import CacheTensors, Variant, num_sms, query_rows
+from ..backend import Variant, num_sms
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
 from ..layouts import sm80, sm90
@@ -29,7 +29,7 @@ SMALL_GRID_SPLITS = 8
 # The 4-head tile (GQA <= 4): where the (sequence, KV head) pairs fill more than half the
 # SMs (the default two CTAs an SM need two splits, and the combine) and no sequence is
 # longer than this many tiles, one split of the small grid's kernel (one CTA an SM, two
-# consumers) instead (``Sm90Backend.choose_splits``).  H200, Hkv=8, one run each, us, one
+# consumers) instead (``Sm90Backend.unsplit``).  H200, Hkv=8, one run each, us, one
 # split of it / two of the default (profiles/h200/splits_short_*.json, profiles/NOTES.md):
 # - 2-bit (256-token tiles), B=16: N=4K 26.7 / 30.0, 8K 43.5 / 45.5, 12K 60.1 / 61.5, 16K
 #   76.3 / 77.6, 32K 141.3 / 140.7; B=12 N=8K 42.8 / 44.7; B=9 N=4K 25.7 / 27.9, 16K 75.3 /
@@ -142,22 +142,17 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         """What the decode kernel for these arguments is built for (its constexpr config)."""
         return _kernel_ctas_per_sm(self, fmt, head_dim, nh, dtype, variant)
 
-    def choose_splits(self, cache: CacheTensors, q_shape, max_len: int, device) -> int:
-        """sm80's heuristic for the kernel ``grid_variant`` picks, but one split where the
-        request's pairs fill more than half the SMs and its sequences are short
-        (``short_tiles``): ``grid_variant`` then takes the one-CTA kernel; and none for a
-        small grid's very short sequences (``DIRECT_TILES``)."""
-        bsz, tq, hq, d = q_shape
-        hkv = cache.k_res.shape[2]
-        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
-        sms = num_sms(device)
-        short = short_tiles(cache.fmt, cache.k_res.dtype == torch.float16, d, nh) if tq == 1 else 0
-        pairs, tiles = bsz * hkv, -(-max_len // cache.fmt.residual_block)
-        if short and sms < 2 * pairs <= 2 * sms and tiles <= short:
-            return 1
-        if short and pairs * SMALL_GRID_SPLITS <= sms and tiles <= DIRECT_TILES.get(cache.fmt.bits, 0):
-            return 1
-        return super().choose_splits(cache, q_shape, max_len, device)
+    def unsplit(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, max_len, device) -> bool:
+        """One split where the request's pairs fill more than half the SMs and its sequences
+        are short (``short_tiles``), and for a small grid's very short sequences
+        (``DIRECT_TILES``): ``grid_variant`` then takes the one-CTA kernel."""
+        short = short_tiles(fmt, dtype == torch.float16, head_dim, nh) if tq == 1 else 0
+        if not short:
+            return False
+        pairs, tiles, sms = batch * kv_heads, -(-max_len // fmt.residual_block), num_sms(device)
+        if sms < 2 * pairs <= 2 * sms:
+            return tiles <= short
+        return pairs * SMALL_GRID_SPLITS <= sms and tiles <= DIRECT_TILES.get(fmt.bits, 0)
 
     def grid_variant(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, device, splits=0) -> str:
         """``"small"`` where ``small_grid`` takes the request and (sequence, KV head)
