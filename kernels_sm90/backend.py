@@ -80,13 +80,17 @@ def grid_keywords(fmt: KVFormat, fp16: bool, head_dim: int, nh: int, variant: st
     but B=1 N=128K 45.8 / 47.1, so its "small" kernel keeps two)."""
     if variant == "small":
         return small_grid(fmt, fp16, head_dim, nh)
-    return {"consumers": 1} if one_consumer(fmt, fp16, head_dim, nh) else {}
+    return {"consumers": 1} if one_consumer(fmt, head_dim, nh) else {}
 
 
-def one_consumer(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> bool:
+def one_consumer(fmt: KVFormat, head_dim: int, nh: int) -> bool:
     """Whether the default kernel runs one consumer warpgroup, two CTAs an SM (2-bit with
-    the 4-head tile, ``grid_keywords``)."""
-    return fmt.bits == 2 and small_grid(fmt, fp16, head_dim, nh) is not None
+    the 4-head tile, ``grid_keywords``).  bf16 too, where K's scale is in Q as well
+    (``DecodeSm90.fold_k_bf16``), but everywhere: its small grid's two consumers measured
+    slower (H200, 2c128 bf16 GQA 4, us, the fold with two consumers in one CTA / one in each
+    of two / no fold, profiles/h200/variants_fold_bf16_2bit.json: B=1 N=128K 50.7 / 49.5 /
+    49.2, B=8 N=64K 164.8 / 152.0 / 154.0, B=16 314.4 / 290.4 / 295.7)."""
+    return fmt.bits == 2 and small_grid(fmt, True, head_dim, nh) is not None
 
 
 def short_tiles(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> int:

@@ -153,7 +153,7 @@ class DecodeSm90(PackedDecodeConfig):
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
-                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = False):
+                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -170,13 +170,15 @@ class DecodeSm90(PackedDecodeConfig):
         # pair, no params in fragment order), against a Q o s copy per group of the tile; the
         # per-head bias goes into the softmax's scaling fma.  The producer warpgroup
         # (``produce_and_scale``) builds both for each stage as it lands, off the consumer's
-        # chain.  fp16 by default: Q o s rounded to bf16 (8 bits) once per channel is shared by
-        # every token of the group (H200, eleventh session: 2x the bf16 tolerance).  ``fold_k_bf16``
-        # (opt-in, not yet measured on a GPU): bf16 kernels fold too, with the scores' operands
-        # in fp16 (``s_dtype``): K's exact lop3 halves, and Q o s / mult rounded from fp32 to
-        # fp16 (11 bits, not bf16's 8).  A CPU model on stored codes (.scratch-style, twenty-
-        # fourth session, profiles/NOTES.md) put its scores 8-14x closer to exact arithmetic
-        # than today's bf16 K per element; ``k_shift`` keeps Q o s within fp16's range.
+        # chain.  bf16 kernels fold too (``fold_k_bf16``), with the scores' operands in fp16
+        # (``s_dtype``): K's exact lop3 halves, and Q o s / mult rounded from fp32 to fp16 (11
+        # bits; in bf16, 8 bits shared by every token of the group, it doubled the error,
+        # eleventh session).  A CPU model on stored codes (twenty-fourth session,
+        # profiles/NOTES.md) put these scores 8-14x closer to exact arithmetic than bf16 K per
+        # element; ``k_shift`` keeps Q o s within fp16's range.  H200, 4c128 bf16 GQA 4, us,
+        # without / with (profiles/h200/variants_fold_bf16.json): B=4 N=64K 98.1 / 94.5, B=8
+        # 183.8 / 175.0, B=16 349.0 / 331.7 (B=1: the small grid's kernel, which keeps K's
+        # scale out of Q either way).
         self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and (
             not self.is_bf16 or fold_k_bf16)
         # the scores' wgmma operand type: fp16 wherever K's scale is in Q, else the model's

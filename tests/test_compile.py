@@ -506,15 +506,15 @@ def test_sm90_fold_k_config():
     assert DecodeSm90(f16, 2, "channel", 64, 128, 16, True, raw_k_all=False).k_mult == ((1, 1),) * 4
     assert DecodeSm90(f16, 4, "channel", 128, 256, 8, False).scale_lanes == (32, 2)
     assert DecodeSm90(f16, 4, "channel", 64, 64, 16, True).scale_lanes == (16, 1)
-    for off in (DecodeSm90(bf16, 4, "channel", 128, 128, 8, True),  # bf16
+    for off in (DecodeSm90(bf16, 4, "channel", 128, 128, 8, True, fold_k_bf16=False),  # bf16, asked not to
                 DecodeSm90(f16, 4, "token", 64, 128, 8, True),  # K per token
                 DecodeSm90(f16, 4, "channel", 32, 128, 8, True),  # groups inside an M-block
                 DecodeSm90(f16, 4, "channel", 128, 128, 8, True, fold_k=False)):
         assert not off.fold_k and not off.raw_k and off.q_copies == 0 and off.producer_regs == PRODUCER_REGS[2]
         assert off.s_dtype is off.dtype
     assert k.s_dtype is f16
-    # bf16 folds only when asked (``fold_k_bf16``): the scores' operands are then fp16
-    on = DecodeSm90(bf16, 4, "channel", 128, 128, 8, True, fold_k_bf16=True)
+    # bf16 folds too (``fold_k_bf16``): the scores' operands are then fp16
+    on = DecodeSm90(bf16, 4, "channel", 128, 128, 8, True)
     assert on.fold_k and on.raw_k and on.s_dtype is f16 and not on.s_bf16 and on.is_bf16
     assert on.k_shift and not k.k_shift  # bf16's rows of Q o s shifted into fp16's range
     assert not DecodeSm90(bf16, 4, "token", 64, 128, 8, True, fold_k_bf16=True).fold_k
@@ -530,9 +530,9 @@ def test_sm90_fold_k_bf16_ptx(monkeypatch, tmp_path):
     from bitdecode.kernels_sm90.decode import DecodeSm90
 
     fmt, bf16 = KVFormat(4, "channel", 128), cutlass.BFloat16
-    plain = sm90_backend.compile_decode("sm_90a", fmt, bf16, 128, 8, True, keep_ptx=True).artifacts.PTX
-    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, fold_k_bf16=True))
     ptx = sm90_backend.compile_decode("sm_90a", fmt, bf16, 128, 8, True, keep_ptx=True).artifacts.PTX
+    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, fold_k_bf16=False))
+    plain = sm90_backend.compile_decode("sm_90a", fmt, bf16, 128, 8, True, keep_ptx=True).artifacts.PTX
     assert ".f32.f16.f16" in ptx and ".f32.bf16.bf16" in ptx and "cvt.rn.f16x2.f32" in ptx
     assert ".f32.f16.f16" not in plain and ".f32.bf16.bf16" in plain
     report = ptxas.report(ptx, "sm_90a", tmp_path)
@@ -555,12 +555,12 @@ def test_sm90_consumers_config(tmp_path):
     f16, bf16 = cutlass.Float16, cutlass.BFloat16
     two = DecodeSm90(f16, 2, "channel", 128, 128, 8, True)
     assert two.consumers == 2 and two.ctas_per_sm == 1 and two.consumer_regs == 224
-    for one in (DecodeSm90(bf16, 2, "channel", 128, 128, 8, True),  # no K scale in Q
+    for one in (DecodeSm90(bf16, 2, "channel", 128, 128, 8, True, fold_k_bf16=False),  # no K scale in Q
                 DecodeSm90(f16, 4, "channel", 128, 128, 8, True), DecodeSm90(f16, 2, "channel", 128, 256, 8, True)):
         assert one.consumers == 1
     fmt2 = KVFormat(2, "channel", 128)
     assert sm90.BACKEND.ctas_per_sm(fmt2, 128, 8, torch.float16) == 1
-    assert sm90.BACKEND.ctas_per_sm(fmt2, 128, 8, torch.bfloat16) == 2
+    assert sm90.BACKEND.ctas_per_sm(fmt2, 128, 8, torch.bfloat16) == 1  # bf16 folds K too
     assert sm90.BACKEND.ctas_per_sm(KVFormat(4, "channel", 128), 128, 8, torch.float16) == 2
     three = DecodeSm90(f16, 4, "channel", 128, 128, 8, True, consumers=3, step=64)
     assert three.ctas_per_sm == 1 and three.consumer_regs == (65536 - 128 * SCALER_REGS) // (3 * 128)
@@ -640,6 +640,10 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     assert be.choose_splits(bf16, (16, 1, 64, 128), 4096, dev) == 2  # not its 8-head tile
     assert be.grid_variant(fmt, torch.bfloat16, 128, 4, 1, 8, 1, dev) == "small"
     assert be.grid_variant(two, torch.bfloat16, 128, 4, 1, 8, 1, dev) == ""  # 2-bit: fp16 only
+    # ... but bf16's 4-head tile runs one consumer (two CTAs an SM) at every grid, with K's scale in Q
+    default2b = be.make_decode("sm_90a", two, cutlass.BFloat16, 128, 4, True)
+    assert (default2b.consumers, default2b.ctas_per_sm, default2b.fold_k) == (1, 2, True)
+    assert be.make_decode("sm_90a", two, cutlass.BFloat16, 128, 8, True).consumers == 2
     with pytest.raises(ValueError, match="no variant 'tiny'"):
         be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="tiny")
     with pytest.raises(ValueError, match="no variant 'small'"):

@@ -434,8 +434,7 @@ import functools, sys
 import torch
 import bitdecode as bd
 from bitdecode.kernels_sm90 import decode as d90
-if sys.argv[1] == "fold":
-    d90.DecodeSm90.__init__ = functools.partialmethod(d90.DecodeSm90.__init__, fold_k_bf16=True)
+d90.DecodeSm90.__init__ = functools.partialmethod(d90.DecodeSm90.__init__, fold_k_bf16=sys.argv[1] == "fold")
 sys.path.insert(0, sys.argv[3])
 from test_kernels_gpu import fold_case
 cache, q, scale = fold_case(sys.argv[4] == "big")
@@ -446,10 +445,10 @@ torch.save(torch.stack([bd.decode(q, cache, softmax_scale=scale, backend="sm90",
 
 @pytest.mark.parametrize("big", [False, True])
 def test_sm90_fold_k_bf16_is_closer_to_exact(tmp_path, monkeypatch, big):
-    """``DecodeSm90(fold_k_bf16=True)`` (opt-in): K's scale in Q for bf16 caches, the scores'
+    """``DecodeSm90(fold_k_bf16=True)`` (the default): K's scale in Q for bf16 caches, the scores'
     wgmma on fp16 operands.  Against exact arithmetic on the stored codes (the reference with
     K and V dequantized without rounding), its outputs are finite and at least as close as
-    the default bf16 kernel's (K rounded to bf16 per element; a CPU model of the scores put
+    the bf16 kernel without it (K rounded to bf16 per element; a CPU model of the scores put
     the fold 8-14x closer, profiles/NOTES.md), also where |q s| passes fp16's range (``big``:
     the rows' power-of-two shift).  Each kernel runs in its own process without the disk
     cache: the keyword is not part of a compiled kernel's key."""
