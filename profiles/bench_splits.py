@@ -2,7 +2,8 @@
 through the public API, so each count runs the kernel the dispatch builds for it (with the
 4-head tile, one split whose pairs fit the SMs takes the one-CTA two-consumer kernel, more
 splits the default two CTAs an SM: ``Sm90Backend.grid_variant``).  CUDA-graph replay, L2 flushed before each call,
-median of 30 (``bench_decode``'s timer).
+median of 30 (``bench_decode``'s timer).  ``--backends sm90,sm80`` times other backends beside
+it on the same caches (their keys ``<backend>_splits_<n>_us``).
 
     python3 profiles/bench_splits.py --format 2c128 --shapes 16x4096,16x8192,16x16384,16x32768 \\
         --splits 1,2,0 --out profiles/h200 --tag short_2bit
@@ -34,9 +35,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="fp16", choices=DTYPE_NAMES, help="the model dtype (default fp16)")
     p.add_argument("--shapes", default="16x4096,16x8192,16x16384,16x32768", help="BxN,...")
     p.add_argument("--splits", default="1,2,0", help="split counts, comma-separated (0: the heuristic's)")
+    p.add_argument("--backends", default="sm90", help="comma-separated decode backends (default sm90)")
     p.add_argument("--out", type=Path, default=Path("profiles/h200"))
     p.add_argument("--tag", default="", help="suffix of the output file")
     args = p.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = [b for b in backends if b not in bd.backend.shipped()]
+    if unknown or not backends:
+        raise SystemExit(f"--backends: unknown {unknown or args.backends!r} (shipped: {', '.join(bd.backend.shipped())})")
     if not torch.cuda.is_available():
         raise SystemExit("bench_splits needs a CUDA GPU")
     counts = [int(s) for s in args.splits.split(",")]
@@ -51,16 +57,17 @@ def main(argv=None) -> int:
         cache.prefill(k, v)
         del k, v
         row = {"B": b, "N": n}
-        for s in counts:
-            row[f"splits_{s}_us"] = _graph_time(timer, functools.partial(bd.decode, q, cache, num_splits=s,
-                                                                         backend="sm90"))
+        for name in backends:
+            for s in counts:
+                key = f"splits_{s}_us" if name == "sm90" else f"{name}_splits_{s}_us"
+                row[key] = _graph_time(timer, functools.partial(bd.decode, q, cache, num_splits=s, backend=name))
         print(json.dumps(row), flush=True)
         rows.append(row)
         del cache
         torch.cuda.empty_cache()
     result = {"command": " ".join(["python3 profiles/bench_splits.py", *(sys.argv[1:] if argv is None else argv)]),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "format": args.format,
-              "dtype": args.dtype,
+              "dtype": args.dtype, "backends": backends,
               "method": __doc__.split("\n\n")[0].replace("\n", " "), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"splits{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1))

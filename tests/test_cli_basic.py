@@ -128,13 +128,15 @@ def _refused(main, argv, message, capsys):
 
 
 def test_bench_splits_arguments(capsys):
-    """profiles/bench_splits.py: a known format and model dtype, else argparse refuses; on a
+    """profiles/bench_splits.py: a known format, model dtype and backends, else it refuses; on a
     machine without a GPU it says so instead of timing anything."""
     import torch
 
     bs = _profile_script("bench_splits")
     _refused(bs.main, ["--dtype", "fp8"], "invalid choice", capsys)
     _refused(bs.main, ["--format", "9c1"], "invalid choice", capsys)
+    with pytest.raises(SystemExit, match="--backends: unknown"):
+        bs.main(["--backends", "sm90,sm70"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             bs.main(["--dtype", "bf16"])
