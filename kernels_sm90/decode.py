@@ -92,14 +92,6 @@ LAZY_MARGIN = 2.0
 # ``k_shift``: the B tile's rows stay under 2^K_SHIFT_LOG2, fp16's largest power of two (its
 # exponent bias), so their rounding to fp16 cannot reach infinity
 K_SHIFT_LOG2 = packing.EXP_BIAS["fp16"]
-# ``v_shift``: a stage's V scales are brought under 2^V_SHIFT_LOG2, so that P (below
-# 2^LAZY_MARGIN) times a scale stays under fp16's 2^15 when P^T is stored in fp16
-V_SHIFT_LOG2 = K_SHIFT_LOG2 - int(LAZY_MARGIN)
-
-
-def range_shift(big, limit_log2: int):
-    """The smallest ``e >= 0`` with ``big * 2^-e < 2^limit_log2`` (``big`` >= 0, fp32)."""
-    return cutlass.max(ptx.f32_exponent(ptx.f32_bits(big)) - (limit_log2 - 1), cutlass.Int32(0))
 
 
 class Barrier:
@@ -161,8 +153,7 @@ class DecodeSm90(PackedDecodeConfig):
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
-                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
-                 v_f16: bool = True):
+                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
@@ -198,17 +189,6 @@ class DecodeSm90(PackedDecodeConfig):
         # 2^K_SHIFT_LOG2 (e = 0 wherever |q s| stays below 32768), and the scaling
         # fma takes 2^e back with the softmax scale (``scale_row_shifted``)
         self.k_shift = self.fold_k and self.is_bf16
-        # ... and the P V product on fp16 operands too (``v_f16``), where V's scale is in P
-        # (``fold_v``): V's exact codes, P o s_V rounded once to fp16 (11 bits, not 8),
-        # and the 4-bit codes' lop3 halves without bf16's extra shifts (7 mantissa bits
-        # cannot hold a high nibble in place: the bf16 loop took 34 more SHF a tile).  bf16
-        # scales may pass fp16's range: the scalers bring each stage's largest V scale under
-        # 2^V_SHIFT_LOG2 by a power of two 2^-E (``v_stage_shift``), P^T takes s_V 2^-E, and
-        # the step's product is folded into O times 2^E (``fold``).  E = 0 wherever the
-        # scales stay below 8192 (|V| up to ~1e5 at 4 bits).  Needs the scalers (``fold_k``).
-        self.v_shift = v_f16 and self.fold_v and self.fold_k and self.is_bf16 and not fp4
-        self.p_dtype = cutlass.Float16 if self.v_shift else dtype  # P^T and V^T of packed steps
-        assert not self.v_shift or self.words_vs % 32 == 0, "v_stage_shift: whole warps of V words"
         self.q_copies = self.nr // group_size if self.fold_k else 0
         self.k_center = 1 << (bits - 1) if self.fold_k else 0
         # ... and with 4-bit K not even the exact fix-up: the scores take the lop3 halves
@@ -243,8 +223,6 @@ class DecodeSm90(PackedDecodeConfig):
         # margin must keep P^T finite: 2^margin times V's largest scale, 2 fp16_max / (2^bits
         # - 1), stays under fp16_max for a margin below log2((2^bits - 1) / 2); the largest
         # half-unit step below it is 2.5 at 4 bits (LAZY_MARGIN's 2 stands), 0.5 at 2 bits.
-        # bf16's fp16 P^T (``v_shift``) takes scales shifted under 2^V_SHIFT_LOG2 = 2^(15 -
-        # LAZY_MARGIN): LAZY_MARGIN stands at every width.
         self.lazy_max = lazy_max
         self.lazy_margin = LAZY_MARGIN
         if self.fold_v and not self.is_bf16:
@@ -378,8 +356,6 @@ class DecodeSm90(PackedDecodeConfig):
             bias: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]
             if self.k_shift:
                 shift: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]  # 2^e of each row
-            if self.v_shift:
-                vshift: cute.struct.MemRange[Float32, 2 * stages]  # (2^-E, 2^E) of each stage
             sQs: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(qs_layout)], 1024]
 
         return FoldStorage
@@ -440,12 +416,10 @@ class DecodeSm90(PackedDecodeConfig):
             qs_layout = self._qs_layout()
             sQs = storage.sQs.get_tensor(qs_layout.outer, swizzle=qs_layout.inner)
             sBias = storage.bias.get_tensor(cute.make_layout((self.nh, self.q_copies, self.num_stages)))
-            sShift = sVShift = None
+            sShift = None
             if const_expr(self.k_shift):
                 sShift = storage.shift.get_tensor(cute.make_layout((self.nh, self.q_copies, self.num_stages)))
-            if const_expr(self.v_shift):
-                sVShift = storage.vshift.get_tensor(cute.make_layout((2, self.num_stages)))
-            fold = (qready, sQs, sBias, sShift, sVShift)
+            fold = (qready, sQs, sBias, sShift)
             storage = storage.base
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
@@ -550,7 +524,7 @@ class DecodeSm90(PackedDecodeConfig):
         # consumers, so tile j is scaled while the consumers work on the tiles before it (one
         # consumer with stages - 1 waited for j - 1: the scaling sat on its critical path)
         lag = max(1, self.num_stages - 1 - self.consumers)
-        qready, sQs, sBias, sShift, _ = fold
+        qready, sQs, sBias, sShift = fold
         # padding heads' Q o s rows and biases stay zero (scale_stage skips them): their scores
         # are then exactly 0, never shared memory left by an earlier CTA (``lazy_softmax``
         # decides over every head column of the tile)
@@ -569,8 +543,6 @@ class DecodeSm90(PackedDecodeConfig):
                 state = seq_state(it - lag - tile_begin, self.num_stages, False)
                 ring.consumer_wait(state)  # waits only: the consumer warps release the stage
                 self.scale_stage(fold, sQ, sKs, state.index, gq, tid)
-                if const_expr(self.v_shift):
-                    self.v_stage_shift(sVs, fold[4], state.index, tid)
                 cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
                 qready.producer_commit(state)
 
@@ -584,7 +556,7 @@ class DecodeSm90(PackedDecodeConfig):
         Q; a head's threads are adjacent lanes of one warp (two heads a warp at head dim 64,
         two k-blocks a thread at 256), reduced with butterfly shuffles.  Rows of padding
         heads (>= gq) are skipped a warp at a time: their Q o s rows and biases stay zero."""
-        _, sQs, sBias, sShift, _ = fold
+        _, sQs, sBias, sShift = fold
         lane = tid % cute.arch.WARP_SIZE
         for ps in cutlass.range_constexpr(self.nh // (WG // self.scale_lanes[0])):
             head = ps * (WG // self.scale_lanes[0]) + tid // self.scale_lanes[0]
@@ -604,21 +576,6 @@ class DecodeSm90(PackedDecodeConfig):
                         sBias[head, g, stage] = bias
                         if const_expr(self.k_shift):
                             sShift[head, g, stage] = up
-
-    @cute.jit
-    def v_stage_shift(self, sVs, sVShift, stage, tid):
-        """``v_shift``: (2^-E, 2^E) of the tile in ``stage``, E the smallest power bringing
-        its largest V scale under ``2^V_SHIFT_LOG2``.  Every scaler warp reduces all of the
-        stage's (scale, zero) words (no barrier between them); thread 0 stores."""
-        lane = tid % cute.arch.WARP_SIZE
-        big = Float32(0.0)
-        for i in cutlass.range_constexpr(self.words_vs // cute.arch.WARP_SIZE):
-            word = Uint32(sVs[i * cute.arch.WARP_SIZE + lane, stage])
-            big = cute.arch.fmax(big, ptx.fabs(ptx.half_to_f32(word, self.is_bf16)))
-        e = range_shift(across_lanes(big, cute.arch.WARP_SIZE, cute.arch.fmax), V_SHIFT_LOG2)
-        if tid == 0:
-            sVShift[0, stage] = ptx.pow2(-e)
-            sVShift[1, stage] = ptx.pow2(e)
 
     def row_pairs(self, sQ, sKs, stage, g, head, lane, tid):
         """This scaler thread's pairs of head ``head``'s B-tile row for K group ``g`` of
@@ -682,7 +639,8 @@ class DecodeSm90(PackedDecodeConfig):
             products.append((col, lo, hi, offset))
             zsum += q_lo * z_lo + q_hi * z_hi
             ssum += q_lo * s_lo + q_hi * s_hi
-        e = range_shift(across_lanes(big, self.scale_lanes[0], cute.arch.fmax), K_SHIFT_LOG2)
+        big = across_lanes(big, self.scale_lanes[0], cute.arch.fmax)
+        e = cutlass.max(ptx.f32_exponent(ptx.f32_bits(big)) - (K_SHIFT_LOG2 - 1), cutlass.Int32(0))
         down, up = ptx.pow2(-e), ptx.pow2(e)
         osum = Float32(0.0)  # raw_k: sum of B-tile values times their code offset
         for col, lo, hi, offset in products:
@@ -751,13 +709,8 @@ class DecodeSm90(PackedDecodeConfig):
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         # the consumer's own P^T copies and exchange slots
         sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sPv = sP  # the packed steps' P^T (``v_shift``: the same bytes as fp16)
-        if const_expr(self.v_shift):
-            sPv = cute.make_tensor(cute.recast_ptr(storage.sP.data_ptr(), p_layout.inner, dtype=self.p_dtype),
-                                   p_layout.outer)
         if const_expr(n > 1):  # (a tile of the stage mode: the wgmma descriptors need its alignment)
             sP = cute.local_tile(sP, (self.nh, self.step, self.p_copies), (0, 0, consumer))
-            sPv = cute.local_tile(sPv, (self.nh, self.step, self.p_copies), (0, 0, consumer))
         red_layout = self._red_layout()
         red = cute.make_tensor(storage.red.data_ptr() + consumer * cute.cosize(red_layout), red_layout)
         if const_expr(self.half_cols):  # P^T's padding heads are never written: zero (published with Q)
@@ -789,7 +742,7 @@ class DecodeSm90(PackedDecodeConfig):
         tSrQ = mma.make_fragment_B(thr_s.partition_B(sQ))
         bias = mul = None
         if const_expr(self.fold_k):
-            qready, sQs, sBias, sShift, sVShift = fold
+            qready, sQs, sBias, sShift = fold
             # (MMA, N, K, stage x group); an fp16 MMA's descriptors in a bf16 kernel (fold_k_bf16)
             mma_s = mma
             if const_expr(self.s_dtype is not self.dtype):
@@ -799,12 +752,6 @@ class DecodeSm90(PackedDecodeConfig):
             if const_expr(self.k_shift):  # the scaling fma's multiplier, 2^e times the softmax scale
                 mul = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
-        tOrPv = tOrP
-        pv_up = None  # v_shift: 2^E of the P V product in flight
-        if const_expr(self.v_shift):
-            mma_p = sm90.make_wgmma(self.p_dtype, self.nh, a_from_registers=True)
-            tOrPv = [mma_p.make_fragment_B(thr_o.partition_B(sPv[None, None, i])) for i in range(self.p_copies)]
-            pv_up = Float32(1.0)
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
         # each step's P V product goes to its own accumulator, folded into acc_o with fp32
@@ -826,7 +773,7 @@ class DecodeSm90(PackedDecodeConfig):
             dq_k = dq_v = E2M1Dequant(self.is_bf16)
         else:
             dq_k = WordDequant(self.bits, self.s_bf16, self.k_center)
-            dq_v = WordDequant(self.v_bits, self.p_dtype is cutlass.BFloat16, self.v_center)
+            dq_v = WordDequant(self.v_bits, self.is_bf16, self.v_center)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -846,15 +793,12 @@ class DecodeSm90(PackedDecodeConfig):
             vp = [sVp[None, None, state.index * self.v_tiles + i] for i in range(self.v_tiles)]
             ks = sKs[None, state.index]
             vs = sVs[None, state.index]
-            v_down = v_up = None
             if const_expr(self.fold_k):
                 qready.consumer_wait(state)  # the scalers' Q o s of this stage
-                if const_expr(self.v_shift):
-                    v_down, v_up = sVShift[0, state.index], sVShift[1, state.index]
             for st in cutlass.range_constexpr(self.steps):
                 # the previous P V has landed: its V^T registers may be rewritten, its sum folded
                 warpgroup.wait_group(0)
-                self.fold(acc_o, acc_pv, pv_up)
+                self.fold(acc_o, acc_pv)
                 if const_expr(self.fold_k):
                     # M-block mb of the step is in K group g(mb): its scores take that group's Q o s
                     g0 = (st * self.step) // self.group
@@ -872,10 +816,8 @@ class DecodeSm90(PackedDecodeConfig):
                 else:
                     self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None,
                                       st * self.step, lim, n_sink + tile * self.nr, zsum, bias, mul)
-                self.store_p(acc_s, sPv, warp, lane, vs, st, zsum, self.fp4 is not None, v_down)
-                self.pv(v_frag, tOrPv, acc_pv, self.fold_v)
-                if const_expr(self.v_shift):
-                    pv_up = v_up
+                self.store_p(acc_s, sP, warp, lane, vs, st, zsum, self.fp4 is not None)
+                self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
                     self.k_fragments(k_frag, kp, ks, st + 1, dq_k, warp, lane)
                 else:
@@ -888,12 +830,6 @@ class DecodeSm90(PackedDecodeConfig):
                         ring.consumer_wait(state)
                         self.k_fragments(k_frag, sKp[None, None, state.index], sKs[None, state.index], 0,
                                          dq_k, warp, lane)
-        if const_expr(self.v_shift):
-            # the last packed product, with its 2^E; what folds next (the residual's, the
-            # stash's, the epilogue's fold) takes 2^0 products only
-            warpgroup.wait_group(0)
-            self.fold(acc_o, acc_pv, pv_up)
-            acc_pv.fill(0.0)
 
         if const_expr(n == 1):
             self.finish(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch, head_kv,
@@ -1092,7 +1028,7 @@ class DecodeSm90(PackedDecodeConfig):
         """Dequantized V^T A-fragments of step ``st``: ``(regs, channel M-blocks, step/16)``.
         ``vp``: the stage's V tiles (one, or two 128-token 4-bit tiles in K2V4); a step
         lies in one of them."""
-        frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, self.step)), self.p_dtype)
+        frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, self.step)), self.dtype)
         frag32 = cute.recast_tensor(frag, Uint32)
         kt0 = st * (self.step // K_BLOCK)
         per_step = self.step // sm80.chunk_columns(self.v_bits)  # chunks of a V row per step
@@ -1194,7 +1130,7 @@ class DecodeSm90(PackedDecodeConfig):
     def pv(self, v_frag, tOrP, acc_pv, per_group: cutlass.Constexpr[bool]):
         """acc_pv = V^T P^T of one step (a fresh sum; ``fold`` adds it to O).  ``per_group``:
         the M-blocks of V group ``i`` take P^T copy ``i`` (``fold_v``), else all take copy 0."""
-        mma_o = sm90.make_wgmma(v_frag.element_type, self.nh, a_from_registers=True)
+        mma_o = sm90.make_wgmma(self.dtype, self.nh, a_from_registers=True)
         warpgroup.fence()
         if const_expr(per_group and self.p_copies > 1):
             per = self.m_v // self.p_copies  # M-blocks of one V group
@@ -1212,16 +1148,13 @@ class DecodeSm90(PackedDecodeConfig):
         warpgroup.commit_group()
 
     @cute.jit
-    def fold(self, acc_o, acc_pv, up=None):
-        """O += the last P V product (landed: after a wait that covers its wgmma), times
-        ``up`` if given (``v_shift``'s 2^E).  Every fold is followed by a fresh product before
-        the next one, and acc_pv starts at zero, so each product is added once (writing the
-        zeros here instead made ptxas serialize the wgmmas)."""
+    def fold(self, acc_o, acc_pv):
+        """O += the last P V product (landed: after a wait that covers its wgmma).  Every
+        fold is followed by a fresh product before the next one, and acc_pv starts at zero,
+        so each product is added once (writing the zeros here instead made ptxas serialize
+        the wgmmas)."""
         for i in cutlass.range_constexpr(cute.size(acc_o)):
-            if const_expr(up is None):
-                acc_o[i] = acc_o[i] + acc_pv[i]
-            else:
-                acc_o[i] = acc_o[i] + acc_pv[i] * up
+            acc_o[i] = acc_o[i] + acc_pv[i]
 
     def cv(self, v0: int, v1: int, nt: int):
         """Value index of (head 2c + v0 + 8 nt, row g + 8 v1) in a wgmma C fragment."""
@@ -1385,15 +1318,13 @@ class DecodeSm90(PackedDecodeConfig):
         self.exponentiate(acc_s, row_max, row_sum)
 
     @cute.jit
-    def store_p(self, acc_s, sP, warp, lane, vs=None, st=0, zsum=None, fp4_order: cutlass.Constexpr[bool] = False,
-                v_down=None):
+    def store_p(self, acc_s, sP, warp, lane, vs=None, st=0, zsum=None, fp4_order: cutlass.Constexpr[bool] = False):
         """P^T (heads x tokens of the step, K-major) from the S^T accumulators, into copy 0
         of ``sP``.  With ``zsum`` (``fold_v``, a packed step): copy ``i`` takes P times the
         scale of V group ``i`` of each token, and ``zsum`` gathers P times its zero, so
         ``O = V^T(codes) P^T(scaled) + zsum``; ``vs`` are the stage's V params.
         ``fp4_order``: token ``t`` goes to the column whose V^T fragment position holds it
-        (FP4's natural V rows, ``sm80.fp4_position``).  ``v_down`` (``v_shift``): the stage's
-        2^-E on every scale.  Values are rounded to ``sP``'s type."""
+        (FP4's natural V rows, ``sm80.fp4_position``)."""
         c, g = lane % 4, lane // 4
         for mb in cutlass.range_constexpr(cute.size(acc_s, mode=[1])):
             for v1 in cutlass.range_constexpr(self.row_slots):
@@ -1403,7 +1334,7 @@ class DecodeSm90(PackedDecodeConfig):
                 if const_expr(zsum is None):
                     for nt in cutlass.range_constexpr(self.nh // 8):
                         for v0 in cutlass.range_constexpr(2):
-                            sP[self.head_of(nt, v0, c), tok, 0] = sP.element_type(acc_s[self.cv(v0, v1, nt), mb, 0])
+                            sP[self.head_of(nt, v0, c), tok, 0] = self.dtype(acc_s[self.cv(v0, v1, nt), mb, 0])
                 else:
                     # the token's (scale, zero) word of each group: row kt of the stage's
                     # params is in fragment order (quad lane g // 2, value g % 2 + 2 v1)
@@ -1414,12 +1345,10 @@ class DecodeSm90(PackedDecodeConfig):
                         scale = ptx.half_to_f32(word, self.is_bf16)
                         # the codes come centered: v = (code - center) * scale + zero'
                         zero = ptx.half_to_f32(word >> 16, self.is_bf16) + self.v_center * scale
-                        if const_expr(v_down is not None):
-                            scale = scale * v_down
                         for nt in cutlass.range_constexpr(self.nh // 8):
                             for v0 in cutlass.range_constexpr(2):
                                 p = acc_s[self.cv(v0, v1, nt), mb, 0]
-                                sP[self.head_of(nt, v0, c), tok, i] = sP.element_type(p * scale)
+                                sP[self.head_of(nt, v0, c), tok, i] = self.dtype(p * scale)
                                 zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero
         cute.arch.fence_proxy("async.shared", space="cta")  # wgmma reads sP through the async proxy
         self.bar(Barrier.P)
