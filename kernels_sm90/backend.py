@@ -55,14 +55,19 @@ DIRECT_TILES = {4: 4}
 HALF_TILE = sm90.HALF_HEADS_TILE
 
 
+def measured_grids(fmt: KVFormat, head_dim: int) -> bool:
+    """Whether the grid rules below were measured for this format: K per channel in groups of
+    >= 64 (where the default puts K's scale in Q), integer codes, head dim 128."""
+    return not fmt.fp4 and fmt.k_mode == "channel" and fmt.group_size >= 64 and head_dim == 128
+
+
 def small_grid(fmt: KVFormat, fp16: bool, head_dim: int, nh: int):
     """The ``"small"`` variant's keywords where small grids of this decode request take it,
-    else None (``Sm90Backend.grid_variant``).  Measured for K per channel (groups >= 64, where
-    the default puts K's scale in Q) at head dim 128: 4-bit with GQA tiles of 8 columns (4 or
-    8 heads; in bf16 the 4-head tile, the one measured), two consumers in one CTA without the
-    fold; 2-bit fp16 with the 4-head tile, two consumers (its default there is one, two CTAs
-    an SM)."""
-    if fmt.fp4 or fmt.k_mode != "channel" or fmt.group_size < 64 or head_dim != 128:
+    else None (``Sm90Backend.grid_variant``).  Measured (``measured_grids``): 4-bit with GQA
+    tiles of 8 columns (4 or 8 heads; in bf16 the 4-head tile, the one measured), two
+    consumers in one CTA without the fold; 2-bit fp16 with the 4-head tile, two consumers (its
+    default there is one, two CTAs an SM)."""
+    if not measured_grids(fmt, head_dim):
         return None
     if fmt.bits == fmt.v_bits == 4 and (nh == HALF_TILE or (nh == 8 and fp16)):
         return SMALL_GRID
@@ -90,7 +95,7 @@ def one_consumer(fmt: KVFormat, head_dim: int, nh: int) -> bool:
     slower (H200, 2c128 bf16 GQA 4, us, the fold with two consumers in one CTA / one in each
     of two / no fold, profiles/h200/variants_fold_bf16_2bit.json: B=1 N=128K 50.7 / 49.5 /
     49.2, B=8 N=64K 164.8 / 152.0 / 154.0, B=16 314.4 / 290.4 / 295.7)."""
-    return fmt.bits == 2 and small_grid(fmt, True, head_dim, nh) is not None
+    return fmt.bits == fmt.v_bits == 2 and nh == HALF_TILE and measured_grids(fmt, head_dim)
 
 
 def short_tiles(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> int:

@@ -266,7 +266,7 @@ class DecodeSm90(PackedDecodeConfig):
         self.half_cols = half_cols
         if consumers == 0:
             # (the sm90 backend passes one for 2-bit with the 4-head tile at head dim 128, and
-            # two again for its small grids: ``kernels_sm90.backend.grid_keywords``)
+            # two again for fp16's small grids: ``kernels_sm90.backend.grid_keywords``)
             consumers = 2 if self.fold_k and bits == self.v_bits == 2 and head_dim <= 128 else 1
         assert 1 <= consumers and Barrier.done(consumers) < 16, "named barriers: at most four consumers"
         self.consumers = consumers
