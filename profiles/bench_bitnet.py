@@ -99,6 +99,12 @@ def measure_roofline(device, replays: int) -> Dict[str, float]:
             "bytes_per_s": max(copy_bw, read_bw)}
 
 
+def gemv_bytes(n: int, k: int) -> int:
+    """Bytes a W2A8 GEMV of an ``n x k`` weight moves: packed weights, int8 activations, bf16
+    outputs."""
+    return n * k // 4 + k + 2 * n
+
+
 def copies_for(nbytes: int, l2_bytes: int) -> int:
     return max(2, math.ceil(4 * l2_bytes / nbytes))
 
@@ -145,7 +151,7 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, v
     t16 = graph_time_us(calls, replays)
     del w16s, calls, w16
     torch.cuda.empty_cache()
-    moved = n * k // 4 + k + 2 * n
+    moved = gemv_bytes(n, k)
     moved16 = 2 * n * k + 2 * k + 2 * n
     return {
         "n": n,

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_bitnet import MIN_CALLS, copies_for, graph_time_us, measure_roofline  # noqa: E402
+from bench_bitnet import MIN_CALLS, SHAPES, copies_for, gemv_bytes, graph_time_us, measure_roofline  # noqa: E402
 
-# packed weight bytes of the GEMVs: 20480 x 3200, 13824 x 2560, 3200 x 10240, 2560 x 6912, 2560 x 2560
-SIZES = (16428160, 8877568, 8208640, 4435712, 1646080)
+# the bytes of the four largest GEMVs of the model and of its smallest (16.4 MB .. 1.6 MB)
+_BY_SIZE = sorted((gemv_bytes(n, k) for n, k in SHAPES), reverse=True)
+SIZES = tuple(_BY_SIZE[:4] + _BY_SIZE[-1:])
 
 
 def main(argv=None) -> int:
