@@ -98,6 +98,12 @@ def one_consumer(fmt: KVFormat, head_dim: int, nh: int) -> bool:
     return fmt.bits == fmt.v_bits == 2 and nh == HALF_TILE and measured_grids(fmt, head_dim)
 
 
+def small_pairs(pairs: int, sms: int) -> bool:
+    """Whether ``pairs`` (sequence, KV head) pairs make a small grid: the default kernel
+    would need ``SMALL_GRID_SPLITS`` splits a pair or more to fill the SMs."""
+    return pairs * SMALL_GRID_SPLITS <= sms
+
+
 def short_tiles(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> int:
     """The most tiles a sequence may have for one split of the small grid's kernel to
     replace the default's two where the pairs fill the SMs (``SHORT_TILES``; 0: never).
@@ -161,7 +167,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         pairs, tiles, sms = batch * kv_heads, -(-max_len // fmt.residual_block), num_sms(device)
         if sms < 2 * pairs <= 2 * sms:
             return tiles <= short
-        return pairs * SMALL_GRID_SPLITS <= sms and tiles <= DIRECT_TILES.get(fmt.bits, 0)
+        return small_pairs(pairs, sms) and tiles <= DIRECT_TILES.get(fmt.bits, 0)
 
     def grid_variant(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, device, splits=0) -> str:
         """``"small"`` where ``small_grid`` takes the request and (sequence, KV head)
@@ -182,7 +188,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         if tq != 1 or small_grid(fmt, fp16, head_dim, nh) is None:
             return ""
         pairs, sms = batch * kv_heads, num_sms(device)
-        if pairs * SMALL_GRID_SPLITS <= sms:
+        if small_pairs(pairs, sms):
             return "small"
         # one split that one CTA a pair fits in the SMs (two CTAs an SM would leave half
         # their slots idle)

@@ -378,7 +378,7 @@ def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits, dtype):
     fmt = bd.KVFormat(bits, "channel", 128)
     cache, _, _ = make_cache(fmt, lens, hkv, 128, dtype, backend="sm90")
     q = torch.randn(len(lens), 1, 4 * hkv, 128, device=DEV).to(dtype)
-    small = len(lens) * hkv * sm90.SMALL_GRID_SPLITS <= torch.cuda.get_device_properties(DEV).multi_processor_count
+    small = sm90.small_pairs(len(lens) * hkv, torch.cuda.get_device_properties(DEV).multi_processor_count)
     assert sm90.BACKEND.grid_variant(fmt, dtype, 128, sm90.HALF_TILE, len(lens), hkv, 1, DEV) == \
         ("small" if small else "")
     check_decode(q, cache, "sm90", num_splits=splits)
