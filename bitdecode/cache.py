@@ -345,14 +345,15 @@ class KVCache:
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                              return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
 
-    def dequantized(self, b: int):
+    def dequantized(self, b: int, k_dtype: Optional[torch.dtype] = None):
         """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them, K rotated back
         to the model's basis under ``KVFormat.hadamard`` (for inspection; synchronizes, and
-        raises like ``check()``)."""
+        raises like ``check()``).  K in the model's dtype, or ``k_dtype`` (float32: the exact
+        values ``code * scale + zero``, before the one rounding to 16 bits)."""
         self.check()
         c = self.tensors()
         k, v = reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
-                                   c.k_res, c.v_res, c.block_table.cpu(), self.fmt, c.sinks)
+                                   c.k_res, c.v_res, c.block_table.cpu(), self.fmt, c.sinks, k_dtype)
         return reference.rotate(k, self.fmt), v
 
 

@@ -135,13 +135,15 @@ def quantize(
 
 
 def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dim: int = -1
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dim: int = -1,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """``to16(q * scale + zero)`` with a single rounding, in the dtype of ``scale``."""
+    """``to16(q * scale + zero)`` with a single rounding, in the dtype of ``scale`` (or
+    ``out_dtype``: float32 keeps it exact)."""
     dim = dim % codes.dim()
     s = scale.double().repeat_interleave(group_size, dim=dim)
     z = zero.double().repeat_interleave(group_size, dim=dim)
-    return (codes.double() * s + z).to(scale.dtype)
+    return (codes.double() * s + z).to(out_dtype or scale.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -377,18 +379,22 @@ def pack_k(k: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     return pack_rows(codes, fmt.bits), params
 
 
-def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype):
+def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
+             out_dtype: Optional[torch.dtype] = None):
+    """Dequantized K of packed pages; ``dtype`` is the model's (the params' words), the
+    values rounded once to ``out_dtype`` (default ``dtype``)."""
     head_dim = k_pack.shape[-1] * 32 // fmt.bits
     if fmt.fp4:
         nr = sm100.SF_ATOM_ROWS
         tiles = k_pack.reshape(*k_pack.shape[:-2], k_pack.shape[-2] // nr, nr, k_pack.shape[-1])
-        return _unpack_fp4_rows(tiles, k_params.unsqueeze(-3), nr, fmt, dtype).reshape(*k_pack.shape[:-1], head_dim)
+        return _unpack_fp4_rows(tiles, k_params.unsqueeze(-3), nr, fmt,
+                                out_dtype or dtype).reshape(*k_pack.shape[:-1], head_dim)
     codes = unpack_rows(k_pack, fmt.bits, head_dim)
     if fmt.k_mode == "channel":
         scale, zero = unpack_params(_from_fragment_order(k_params, dim=-1), dtype)
-        return dequantize(codes, scale, zero, fmt.group_size, dim=-2)
+        return dequantize(codes, scale, zero, fmt.group_size, dim=-2, out_dtype=out_dtype)
     scale, zero = unpack_params(k_params, dtype)
-    return dequantize(codes, scale, zero, fmt.group_size, dim=-1)
+    return dequantize(codes, scale, zero, fmt.group_size, dim=-1, out_dtype=out_dtype)
 
 
 def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
@@ -442,31 +448,34 @@ def gather_kv(
     block_table: torch.Tensor,
     fmt: KVFormat,
     sinks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    k_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dequantized K, V ``[length, Hkv, D]`` of sequence ``b``: its 16-bit sink tokens
     (``sinks`` = (k_sink, v_sink) ``[B, S, Hkv, D]``, the first ``fmt.sink_tokens``), then
-    the packed part, then the residual."""
+    the packed part, then the residual.  K in ``k_dtype`` where given (float32: the packed
+    part's exact values, as a kernel that puts K's scale in Q multiplies them)."""
     nr = fmt.residual_block
     dtype = k_res.dtype
+    k_dtype = k_dtype or dtype
     page = k_pack.shape[2]
     ks, vs = [], []
     if fmt.sink_tokens:
         s = min(length, fmt.sink_tokens)
-        ks.append(sinks[0][b, :s])
+        ks.append(sinks[0][b, :s].to(k_dtype))
         vs.append(sinks[1][b, :s])
         length -= s
     n_packed = length // nr * nr
     if n_packed:
         n_pages = -(-n_packed // page)
         pages = block_table[b, :n_pages].long().to(k_pack.device)
-        k = unpack_k(k_pack[pages], k_params[pages], fmt, dtype)  # [p, H, page, D]
+        k = unpack_k(k_pack[pages], k_params[pages], fmt, dtype, k_dtype)  # [p, H, page, D]
         v = unpack_v(v_pack[pages], v_params[pages], fmt, dtype)
         k = k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[-1])[:, :n_packed]
         v = v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[-1])[:, :n_packed]
         ks.append(k.transpose(0, 1))
         vs.append(v.transpose(0, 1))
     r = length - n_packed
-    ks.append(k_res[b, :r])
+    ks.append(k_res[b, :r].to(k_dtype))
     vs.append(v_res[b, :r])
     return torch.cat(ks), torch.cat(vs)
 
@@ -528,15 +537,17 @@ def decode(
     return out
 
 
-def rounded_p_attention(q: torch.Tensor, cache, scale: float) -> torch.Tensor:
+def rounded_p_attention(q: torch.Tensor, cache, scale: float, exact_k: bool = False) -> torch.Tensor:
     """Attention over a cache's dequantized K/V (``cache.lengths``, ``cache.dequantized(b)``:
     a ``KVCache``) with P rounded to the model dtype, as the tensor cores consume it, fp32
     otherwise; ``q`` ``[B, T, Hq, D]``, query ``j`` of ``T`` over the first ``len - T + 1 +
-    j`` tokens.  What a same-precision computation of the kernels' maths gets."""
+    j`` tokens.  What a same-precision computation of the kernels' maths gets.  K rounded to
+    the model dtype once dequantized, or with ``exact_k`` its exact values (what a kernel that
+    puts K's scale in Q multiplies: the codes, exact in 16 bits)."""
     outs = []
     tq, hq, d = q.shape[1:]
     for b, length in enumerate(cache.lengths):
-        kd, vd = cache.dequantized(b)
+        kd, vd = cache.dequantized(b, torch.float32 if exact_k else None)
         hkv = kd.shape[1]
         for j in range(tq):
             seen = max(0, length - tq + 1 + j)
@@ -549,6 +560,17 @@ def rounded_p_attention(q: torch.Tensor, cache, scale: float) -> torch.Tensor:
             o = torch.einsum("hgl,lhd->hgd", p.to(q.dtype).float(), vd[:seen].float())
             outs.append(o.reshape(hq, d))
     return torch.stack(outs).view(q.shape)
+
+
+def kernel_tolerance(q: torch.Tensor, cache, ref: torch.Tensor, factor: float = 2.0) -> float:
+    """The tolerance a kernel's decode of ``q`` over ``cache`` is held to against the fp32
+    reference ``ref`` (``decode_tolerance``): against the larger error of the two
+    same-precision computations a kernel may make, K dequantized and rounded to the model
+    dtype (as the reference), or K's exact values (K's scale in Q: the reference's rounding
+    of K is then an error the kernel does not make, up to 2^-9 of each K element in bf16)."""
+    scale = q.shape[-1] ** -0.5
+    err = max((rounded_p_attention(q, cache, scale, exact) - ref).abs().max().item() for exact in (False, True))
+    return factor * err + factor * 1e-3 * max(ref.abs().max().item(), 1.0)
 
 
 def decode_tolerance(rounded: torch.Tensor, ref: torch.Tensor, factor: float = 2.0) -> float:

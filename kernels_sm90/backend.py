@@ -130,8 +130,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return HALF_TILE if rows <= HALF_TILE and tq == 1 else super().heads_tile(rows, tq)
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
-        """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128, and 2-bit fp16
-        caches with K per channel in groups of 128.  On the H200 (sixth session, CUDA-graph
+        """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128, 2-bit fp16 / bf16
+        caches with K per channel in groups of 128, and K 4-bit / V 2-bit ones in fp16.  On the H200 (sixth session, CUDA-graph
         replay, L2 flushed, us, sm90 vs sm80): integer 4-bit with V's scale folded into P, fp16
         B=1 N=128K 58.4 vs 62.6, B=16 N=32K 189.6 vs 226.9, B=16 N=64K 362.2 vs 379.7; bf16
         59.9 vs 61.2, 197.0 vs 222.9, 379.7 vs 377.8 (before the fold bf16 was 8 % slower here
@@ -139,19 +139,22 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         bf16 85.3 vs 92.4, 299.6 vs 306.4, 584.0 vs 592.5.  2-bit with 128-token steps
         (fifteenth session, ``profiles/h200/decode_backends.json`` and a side-by-side run in
         NOTES.md): K per channel g128 fp16 faster from N = 32K (B=1 N=128K 51.1 vs 54.1, B=16
-        N=128K 577.6 vs 625.4), 1.4 us slower at B=1 N=4K; bf16 level (B=16 N=64K 312.9 vs
-        311.7) and K per token g64 slower at B=16 (348.5 vs 324.9) stay on sm80, as do head
-        dim 256, never timed here, and an unknown dtype (profiles/NOTES.md).  K 4-bit / V 2-bit
+        N=128K 577.6 vs 625.4), 1.4 us slower at B=1 N=4K; bf16, once K's scale went into Q
+        (twenty-sixth session, ``profiles/h200/splits_backends_2bit_bf16.json``): B=1 N=32K
+        23.2 vs 24.9, N=128K 50.2 vs 52.2, B=8 N=64K 152.6 vs 181.9, B=16 N=4K 30.7 vs 35.5,
+        N=32K 152.6 vs 159.0, N=128K 568.4 vs 593.9, 1.0 us slower at B=1 N=4K.  K per token
+        g64 (slower at B=16: 348.5 vs 324.9) stays on sm80, as do head dim 256, never timed
+        here, and an unknown dtype (profiles/NOTES.md).  K 4-bit / V 2-bit
         (K per channel g128, fp16), two recordings of ``decode_backends.json`` (twenty-first
         and twenty-second sessions), sm90 vs sm80: B=1 N=32K 25.5 vs 30.8, N=128K 54.8 vs
         70.2, B=16 N=4K 33.5 vs 38.3, N=32K 165.1 vs 174.3, N=128K 612.1 vs 644.5; 1.7 us
-        slower at B=1 N=4K (15.0 vs 13.3); in bf16 never timed."""
+        slower at B=1 N=4K (15.0 vs 13.3); in bf16 never timed (stays on sm80)."""
         if head_dim > 128 or dtype not in (torch.float16, torch.bfloat16):
             return False
         if fmt.bits == fmt.v_bits == 4:
             return True
         return (fmt.bits in (2, 4) and fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
-                and dtype == torch.float16 and not fmt.fp4)
+                and (dtype == torch.float16 or fmt.bits == 2) and not fmt.fp4)
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
         """What the decode kernel for these arguments is built for (its constexpr config)."""

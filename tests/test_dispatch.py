@@ -33,7 +33,7 @@ def test_shipped_backends_best_first():
     ((9, 0), 4, 128, None, "sm80"),  # ... nor an unknown dtype
     ((9, 0), 4, 256, torch.float16, "sm80"),  # ... nor head dim 256 (never timed)
     ((9, 0), 2, 128, torch.float16, "sm90"),  # 2-bit K per channel g128 fp16 (128-token steps)
-    ((9, 0), 2, 128, torch.bfloat16, "sm80"),  # ... not in bf16, where it measured level
+    ((9, 0), 2, 128, torch.bfloat16, "sm90"),  # ... and bf16 (since K's scale is in Q there too)
     ((9, 0), (4, 2), 128, torch.float16, "sm90"),  # K 4-bit / V 2-bit, K per channel g128 fp16
     ((9, 0), (4, 2), 128, torch.bfloat16, "sm80"),  # ... not in bf16 (never timed)
     ((8, 0), 4, 128, torch.float16, "sm80"),
