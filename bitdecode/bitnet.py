@@ -54,6 +54,7 @@ __all__ = [
     "quantize_activation",
     "rms_norm_quantize",
     "rms_norm",
+    "add_rms_norm",
     "gemv",
     "gemm",
     "reference_gemm",
@@ -333,6 +334,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     if torch.compiler.is_compiling() or not _row_kernel_runs(x, weight, backend, "RMSNorm"):
         return _rms_norm(x, weight, eps)
     return _norm_kernel(x, weight, eps, False, False)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual sum and the RMSNorm after it as one kernel: ``(h, y)``
+    with ``h = residual + x`` (torch's add) and ``y = rms_norm(h, weight, eps)``, what
+    transformers' Llama-family layers compute between attention and the MLP (the add's
+    own launch saved).  ``residual`` has x's shape, dtype and device; ``backend`` as
+    ``rms_norm`` ("auto": the kernel where ``rms_norm`` takes it); ``h`` is bit for bit
+    torch's, ``y`` within two 16-bit ulps of the norm's torch ops."""
+    _check_norm_quant(x, weight, eps, False)
+    _validate.tensor("residual", residual, dtypes=[x.dtype], shape=tuple(x.shape), device=x.device)
+    if torch.compiler.is_compiling() or not _row_kernel_runs(x, weight, backend, "RMSNorm"):
+        h = residual + x
+        return h, _rms_norm(h, weight, eps)
+    lead, k = x.shape[:-1], weight.shape[0]
+    x2, r2 = (_aligned(t.reshape(-1, k)).detach() for t in (x, residual))
+    if x2.shape[0] == 0:
+        return residual + x, x.new_empty(x.shape)
+    bf16, arch = x.dtype == torch.bfloat16, _arch(x.device)
+
+    def build():
+        from .kernels_sm80 import act_quant
+
+        return act_quant.compile_norm_quant(bf16, ACT_EPS, float(eps), jit.compile_options(arch), quantize=False,
+                                            pdl=jit.has_pdl(arch), residual=True)
+
+    fn = _compile(("add_rms_norm", arch, bf16, float(eps)), build)
+    h, y = torch.empty_like(x2), torch.empty_like(x2)
+    fn(x2, r2, _aligned(weight).detach(), h, y)
+    return h.reshape(*lead, k), y.reshape(*lead, k)
 
 
 @torch.library.custom_op("bitdecode::bitnet_norm_quant", mutates_args=())

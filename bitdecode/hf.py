@@ -265,15 +265,80 @@ class FusedRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return bitnet.rms_norm(x, self.weight, self.variance_epsilon, backend=self.backend)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor):
+        """``(residual + x, self(residual + x))`` as one kernel (``bd.bitnet.add_rms_norm``)."""
+        return bitnet.add_rms_norm(x, residual, self.weight, self.variance_epsilon, backend=self.backend)
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, one kernel"
+
+
+# The decoder layers whose forward is the pre-norm residual block (Llama's, Mistral's,
+# Qwen2/3's): norm, attention, add, norm, MLP, add.  Statement by statement, with the
+# forward's own parameter names for what it hands the attention module.
+_RESIDUAL_BLOCK = """
+residual = hidden_states
+hidden_states = self.input_layernorm(hidden_states)
+hidden_states, _ = self.self_attn(hidden_states=hidden_states, {keywords}**kwargs)
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.mlp(hidden_states)
+hidden_states = residual + hidden_states
+return hidden_states
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _is_residual_block(forward) -> bool:
+    """Whether ``forward`` (a decoder layer class's) is ``_RESIDUAL_BLOCK``: its
+    parameters after ``hidden_states`` all reach ``self_attn`` by name, with ``**kwargs``."""
+    import ast
+    import textwrap
+
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))).body[0]
+    except (OSError, TypeError, SyntaxError):
+        return False
+    a = node.args
+    names = [x.arg for x in a.args]
+    if names[:2] != ["self", "hidden_states"] or a.kwarg is None or a.vararg or a.kwonlyargs or a.posonlyargs:
+        return False
+    body = node.body[1:] if node.body and isinstance(node.body[0], ast.Expr) else node.body
+    keywords = "".join(f"{n}={n}, " for n in names[2:])
+    want = ast.parse(_RESIDUAL_BLOCK.format(keywords=keywords)).body
+    return len(body) == len(want) and all(ast.dump(x) == ast.dump(y) for x, y in zip(body, want))
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_params(forward) -> tuple:
+    """(name, default) of a residual block's forward parameters after ``hidden_states``."""
+    params = list(inspect.signature(inspect.unwrap(forward)).parameters.values())[2:]
+    return tuple((p.name, p.default) for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _fused_residual_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``_RESIDUAL_BLOCK`` with its middle add and the norm after it as one kernel
+    (``FusedRMSNorm.add_forward``): what the class's own forward computes, the add bit for
+    bit; the arguments reach the attention module as the class's forward passes them."""
+    params = _attention_params(type(self).forward)
+    for (name, _), value in zip(params, args):
+        kwargs[name] = value
+    passed = {name: kwargs.pop(name, default) for name, default in params}
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed, **kwargs)
+    residual, hidden_states = self.post_attention_layernorm.add_forward(hidden_states, residual)
+    return residual + self.mlp(hidden_states)
 
 
 def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
     """Replace every RMSNorm of ``RMS_NORM_CLASSES`` in ``model`` (in place) by
     ``FusedRMSNorm``: one launch per norm in a decode step instead of eight (a Llama-3-8B
-    step has 65 norms).  Returns how many were replaced.  Independent of the cache; for a
-    BitNet model ``bd.bitnet.convert`` fuses its norms with the activation quantizer."""
+    step has 65 norms), and in decoder layers that are the pre-norm residual block
+    (Llama's, Mistral's, Qwen2/3's forward, checked statement by statement) the residual
+    add after attention joins the norm after it (``bd.bitnet.add_rms_norm``: one launch
+    fewer a layer).  Returns how many norms were replaced.  Independent of the cache; for
+    a BitNet model ``bd.bitnet.convert`` fuses its norms with the activation quantizer."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     count = 0
@@ -282,6 +347,10 @@ def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
             if bitnet.is_rms_norm(child):
                 setattr(parent, name, FusedRMSNorm(child, backend))
                 count += 1
+    for layer in model.modules():
+        if (isinstance(getattr(layer, "post_attention_layernorm", None), FusedRMSNorm)
+                and "forward" not in vars(layer) and _is_residual_block(type(layer).forward)):
+            layer.forward = _fused_residual_forward.__get__(layer)
     return count
 
 
@@ -289,6 +358,9 @@ def unfuse_norms(model: torch.nn.Module) -> int:
     """Put back the RMSNorms ``fuse_norms`` replaced (they share the weight Parameter: no
     copy); returns how many."""
     count = 0
+    for layer in model.modules():
+        if getattr(vars(layer).get("forward"), "__func__", None) is _fused_residual_forward:
+            del layer.forward
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, FusedRMSNorm):

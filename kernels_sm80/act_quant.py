@@ -17,6 +17,9 @@ the model may read it) and its ``max |y|``, then the quantizer over the stored r
 launch instead of the norm's eight torch kernels plus the quantizer.  ``gated``: the
 norm's input is BitNet's MLP activation ``relu(gate)^2 * up``, made from the fused
 gate / up projection's output as the norm reads it (three more torch kernels saved).
+``residual``: the norm's input is a decoder layer's residual sum ``x + r`` (torch's add:
+fp32, rounded once), which the kernel also stores (``call_add_norm``: the add's own launch
+saved, ``bitdecode.hf.fuse_norms``).
 """
 
 from __future__ import annotations
@@ -154,10 +157,12 @@ class RmsNormQuantSm80(ActQuantSm80):
     and ``s`` are exactly the quantizer's of this ``y``."""
 
     def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False, quantize: bool = True,
-                 pdl: bool = False):
+                 pdl: bool = False, residual: bool = False):
         super().__init__(is_bf16, eps)
+        assert not (gated and residual), "one input transform: the gated product or the residual sum"
         self.norm_eps = norm_eps
         self.gated = gated
+        self.residual = residual  # the input is x + r, stored to h (``call_add_norm``)
         self.quantize = quantize  # False: the norm alone (``call_norm``: no ``q``, ``s``)
         # programmatic dependent launch (sm_90+): the next kernel (a projection's GEMV) is let
         # in at once, so it starts fetching its weights while this one-CTA-per-token kernel runs
@@ -173,11 +178,18 @@ class RmsNormQuantSm80(ActQuantSm80):
         """The norm alone (``quantize=False``): ``y`` only."""
         self.launch(mX, mW, mY, None, None, stream)
 
-    def launch(self, mX, mW, mY, mQ, mS, stream):
-        """(plain Python, traced inside either entry point: a jit entry calling the other
-        would take its exported signature)"""
-        self.kernel(mX, mW, mY, mQ, mS).launch(grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream,
-                                               use_pdl=self.pdl)
+    @cute.jit
+    def call_add_norm(self, mX: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mH: cute.Tensor, mY: cute.Tensor,
+                      stream):
+        """The residual sum and its norm (``residual=True``, ``quantize=False``): ``h = x +
+        r`` and ``y = norm(h)``."""
+        self.launch(mX, mW, mY, None, None, stream, mR, mH)
+
+    def launch(self, mX, mW, mY, mQ, mS, stream, mR=None, mH=None):
+        """(plain Python, traced inside each entry point: a jit entry calling another would
+        take its exported signature)"""
+        self.kernel(mX, mW, mY, mQ, mS, mR, mH).launch(grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1],
+                                                       stream=stream, use_pdl=self.pdl)
 
     @cute.jit
     def rounded(self, a: Float32, b: Float32):
@@ -187,10 +199,24 @@ class RmsNormQuantSm80(ActQuantSm80):
         return word, lo, hi
 
     @cute.jit
-    def inputs(self, x_row: Int64, v, k):
-        """The eight norm inputs of vector ``v`` of a row, as fp32 (four pairs)."""
+    def inputs(self, x_row: Int64, v, k, r_row=None, h_row=None):
+        """The eight norm inputs of vector ``v`` of a row, as fp32 (four pairs).  With
+        ``residual``: ``x + r`` (``r_row``), rounded as torch's add, also stored to ``h_row``
+        where given."""
         pairs = []
-        if const_expr(self.gated):
+        if const_expr(self.residual):
+            xs = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES, self.pdl)
+            rs = _load16(r_row + Int64(v) * fmt.CHUNK_BYTES, self.pdl)
+            words = []
+            for i in cutlass.range_constexpr(4):
+                x0, x1 = self.halves(xs[i])
+                r0, r1 = self.halves(rs[i])
+                word, h0, h1 = self.rounded(x0 + r0, x1 + r1)
+                words.append(word)
+                pairs.append((h0, h1))
+            if const_expr(h_row is not None):
+                _store_words(h_row + Int64(v) * fmt.CHUNK_BYTES, *words)
+        elif const_expr(self.gated):
             gate = _load16(x_row + Int64(v) * fmt.CHUNK_BYTES, self.pdl)
             up = _load16(x_row + Int64(k) * HALF_BYTES + Int64(v) * fmt.CHUNK_BYTES, self.pdl)
             for i in cutlass.range_constexpr(4):
@@ -206,7 +232,8 @@ class RmsNormQuantSm80(ActQuantSm80):
         return pairs
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
+               mR: cute.Tensor, mH: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         k = mY.shape[1]
@@ -214,6 +241,10 @@ class RmsNormQuantSm80(ActQuantSm80):
         row_bytes = Int64(row) * Int64(k) * HALF_BYTES
         x_row = mX.iterator.toint() + Int64(row) * Int64(mX.shape[1]) * HALF_BYTES
         y_row = mY.iterator.toint() + row_bytes
+        r_row, h_row = None, None
+        if const_expr(self.residual):
+            r_row = mR.iterator.toint() + row_bytes
+            h_row = mH.iterator.toint() + row_bytes
         w_row = mW.iterator.toint()
         smem = cutlass.memory.SmemAllocator()
         s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
@@ -222,7 +253,7 @@ class RmsNormQuantSm80(ActQuantSm80):
         # pass 1: sum of squares (each square exact in fp32)
         ss = Float32(0.0)
         for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            for lo, hi in self.inputs(x_row, v, k):
+            for lo, hi in self.inputs(x_row, v, k, r_row, h_row):
                 ss = ss + lo * lo + hi * hi
         total = block_reduce(ss, s_red, tidx, WARPS, False)
         # torch's mean is ``sum * (1 / K)``; then ``+ eps`` and rsqrt, each rounded once (the
@@ -234,7 +265,7 @@ class RmsNormQuantSm80(ActQuantSm80):
         # stored, and its max |y|
         amax = Float32(0.0)
         for v in cutlass.range(tidx, vecs, THREADS, unroll=2):
-            xs = self.inputs(x_row, v, k)  # (the gated product again: cheaper than a round trip)
+            xs = self.inputs(x_row, v, k, r_row)  # (the gated product / sum again: cheaper than a round trip)
             ww = _load16(w_row + Int64(v) * fmt.CHUNK_BYTES)
             out = []
             for i in cutlass.range_constexpr(4):
@@ -266,9 +297,10 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
 
 
 def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False,
-                       quantize: bool = True, pdl: bool = False):
+                       quantize: bool = True, pdl: bool = False, residual: bool = False):
     """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0.  Without
-    ``quantize``: its ``call_norm`` entry point, ``(x, w, y)`` only."""
+    ``quantize``: its ``call_norm`` entry point, ``(x, w, y)`` only; with ``residual`` (and
+    without ``quantize``) its ``call_add_norm``, ``(x, r, w, h, y)``."""
     m = cute.sym_int()
     k = cute.sym_int(divisibility=VEC)
     fake = cute.runtime.make_fake_compact_tensor
@@ -277,7 +309,11 @@ def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str,
     w = fake(dtype, (k,), assumed_align=16)
     y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize, pdl)
+    kernel = RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize, pdl, residual)
+    if residual:
+        assert not quantize, "the residual sum's norm is the norm alone"
+        r, h = (fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16) for _ in range(2))
+        return cute.compile(kernel.call_add_norm, x, r, w, h, y, stream, options=options)
     if not quantize:
         return cute.compile(kernel.call_norm, x, w, y, stream, options=options)
     q = fake(cutlass.Int8, (m, k), stride_order=(1, 0), assumed_align=16)

@@ -308,6 +308,17 @@ class MultiTokenPlan:
         return out, res[1].view(b, self.hkv, t, g).transpose(1, 2).reshape(b, t, hq)
 
 
+def token_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[B, T, Hkv, D]`` as the pack kernel takes it (``pack_args``: heads D apart,
+    each row contiguous, any 16-byte multiple between tokens and between sequences): itself
+    where it is laid out so, e.g. a slice of a merged q / k / v projection's output, which
+    ``contiguous()`` would copy at B > 1; else a contiguous copy."""
+    div = 16 // t.element_size()
+    if t.stride(3) == 1 and t.stride(2) == t.shape[3] and t.stride(1) % div == 0 and t.stride(0) % div == 0:
+        return t
+    return t.contiguous()
+
+
 def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
     arch = jit.target_arch(cache.device.index)
     kern = _pack_kernel(arch, cache.fmt, _cute_dtype(cache.dtype), cache.head_dim, mode)
@@ -423,7 +434,7 @@ class Sm80Backend:
         tail to the residual buffer; ``lens`` (int32, on the cache's device) become the
         lengths."""
         if k.shape[1]:
-            _pack_call(cache, "prefill", k.contiguous(), v.contiguous(), lens)
+            _pack_call(cache, "prefill", token_rows(k), token_rows(v), lens)
         cache.cache_seqlens.copy_(lens)
 
     def append(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -443,7 +454,7 @@ class Sm80Backend:
                                      cache.commits, cache.capacity), kern)
 
         def append(k: torch.Tensor, v: torch.Tensor) -> None:
-            kern(k.contiguous(), v.contiguous(), *before, *after)
+            kern(token_rows(k), token_rows(v), *before, *after)
 
         return append
 

@@ -146,8 +146,8 @@ def configurations(args, device) -> List[dict]:
     for bits in (4, 2):
         out.append(dict(name=f"bd{bits}", label=f"bitdecode {bits}-bit (K per channel, G=128)", modes=graph,
                         attn="bitdecode", bits=bits))
-    out.append(dict(name="bd4-norms", label="bitdecode 4-bit + the model's RMSNorms as one kernel each "
-                    "(bitdecode.hf.fuse_norms)", modes=graph, attn="bitdecode", bits=4, fuse_norms=True))
+    out.append(dict(name="bd4-norms", label="bitdecode 4-bit + the model's RMSNorms as one kernel each, "
+                    "the residual add after attention in the next (bitdecode.hf.fuse_norms)", modes=graph, attn="bitdecode", bits=4, fuse_norms=True))
     out.append(dict(name="bd4-fused", label="bitdecode 4-bit + RMSNorms and the rotary embedding as one kernel "
                     "each (bitdecode.hf.fuse_norms, fuse_rope)", modes=graph, attn="bitdecode", bits=4,
                     fuse_norms=True, fuse_rope=True))

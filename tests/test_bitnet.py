@@ -751,6 +751,12 @@ def test_norm_quant_compiles(arch):
                                             False, False))
     assert "rsqrt.approx.f32" in ptx and "st.global.v4.b32" in ptx
     assert "cvt.rni.s32.f32" not in ptx and "st.global.v2.b32" not in ptx and ".local" not in ptx
+    y_stores = ptx.count("st.global.v4.b32")
+    # the residual sum's norm (bd.bitnet.add_rms_norm): the fp32 add, the sum stored beside y
+    ptx = _ptx(act_quant.compile_norm_quant(True, bn.ACT_EPS, 1e-5, jit.compile_options(arch, keep_ptx=True),
+                                            quantize=False, residual=True))
+    assert "add.f32" in ptx and "rsqrt.approx.f32" in ptx and ".local" not in ptx
+    assert ptx.count("st.global.v4.b32") == 2 * y_stores  # h in pass 1, y in pass 2
 
 
 def test_act_quant_kernel_maths():
@@ -782,6 +788,22 @@ def test_rms_norm_reference_and_errors():
         bn.rms_norm(x, w[:8], 1e-5)
     with pytest.raises(ValueError, match="backend"):
         bn.rms_norm(x, w, 1e-5, backend="fast")
+
+
+def test_add_rms_norm_reference_and_errors():
+    """The residual sum and its norm: torch's add and ``rms_norm`` of it on the CPU; a
+    residual of another shape or dtype is refused by name."""
+    gen = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(2, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(64, generator=gen) + 0.5).to(torch.bfloat16)
+    h, y = bn.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(h, r + x) and torch.equal(y, bn.rms_norm(r + x, w, 1e-5))
+    with pytest.raises(ValueError, match="residual"):
+        bn.add_rms_norm(x, r[:1], w, 1e-5)
+    with pytest.raises(TypeError, match="residual must have dtype"):
+        bn.add_rms_norm(x, r.half(), w, 1e-5)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        bn.add_rms_norm(x, r, w, 1e-5, backend="kernel")
 
 
 def test_norm_kernel_glue_shapes(monkeypatch):
@@ -1027,6 +1049,37 @@ def test_gpu_act_quant_bit_exact(dtype):
     assert q.shape == (2, 5, 2560) and s.shape == (2, 5) and torch.equal(q, q_ref) and torch.equal(s, s_ref)
     q, s = bn.quantize_activation(torch.empty(0, 256, device="cuda", dtype=dtype), backend="auto")
     assert q.shape == (0, 256) and s.shape == (0,)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_add_rms_norm(dtype):
+    """The residual sum and its norm in one kernel: the sum bit for bit torch's add, y the
+    norm kernel's y of that sum (within two 16-bit ulps of torch's norm); 3-D input, a
+    residual that cancels x (a zero row), no rows; in a CUDA graph replayed on new input."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for shape in ((1, 4096), (8, 4096), (3, 5, 2560), (300, 8), (2, 1032)):
+        x, r = ((torch.randn(*shape, generator=gen, device="cuda") * 3).to(dtype) for _ in range(2))
+        r.view(-1, shape[-1])[0] = -x.view(-1, shape[-1])[0]
+        w = (torch.rand(shape[-1], generator=gen, device="cuda") + 0.5).to(dtype)
+        h, y = bn.add_rms_norm(x, r, w, 1e-5, backend="kernel")
+        assert h.shape == y.shape == x.shape and torch.equal(h, r + x), shape
+        assert torch.equal(y, bn.rms_norm(r + x, w, 1e-5, backend="kernel")), shape
+        want = bn.rms_norm(r + x, w, 1e-5, backend="reference")
+        ulps = (y.float() - want.float()).abs() / (torch.finfo(dtype).eps * want.float().abs()).clamp(min=1e-30)
+        assert ulps.max().item() <= 2 and not y.view(-1, shape[-1])[0].any(), shape
+    h, y = bn.add_rms_norm(*(torch.empty(0, 64, device="cuda", dtype=dtype) for _ in range(2)), w[:64], 1e-5)
+    assert h.shape == y.shape == (0, 64)
+    x, r = (torch.randn(2, 4096, device="cuda", dtype=dtype) for _ in range(2))
+    w = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
+    bn.add_rms_norm(x, r, w, 1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h, y = bn.add_rms_norm(x, r, w, 1e-5)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(h, r + x) and torch.equal(y, bn.rms_norm(r + x, w, 1e-5))
 
 
 @pytest.mark.gpu

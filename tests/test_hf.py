@@ -159,6 +159,8 @@ def test_fuse_norms_on_the_cpu_changes_no_bit(models):
     assert isinstance(fused.model.norm, hf.FusedRMSNorm) and fused.model.norm.weight.shape == (256,)
     assert "model.layers.0.input_layernorm.weight" in fused.state_dict()
     assert hf.fuse_norms(fused) == 0  # nothing left to replace
+    # the residual add after attention joins the post-attention norm: every layer's forward
+    assert all(vars(layer)["forward"].__func__ is hf._fused_residual_forward for layer in fused.model.layers)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     assert torch.equal(fused(ids).logits, base(ids).logits)
     keys = list(fused.state_dict())
@@ -166,9 +168,62 @@ def test_fuse_norms_on_the_cpu_changes_no_bit(models):
     assert hf.unfuse_norms(fused) == 2 * base.config.num_hidden_layers + 1
     assert type(fused.model.norm) is type(base.model.norm) and not any(
         isinstance(m, hf.FusedRMSNorm) for m in fused.modules())
+    assert not any("forward" in vars(layer) for layer in fused.model.layers)
     assert list(fused.state_dict()) == keys and torch.equal(fused(ids).logits, base(ids).logits)
     with pytest.raises(TypeError, match="model"):
         hf.fuse_norms("llama")
+
+
+def test_residual_add_joins_the_norm_only_in_the_pre_norm_block():
+    """The decoder layers of Llama, Mistral, Qwen2 and Qwen3 are the pre-norm residual
+    block statement by statement (so their middle add may join the norm after it); a layer
+    whose forward does anything else keeps its own forward, and the fused forward passes a
+    positional argument on under its name."""
+    import importlib
+
+    from transformers.models.llama import modeling_llama
+
+    for family in ("llama", "mistral", "qwen2", "qwen3"):
+        mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        cls = next(v for k, v in vars(mod).items() if k.endswith("DecoderLayer") and isinstance(v, type))
+        assert hf._is_residual_block(cls.forward), family
+
+    class Scaled(modeling_llama.LlamaDecoderLayer):
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+            hidden_states = residual + 0.5 * hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+    assert not hf._is_residual_block(Scaled.forward)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=VOCAB)
+    layer = Scaled(config, 0)
+    model = torch.nn.Sequential(layer)
+    hf.fuse_norms(model)
+    assert "forward" not in vars(layer) and isinstance(layer.post_attention_layernorm, hf.FusedRMSNorm)
+
+    seen = {}
+
+    class Attention(torch.nn.Module):
+        def forward(self, **kwargs):
+            seen.update(kwargs)
+            return kwargs["hidden_states"], None
+
+    plain = modeling_llama.LlamaDecoderLayer(config, 0)
+    plain.self_attn = Attention()
+    torch.nn.init.normal_(plain.post_attention_layernorm.weight)
+    x = torch.randn(2, 3, 64)
+    want = plain(x, "mask", position_embeddings="rope", extra=1)
+    hf.fuse_norms(plain)
+    got = plain(x, "mask", position_embeddings="rope", extra=1)
+    assert torch.equal(got, want)
+    assert seen["attention_mask"] == "mask" and seen["position_embeddings"] == "rope" and seen["extra"] == 1
 
 
 def _generates_like(fused, packed, n: int = 300):

@@ -211,6 +211,48 @@ def test_append_token_by_token_equals_prefill(cfg):
     _assert_same_cache(full, ref)
 
 
+def _merged_slices(k, v, extra=64):
+    """``k``, ``v`` ``[B, T, Hkv, D]`` as slices of one merged projection output ``[B, T,
+    (2 Hkv + extra / D) D]`` (tokens and sequences further apart than ``Hkv D``), as
+    ``bitdecode.hf.fuse_projections`` hands them to the cache."""
+    b, t, h, d = k.shape
+    buf = torch.full((b, t, 2 * h * d + extra), float("nan"), dtype=k.dtype, device=k.device)
+    buf[..., :h * d] = k.reshape(b, t, h * d)
+    buf[..., h * d:2 * h * d] = v.reshape(b, t, h * d)
+    return buf[..., :h * d].view(b, t, h, d), buf[..., h * d:2 * h * d].view(b, t, h, d)
+
+
+@pytest.mark.parametrize("fmt", [bd.KVFormat(bits=4), bd.KVFormat(bits=2, k_mode="token", group_size=64, sink_tokens=5)],
+                         ids=["4c128", "2t64-s5"])
+def test_strided_k_v_are_written_without_a_copy_and_equal_contiguous(fmt, backend, monkeypatch):
+    """K and V that are slices of a merged projection's output (sequences and tokens
+    further apart than Hkv x D, the nan-filled columns between them never read) are packed
+    and appended in place, and give the same cache bytes as contiguous copies: prefill,
+    single-token and three-token appends, across a block boundary."""
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+
+    d, hkv, nr = 128, 2, fmt.residual_block
+    gen = torch.Generator().manual_seed(21)
+    n = nr + 9
+    k, v = kv(gen, 3, n + nr + 4, hkv, d, dtype=torch.bfloat16, device=DEV)
+    copies = []
+    real = sm80_backend.token_rows
+    monkeypatch.setattr(sm80_backend, "token_rows", lambda t: copies.append(real(t) is not t) or real(t))
+    caches = []
+    for strided in (False, True):
+        c = bd.KVCache.allocate(3, hkv, d, 3 * nr, fmt, dtype=torch.bfloat16, device=DEV, backend=backend)
+        split = lambda a, b: _merged_slices(a, b) if strided else (a.contiguous(), b.contiguous())  # noqa: E731
+        c.prefill(*split(k[:, :n], v[:, :n]))
+        for t0, t1 in [(n, n + 1), (n + 1, n + 4)] + [(i, i + 1) for i in range(n + 4, n + nr + 4)]:
+            c.append(*split(k[:, t0:t1], v[:, t0:t1]))
+        caches.append(c)
+    assert copies and not any(copies), "a strided K / V was copied before the pack kernel"
+    _assert_same_cache(*caches)
+    ref = bd.KVCache.allocate(3, hkv, d, 3 * nr, fmt, dtype=torch.bfloat16, device=DEV, backend="reference")
+    ref.prefill(k, v)
+    _assert_same_cache(caches[1], ref)
+
+
 # (format, dtype, head dim, q heads per kv head) of the formats beyond one width without
 # sinks: sink tokens (fewer than a block and not a multiple of 16, a 16-token multiple,
 # more than a block) and K 4-bit / V 2-bit (256-token tiles; with sinks; head dim 256)
