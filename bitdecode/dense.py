@@ -76,8 +76,11 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           backend: str = "auto") -> torch.Tensor:
-    """``torch.nn.functional.linear(x, weight, bias)`` (x [..., K], weight [N, K], bias [N]).
+           backend: str = "auto", residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)`` (x [..., K], weight [N, K], bias [N]);
+    with ``residual`` ([..., N], x's dtype and device) ``residual + linear(x, weight, bias)``
+    as torch computes it (the product rounded, then the add), in the GEMV's own epilogue
+    where the kernel runs and there is no bias.
 
     ``backend``: "auto" runs the GEMV kernel when it takes the tensors (``gemv_fits``: at
     most ``GEMV_MAX_TOKENS`` rows, K % 256 == 0, one fp16 / bf16 dtype on an sm_80+ GPU,
@@ -90,19 +93,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     32.5; at 3 tokens it loses on three of the four (0.82-0.87x)."""
     dispatch.check_kernel_choice(backend)
     _check_linear(x, weight, bias)
+    if residual is not None:
+        _validate.tensor("residual", residual, dtypes=[x.dtype], shape=(*x.shape[:-1], weight.shape[0]),
+                         device=x.device)
     why, rows = _gemv_rows(x, weight, bias)
     if not dispatch.kernel_runs(backend, why, "GEMV"):
-        return torch.nn.functional.linear(x, weight, bias)
-    y = _gemv(rows, weight, bias)
-    return y.view(*x.shape[:-1], y.shape[1])
+        y = torch.nn.functional.linear(x, weight, bias)
+        return y if residual is None else residual + y
+    res_rows = None
+    if residual is not None and bias is None:
+        res_rows = residual.reshape(rows.shape[0], weight.shape[0])
+        if not res_rows.is_contiguous():
+            res_rows = None
+    y = _gemv(rows, weight, bias, res_rows)
+    y = y.view(*x.shape[:-1], y.shape[1])
+    return y if residual is None or res_rows is not None else residual + y
 
 
-# (device index, dtype, N, K, tokens, bias) -> (compiled GEMV, rows per warp): a decode step
-# calls the same few projections every layer, so the per-call host work is this lookup
+# (device index, dtype, N, K, tokens, bias, residual) -> (compiled GEMV, rows per warp): a
+# decode step calls the same few projections every layer, so the per-call host work is this lookup
 _GEMV_PLANS: dict = {}
 
 
-def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens: int, has_bias: bool):
+def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens: int, has_bias: bool,
+               has_residual: bool = False):
     from . import jit
     from .backend import num_sms
     from .kernels_sm80.dense import compile_gemv, rows_per_warp
@@ -111,22 +125,29 @@ def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens:
     bf16 = dtype == torch.bfloat16
 
     def build():
-        return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch))
+        return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch),
+                            has_residual=has_residual)
 
-    return jit.KERNELS.get(("gemv", arch, bf16, k, tokens, has_bias), build), rows_per_warp(n, k, num_sms(device))
+    key = ("gemv", arch, bf16, k, tokens, has_bias) + (("residual",) if has_residual else ())
+    return jit.KERNELS.get(key, build), rows_per_warp(n, k, num_sms(device))
 
 
-def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The kernel on ``x2`` [tokens, K] (``_gemv_rows``'): y [tokens, N]."""
+def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+          residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kernel on ``x2`` [tokens, K] (``_gemv_rows``'): y [tokens, N] (plus ``residual``
+    [tokens, N], contiguous, with no bias)."""
     n, k = weight.shape
     tokens = x2.shape[0]
-    key = (x2.device.index, x2.dtype, n, k, tokens, bias is not None)
+    key = (x2.device.index, x2.dtype, n, k, tokens, bias is not None, residual is not None)
     plan = _GEMV_PLANS.get(key)
     if plan is None:
-        plan = _GEMV_PLANS[key] = _gemv_plan(x2.device, x2.dtype, n, k, tokens, bias is not None)
+        plan = _GEMV_PLANS[key] = _gemv_plan(x2.device, x2.dtype, n, k, tokens, bias is not None,
+                                             residual is not None)
     fn, rows_per_warp = plan
     y = torch.empty(tokens, n, dtype=x2.dtype, device=x2.device)
-    if bias is None:
+    if residual is not None:
+        fn(x2, weight, residual, y, rows_per_warp)
+    elif bias is None:
         fn(x2, weight, y, rows_per_warp)
     else:
         fn(x2, weight, bias, y, rows_per_warp)

@@ -319,8 +319,9 @@ def _attention_params(forward) -> tuple:
 
 def _fused_residual_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``_RESIDUAL_BLOCK`` with its middle add and the norm after it as one kernel
-    (``FusedRMSNorm.add_forward``): what the class's own forward computes, the add bit for
-    bit; the arguments reach the attention module as the class's forward passes them."""
+    (``FusedRMSNorm.add_forward``), and after ``fuse_projections`` its last add in the down
+    projection's GEMV: what the class's own forward computes, the adds bit for bit; the
+    arguments reach the attention module as the class's forward passes them."""
     params = _attention_params(type(self).forward)
     for (name, _), value in zip(params, args):
         kwargs[name] = value
@@ -328,6 +329,8 @@ def _fused_residual_forward(self, hidden_states: torch.Tensor, *args, **kwargs) 
     residual = hidden_states
     hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed, **kwargs)
     residual, hidden_states = self.post_attention_layernorm.add_forward(hidden_states, residual)
+    if getattr(vars(self.mlp).get("forward"), "__func__", None) is _swiglu_mlp_forward:
+        return self.mlp.forward(hidden_states, residual=residual)  # the last add in down_proj's GEMV
     return residual + self.mlp(hidden_states)
 
 
@@ -533,8 +536,9 @@ class Projection(torch.nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense.linear(x, self.weight, self.bias, backend=self.backend)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``linear(x)``, or ``residual + linear(x)`` (the GEMV's epilogue adds it)."""
+        return dense.linear(x, self.weight, self.bias, backend=self.backend, residual=residual)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bitdecode.dense.linear"
@@ -555,11 +559,18 @@ def _llama_mlp_body() -> str:
     return _body(modeling_llama.LlamaMLP.forward)
 
 
-def _swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _swiglu_mlp_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Llama's MLP forward, ``down(silu(gate(x)) * up(x))``, on the merged gate / up GEMM's
-    output with ``silu(gate) * up`` as one kernel (``bd.dense.silu_mul``)."""
+    output with ``silu(gate) * up`` as one kernel (``bd.dense.silu_mul``); with ``residual``
+    (a fused decoder layer's: ``_fused_residual_forward``) ``residual + down(...)``, the add
+    in the down projection's GEMV."""
     group = self.gate_proj.group
-    return self.down_proj(dense.silu_mul(group.merged(x), backend=group.backend))
+    act = dense.silu_mul(group.merged(x), backend=group.backend)
+    if residual is None:
+        return self.down_proj(act)
+    if isinstance(self.down_proj, Projection):
+        return self.down_proj(act, residual=residual)
+    return residual + self.down_proj(act)
 
 
 def _is_swiglu_mlp(module: torch.nn.Module) -> bool:

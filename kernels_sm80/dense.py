@@ -28,6 +28,10 @@ see ``bitnet_ptx.load_v4``).  So HBM streams weights during the small kernels be
 GEMVs.  The next kernel is let in (``griddepcontrol.launch_dependents``) only at the end:
 earlier, its CTAs would take SM slots that this kernel's later CTAs still need.
 
+``call_residual``: ``y = dtype(dtype(x W^T) + r)``, the product rounded, then a residual
+``r`` added as torch's add would (a decoder layer's last add, ``bitdecode.hf``'s fused
+layers): one kernel fewer a layer.
+
 SwiGLU.  ``y = silu(gate) * up`` over the merged gate / up GEMM's output ``[M, 2I]`` in one
 kernel instead of torch's two, bit for bit torch's ``F.silu(gate) * up``: silu in fp32 as
 ``x / (1 + exp(-x))`` (IEEE division, libdevice-accurate ``exp``) rounded to the 16-bit
@@ -110,16 +114,24 @@ class GemvSm80:
         """The GEMV plus a bias ``b`` [N], added in fp32 before the one rounding."""
         self.launch(mX, mW, mB, mY, rows_per_warp, stream)
 
-    def launch(self, mX, mW, mB, mY, rows_per_warp, stream):
-        """(plain Python, traced inside either entry point: a jit entry calling the other
-        would take its exported signature)"""
+    @cute.jit
+    def call_residual(self, mX: cute.Tensor, mW: cute.Tensor, mR: cute.Tensor, mY: cute.Tensor,
+                      rows_per_warp: Int32, stream):
+        """The GEMV, rounded, plus a residual ``r`` [tokens, N] (fp32 add, rounded once):
+        torch's ``r + linear(x, w)`` bit for bit."""
+        self.launch(mX, mW, None, mY, rows_per_warp, stream, mR)
+
+    def launch(self, mX, mW, mB, mY, rows_per_warp, stream, mR=None):
+        """(plain Python, traced inside each entry point: a jit entry calling another would
+        take its exported signature)"""
         per_cta = self.warps * rows_per_warp
-        self.kernel(mX, mW, mB, mY, rows_per_warp).launch(
+        self.kernel(mX, mW, mB, mR, mY, rows_per_warp).launch(
             grid=[(mW.shape[0] + per_cta - 1) // per_cta, 1, 1], block=[WARP * self.warps, 1, 1], stream=stream,
             use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor, rows_per_warp: Int32):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mR: cute.Tensor, mY: cute.Tensor,
+               rows_per_warp: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp, lane = tidx // WARP, tidx % WARP
@@ -145,7 +157,10 @@ class GemvSm80:
                 s = across_lanes(acc[i], WARP, operator.add)
                 if lane == 0:
                     if row < n:
-                        mY[i, row] = mY.element_type(s + bias)
+                        y = mY.element_type(s + bias)
+                        if cutlass.const_expr(mR is not None):  # (read after the wait: a coherent load)
+                            y = mY.element_type(y.to(Float32) + mR[i, row].to(Float32))
+                        mY[i, row] = y
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -223,9 +238,11 @@ class SiluMulSm80:
             _store_words(y_row + Int64(v) * VEC_BYTES, *out)
 
 
-def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: str, pdl: bool = False):
+def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: str, pdl: bool = False,
+                 has_residual: bool = False):
     """Compile ``GemvSm80`` for every N (K and the token count compiled in; ``pdl`` for
-    sm_90+, which also picks the load batch: ``batch_for``)."""
+    sm_90+, which also picks the load batch: ``batch_for``); ``has_bias`` its
+    ``call_bias``, ``has_residual`` its ``call_residual`` (one or the other)."""
     dtype = cute_float16(is_bf16)
     n = cute.sym_int()
     x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
@@ -234,9 +251,13 @@ def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: st
     y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = GemvSm80(is_bf16, k, tokens, batch_for(k, tokens, pdl), pdl)
+    assert not (has_bias and has_residual), "a bias or a residual"
     if has_bias:
         b = cute.runtime.make_fake_compact_tensor(dtype, (n,), assumed_align=2)
         return cute.compile(kernel.call_bias, x, w, b, y, Int32(1), stream, options=options)
+    if has_residual:
+        r = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
+        return cute.compile(kernel.call_residual, x, w, r, y, Int32(1), stream, options=options)
     return cute.compile(kernel, x, w, y, Int32(1), stream, options=options)
 
 

@@ -464,6 +464,11 @@ def test_dense_ptx(arch, tmp_path):
         assert _spills(ptx, arch, tmp_path) == 0, f"ptxas spills registers in the GEMV (K = 4096, {tokens} tokens)"
     ptx = compile_gemv(False, 4096, MAX_TOKENS, True, opts, pdl=pdl).artifacts.PTX
     assert _spills(ptx, arch, tmp_path) == 0, "ptxas spills registers in the GEMV (K = 4096)"
+    # the residual epilogue (a decoder layer's last add): the residual read coherently, after the wait
+    ptx = compile_gemv(True, 14336, MAX_TOKENS, False, opts, pdl=pdl, has_residual=True).artifacts.PTX
+    assert _spills(ptx, arch, tmp_path) == 0 and "ld.global.b16" in ptx and "add.f32" in ptx
+    if pdl:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global.b16")
     ptx = compile_gemv(False, 14336, MAX_TOKENS, True, opts, pdl=pdl).artifacts.PTX
     want = ["ld.global.nc.L1::no_allocate.v4.u32", "fma.rn.f32", "shfl.sync.bfly"]
     if pdl:  # x, written by the previous kernel, read coherently after the wait

@@ -37,6 +37,19 @@ def test_reference_paths_are_torch():
     assert torch.equal(dense.silu_mul(gu), torch.nn.functional.silu(gu[..., :32]) * gu[..., 32:])
 
 
+def test_residual_is_torchs_add_after_the_product():
+    """``linear(x, w, residual=r)`` is ``r + linear(x, w)`` (the product rounded, then the
+    add) on torch's path; a residual of another shape, dtype or device is refused by name."""
+    x, w, b = _operands(3, 40, 512, torch.bfloat16, "cpu", bias=True)
+    r = torch.randn(3, 40).to(torch.bfloat16)
+    assert torch.equal(dense.linear(x, w, residual=r), r + torch.nn.functional.linear(x, w))
+    assert torch.equal(dense.linear(x, w, b, residual=r), r + torch.nn.functional.linear(x, w, b))
+    with pytest.raises(ValueError, match=r"residual must have shape \(3, 40\)"):
+        dense.linear(x, w, residual=r[:, :8])
+    with pytest.raises(TypeError, match="residual must have dtype"):
+        dense.linear(x, w, residual=r.float())
+
+
 def test_bad_arguments_are_named():
     x, w, b = _operands(2, 16, 256, torch.float16, "cpu", bias=True)
     with pytest.raises(ValueError, match="x's last dim must be weight's K = 256"):
@@ -89,6 +102,23 @@ def test_gpu_gemv_is_one_rounding_of_the_exact_product(dtype, tokens, n, k, bias
     y = dense.linear(x[:, None], w, b, backend="kernel")  # (tokens, 1, K): a decode step's shape
     assert y.shape == (tokens, 1, n) and y.dtype == dtype
     _assert_one_rounding(y[:, 0], x, w, b)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, n, k", [(1, 4096, 14336), (3, 101, 256), (2, 20000, 256)])
+def test_gpu_gemv_residual_is_torchs_add(dtype, tokens, n, k):
+    """The GEMV's residual epilogue: bit for bit the kernel's own product plus the residual
+    as torch adds them (a decoder layer's last add), in a (tokens, 1, N) decode shape; a
+    residual with strided rows takes the product then torch's add."""
+    x, w, _ = _operands(tokens, n, k, dtype, "cuda", False, None)
+    r = torch.randn(tokens, 1, n, device="cuda").mul(8).to(dtype)
+    y = dense.linear(x[:, None], w, backend="kernel")
+    got = dense.linear(x[:, None], w, backend="kernel", residual=r)
+    assert got.shape == (tokens, 1, n) and torch.equal(got, r + y)
+    wide = torch.randn(tokens, 1, n + 8, device="cuda").to(dtype)[..., :n]
+    assert torch.equal(dense.linear(x[:, None], w, backend="kernel", residual=wide), wide + y)
 
 
 @pytest.mark.gpu

@@ -410,6 +410,10 @@ def test_fuse_projections_merges_and_unmerges(models, family):
     mlp = model.model.layers[0].mlp
     assert isinstance(attn.o_proj, hf.Projection) and isinstance(mlp.down_proj, hf.Projection)
     assert "forward" in vars(mlp), "a Llama-style MLP runs silu(gate) * up over the merged output"
+    # with the norms fused too, the layer's last add goes to down_proj (torch's add on the CPU)
+    fused = copy.deepcopy(model)
+    hf.fuse_norms(fused)
+    assert torch.equal(fused(ids).logits, model(ids).logits)
     assert hf.unfuse_projections(model) == 7 * layers
     assert "forward" not in vars(mlp) and type(mlp.down_proj) is torch.nn.Linear
     assert type(attn.k_proj) is torch.nn.Linear
