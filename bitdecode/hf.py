@@ -322,7 +322,7 @@ def _fused_residual_forward(self, hidden_states: torch.Tensor, *args, **kwargs) 
     (``FusedRMSNorm.add_forward``), and after ``fuse_projections`` its last add in the down
     projection's GEMV: what the class's own forward computes, the adds bit for bit; the
     arguments reach the attention module as the class's forward passes them."""
-    params = _attention_params(type(self).forward)
+    params = self._bitdecode_attention_params  # (set by fuse_norms: nothing to trace under torch.compile)
     for (name, _), value in zip(params, args):
         kwargs[name] = value
     passed = {name: kwargs.pop(name, default) for name, default in params}
@@ -353,6 +353,7 @@ def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
     for layer in model.modules():
         if (isinstance(getattr(layer, "post_attention_layernorm", None), FusedRMSNorm)
                 and "forward" not in vars(layer) and _is_residual_block(type(layer).forward)):
+            layer._bitdecode_attention_params = _attention_params(type(layer).forward)
             layer.forward = _fused_residual_forward.__get__(layer)
     return count
 
@@ -363,7 +364,7 @@ def unfuse_norms(model: torch.nn.Module) -> int:
     count = 0
     for layer in model.modules():
         if getattr(vars(layer).get("forward"), "__func__", None) is _fused_residual_forward:
-            del layer.forward
+            del layer.forward, layer._bitdecode_attention_params
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, FusedRMSNorm):

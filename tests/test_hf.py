@@ -174,6 +174,23 @@ def test_fuse_norms_on_the_cpu_changes_no_bit(models):
         hf.fuse_norms("llama")
 
 
+@torch.no_grad()
+def test_fused_layers_compile_in_one_graph(models):
+    """A model with its norms and projections fused (the residual adds in the norm and in
+    down_proj) compiles with fullgraph=True and computes what it computes eagerly."""
+    fused = copy.deepcopy(models[0])
+    hf.fuse_norms(fused)
+    hf.fuse_projections(fused)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    want = fused(ids).logits
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(fused, fullgraph=True, backend="aot_eager")(ids).logits
+    finally:
+        torch._dynamo.reset()
+    assert _rel(got, want) < 1e-5
+
+
 def test_residual_add_joins_the_norm_only_in_the_pre_norm_block():
     """The decoder layers of Llama, Mistral, Qwen2 and Qwen3 are the pre-norm residual
     block statement by statement (so their middle add may join the norm after it); a layer
