@@ -5,7 +5,10 @@ few tokens and SwiGLU's ``silu(gate) * up``.
 rows of ``x`` it runs ``kernels_sm80.dense.GemvSm80`` (each warp streams a few weight rows
 once; on sm_90+ it starts fetching them while the previous kernel finishes), otherwise
 cuBLAS through torch.  Its sums run in another order than cuBLAS's, so outputs agree to the
-16-bit rounding, not bit for bit.  ``silu_mul(gate_up)`` is ``F.silu(gate) * up`` over the
+16-bit rounding, not bit for bit.  ``backend="kernel"`` with ``GEMV_MAX_TOKENS`` to
+``SMALL_M_MAX_TOKENS`` rows runs ``kernels_sm80.dense.GemmSmallMSm80`` (mma.sync, the weights
+streamed straight into the MMA's registers); "auto" keeps cuBLAS there until that kernel is
+timed against it on a GPU.  ``silu_mul(gate_up)`` is ``F.silu(gate) * up`` over the
 halves of the last dim, bit for bit, in one launch.  ``bitdecode.hf.fuse_projections(model)``
 puts both in a transformers model's layers.
 """
@@ -21,6 +24,7 @@ from .layouts import dense as layout
 
 BACKENDS = dispatch.KERNEL_CHOICES
 GEMV_MAX_TOKENS = layout.GEMV_MAX_TOKENS
+SMALL_M_MAX_TOKENS = layout.SMALL_M_MAX_TOKENS
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -56,13 +60,39 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     tokens = x.numel() // max(x.shape[-1], 1)
     k = weight.shape[1]
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
-        return f"1 to {GEMV_MAX_TOKENS} rows of x (more go to cuBLAS), got {tokens}", None
+        return f"1 to {GEMV_MAX_TOKENS} rows of x (backend='kernel': up to {SMALL_M_MAX_TOKENS} on the small-M GEMM; " \
+               f"more go to cuBLAS), got {tokens}", None
     if k % layout.GEMV_ROW_STEP:
         return f"K a multiple of {layout.GEMV_ROW_STEP}, got {k}", None
     if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
         return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}", None
     if bias is not None and not bias.is_contiguous():
         return f"a contiguous bias, got stride {bias.stride()}", None
+    rows = x.reshape(-1, k)
+    if rows.stride(1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
+        return f"x with contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned " \
+               f"storage, got strides {x.stride()}", None
+    return "", rows
+
+
+def _small_m_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """(why the small-M GEMM cannot run ``linear(x, weight, bias)``, "" when it can; x as
+    its [tokens, K] rows when it can, else None)."""
+    from .kernels_sm80.dense import SMALL_M_WARPS
+
+    why = dispatch.float16_kernel_fit((x, weight))
+    if why:
+        return why, None
+    tokens, k = x.numel() // max(x.shape[-1], 1), weight.shape[1]
+    step = layout.SMALL_M_CHUNK * SMALL_M_WARPS
+    if not GEMV_MAX_TOKENS < tokens <= SMALL_M_MAX_TOKENS:
+        return f"{GEMV_MAX_TOKENS + 1} to {SMALL_M_MAX_TOKENS} rows of x, got {tokens}", None
+    if bias is not None:
+        return "no bias", None
+    if k % step:
+        return f"K a multiple of {step}, got {k}", None
+    if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
+        return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}", None
     rows = x.reshape(-1, k)
     if rows.stride(1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
         return f"x with contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned " \
@@ -85,6 +115,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     ``backend``: "auto" runs the GEMV kernel when it takes the tensors (``gemv_fits``: at
     most ``GEMV_MAX_TOKENS`` rows, K % 256 == 0, one fp16 / bf16 dtype on an sm_80+ GPU,
     no autograd), else torch's ``linear``; "reference" always torch's; "kernel" the kernel
+    (for ``GEMV_MAX_TOKENS`` + 1 to ``SMALL_M_MAX_TOKENS`` rows the small-M GEMM on the tensor
+    cores, K % 256 == 0, no bias; not yet timed on a GPU, so "auto" leaves those to cuBLAS)
     or a ValueError saying why not.  Under ``torch.compile``: torch's.
 
     On the H200 (bf16, one token, graph-captured, weights from HBM; profiles/h200/dense.json)
@@ -97,6 +129,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         _validate.tensor("residual", residual, dtypes=[x.dtype], shape=(*x.shape[:-1], weight.shape[0]),
                          device=x.device)
     why, rows = _gemv_rows(x, weight, bias)
+    if why and backend == "kernel" and GEMV_MAX_TOKENS < x.numel() // max(x.shape[-1], 1) <= SMALL_M_MAX_TOKENS:
+        why, rows = _small_m_rows(x, weight, bias)
+        if dispatch.kernel_runs(backend, why, "small-M GEMM"):
+            y = _gemm_small_m(rows, weight, residual.reshape(rows.shape[0], -1).contiguous()
+                              if residual is not None else None)
+            return y.view(*x.shape[:-1], y.shape[1])
     if not dispatch.kernel_runs(backend, why, "GEMV"):
         y = torch.nn.functional.linear(x, weight, bias)
         return y if residual is None else residual + y
@@ -151,6 +189,29 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         fn(x2, weight, y, rows_per_warp)
     else:
         fn(x2, weight, bias, y, rows_per_warp)
+    return y
+
+
+def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """``GemmSmallMSm80`` on ``x2`` [tokens, K] (``_small_m_rows``'): y [tokens, N] (plus
+    ``residual`` [tokens, N], contiguous)."""
+    from . import jit
+    from .kernels_sm80.dense import compile_gemm_small_m
+
+    arch = jit.target_arch(x2.device.index)
+    bf16, k, tokens = x2.dtype == torch.bfloat16, weight.shape[1], x2.shape[0]
+    has_residual = residual is not None
+
+    def build():
+        return compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch), pdl=jit.has_pdl(arch),
+                                    has_residual=has_residual)
+
+    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual), build)
+    y = torch.empty(tokens, weight.shape[0], dtype=x2.dtype, device=x2.device)
+    if has_residual:
+        fn(x2, weight, residual, y)
+    else:
+        fn(x2, weight, y)
     return y
 
 
@@ -214,4 +275,5 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     return y.reshape(*gate_up.shape[:-1], y.shape[1])
 
 
-__all__ = ["linear", "silu_mul", "silu_mul_reference", "gemv_fits", "silu_mul_fits", "GEMV_MAX_TOKENS", "BACKENDS"]
+__all__ = ["linear", "silu_mul", "silu_mul_reference", "gemv_fits", "silu_mul_fits", "GEMV_MAX_TOKENS",
+           "SMALL_M_MAX_TOKENS", "BACKENDS"]

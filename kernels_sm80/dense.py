@@ -32,6 +32,14 @@ earlier, its CTAs would take SM slots that this kernel's later CTAs still need.
 ``r`` added as torch's add would (a decoder layer's last add, ``bitdecode.hf``'s fused
 layers): one kernel fewer a layer.
 
+A few more tokens (``GemmSmallMSm80``: GEMV_MAX_TOKENS < tokens <= 16, a batch of decode
+steps or a verification block) go to the tensor cores: mma.sync m16n8k16 with 16 weight
+rows as A and the tokens as B (one or two 8-token tiles).  The weights are still streamed
+once, straight from global memory into A registers: lane (g, c) loads 16 bytes of rows g
+and g + 8 and of token g's x at the same k, and the chunk's k are permuted so that those
+words are the atom's A and B registers as they are (``layouts.dense.small_m_slots``).  A
+CTA owns 16 rows, its warps split K and add their partial tiles in shared memory.
+
 SwiGLU.  ``y = silu(gate) * up`` over the merged gate / up GEMM's output ``[M, 2I]`` in one
 kernel instead of torch's two, bit for bit torch's ``F.silu(gate) * up``: silu in fp32 as
 ``x / (1 + exp(-x))`` (IEEE division, libdevice-accurate ``exp``) rounded to the 16-bit
@@ -44,10 +52,12 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 
+from ..layouts import sm80
 from ..layouts.dense import ELEM_BYTES, GEMV_MAX_TOKENS as MAX_TOKENS, GEMV_ROW_STEP as ROW_STEP
-from ..layouts.dense import VEC, VEC_BYTES
+from ..layouts.dense import SMALL_M_CHUNK, SMALL_M_MAX_TOKENS, SMALL_M_ROWS, SMALL_M_TOKEN_TILE
+from ..layouts.dense import VEC, VEC_BYTES, small_m_slots
 from ..layouts.resources import L2_LINE_BYTES as LINE_BYTES
 from .act_quant import _load16, _store_words
 from .bitnet_ptx import WARP, load_v4
@@ -63,6 +73,8 @@ MAX_ROWS_PER_WARP = 8  # the most measured
 # (12.x, sm_90a) held the one-row-per-warp version to 56-64 registers and spilled at every
 # unroll tried; 4 tokens were not tried with the load batches.
 SILU_THREADS = 128
+SMALL_M_WARPS = 8  # warps of a GemmSmallMSm80 CTA, each a slice of K
+SMALL_M_BATCH = 4  # chunks a warp loads before it uses them (at most: a divisor of its chunks)
 
 
 def batch_for(k: int, tokens: int, sm90: bool) -> int:
@@ -199,6 +211,131 @@ class GemvSm80:
                     acc[i] = acc[i] + w_lo * x_lo + w_hi * x_hi
 
 
+class GemmSmallMSm80:
+    """``y[m, n] = sum_k x[m, k] * w[n, k]``, fp32 sums rounded once to the 16-bit dtype, for
+    ``GEMV_MAX_TOKENS`` < ``tokens`` <= 16 rows of ``x``, on mma.sync m16n8k16.  Arguments
+    as ``GemvSm80``'s (no bias; ``call_residual`` adds a residual as its does); K (a
+    multiple of ``SMALL_M_CHUNK`` x ``warps``) is compiled in.  CTA ``i`` owns weight rows
+    ``16 i ..``; warp ``w`` of it takes the ``w``-th slice of K and streams it in chunks of
+    32 k (a 16-byte load of two weight rows and of each token tile a lane), ``batch`` chunks
+    loaded before any is used; the warps' fp32 tiles are added in shared memory and warp 0
+    stores the rows."""
+
+    def __init__(self, is_bf16: bool, k: int, tokens: int, pdl: bool = False, warps: int = SMALL_M_WARPS,
+                 batch: int = SMALL_M_BATCH):
+        if not MAX_TOKENS < tokens <= SMALL_M_MAX_TOKENS or k % (SMALL_M_CHUNK * warps):
+            raise ValueError(f"the small-M GEMM takes {MAX_TOKENS + 1}..{SMALL_M_MAX_TOKENS} tokens and K % "
+                             f"{SMALL_M_CHUNK * warps} == 0, got {tokens} tokens, K={k}")
+        self.is_bf16, self.k, self.tokens, self.pdl, self.warps = is_bf16, k, tokens, pdl, warps
+        self.dtype = cute_float16(is_bf16)
+        self.chunks = k // (SMALL_M_CHUNK * warps)  # per warp
+        self.batch = max(d for d in range(1, batch + 1) if self.chunks % d == 0)
+        self.tiles = -(-tokens // SMALL_M_TOKEN_TILE)
+        # which loaded word each MMA register takes (read off the atom on the host)
+        self.a_slots, self.b_slots, self.c_slots = small_m_slots()
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
+        self.launch(mX, mW, None, mY, stream)
+
+    @cute.jit
+    def call_residual(self, mX: cute.Tensor, mW: cute.Tensor, mR: cute.Tensor, mY: cute.Tensor, stream):
+        """The product, rounded, plus a residual ``r`` [tokens, N] (as ``GemvSm80``'s)."""
+        self.launch(mX, mW, mR, mY, stream)
+
+    def launch(self, mX, mW, mR, mY, stream):
+        """(plain Python, traced inside each entry point)"""
+        self.kernel(mX, mW, mR, mY).launch(grid=[(mW.shape[0] + SMALL_M_ROWS - 1) // SMALL_M_ROWS, 1, 1],
+                                           block=[WARP * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mR: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp, lane = tidx // WARP, tidx % WARP
+        g, quad = lane // 4, lane % 4
+        n = mW.shape[0]
+        row0 = bid * SMALL_M_ROWS
+        k0 = Int64(warp * (self.chunks * SMALL_M_CHUNK) + quad * VEC)  # this lane's first k
+        # rows past N (the last CTA) read row N-1 again and store nothing; token rows past
+        # the last fill B columns whose outputs are never stored
+        w_rows = [mW.iterator.toint() + (Int64(cutlass.min(row0 + g + 8 * h, n - 1)) * Int64(self.k) + k0)
+                  * ELEM_BYTES for h in range(2)]
+        x_rows = [mX.iterator.toint()
+                  + (Int64(cutlass.min(SMALL_M_TOKEN_TILE * t + g, self.tokens - 1)) * Int64(mX.stride[0]) + k0)
+                  * ELEM_BYTES for t in range(self.tiles)]
+        step = SMALL_M_CHUNK * ELEM_BYTES  # bytes from one chunk of a row to the next
+        smem = cutlass.memory.SmemAllocator()
+        values = 4 * self.tiles  # accumulator values a lane holds
+        red = smem.allocate_tensor(Float32, cute.make_layout((WARP, values, self.warps)), 16)
+
+        if cutlass.const_expr(self.pdl):  # the first batch of weights into L2 while the previous kernel runs
+            for j in cutlass.range_constexpr(self.batch):
+                for h in cutlass.range_constexpr(2):
+                    prefetch_l2(w_rows[h] + j * step)
+            cute.arch.griddepcontrol_wait()
+
+        mma = sm80.make_mma(self.dtype)
+        thr = mma.get_slice(lane)
+        accs = [cute.make_rmem_tensor(thr.partition_shape_C((SMALL_M_ROWS, SMALL_M_TOKEN_TILE)), Float32)
+                for _ in range(self.tiles)]
+        for acc in accs:
+            acc.fill(0.0)
+        for b in cutlass.range(self.chunks // self.batch, unroll=1):
+            base = Int64(b) * (self.batch * step)
+            ws = [[load_v4(w_rows[h] + base + j * step, True) for h in range(2)] for j in range(self.batch)]
+            # (ordered after griddepcontrol.wait: the previous kernel writes x)
+            xs = [[load_v4(x_rows[t] + base + j * step, False, self.pdl) for t in range(self.tiles)]
+                  for j in range(self.batch)]
+            for j in cutlass.range_constexpr(self.batch):
+                for q in cutlass.range_constexpr(2):
+                    self.mma_words(mma, thr, ws[j], xs[j], q, accs)
+        self.store(red, accs, mR, mY, warp, lane, row0, n)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def mma_words(self, mma, thr, w_words, x_words, q, accs):
+        """MMA ``q`` of a chunk: words 2q, 2q + 1 of the two weight rows as A, of each token
+        tile's x as B (``small_m_slots``: the same permutation of the chunk's k for both)."""
+        frag_a = cute.make_rmem_tensor(thr.partition_shape_A((SMALL_M_ROWS, sm80.MMA_SHAPE[2])), self.dtype)
+        a32 = cute.recast_tensor(frag_a, Uint32)
+        for r in cutlass.range_constexpr(len(self.a_slots)):
+            half, ch = self.a_slots[r]
+            a32[r] = Uint32(w_words[half][2 * q + ch])
+        for t in cutlass.range_constexpr(self.tiles):
+            frag_b = cute.make_rmem_tensor(thr.partition_shape_B((SMALL_M_TOKEN_TILE, sm80.MMA_SHAPE[2])),
+                                           self.dtype)
+            b32 = cute.recast_tensor(frag_b, Uint32)
+            for r in cutlass.range_constexpr(len(self.b_slots)):
+                b32[r] = Uint32(x_words[t][2 * q + self.b_slots[r]])
+            cute.gemm(mma, accs[t], frag_a[None, None, 0], frag_b[None, None, 0], accs[t])
+
+    @cute.jit
+    def store(self, red, accs, mR, mY, warp, lane, row0, n):
+        """The warps' partial tiles added in shared memory; warp 0 rounds (adds the residual)
+        and stores the CTA's rows of each token."""
+        g, quad = lane // 4, lane % 4
+        for t in cutlass.range_constexpr(self.tiles):
+            for v in cutlass.range_constexpr(4):
+                red[lane, 4 * t + v, warp] = accs[t][v]
+        cute.arch.sync_threads()
+        if warp == 0:
+            for t in cutlass.range_constexpr(self.tiles):
+                for v in cutlass.range_constexpr(4):
+                    s = red[lane, 4 * t + v, 0]
+                    for w in cutlass.range_constexpr(1, self.warps):
+                        s = s + red[lane, 4 * t + v, w]
+                    half, off = self.c_slots[v]
+                    row = row0 + g + 8 * half
+                    tok = SMALL_M_TOKEN_TILE * t + 2 * quad + off
+                    if row < n and tok < self.tokens:
+                        y = mY.element_type(s)
+                        if cutlass.const_expr(mR is not None):
+                            y = mY.element_type(y.to(Float32) + mR[tok, row].to(Float32))
+                        mY[tok, row] = y
+
+
 class SiluMulSm80:
     """``y = silu(gate) * up`` (torch's ops, bit for bit).  Arguments: ``gu`` [M, 2I] (gate
     then up; rows 16-byte aligned, row stride a multiple of 8), ``y`` [M, I] contiguous, one
@@ -259,6 +396,24 @@ def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: st
         r = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
         return cute.compile(kernel.call_residual, x, w, r, y, Int32(1), stream, options=options)
     return cute.compile(kernel, x, w, y, Int32(1), stream, options=options)
+
+
+def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: bool = False,
+                         has_residual: bool = False):
+    """Compile ``GemmSmallMSm80`` for every N (K and the token count compiled in);
+    ``has_residual`` its ``call_residual``."""
+    dtype = cute_float16(is_bf16)
+    n = cute.sym_int()
+    x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
+                                      assumed_align=16)
+    w = cute.runtime.make_fake_compact_tensor(dtype, (n, k), stride_order=(1, 0), assumed_align=16)
+    y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl)
+    if has_residual:
+        r = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
+        return cute.compile(kernel.call_residual, x, w, r, y, stream, options=options)
+    return cute.compile(kernel, x, w, y, stream, options=options)
 
 
 def compile_silu_mul(is_bf16: bool, options: str, pdl: bool = False):

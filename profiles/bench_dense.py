@@ -11,6 +11,8 @@ model); CUDA events, median of the replays.  Roofline: the bytes a call must mov
 + x + y) at the better of a 1 GiB copy's and a 1 GiB sum's bandwidth, measured in the run.
 
     python3 profiles/bench_dense.py --out profiles/h200      # writes dense.json (+ dense.png)
+    python3 profiles/bench_dense.py --tokens 4,8,16 --tag small_m --out profiles/h200
+        # the small-M GEMM (mma.sync, 4-16 tokens) vs cuBLAS: dense_small_m.json
 """
 
 from __future__ import annotations
@@ -95,12 +97,12 @@ def bench_silu_mul(tokens: int, inter: int, device, replays: int) -> Dict:
     return row
 
 
-def run(out_dir: Path, replays: int = 50) -> dict:
+def run(out_dir: Path, replays: int = 50, tokens_list=TOKENS, tag: str = "") -> dict:
     device = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     roof = measure_roofline(device, replays)
     rows: List[Dict] = []
-    for tokens in TOKENS:
+    for tokens in tokens_list:
         for name, (n, k) in SHAPES.items():
             r = bench_linear(name, n, k, tokens, device, l2, replays, roof["bytes_per_s"])
             print(f"{name:8s} M={tokens} N={n:6d} K={k:6d}  bitdecode {r['bd_us']:7.2f} us ({r['bd_of_roofline']:.2f}x "
@@ -116,12 +118,13 @@ def run(out_dir: Path, replays: int = 50) -> dict:
         print(f"silu_mul M={r['tokens']} I=14336: bitdecode {r['bd_us']:.2f} us, torch {r['torch_us']:.2f} us, "
               f"bit-identical {r['bit_identical']}", flush=True)
     res = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "python": platform.python_version(),
-           "command": "python3 profiles/bench_dense.py --out " + str(out_dir), "roofline": roof, "gemv": rows,
+           "command": " ".join(["python3", "profiles/bench_dense.py", *sys.argv[1:]]), "roofline": roof, "gemv": rows,
            "after_norm": after_norm, "silu_mul": silu, "method": "CUDA graph of >= 32 back-to-back calls over weight copies >= 4 x L2, "
                                         "median of replays; roofline = bytes moved / best of copy and sum bandwidth"}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "dense.json").write_text(json.dumps(res, indent=1))
-    plot(res, out_dir / "dense.png")
+    stem = f"dense_{tag}" if tag else "dense"
+    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    plot(res, out_dir / f"{stem}.png")
     return res
 
 
@@ -154,10 +157,22 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("profiles/h200"), help="folder for dense.json / dense.png")
     p.add_argument("--replays", type=int, default=50, help="graph replays per measurement (median; default 50)")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                   help=f"token counts, 1 to {dense.SMALL_M_MAX_TOKENS} (default {','.join(map(str, TOKENS))}: the "
+                        f"GEMV's; {dense.GEMV_MAX_TOKENS + 1} and more time the small-M GEMM)")
+    p.add_argument("--tag", default="", help="write dense_<tag>.json / .png instead of dense.json")
     args = p.parse_args(argv)
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+    except ValueError:
+        p.error(f"--tokens must be integers separated by commas, got {args.tokens!r}")
+    if not tokens or not all(1 <= t <= dense.SMALL_M_MAX_TOKENS for t in tokens):
+        p.error(f"--tokens must each be 1 to {dense.SMALL_M_MAX_TOKENS}, got {args.tokens!r}")
+    if args.tag and not args.tag.isidentifier():
+        p.error(f"--tag must be a Python identifier, got {args.tag!r}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    run(args.out, args.replays)
+    run(args.out, args.replays, tokens, args.tag)
     return 0
 
 

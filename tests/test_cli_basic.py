@@ -142,6 +142,19 @@ def test_bench_splits_arguments(capsys):
             bs.main(["--dtype", "bf16"])
 
 
+def test_bench_dense_arguments(capsys):
+    """profiles/bench_dense.py: token counts 1 to 16 (past the GEMV's three: the small-M
+    GEMM), a tag that names a file, else it refuses; without a GPU it says so."""
+    import torch
+
+    bd_ = _profile_script("bench_dense")
+    _refused(bd_.main, ["--tokens", "0,4"], "--tokens must each be 1 to 16", capsys)
+    _refused(bd_.main, ["--tokens", "4,x"], "--tokens must be integers", capsys)
+    _refused(bd_.main, ["--tokens", "8", "--tag", "a/b"], "--tag must be a Python identifier", capsys)
+    if not torch.cuda.is_available():
+        _refused(bd_.main, ["--tokens", "4,8,16", "--tag", "small_m"], "needs a CUDA GPU", capsys)
+
+
 def test_bench_variants_arguments(capsys):
     """profiles/bench_variants.py: NAME=key=value variants (Python literals), BxN shapes, and
     clear refusals naming the argument; without a GPU it says so and exits 2."""

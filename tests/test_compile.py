@@ -492,6 +492,37 @@ def test_dense_ptx(arch, tmp_path):
         assert "ld.global.nc" not in ptx, "the norm reads x through the non-coherent path"
 
 
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
+def test_small_m_gemm_ptx(arch, tmp_path):
+    """The GEMM for 4-16 tokens: mma.sync m16n8k16 on the weights' own 16-byte loads (two
+    MMAs a chunk and token tile), streamed past L1; the warps' tiles met through shared
+    memory behind one barrier; on sm_90 the L2 prefetch before griddepcontrol.wait and x
+    read coherently after it; no spills at the Llama-3-8B row lengths, one or two token
+    tiles, with and without the residual epilogue."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm80.dense import GemmSmallMSm80, compile_gemm_small_m
+
+    pdl = jit.has_pdl(arch)
+    opts = jit.compile_options(arch, keep_ptx=True)
+    for bf16, k, tokens, residual in ((True, 4096, 8, False), (False, 4096, 4, True), (True, 14336, 16, True),
+                                      (True, 2560, 13, False)):
+        kernel = GemmSmallMSm80(bf16, k, tokens, pdl)
+        ptx = compile_gemm_small_m(bf16, k, tokens, opts, pdl=pdl, has_residual=residual).artifacts.PTX
+        kind = "bf16" if bf16 else "f16"
+        assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") == \
+            2 * kernel.batch * kernel.tiles, (k, tokens)
+        assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") == 2 * kernel.batch
+        assert "bar.sync" in ptx and "st.shared.b32" in ptx and "ld.shared.b32" in ptx
+        if pdl:
+            assert "prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx
+            assert ptx.count("ld.global.v4.u32") == kernel.batch * kernel.tiles  # x, coherent after the wait
+        assert _spills(ptx, arch, tmp_path) == 0, f"ptxas spills registers in the small-M GEMM ({k}, {tokens})"
+    with pytest.raises(ValueError, match="4..16 tokens"):
+        GemmSmallMSm80(True, 4096, 17)
+    with pytest.raises(ValueError, match="K % 256 == 0"):
+        GemmSmallMSm80(True, 4000, 8)
+
+
 def test_sm90_fold_k_config():
     """K's per-channel scale goes into Q (``fold_k``) where every 64-token M-block lies in
     one K group and the dtype is fp16 (bf16's once-per-channel rounding of Q o s measured

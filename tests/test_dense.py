@@ -64,6 +64,9 @@ def test_bad_arguments_are_named():
         dense.linear(x, w, backend="cuda")
     with pytest.raises(ValueError, match="GEMV kernel needs CUDA tensors"):
         dense.linear(x, w, backend="kernel")
+    x4, w4, b4 = _operands(dense.GEMV_MAX_TOKENS + 1, 16, 256, torch.float16, "cpu", bias=True)
+    with pytest.raises(ValueError, match="small-M GEMM kernel needs CUDA tensors"):
+        dense.linear(x4, w4, backend="kernel")
     with pytest.raises(ValueError, match=r"gate_up must be \(\.\.\., 2I\)"):
         dense.silu_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="SwiGLU kernel needs CUDA tensors"):
@@ -73,7 +76,7 @@ def test_bad_arguments_are_named():
 @pytest.mark.gpu
 @cuda
 def test_gpu_kernel_refusals_say_why():
-    x, w, _ = _operands(dense.GEMV_MAX_TOKENS + 1, 16, 256, torch.bfloat16, "cuda")
+    x, w, _ = _operands(dense.SMALL_M_MAX_TOKENS + 1, 16, 256, torch.bfloat16, "cuda")
     with pytest.raises(ValueError, match=f"1 to {dense.GEMV_MAX_TOKENS} rows of x"):
         dense.linear(x, w, backend="kernel")
     assert torch.equal(dense.linear(x, w), torch.nn.functional.linear(x, w))  # auto: cuBLAS for more tokens
@@ -102,6 +105,35 @@ def test_gpu_gemv_is_one_rounding_of_the_exact_product(dtype, tokens, n, k, bias
     y = dense.linear(x[:, None], w, b, backend="kernel")  # (tokens, 1, K): a decode step's shape
     assert y.shape == (tokens, 1, n) and y.dtype == dtype
     _assert_one_rounding(y[:, 0], x, w, b)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, n, k", [
+    (8, 4096, 4096),  # Llama-3-8B o_proj at B=8
+    (4, 6144, 4096),  # merged q/k/v at B=4
+    (16, 4096, 14336),  # down_proj at B=16: two token tiles
+    (13, 101, 256),  # a partial token tile, N not a multiple of 16, one chunk a warp
+    (9, 28672, 2560),  # gate/up-sized, K not a multiple of the load batch
+])
+def test_gpu_small_m_gemm_is_the_product(dtype, tokens, n, k):
+    """The mma.sync GEMM for 4-16 tokens (``backend="kernel"``): within the 16-bit rounding
+    of the float64 product (fp32 tensor-core sums: a looser sum-error term than the GEMV's),
+    with and without the residual epilogue, in a (tokens, 1, K) decode shape; a bias or 17
+    tokens are refused by name; refused ones stay with cuBLAS under "auto"."""
+    x, w, _ = _operands(tokens, n, k, dtype, "cuda", False, None)
+    y = dense.linear(x[:, None], w, backend="kernel")
+    assert y.shape == (tokens, 1, n) and y.dtype == dtype
+    ref = x.double() @ w.double().T
+    bound = HALF_ULP[dtype] * ref.abs() + 2.0 ** -16 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    err = (y[:, 0].double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
+    r = torch.randn(tokens, 1, n, device="cuda").mul(4).to(dtype)
+    assert torch.equal(dense.linear(x[:, None], w, backend="kernel", residual=r), r + y)
+    assert torch.equal(dense.linear(x[:, None], w), torch.nn.functional.linear(x[:, None], w))  # auto: cuBLAS
+    with pytest.raises(ValueError, match="small-M GEMM kernel needs no bias"):
+        dense.linear(x, w, torch.zeros(n, device="cuda", dtype=dtype), backend="kernel")
 
 
 @pytest.mark.gpu

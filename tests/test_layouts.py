@@ -138,6 +138,53 @@ def test_sm80_fragments_match_ptx():
     assert sm80.fragment_columns() == tuple((2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9) for c in range(4))
 
 
+@pytest.mark.parametrize("tokens", [4, 8, 13, 16])
+def test_small_m_gemm_words_make_the_product(tokens):
+    """The small-M GEMM's data movement (``kernels_sm80.dense.GemmSmallMSm80``), emulated
+    with the m16n8k16 atom's own fragment tables: each lane's 16-byte loads of two weight
+    rows and of its token's x, placed in the A / B registers as ``small_m_slots`` says, two
+    MMAs a 32-wide chunk, and the accumulator values read back as (row, token) give W x^T."""
+    from bitdecode.layouts import dense
+
+    a_slots, b_slots, c_slots = dense.small_m_slots()
+    fa, fb, fc = sm80.fragment("a"), sm80.fragment("b"), sm80.fragment("c")
+    gen = torch.Generator().manual_seed(tokens)
+    chunks, rows, tile = 3, dense.SMALL_M_ROWS, dense.SMALL_M_TOKEN_TILE
+    w = torch.randn(rows, chunks * dense.SMALL_M_CHUNK, generator=gen, dtype=torch.float64)
+    x = torch.randn(tokens, chunks * dense.SMALL_M_CHUNK, generator=gen, dtype=torch.float64)
+    tiles = -(-tokens // tile)
+    got = torch.zeros(tokens, rows, dtype=torch.float64)
+    for t in range(tiles):
+        d = torch.zeros(rows, tile, dtype=torch.float64)  # the accumulator tile (rows m, tokens n)
+        for chunk in range(chunks):
+            for q in range(2):
+                a = torch.full((rows, 16), float("nan"), dtype=torch.float64)
+                b = torch.full((tile, 16), float("nan"), dtype=torch.float64)
+                for lane in range(32):
+                    g, c = divmod(lane, 4)
+                    k0 = chunk * dense.SMALL_M_CHUNK + dense.VEC * c
+
+                    def word(row_values, index):  # the two 16-bit values of loaded word ``index``
+                        return row_values[k0 + 2 * index], row_values[k0 + 2 * index + 1]
+
+                    tok = min(tile * t + g, tokens - 1)
+                    for r, (half, ch) in enumerate(a_slots):
+                        for e, value in enumerate(word(w[g + 8 * half], 2 * q + ch)):
+                            a[fa[lane][2 * r + e]] = value
+                    for r, ch in enumerate(b_slots):
+                        for e, value in enumerate(word(x[tok], 2 * q + ch)):
+                            b[fb[lane][2 * r + e]] = value
+                assert not a.isnan().any() and not b.isnan().any(), "every register of the atom is filled"
+                d += a @ b.T
+        for lane in range(32):
+            g, c = divmod(lane, 4)
+            for v, (half, off) in enumerate(c_slots):
+                tok = tile * t + 2 * c + off
+                if tok < tokens:
+                    got[tok, g + 8 * half] = d[fc[lane][v]]
+    assert torch.allclose(got, x @ w.T)
+
+
 def test_sm80_fragment_column_and_params():
     """The closed forms the kernels index with agree with the traced fragment: quad lane c's
     columns of k-block kb, the (scale, zero) word of each, and the head columns a thread
