@@ -7,8 +7,8 @@ once; on sm_90+ it starts fetching them while the previous kernel finishes), oth
 cuBLAS through torch.  Its sums run in another order than cuBLAS's, so outputs agree to the
 16-bit rounding, not bit for bit.  ``backend="kernel"`` with ``GEMV_MAX_TOKENS`` to
 ``SMALL_M_MAX_TOKENS`` rows runs ``kernels_sm80.dense.GemmSmallMSm80`` (mma.sync, the weights
-streamed straight into the MMA's registers); "auto" keeps cuBLAS there until that kernel is
-timed against it on a GPU.  ``silu_mul(gate_up)`` is ``F.silu(gate) * up`` over the
+streamed straight into the MMA's registers); "auto" takes it only where it measured faster
+than cuBLAS (``small_m_wins``: 8-16 tokens on o_proj-sized weights).  ``silu_mul(gate_up)`` is ``F.silu(gate) * up`` over the
 halves of the last dim, bit for bit, in one launch.  ``bitdecode.hf.fuse_projections(model)``
 puts both in a transformers model's layers.
 """
@@ -100,6 +100,20 @@ def _small_m_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return "", rows
 
 
+# "auto" takes the small-M GEMM for 8-16 tokens on weights of at most this many values, where
+# it measured faster than cuBLAS (H200, bf16, graph of back-to-back calls from HBM,
+# profiles/h200/dense_small_m.json, us, small-M / cuBLAS): o_proj 4096 x 4096 at 8 tokens
+# 12.11 / 13.21, at 16 12.06 / 13.58; q/k/v 6144 x 4096 level (15.69 / 15.67, 15.84 / 15.93);
+# slower on the tall and the long matrices (gate/up 28672 x 4096 66.4 / 62.4, down 4096 x
+# 14336 38.7 / 32.9 at 8 tokens).  4-7 tokens were not timed.
+SMALL_M_AUTO_WEIGHTS = 4096 * 4096
+
+
+def small_m_wins(tokens: int, n: int, k: int) -> bool:
+    """Whether "auto" runs an (N, K) projection of ``tokens`` rows on the small-M GEMM."""
+    return 8 <= tokens <= SMALL_M_MAX_TOKENS and n * k <= SMALL_M_AUTO_WEIGHTS
+
+
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
     """Why the GEMV kernel cannot run ``linear(x, weight, bias)`` ("" when it can)."""
     return _gemv_rows(x, weight, bias)[0]
@@ -116,7 +130,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     most ``GEMV_MAX_TOKENS`` rows, K % 256 == 0, one fp16 / bf16 dtype on an sm_80+ GPU,
     no autograd), else torch's ``linear``; "reference" always torch's; "kernel" the kernel
     (for ``GEMV_MAX_TOKENS`` + 1 to ``SMALL_M_MAX_TOKENS`` rows the small-M GEMM on the tensor
-    cores, K % 256 == 0, no bias; not yet timed on a GPU, so "auto" leaves those to cuBLAS)
+    cores, K % 256 == 0, no bias; "auto" takes it where it measured faster than cuBLAS:
+    ``small_m_wins``)
     or a ValueError saying why not.  Under ``torch.compile``: torch's.
 
     On the H200 (bf16, one token, graph-captured, weights from HBM; profiles/h200/dense.json)
@@ -129,7 +144,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         _validate.tensor("residual", residual, dtypes=[x.dtype], shape=(*x.shape[:-1], weight.shape[0]),
                          device=x.device)
     why, rows = _gemv_rows(x, weight, bias)
-    if why and backend == "kernel" and GEMV_MAX_TOKENS < x.numel() // max(x.shape[-1], 1) <= SMALL_M_MAX_TOKENS:
+    tokens = x.numel() // max(x.shape[-1], 1)
+    if why and GEMV_MAX_TOKENS < tokens <= SMALL_M_MAX_TOKENS and (
+            backend == "kernel" or (backend == "auto" and small_m_wins(tokens, *weight.shape))):
         why, rows = _small_m_rows(x, weight, bias)
         if dispatch.kernel_runs(backend, why, "small-M GEMM"):
             y = _gemm_small_m(rows, weight, residual.reshape(rows.shape[0], -1).contiguous()
@@ -276,4 +293,4 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
 
 __all__ = ["linear", "silu_mul", "silu_mul_reference", "gemv_fits", "silu_mul_fits", "GEMV_MAX_TOKENS",
-           "SMALL_M_MAX_TOKENS", "BACKENDS"]
+           "SMALL_M_MAX_TOKENS", "small_m_wins", "BACKENDS"]

@@ -50,6 +50,30 @@ def test_residual_is_torchs_add_after_the_product():
         dense.linear(x, w, residual=r.float())
 
 
+def test_auto_takes_the_small_m_gemm_where_it_measured_faster(monkeypatch):
+    """"auto" runs 8-16 tokens of an o_proj-sized projection on the small-M GEMM (timed
+    faster than cuBLAS there) and leaves the rest to torch; "reference" never takes it.
+    The kernel's launch is replaced by the torch maths: this checks the routing, on the CPU."""
+    ran = []
+
+    def fake(x2, weight, residual):
+        ran.append((x2.shape[0], *weight.shape))
+        y = torch.nn.functional.linear(x2, weight)
+        return y if residual is None else residual + y
+
+    monkeypatch.setattr(dense, "_small_m_rows", lambda x, w, b: ("", x.reshape(-1, x.shape[-1])))
+    monkeypatch.setattr(dense, "_gemm_small_m", fake)
+    for tokens, n, k, want in ((8, 4096, 4096, True), (16, 64, 256, True), (4, 4096, 4096, False),
+                               (8, 28672, 4096, False), (8, 4096, 14336, False), (17, 64, 256, False)):
+        x, w, _ = _operands(tokens, n, k, torch.float32, "cpu")
+        ran.clear()
+        y = dense.linear(x[:, None], w)
+        assert y.shape == (tokens, 1, n) and bool(ran) == want == dense.small_m_wins(tokens, n, k), (tokens, n, k)
+        ran.clear()
+        dense.linear(x[:, None], w, backend="reference")
+        assert not ran
+
+
 def test_bad_arguments_are_named():
     x, w, b = _operands(2, 16, 256, torch.float16, "cpu", bias=True)
     with pytest.raises(ValueError, match="x's last dim must be weight's K = 256"):
@@ -121,7 +145,7 @@ def test_gpu_small_m_gemm_is_the_product(dtype, tokens, n, k):
     """The mma.sync GEMM for 4-16 tokens (``backend="kernel"``): within the 16-bit rounding
     of the float64 product (fp32 tensor-core sums: a looser sum-error term than the GEMV's),
     with and without the residual epilogue, in a (tokens, 1, K) decode shape; a bias or 17
-    tokens are refused by name; refused ones stay with cuBLAS under "auto"."""
+    tokens are refused by name; "auto" takes it where ``small_m_wins`` says, else cuBLAS."""
     x, w, _ = _operands(tokens, n, k, dtype, "cuda", False, None)
     y = dense.linear(x[:, None], w, backend="kernel")
     assert y.shape == (tokens, 1, n) and y.dtype == dtype
@@ -131,7 +155,8 @@ def test_gpu_small_m_gemm_is_the_product(dtype, tokens, n, k):
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
     r = torch.randn(tokens, 1, n, device="cuda").mul(4).to(dtype)
     assert torch.equal(dense.linear(x[:, None], w, backend="kernel", residual=r), r + y)
-    assert torch.equal(dense.linear(x[:, None], w), torch.nn.functional.linear(x[:, None], w))  # auto: cuBLAS
+    auto = dense.linear(x[:, None], w)  # the small-M GEMM where it measured faster, else cuBLAS
+    assert torch.equal(auto, y if dense.small_m_wins(tokens, n, k) else torch.nn.functional.linear(x[:, None], w))
     with pytest.raises(ValueError, match="small-M GEMM kernel needs no bias"):
         dense.linear(x, w, torch.zeros(n, device="cuda", dtype=dtype), backend="kernel")
 
