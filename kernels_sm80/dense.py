@@ -223,9 +223,10 @@ class GemmSmallMSm80:
 
     def __init__(self, is_bf16: bool, k: int, tokens: int, pdl: bool = False, warps: int = SMALL_M_WARPS,
                  batch: int = SMALL_M_BATCH):
-        if not MAX_TOKENS < tokens <= SMALL_M_MAX_TOKENS or k % (SMALL_M_CHUNK * warps):
-            raise ValueError(f"the small-M GEMM takes {MAX_TOKENS + 1}..{SMALL_M_MAX_TOKENS} tokens and K % "
-                             f"{SMALL_M_CHUNK * warps} == 0, got {tokens} tokens, K={k}")
+        # (1-3 tokens build too, for timing against the GEMV; the API sends those to the GEMV)
+        if not 1 <= tokens <= SMALL_M_MAX_TOKENS or k % (SMALL_M_CHUNK * warps) or not 1 <= batch:
+            raise ValueError(f"the small-M GEMM takes 1..{SMALL_M_MAX_TOKENS} tokens, K % {SMALL_M_CHUNK * warps} "
+                             f"== 0 (warps={warps}) and batch >= 1, got {tokens} tokens, K={k}, batch={batch}")
         self.is_bf16, self.k, self.tokens, self.pdl, self.warps = is_bf16, k, tokens, pdl, warps
         self.dtype = cute_float16(is_bf16)
         self.chunks = k // (SMALL_M_CHUNK * warps)  # per warp
@@ -399,9 +400,9 @@ def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: st
 
 
 def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: bool = False,
-                         has_residual: bool = False):
-    """Compile ``GemmSmallMSm80`` for every N (K and the token count compiled in);
-    ``has_residual`` its ``call_residual``."""
+                         has_residual: bool = False, warps: int = SMALL_M_WARPS, batch: int = SMALL_M_BATCH):
+    """Compile ``GemmSmallMSm80`` for every N (K, the token count, the warps a CTA and the
+    load batch compiled in); ``has_residual`` its ``call_residual``."""
     dtype = cute_float16(is_bf16)
     n = cute.sym_int()
     x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
@@ -409,7 +410,7 @@ def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: 
     w = cute.runtime.make_fake_compact_tensor(dtype, (n, k), stride_order=(1, 0), assumed_align=16)
     y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl)
+    kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl, warps, batch)
     if has_residual:
         r = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
         return cute.compile(kernel.call_residual, x, w, r, y, stream, options=options)

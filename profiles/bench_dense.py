@@ -13,6 +13,8 @@ model); CUDA events, median of the replays.  Roofline: the bytes a call must mov
     python3 profiles/bench_dense.py --out profiles/h200      # writes dense.json (+ dense.png)
     python3 profiles/bench_dense.py --tokens 4,8,16 --tag small_m --out profiles/h200
         # the small-M GEMM (mma.sync, 4-16 tokens) vs cuBLAS: dense_small_m.json
+    python3 profiles/bench_dense.py --tokens 1,3,8 --small-m w8b4,w4b8,w2b16 --tag sweep
+        # also the small-M GEMM at each (warps a CTA, load batch), any token count
 """
 
 from __future__ import annotations
@@ -38,7 +40,19 @@ SHAPES = {"o_proj": (4096, 4096), "qkv": (6144, 4096), "gate_up": (28672, 4096),
 TOKENS = tuple(range(1, dense.GEMV_MAX_TOKENS + 1))
 
 
-def bench_linear(name: str, n: int, k: int, tokens: int, device, l2: int, replays: int, roofline: float) -> Dict:
+def parse_small_m(text: str) -> List[tuple]:
+    """``w8b4,w4b8`` -> [(8, 4), (4, 8)]: small-M GEMM configs (warps a CTA, load batch)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        w, sep, b = item.removeprefix("w").partition("b")
+        if not item.startswith("w") or not sep or not w.isdigit() or not b.isdigit() or int(w) < 1 or int(b) < 1:
+            raise ValueError(f"--small-m must be wWbB,... (warps a CTA, load batch), got {item!r}")
+        out.append((int(w), int(b)))
+    return out
+
+
+def bench_linear(name: str, n: int, k: int, tokens: int, device, l2: int, replays: int, roofline: float,
+                 small_m=()) -> Dict:
     gen = torch.Generator(device=device).manual_seed(n + k + tokens)
     w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
     x = torch.randn(tokens, k, generator=gen, device=device, dtype=torch.bfloat16)
@@ -47,8 +61,13 @@ def bench_linear(name: str, n: int, k: int, tokens: int, device, l2: int, replay
     copies = copies_for(w.numel() * 2, l2)
     ws = [w.clone() for _ in range(copies)]
     row = {"name": name, "n": n, "k": k, "tokens": tokens, "rel_err_vs_cublas": err}
-    for key, fn in (("bd_us", lambda q: dense.linear(x, q, backend="kernel")),
-                    ("cublas_us", lambda q: torch.nn.functional.linear(x, q))):
+    timed = [("bd_us", lambda q: dense.linear(x, q, backend="kernel")),
+             ("cublas_us", lambda q: torch.nn.functional.linear(x, q))]
+    for warps, batch in small_m:  # the small-M GEMM itself at this config (K must split over the warps)
+        if k % (warps * 32) == 0:
+            timed.append((f"small_m_w{warps}b{batch}_us",
+                          lambda q, c=(warps, batch): dense._gemm_small_m(x, q, None, c)))
+    for key, fn in timed:
         calls = [(lambda q=ws[i % copies], fn=fn: fn(q)) for i in range(max(copies, MIN_CALLS))]
         row[key] = graph_time_us(calls, replays)
     del ws
@@ -97,17 +116,18 @@ def bench_silu_mul(tokens: int, inter: int, device, replays: int) -> Dict:
     return row
 
 
-def run(out_dir: Path, replays: int = 50, tokens_list=TOKENS, tag: str = "") -> dict:
+def run(out_dir: Path, replays: int = 50, tokens_list=TOKENS, tag: str = "", small_m=()) -> dict:
     device = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     roof = measure_roofline(device, replays)
     rows: List[Dict] = []
     for tokens in tokens_list:
         for name, (n, k) in SHAPES.items():
-            r = bench_linear(name, n, k, tokens, device, l2, replays, roof["bytes_per_s"])
+            r = bench_linear(name, n, k, tokens, device, l2, replays, roof["bytes_per_s"], small_m)
+            extra = "".join(f"  {key[:-3]} {us:.2f}" for key, us in r.items() if key.startswith("small_m_"))
             print(f"{name:8s} M={tokens} N={n:6d} K={k:6d}  bitdecode {r['bd_us']:7.2f} us ({r['bd_of_roofline']:.2f}x "
                   f"roofline)  cuBLAS {r['cublas_us']:7.2f} us ({r['cublas_of_roofline']:.2f}x)  "
-                  f"speedup {r['speedup']:.2f}", flush=True)
+                  f"speedup {r['speedup']:.2f}{extra}", flush=True)
             rows.append(r)
     after_norm = [bench_after_norm(name, *SHAPES[name], device, l2, replays) for name in ("qkv", "gate_up")]
     for r in after_norm:
@@ -161,7 +181,13 @@ def main(argv=None) -> int:
                    help=f"token counts, 1 to {dense.SMALL_M_MAX_TOKENS} (default {','.join(map(str, TOKENS))}: the "
                         f"GEMV's; {dense.GEMV_MAX_TOKENS + 1} and more time the small-M GEMM)")
     p.add_argument("--tag", default="", help="write dense_<tag>.json / .png instead of dense.json")
+    p.add_argument("--small-m", default="", help="also time the small-M GEMM itself at these configs, wWbB,... "
+                   "(W warps a CTA, B chunks loaded before use; the default kernel is w8b4), at every token count")
     args = p.parse_args(argv)
+    try:
+        small_m = parse_small_m(args.small_m)
+    except ValueError as exc:
+        p.error(str(exc))
     try:
         tokens = tuple(int(t) for t in args.tokens.split(","))
     except ValueError:
@@ -172,7 +198,7 @@ def main(argv=None) -> int:
         p.error(f"--tag must be a Python identifier, got {args.tag!r}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    run(args.out, args.replays, tokens, args.tag)
+    run(args.out, args.replays, tokens, args.tag, small_m)
     return 0
 
 
