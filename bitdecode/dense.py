@@ -212,21 +212,21 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor],
                   config: Optional[tuple] = None) -> torch.Tensor:
     """``GemmSmallMSm80`` on ``x2`` [tokens, K] (``_small_m_rows``'): y [tokens, N] (plus
-    ``residual`` [tokens, N], contiguous).  ``config``: (warps, batch) other than the
-    kernel's defaults (``profiles/bench_dense.py --small-m`` times them)."""
+    ``residual`` [tokens, N], contiguous).  ``config``: (warps, batch, row blocks a CTA)
+    other than the kernel's defaults (``profiles/bench_dense.py --small-m`` times them)."""
     from . import jit
     from .kernels_sm80.dense import SMALL_M_BATCH, SMALL_M_WARPS, compile_gemm_small_m
 
     arch = jit.target_arch(x2.device.index)
     bf16, k, tokens = x2.dtype == torch.bfloat16, weight.shape[1], x2.shape[0]
     has_residual = residual is not None
-    warps, batch = config or (SMALL_M_WARPS, SMALL_M_BATCH)
+    warps, batch, row_blocks = config or (SMALL_M_WARPS, SMALL_M_BATCH, 1)
 
     def build():
         return compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch), pdl=jit.has_pdl(arch),
-                                    has_residual=has_residual, warps=warps, batch=batch)
+                                    has_residual=has_residual, warps=warps, batch=batch, row_blocks=row_blocks)
 
-    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, warps, batch), build)
+    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, warps, batch, row_blocks), build)
     y = torch.empty(tokens, weight.shape[0], dtype=x2.dtype, device=x2.device)
     if has_residual:
         fn(x2, weight, residual, y)

@@ -222,12 +222,16 @@ class GemmSmallMSm80:
     stores the rows."""
 
     def __init__(self, is_bf16: bool, k: int, tokens: int, pdl: bool = False, warps: int = SMALL_M_WARPS,
-                 batch: int = SMALL_M_BATCH):
+                 batch: int = SMALL_M_BATCH, row_blocks: int = 1):
         # (1-3 tokens build too, for timing against the GEMV; the API sends those to the GEMV)
-        if not 1 <= tokens <= SMALL_M_MAX_TOKENS or k % (SMALL_M_CHUNK * warps) or not 1 <= batch:
+        if not 1 <= tokens <= SMALL_M_MAX_TOKENS or k % (SMALL_M_CHUNK * warps) or not 1 <= batch or row_blocks < 1:
             raise ValueError(f"the small-M GEMM takes 1..{SMALL_M_MAX_TOKENS} tokens, K % {SMALL_M_CHUNK * warps} "
-                             f"== 0 (warps={warps}) and batch >= 1, got {tokens} tokens, K={k}, batch={batch}")
+                             f"== 0 (warps={warps}), batch >= 1 and row_blocks >= 1, got {tokens} tokens, K={k}, "
+                             f"batch={batch}, row_blocks={row_blocks}")
         self.is_bf16, self.k, self.tokens, self.pdl, self.warps = is_bf16, k, tokens, pdl, warps
+        # 16-row blocks a CTA takes one after the other (1: one; more: fewer, longer-lived
+        # CTAs for tall matrices, whose many short CTAs run as waves)
+        self.row_blocks = row_blocks
         self.dtype = cute_float16(is_bf16)
         self.chunks = k // (SMALL_M_CHUNK * warps)  # per warp
         self.batch = max(d for d in range(1, batch + 1) if self.chunks % d == 0)
@@ -246,7 +250,8 @@ class GemmSmallMSm80:
 
     def launch(self, mX, mW, mR, mY, stream):
         """(plain Python, traced inside each entry point)"""
-        self.kernel(mX, mW, mR, mY).launch(grid=[(mW.shape[0] + SMALL_M_ROWS - 1) // SMALL_M_ROWS, 1, 1],
+        per_cta = SMALL_M_ROWS * self.row_blocks
+        self.kernel(mX, mW, mR, mY).launch(grid=[(mW.shape[0] + per_cta - 1) // per_cta, 1, 1],
                                            block=[WARP * self.warps, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -256,28 +261,49 @@ class GemmSmallMSm80:
         warp, lane = tidx // WARP, tidx % WARP
         g, quad = lane // 4, lane % 4
         n = mW.shape[0]
-        row0 = bid * SMALL_M_ROWS
+        first = bid * self.row_blocks * SMALL_M_ROWS  # the CTA's first row
         k0 = Int64(warp * (self.chunks * SMALL_M_CHUNK) + quad * VEC)  # this lane's first k
-        # rows past N (the last CTA) read row N-1 again and store nothing; token rows past
-        # the last fill B columns whose outputs are never stored
-        w_rows = [mW.iterator.toint() + (Int64(cutlass.min(row0 + g + 8 * h, n - 1)) * Int64(self.k) + k0)
-                  * ELEM_BYTES for h in range(2)]
+        # token rows past the last fill B columns whose outputs are never stored
         x_rows = [mX.iterator.toint()
                   + (Int64(cutlass.min(SMALL_M_TOKEN_TILE * t + g, self.tokens - 1)) * Int64(mX.stride[0]) + k0)
                   * ELEM_BYTES for t in range(self.tiles)]
-        step = SMALL_M_CHUNK * ELEM_BYTES  # bytes from one chunk of a row to the next
         smem = cutlass.memory.SmemAllocator()
         values = 4 * self.tiles  # accumulator values a lane holds
         red = smem.allocate_tensor(Float32, cute.make_layout((WARP, values, self.warps)), 16)
 
         if cutlass.const_expr(self.pdl):  # the first batch of weights into L2 while the previous kernel runs
+            w_rows = self.weight_rows(mW, first, g, k0, n)
             for j in cutlass.range_constexpr(self.batch):
                 for h in cutlass.range_constexpr(2):
-                    prefetch_l2(w_rows[h] + j * step)
+                    prefetch_l2(w_rows[h] + j * (SMALL_M_CHUNK * ELEM_BYTES))
             cute.arch.griddepcontrol_wait()
 
         mma = sm80.make_mma(self.dtype)
         thr = mma.get_slice(lane)
+        if cutlass.const_expr(self.row_blocks == 1):
+            self.row_block(mW, mR, mY, x_rows, red, mma, thr, warp, lane, first, k0, n)
+        else:
+            for i in cutlass.range(self.row_blocks, unroll=1):
+                row0 = first + i * SMALL_M_ROWS
+                if row0 < n:  # (uniform over the CTA: the barriers inside are safe)
+                    self.row_block(mW, mR, mY, x_rows, red, mma, thr, warp, lane, row0, k0, n)
+                    cute.arch.sync_threads()  # warp 0 has read ``red`` before the next block's partials land
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def weight_rows(self, mW: cute.Tensor, row0, g, k0: Int64, n):
+        """Byte addresses of this lane's first loads of weight rows ``row0 + g`` and ``+ 8``;
+        rows past N (the last block) read row N-1 again and store nothing."""
+        return [mW.iterator.toint() + (Int64(cutlass.min(row0 + g + 8 * h, n - 1)) * Int64(self.k) + k0)
+                * ELEM_BYTES for h in range(2)]
+
+    @cute.jit
+    def row_block(self, mW, mR, mY, x_rows, red, mma, thr, warp, lane, row0, k0: Int64, n):
+        """Rows ``row0 ..`` of y (16): the warp's slice of K in batches of chunks, then the
+        warps' tiles added and stored (``store``)."""
+        w_rows = self.weight_rows(mW, row0, lane // 4, k0, n)
+        step = SMALL_M_CHUNK * ELEM_BYTES  # bytes from one chunk of a row to the next
         accs = [cute.make_rmem_tensor(thr.partition_shape_C((SMALL_M_ROWS, SMALL_M_TOKEN_TILE)), Float32)
                 for _ in range(self.tiles)]
         for acc in accs:
@@ -292,8 +318,6 @@ class GemmSmallMSm80:
                 for q in cutlass.range_constexpr(2):
                     self.mma_words(mma, thr, ws[j], xs[j], q, accs)
         self.store(red, accs, mR, mY, warp, lane, row0, n)
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def mma_words(self, mma, thr, w_words, x_words, q, accs):
@@ -400,9 +424,10 @@ def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: st
 
 
 def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: bool = False,
-                         has_residual: bool = False, warps: int = SMALL_M_WARPS, batch: int = SMALL_M_BATCH):
-    """Compile ``GemmSmallMSm80`` for every N (K, the token count, the warps a CTA and the
-    load batch compiled in); ``has_residual`` its ``call_residual``."""
+                         has_residual: bool = False, warps: int = SMALL_M_WARPS, batch: int = SMALL_M_BATCH,
+                         row_blocks: int = 1):
+    """Compile ``GemmSmallMSm80`` for every N (K, the token count, the warps a CTA, the load
+    batch and the row blocks a CTA compiled in); ``has_residual`` its ``call_residual``."""
     dtype = cute_float16(is_bf16)
     n = cute.sym_int()
     x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
@@ -410,7 +435,7 @@ def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: 
     w = cute.runtime.make_fake_compact_tensor(dtype, (n, k), stride_order=(1, 0), assumed_align=16)
     y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl, warps, batch)
+    kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl, warps, batch, row_blocks)
     if has_residual:
         r = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
         return cute.compile(kernel.call_residual, x, w, r, y, stream, options=options)

@@ -13,8 +13,8 @@ model); CUDA events, median of the replays.  Roofline: the bytes a call must mov
     python3 profiles/bench_dense.py --out profiles/h200      # writes dense.json (+ dense.png)
     python3 profiles/bench_dense.py --tokens 4,8,16 --tag small_m --out profiles/h200
         # the small-M GEMM (mma.sync, 4-16 tokens) vs cuBLAS: dense_small_m.json
-    python3 profiles/bench_dense.py --tokens 1,3,8 --small-m w8b4,w4b8,w2b16 --tag sweep
-        # also the small-M GEMM at each (warps a CTA, load batch), any token count
+    python3 profiles/bench_dense.py --tokens 1,3,8 --small-m w8b4,w4b8,w8b4r4 --tag sweep
+        # also the small-M GEMM at each (warps a CTA, load batch, row blocks a CTA), any token count
 """
 
 from __future__ import annotations
@@ -41,13 +41,17 @@ TOKENS = tuple(range(1, dense.GEMV_MAX_TOKENS + 1))
 
 
 def parse_small_m(text: str) -> List[tuple]:
-    """``w8b4,w4b8`` -> [(8, 4), (4, 8)]: small-M GEMM configs (warps a CTA, load batch)."""
+    """``w8b4,w4b8r4`` -> [(8, 4, 1), (4, 8, 4)]: small-M GEMM configs (warps a CTA, load
+    batch, 16-row blocks a CTA: ``rR``, 1 when left out)."""
+    import re
+
     out = []
     for item in filter(None, text.split(",")):
-        w, sep, b = item.removeprefix("w").partition("b")
-        if not item.startswith("w") or not sep or not w.isdigit() or not b.isdigit() or int(w) < 1 or int(b) < 1:
-            raise ValueError(f"--small-m must be wWbB,... (warps a CTA, load batch), got {item!r}")
-        out.append((int(w), int(b)))
+        m = re.fullmatch(r"w([1-9]\d*)b([1-9]\d*)(?:r([1-9]\d*))?", item)
+        if not m:
+            raise ValueError(f"--small-m must be wWbB[rR],... (warps a CTA, load batch, row blocks a CTA), "
+                             f"got {item!r}")
+        out.append((int(m[1]), int(m[2]), int(m[3] or 1)))
     return out
 
 
@@ -63,10 +67,10 @@ def bench_linear(name: str, n: int, k: int, tokens: int, device, l2: int, replay
     row = {"name": name, "n": n, "k": k, "tokens": tokens, "rel_err_vs_cublas": err}
     timed = [("bd_us", lambda q: dense.linear(x, q, backend="kernel")),
              ("cublas_us", lambda q: torch.nn.functional.linear(x, q))]
-    for warps, batch in small_m:  # the small-M GEMM itself at this config (K must split over the warps)
+    for warps, batch, blocks in small_m:  # the small-M GEMM itself at this config (K must split over the warps)
         if k % (warps * 32) == 0:
-            timed.append((f"small_m_w{warps}b{batch}_us",
-                          lambda q, c=(warps, batch): dense._gemm_small_m(x, q, None, c)))
+            timed.append((f"small_m_w{warps}b{batch}r{blocks}_us",
+                          lambda q, c=(warps, batch, blocks): dense._gemm_small_m(x, q, None, c)))
     for key, fn in timed:
         calls = [(lambda q=ws[i % copies], fn=fn: fn(q)) for i in range(max(copies, MIN_CALLS))]
         row[key] = graph_time_us(calls, replays)
@@ -181,8 +185,9 @@ def main(argv=None) -> int:
                    help=f"token counts, 1 to {dense.SMALL_M_MAX_TOKENS} (default {','.join(map(str, TOKENS))}: the "
                         f"GEMV's; {dense.GEMV_MAX_TOKENS + 1} and more time the small-M GEMM)")
     p.add_argument("--tag", default="", help="write dense_<tag>.json / .png instead of dense.json")
-    p.add_argument("--small-m", default="", help="also time the small-M GEMM itself at these configs, wWbB,... "
-                   "(W warps a CTA, B chunks loaded before use; the default kernel is w8b4), at every token count")
+    p.add_argument("--small-m", default="", help="also time the small-M GEMM itself at these configs, wWbB[rR],... "
+                   "(W warps a CTA, B chunks loaded before use, R 16-row blocks a CTA; the default kernel is w8b4r1), "
+                   "at every token count")
     args = p.parse_args(argv)
     try:
         small_m = parse_small_m(args.small_m)

@@ -152,7 +152,8 @@ def test_bench_dense_arguments(capsys):
     _refused(bd_.main, ["--tokens", "4,x"], "--tokens must be integers", capsys)
     _refused(bd_.main, ["--tokens", "8", "--tag", "a/b"], "--tag must be a Python identifier", capsys)
     _refused(bd_.main, ["--small-m", "w8b4,8x4"], "--small-m must be wWbB", capsys)
-    assert bd_.parse_small_m("w8b4,w2b16") == [(8, 4), (2, 16)]
+    _refused(bd_.main, ["--small-m", "w8b0"], "--small-m must be wWbB", capsys)
+    assert bd_.parse_small_m("w8b4,w2b16r3") == [(8, 4, 1), (2, 16, 3)]
     if not torch.cuda.is_available():
         _refused(bd_.main, ["--tokens", "4,8,16", "--tag", "small_m"], "needs a CUDA GPU", capsys)
 

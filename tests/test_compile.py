@@ -517,10 +517,13 @@ def test_small_m_gemm_ptx(arch, tmp_path):
             assert "prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx
             assert ptx.count("ld.global.v4.u32") == kernel.batch * kernel.tiles  # x, coherent after the wait
         assert _spills(ptx, arch, tmp_path) == 0, f"ptxas spills registers in the small-M GEMM ({k}, {tokens})"
-    for tokens, warps, batch in ((1, 4, 8), (3, 2, 16)):  # the configs bench_dense --small-m sweeps
-        kernel = GemmSmallMSm80(True, 14336, tokens, pdl, warps, batch)
-        ptx = compile_gemm_small_m(True, 14336, tokens, opts, pdl=pdl, warps=warps, batch=batch).artifacts.PTX
+    # the configs bench_dense --small-m sweeps: fewer warps, longer batches, several row blocks a CTA
+    for tokens, warps, batch, blocks in ((1, 4, 8, 1), (3, 2, 16, 1), (8, 8, 4, 4), (16, 4, 8, 2)):
+        kernel = GemmSmallMSm80(True, 14336, tokens, pdl, warps, batch, blocks)
+        ptx = compile_gemm_small_m(True, 14336, tokens, opts, pdl=pdl, warps=warps, batch=batch,
+                                   row_blocks=blocks).artifacts.PTX
         assert ptx.count("ld.global.nc.L1::no_allocate.v4.u32") == 2 * kernel.batch and kernel.batch == batch
+        assert ptx.count("bar.sync") == (1 if blocks == 1 else 2)  # several blocks: red is free again
         assert _spills(ptx, arch, tmp_path) == 0, f"ptxas spills registers in the small-M GEMM (w{warps}b{batch})"
     with pytest.raises(ValueError, match="1..16 tokens"):
         GemmSmallMSm80(True, 4096, 17)

@@ -159,6 +159,15 @@ def test_gpu_small_m_gemm_is_the_product(dtype, tokens, n, k):
     assert torch.equal(auto, y if dense.small_m_wins(tokens, n, k) else torch.nn.functional.linear(x[:, None], w))
     with pytest.raises(ValueError, match="small-M GEMM kernel needs no bias"):
         dense.linear(x, w, torch.zeros(n, device="cuda", dtype=dtype), backend="kernel")
+    # the configs bench_dense sweeps: each 16-row block is computed as by the default, so the
+    # same bits (several row blocks a CTA, the last one partial or past N; fewer warps)
+    if k % 128 == 0:
+        for config in ((8, 4, 3), (4, 8, 2), (8, 2, 1)):
+            other = dense._gemm_small_m(x, w, None, config)
+            if config[0] == 8:
+                assert torch.equal(other, y[:, 0]), config
+            else:  # (K split over fewer warps: another summation order)
+                assert bool(((other.double() - ref).abs() <= bound).all()), config
 
 
 @pytest.mark.gpu
