@@ -64,11 +64,17 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                f"more go to cuBLAS), got {tokens}", None
     if k % layout.GEMV_ROW_STEP:
         return f"K a multiple of {layout.GEMV_ROW_STEP}, got {k}", None
-    if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
-        return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}", None
     if bias is not None and not bias.is_contiguous():
         return f"a contiguous bias, got stride {bias.stride()}", None
-    rows = x.reshape(-1, k)
+    return _weight_and_rows(x, weight)
+
+
+def _weight_and_rows(x: torch.Tensor, weight: torch.Tensor):
+    """(why the projection kernels cannot read ``weight`` and ``x``'s rows, "" when they can;
+    x as [tokens, K] rows when they can, else None)."""
+    if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
+        return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}", None
+    rows = x.reshape(-1, weight.shape[1])
     if rows.stride(1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
         return f"x with contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned " \
                f"storage, got strides {x.stride()}", None
@@ -91,13 +97,7 @@ def _small_m_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return "no bias", None
     if k % step:
         return f"K a multiple of {step}, got {k}", None
-    if not weight.is_contiguous() or not _aligned(weight) or weight.shape[0] == 0:
-        return f"a contiguous, 16-byte aligned, non-empty weight, got strides {weight.stride()}", None
-    rows = x.reshape(-1, k)
-    if rows.stride(1) != 1 or rows.stride(0) % layout.VEC or not _aligned(rows):
-        return f"x with contiguous channels, a row stride that is a multiple of {layout.VEC} and 16-byte aligned " \
-               f"storage, got strides {x.stride()}", None
-    return "", rows
+    return _weight_and_rows(x, weight)
 
 
 # "auto" takes the small-M GEMM for 8-16 tokens on weights of at most this many values, where

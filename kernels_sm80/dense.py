@@ -405,22 +405,28 @@ def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: st
     """Compile ``GemvSm80`` for every N (K and the token count compiled in; ``pdl`` for
     sm_90+, which also picks the load batch: ``batch_for``); ``has_bias`` its
     ``call_bias``, ``has_residual`` its ``call_residual`` (one or the other)."""
+    x, w, y, r, stream = _fake_projection(is_bf16, k, tokens)
+    kernel = GemvSm80(is_bf16, k, tokens, batch_for(k, tokens, pdl), pdl)
+    assert not (has_bias and has_residual), "a bias or a residual"
+    if has_bias:
+        b = cute.runtime.make_fake_compact_tensor(cute_float16(is_bf16), (w.shape[0],), assumed_align=2)
+        return cute.compile(kernel.call_bias, x, w, b, y, Int32(1), stream, options=options)
+    if has_residual:
+        return cute.compile(kernel.call_residual, x, w, r, y, Int32(1), stream, options=options)
+    return cute.compile(kernel, x, w, y, Int32(1), stream, options=options)
+
+
+def _fake_projection(is_bf16: bool, k: int, tokens: int):
+    """The fake operands both projection kernels compile for: x [tokens, K] (a row stride
+    that is a multiple of 8), w [N, K], y and a residual [tokens, N] (N symbolic), a stream."""
     dtype = cute_float16(is_bf16)
     n = cute.sym_int()
     x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
                                       assumed_align=16)
     w = cute.runtime.make_fake_compact_tensor(dtype, (n, k), stride_order=(1, 0), assumed_align=16)
-    y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = GemvSm80(is_bf16, k, tokens, batch_for(k, tokens, pdl), pdl)
-    assert not (has_bias and has_residual), "a bias or a residual"
-    if has_bias:
-        b = cute.runtime.make_fake_compact_tensor(dtype, (n,), assumed_align=2)
-        return cute.compile(kernel.call_bias, x, w, b, y, Int32(1), stream, options=options)
-    if has_residual:
-        r = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
-        return cute.compile(kernel.call_residual, x, w, r, y, Int32(1), stream, options=options)
-    return cute.compile(kernel, x, w, y, Int32(1), stream, options=options)
+    y, r = (cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
+            for _ in range(2))
+    return x, w, y, r, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: bool = False,
@@ -428,16 +434,9 @@ def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: 
                          row_blocks: int = 1):
     """Compile ``GemmSmallMSm80`` for every N (K, the token count, the warps a CTA, the load
     batch and the row blocks a CTA compiled in); ``has_residual`` its ``call_residual``."""
-    dtype = cute_float16(is_bf16)
-    n = cute.sym_int()
-    x = cute.runtime.make_fake_tensor(dtype, (tokens, k), stride=(cute.sym_int64(divisibility=VEC), 1),
-                                      assumed_align=16)
-    w = cute.runtime.make_fake_compact_tensor(dtype, (n, k), stride_order=(1, 0), assumed_align=16)
-    y = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    x, w, y, r, stream = _fake_projection(is_bf16, k, tokens)
     kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl, warps, batch, row_blocks)
     if has_residual:
-        r = cute.runtime.make_fake_compact_tensor(dtype, (tokens, n), stride_order=(1, 0), assumed_align=2)
         return cute.compile(kernel.call_residual, x, w, r, y, stream, options=options)
     return cute.compile(kernel, x, w, y, stream, options=options)
 
