@@ -31,7 +31,8 @@ from typing import Dict, List, Tuple
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 FORMATS = {"4c128": (4, "channel", 128), "4c64": (4, "channel", 64), "2c128": (2, "channel", 128),
-           "2c64": (2, "channel", 64), "4t64": (4, "token", 64), "2t64": (2, "token", 64)}
+           "2c64": (2, "channel", 64), "4t64": (4, "token", 64), "2t64": (2, "token", 64),
+           "k4v2c128": (4, "channel", 128, 2)}  # (bits, k_mode, group_size[, v_bits]): KVFormat's order
 DEFAULT_SHAPES = "1x4096,1x32768,1x131072,8x65536,16x32768,16x65536"
 HQ, HKV, D = 32, 8, 128
 
