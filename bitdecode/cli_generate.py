@@ -96,9 +96,10 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                      help="skip the run with transformers' default 16-bit cache")
     gen.add_argument("--seed", type=int, default=0, help="seed of the random weights / prompt (default: 0)")
     gen.add_argument("--fuse", action="store_true",
-                     help="run the model's RMSNorms, rotary embedding and projections on bitdecode's kernels "
-                          "(bitdecode.hf.fuse_norms / fuse_rope / fuse_projections), for every row: fewer "
-                          "kernels per decode step, outputs equal up to rounding order")
+                     help="run the model's RMSNorms (with the residual adds of Llama-family layers), rotary "
+                          "embedding and projections on bitdecode's kernels (bitdecode.hf.fuse_norms / fuse_rope / "
+                          "fuse_projections), for every row: fewer kernels per decode step, outputs equal up to "
+                          "rounding order")
     fmt = p.add_argument_group("KV format and where it runs")
     fmt.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4],
                      help="bit widths to run, one generation each (default: 4)")
