@@ -294,20 +294,18 @@ def _is_residual_block(forward) -> bool:
     """Whether ``forward`` (a decoder layer class's) is ``_RESIDUAL_BLOCK``: its
     parameters after ``hidden_states`` all reach ``self_attn`` by name, with ``**kwargs``."""
     import ast
-    import textwrap
 
     try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))).body[0]
+        node = _function_node(forward)
     except (OSError, TypeError, SyntaxError):
         return False
     a = node.args
     names = [x.arg for x in a.args]
     if names[:2] != ["self", "hidden_states"] or a.kwarg is None or a.vararg or a.kwonlyargs or a.posonlyargs:
         return False
-    body = node.body[1:] if node.body and isinstance(node.body[0], ast.Expr) else node.body
     keywords = "".join(f"{n}={n}, " for n in names[2:])
     want = ast.parse(_RESIDUAL_BLOCK.format(keywords=keywords)).body
-    return len(body) == len(want) and all(ast.dump(x) == ast.dump(y) for x, y in zip(body, want))
+    return len(node.body) == len(want) and all(ast.dump(x) == ast.dump(y) for x, y in zip(node.body, want))
 
 
 @functools.lru_cache(maxsize=None)
@@ -329,7 +327,7 @@ def _fused_residual_forward(self, hidden_states: torch.Tensor, *args, **kwargs) 
     residual = hidden_states
     hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **passed, **kwargs)
     residual, hidden_states = self.post_attention_layernorm.add_forward(hidden_states, residual)
-    if getattr(vars(self.mlp).get("forward"), "__func__", None) is _swiglu_mlp_forward:
+    if _own_forward(self.mlp) is _swiglu_mlp_forward:
         return self.mlp.forward(hidden_states, residual=residual)  # the last add in down_proj's GEMV
     return residual + self.mlp(hidden_states)
 
@@ -363,7 +361,7 @@ def unfuse_norms(model: torch.nn.Module) -> int:
     copy); returns how many."""
     count = 0
     for layer in model.modules():
-        if getattr(vars(layer).get("forward"), "__func__", None) is _fused_residual_forward:
+        if _own_forward(layer) is _fused_residual_forward:
             del layer.forward, layer._bitdecode_attention_params
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -381,8 +379,8 @@ def unfuse_norms(model: torch.nn.Module) -> int:
 _ROPE_ORIGINALS: dict = {}  # modeling module name -> its own apply_rotary_pos_emb
 
 
-def _body(fn) -> str:
-    """A function's code without its decorators and docstring (an AST dump)."""
+def _function_node(fn):
+    """A function's syntax tree without its decorators and docstring."""
     import ast
     import textwrap
 
@@ -390,7 +388,20 @@ def _body(fn) -> str:
     node.decorator_list = []
     if node.body and isinstance(node.body[0], ast.Expr) and isinstance(getattr(node.body[0], "value", None), ast.Constant):
         node.body = node.body[1:]
-    return ast.dump(node)
+    return node
+
+
+def _body(fn) -> str:
+    """A function's code without its decorators and docstring (an AST dump)."""
+    import ast
+
+    return ast.dump(_function_node(fn))
+
+
+def _own_forward(module: torch.nn.Module):
+    """The function bound as ``module``'s own ``forward`` (one of this module's patches),
+    None where it runs its class's."""
+    return getattr(vars(module).get("forward"), "__func__", None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -651,7 +662,7 @@ def unfuse_projections(model: torch.nn.Module) -> int:
     how many projections were replaced."""
     count = 0
     for parent in list(model.modules()):
-        if getattr(vars(parent).get("forward"), "__func__", None) is _swiglu_mlp_forward:
+        if _own_forward(parent) is _swiglu_mlp_forward:
             del parent.forward
         for name, child in list(parent.named_children()):
             if isinstance(child, (ProjectionSlice, Projection)):

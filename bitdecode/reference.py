@@ -569,8 +569,7 @@ def kernel_tolerance(q: torch.Tensor, cache, ref: torch.Tensor, factor: float = 
     dtype (as the reference), or K's exact values (K's scale in Q: the reference's rounding
     of K is then an error the kernel does not make, up to 2^-9 of each K element in bf16)."""
     scale = q.shape[-1] ** -0.5
-    err = max((rounded_p_attention(q, cache, scale, exact) - ref).abs().max().item() for exact in (False, True))
-    return factor * err + factor * 1e-3 * max(ref.abs().max().item(), 1.0)
+    return max(decode_tolerance(rounded_p_attention(q, cache, scale, exact), ref, factor) for exact in (False, True))
 
 
 def decode_tolerance(rounded: torch.Tensor, ref: torch.Tensor, factor: float = 2.0) -> float:
