@@ -57,8 +57,7 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     why = dispatch.float16_kernel_fit(ts)
     if why:
         return why, None
-    tokens = x.numel() // max(x.shape[-1], 1)
-    k = weight.shape[1]
+    tokens, k = _tokens(x), weight.shape[1]
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
         return f"1 to {GEMV_MAX_TOKENS} rows of x (backend='kernel': up to {SMALL_M_MAX_TOKENS} on the small-M GEMM; " \
                f"more go to cuBLAS), got {tokens}", None
@@ -84,20 +83,21 @@ def _weight_and_rows(x: torch.Tensor, weight: torch.Tensor):
 def _small_m_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
     """(why the small-M GEMM cannot run ``linear(x, weight, bias)``, "" when it can; x as
     its [tokens, K] rows when it can, else None)."""
-    from .kernels_sm80.dense import SMALL_M_WARPS
-
     why = dispatch.float16_kernel_fit((x, weight))
     if why:
         return why, None
-    tokens, k = x.numel() // max(x.shape[-1], 1), weight.shape[1]
-    step = layout.SMALL_M_CHUNK * SMALL_M_WARPS
-    if not GEMV_MAX_TOKENS < tokens <= SMALL_M_MAX_TOKENS:
-        return f"{GEMV_MAX_TOKENS + 1} to {SMALL_M_MAX_TOKENS} rows of x, got {tokens}", None
+    if not GEMV_MAX_TOKENS < _tokens(x) <= SMALL_M_MAX_TOKENS:
+        return f"{GEMV_MAX_TOKENS + 1} to {SMALL_M_MAX_TOKENS} rows of x, got {_tokens(x)}", None
     if bias is not None:
         return "no bias", None
-    if k % step:
-        return f"K a multiple of {step}, got {k}", None
+    if weight.shape[1] % layout.SMALL_M_K_STEP:
+        return f"K a multiple of {layout.SMALL_M_K_STEP}, got {weight.shape[1]}", None
     return _weight_and_rows(x, weight)
+
+
+def _tokens(x: torch.Tensor) -> int:
+    """Rows of ``x`` [..., K]: the tokens a projection takes."""
+    return x.numel() // max(x.shape[-1], 1)
 
 
 # "auto" takes the small-M GEMM for 8-16 tokens on weights of at most this many values, where
@@ -110,8 +110,9 @@ SMALL_M_AUTO_WEIGHTS = 4096 * 4096
 
 
 def small_m_wins(tokens: int, n: int, k: int) -> bool:
-    """Whether "auto" runs an (N, K) projection of ``tokens`` rows on the small-M GEMM."""
-    return 8 <= tokens <= SMALL_M_MAX_TOKENS and n * k <= SMALL_M_AUTO_WEIGHTS
+    """Whether "auto" runs an (N, K) projection of ``tokens`` rows on the small-M GEMM (a
+    full token tile or more)."""
+    return layout.SMALL_M_TOKEN_TILE <= tokens <= SMALL_M_MAX_TOKENS and n * k <= SMALL_M_AUTO_WEIGHTS
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
@@ -144,25 +145,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         _validate.tensor("residual", residual, dtypes=[x.dtype], shape=(*x.shape[:-1], weight.shape[0]),
                          device=x.device)
     why, rows = _gemv_rows(x, weight, bias)
-    tokens = x.numel() // max(x.shape[-1], 1)
+    run, what, tokens = _gemv, "GEMV", _tokens(x)
     if why and GEMV_MAX_TOKENS < tokens <= SMALL_M_MAX_TOKENS and (
             backend == "kernel" or (backend == "auto" and small_m_wins(tokens, *weight.shape))):
-        why, rows = _small_m_rows(x, weight, bias)
-        if dispatch.kernel_runs(backend, why, "small-M GEMM"):
-            y = _gemm_small_m(rows, weight, residual.reshape(rows.shape[0], -1).contiguous()
-                              if residual is not None else None)
-            return y.view(*x.shape[:-1], y.shape[1])
-    if not dispatch.kernel_runs(backend, why, "GEMV"):
+        (why, rows), run, what = _small_m_rows(x, weight, bias), _gemm_small_m, "small-M GEMM"
+    if not dispatch.kernel_runs(backend, why, what):
         y = torch.nn.functional.linear(x, weight, bias)
         return y if residual is None else residual + y
-    res_rows = None
-    if residual is not None and bias is None:
-        res_rows = residual.reshape(rows.shape[0], weight.shape[0])
-        if not res_rows.is_contiguous():
-            res_rows = None
-    y = _gemv(rows, weight, bias, res_rows)
+    in_kernel = residual is not None and bias is None  # (the epilogues add a residual or a bias)
+    y = run(rows, weight, bias, residual.reshape(rows.shape[0], -1).contiguous() if in_kernel else None)
     y = y.view(*x.shape[:-1], y.shape[1])
-    return y if residual is None or res_rows is not None else residual + y
+    return y if residual is None or in_kernel else residual + y
 
 
 # (device index, dtype, N, K, tokens, bias, residual) -> (compiled GEMV, rows per warp): a
@@ -209,24 +202,26 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return y
 
 
-def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor],
-                  config: Optional[tuple] = None) -> torch.Tensor:
-    """``GemmSmallMSm80`` on ``x2`` [tokens, K] (``_small_m_rows``'): y [tokens, N] (plus
-    ``residual`` [tokens, N], contiguous).  ``config``: (warps, batch, row blocks a CTA)
-    other than the kernel's defaults (``profiles/bench_dense.py --small-m`` times them)."""
+def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, bias: None = None,
+                  residual: Optional[torch.Tensor] = None, config: Optional[tuple] = None) -> torch.Tensor:
+    """``GemmSmallMSm80`` on ``x2`` [tokens, K] (``_small_m_rows``': no bias, the argument
+    only mirrors ``_gemv``'s): y [tokens, N] (plus ``residual`` [tokens, N], contiguous).
+    ``config``: (warps, batch, row blocks a CTA) other than the kernel's defaults
+    (``profiles/bench_dense.py --small-m`` times them)."""
     from . import jit
-    from .kernels_sm80.dense import SMALL_M_BATCH, SMALL_M_WARPS, compile_gemm_small_m
+    from .kernels_sm80.dense import compile_gemm_small_m
 
+    assert bias is None, "the small-M GEMM takes no bias"
     arch = jit.target_arch(x2.device.index)
     bf16, k, tokens = x2.dtype == torch.bfloat16, weight.shape[1], x2.shape[0]
     has_residual = residual is not None
-    warps, batch, row_blocks = config or (SMALL_M_WARPS, SMALL_M_BATCH, 1)
+    extra = {} if config is None else dict(zip(("warps", "batch", "row_blocks"), config))
 
     def build():
         return compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch), pdl=jit.has_pdl(arch),
-                                    has_residual=has_residual, warps=warps, batch=batch, row_blocks=row_blocks)
+                                    has_residual=has_residual, **extra)
 
-    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, warps, batch, row_blocks), build)
+    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, config), build)
     y = torch.empty(tokens, weight.shape[0], dtype=x2.dtype, device=x2.device)
     if has_residual:
         fn(x2, weight, residual, y)

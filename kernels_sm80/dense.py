@@ -56,7 +56,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from ..layouts import sm80
 from ..layouts.dense import ELEM_BYTES, GEMV_MAX_TOKENS as MAX_TOKENS, GEMV_ROW_STEP as ROW_STEP
-from ..layouts.dense import SMALL_M_CHUNK, SMALL_M_MAX_TOKENS, SMALL_M_ROWS, SMALL_M_TOKEN_TILE
+from ..layouts.dense import SMALL_M_CHUNK, SMALL_M_MAX_TOKENS, SMALL_M_ROWS, SMALL_M_TOKEN_TILE, SMALL_M_WARPS
 from ..layouts.dense import VEC, VEC_BYTES, small_m_slots
 from ..layouts.resources import L2_LINE_BYTES as LINE_BYTES
 from .act_quant import _load16, _store_words
@@ -73,7 +73,6 @@ MAX_ROWS_PER_WARP = 8  # the most measured
 # (12.x, sm_90a) held the one-row-per-warp version to 56-64 registers and spilled at every
 # unroll tried; 4 tokens were not tried with the load batches.
 SILU_THREADS = 128
-SMALL_M_WARPS = 8  # warps of a GemmSmallMSm80 CTA, each a slice of K
 SMALL_M_BATCH = 4  # chunks a warp loads before it uses them (at most: a divisor of its chunks)
 
 

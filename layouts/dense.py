@@ -21,6 +21,8 @@ SMALL_M_MAX_TOKENS = 16  # tokens it takes (GEMV_MAX_TOKENS + 1 up to this)
 SMALL_M_ROWS = sm80.MMA_SHAPE[0]  # weight rows a CTA owns
 SMALL_M_TOKEN_TILE = sm80.MMA_SHAPE[1]  # tokens an MMA takes
 SMALL_M_CHUNK = 4 * VEC  # k values a quad of lanes loads per step (4 x 16 bytes): two MMAs
+SMALL_M_WARPS = 8  # warps of a CTA (its default build), each a slice of K
+SMALL_M_K_STEP = SMALL_M_CHUNK * SMALL_M_WARPS  # K is a multiple: every warp streams whole chunks
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,4 +67,4 @@ def small_m_slots() -> Tuple[Tuple[Tuple[int, int], ...], Tuple[int, ...], Tuple
 
 
 __all__ = ["VEC_BYTES", "ELEM_BYTES", "VEC", "GEMV_ROW_STEP", "GEMV_MAX_TOKENS", "SMALL_M_MAX_TOKENS",
-           "SMALL_M_ROWS", "SMALL_M_TOKEN_TILE", "SMALL_M_CHUNK", "small_m_slots"]
+           "SMALL_M_ROWS", "SMALL_M_TOKEN_TILE", "SMALL_M_CHUNK", "SMALL_M_WARPS", "SMALL_M_K_STEP", "small_m_slots"]

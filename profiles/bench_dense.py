@@ -70,7 +70,7 @@ def bench_linear(name: str, n: int, k: int, tokens: int, device, l2: int, replay
     for warps, batch, blocks in small_m:  # the small-M GEMM itself at this config (K must split over the warps)
         if k % (warps * 32) == 0:
             timed.append((f"small_m_w{warps}b{batch}r{blocks}_us",
-                          lambda q, c=(warps, batch, blocks): dense._gemm_small_m(x, q, None, c)))
+                          lambda q, c=(warps, batch, blocks): dense._gemm_small_m(x, q, config=c)))
     for key, fn in timed:
         calls = [(lambda q=ws[i % copies], fn=fn: fn(q)) for i in range(max(copies, MIN_CALLS))]
         row[key] = graph_time_us(calls, replays)

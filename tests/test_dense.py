@@ -56,7 +56,7 @@ def test_auto_takes_the_small_m_gemm_where_it_measured_faster(monkeypatch):
     The kernel's launch is replaced by the torch maths: this checks the routing, on the CPU."""
     ran = []
 
-    def fake(x2, weight, residual):
+    def fake(x2, weight, bias, residual):
         ran.append((x2.shape[0], *weight.shape))
         y = torch.nn.functional.linear(x2, weight)
         return y if residual is None else residual + y
@@ -163,7 +163,7 @@ def test_gpu_small_m_gemm_is_the_product(dtype, tokens, n, k):
     # same bits (several row blocks a CTA, the last one partial or past N; fewer warps)
     if k % 128 == 0:
         for config in ((8, 4, 3), (4, 8, 2), (8, 2, 1)):
-            other = dense._gemm_small_m(x, w, None, config)
+            other = dense._gemm_small_m(x, w, config=config)
             if config[0] == 8:
                 assert torch.equal(other, y[:, 0]), config
             else:  # (K split over fewer warps: another summation order)
@@ -177,7 +177,7 @@ def test_gpu_small_m_gemm_is_the_product(dtype, tokens, n, k):
 def test_gpu_gemv_residual_is_torchs_add(dtype, tokens, n, k):
     """The GEMV's residual epilogue: bit for bit the kernel's own product plus the residual
     as torch adds them (a decoder layer's last add), in a (tokens, 1, N) decode shape; a
-    residual with strided rows takes the product then torch's add."""
+    residual with strided rows too (a contiguous copy into the epilogue)."""
     x, w, _ = _operands(tokens, n, k, dtype, "cuda", False, None)
     r = torch.randn(tokens, 1, n, device="cuda").mul(8).to(dtype)
     y = dense.linear(x[:, None], w, backend="kernel")
