@@ -302,7 +302,8 @@ def _norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool,
     return y.reshape(*lead, k), q.reshape(*lead, k), s.reshape(lead)
 
 
-def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool, quantize: bool = True):
+def _norm_fn(x: torch.Tensor, eps: float, gated: bool = False, quantize: bool = True, residual: bool = False):
+    """The norm kernel for ``x``'s dtype and device with these constexprs (compiled once)."""
     bf16 = x.dtype == torch.bfloat16
     arch = _arch(x.device)
 
@@ -310,9 +311,13 @@ def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated:
         from .kernels_sm80 import act_quant
 
         return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated, quantize,
-                                            pdl=jit.has_pdl(arch))
+                                            pdl=jit.has_pdl(arch), residual=residual)
 
-    fn = _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize), build)
+    return _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize, residual), build)
+
+
+def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool, quantize: bool = True):
+    fn = _norm_fn(x, eps, gated, quantize)
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if not quantize:  # the norm alone (its own entry point: y only)
         fn(x, weight, y)
@@ -353,17 +358,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x2, r2 = (_aligned(t.reshape(-1, k)).detach() for t in (x, residual))
     if x2.shape[0] == 0:
         return residual + x, x.new_empty(x.shape)
-    bf16, arch = x.dtype == torch.bfloat16, _arch(x.device)
-
-    def build():
-        from .kernels_sm80 import act_quant
-
-        return act_quant.compile_norm_quant(bf16, ACT_EPS, float(eps), jit.compile_options(arch), quantize=False,
-                                            pdl=jit.has_pdl(arch), residual=True)
-
-    fn = _compile(("add_rms_norm", arch, bf16, float(eps)), build)
     h, y = torch.empty_like(x2), torch.empty_like(x2)
-    fn(x2, r2, _aligned(weight).detach(), h, y)
+    _norm_fn(x2, float(eps), quantize=False, residual=True)(x2, r2, _aligned(weight).detach(), h, y)
     return h.reshape(*lead, k), y.reshape(*lead, k)
 
 
