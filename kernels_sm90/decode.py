@@ -94,6 +94,11 @@ LAZY_MARGIN = 2.0
 K_SHIFT_LOG2 = packing.EXP_BIAS["fp16"]
 
 
+def dot2(a, b):
+    """``a . b`` of two fp32 pairs."""
+    return a[0] * b[0] + a[1] * b[1]
+
+
 class Barrier:
     """Named barriers (id 0 is __syncthreads): three per consumer warpgroup (consumer ``c``
     uses ``MAX + PER_CONSUMER c`` ..), then two of the whole CTA after the last consumer's."""
@@ -612,12 +617,14 @@ class DecodeSm90(PackedDecodeConfig):
             if self.raw_k:
                 r_lo, r_hi = ptx.half_pair_to_f32(qs2, False)
                 osum += (r_lo + r_hi) * offset
-            q_lo, q_hi = ptx.half_pair_to_f32(q2, self.is_bf16)
-            s_lo, s_hi = ptx.half_pair_to_f32(s2, self.is_bf16)
-            z_lo, z_hi = ptx.half_pair_to_f32(z2, self.is_bf16)
-            zsum += q_lo * z_lo + q_hi * z_hi
-            ssum += q_lo * s_lo + q_hi * s_hi
+            q, sc, z = self.widened(q2, s2, z2)
+            zsum += dot2(q, z)
+            ssum += dot2(q, sc)
         return zsum + Float32(self.k_center) * ssum - osum
+
+    def widened(self, q2, s2, z2):
+        """A B-tile pair's Q, scale and zero words, each widened to an fp32 pair."""
+        return tuple(ptx.half_pair_to_f32(w, self.is_bf16) for w in (q2, s2, z2))
 
     def scale_row_shifted(self, pairs, row, head):
         """``k_shift`` (bf16 kernels with the fold): this thread's pairs of ``Q o s / mult``
@@ -630,15 +637,13 @@ class DecodeSm90(PackedDecodeConfig):
         big = Float32(0.0)
         products = []  # (column, low, high, offset) of this thread's pairs
         for kt, half, col, q2, s2, z2 in pairs:
-            q_lo, q_hi = ptx.half_pair_to_f32(q2, True)
-            s_lo, s_hi = ptx.half_pair_to_f32(s2, True)
-            z_lo, z_hi = ptx.half_pair_to_f32(z2, True)
+            q, sc, z = self.widened(q2, s2, z2)
             inv, offset = self.mult_inverse(kt, half)
-            lo, hi = q_lo * s_lo * inv, q_hi * s_hi * inv
+            lo, hi = q[0] * sc[0] * inv, q[1] * sc[1] * inv
             big = cute.arch.fmax(big, cute.arch.fmax(ptx.fabs(lo), ptx.fabs(hi)))
             products.append((col, lo, hi, offset))
-            zsum += q_lo * z_lo + q_hi * z_hi
-            ssum += q_lo * s_lo + q_hi * s_hi
+            zsum += dot2(q, z)
+            ssum += dot2(q, sc)
         big = across_lanes(big, self.scale_lanes[0], cute.arch.fmax)
         e = cutlass.max(ptx.f32_exponent(ptx.f32_bits(big)) - (K_SHIFT_LOG2 - 1), cutlass.Int32(0))
         down, up = ptx.pow2(-e), ptx.pow2(e)
