@@ -313,7 +313,7 @@ def token_rows(t: torch.Tensor) -> torch.Tensor:
     each row contiguous, any 16-byte multiple between tokens and between sequences): itself
     where it is laid out so, e.g. a slice of a merged q / k / v projection's output, which
     ``contiguous()`` would copy at B > 1; else a contiguous copy."""
-    div = 16 // t.element_size()
+    div = sm80.CHUNK_BYTES // t.element_size()
     if t.stride(3) == 1 and t.stride(2) == t.shape[3] and t.stride(1) % div == 0 and t.stride(0) % div == 0:
         return t
     return t.contiguous()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts import sm80
+
 _TORCH_TO_CUTE = {}
 
 
@@ -26,10 +28,10 @@ def cute_dtype(dtype: torch.dtype):
 
 def fake_tensor(dtype, shape):
     """Row-major fake tensor: ``None`` dims are symbolic; strides are static while every
-    dim to their right is static, symbolic (16-byte divisible) beyond that."""
+    dim to their right is static, symbolic (``sm80.CHUNK_BYTES``-divisible) beyond that."""
     import cutlass.cute as cute
 
-    div = max(128 // dtype.width, 1)
+    div = max(8 * sm80.CHUNK_BYTES // dtype.width, 1)
     sizes = tuple(cute.sym_int() if s is None else s for s in shape)
     strides = []
     acc, dynamic = 1, False
