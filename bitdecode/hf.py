@@ -384,11 +384,24 @@ def _function_node(fn):
     import ast
     import textwrap
 
-    node = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))).body[0]
+    node = ast.parse(textwrap.dedent(inspect.getsource(_plain_function(fn)))).body[0]
     node.decorator_list = []
     if node.body and isinstance(node.body[0], ast.Expr) and isinstance(getattr(node.body[0], "value", None), ast.Constant):
         node.body = node.body[1:]
     return node
+
+
+def _plain_function(fn):
+    """The Python function behind ``fn``: unwrapped from decorators, and from the module
+    that transformers' ``use_kernel_forward_from_hub`` makes of a function where the
+    ``kernels`` package is installed (transformers 5.25: an ``nn.Module`` whose forward
+    calls the function it closes over as ``func``)."""
+    if isinstance(fn, torch.nn.Module):
+        inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        if not inspect.isfunction(inner):
+            raise TypeError(f"{type(fn).__qualname__} wraps no Python function bitdecode can read")
+        fn = inner
+    return inspect.unwrap(fn)
 
 
 def _body(fn) -> str:
@@ -445,7 +458,11 @@ def fuse_rope(model: torch.nn.Module, backend: str = "auto") -> List[str]:
         if getattr(fn, "_bitdecode_rope", False):
             patched.append(mod_name)
             continue
-        if _body(fn) != _llama_rope_body():
+        try:
+            llama_like = _body(fn) == _llama_rope_body()
+        except (OSError, TypeError):  # no source to read (a compiled or foreign function): not Llama's
+            llama_like = False
+        if not llama_like:
             continue
         _ROPE_ORIGINALS[mod_name] = fn
         module.apply_rotary_pos_emb = _fused_rope(fn, backend)
