@@ -7,8 +7,9 @@ once; on sm_90+ it starts fetching them while the previous kernel finishes), oth
 cuBLAS through torch.  Its sums run in another order than cuBLAS's, so outputs agree to the
 16-bit rounding, not bit for bit.  ``backend="kernel"`` with ``GEMV_MAX_TOKENS`` to
 ``SMALL_M_MAX_TOKENS`` rows runs ``kernels_sm80.dense.GemmSmallMSm80`` (mma.sync, the weights
-streamed straight into the MMA's registers); "auto" takes it only where it measured faster
-than cuBLAS (``small_m_wins``: 8-16 tokens on o_proj-sized weights).  ``silu_mul(gate_up)`` is ``F.silu(gate) * up`` over the
+streamed straight into the MMA's registers); "auto" takes each kernel only where it measured
+faster than cuBLAS (``small_m_wins``: 3-16 tokens on weights up to q/k/v's size;
+``gemv_wins``).  ``silu_mul(gate_up)`` is ``F.silu(gate) * up`` over the
 halves of the last dim, bit for bit, in one launch.  ``bitdecode.hf.fuse_projections(model)``
 puts both in a transformers model's layers.
 """
@@ -86,8 +87,8 @@ def _small_m_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     why = dispatch.float16_kernel_fit((x, weight))
     if why:
         return why, None
-    if not GEMV_MAX_TOKENS < _tokens(x) <= SMALL_M_MAX_TOKENS:
-        return f"{GEMV_MAX_TOKENS + 1} to {SMALL_M_MAX_TOKENS} rows of x, got {_tokens(x)}", None
+    if not 1 <= _tokens(x) <= SMALL_M_MAX_TOKENS:
+        return f"1 to {SMALL_M_MAX_TOKENS} rows of x, got {_tokens(x)}", None
     if bias is not None:
         return "no bias", None
     if weight.shape[1] % layout.SMALL_M_K_STEP:
@@ -100,19 +101,31 @@ def _tokens(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
-# "auto" takes the small-M GEMM for 8-16 tokens on weights of at most this many values, where
-# it measured faster than cuBLAS (H200, bf16, graph of back-to-back calls from HBM,
-# profiles/h200/dense_small_m.json, us, small-M / cuBLAS): o_proj 4096 x 4096 at 8 tokens
-# 12.11 / 13.21, at 16 12.06 / 13.58; q/k/v 6144 x 4096 level (15.69 / 15.67, 15.84 / 15.93);
-# slower on the tall and the long matrices (gate/up 28672 x 4096 66.4 / 62.4, down 4096 x
-# 14336 38.7 / 32.9 at 8 tokens).  4-7 tokens were not timed.
-SMALL_M_AUTO_WEIGHTS = 4096 * 4096
+# Which kernel "auto" runs, from one H200 sweep (bf16, graph of back-to-back calls from HBM,
+# profiles/h200/dense_small_m_sweep.json, us, GEMV / small-M GEMM / cuBLAS at the Llama-3-8B
+# decode shapes):
+#   o_proj 4096 x 4096   2 tokens 11.7 / 11.9 / 13.1, 3: 16.3 / 11.9 / 13.1, 4-16: - / 11.9-12.0 / 13.0-13.4
+#   q/k/v 6144 x 4096    2 tokens 15.1 / 15.2 / 16.0, 3: 18.3 / 15.2 / 15.9, 4: - / 15.2 / 15.9,
+#                        8: - / 15.5 / 15.7, 16: - / 15.7 / 15.7
+#   gate/up 28672 x 4096 2 tokens 57.5 / 63.0 / 55.4, 3: 69.0 / 63.3 / 55.4, 4-16: cuBLAS 55-56 ahead of 63-67
+#   down 4096 x 14336    2 tokens 28.3 / 37.6 / 31.4, 3: 28.8 / 37.6 / 31.7, 4-16: cuBLAS 32 ahead of 35-38
+# (one token: the GEMV, level with cuBLAS on gate/up and ahead elsewhere, profiles/h200/dense.json).
+# So the small-M GEMM from 3 tokens on weights of at most q/k/v's size, the GEMV for fewer
+# tokens except on large weights with more rows than columns (gate/up), cuBLAS otherwise.
+SMALL_M_AUTO_WEIGHTS = 6144 * 4096
+SMALL_M_AUTO_MIN_TOKENS = 3
 
 
 def small_m_wins(tokens: int, n: int, k: int) -> bool:
-    """Whether "auto" runs an (N, K) projection of ``tokens`` rows on the small-M GEMM (a
-    full token tile or more)."""
-    return layout.SMALL_M_TOKEN_TILE <= tokens <= SMALL_M_MAX_TOKENS and n * k <= SMALL_M_AUTO_WEIGHTS
+    """Whether "auto" runs an (N, K) projection of ``tokens`` rows on the small-M GEMM."""
+    return SMALL_M_AUTO_MIN_TOKENS <= tokens <= SMALL_M_MAX_TOKENS and n * k <= SMALL_M_AUTO_WEIGHTS
+
+
+def gemv_wins(tokens: int, n: int, k: int) -> bool:
+    """Whether "auto" runs an (N, K) projection of ``tokens`` (at most ``GEMV_MAX_TOKENS``)
+    rows on the GEMV: always for one token; for more, not on large weights with more rows
+    than columns, where cuBLAS measured faster."""
+    return tokens == 1 or n * k <= SMALL_M_AUTO_WEIGHTS or n <= k
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
@@ -127,13 +140,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     as torch computes it (the product rounded, then the add), in the GEMV's own epilogue
     where the kernel runs and there is no bias.
 
-    ``backend``: "auto" runs the GEMV kernel when it takes the tensors (``gemv_fits``: at
-    most ``GEMV_MAX_TOKENS`` rows, K % 256 == 0, one fp16 / bf16 dtype on an sm_80+ GPU,
-    no autograd), else torch's ``linear``; "reference" always torch's; "kernel" the kernel
-    (for ``GEMV_MAX_TOKENS`` + 1 to ``SMALL_M_MAX_TOKENS`` rows the small-M GEMM on the tensor
-    cores, K % 256 == 0, no bias; "auto" takes it where it measured faster than cuBLAS:
-    ``small_m_wins``)
-    or a ValueError saying why not.  Under ``torch.compile``: torch's.
+    ``backend``: "kernel" runs bitdecode's kernel for the shape, or raises a ValueError
+    saying why it cannot: the small-M GEMM on the tensor cores (no bias) for
+    ``GEMV_MAX_TOKENS`` + 1 to ``SMALL_M_MAX_TOKENS`` rows and where ``small_m_wins`` (from
+    3 tokens on weights of at most 6144 x 4096 values), else the GEMV (at most
+    ``GEMV_MAX_TOKENS`` rows); both need K % 256 == 0 and one fp16 / bf16 dtype on an
+    sm_80+ GPU, no autograd (``gemv_fits``).  "auto" runs that kernel where it takes the
+    tensors and measured faster than cuBLAS (``small_m_wins``, ``gemv_wins``), else torch's
+    ``linear``; "reference" always torch's.  Under ``torch.compile``: torch's.
 
     On the H200 (bf16, one token, graph-captured, weights from HBM; profiles/h200/dense.json)
     against cuBLAS at the Llama-3-8B decode shapes: o_proj 4096 x 4096 10.5 us vs 13.3, q/k/v
@@ -144,11 +158,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if residual is not None:
         _validate.tensor("residual", residual, dtypes=[x.dtype], shape=(*x.shape[:-1], weight.shape[0]),
                          device=x.device)
-    why, rows = _gemv_rows(x, weight, bias)
-    run, what, tokens = _gemv, "GEMV", _tokens(x)
-    if why and GEMV_MAX_TOKENS < tokens <= SMALL_M_MAX_TOKENS and (
-            backend == "kernel" or (backend == "auto" and small_m_wins(tokens, *weight.shape))):
-        (why, rows), run, what = _small_m_rows(x, weight, bias), _gemm_small_m, "small-M GEMM"
+    tokens, (n, k) = _tokens(x), weight.shape
+    if tokens <= SMALL_M_MAX_TOKENS and (tokens > GEMV_MAX_TOKENS or (bias is None and small_m_wins(tokens, n, k))):
+        (why, rows), run, what, wins = _small_m_rows(x, weight, bias), _gemm_small_m, "small-M GEMM", small_m_wins
+    else:
+        (why, rows), run, what, wins = _gemv_rows(x, weight, bias), _gemv, "GEMV", gemv_wins
+    if backend == "auto" and not why and not wins(tokens, n, k):
+        why = "a shape where it measured faster than cuBLAS"
     if not dispatch.kernel_runs(backend, why, what):
         y = torch.nn.functional.linear(x, weight, bias)
         return y if residual is None else residual + y
@@ -291,4 +307,4 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
 
 __all__ = ["linear", "silu_mul", "silu_mul_reference", "gemv_fits", "silu_mul_fits", "GEMV_MAX_TOKENS",
-           "SMALL_M_MAX_TOKENS", "small_m_wins", "BACKENDS"]
+           "SMALL_M_MAX_TOKENS", "small_m_wins", "gemv_wins", "BACKENDS"]

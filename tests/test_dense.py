@@ -50,28 +50,53 @@ def test_residual_is_torchs_add_after_the_product():
         dense.linear(x, w, residual=r.float())
 
 
-def test_auto_takes_the_small_m_gemm_where_it_measured_faster(monkeypatch):
-    """"auto" runs 8-16 tokens of an o_proj-sized projection on the small-M GEMM (timed
-    faster than cuBLAS there) and leaves the rest to torch; "reference" never takes it.
-    The kernel's launch is replaced by the torch maths: this checks the routing, on the CPU."""
+def test_auto_takes_the_kernel_that_measured_faster(monkeypatch):
+    """"auto" runs 3-16 tokens of a projection up to q/k/v's size on the small-M GEMM, 1-2
+    tokens (3 on larger weights) on the GEMV except for large tall weights (gate/up, where
+    cuBLAS measured faster), and leaves the rest to torch; "kernel" takes the small-M GEMM
+    where "auto" would and for every 4-16 tokens, else the GEMV; "reference" neither.  The
+    kernels' launches are replaced by the torch maths: this checks the routing, on the CPU."""
     ran = []
 
-    def fake(x2, weight, bias, residual):
-        ran.append((x2.shape[0], *weight.shape))
-        y = torch.nn.functional.linear(x2, weight)
-        return y if residual is None else residual + y
+    def fake(name):
+        def run(x2, weight, bias, residual):
+            ran.append(name)
+            y = torch.nn.functional.linear(x2, weight, bias)
+            return y if residual is None else residual + y
+        return run
 
-    monkeypatch.setattr(dense, "_small_m_rows", lambda x, w, b: ("", x.reshape(-1, x.shape[-1])))
-    monkeypatch.setattr(dense, "_gemm_small_m", fake)
-    for tokens, n, k, want in ((8, 4096, 4096, True), (16, 64, 256, True), (4, 4096, 4096, False),
-                               (8, 28672, 4096, False), (8, 4096, 14336, False), (17, 64, 256, False)):
+    def rows(most):  # the token limits of the real checks, CPU tensors let through
+        return lambda x, w, b=None: ("", x.reshape(-1, x.shape[-1])) if dense._tokens(x) <= most \
+            else (f"1 to {most} rows of x", None)
+
+    monkeypatch.setattr(dense, "_small_m_rows", rows(dense.SMALL_M_MAX_TOKENS))
+    monkeypatch.setattr(dense, "_gemv_rows", rows(dense.GEMV_MAX_TOKENS))
+    monkeypatch.setattr(dense, "_gemm_small_m", fake("small_m"))
+    monkeypatch.setattr(dense, "_gemv", fake("gemv"))
+    cases = (  # tokens, N, K, auto's kernel (None: torch), "kernel"'s
+        (1, 28672, 4096, "gemv", "gemv"), (2, 4096, 4096, "gemv", "gemv"), (2, 28672, 4096, None, "gemv"),
+        (2, 4096, 14336, "gemv", "gemv"), (3, 4096, 4096, "small_m", "small_m"), (3, 6144, 4096, "small_m", "small_m"),
+        (3, 4096, 14336, "gemv", "gemv"), (3, 28672, 4096, None, "gemv"), (4, 4096, 4096, "small_m", "small_m"),
+        (8, 6144, 4096, "small_m", "small_m"), (16, 64, 256, "small_m", "small_m"), (8, 28672, 4096, None, "small_m"),
+        (8, 4096, 14336, None, "small_m"), (17, 64, 256, None, None))
+    for tokens, n, k, auto, kernel in cases:
         x, w, _ = _operands(tokens, n, k, torch.float32, "cpu")
-        ran.clear()
-        y = dense.linear(x[:, None], w)
-        assert y.shape == (tokens, 1, n) and bool(ran) == want == dense.small_m_wins(tokens, n, k), (tokens, n, k)
-        ran.clear()
-        dense.linear(x[:, None], w, backend="reference")
-        assert not ran
+        for backend, want in (("auto", auto), ("kernel", kernel), ("reference", None)):
+            ran.clear()
+            if backend == "kernel" and want is None:
+                with pytest.raises(ValueError, match="rows of x"):
+                    dense.linear(x[:, None], w, backend=backend)
+                continue
+            y = dense.linear(x[:, None], w, backend=backend)
+            assert y.shape == (tokens, 1, n) and ran == ([want] if want else []), (tokens, n, k, backend, ran)
+        assert (auto == "small_m") == dense.small_m_wins(tokens, n, k)
+        if tokens <= dense.GEMV_MAX_TOKENS and auto != "small_m":
+            assert (auto == "gemv") == dense.gemv_wins(tokens, n, k)
+    # a bias goes to the GEMV at 3 tokens (the small-M GEMM takes none)
+    x, w, b = _operands(3, 64, 256, torch.float32, "cpu", bias=True)
+    ran.clear()
+    dense.linear(x, w, b)
+    assert ran == ["gemv"]
 
 
 def test_bad_arguments_are_named():
@@ -136,6 +161,7 @@ def test_gpu_gemv_is_one_rounding_of_the_exact_product(dtype, tokens, n, k, bias
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens, n, k", [
     (8, 4096, 4096),  # Llama-3-8B o_proj at B=8
+    (3, 6144, 4096),  # merged q/k/v at B=3 (auto: the small-M GEMM from 3 tokens)
     (4, 6144, 4096),  # merged q/k/v at B=4
     (16, 4096, 14336),  # down_proj at B=16: two token tiles
     (13, 101, 256),  # a partial token tile, N not a multiple of 16, one chunk a warp
@@ -157,8 +183,12 @@ def test_gpu_small_m_gemm_is_the_product(dtype, tokens, n, k):
     assert torch.equal(dense.linear(x[:, None], w, backend="kernel", residual=r), r + y)
     auto = dense.linear(x[:, None], w)  # the small-M GEMM where it measured faster, else cuBLAS
     assert torch.equal(auto, y if dense.small_m_wins(tokens, n, k) else torch.nn.functional.linear(x[:, None], w))
-    with pytest.raises(ValueError, match="small-M GEMM kernel needs no bias"):
-        dense.linear(x, w, torch.zeros(n, device="cuda", dtype=dtype), backend="kernel")
+    if tokens > dense.GEMV_MAX_TOKENS:
+        with pytest.raises(ValueError, match="small-M GEMM kernel needs no bias"):
+            dense.linear(x, w, torch.zeros(n, device="cuda", dtype=dtype), backend="kernel")
+    else:  # (with a bias, as few tokens go to the GEMV)
+        _assert_one_rounding(dense.linear(x, w, torch.zeros(n, device="cuda", dtype=dtype), backend="kernel"), x, w,
+                             torch.zeros(n, device="cuda", dtype=dtype))
     # the configs bench_dense sweeps: each 16-row block is computed as by the default, so the
     # same bits (several row blocks a CTA, the last one partial or past N; fewer warps)
     if k % 128 == 0:
