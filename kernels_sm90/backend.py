@@ -131,7 +131,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
     def auto_picks(self, fmt: KVFormat, head_dim: int, dtype=None) -> bool:
         """4-bit (integer or FP4) fp16 / bf16 caches with head dims up to 128, 2-bit fp16 / bf16
-        caches with K per channel in groups of 128, and K 4-bit / V 2-bit ones in fp16.  On the H200 (sixth session, CUDA-graph
+        caches with K per channel in groups of 128, and K 4-bit / V 2-bit ones.  On the H200 (sixth session, CUDA-graph
         replay, L2 flushed, us, sm90 vs sm80): integer 4-bit with V's scale folded into P, fp16
         B=1 N=128K 58.4 vs 62.6, B=16 N=32K 189.6 vs 226.9, B=16 N=64K 362.2 vs 379.7; bf16
         59.9 vs 61.2, 197.0 vs 222.9, 379.7 vs 377.8 (before the fold bf16 was 8 % slower here
@@ -148,13 +148,16 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         (K per channel g128, fp16), two recordings of ``decode_backends.json`` (twenty-first
         and twenty-second sessions), sm90 vs sm80: B=1 N=32K 25.5 vs 30.8, N=128K 54.8 vs
         70.2, B=16 N=4K 33.5 vs 38.3, N=32K 165.1 vs 174.3, N=128K 612.1 vs 644.5; 1.7 us
-        slower at B=1 N=4K (15.0 vs 13.3); in bf16 never timed (stays on sm80)."""
+        slower at B=1 N=4K (15.0 vs 13.3); in bf16 (twenty-seventh session,
+        ``profiles/h200/splits_backends_k4v2_bf16.json``): B=1 N=32K 25.2 vs 30.7, N=128K 54.2 vs
+        69.7, B=8 N=64K 165.4 vs 196.7, B=16 N=4K 32.8 vs 38.6, N=32K 165.4 vs 174.2, 1.4 us
+        slower at B=1 N=4K (14.2 vs 12.8)."""
         if head_dim > 128 or dtype not in (torch.float16, torch.bfloat16):
             return False
         if fmt.bits == fmt.v_bits == 4:
             return True
         return (fmt.bits in (2, 4) and fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
-                and (dtype == torch.float16 or fmt.bits == 2) and not fmt.fp4)
+                and not fmt.fp4)
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
         """What the decode kernel for these arguments is built for (its constexpr config)."""

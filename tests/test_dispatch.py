@@ -35,7 +35,7 @@ def test_shipped_backends_best_first():
     ((9, 0), 2, 128, torch.float16, "sm90"),  # 2-bit K per channel g128 fp16 (128-token steps)
     ((9, 0), 2, 128, torch.bfloat16, "sm90"),  # ... and bf16 (since K's scale is in Q there too)
     ((9, 0), (4, 2), 128, torch.float16, "sm90"),  # K 4-bit / V 2-bit, K per channel g128 fp16
-    ((9, 0), (4, 2), 128, torch.bfloat16, "sm80"),  # ... not in bf16 (never timed)
+    ((9, 0), (4, 2), 128, torch.bfloat16, "sm90"),  # ... and bf16 (splits_backends_k4v2_bf16.json)
     ((8, 0), 4, 128, torch.float16, "sm80"),
     ((8, 9), 2, 64, torch.bfloat16, "sm80"),
     ((10, 0), 4, 128, torch.float16, "sm80"),  # Blackwell: the tcgen05 kernel is for FP4 caches only
