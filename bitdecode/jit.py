@@ -200,6 +200,8 @@ class PerStream:
         """The value kept for ``stream``, or ``make()``'s, kept from now on; also when
         ``keep`` says the kept one no longer serves (an empty list, a buffer too small)."""
         value = self._by_stream.get(stream)
+        if value is not None and (keep is None or keep(value)):  # (the per-call path: one lookup)
+            return value
         if value is None or (keep is not None and not keep(value)):
             if value is None and len(self._by_stream) >= self.limit:
                 self._by_stream.pop(next(iter(self._by_stream)))

@@ -231,11 +231,13 @@ class DecodePlan:
 
     def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
         bsz, _, hq, d = q_shape
+        self.q_shape = tuple(q_shape)  # the queries' and the outputs'
         self.part_shape = (splits, bsz, hq, d)
         self.lse_shape = (bsz, hq)
         self.dtype = q_dtype
         self.splits = splits
         self.device = device
+        self.device_index = device.index
         self.static = jit.bound_arguments((
             cache.k_pack.view(torch.float16), cache.k_params, cache.v_pack.view(torch.float16), cache.v_params,
             cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens, cache.block_table), decode_fn)
@@ -252,16 +254,13 @@ class DecodePlan:
             return self._new_workspace()
         return self.workspaces.get(stream, self._new_bound_workspace)
 
-    def output(self, shape, stream):
-        """A fresh output of ``shape`` for ``stream`` (None while capturing: allocated from
+    def output(self, stream):
+        """A fresh output (``q_shape``) for ``stream`` (None while capturing: allocated from
         the graph's pool, as every capture-time tensor must be).  Chunks are per stream so
         that the caching allocator ties each one to the stream its kernels write it on."""
         if stream is None:
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
-        return self.outputs.get(stream, lambda: self._new_outputs(shape), keep=bool).pop()
-
-    def _stream(self):
-        return jit.current_stream(self.device.index)
+            return torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+        return self.outputs.get(stream, self._new_outputs, keep=bool).pop()
 
     def _new_workspace(self):
         return (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
@@ -270,14 +269,14 @@ class DecodePlan:
     def _new_bound_workspace(self):
         return jit.bound_arguments(self._new_workspace(), self.decode_fn, self.combine_fn)
 
-    def _new_outputs(self, shape):
-        chunk = torch.empty((self.OUT_CHUNK, *shape), dtype=self.dtype, device=self.device)
+    def _new_outputs(self):
+        chunk = torch.empty((self.OUT_CHUNK, *self.q_shape), dtype=self.dtype, device=self.device)
         return list(reversed(chunk.unbind(0)))
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         # q is on the cache's device (attention.check_query), the device the plan was built for
-        stream = self._stream()
-        out = self.output(q.shape, stream)
+        stream = jit.current_stream(self.device_index)
+        out = self.output(stream)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
         if self.splits == 1:
             self.decode_fn(q, *self.static, out, lse, scale_log2)
@@ -313,10 +312,14 @@ def token_rows(t: torch.Tensor) -> torch.Tensor:
     each row contiguous, any 16-byte multiple between tokens and between sequences): itself
     where it is laid out so, e.g. a slice of a merged q / k / v projection's output, which
     ``contiguous()`` would copy at B > 1; else a contiguous copy."""
-    div = sm80.CHUNK_BYTES // t.element_size()
-    if t.stride(3) == 1 and t.stride(2) == t.shape[3] and t.stride(1) % div == 0 and t.stride(0) % div == 0:
-        return t
-    return t.contiguous()
+    return t if rows_laid_out(t.stride(), t.shape[3], t.element_size()) else t.contiguous()
+
+
+def rows_laid_out(stride: Tuple[int, ...], head_dim: int, element_size: int) -> bool:
+    """Whether a ``[B, T, Hkv, D]`` tensor of these strides is laid out as ``token_rows``
+    wants it."""
+    div = sm80.CHUNK_BYTES // element_size
+    return stride[3] == 1 and stride[2] == head_dim and stride[1] % div == 0 and stride[0] % div == 0
 
 
 def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
@@ -453,8 +456,18 @@ class Sm80Backend:
         after = jit.bound_arguments((cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.overflow,
                                      cache.commits, cache.capacity), kern)
 
+        # whether k / v of the last strides seen are laid out as the kernel takes them: a
+        # decode loop's appends repeat their strides, and asking again costs ~10 torch
+        # accessor calls (~3 us of host time a call, more than the rest of the append)
+        last = [None, (False, False)]
+        d, size = cache.head_dim, cache.k_res.element_size()
+
         def append(k: torch.Tensor, v: torch.Tensor) -> None:
-            kern(token_rows(k), token_rows(v), *before, *after)
+            strides = (k.stride(), v.stride())
+            if strides != last[0]:
+                last[:] = strides, (rows_laid_out(strides[0], d, size), rows_laid_out(strides[1], d, size))
+            k_ok, v_ok = last[1]
+            kern(k if k_ok else k.contiguous(), v if v_ok else v.contiguous(), *before, *after)
 
         return append
 
