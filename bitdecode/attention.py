@@ -216,15 +216,16 @@ def check_splits(num_splits, backend: str) -> int:
 
 
 def plan_decode(cache: CacheTensors, q: torch.Tensor, backend: str, num_splits: int, max_len: int,
-                plans: Optional[dict] = None):
+                plans: Optional[dict] = None, append: bool = False):
     """The kernel backend's decode plan for this query shape (splits chosen when 0 for
-    sequences of up to ``max_len`` tokens), kept in ``plans`` when given."""
+    sequences of up to ``max_len`` tokens), kept in ``plans`` when given; ``append``: its
+    kernel appends the step's new token first (the backend's ``appends``)."""
     kernels = backends.get(backend)
     splits = num_splits or kernels.choose_splits(cache, tuple(q.shape), max_len, q.device)
-    key = (tuple(q.shape), q.dtype, backend, splits)
+    key = (tuple(q.shape), q.dtype, backend, splits) + (("append",) if append else ())
     plan = plans.get(key) if plans is not None else None
     if plan is None:
-        plan = kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits)
+        plan = kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits, append=append)
         if plans is not None:
             plans[key] = plan
     return plan

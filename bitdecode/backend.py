@@ -105,7 +105,7 @@ class Variant(NamedTuple):
         return "_".join(parts)
 
 
-DecodeFn = Callable[[torch.Tensor, float, bool], object]  # (q, scale_log2, return_lse) -> out | (out, lse)
+DecodeFn = Callable[..., object]  # (q, scale_log2, return_lse[, new]) -> out | (out, lse)
 
 
 class Backend(Protocol):
@@ -131,7 +131,14 @@ class Backend(Protocol):
                       device: torch.device) -> int: ...
 
     def plan(self, cache: CacheTensors, q_shape: Tuple[int, ...], q_dtype: torch.dtype,
-             device: torch.device, splits: int) -> DecodeFn: ...
+             device: torch.device, splits: int, append: bool = False) -> DecodeFn: ...
+
+    # whether its decode kernel can append the step's new token itself: ``plan(append=True)``
+    # then gives a plan called with ``new=(k_new, v_new, commit counters)`` (``KVCache.decode``)
+    appends: bool
+
+    def takes_rows(self, t: torch.Tensor) -> bool:
+        """Whether new tokens ``[B, T, Hkv, D]`` laid out as ``t`` go to its kernels as they are."""
 
     def prefill(self, cache: CacheTensors, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> None: ...
 

@@ -66,6 +66,16 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     return args
 
 
+def append_decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
+    """Fake arguments of an appending decode (``DecodeSm90.call_append``): q, the new K and
+    V ``[B, 1, Hkv, D]``, the cache's commit counters, then ``decode_args``' others."""
+    import cutlass
+
+    args = decode_args(fmt, dtype, head_dim, split)
+    new = [fake_tensor(dtype, (None, 1, None, head_dim)) for _ in range(2)]
+    return args[:1] + new + [fake_vector(cutlass.Int32, 1)] + args[1:]
+
+
 def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
                    keep_ptx: bool = False, tq: int = 1):
     """The sm80 decode kernel for ``arch`` (``Sm80Backend.compile_decode``)."""
@@ -273,16 +283,17 @@ class DecodePlan:
         chunk = torch.empty((self.OUT_CHUNK, *self.q_shape), dtype=self.dtype, device=self.device)
         return list(reversed(chunk.unbind(0)))
 
-    def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
+    def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool, new=()):
+        """``new``: an appending plan's (k_new, v_new, commit counters), passed after q."""
         # q is on the cache's device (attention.check_query), the device the plan was built for
         stream = jit.current_stream(self.device_index)
         out = self.output(stream)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
         if self.splits == 1:
-            self.decode_fn(q, *self.static, out, lse, scale_log2)
+            self.decode_fn(q, *new, *self.static, out, lse, scale_log2)
         else:
             o_part, l_part = self.workspace(stream)
-            self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
+            self.decode_fn(q, *new, *self.static, o_part, l_part, scale_log2)
             self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
@@ -368,15 +379,26 @@ class Sm80Backend:
         runs) both follow.  sm80 has none."""
         return ""
 
+    # whether the decode kernel can append the step's new token itself (``plan(append=True)``)
+    appends = False
+
+    def takes_rows(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` ``[B, T, Hkv, D]`` is laid out as the kernels take new tokens
+        (``token_rows``; its storage's alignment aside)."""
+        return rows_laid_out(t.stride(), t.shape[3], t.element_size())
+
     def make_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
-                    variant: str = ""):
+                    variant: str = "", append: bool = False):
         """The decode kernel object (its constexpr configuration) for ``arch``; ``tq`` query
-        tokens per sequence (``MultiTokenPlan``); ``variant``: one of ``grid_variant``'s."""
+        tokens per sequence (``MultiTokenPlan``); ``variant``: one of ``grid_variant``'s;
+        ``append``: the kernel appends one new token first (where ``appends``)."""
         from .decode import DecodeSm80
 
         check_decode_request(fmt, tq)
         if variant:
             raise ValueError(f"the {self.name} decode kernel has no variant {variant!r}")
+        if append:
+            raise ValueError(f"the {self.name} decode kernel does not append")
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
@@ -384,21 +406,22 @@ class Sm80Backend:
                           sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4)
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
-                       keep_ptx: bool = False, tq: int = 1, variant: str = ""):
+                       keep_ptx: bool = False, tq: int = 1, variant: str = "", append: bool = False):
         import cutlass
         import cutlass.cute as cute
 
-        kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant)
-        return cute.compile(kernel, *decode_args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), _stream(),
+        kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant, append)
+        entry, args = (kernel.call_append, append_decode_args) if append else (kernel, decode_args)
+        return cute.compile(entry, *args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), _stream(),
                             options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
     def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
-                      variant: str = ""):
+                      variant: str = "", append: bool = False):
         """``compile_decode`` through the JIT cache (memory, then disk)."""
         key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split) + ((tq,) if tq > 1 else ()) \
-            + ((variant,) if variant else ())
+            + ((variant,) if variant else ()) + (("append",) if append else ())
         return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split, tq=tq,
-                                                                variant=variant))
+                                                                variant=variant, append=append))
 
     def unsplit(self, fmt: KVFormat, dtype, head_dim: int, nh: int, batch: int, kv_heads: int, tq: int,
                 max_len: int, device) -> bool:
@@ -417,8 +440,9 @@ class Sm80Backend:
         per_sm = self.ctas_per_sm(cache.fmt, d, nh, dtype, variant)
         return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)
 
-    def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int):
-        """A ``DecodePlan`` (one query token), or a ``MultiTokenPlan`` around one."""
+    def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, append: bool = False):
+        """A ``DecodePlan`` (one query token), or a ``MultiTokenPlan`` around one; ``append``:
+        its kernel appends the step's new token first (``appends``; called with ``new``)."""
         arch = jit.target_arch(device.index)
         dtype = _cute_dtype(q_dtype)
         bsz, tq, hq, d = q_shape
@@ -426,7 +450,7 @@ class Sm80Backend:
         rows = query_rows(tq, hq, hkv)
         nh = self.heads_tile(rows, tq)
         variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device, splits)
-        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant)
+        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant, append)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
         plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn)
         return plan if tq == 1 else MultiTokenPlan(plan, hkv)

@@ -48,7 +48,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from ..layouts import packing, resources, sm80
 from . import ptx
 from .copy import copy_rows, copy_rows_two_sources, load_a_fragments, wait_all
-from .tensors import assume_aligned, page_in_range, page_of, wait_for_previous_kernel
+from .tensors import assume_aligned, commit_length, page_in_range, page_of, wait_for_previous_kernel
 
 NUM_WARPS = sm80.WARPS_N
 
@@ -195,7 +195,8 @@ class PackSm80:
                 else:
                     self.append_with_sinks(s_tile, s_red, s_zi, mSrcV, mVr, mVsink, length, mBlockTable, mKp, mKs,
                                            mVp, mVs, b, head, warp_idx, lane, tid, False)
-            self.commit_length(mLens, mOverflow, mCommits, b, new_len, fits, tid)
+            _, heads, _ = cute.arch.grid_dim()
+            commit_length(mLens, mCommits, b, new_len, 2 * heads, tid, mOverflow, fits)  # (K and V CTAs)
 
     @cute.jit
     def copy_tail(self, mSrc, mRes, mSink, b, head, begin, end, n_sink, tid):
@@ -224,23 +225,6 @@ class PackSm80:
     def rows_from(self, m: cute.Tensor, row0):
         """``m`` ``[B, T, Hkv, D]`` seen from token row ``row0`` on (same layout)."""
         return cute.make_tensor(m.iterator + row0 * m.stride[1], m.layout)
-
-    @cute.jit
-    def commit_length(self, mLens, mOverflow, mCommits, b, new_len, fits, tid):
-        """The last of sequence ``b``'s CTAs to finish stores its new length (or, refused,
-        the overflow).  Every CTA read the old length before counting itself (the barrier
-        and the acq_rel atomic order the two), so none can see the new one; the counter
-        goes back to zero for the next launch (a replayed graph reuses it)."""
-        cute.arch.sync_threads()
-        if tid == 0:
-            _, heads, _ = cute.arch.grid_dim()
-            done = cute.arch.atomic_add(mCommits.iterator + b, Int32(1), sem="acq_rel", scope="gpu")
-            if done == 2 * heads - 1:
-                mCommits[b] = Int32(0)
-                if fits:
-                    mLens[b] = new_len
-                else:
-                    mOverflow[b] = new_len
 
     # ---------------------------------------------------------------------------------
     # Staging the 16-bit block

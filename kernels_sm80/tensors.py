@@ -61,6 +61,27 @@ def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits):
     return tile_begin, packed_end, has_residual, n_res
 
 
+@cute.jit
+def commit_length(mLens: cute.Tensor, mCommits: cute.Tensor, b, new_len, ctas, tid, mOverflow=None, fits=None):
+    """Sequence ``b``'s new length, stored by the last of its ``ctas`` CTAs to get here (or,
+    ``fits`` false, put in ``mOverflow`` instead): every CTA read the old length before
+    counting itself in (the barrier and the acq_rel atomic order the two), so none can see
+    the new one; the counter goes back to zero for the next launch (a replayed graph
+    reuses it).  The pack kernel's append and the sm90 decode that appends both commit so."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        done = cute.arch.atomic_add(mCommits.iterator + b, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        if done == ctas - 1:
+            mCommits[b] = cutlass.Int32(0)
+            if cutlass.const_expr(mOverflow is None):  # (no capacity guard: the caller's host checked)
+                mLens[b] = new_len
+            else:
+                if fits:
+                    mLens[b] = new_len
+                else:
+                    mOverflow[b] = new_len
+
+
 def one_token(t: cute.Tensor) -> cute.Tensor:
     """The (B, Hq, D) view of a decode query or output that arrives as the caller's
     (B, 1, Hq, D) tensor (no reshape on the host per call)."""

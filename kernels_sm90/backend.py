@@ -207,7 +207,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             sm80_backend.variant_format(v), v.dtype == "fp16", v.head_dim, sm80_backend.decode_variant_args(v)[0])
             is not None]
 
-    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
+    appends = True  # DecodeSm90.call_append
+
+    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):
         import cutlass
 
         from .decode import DecodeSm90
@@ -226,7 +228,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
                              f"{nh} heads, {dtype.__name__}")
         return DecodeSm90(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, sm80.HEADS_TILES[0] if half else nh, split,
                           pdl=jit.has_pdl(arch), sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4,
-                          half_cols=half, **keywords)
+                          half_cols=half, append=append, **keywords)
 
 
 @functools.lru_cache(maxsize=None)

@@ -66,7 +66,7 @@ from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
                                     split_params)
 from ..kernels_sm80.reduce import across_lanes, across_rows
-from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
+from ..kernels_sm80.tensors import assume_aligned, commit_length, page_of, split_tiles, wait_for_previous_kernel
 from ..layouts import packing, resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
 from . import ptx90
@@ -158,8 +158,16 @@ class DecodeSm90(PackedDecodeConfig):
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
-                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True):
+                 raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
+                 append: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
+        # ``call_append``: the launch first appends one new token per sequence (into the
+        # 16-bit residual block; the host sends only tokens that complete no block and fall
+        # past the sinks) and attends over it too, so an eager step's append costs no launch
+        if append and (tq != 1 or fp4):
+            raise ValueError(f"the appending decode takes one query token of an integer format, got tq={tq}, "
+                             f"fp4={fp4!r}")
+        self.append = append
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
         # each 64-channel M-block of O^T inside one V group (groups of >= 64 channels): P^T
@@ -372,6 +380,23 @@ class DecodeSm90(PackedDecodeConfig):
                  softmax_scale_log2: Float32, stream):
         """The decode calling convention of ``DecodeSm80.__call__`` (shapes documented there),
         so the backends share one ``DecodePlan``."""
+        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, stream, None)
+
+    @cute.jit
+    def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
+                    mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
+                    mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
+                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+        """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
+        ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
+        per-sequence arrival counters (zero, and left so); the rest as ``__call__``'s."""
+        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits))
+
+    def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+               softmax_scale_log2, stream, new):
+        """(plain Python, traced inside each entry point)"""
         mQ, mO = query_views(mQ, mO, self.split)
         Storage = self._shared_storage()
         _, _, kp_layout, vp_layout = self._layouts()
@@ -387,7 +412,7 @@ class DecodeSm90(PackedDecodeConfig):
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         # the register cap at entry (from the CTAs per SM) is what setmaxnreg redistributes
         self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable,
-                    mO, mLSE, softmax_scale_log2, Storage).launch(
+                    mO, mLSE, softmax_scale_log2, new, Storage).launch(
             grid=grid, block=[(1 + self.consumers) * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, use_pdl=self.pdl)
 
@@ -397,7 +422,7 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.kernel
     def kernel(self, mQ, tma_k: cute.CopyAtom, mKt: cute.Tensor, mKs, tma_v: cute.CopyAtom, mVt: cute.Tensor,
                mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE, softmax_scale_log2: Float32,
-               Storage: cutlass.Constexpr):
+               new, Storage: cutlass.Constexpr):
         q_layout, p_layout, kp_layout, vp_layout = self._layouts()
         tid, _, _ = cute.arch.thread_idx()
         split_idx, head_kv, batch = cute.arch.block_idx()
@@ -439,7 +464,12 @@ class DecodeSm90(PackedDecodeConfig):
         sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
 
         wait_for_previous_kernel(self.pdl)
-        n_sink, n_rest = self.token_counts(mSeqlens[batch])
+        seqlen = mSeqlens[batch]
+        if const_expr(self.append):  # the new token is the sequence's last; counted in, the last CTA commits
+            seqlen = seqlen + 1
+            _, heads, _ = cute.arch.grid_dim()
+            commit_length(mSeqlens, new[2], batch, seqlen, num_splits * heads, tid)
+        n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
 
         if warp_idx < WARPS:
@@ -457,7 +487,7 @@ class DecodeSm90(PackedDecodeConfig):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                          mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
-                         n_sink, n_sink + n_rest, softmax_scale_log2, fold)
+                         n_sink, n_sink + n_rest, softmax_scale_log2, fold, new)
 
     # ---------------------------------------------------------------------------------
     # Producer: TMA of packed K / V rows, bulk copies of their params
@@ -703,7 +733,7 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                 mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, n_sink,
-                seqlen, scale_log2, fold=None):
+                seqlen, scale_log2, fold=None, new=None):
         n = self.consumers
         consumer = self.consumer_index()
         tid_all = cute.arch.thread_idx()[0] - WG  # over every consumer warpgroup
@@ -839,7 +869,7 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(n == 1):
             self.finish(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch, head_kv,
                         split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max, row_sum, zsum,
-                        scale_log2, red, gq, warp, lane, tid, lim)
+                        scale_log2, red, gq, warp, lane, tid, lim, new=new)
         else:
             stash = storage.stash.get_tensor(self._stash_layout())
             if consumer > 0:
@@ -852,16 +882,18 @@ class DecodeSm90(PackedDecodeConfig):
                 cute.arch.barrier(barrier_id=Barrier.done(n), number_of_threads=n * WG)
                 self.finish(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch,
                             head_kv, split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max,
-                            row_sum, zsum, scale_log2, red, gq, warp, lane, tid, lim, stash)
+                            row_sum, zsum, scale_log2, red, gq, warp, lane, tid, lim, stash, new)
 
     @cute.jit
     def finish(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, mKsink, mVsink, mO, mLSE, batch, head_kv,
                split_idx, has_residual, n_res, n_sink, seqlen, acc_o, acc_pv, row_max, row_sum, zsum, scale_log2,
-               red, gq, warp, lane, tid, lim, stash=None):
-        """After the packed tiles (consumer 0): the 16-bit residual block, the sink tokens,
-        the other consumers' state (``stash``: softmax states merge in any order) and the
-        epilogue."""
+               red, gq, warp, lane, tid, lim, stash=None, new=None):
+        """After the packed tiles (consumer 0): the 16-bit residual block (with ``append``
+        the new token stored into it first), the sink tokens, the other consumers' state
+        (``stash``: softmax states merge in any order) and the epilogue."""
         if has_residual:
+            if const_expr(self.append):
+                self.store_new_token(new[0], new[1], mKr, mVr, batch, head_kv, n_res - 1, tid)
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                           acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res, zsum)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
@@ -1359,6 +1391,16 @@ class DecodeSm90(PackedDecodeConfig):
         self.bar(Barrier.P)
 
     # ---- the 16-bit residual block --------------------------------------------------------
+    @cute.jit
+    def store_new_token(self, mKnew, mVnew, mKr, mVr, batch, head_kv, row, tid):
+        """``append``: the new token's K and V rows of this head into residual row ``row``,
+        by the consumer warpgroup; ``residual`` reads the block back after its barrier (the
+        fence makes the stores visible to the CTA's cp.async reads)."""
+        for i in cutlass.range(tid, self.d, WG, unroll=1):
+            mKr[batch, row, head_kv, i] = mKnew[batch, 0, head_kv, i]
+            mVr[batch, row, head_kv, i] = mVnew[batch, 0, head_kv, i]
+        cute.arch.fence_acq_rel_cta()
+
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                  acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first, zsum=None):
