@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _validate, attention, backend as backends, dispatch, reference
+from . import _validate, attention, backend as backends, dispatch, jit, reference
 from .backend import CacheTensors
 from .formats import KVFormat
 
@@ -67,6 +67,12 @@ class KVCache:
                                      sinks=(k_sink, v_sink) if k_sink is not None else None)
         self._plans: dict = {}
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
+        # ... of the last appending decode (``decode(k_new=, v_new=)``), with whether its k / v
+        # are laid out as the kernel takes them
+        self._fast_append = None
+        self._fuse_room: Optional[int] = None  # ``_append_room``'s answer, until lengths change
+        # (backend name, whether its decode kernel can append: ``_append_decode``)
+        self._appends = (None, False)
         # (the block table's version counter, per-sequence lengths) it was last verified for:
         # a prefill within them, the table unchanged in place since, needs no check (a sync)
         self._table_verified: Optional[Tuple[int, Tuple[int, ...]]] = None
@@ -190,6 +196,18 @@ class KVCache:
     def _host_lens(self, lens: List[int]) -> None:
         self._host_base, self._host_added = list(lens), 0
         self._host_max = max(self._host_base, default=0)
+        self._fuse_room = None
+
+    def _append_room(self) -> int:
+        """Steps of one new token each that an appending decode kernel can take in place:
+        until some sequence's next token would complete its residual block (the pack
+        kernel's work), fall among the sink tokens, or pass ``max_seqlen``."""
+        room = self._fuse_room
+        if room is None:
+            nr, sinks = self.fmt.residual_block, self.fmt.sink_tokens
+            room = min((nr - 1 - (n - sinks) % nr if n >= sinks else 0 for n in self._host_lens), default=0)
+            room = self._fuse_room = max(0, min(room, self.max_seqlen - self._host_max))
+        return room
 
     def tensors(self) -> CacheTensors:
         return self._tensors
@@ -280,6 +298,7 @@ class KVCache:
             self._appender(k, v)
         self._host_added += t
         self._host_max += t
+        self._fuse_room = None
 
     def truncate(self, tokens: int) -> None:
         """Drop the newest ``tokens`` tokens of every sequence (the rejected drafts of
@@ -316,8 +335,12 @@ class KVCache:
 
     # ---- reads -------------------------------------------------------------------------
     def decode(self, q: torch.Tensor, softmax_scale: Optional[float] = None, num_splits: int = 0,
-               *, backend: str = "auto", return_lse: bool = False):
-        """Attention of ``q`` ``[B, T, Hq, D]`` over the cache (see ``bitdecode.decode``)."""
+               *, backend: str = "auto", return_lse: bool = False, k_new: Optional[torch.Tensor] = None,
+               v_new: Optional[torch.Tensor] = None):
+        """Attention of ``q`` ``[B, T, Hq, D]`` over the cache (see ``bitdecode.decode``);
+        with ``k_new`` / ``v_new`` appended first."""
+        if k_new is not None or v_new is not None:
+            return self._append_decode(q, k_new, v_new, softmax_scale, num_splits, backend, return_lse)
         max_len = self._host_max
         if backend == "auto":
             backend = self.backend
@@ -345,6 +368,61 @@ class KVCache:
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                              return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
 
+    def _append_decode(self, q, k_new, v_new, softmax_scale, num_splits, backend, return_lse):
+        """``append(k_new, v_new)`` then ``decode(q)``: in one launch where the backend's
+        decode kernel appends (``appends``: sm90) and the step allows it (one token each,
+        eager, no Hadamard rotation or FP4, no block completed, ``_append_room``), else the
+        two calls.  Same results, same cache contents either way."""
+        if k_new is None or v_new is None:
+            raise ValueError("k_new and v_new are appended together: pass both or neither")
+        appends = self._appends
+        if appends[0] != self.backend:
+            appends = self._appends = (self.backend, self.backend != "reference" and backends.get(self.backend).appends)
+        if backend == "auto" and not appends[1]:  # (no key to build on the other backends)
+            self.append(k_new, v_new)
+            return self.decode(q, softmax_scale, num_splits, return_lse=return_lse)
+        key = (q.shape, q.stride(), q.dtype, q.device, k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype,
+               v_new.dtype, k_new.device, v_new.device, softmax_scale, type(softmax_scale), num_splits,
+               type(num_splits), backend, -(-(self._host_max + 1) // self.fmt.residual_block)) \
+            if isinstance(q, torch.Tensor) and isinstance(k_new, torch.Tensor) and isinstance(v_new, torch.Tensor) \
+            else None
+        fast = self._fast_append
+        if fast is None or fast[0] != key:
+            fast = self._fast_append = self._append_decode_plan(key, q, k_new, v_new, softmax_scale, num_splits,
+                                                                backend)
+        plan = fast[1]
+        room = self._append_room()
+        if (plan is None or room <= 0 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+                or q.data_ptr() % 16
+                or k_new.data_ptr() % 16 or v_new.data_ptr() % 16):
+            self.append(k_new, v_new)
+            return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
+        self._fuse_room = room - 1
+        self._host_added += 1
+        self._host_max += 1
+        return plan(q, fast[2], return_lse, (k_new if fast[3] else k_new.contiguous(),
+                                             v_new if fast[4] else v_new.contiguous(), fast[5]))
+
+    def _append_decode_plan(self, key, q, k_new, v_new, softmax_scale, num_splits, backend):
+        """The fast-path entry of ``_append_decode`` for these arguments (validated): (key,
+        plan or None where the kernel cannot append them, scale_log2, k laid out, v laid
+        out, the commit counters as the kernel takes them)."""
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        self._check_kv(k_new, v_new, "append")
+        name = self.backend if backend == "auto" else dispatch.resolve(
+            backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
+        attention.check_query(q, self._tensors, name)
+        scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
+        splits = attention.check_splits(num_splits, name)
+        kernels = None if name == "reference" else backends.get(name)
+        if (kernels is None or not kernels.appends or self.fmt.hadamard or self.fmt.fp4 or q.shape[1] != 1
+                or k_new.shape[1] != 1 or not attention.fits_kernel_tile(q, self._tensors, name)):
+            return (key, None)
+        plan = attention.plan_decode(self._tensors, q, name, splits, self._host_max + 1, self._plans, append=True)
+        bound = jit.bound_arguments((self._tensors.commits,), plan.decode_fn)
+        return (key, plan, scale * attention.LOG2_E, kernels.takes_rows(k_new), kernels.takes_rows(v_new), *bound)
+
     def dequantized(self, b: int, k_dtype: Optional[torch.dtype] = None):
         """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them, K rotated back
         to the model's basis under ``KVFormat.hadamard`` (for inspection; synchronizes, and
@@ -365,9 +443,18 @@ def decode(
     *,
     backend: str = "auto",
     return_lse: bool = False,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
 ):
     """Decode attention against a ``KVCache``: q ``[B, T, Hq, D]`` -> ``[B, T, Hq, D]``
     (and the LSE ``[B, T, Hq]`` fp32 with ``return_lse``).
+
+    ``k_new`` / ``v_new`` ``[B, T, Hkv, D]``: ``cache.append(k_new, v_new)`` first, then the
+    attention (the step's new token attends to itself).  On sm90 one token a step is one
+    launch (the decode kernel stores it into the 16-bit residual block and commits the
+    lengths), which halves an eager step's launches; where that does not apply (other
+    backends, a step that completes a packed block, graph capture, Hadamard or FP4 formats,
+    several tokens) it is the two calls, with the same results and cache contents.
 
     ``T`` = 1: the usual decode step.  ``T`` > 1 (speculative verification, a chunk of a
     prompt): the queries are each sequence's newest ``T`` tokens, appended to the cache
@@ -382,7 +469,7 @@ def decode(
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
-                        return_lse=return_lse)
+                        return_lse=return_lse, k_new=k_new, v_new=v_new)
 
 
 # --------------------------------------------------------------------------------------

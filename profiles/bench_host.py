@@ -8,8 +8,11 @@ queued first (``torch.cuda._sleep``), so the host never waits for the GPU and wh
 is the host's own work (the step's ~3 L launches stay far below the launch queue's depth);
 median of many such steps.  Beside it, the GPU time of the same steps run back to back
 (CUDA events) and the wall time of that back-to-back loop per layer: when the GPU time is
-the larger, an eager step at this context is GPU-bound and the host time is hidden.  Issue
-10's target: host time <= 15 us per layer per step.
+the larger, an eager step at this context is GPU-bound and the host time is hidden.  Each
+step is timed two ways: ``append`` + ``decode`` (two calls), and ``decode(q, cache,
+k_new=, v_new=)`` (one call: on sm90 one launch fewer, the decode kernel appending the
+token itself while no block completes).  Issue 10's target: host time <= 15 us per layer
+per step.
 
     python3 profiles/bench_host.py --out profiles/h200
 """
@@ -56,23 +59,41 @@ def host_reference(calls: int = 200) -> dict:
 
 
 def measure(backend: str, bits: int, batch: int, layers: int, steps: int, context: int, repeats: int) -> dict:
+    """Host time, GPU time and back-to-back loop time per layer of one eager step, two ways:
+    ``cache.append`` + ``bd.decode`` (two calls), and ``bd.decode(q, cache, k_new=, v_new=)``
+    (one call; on sm90 one launch fewer while no block completes)."""
     fmt = bd.KVFormat(bits=bits)
     hkv, hq, d = 8, 32, 128
     caches = []
     for _ in range(layers):
-        c = bd.KVCache.allocate(batch, hkv, d, context + 3 + repeats + 5 * steps + 16, fmt, dtype=torch.bfloat16,
-                                device="cuda", backend=backend)
+        c = bd.KVCache.allocate(batch, hkv, d, context + 2 * (3 + repeats + 5 * steps) + 16, fmt,
+                                dtype=torch.bfloat16, device="cuda", backend=backend)
         k = torch.randn(batch, context, hkv, d, device="cuda", dtype=torch.bfloat16)
         c.prefill(k, k)
         caches.append(c)
     q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(batch, 1, hkv, d, device="cuda", dtype=torch.bfloat16)
 
-    def step():
+    def two_calls():
         for c in caches:
             c.append(kv, kv)
             bd.decode(q, c)
 
+    def one_call():
+        for c in caches:
+            bd.decode(q, c, k_new=kv, v_new=kv)
+
+    row = {"backend": backend, "bits": bits, "batch": batch, "layers": layers, "context": context,
+           "target_us": TARGET_US}
+    for name, step in (("", two_calls), ("fused_", one_call)):
+        host, gpu, loop = time_step(step, layers, steps, repeats)
+        row.update({f"{name}host_us_per_layer": host, f"{name}gpu_us_per_layer": gpu,
+                    f"{name}loop_us_per_layer": loop, f"{name}meets_target": host <= TARGET_US})
+    return row
+
+
+def time_step(step, layers: int, steps: int, repeats: int):
+    """(host, GPU, loop) microseconds per layer of ``step`` (see the module's docstring)."""
     for _ in range(3):  # compile / plan / fast-path warm-up
         step()
     torch.cuda.synchronize()
@@ -95,10 +116,7 @@ def measure(backend: str, bits: int, batch: int, layers: int, steps: int, contex
         end.synchronize()
         loop.append((t1 - t0) * 1e6 / (steps * layers))
         gpu.append(start.elapsed_time(end) * 1e3 / (steps * layers))
-    h = statistics.median(host)
-    return {"backend": backend, "bits": bits, "batch": batch, "layers": layers, "context": context,
-            "host_us_per_layer": h, "gpu_us_per_layer": statistics.median(gpu),
-            "loop_us_per_layer": statistics.median(loop), "target_us": TARGET_US, "meets_target": h <= TARGET_US}
+    return statistics.median(host), statistics.median(gpu), statistics.median(loop)
 
 
 def main(argv=None) -> int:
@@ -120,7 +138,9 @@ def main(argv=None) -> int:
                 row = measure(name, bits, batch, args.layers, args.steps, args.context, args.repeats)
                 rows.append(row)
                 print(f"{name} {bits}-bit B={batch}: host {row['host_us_per_layer']:.1f} us/layer, "
-                      f"GPU {row['gpu_us_per_layer']:.1f} us/layer, back-to-back loop {row['loop_us_per_layer']:.1f}")
+                      f"GPU {row['gpu_us_per_layer']:.1f} us/layer, back-to-back loop {row['loop_us_per_layer']:.1f}; "
+                      f"decode(k_new=, v_new=): host {row['fused_host_us_per_layer']:.1f}, "
+                      f"GPU {row['fused_gpu_us_per_layer']:.1f}, loop {row['fused_loop_us_per_layer']:.1f}")
     reference = host_reference()
     print("this host: " + ", ".join(f"{k} {v:.1f}" for k, v in reference.items()))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_reference": reference,

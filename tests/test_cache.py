@@ -356,3 +356,66 @@ def test_kernel_decode_keeps_its_plan_for_the_fast_path(monkeypatch):
     out, _ = c.decode(padded)
     assert out is not padded and out.is_contiguous() and len(made) == 2
     assert c.decode(q)[0] is q and len(made) == 2  # the remembered plan is still the aligned query's
+
+
+def test_appending_decode_on_the_reference_is_append_then_decode(gen):
+    """``decode(q, cache, k_new=, v_new=)`` appends first: on the reference backend (the two
+    calls) the same outputs, lengths and bytes as ``append`` then ``decode``; one of the
+    two alone, or a K of another shape, is refused by name before anything is written."""
+    a, b = allocate(4), allocate(4)
+    k, v = kvdata.kv(gen, 2, 140, HKV, D)
+    for c in (a, b):
+        c.prefill(k[:, :120], v[:, :120], [120, 60])
+    for t in range(120, 140):  # the first sequence completes a block on the way
+        q = torch.randn(2, 1, HQ, D, generator=gen).half()
+        got = bd.decode(q, a, k_new=k[:, t:t + 1], v_new=v[:, t:t + 1])
+        b.append(k[:, t:t + 1], v[:, t:t + 1])
+        assert torch.equal(got, bd.decode(q, b))
+    assert a.lengths == b.lengths == [140, 80]
+    assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("k_pack", "k_params", "v_pack", "v_params",
+                                                                   "k_res", "v_res", "seqlens"))
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        bd.decode(q, a, k_new=k[:, :1])
+    with pytest.raises(ValueError, match="k"):
+        bd.decode(q, a, k_new=k[:, :1, :1], v_new=v[:, :1, :1])
+    assert a.lengths == [140, 80]
+
+
+def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch):
+    """The host side of the one-launch appending decode (a stand-in plan on the CPU, the
+    backend made to say it appends): steps run it, with the new token and the commit
+    counters after q, until a sequence's next token would complete its residual block,
+    fall among the sink tokens or pass max_seqlen; those steps take append + decode."""
+    from bitdecode import attention
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+
+    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=2)
+    c = bd.KVCache.allocate(2, 1, 64, 140, fmt, device="cpu", backend="reference")
+    z = torch.zeros(2, 130, 1, 64, dtype=torch.float16)
+    c.prefill(z, z, [1, 125])
+    c.backend = "sm80"
+    fused, plain = [], []
+
+    class Plan:
+        decode_fn = None
+
+        def __call__(self, q, scale_log2, return_lse, new=()):
+            (fused if new else plain).append(len(new))
+            return q
+
+    monkeypatch.setattr(attention, "plan_decode", lambda *a, **kw: Plan())
+    monkeypatch.setattr(sm80_backend.Sm80Backend, "appends", True)
+    monkeypatch.setattr(c, "append", lambda k, v: (plain.append("append"), setattr(c, "_host_added", c._host_added + 1),
+                                                   setattr(c, "_host_max", c._host_max + 1), setattr(c, "_fuse_room", None)))
+    q = torch.ones(2, 1, 2, 64, dtype=torch.float16)
+    kv = torch.zeros(2, 1, 1, 64, dtype=torch.float16)
+    steps = []
+    for _ in range(12):
+        before = len(fused)
+        c.decode(q, k_new=kv, v_new=kv)
+        steps.append(len(fused) > before)
+    # lengths 1 / 125 (2 sinks, Nr 128): the first's token goes to the sinks (step 0), the
+    # second's (126 after it) completes its block at length 130 (step 4)
+    assert steps == [False, True, True, True, False] + [True] * 7, steps
+    assert c.lengths == [13, 137] and set(fused) == {3}
+    assert c._append_room() == 140 - 137  # then capacity bounds it

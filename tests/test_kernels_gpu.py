@@ -847,3 +847,54 @@ def test_fp4_append_token_by_token_equals_prefill(cfg):
     full = bd.KVCache.allocate(2, 2, d, n, fmt, dtype=dtype, device=DEV, backend="sm80")
     full.prefill(k, v)
     _assert_same_cache(full, _appended_in_steps(fmt, k, v, 2))
+
+
+@pytest.mark.parametrize("fmt, gq, lens, page, dtype", [
+    (bd.KVFormat(bits=4), 4, [120], None, torch.float16),  # B=1: splits and the combine; a block completes
+    (bd.KVFormat(bits=4), 4, [3000, 126, 0], 128, torch.bfloat16),  # ragged, paged, an empty sequence
+    (bd.KVFormat(bits=2), 4, [700, 1530], None, torch.float16),
+    (bd.KVFormat(bits=4, v_bits=2, sink_tokens=5), 8, [3, 260], None, torch.float16),  # sinks filling first
+    (bd.KVFormat(bits=4), 8, [9080] * 16, None, torch.bfloat16),  # the grid fills the SMs: one split
+], ids=["b1", "ragged-paged", "2bit", "k4v2-sinks", "b16"])
+def test_appending_decode_equals_append_then_decode(backend, fmt, gq, lens, page, dtype):
+    """``decode(q, cache, k_new=, v_new=)`` (on sm90 one launch while no block completes)
+    gives bit for bit the outputs of ``append`` then ``decode`` over 12 steps that cross a
+    block boundary for some sequence, leaves the same cache bytes and lengths, and its
+    commit counters at zero."""
+    hkv, d, steps = 2, 128, 12
+    gen = torch.Generator().manual_seed(77)
+    k, v = kv(gen, len(lens), max(lens) + steps, hkv, d, dtype=dtype, device=DEV)
+    caches = []
+    for _ in range(2):
+        c = bd.KVCache.allocate(len(lens), hkv, d, max(lens) + 64, fmt, dtype=dtype, device=DEV, page_size=page,
+                                backend=backend)
+        c.prefill(k[:, :max(lens)], v[:, :max(lens)], lens)
+        caches.append(c)
+    fused, split = caches
+    launches = []
+    if backend == "sm90":  # count the appending kernel's launches
+        real = fused._append_decode_plan
+
+        def spy(*a, **kw):
+            entry = real(*a, **kw)
+            if entry[1] is not None:
+                plan = entry[1]
+
+                def counted(*args):
+                    launches.append(1)
+                    return plan(*args)
+                entry = (entry[0], counted, *entry[2:])
+            return entry
+        fused._append_decode_plan = spy
+    for step in range(steps):
+        q = torch.randn(len(lens), 1, hkv * gq, d, generator=gen).to(dtype).to(DEV)
+        kn, vn = k[:, max(lens) + step:max(lens) + step + 1], v[:, max(lens) + step:max(lens) + step + 1]
+        got = bd.decode(q, fused, k_new=kn, v_new=vn)
+        split.append(kn, vn)
+        want = bd.decode(q, split)
+        assert torch.equal(got, want), f"step {step}: max diff {(got.float() - want.float()).abs().max().item()}"
+    fused.check()
+    _assert_same_cache(fused, split)
+    assert not fused.tensors().commits.any()
+    if backend == "sm90":  # every step but those completing a block (and filling sinks) ran fused
+        assert 0 < len(launches) < steps, launches
