@@ -323,7 +323,7 @@ def token_rows(t: torch.Tensor) -> torch.Tensor:
     each row contiguous, any 16-byte multiple between tokens and between sequences): itself
     where it is laid out so, e.g. a slice of a merged q / k / v projection's output, which
     ``contiguous()`` would copy at B > 1; else a contiguous copy."""
-    return t if rows_laid_out(t.stride(), t.shape[3], t.element_size()) else t.contiguous()
+    return t if BACKEND.takes_rows(t) else t.contiguous()
 
 
 def rows_laid_out(stride: Tuple[int, ...], head_dim: int, element_size: int) -> bool:
