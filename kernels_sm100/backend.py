@@ -46,9 +46,9 @@ class Sm100Backend(sm80_backend.Sm80Backend):
         """Whether a decode request gets the tcgen05 kernel (else the sm80 one)."""
         return bool(fmt.fp4) and head_dim in HEAD_DIMS and tq == 1
 
-    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
-        if not self.runs_tcgen05(fmt, head_dim, tq) or variant:
-            return super().make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant)
+    def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):
+        if not self.runs_tcgen05(fmt, head_dim, tq) or variant or append:  # (sm80's refuses append)
+            return super().make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant, append)
         from .decode import DecodeSm100
 
         sm80_backend.check_decode_request(fmt, tq)
