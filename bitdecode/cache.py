@@ -378,7 +378,8 @@ class KVCache:
         appends = self._appends
         if appends[0] != self.backend:
             appends = self._appends = (self.backend, self.backend != "reference" and backends.get(self.backend).appends)
-        if backend == "auto" and not appends[1]:  # (no key to build on the other backends)
+        if (backend == "auto" and not appends[1]) or (  # (no key to build: two calls)
+                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self.append(k_new, v_new)
             return self.decode(q, softmax_scale, num_splits, return_lse=return_lse)
         key = (q.shape, q.stride(), q.dtype, q.device, k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype,
@@ -392,9 +393,7 @@ class KVCache:
                                                                 backend)
         plan = fast[1]
         room = self._append_room()
-        if (plan is None or room <= 0 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-                or q.data_ptr() % 16
-                or k_new.data_ptr() % 16 or v_new.data_ptr() % 16):
+        if plan is None or room <= 0 or q.data_ptr() % 16 or k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
             self.append(k_new, v_new)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         self._fuse_room = room - 1

@@ -82,9 +82,36 @@ class BitDecodingLayer(CacheLayerMixin):
     def __init__(self, fmt: KVFormat, max_seqlen: int, page_size: Optional[int], backend: str):
         super().__init__()
         self.fmt, self.max_seqlen, self.page_size, self.backend = fmt, max_seqlen, page_size, backend
-        self.kv: Optional[KVCache] = None
+        self._kv: Optional[KVCache] = None
         self.seen = 0  # positions transformers has fed (pads included): its view of the length
         self.prompt_pending = False  # a first call's K / V await packing (its mask shows the pads)
+        # an eager decode step's new token ([B, 1, Hkv, D] K and V), held from ``update`` to
+        # the attention call, which appends it with the decode (``decode(k_new=, v_new=)``:
+        # one launch on sm90); anything else that reads the cache appends it first (``kv``)
+        self._pending: Optional[tuple] = None
+
+    @property
+    def kv(self) -> Optional[KVCache]:
+        """The layer's packed cache, holding every token ``update`` was given."""
+        self.flush()
+        return self._kv
+
+    def flush(self) -> None:
+        """Append the token held for the attention call, if there is one (a step whose
+        attention call never came, or a reader of the cache before it)."""
+        if self._pending is not None:
+            (k, v), self._pending = self._pending, None
+            self._kv.append(k, v)
+
+    @kv.setter
+    def kv(self, cache: Optional[KVCache]) -> None:
+        self._pending, self._kv = None, cache
+
+    def take_pending(self) -> Optional[tuple]:
+        """The decode step's new K and V, not yet appended (None if there are none): the
+        caller appends them."""
+        pending, self._pending = self._pending, None
+        return pending
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bsz, hkv, _, d = key_states.shape
@@ -102,6 +129,9 @@ class BitDecodingLayer(CacheLayerMixin):
         elif torch.compiler.is_compiling():  # one op node; capacity checked on the device
             ops.append_cache(key_states.transpose(1, 2).contiguous(), value_states.transpose(1, 2).contiguous(),
                              self.kv)
+        elif key_states.shape[2] == 1:  # a decode step: the attention call appends it (``_pending``)
+            self.flush()
+            self._pending = (key_states.transpose(1, 2), value_states.transpose(1, 2))
         else:
             self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
         self.seen += key_states.shape[2]
@@ -147,6 +177,7 @@ class BitDecodingLayer(CacheLayerMixin):
         self.seen -= remove
 
     def reset(self) -> None:
+        self._pending = None
         if self.kv is not None:
             self.kv.reset()
         self.seen = 0
@@ -242,7 +273,10 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
         if torch.compiler.is_compiling():  # one opaque op node instead of the Python dispatch
             scale = scaling if scaling is not None else d ** -0.5
             return ops.decode_cache(q.contiguous(), layer.kv, scale), None
-        return decode(q, layer.kv, softmax_scale=scaling), None
+        new = layer.take_pending()
+        if new is None:
+            return decode(q, layer.kv, softmax_scale=scaling), None
+        return decode(q, layer.kv, softmax_scale=scaling, k_new=new[0], v_new=new[1]), None
     # several new tokens (assisted generation's drafts, a later chunk of a prompt), already
     # appended: causal over the cache, in the kernels when they fit one tile
     return decode(query.transpose(1, 2).contiguous(), layer.kv, softmax_scale=scaling), None

@@ -75,6 +75,42 @@ def test_prefill_exact_and_decode_within_the_format_error(models):
 
 
 @torch.no_grad()
+def test_decode_steps_append_in_the_attention_call(models, monkeypatch):
+    """A decode step's new token is held by ``update`` and appended by the attention call
+    with the decode (``decode(k_new=, v_new=)``: one launch on sm90), bit for bit as the
+    two calls; a reader of the cache before the attention call, or the next ``update``,
+    appends a held token first."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(5)
+    ids, steps = torch.randint(0, VOCAB, (2, 40), generator=gen), torch.randint(0, VOCAB, (2, 3), generator=gen)
+    calls = []
+    real = hf.decode
+
+    def spy(q, cache, **kw):
+        calls.append(kw.get("k_new") is not None)
+        return real(q, cache, **kw)
+
+    monkeypatch.setattr(hf, "decode", spy)
+    cbd = _cache(packed, 4)
+    out = [packed(x, past_key_values=cbd, use_cache=True).logits for x in [ids, *steps.split(1, dim=1)]]
+    assert calls == [True] * 6 and all(layer._pending is None for layer in cbd.layers)
+    monkeypatch.setattr(hf, "decode", real)
+    monkeypatch.setattr(hf.BitDecodingLayer, "take_pending", lambda self: self.flush())  # the two calls
+    ref = _cache(packed, 4)  # (the model's attention modules follow the newest cache)
+    want = [packed(x, past_key_values=ref, use_cache=True).logits for x in [ids, *steps.split(1, dim=1)]]
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    monkeypatch.undo()
+    _cache(packed, 4)  # (unbinds ``ref``: ``cbd``'s layers are driven by hand below)
+    layer = cbd.layers[0]
+    k = torch.randn(2, 2, 1, 64).to(torch.bfloat16)
+    layer.update(k, k)
+    assert layer._pending is not None and layer.kv.lengths == [44, 44] and layer._pending is None
+    layer.update(k, k)
+    layer.update(k, k)  # (the held token goes in first)
+    assert layer.kv.lengths == [46, 46] and cbd.get_seq_length() == 46
+
+
+@torch.no_grad()
 def test_left_padded_sequence_decodes_like_itself_alone(models):
     _, packed = models
     gen = torch.Generator().manual_seed(2)
