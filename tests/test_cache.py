@@ -394,13 +394,14 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
     z = torch.zeros(2, 130, 1, 64, dtype=torch.float16)
     c.prefill(z, z, [1, 125])
     c.backend = "sm80"
-    fused, plain = [], []
+    fused, plain, dense = [], [], []
 
     class Plan:
         decode_fn = None
 
         def __call__(self, q, scale_log2, return_lse, new=()):
             (fused if new else plain).append(len(new))
+            dense.append(q.is_contiguous())
             return q
 
     monkeypatch.setattr(attention, "plan_decode", lambda *a, **kw: Plan())
@@ -419,3 +420,6 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
     assert steps == [False, True, True, True, False] + [True] * 7, steps
     assert c.lengths == [13, 137] and set(fused) == {3}
     assert c._append_room() == 140 - 137  # then capacity bounds it
+    sparse = torch.ones(2, 1, 4, 64, dtype=torch.float16)[:, :, ::2]  # heads 128 apart: copied for the kernel
+    c.decode(sparse, k_new=kv, v_new=kv)
+    assert len(fused) == 11 and all(dense)
