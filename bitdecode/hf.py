@@ -96,16 +96,16 @@ class BitDecodingLayer(CacheLayerMixin):
         self.flush()
         return self._kv
 
+    @kv.setter
+    def kv(self, cache: Optional[KVCache]) -> None:
+        self._pending, self._kv = None, cache
+
     def flush(self) -> None:
         """Append the token held for the attention call, if there is one (a step whose
         attention call never came, or a reader of the cache before it)."""
         if self._pending is not None:
             (k, v), self._pending = self._pending, None
             self._kv.append(k, v)
-
-    @kv.setter
-    def kv(self, cache: Optional[KVCache]) -> None:
-        self._pending, self._kv = None, cache
 
     def take_pending(self) -> Optional[tuple]:
         """The decode step's new K and V, not yet appended (None if there are none): the
