@@ -71,7 +71,7 @@ class KVCache:
         # are laid out as the kernel takes them
         self._fast_append = None
         self._fuse_room: Optional[int] = None  # ``_append_room``'s answer, until lengths change
-        # (backend name, whether its decode kernel can append: ``_append_decode``)
+        # (backend name, whether its decode kernel can append: ``_kernel_appends``)
         self._appends = (None, False)
         # (the block table's version counter, per-sequence lengths) it was last verified for:
         # a prefill within them, the table unchanged in place since, needs no check (a sync)
@@ -349,8 +349,7 @@ class KVCache:
         # fast path: a query like the last validated one (shape, strides, dtype, device,
         # options and their types, the same split decision) reuses its compiled plan with
         # no further Python work
-        key = (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
-               type(num_splits), backend, -(-max_len // self.fmt.residual_block))  # tiles choose_splits counts
+        key = self._call_key(q, softmax_scale, num_splits, backend, max_len)
         fast = self._fast
         if fast is not None and fast[0] == key and q.data_ptr() % 16 == 0:
             return fast[1](reference.rotate(q, self.fmt), fast[2], return_lse)
@@ -368,6 +367,19 @@ class KVCache:
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                              return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
 
+    def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int) -> tuple:
+        """What a kernel decode's plan depends on in a call: q's shape, strides, dtype and
+        device, the options and their types, and the tiles of ``max_len`` tokens (what
+        ``choose_splits`` counts)."""
+        return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
+                type(num_splits), backend, -(-max_len // self.fmt.residual_block))
+
+    def _kernel_appends(self, name: str) -> bool:
+        """Whether backend ``name``'s decode kernel can append this cache's new tokens (no
+        Hadamard rotation or FP4 codes: their K is written rotated or reordered)."""
+        return (name != "reference" and backends.get(name).appends and not self.fmt.hadamard
+                and not self.fmt.fp4)
+
     def _append_decode(self, q, k_new, v_new, softmax_scale, num_splits, backend, return_lse):
         """``append(k_new, v_new)`` then ``decode(q)``: in one launch where the backend's
         decode kernel appends (``appends``: sm90) and the step allows it (one token each,
@@ -377,14 +389,13 @@ class KVCache:
             raise ValueError("k_new and v_new are appended together: pass both or neither")
         appends = self._appends
         if appends[0] != self.backend:
-            appends = self._appends = (self.backend, self.backend != "reference" and backends.get(self.backend).appends)
+            appends = self._appends = (self.backend, self._kernel_appends(self.backend))
         if (backend == "auto" and not appends[1]) or (  # (no key to build: two calls)
                 self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self.append(k_new, v_new)
             return self.decode(q, softmax_scale, num_splits, return_lse=return_lse)
-        key = (q.shape, q.stride(), q.dtype, q.device, k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype,
-               v_new.dtype, k_new.device, v_new.device, softmax_scale, type(softmax_scale), num_splits,
-               type(num_splits), backend, -(-(self._host_max + 1) // self.fmt.residual_block)) \
+        key = self._call_key(q, softmax_scale, num_splits, backend, self._host_max + 1) + (
+            k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype, v_new.dtype, k_new.device, v_new.device) \
             if isinstance(q, torch.Tensor) and isinstance(k_new, torch.Tensor) and isinstance(v_new, torch.Tensor) \
             else None
         fast = self._fast_append
@@ -414,10 +425,10 @@ class KVCache:
         attention.check_query(q, self._tensors, name)
         scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
         splits = attention.check_splits(num_splits, name)
-        kernels = None if name == "reference" else backends.get(name)
-        if (kernels is None or not kernels.appends or self.fmt.hadamard or self.fmt.fp4 or q.shape[1] != 1
-                or k_new.shape[1] != 1 or not attention.fits_kernel_tile(q, self._tensors, name)):
+        if (not self._kernel_appends(name) or q.shape[1] != 1 or k_new.shape[1] != 1
+                or not attention.fits_kernel_tile(q, self._tensors, name)):
             return (key, None)
+        kernels = backends.get(name)
         plan = attention.plan_decode(self._tensors, q, name, splits, self._host_max + 1, self._plans, append=True)
         bound = jit.bound_arguments((self._tensors.commits,), plan.decode_fn)
         return (key, plan, scale * attention.LOG2_E, q.is_contiguous(), kernels.takes_rows(k_new),

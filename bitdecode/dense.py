@@ -83,12 +83,11 @@ def _weight_and_rows(x: torch.Tensor, weight: torch.Tensor):
 
 def _small_m_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
     """(why the small-M GEMM cannot run ``linear(x, weight, bias)``, "" when it can; x as
-    its [tokens, K] rows when it can, else None)."""
+    its [tokens, K] rows when it can, else None); ``linear`` sends it 1 to
+    ``SMALL_M_MAX_TOKENS`` rows only."""
     why = dispatch.float16_kernel_fit((x, weight))
     if why:
         return why, None
-    if not 1 <= _tokens(x) <= SMALL_M_MAX_TOKENS:
-        return f"1 to {SMALL_M_MAX_TOKENS} rows of x, got {_tokens(x)}", None
     if bias is not None:
         return "no bias", None
     if weight.shape[1] % layout.SMALL_M_K_STEP:
