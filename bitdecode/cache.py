@@ -382,9 +382,10 @@ class KVCache:
 
     def _append_decode(self, q, k_new, v_new, softmax_scale, num_splits, backend, return_lse):
         """``append(k_new, v_new)`` then ``decode(q)``: in one launch where the backend's
-        decode kernel appends (``appends``: sm90) and the step allows it (one token each,
-        eager, no Hadamard rotation or FP4, no block completed, ``_append_room``), else the
-        two calls.  Same results, same cache contents either way."""
+        decode kernel appends (``appends``: the sm80 and sm90 kernels) and the step allows
+        it (one token each, eager, no Hadamard rotation or FP4, no block completed,
+        ``_append_room``), else the two calls.  Same results, same cache contents either
+        way."""
         if k_new is None or v_new is None:
             raise ValueError("k_new and v_new are appended together: pass both or neither")
         appends = self._appends
@@ -461,11 +462,12 @@ def decode(
     (and the LSE ``[B, T, Hq]`` fp32 with ``return_lse``).
 
     ``k_new`` / ``v_new`` ``[B, T, Hkv, D]``: ``cache.append(k_new, v_new)`` first, then the
-    attention (the step's new token attends to itself).  On sm90 one token a step is one
-    launch (the decode kernel stores it into the 16-bit residual block and commits the
-    lengths), which halves an eager step's launches; where that does not apply (other
-    backends, a step that completes a packed block, graph capture, Hadamard or FP4 formats,
-    several tokens) it is the two calls, with the same results and cache contents.
+    attention (the step's new token attends to itself).  On the sm80 and sm90 kernels one
+    token a step is one launch (the decode kernel stores it into the 16-bit residual block
+    and commits the lengths), which halves an eager step's launches; where that does not
+    apply (the reference backend, a step that completes a packed block, graph capture,
+    Hadamard or FP4 formats, several tokens) it is the two calls, with the same results and
+    cache contents.
 
     ``T`` = 1: the usual decode step.  ``T`` > 1 (speculative verification, a chunk of a
     prompt): the queries are each sequence's newest ``T`` tokens, appended to the cache

@@ -87,7 +87,8 @@ class BitDecodingLayer(CacheLayerMixin):
         self.prompt_pending = False  # a first call's K / V await packing (its mask shows the pads)
         # an eager decode step's new token ([B, 1, Hkv, D] K and V), held from ``update`` to
         # the attention call, which appends it with the decode (``decode(k_new=, v_new=)``:
-        # one launch on sm90); anything else that reads the cache appends it first (``kv``)
+        # one launch on the sm80 and sm90 kernels); anything else that reads the cache
+        # appends it first (``kv``)
         self._pending: Optional[tuple] = None
 
     @property

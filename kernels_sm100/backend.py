@@ -47,7 +47,7 @@ class Sm100Backend(sm80_backend.Sm80Backend):
         return bool(fmt.fp4) and head_dim in HEAD_DIMS and tq == 1
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):
-        if not self.runs_tcgen05(fmt, head_dim, tq) or variant or append:  # (sm80's refuses append)
+        if not self.runs_tcgen05(fmt, head_dim, tq) or variant or append:  # (sm80's appends; FP4 never does)
             return super().make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant, append)
         from .decode import DecodeSm100
 

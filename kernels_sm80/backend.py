@@ -67,8 +67,9 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 
 
 def append_decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
-    """Fake arguments of an appending decode (``DecodeSm90.call_append``): q, the new K and
-    V ``[B, 1, Hkv, D]``, the cache's commit counters, then ``decode_args``' others."""
+    """Fake arguments of an appending decode (``call_append`` of DecodeSm80 / DecodeSm90):
+    q, the new K and V ``[B, 1, Hkv, D]``, the cache's commit counters, then
+    ``decode_args``' others."""
     import cutlass
 
     args = decode_args(fmt, dtype, head_dim, split)
@@ -379,8 +380,9 @@ class Sm80Backend:
         runs) both follow.  sm80 has none."""
         return ""
 
-    # whether the decode kernel can append the step's new token itself (``plan(append=True)``)
-    appends = False
+    # whether the decode kernel can append the step's new token itself (``plan(append=True)``):
+    # DecodeSm80.call_append
+    appends = True
 
     def takes_rows(self, t: torch.Tensor) -> bool:
         """Whether ``t`` ``[B, T, Hkv, D]`` is laid out as the kernels take new tokens
@@ -397,13 +399,11 @@ class Sm80Backend:
         check_decode_request(fmt, tq)
         if variant:
             raise ValueError(f"the {self.name} decode kernel has no variant {variant!r}")
-        if append:
-            raise ValueError(f"the {self.name} decode kernel does not append")
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
         per_sm = ctas_per_sm(fmt, head_dim, nh)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
                           min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch),
-                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4)
+                          sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4, append=append)
 
     def compile_decode(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
                        keep_ptx: bool = False, tq: int = 1, variant: str = "", append: bool = False):

@@ -49,7 +49,8 @@ from . import ptx
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from .reduce import across_rows
-from .tensors import aligned_ptr, assume_aligned, one_token, page_of, split_tiles, wait_for_previous_kernel
+from .tensors import (aligned_ptr, assume_aligned, commit_length, one_token, page_of, split_tiles,
+                      wait_for_previous_kernel)
 
 NUM_WARPS = sm80.WARPS_N
 NUM_THREADS = resources.WARP * NUM_WARPS
@@ -75,7 +76,7 @@ class PackedDecodeConfig:
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0,
-                 v_bits: int = 0, tq: int = 1, fp4: Optional[str] = None):
+                 v_bits: int = 0, tq: int = 1, fp4: Optional[str] = None, append: bool = False):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
@@ -126,6 +127,36 @@ class PackedDecodeConfig:
             self.v_chunks = (sm100.sf_row_chunks(head_dim), sm100.sf_chunks(self.v_tile // group_size))
             self.words_ks = self.k_chunks * sm100.SF_CHUNK_WORDS
             self.words_vs = self.v_chunks[0] * self.v_chunks[1] * sm100.SF_CHUNK_WORDS
+        # ``call_append``: the launch first appends one new token per sequence (into the
+        # 16-bit residual block; the host sends only tokens that complete no block and fall
+        # past the sinks) and attends over it too, so an eager step's append costs no launch
+        if append and (tq != 1 or fp4):
+            raise ValueError(f"the appending decode takes one query token of an integer format, got tq={tq}, "
+                             f"fp4={fp4!r}")
+        self.append = append
+
+    @cute.jit
+    def sequence_length(self, mSeqlens, new, batch, num_splits, tid):
+        """The tokens sequence ``batch`` attends over: its length, one more with ``append``
+        (the new token is the sequence's last).  Appending, every CTA counts itself in once
+        it has read the old length and the last one stores the new (``commit_length``), so
+        no CTA of the launch sees it; all the CTA's threads call this."""
+        seqlen = mSeqlens[batch]
+        if const_expr(self.append):
+            seqlen = seqlen + 1
+            _, heads, _ = cute.arch.grid_dim()
+            commit_length(mSeqlens, new[2], batch, seqlen, num_splits * heads, tid)
+        return seqlen
+
+    @cute.jit
+    def store_new_token(self, mKnew, mVnew, mKr, mVr, batch, head_kv, row, tid, threads: cutlass.Constexpr[int]):
+        """``append``: the new token's K and V rows of this head into residual row ``row``,
+        by ``threads`` threads; the caller reads the block back after a barrier (the fence
+        makes the stores visible to the CTA's cp.async reads)."""
+        for i in cutlass.range(tid, self.d, threads, unroll=1):
+            mKr[batch, row, head_kv, i] = mKnew[batch, 0, head_kv, i]
+            mVr[batch, row, head_kv, i] = mVnew[batch, 0, head_kv, i]
+        cute.arch.fence_acq_rel_cta()
 
     @cute.jit
     def causal_limits(self, seqlen, rows_per_kv_head, lane):
@@ -188,8 +219,10 @@ class DecodeSm80(PackedDecodeConfig):
         v_bits: int = 0,
         tq: int = 1,
         fp4: Optional[str] = None,
+        append: bool = False,
     ):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
+                         append)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
         self.t = self.nr // NUM_WARPS  # tokens per warp per tile
         # 16-byte chunks of V rows those tokens span: one, or two of a 4-bit V tile (K2V4)
@@ -225,20 +258,37 @@ class DecodeSm80(PackedDecodeConfig):
         softmax_scale_log2: Float32,
         stream,
     ):
+        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, stream, None)
+
+    @cute.jit
+    def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
+                    mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
+                    mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
+                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+        """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
+        ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
+        per-sequence arrival counters (zero, and left so); the rest as ``__call__``'s."""
+        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits))
+
+    def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+               softmax_scale_log2, stream, new):
+        """(plain Python, traced inside each entry point)"""
         mQ, mO = query_views(mQ, mO, self.split)
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
-                                               min_blocks_per_mp=self.min_blocks_per_sm,
-                                               preferred_smem_carveout=100, use_pdl=self.pdl)
+                    softmax_scale_log2, new).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                                                    min_blocks_per_mp=self.min_blocks_per_sm,
+                                                    preferred_smem_carveout=100, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
     # Device side
     # ---------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-               softmax_scale_log2: Float32):
+               softmax_scale_log2: Float32, new):
         tid, _, _ = cute.arch.thread_idx()
         split_idx, head_kv, batch = cute.arch.block_idx()
         num_splits, _, _ = cute.arch.grid_dim()
@@ -247,7 +297,7 @@ class DecodeSm80(PackedDecodeConfig):
         gq = mQ.shape[1] // mKr.shape[2]
 
         wait_for_previous_kernel(self.pdl)
-        seqlen = mSeqlens[batch]
+        seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
         lim = self.causal_limits(seqlen, gq, lane)
@@ -310,6 +360,8 @@ class DecodeSm80(PackedDecodeConfig):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         if has_residual:
+            if const_expr(self.append):  # its sub-tile's barrier orders these stores before the reads
+                self.store_new_token(new[0], new[1], mKr, mVr, batch, head_kv, n_res - 1, tid, NUM_THREADS)
             self.sixteen_bit_tokens(mma, thr_mma, tQrQ, mKr, mVr, union, batch, head_kv, n_res, acc_o, row_max,
                                     row_sum, softmax_scale_log2, warp_idx, lane, tid, lim, n_sink + n_rest - n_res)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0

@@ -66,7 +66,7 @@ from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
                                     split_params)
 from ..kernels_sm80.reduce import across_lanes, across_rows
-from ..kernels_sm80.tensors import assume_aligned, commit_length, page_of, split_tiles, wait_for_previous_kernel
+from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
 from ..layouts import packing, resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
 from . import ptx90
@@ -160,14 +160,8 @@ class DecodeSm90(PackedDecodeConfig):
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False):
-        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4)
-        # ``call_append``: the launch first appends one new token per sequence (into the
-        # 16-bit residual block; the host sends only tokens that complete no block and fall
-        # past the sinks) and attends over it too, so an eager step's append costs no launch
-        if append and (tq != 1 or fp4):
-            raise ValueError(f"the appending decode takes one query token of an integer format, got tq={tq}, "
-                             f"fp4={fp4!r}")
-        self.append = append
+        super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
+                         append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
         # each 64-channel M-block of O^T inside one V group (groups of >= 64 channels): P^T
@@ -464,11 +458,7 @@ class DecodeSm90(PackedDecodeConfig):
         sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
 
         wait_for_previous_kernel(self.pdl)
-        seqlen = mSeqlens[batch]
-        if const_expr(self.append):  # the new token is the sequence's last; counted in, the last CTA commits
-            seqlen = seqlen + 1
-            _, heads, _ = cute.arch.grid_dim()
-            commit_length(mSeqlens, new[2], batch, seqlen, num_splits * heads, tid)
+        seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
 
@@ -893,7 +883,7 @@ class DecodeSm90(PackedDecodeConfig):
         (``stash``: softmax states merge in any order) and the epilogue."""
         if has_residual:
             if const_expr(self.append):
-                self.store_new_token(new[0], new[1], mKr, mVr, batch, head_kv, n_res - 1, tid)
+                self.store_new_token(new[0], new[1], mKr, mVr, batch, head_kv, n_res - 1, tid, WG)
             self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                           acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res, zsum)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
@@ -1391,16 +1381,6 @@ class DecodeSm90(PackedDecodeConfig):
         self.bar(Barrier.P)
 
     # ---- the 16-bit residual block --------------------------------------------------------
-    @cute.jit
-    def store_new_token(self, mKnew, mVnew, mKr, mVr, batch, head_kv, row, tid):
-        """``append``: the new token's K and V rows of this head into residual row ``row``,
-        by the consumer warpgroup; ``residual`` reads the block back after its barrier (the
-        fence makes the stores visible to the CTA's cp.async reads)."""
-        for i in cutlass.range(tid, self.d, WG, unroll=1):
-            mKr[batch, row, head_kv, i] = mKnew[batch, 0, head_kv, i]
-            mVr[batch, row, head_kv, i] = mVnew[batch, 0, head_kv, i]
-        cute.arch.fence_acq_rel_cta()
-
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                  acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first, zsum=None):

@@ -175,27 +175,32 @@ def test_sm90_half_tile():
     assert any(v.extra[0] == "h4" for v in be.variants(("decode",), [fmt], [128], ["fp16"]))
 
 
-@pytest.mark.parametrize("bits, nh, split", [(4, 4, True), (2, 4, False), (4, 8, True)])
-def test_sm90_appending_decode_ptx(bits, nh, split, tmp_path):
-    """``DecodeSm90(append=True)`` (``KVCache.decode(k_new=, v_new=)``): the decode kernel
-    plus the new token's stores into the residual block (behind a CTA fence) and the
-    lengths' commit (the pack kernel's acq_rel counter); no spills, its wgmmas unserialized;
-    sm80 and several query tokens refuse it."""
+@pytest.mark.parametrize("arch, bits, nh, split", [
+    ("sm_90a", 4, 4, True), ("sm_90a", 2, 4, False), ("sm_90a", 4, 8, True),
+    ("sm_80", 4, 8, True), ("sm_80", 2, 16, False), ("sm_80", 4, 16, True),
+])
+def test_appending_decode_ptx(arch, bits, nh, split, tmp_path, monkeypatch):
+    """The appending decode (``KVCache.decode(k_new=, v_new=)``: ``call_append`` of
+    DecodeSm90 and DecodeSm80): the decode kernel plus the new token's stores into the
+    residual block (behind a CTA fence) and the lengths' commit (the pack kernel's acq_rel
+    counter); no spills (sm90: its wgmmas unserialized); several query tokens and FP4
+    refuse it."""
     from bitdecode.kernels_sm90 import backend as sm90
 
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    be, mma = (sm90.BACKEND, "wgmma.mma_async") if arch == "sm_90a" else (kernels.BACKEND, "mma.sync.aligned")
     fmt = KVFormat(bits, "channel", 128)
-    ptx = sm90.BACKEND.compile_decode("sm_90a", fmt, cutlass.BFloat16, 128, nh, split, keep_ptx=True,
-                                      append=True).artifacts.PTX
-    plain = sm90.compile_decode("sm_90a", fmt, cutlass.BFloat16, 128, nh, split, keep_ptx=True).artifacts.PTX
-    for instr in ("atom.global.acq_rel.add", "fence.acq_rel.cta", "wgmma.mma_async", "cp.async.bulk.tensor"):
+    ptx = be.compile_decode(arch, fmt, cutlass.BFloat16, 128, nh, split, keep_ptx=True, append=True).artifacts.PTX
+    plain = be.compile_decode(arch, fmt, cutlass.BFloat16, 128, nh, split, keep_ptx=True).artifacts.PTX
+    for instr in ("atom.global.acq_rel.add", "fence.acq_rel.cta", mma, "cp.async"):
         assert instr in ptx, f"{instr} missing from the appending decode's PTX"
     assert "atom.global" not in plain and _count(ptx, "st.global") > _count(plain, "st.global")
-    report = ptxas.report(ptx, "sm_90a", tmp_path)
+    report = ptxas.report(ptx, arch, tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
-    with pytest.raises(ValueError, match="does not append"):
-        kernels.BACKEND.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, append=True)
     with pytest.raises(ValueError, match="one query token"):
-        sm90.BACKEND.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, tq=2, append=True)
+        be.make_decode(arch, fmt, cutlass.Float16, 128, 8, True, tq=2, append=True)
+    with pytest.raises(ValueError, match="integer format"):
+        kernels.BACKEND.make_decode(arch, KVFormat(fp4="nvfp4"), cutlass.Float16, 128, 8, True, append=True)
 
 
 def test_sm90_decode_refuses_other_archs():

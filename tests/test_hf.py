@@ -77,9 +77,9 @@ def test_prefill_exact_and_decode_within_the_format_error(models):
 @torch.no_grad()
 def test_decode_steps_append_in_the_attention_call(models, monkeypatch):
     """A decode step's new token is held by ``update`` and appended by the attention call
-    with the decode (``decode(k_new=, v_new=)``: one launch on sm90), bit for bit as the
-    two calls; a reader of the cache before the attention call, or the next ``update``,
-    appends a held token first."""
+    with the decode (``decode(k_new=, v_new=)``: one launch on the sm80 and sm90
+    kernels), bit for bit as the two calls; a reader of the cache before the attention
+    call, or the next ``update``, appends a held token first."""
     _, packed = models
     gen = torch.Generator().manual_seed(5)
     ids, steps = torch.randint(0, VOCAB, (2, 40), generator=gen), torch.randint(0, VOCAB, (2, 3), generator=gen)

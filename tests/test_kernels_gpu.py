@@ -872,7 +872,8 @@ def test_appending_decode_equals_append_then_decode(backend, fmt, gq, lens, page
         caches.append(c)
     fused, split = caches
     launches = []
-    if backend == "sm90":  # count the appending kernel's launches
+    appends = bd.backend.get(backend).appends
+    if appends:  # count the appending kernel's launches
         real = fused._append_decode_plan
 
         def spy(*a, **kw):
@@ -896,5 +897,5 @@ def test_appending_decode_equals_append_then_decode(backend, fmt, gq, lens, page
     fused.check()
     _assert_same_cache(fused, split)
     assert not fused.tensors().commits.any()
-    if backend == "sm90":  # every step but those completing a block (and filling sinks) ran fused
+    if appends:  # every step but those completing a block (and filling sinks) ran fused
         assert 0 < len(launches) < steps, launches
