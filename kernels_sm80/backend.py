@@ -69,12 +69,15 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 def append_decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     """Fake arguments of an appending decode (``call_append`` of DecodeSm80 / DecodeSm90):
     q, the new K and V ``[B, 1, Hkv, D]``, the cache's commit counters, then
-    ``decode_args``' others."""
+    ``decode_args``' others, then the merged output ``[B, 1, Hq, D]``, its LSE ``[B, Hq]``
+    and the splits' arrival counters (the split kernel merges in its last CTA)."""
     import cutlass
 
     args = decode_args(fmt, dtype, head_dim, split)
     new = [fake_tensor(dtype, (None, 1, None, head_dim)) for _ in range(2)]
-    return args[:1] + new + [fake_vector(cutlass.Int32, 1)] + args[1:]
+    merged = [fake_tensor(dtype, (None, 1, None, head_dim)), fake_vector(cutlass.Float32, 2),
+              fake_vector(cutlass.Int32, 1)]
+    return args[:1] + new + [fake_vector(cutlass.Int32, 1)] + args[1:] + merged
 
 
 def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
@@ -240,7 +243,8 @@ class DecodePlan:
     MAX_STREAMS = 8  # workspaces kept per plan (least recently added dropped first)
     OUT_CHUNK = 32  # outputs allocated at once
 
-    def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn):
+    def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn,
+                 append: bool = False):
         bsz, _, hq, d = q_shape
         self.q_shape = tuple(q_shape)  # the queries' and the outputs'
         self.part_shape = (splits, bsz, hq, d)
@@ -254,8 +258,12 @@ class DecodePlan:
             cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens, cache.block_table), decode_fn)
         self.decode_fn = decode_fn
         self.combine_fn = combine_fn
+        # an appending kernel (``call_append``) merges its splits in the last CTA of each
+        # (sequence, KV head), counted on ``arrivals`` in the workspace: no combine launch
+        self.append = append
+        self.arrivals = bsz * cache.k_res.shape[2] if append else 0
         self.unused_lse, = jit.bound_arguments(
-            (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), decode_fn, combine_fn)
+            (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), *(f for f in (decode_fn, combine_fn) if f))
         self.workspaces = jit.PerStream(self.MAX_STREAMS)  # (o_part, l_part), converted as ``static``
         self.outputs = jit.PerStream(self.MAX_STREAMS)  # outputs not handed out yet (views of a chunk)
 
@@ -274,11 +282,14 @@ class DecodePlan:
         return self.outputs.get(stream, self._new_outputs, keep=bool).pop()
 
     def _new_workspace(self):
-        return (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
-                torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
+        parts = (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
+                 torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
+        if self.append:  # (zero, and left so by the kernel)
+            return parts + (torch.zeros(self.arrivals, dtype=torch.int32, device=self.device),)
+        return parts
 
     def _new_bound_workspace(self):
-        return jit.bound_arguments(self._new_workspace(), self.decode_fn, self.combine_fn)
+        return jit.bound_arguments(self._new_workspace(), *(f for f in (self.decode_fn, self.combine_fn) if f))
 
     def _new_outputs(self):
         chunk = torch.empty((self.OUT_CHUNK, *self.q_shape), dtype=self.dtype, device=self.device)
@@ -290,11 +301,17 @@ class DecodePlan:
         stream = jit.current_stream(self.device_index)
         out = self.output(stream)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
-        if self.splits == 1:
-            self.decode_fn(q, *new, *self.static, out, lse, scale_log2)
+        if self.append:  # one launch: unsplit, the merge's arguments are not read
+            if self.splits == 1:
+                self.decode_fn(q, *new, *self.static, out, lse, out, lse, new[2], scale_log2)
+            else:
+                o_part, l_part, arrivals = self.workspace(stream)
+                self.decode_fn(q, *new, *self.static, o_part, l_part, out, lse, arrivals, scale_log2)
+        elif self.splits == 1:
+            self.decode_fn(q, *self.static, out, lse, scale_log2)
         else:
             o_part, l_part = self.workspace(stream)
-            self.decode_fn(q, *new, *self.static, o_part, l_part, scale_log2)
+            self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
             self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
@@ -451,8 +468,8 @@ class Sm80Backend:
         nh = self.heads_tile(rows, tq)
         variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device, splits)
         decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant, append)
-        combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 else None
-        plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn)
+        combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 and not append else None
+        plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn, append)
         return plan if tq == 1 else MultiTokenPlan(plan, hkv)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------

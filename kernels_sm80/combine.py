@@ -27,49 +27,48 @@ VEC = 4
 MAX_SPLITS = sm80.MAX_SPLITS
 
 
-class CombineSm80:
-    def __init__(self, dtype, head_dim: int, pdl: bool = False):
+class SplitMerge:
+    """The merge of one (batch, head) row's splits by 128 threads (``NUM_THREADS``), as the
+    combine kernel runs it and as a decode kernel's last split CTA runs it in place of the
+    combine launch (the appending decode): one definition, so both give the same bits."""
+
+    def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
-        # programmatic dependent launch (sm_90+): the CTAs launch while the decode kernel
-        # drains and wait for its partials (tensors.wait_for_previous_kernel)
-        self.pdl = pdl
         self.d = head_dim
         self.vecs = head_dim // VEC  # threads per split row
         self.groups = NUM_THREADS // self.vecs  # split groups working in parallel
+        # shared memory: split weights, the warps' reductions, the split groups' sums
+        self.smem_bytes = 4 * (MAX_SPLITS + NUM_WARPS + VEC * self.vecs * self.groups)
+
+    def smem_tensors(self, ptr):
+        """(weights, reductions, group sums) over ``smem_bytes`` of shared memory at ``ptr``
+        (16-byte aligned)."""
+        f32 = cute.recast_ptr(ptr, dtype=Float32)
+        s_w = cute.make_tensor(f32, cute.make_layout(MAX_SPLITS))
+        s_red = cute.make_tensor(f32 + MAX_SPLITS, cute.make_layout(NUM_WARPS))
+        s_acc = cute.make_tensor(f32 + MAX_SPLITS + NUM_WARPS, cute.make_layout(
+            (VEC, self.vecs, self.groups), stride=(1, VEC, VEC * self.vecs)))
+        return s_w, s_red, s_acc
 
     @cute.jit
-    def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, stream):
-        # mOp (S, B, Hq, D) f32, mLp (S, B, Hq) f32, mO (B, 1, Hq, D) dtype, mL (B, Hq) f32
-        mO = one_token(mO)
-        grid = (mO.shape[0] * mO.shape[1], 1, 1)
-        self.kernel(mOp, mLp, mO, mL).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
-                                             use_pdl=self.pdl)
-
-    @cute.kernel
-    def kernel(self, mOp, mLp, mO, mL):
-        tid, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
-        num_splits, heads = mOp.shape[0], mO.shape[1]
-        b = row // heads
-        h = row - b * heads
-        smem = cutlass.memory.SmemAllocator()
-        s_w = smem.allocate_tensor(Float32, cute.make_layout(MAX_SPLITS), 16)
-        s_red = smem.allocate_tensor(Float32, cute.make_layout(NUM_WARPS), 16)
-        s_acc = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.vecs, self.groups),
-                                                               stride=(1, VEC, VEC * self.vecs)), 16)
-        wait_for_previous_kernel(self.pdl)
-        # 1. the splits' LSEs: CTA-wide max, then weights exp(lse_s - max) and their sum
+    def merge(self, mOp, mLp, mO, mL, b, h, smem, tid, sync=cute.arch.sync_threads):
+        """Row ``(b, h)``: mOp (S, B, Hq, D) f32 and mLp (S, B, Hq) f32 -> mO (B, Hq, D)
+        dtype and mL (B, Hq) f32; ``smem`` from ``smem_tensors``, ``tid`` 0-127, ``sync``
+        the barrier of those threads (a next row on the same shared memory syncs first)."""
+        s_w, s_red, s_acc = smem
+        num_splits = mOp.shape[0]
+        # 1. the splits' LSEs: the threads' max, then weights exp(lse_s - max) and their sum
         m = -Float32.inf
         for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
             m = cute.arch.fmax(m, mLp[s, b, h])
-        m = block_reduce(m, s_red, tid, NUM_WARPS, True)
+        m = block_reduce(m, s_red, tid, NUM_WARPS, True, sync)
         m_use = m if m != -Float32.inf else Float32(0.0)
         total = Float32(0.0)
         for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
             w = cute.math.exp2((mLp[s, b, h] - m_use) * LOG2_E, fastmath=True)
             s_w[s] = w
             total += w
-        total = block_reduce(total, s_red, tid, NUM_WARPS, False)
+        total = block_reduce(total, s_red, tid, NUM_WARPS, False, sync)
         inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
         # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
         vec = tid % self.vecs
@@ -84,7 +83,7 @@ class CombineSm80:
                 acc[i] = acc[i] + w * part[i]
         for i in cutlass.range_constexpr(VEC):
             s_acc[i, vec, grp] = acc[i]
-        cute.arch.sync_threads()
+        sync()
         if grp == 0:
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             for i in cutlass.range_constexpr(VEC):
@@ -98,3 +97,33 @@ class CombineSm80:
                 if total > Float32(0.0):
                     lse = m + cute.math.log2(total, fastmath=True) * LN_2
                 mL[b, h] = lse
+
+
+class CombineSm80:
+    def __init__(self, dtype, head_dim: int, pdl: bool = False):
+        self.dtype = dtype
+        # programmatic dependent launch (sm_90+): the CTAs launch while the decode kernel
+        # drains and wait for its partials (tensors.wait_for_previous_kernel)
+        self.pdl = pdl
+        self.d = head_dim
+        self.merger = SplitMerge(dtype, head_dim)
+
+    @cute.jit
+    def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, stream):
+        # mOp (S, B, Hq, D) f32, mLp (S, B, Hq) f32, mO (B, 1, Hq, D) dtype, mL (B, Hq) f32
+        mO = one_token(mO)
+        grid = (mO.shape[0] * mO.shape[1], 1, 1)
+        self.kernel(mOp, mLp, mO, mL).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                                             use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mOp, mLp, mO, mL):
+        tid, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        heads = mO.shape[1]
+        b = row // heads
+        h = row - b * heads
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate_array(cutlass.Uint8, self.merger.smem_bytes, byte_alignment=16)
+        wait_for_previous_kernel(self.pdl)
+        self.merger.merge(mOp, mLp, mO, mL, b, h, self.merger.smem_tensors(base), tid)

@@ -46,6 +46,7 @@ from cutlass.cute.nvgpu import warp
 from ..layouts import resources, sm80, sm100
 from ..layouts.packing import LN_2
 from . import ptx
+from .combine import SplitMerge
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from .reduce import across_rows
@@ -134,6 +135,42 @@ class PackedDecodeConfig:
             raise ValueError(f"the appending decode takes one query token of an integer format, got tq={tq}, "
                              f"fp4={fp4!r}")
         self.append = append
+        # appending with splits, the last CTA of a (sequence, KV head) merges them
+        # (``merge_if_last``, the combine kernel's ``SplitMerge``): the step is one launch
+        self.merger = SplitMerge(dtype, head_dim)
+        self.merge_smem_bytes = self.merger.smem_bytes + 16  # + the "last" flag
+
+    @cute.jit
+    def merge_if_last(self, mO, mLSE, new, batch, head_kv, gq, smem_ptr, tid, sync=cute.arch.sync_threads):
+        """``append`` and ``split``, after this CTA wrote its partials (mO, mLSE): its 128
+        threads (``tid`` 0-127, ``sync`` their barrier) fence them at GPU scope and count the
+        CTA in on the (sequence, KV head)'s arrival counter (``new[5]``); the last CTA to
+        arrive resets it and merges every split of the KV head's ``gq`` query rows into the
+        output ``new[3]`` and its LSE ``new[4]``, as the combine kernel would (the same bits).
+        ``smem_ptr``: ``merge_smem_bytes`` of shared memory no one else uses by then."""
+        if const_expr(self.append and self.split):
+            mOut, mLout, mArrivals = one_token(new[3]), new[4], new[5]
+            num_splits, heads, _ = cute.arch.grid_dim()
+            smem_ptr = cute.recast_ptr(smem_ptr, dtype=cutlass.Uint8)
+            s_last = cute.make_tensor(cute.recast_ptr(smem_ptr + self.merger.smem_bytes, dtype=cutlass.Int32),
+                                      cute.make_layout(1))
+            cute.arch.fence_acq_rel_gpu()  # this thread's partials, before the CTA counts in
+            sync()
+            if tid == 0:
+                slot = batch * heads + head_kv
+                arrived = cute.arch.atomic_add(mArrivals.iterator + slot, cutlass.Int32(1), sem="acq_rel",
+                                               scope="gpu")
+                s_last[0] = cutlass.Int32(0)
+                if arrived == num_splits - 1:
+                    mArrivals[slot] = cutlass.Int32(0)
+                    s_last[0] = cutlass.Int32(1)
+            sync()
+            if s_last[0] != 0:
+                cute.arch.fence_acq_rel_gpu()  # every other split's partials, before reading them
+                smem = self.merger.smem_tensors(smem_ptr)
+                for r in cutlass.range(0, gq, unroll=1):
+                    self.merger.merge(mO, mLSE, mOut, mLout, batch, head_kv * gq + r, smem, tid, sync)
+                    sync()  # the shared memory is free for the next row
 
     @cute.jit
     def sequence_length(self, mSeqlens, new, batch, num_splits, tid):
@@ -265,12 +302,16 @@ class DecodeSm80(PackedDecodeConfig):
     def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
                     mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
                     mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
-                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
+                    mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, stream):
         """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
         ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
-        per-sequence arrival counters (zero, and left so); the rest as ``__call__``'s."""
+        per-sequence arrival counters (zero, and left so); with ``split``, the last CTA of
+        each (sequence, KV head) merges the partials (mO, mLSE) into ``mOut`` ``[B, 1, Hq,
+        D]`` and ``mLout`` ``[B, Hq]``, counted on ``mArrivals`` ``[B * Hkv]`` (zero, and
+        left so; unsplit, the three are not read); the rest as ``__call__``'s."""
         self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits))
+                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
 
     def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
                softmax_scale_log2, stream, new):
@@ -372,6 +413,7 @@ class DecodeSm80(PackedDecodeConfig):
         # ---- merge the warps, write this split ---------------------------------------
         self.epilogue(acc_o, row_max, row_sum, union, mO, mLSE, batch, head_kv, split_idx, gq,
                       warp_idx, lane, tid)
+        self.merge_if_last(mO, mLSE, new, batch, head_kv, gq, union, tid)
 
     # ---------------------------------------------------------------------------------
     # Loads

@@ -29,22 +29,24 @@ def across_lanes(x, lanes: int, combine):
 
 
 @cute.jit
-def block_reduce(x: Float32, s_red, tid, warps: cutlass.Constexpr[int], is_max: cutlass.Constexpr[bool]) -> Float32:
-    """Max (``is_max``) or sum of ``x`` over a CTA of ``warps`` warps: butterfly shuffles in
-    each warp, then the warps' results through ``s_red`` (``warps`` fp32 in shared memory,
-    free again on return)."""
+def block_reduce(x: Float32, s_red, tid, warps: cutlass.Constexpr[int], is_max: cutlass.Constexpr[bool],
+                 sync=cute.arch.sync_threads) -> Float32:
+    """Max (``is_max``) or sum of ``x`` over ``warps`` warps (``tid`` counted from the first
+    one's): butterfly shuffles in each warp, then the warps' results through ``s_red``
+    (``warps`` fp32 in shared memory, free again on return); ``sync``: their barrier (the
+    CTA's, or a named one where only these warps take part)."""
     if const_expr(is_max):
         x = across_lanes(x, cute.arch.WARP_SIZE, cute.arch.fmax)
     else:
         x = across_lanes(x, cute.arch.WARP_SIZE, operator.add)
     if tid % 32 == 0:
         s_red[tid // 32] = x
-    cute.arch.sync_threads()
+    sync()
     r = s_red[0]
     for w in cutlass.range_constexpr(1, warps):
         if const_expr(is_max):
             r = cute.arch.fmax(r, s_red[w])
         else:
             r = r + s_red[w]
-    cute.arch.sync_threads()
+    sync()
     return r

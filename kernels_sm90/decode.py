@@ -381,12 +381,14 @@ class DecodeSm90(PackedDecodeConfig):
     def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
                     mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
                     mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
-                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
-        """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
-        ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
-        per-sequence arrival counters (zero, and left so); the rest as ``__call__``'s."""
+                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
+                    mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, stream):
+        """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``),
+        as ``DecodeSm80.call_append``: the new K / V, the commit counters, and with ``split``
+        the last CTA of each (sequence, KV head) merging the splits into ``mOut`` / ``mLout``
+        (counted on ``mArrivals``); the rest as ``__call__``'s."""
         self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits))
+                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
 
     def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
                softmax_scale_log2, stream, new):
@@ -895,6 +897,9 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(stash is not None):
             self.merge(stash, tid, acc_o, row_max, row_sum, zsum)
         self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane, zsum)
+        # (the K ring is idle by now; consumer 0's warpgroup merges, on its own barrier)
+        self.merge_if_last(mO, mLSE, new, batch, head_kv, gq, storage.sKp.data_ptr(), tid,
+                           lambda: self.bar(Barrier.EPI))
 
     def state_slots(self, acc_o, row_max, row_sum, zsum):
         """A consumer thread's partial softmax state as ``[(registers, index, head column)]``

@@ -183,8 +183,8 @@ def test_appending_decode_ptx(arch, bits, nh, split, tmp_path, monkeypatch):
     """The appending decode (``KVCache.decode(k_new=, v_new=)``: ``call_append`` of
     DecodeSm90 and DecodeSm80): the decode kernel plus the new token's stores into the
     residual block (behind a CTA fence) and the lengths' commit (the pack kernel's acq_rel
-    counter); no spills (sm90: its wgmmas unserialized); several query tokens and FP4
-    refuse it."""
+    counter), and split, the splits' merge in the last CTA; no spills (sm90: its wgmmas
+    unserialized); several query tokens and FP4 refuse it."""
     from bitdecode.kernels_sm90 import backend as sm90
 
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
@@ -195,6 +195,10 @@ def test_appending_decode_ptx(arch, bits, nh, split, tmp_path, monkeypatch):
     for instr in ("atom.global.acq_rel.add", "fence.acq_rel.cta", mma, "cp.async"):
         assert instr in ptx, f"{instr} missing from the appending decode's PTX"
     assert "atom.global" not in plain and _count(ptx, "st.global") > _count(plain, "st.global")
+    # split: the last CTA of a (sequence, KV head) merges the partials (no combine launch),
+    # counted in behind a GPU-scope fence on a second acq_rel counter
+    assert _count(ptx, "atom.global.acq_rel.add") == 1 + split
+    assert ("fence.acq_rel.gpu" in ptx) == split
     report = ptxas.report(ptx, arch, tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
     with pytest.raises(ValueError, match="one query token"):

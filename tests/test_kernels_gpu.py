@@ -857,10 +857,11 @@ def test_fp4_append_token_by_token_equals_prefill(cfg):
     (bd.KVFormat(bits=4), 8, [9080] * 16, None, torch.bfloat16),  # the grid fills the SMs: one split
 ], ids=["b1", "ragged-paged", "2bit", "k4v2-sinks", "b16"])
 def test_appending_decode_equals_append_then_decode(backend, fmt, gq, lens, page, dtype):
-    """``decode(q, cache, k_new=, v_new=)`` (on sm90 one launch while no block completes)
-    gives bit for bit the outputs of ``append`` then ``decode`` over 12 steps that cross a
-    block boundary for some sequence, leaves the same cache bytes and lengths, and its
-    commit counters at zero."""
+    """``decode(q, cache, k_new=, v_new=)`` (on the sm80 and sm90 kernels one launch while
+    no block completes, split decodes merged in their last CTA) gives bit for bit the
+    outputs and LSEs of ``append`` then ``decode`` (the combine kernel) over 12 steps that
+    cross a block boundary for some sequence, leaves the same cache bytes and lengths, and
+    its commit and arrival counters at zero."""
     hkv, d, steps = 2, 128, 12
     gen = torch.Generator().manual_seed(77)
     k, v = kv(gen, len(lens), max(lens) + steps, hkv, d, dtype=dtype, device=DEV)
@@ -890,12 +891,19 @@ def test_appending_decode_equals_append_then_decode(backend, fmt, gq, lens, page
     for step in range(steps):
         q = torch.randn(len(lens), 1, hkv * gq, d, generator=gen).to(dtype).to(DEV)
         kn, vn = k[:, max(lens) + step:max(lens) + step + 1], v[:, max(lens) + step:max(lens) + step + 1]
-        got = bd.decode(q, fused, k_new=kn, v_new=vn)
+        lse = step % 2 == 1  # (the merge in the kernel's last split CTA writes the LSE too)
+        got = bd.decode(q, fused, k_new=kn, v_new=vn, return_lse=lse)
         split.append(kn, vn)
-        want = bd.decode(q, split)
+        want = bd.decode(q, split, return_lse=lse)
+        if lse:
+            assert torch.equal(got[1], want[1]), f"step {step}: the LSEs differ"
+            got, want = got[0], want[0]
         assert torch.equal(got, want), f"step {step}: max diff {(got.float() - want.float()).abs().max().item()}"
     fused.check()
     _assert_same_cache(fused, split)
     assert not fused.tensors().commits.any()
+    for plan in fused._plans.values():  # the appending plans' split arrival counters
+        for work in plan.workspaces.values():
+            assert len(work) == 2 or not torch.from_dlpack(work[2]).any()
     if appends:  # every step but those completing a block (and filling sinks) ran fused
         assert 0 < len(launches) < steps, launches
