@@ -396,7 +396,8 @@ class KVCache:
             self.append(k_new, v_new)
             return self.decode(q, softmax_scale, num_splits, return_lse=return_lse)
         key = self._call_key(q, softmax_scale, num_splits, backend, self._host_max + 1) + (
-            k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype, v_new.dtype, k_new.device, v_new.device) \
+            k_new.shape, v_new.shape, k_new.stride(), v_new.stride(), k_new.dtype, v_new.dtype, k_new.device,
+            v_new.device) \
             if isinstance(q, torch.Tensor) and isinstance(k_new, torch.Tensor) and isinstance(v_new, torch.Tensor) \
             else None
         fast = self._fast_append

@@ -423,3 +423,9 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
     sparse = torch.ones(2, 1, 4, 64, dtype=torch.float16)[:, :, ::2]  # heads 128 apart: copied for the kernel
     c.decode(sparse, k_new=kv, v_new=kv)
     assert len(fused) == 11 and all(dense)
+    # on the fast path (q as before), a v_new of another shape but the same strides (one
+    # sequence short) is refused, not read past its end
+    c.decode(q, k_new=kv, v_new=kv)
+    with pytest.raises(ValueError, match="v"):
+        c.decode(q, k_new=kv, v_new=kv[:1])
+    assert len(fused) == 12 and c.lengths == [15, 139]
