@@ -5,14 +5,17 @@ decode over that layer's cache.  Eagerly, the step costs at least the Python and
 time of those calls; this measures it per layer: ``L`` caches (layers) of a small context,
 one step over all of them timed on the host while the GPU is held busy by a spin kernel
 queued first (``torch.cuda._sleep``), so the host never waits for the GPU and what is timed
-is the host's own work (the step's ~3 L launches stay far below the launch queue's depth);
-median of many such steps.  Beside it, the GPU time of the same steps run back to back
+is the host's own work (the step's launches stay far below the launch queue's depth).  The
+host behind a lent GPU changes speed between calls and within one, so the host samples of
+every configuration and form are taken in interleaved rounds (one step of each per round)
+and each row reports their median and quartiles; a torch add's launch is timed before and
+after as the host's yardstick.  Beside it, the GPU time of the same steps run back to back
 (CUDA events) and the wall time of that back-to-back loop per layer: when the GPU time is
 the larger, an eager step at this context is GPU-bound and the host time is hidden.  Each
 step is timed two ways: ``append`` + ``decode`` (two calls), and ``decode(q, cache,
-k_new=, v_new=)`` (one call: on sm90 one launch fewer, the decode kernel appending the
-token itself while no block completes).  Issue 10's target: host time <= 15 us per layer
-per step.
+k_new=, v_new=)`` (one call: on the sm80 and sm90 kernels one launch, the decode kernel
+appending the token itself while no block completes and merging its splits in its last
+CTA).  Issue 10's target: host time <= 15 us per layer per step.
 
     python3 profiles/bench_host.py --out profiles/h200
 """
@@ -58,16 +61,19 @@ def host_reference(calls: int = 200) -> dict:
     return out
 
 
-def measure(backend: str, bits: int, batch: int, layers: int, steps: int, context: int, repeats: int) -> dict:
-    """Host time, GPU time and back-to-back loop time per layer of one eager step, two ways:
-    ``cache.append`` + ``bd.decode`` (two calls), and ``bd.decode(q, cache, k_new=, v_new=)``
-    (one call; on sm90 one launch fewer while no block completes)."""
+FORMS = ("", "fused_")  # append + decode; decode(k_new=, v_new=)
+
+
+def build(backend: str, bits: int, batch: int, layers: int, context: int, tokens: int) -> dict:
+    """``layers`` caches of ``context`` tokens with room for ``tokens`` more, and the two
+    forms of one eager step over them: ``cache.append`` + ``bd.decode`` (two calls), and
+    ``bd.decode(q, cache, k_new=, v_new=)`` (one call)."""
     fmt = bd.KVFormat(bits=bits)
     hkv, hq, d = 8, 32, 128
     caches = []
     for _ in range(layers):
-        c = bd.KVCache.allocate(batch, hkv, d, context + 2 * (3 + repeats + 5 * steps) + 16, fmt,
-                                dtype=torch.bfloat16, device="cuda", backend=backend)
+        c = bd.KVCache.allocate(batch, hkv, d, context + tokens, fmt, dtype=torch.bfloat16, device="cuda",
+                                backend=backend)
         k = torch.randn(batch, context, hkv, d, device="cuda", dtype=torch.bfloat16)
         c.prefill(k, k)
         caches.append(c)
@@ -83,27 +89,23 @@ def measure(backend: str, bits: int, batch: int, layers: int, steps: int, contex
         for c in caches:
             bd.decode(q, c, k_new=kv, v_new=kv)
 
-    row = {"backend": backend, "bits": bits, "batch": batch, "layers": layers, "context": context,
-           "target_us": TARGET_US}
-    for name, step in (("", two_calls), ("fused_", one_call)):
-        host, gpu, loop = time_step(step, layers, steps, repeats)
-        row.update({f"{name}host_us_per_layer": host, f"{name}gpu_us_per_layer": gpu,
-                    f"{name}loop_us_per_layer": loop, f"{name}meets_target": host <= TARGET_US})
-    return row
+    return {"backend": backend, "bits": bits, "batch": batch, "layers": layers, "context": context,
+            "steps": dict(zip(FORMS, (two_calls, one_call)))}
 
 
-def time_step(step, layers: int, steps: int, repeats: int):
-    """(host, GPU, loop) microseconds per layer of ``step`` (see the module's docstring)."""
-    for _ in range(3):  # compile / plan / fast-path warm-up
-        step()
+def host_once(step, layers: int) -> float:
+    """Host microseconds per layer of one ``step`` while a spin kernel holds the GPU."""
+    torch.cuda._sleep(SPIN_CYCLES)  # the GPU stays busy past the timed host loop
+    t0 = time.perf_counter()
+    step()
+    us = (time.perf_counter() - t0) * 1e6 / layers
     torch.cuda.synchronize()
-    host = []
-    for _ in range(repeats):
-        torch.cuda._sleep(SPIN_CYCLES)  # the GPU stays busy past the timed host loop
-        t0 = time.perf_counter()
-        step()
-        host.append((time.perf_counter() - t0) * 1e6 / layers)
-        torch.cuda.synchronize()
+    return us
+
+
+def device_times(step, layers: int, steps: int):
+    """(GPU, loop) microseconds per layer of ``steps`` back-to-back ``step`` calls (median
+    of five)."""
     loop, gpu = [], []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -116,7 +118,34 @@ def time_step(step, layers: int, steps: int, repeats: int):
         end.synchronize()
         loop.append((t1 - t0) * 1e6 / (steps * layers))
         gpu.append(start.elapsed_time(end) * 1e3 / (steps * layers))
-    return statistics.median(host), statistics.median(gpu), statistics.median(loop)
+    return statistics.median(gpu), statistics.median(loop)
+
+
+def measure_all(configs: list, layers: int, steps: int, repeats: int) -> list:
+    """One row per configuration: the host time of both forms from ``repeats`` interleaved
+    rounds (median and quartiles), then their GPU and loop times."""
+    for cfg in configs:
+        for step in cfg["steps"].values():
+            for _ in range(3):  # compile / plan / fast-path warm-up
+                step()
+    torch.cuda.synchronize()
+    samples = {(i, form): [] for i in range(len(configs)) for form in FORMS}
+    for _ in range(repeats):
+        for i, cfg in enumerate(configs):
+            for form, step in cfg["steps"].items():
+                samples[i, form].append(host_once(step, layers))
+    rows = []
+    for i, cfg in enumerate(configs):
+        row = {k: v for k, v in cfg.items() if k != "steps"}
+        row["target_us"] = TARGET_US
+        for form, step in cfg["steps"].items():
+            q1, host, q3 = statistics.quantiles(samples[i, form], n=4)
+            gpu, loop = device_times(step, layers, steps)
+            row.update({f"{form}host_us_per_layer": host, f"{form}host_quartiles_us": [q1, q3],
+                        f"{form}gpu_us_per_layer": gpu, f"{form}loop_us_per_layer": loop,
+                        f"{form}meets_target": host <= TARGET_US})
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -131,18 +160,24 @@ def main(argv=None) -> int:
         raise SystemExit("bench_host needs a CUDA GPU")
     dev = torch.device("cuda")
     names = [n for n in reversed(backends.shipped()) if dispatch.runnable(n, dev)]
-    rows = []
-    for name in names:
-        for bits in (4, 2):
-            for batch in (1, 16):
-                row = measure(name, bits, batch, args.layers, args.steps, args.context, args.repeats)
-                rows.append(row)
-                print(f"{name} {bits}-bit B={batch}: host {row['host_us_per_layer']:.1f} us/layer, "
-                      f"GPU {row['gpu_us_per_layer']:.1f} us/layer, back-to-back loop {row['loop_us_per_layer']:.1f}; "
-                      f"decode(k_new=, v_new=): host {row['fused_host_us_per_layer']:.1f}, "
-                      f"GPU {row['fused_gpu_us_per_layer']:.1f}, loop {row['fused_loop_us_per_layer']:.1f}")
-    reference = host_reference()
-    print("this host: " + ", ".join(f"{k} {v:.1f}" for k, v in reference.items()))
+    reference = {"before": host_reference()}
+    tokens = 2 * (3 + args.repeats + 5 * args.steps) + 16  # what the timings append
+    configs = [build(name, bits, batch, args.layers, args.context, tokens)
+               for name in names for bits in (4, 2) for batch in (1, 16)]
+    rows = measure_all(configs, args.layers, args.steps, args.repeats)
+    reference["after"] = host_reference()
+    add = statistics.mean(r["torch_add_launch_us"] for r in reference.values())
+    for row in rows:
+        for form in FORMS:
+            row[f"{form}host_in_torch_adds"] = row[f"{form}host_us_per_layer"] / add
+        print(f"{row['backend']} {row['bits']}-bit B={row['batch']}: host {row['host_us_per_layer']:.1f} us/layer "
+              f"(quartiles {row['host_quartiles_us'][0]:.1f}-{row['host_quartiles_us'][1]:.1f}), "
+              f"GPU {row['gpu_us_per_layer']:.1f}, loop {row['loop_us_per_layer']:.1f}; "
+              f"decode(k_new=, v_new=): host {row['fused_host_us_per_layer']:.1f} "
+              f"({row['fused_host_quartiles_us'][0]:.1f}-{row['fused_host_quartiles_us'][1]:.1f}), "
+              f"GPU {row['fused_gpu_us_per_layer']:.1f}, loop {row['fused_loop_us_per_layer']:.1f}")
+    for when, ref in reference.items():
+        print(f"this host, {when}: " + ", ".join(f"{k} {v:.1f}" for k, v in ref.items()))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_reference": reference,
               "command": " ".join(["python3 profiles/bench_host.py", *(sys.argv[1:] if argv is None else argv)]),
               "method": __doc__.strip().split("\n\n")[1].replace("\n", " "), "rows": rows}
