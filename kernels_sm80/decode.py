@@ -140,6 +140,45 @@ class PackedDecodeConfig:
         self.merger = SplitMerge(dtype, head_dim)
         self.merge_smem_bytes = self.merger.smem_bytes + 16  # + the "last" flag
 
+    # ---- entry points: one calling convention for every packed decode kernel, so the
+    # backends share one ``DecodePlan``; each kernel class traces its ``launch`` ----------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, 1, Hq, D) dtype
+        mKp: cute.Tensor,  # (P, Hkv, page, 2*wk) f16 view of the packed K words
+        mKs: cute.Tensor,  # K params (int32), see KVFormat.k_params_shape
+        mVp: cute.Tensor,  # (P, Hkv, page/Nr, D, 2*wv) f16 view of the packed V words
+        mVs: cute.Tensor,  # (P, Hkv, page/16, D/G, 16) int32
+        mKr: cute.Tensor,  # (B, Nr, Hkv, D) dtype residual
+        mVr: cute.Tensor,
+        mKsink: cute.Tensor,  # (B, sinks, Hkv, D) dtype sink tokens (any such tensor when sinks = 0)
+        mVsink: cute.Tensor,
+        mSeqlens: cute.Tensor,  # (B,) int32
+        mBlockTable: cute.Tensor,  # (B, max_pages) int32
+        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, 1, Hq, D) dtype
+        mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
+        softmax_scale_log2: Float32,
+        stream,
+    ):
+        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, stream, None)
+
+    @cute.jit
+    def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
+                    mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
+                    mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
+                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
+                    mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, stream):
+        """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
+        ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
+        per-sequence arrival counters (zero, and left so); with ``split``, the last CTA of
+        each (sequence, KV head) merges the partials (mO, mLSE) into ``mOut`` ``[B, 1, Hq,
+        D]`` and ``mLout`` ``[B, Hq]``, counted on ``mArrivals`` ``[B * Hkv]`` (zero, and
+        left so; unsplit, the three are not read); the rest as ``__call__``'s."""
+        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
+
     @cute.jit
     def merge_if_last(self, mO, mLSE, new, batch, head_kv, gq, smem_ptr, tid, sync=cute.arch.sync_threads):
         """``append`` and ``split``, after this CTA wrote its partials (mO, mLSE): its 128
@@ -272,50 +311,15 @@ class DecodeSm80(PackedDecodeConfig):
         self.epi_bytes = NUM_WARPS * (head_dim * heads_tile + 2 * heads_tile) * 4
         self.union_bytes = max(self.num_stages * self.stage_bytes, self.res_bytes, self.epi_bytes)
         self.smem_bytes = self.q_bytes + self.union_bytes
+        assert self.union_bytes >= self.merge_smem_bytes  # (the union hosts the split merge)
 
     # ---------------------------------------------------------------------------------
     # Host side: layouts, atoms, launch
     # ---------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, 1, Hq, D) dtype
-        mKp: cute.Tensor,  # (P, Hkv, page, 2*wk) f16 view of the packed K words
-        mKs: cute.Tensor,  # K params (int32), see KVFormat.k_params_shape
-        mVp: cute.Tensor,  # (P, Hkv, page/Nr, D, 2*wv) f16 view of the packed V words
-        mVs: cute.Tensor,  # (P, Hkv, page/16, D/G, 16) int32
-        mKr: cute.Tensor,  # (B, Nr, Hkv, D) dtype residual
-        mVr: cute.Tensor,
-        mKsink: cute.Tensor,  # (B, sinks, Hkv, D) dtype sink tokens (any such tensor when sinks = 0)
-        mVsink: cute.Tensor,
-        mSeqlens: cute.Tensor,  # (B,) int32
-        mBlockTable: cute.Tensor,  # (B, max_pages) int32
-        mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, 1, Hq, D) dtype
-        mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
-        softmax_scale_log2: Float32,
-        stream,
-    ):
-        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, None)
-
-    @cute.jit
-    def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
-                    mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
-                    mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
-                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
-                    mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, stream):
-        """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
-        ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
-        per-sequence arrival counters (zero, and left so); with ``split``, the last CTA of
-        each (sequence, KV head) merges the partials (mO, mLSE) into ``mOut`` ``[B, 1, Hq,
-        D]`` and ``mLout`` ``[B, Hq]``, counted on ``mArrivals`` ``[B * Hkv]`` (zero, and
-        left so; unsplit, the three are not read); the rest as ``__call__``'s."""
-        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
-
     def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
                softmax_scale_log2, stream, new):
-        """(plain Python, traced inside each entry point)"""
+        """(plain Python, traced inside ``PackedDecodeConfig``'s entry points, ``__call__`` and
+        ``call_append``)"""
         mQ, mO = query_views(mQ, mO, self.split)
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])

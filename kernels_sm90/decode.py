@@ -293,6 +293,7 @@ class DecodeSm90(PackedDecodeConfig):
         # the residual sub-tile (64 tokens of K and of V, 16-bit) reuses the K / V rings
         res_bytes = M_BLOCK * head_dim * 2
         assert num_stages * self.bytes_kp >= res_bytes and num_stages * self.bytes_vp >= res_bytes
+        assert num_stages * self.bytes_kp >= self.merge_smem_bytes  # (the K ring hosts the split merge)
 
     # ---------------------------------------------------------------------------------
     # Host side
@@ -367,32 +368,10 @@ class DecodeSm90(PackedDecodeConfig):
 
         return FoldStorage
 
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
-                 mKr: cute.Tensor, mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor,
-                 mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 softmax_scale_log2: Float32, stream):
-        """The decode calling convention of ``DecodeSm80.__call__`` (shapes documented there),
-        so the backends share one ``DecodePlan``."""
-        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, None)
-
-    @cute.jit
-    def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
-                    mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
-                    mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
-                    mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
-                    mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, stream):
-        """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``),
-        as ``DecodeSm80.call_append``: the new K / V, the commit counters, and with ``split``
-        the last CTA of each (sequence, KV head) merging the splits into ``mOut`` / ``mLout``
-        (counted on ``mArrivals``); the rest as ``__call__``'s."""
-        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
-
     def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
                softmax_scale_log2, stream, new):
-        """(plain Python, traced inside each entry point)"""
+        """(plain Python, traced inside ``PackedDecodeConfig``'s entry points, ``__call__`` and
+        ``call_append``)"""
         mQ, mO = query_views(mQ, mO, self.split)
         Storage = self._shared_storage()
         _, _, kp_layout, vp_layout = self._layouts()
