@@ -136,6 +136,9 @@ class Backend(Protocol):
     # whether its decode kernel can append the step's new token itself: ``plan(append=True)``
     # then gives a plan called with ``new=(k_new, v_new, commit counters)`` (``KVCache.decode``)
     appends: bool
+    # the most splits an appending decode takes (its last CTA merges them; more take append
+    # + decode and the combine kernel)
+    append_max_splits: int
 
     def takes_rows(self, t: torch.Tensor) -> bool:
         """Whether new tokens ``[B, T, Hkv, D]`` laid out as ``t`` go to its kernels as they are."""

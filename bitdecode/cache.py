@@ -431,6 +431,9 @@ class KVCache:
                 or not attention.fits_kernel_tile(q, self._tensors, name)):
             return (key, None)
         kernels = backends.get(name)
+        splits = splits or kernels.choose_splits(self._tensors, tuple(q.shape), self._host_max + 1, q.device)
+        if splits > kernels.append_max_splits:  # (the merge in the kernel would cost more GPU time)
+            return (key, None)
         plan = attention.plan_decode(self._tensors, q, name, splits, self._host_max + 1, self._plans, append=True)
         bound = jit.bound_arguments((self._tensors.commits,), plan.decode_fn)
         return (key, plan, scale * attention.LOG2_E, q.is_contiguous(), kernels.takes_rows(k_new),

@@ -381,20 +381,19 @@ def test_appending_decode_on_the_reference_is_append_then_decode(gen):
     assert a.lengths == [140, 80]
 
 
-def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch):
-    """The host side of the one-launch appending decode (a stand-in plan on the CPU, the
-    backend made to say it appends): steps run it, with the new token and the commit
-    counters after q, until a sequence's next token would complete its residual block,
-    fall among the sink tokens or pass max_seqlen; those steps take append + decode."""
+def _stand_in_appending_cache(monkeypatch, max_seqlen: int = 140):
+    """A CPU cache whose backend says it appends, with a stand-in plan that records its
+    calls: (cache, fused calls' ``new`` lengths, plain calls and appends, whether each q
+    was dense, the split count ``choose_splits`` gives)."""
     from bitdecode import attention
     from bitdecode.kernels_sm80 import backend as sm80_backend
 
     fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=2)
-    c = bd.KVCache.allocate(2, 1, 64, 140, fmt, device="cpu", backend="reference")
+    c = bd.KVCache.allocate(2, 1, 64, max_seqlen, fmt, device="cpu", backend="reference")
     z = torch.zeros(2, 130, 1, 64, dtype=torch.float16)
     c.prefill(z, z, [1, 125])
     c.backend = "sm80"
-    fused, plain, dense = [], [], []
+    fused, plain, dense, splits = [], [], [], [2]
 
     class Plan:
         decode_fn = None
@@ -406,8 +405,18 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
 
     monkeypatch.setattr(attention, "plan_decode", lambda *a, **kw: Plan())
     monkeypatch.setattr(sm80_backend.Sm80Backend, "appends", True)
+    monkeypatch.setattr(sm80_backend.Sm80Backend, "choose_splits", lambda self, *a: splits[0])
     monkeypatch.setattr(c, "append", lambda k, v: (plain.append("append"), setattr(c, "_host_added", c._host_added + 1),
                                                    setattr(c, "_host_max", c._host_max + 1), setattr(c, "_fuse_room", None)))
+    return c, fused, plain, dense, splits
+
+
+def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch):
+    """The host side of the one-launch appending decode (a stand-in plan on the CPU, the
+    backend made to say it appends): steps run it, with the new token and the commit
+    counters after q, until a sequence's next token would complete its residual block,
+    fall among the sink tokens or pass max_seqlen; those steps take append + decode."""
+    c, fused, plain, dense, _ = _stand_in_appending_cache(monkeypatch)
     q = torch.ones(2, 1, 2, 64, dtype=torch.float16)
     kv = torch.zeros(2, 1, 1, 64, dtype=torch.float16)
     steps = []
@@ -429,3 +438,22 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
     with pytest.raises(ValueError, match="v"):
         c.decode(q, k_new=kv, v_new=kv[:1])
     assert len(fused) == 12 and c.lengths == [15, 139]
+
+
+def test_appending_decode_takes_two_calls_past_the_merge_splits(monkeypatch):
+    """More splits than the backend's ``append_max_splits`` (its kernel's last CTA merges
+    them, which costs GPU time with many) take append + decode, chosen or asked for."""
+    from bitdecode import backend as backends
+
+    c, fused, plain, _, splits = _stand_in_appending_cache(monkeypatch, 400)
+    limit = backends.get("sm80").append_max_splits
+    q = torch.ones(2, 1, 2, 64, dtype=torch.float16)
+    kv = torch.zeros(2, 1, 1, 64, dtype=torch.float16)
+    c.decode(q, k_new=kv, v_new=kv)  # (the first sequence's token fills the sinks)
+    splits[0] = limit + 1
+    c.decode(q, 0.125, k_new=kv, v_new=kv)
+    assert not fused
+    c.decode(q, 0.125, limit, k_new=kv, v_new=kv)
+    assert len(fused) == 1
+    c.decode(q, 0.125, limit + 1, k_new=kv, v_new=kv)
+    assert len(fused) == 1 and c.lengths == [5, 129]
