@@ -10,6 +10,9 @@ from . import _validate, attention, backend as backends, dispatch, jit, referenc
 from .backend import CacheTensors
 from .formats import KVFormat
 
+# what ``decode(q, cache, k_new=, v_new=)`` calls the tokens it appends (its errors name them)
+NEW_NAMES = ("k_new", "v_new")
+
 
 class CacheOverflowError(RuntimeError):
     """An append was refused on the device: it would have passed the cache's capacity."""
@@ -224,12 +227,13 @@ class KVCache:
                 f"fmt={self.fmt}, backend={self.backend!r})")
 
     # ---- input checks ------------------------------------------------------------------
-    def _check_kv(self, k, v, what: str, max_tokens: Optional[int] = None):
+    def _check_kv(self, k, v, what: str, max_tokens: Optional[int] = None, names=("k", "v")):
+        """``names``: the caller's names of k and v (``decode``'s ``k_new`` / ``v_new``)."""
         shape = (self.batch, None, self.num_kv_heads, self.head_dim)
-        _validate.tensor("k", k, dtypes=[self.dtype], shape=shape, device=self.device, last_contiguous=True)
-        _validate.tensor("v", v, dtypes=[self.dtype], shape=k.shape, device=self.device, last_contiguous=True)
+        _validate.tensor(names[0], k, dtypes=[self.dtype], shape=shape, device=self.device, last_contiguous=True)
+        _validate.tensor(names[1], v, dtypes=[self.dtype], shape=k.shape, device=self.device, last_contiguous=True)
         if max_tokens is not None and k.shape[1] > max_tokens:
-            raise ValueError(f"{what}: k has {k.shape[1]} tokens, more than max_seqlen={max_tokens}")
+            raise ValueError(f"{what}: {names[0]} has {k.shape[1]} tokens, more than max_seqlen={max_tokens}")
 
     # ---- writes ------------------------------------------------------------------------
     def prefill(self, k: torch.Tensor, v: torch.Tensor, seqlens: Optional[Sequence[int]] = None) -> None:
@@ -261,7 +265,7 @@ class KVCache:
             backends.get(self.backend).prefill(self._tensors, k, v, lens_t)
         self._host_lens = lens
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, _names=("k", "v")) -> None:
         """Append ``k``, ``v`` ``[B, T, Hkv, D]`` to every sequence, in place.
 
         Raises before anything is written when a sequence would exceed ``max_seqlen``.
@@ -273,7 +277,7 @@ class KVCache:
         key = (k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype, k.device, v.device) \
             if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else None
         if key is None or key != self._append_key:
-            self._check_kv(k, v, "append")
+            self._check_kv(k, v, "append", names=_names)
             self._append_key = key
         t = k.shape[1]
         if self._host_max + t > self.max_seqlen:
@@ -367,12 +371,18 @@ class KVCache:
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                              return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
 
-    def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int) -> tuple:
+    def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int, k_new=None, v_new=None) -> tuple:
         """What a kernel decode's plan depends on in a call: q's shape, strides, dtype and
         device, the options and their types, and the tiles of ``max_len`` tokens (what
-        ``choose_splits`` counts)."""
+        ``choose_splits`` counts); appending, the same of ``k_new`` and ``v_new`` (one flat
+        tuple: building and comparing it is the fast path's main host cost)."""
+        tiles = -(-max_len // self.fmt.residual_block)
+        if k_new is None:
+            return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
+                    type(num_splits), backend, tiles)
         return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
-                type(num_splits), backend, -(-max_len // self.fmt.residual_block))
+                type(num_splits), backend, tiles, k_new.shape, v_new.shape, k_new.stride(), v_new.stride(),
+                k_new.dtype, v_new.dtype, k_new.device, v_new.device)
 
     def _kernel_appends(self, name: str) -> bool:
         """Whether backend ``name``'s decode kernel can append this cache's new tokens (no
@@ -392,14 +402,13 @@ class KVCache:
         if appends[0] != self.backend:
             appends = self._appends = (self.backend, self._kernel_appends(self.backend))
         if (backend == "auto" and not appends[1]) or (  # (no key to build: two calls)
-                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            self.append(k_new, v_new)
+                self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()):
+            self.append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, return_lse=return_lse)
-        key = self._call_key(q, softmax_scale, num_splits, backend, self._host_max + 1) + (
-            k_new.shape, v_new.shape, k_new.stride(), v_new.stride(), k_new.dtype, v_new.dtype, k_new.device,
-            v_new.device) \
-            if isinstance(q, torch.Tensor) and isinstance(k_new, torch.Tensor) and isinstance(v_new, torch.Tensor) \
-            else None
+        try:
+            key = self._call_key(q, softmax_scale, num_splits, backend, self._host_max + 1, k_new, v_new)
+        except AttributeError:  # (not tensors: ``_append_decode_plan`` says which)
+            key = None
         fast = self._fast_append
         if fast is None or fast[0] != key:
             fast = self._fast_append = self._append_decode_plan(key, q, k_new, v_new, softmax_scale, num_splits,
@@ -407,7 +416,7 @@ class KVCache:
         plan = fast[1]
         room = self._append_room()
         if plan is None or room <= 0 or q.data_ptr() % 16 or k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
-            self.append(k_new, v_new)
+            self.append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         self._fuse_room = room - 1
         self._host_added += 1
@@ -421,7 +430,7 @@ class KVCache:
         laid out, the commit counters as the kernel takes them)."""
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        self._check_kv(k_new, v_new, "append")
+        self._check_kv(k_new, v_new, "append", names=NEW_NAMES)
         name = self.backend if backend == "auto" else dispatch.resolve(
             backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
         attention.check_query(q, self._tensors, name)

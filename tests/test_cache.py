@@ -376,8 +376,10 @@ def test_appending_decode_on_the_reference_is_append_then_decode(gen):
                                                                    "k_res", "v_res", "seqlens"))
     with pytest.raises(ValueError, match="k_new and v_new"):
         bd.decode(q, a, k_new=k[:, :1])
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match="^k_new must have shape"):
         bd.decode(q, a, k_new=k[:, :1, :1], v_new=v[:, :1, :1])
+    with pytest.raises(TypeError, match="^v_new must have dtype"):
+        bd.decode(q, a, k_new=k[:, :1], v_new=v[:, :1].float())
     assert a.lengths == [140, 80]
 
 
@@ -406,7 +408,7 @@ def _stand_in_appending_cache(monkeypatch, max_seqlen: int = 140):
     monkeypatch.setattr(attention, "plan_decode", lambda *a, **kw: Plan())
     monkeypatch.setattr(sm80_backend.Sm80Backend, "appends", True)
     monkeypatch.setattr(sm80_backend.Sm80Backend, "choose_splits", lambda self, *a: splits[0])
-    monkeypatch.setattr(c, "append", lambda k, v: (plain.append("append"), setattr(c, "_host_added", c._host_added + 1),
+    monkeypatch.setattr(c, "append", lambda k, v, *names: (plain.append("append"), setattr(c, "_host_added", c._host_added + 1),
                                                    setattr(c, "_host_max", c._host_max + 1), setattr(c, "_fuse_room", None)))
     return c, fused, plain, dense, splits
 
@@ -435,8 +437,10 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
     # on the fast path (q as before), a v_new of another shape but the same strides (one
     # sequence short) is refused, not read past its end
     c.decode(q, k_new=kv, v_new=kv)
-    with pytest.raises(ValueError, match="v"):
+    with pytest.raises(ValueError, match="^v_new must have shape"):
         c.decode(q, k_new=kv, v_new=kv[:1])
+    with pytest.raises(TypeError, match="^k_new must be a torch.Tensor"):
+        c.decode(q, k_new="k", v_new=kv)
     assert len(fused) == 12 and c.lengths == [15, 139]
 
 
