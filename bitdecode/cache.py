@@ -414,7 +414,9 @@ class KVCache:
             fast = self._fast_append = self._append_decode_plan(key, q, k_new, v_new, softmax_scale, num_splits,
                                                                 backend)
         plan = fast[1]
-        room = self._append_room()
+        room = self._fuse_room
+        if room is None:
+            room = self._append_room()
         if plan is None or room <= 0 or q.data_ptr() % 16 or k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
             self.append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
@@ -494,8 +496,10 @@ def decode(
     ``out.clone()`` is a tensor of its own."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
+    if k_new is not None or v_new is not None:  # (straight to it: an eager step's hot path)
+        return cache._append_decode(q, k_new, v_new, softmax_scale, num_splits, backend, return_lse)
     return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
-                        return_lse=return_lse, k_new=k_new, v_new=v_new)
+                        return_lse=return_lse)
 
 
 # --------------------------------------------------------------------------------------
