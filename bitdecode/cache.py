@@ -394,8 +394,8 @@ class KVCache:
         """``append(k_new, v_new)`` then ``decode(q)``: in one launch where the backend's
         decode kernel appends (``appends``: the sm80 and sm90 kernels) and the step allows
         it (one token each, eager, no Hadamard rotation or FP4, no block completed,
-        ``_append_room``), else the two calls.  Same results, same cache contents either
-        way."""
+        ``_append_room``, at most ``append_max_splits`` splits), else the two calls.  Same
+        results, same cache contents either way."""
         if k_new is None or v_new is None:
             raise ValueError("k_new and v_new are appended together: pass both or neither")
         appends = self._appends
@@ -478,11 +478,12 @@ def decode(
 
     ``k_new`` / ``v_new`` ``[B, T, Hkv, D]``: ``cache.append(k_new, v_new)`` first, then the
     attention (the step's new token attends to itself).  On the sm80 and sm90 kernels one
-    token a step is one launch (the decode kernel stores it into the 16-bit residual block
-    and commits the lengths), which halves an eager step's launches; where that does not
-    apply (the reference backend, a step that completes a packed block, graph capture,
-    Hadamard or FP4 formats, several tokens) it is the two calls, with the same results and
-    cache contents.
+    token a step is one launch (the decode kernel stores it into the 16-bit residual block,
+    commits the lengths and, split, merges the splits in its last CTA), where append +
+    decode take two or three; where that does not apply (the reference backend, a step
+    that completes a packed block, graph capture, more than the backend's
+    ``append_max_splits`` splits, Hadamard or FP4 formats, several tokens) it is the two
+    calls, with the same results and cache contents.
 
     ``T`` = 1: the usual decode step.  ``T`` > 1 (speculative verification, a chunk of a
     prompt): the queries are each sequence's newest ``T`` tokens, appended to the cache

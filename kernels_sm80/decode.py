@@ -172,7 +172,7 @@ class PackedDecodeConfig:
                     mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, stream):
         """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
         ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
-        per-sequence arrival counters (zero, and left so); with ``split``, the last CTA of
+        per-sequence commit counters (zero, and left so); with ``split``, the last CTA of
         each (sequence, KV head) merges the partials (mO, mLSE) into ``mOut`` ``[B, 1, Hq,
         D]`` and ``mLout`` ``[B, Hq]``, counted on ``mArrivals`` ``[B * Hkv]`` (zero, and
         left so; unsplit, the three are not read); the rest as ``__call__``'s."""
