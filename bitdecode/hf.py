@@ -179,8 +179,8 @@ class BitDecodingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._pending = None
-        if self.kv is not None:
-            self.kv.reset()
+        if self._kv is not None:
+            self._kv.reset()
         self.seen = 0
         self.prompt_pending = False
 
@@ -274,10 +274,8 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
         if torch.compiler.is_compiling():  # one opaque op node instead of the Python dispatch
             scale = scaling if scaling is not None else d ** -0.5
             return ops.decode_cache(q.contiguous(), layer.kv, scale), None
-        new = layer.take_pending()
-        if new is None:
-            return decode(q, layer.kv, softmax_scale=scaling), None
-        return decode(q, layer.kv, softmax_scale=scaling, k_new=new[0], v_new=new[1]), None
+        k_new, v_new = layer.take_pending() or (None, None)
+        return decode(q, layer.kv, softmax_scale=scaling, k_new=k_new, v_new=v_new), None
     # several new tokens (assisted generation's drafts, a later chunk of a prompt), already
     # appended: causal over the cache, in the kernels when they fit one tile
     return decode(query.transpose(1, 2).contiguous(), layer.kv, softmax_scale=scaling), None

@@ -258,12 +258,13 @@ class DecodePlan:
             cache.k_res, cache.v_res, *sink_tensors(cache), cache.cache_seqlens, cache.block_table), decode_fn)
         self.decode_fn = decode_fn
         self.combine_fn = combine_fn
+        self.fns = tuple(f for f in (decode_fn, combine_fn) if f)  # what bound arguments go to
         # an appending kernel (``call_append``) merges its splits in the last CTA of each
         # (sequence, KV head), counted on ``arrivals`` in the workspace: no combine launch
         self.append = append
         self.arrivals = bsz * cache.k_res.shape[2] if append else 0
         self.unused_lse, = jit.bound_arguments(
-            (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), *(f for f in (decode_fn, combine_fn) if f))
+            (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), *self.fns)
         self.workspaces = jit.PerStream(self.MAX_STREAMS)  # (o_part, l_part), converted as ``static``
         self.outputs = jit.PerStream(self.MAX_STREAMS)  # outputs not handed out yet (views of a chunk)
 
@@ -289,7 +290,7 @@ class DecodePlan:
         return parts
 
     def _new_bound_workspace(self):
-        return jit.bound_arguments(self._new_workspace(), *(f for f in (self.decode_fn, self.combine_fn) if f))
+        return jit.bound_arguments(self._new_workspace(), *self.fns)
 
     def _new_outputs(self):
         chunk = torch.empty((self.OUT_CHUNK, *self.q_shape), dtype=self.dtype, device=self.device)

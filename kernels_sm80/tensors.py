@@ -67,7 +67,7 @@ def commit_length(mLens: cute.Tensor, mCommits: cute.Tensor, b, new_len, ctas, t
     ``fits`` false, put in ``mOverflow`` instead): every CTA read the old length before
     counting itself in (the barrier and the acq_rel atomic order the two), so none can see
     the new one; the counter goes back to zero for the next launch (a replayed graph
-    reuses it).  The pack kernel's append and the sm90 decode that appends both commit so."""
+    reuses it).  The pack kernel's append and the appending decodes (sm80, sm90) commit so."""
     cute.arch.sync_threads()
     if tid == 0:
         done = cute.arch.atomic_add(mCommits.iterator + b, cutlass.Int32(1), sem="acq_rel", scope="gpu")

@@ -207,8 +207,6 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             sm80_backend.variant_format(v), v.dtype == "fp16", v.head_dim, sm80_backend.decode_variant_args(v)[0])
             is not None]
 
-    appends = True  # DecodeSm90.call_append
-
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):
         import cutlass
 
