@@ -134,7 +134,7 @@ class Backend(Protocol):
              device: torch.device, splits: int, append: bool = False) -> DecodeFn: ...
 
     # whether its decode kernel can append the step's new token itself: ``plan(append=True)``
-    # then gives a plan called with ``new=(k_new, v_new, commit counters)`` (``KVCache.decode``)
+    # then gives a plan called with ``new=(k_new, v_new)`` (``KVCache.decode``)
     appends: bool
     # the most splits an appending decode takes (its last CTA merges them; more take append
     # + decode and the combine kernel)

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _validate, attention, backend as backends, dispatch, jit, reference
+from . import _validate, attention, backend as backends, dispatch, reference
 from .backend import CacheTensors
 from .formats import KVFormat
 
@@ -424,12 +424,12 @@ class KVCache:
         self._host_added += 1
         self._host_max += 1
         return plan(q if fast[3] else q.contiguous(), fast[2], return_lse,
-                    (k_new if fast[4] else k_new.contiguous(), v_new if fast[5] else v_new.contiguous(), fast[6]))
+                    (k_new if fast[4] else k_new.contiguous(), v_new if fast[5] else v_new.contiguous()))
 
     def _append_decode_plan(self, key, q, k_new, v_new, softmax_scale, num_splits, backend):
         """The fast-path entry of ``_append_decode`` for these arguments (validated): (key,
         plan or None where the kernel cannot append them, scale_log2, q dense, k laid out, v
-        laid out, the commit counters as the kernel takes them)."""
+        laid out)."""
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
         self._check_kv(k_new, v_new, "append", names=NEW_NAMES)
@@ -446,9 +446,8 @@ class KVCache:
         if splits > kernels.append_max_splits:  # (the merge in the kernel would cost more GPU time)
             return (key, None)
         plan = attention.plan_decode(self._tensors, q, name, splits, self._host_max + 1, self._plans, append=True)
-        bound = jit.bound_arguments((self._tensors.commits,), plan.decode_fn)
         return (key, plan, scale * attention.LOG2_E, q.is_contiguous(), kernels.takes_rows(k_new),
-                kernels.takes_rows(v_new), *bound)
+                kernels.takes_rows(v_new))
 
     def dequantized(self, b: int, k_dtype: Optional[torch.dtype] = None):
         """K, V ``[len, Hkv, D]`` of sequence ``b`` as the kernels see them, K rotated back

@@ -265,6 +265,9 @@ class DecodePlan:
         self.arrivals = bsz * cache.k_res.shape[2] if append else 0
         self.unused_lse, = jit.bound_arguments(
             (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), *self.fns)
+        if append:  # the cache's commit counters, and what an unsplit call's unread merge arguments get
+            self.commits, self.unused_out = jit.bound_arguments(
+                (cache.commits, torch.empty(self.q_shape, dtype=q_dtype, device=device)), *self.fns)
         self.workspaces = jit.PerStream(self.MAX_STREAMS)  # (o_part, l_part), converted as ``static``
         self.outputs = jit.PerStream(self.MAX_STREAMS)  # outputs not handed out yet (views of a chunk)
 
@@ -297,17 +300,20 @@ class DecodePlan:
         return list(reversed(chunk.unbind(0)))
 
     def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool, new=()):
-        """``new``: an appending plan's (k_new, v_new, commit counters), passed after q."""
+        """``new``: an appending plan's (k_new, v_new), passed after q."""
         # q is on the cache's device (attention.check_query), the device the plan was built for
         stream = jit.current_stream(self.device_index)
         out = self.output(stream)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
         if self.append:  # one launch: unsplit, the merge's arguments are not read
+            k_new, v_new = new
             if self.splits == 1:
-                self.decode_fn(q, *new, *self.static, out, lse, out, lse, new[2], scale_log2)
+                self.decode_fn(q, k_new, v_new, self.commits, *self.static, out, lse, self.unused_out,
+                               self.unused_lse, self.commits, scale_log2)
             else:
                 o_part, l_part, arrivals = self.workspace(stream)
-                self.decode_fn(q, *new, *self.static, o_part, l_part, out, lse, arrivals, scale_log2)
+                self.decode_fn(q, k_new, v_new, self.commits, *self.static, o_part, l_part, out, lse, arrivals,
+                               scale_log2)
         elif self.splits == 1:
             self.decode_fn(q, *self.static, out, lse, scale_log2)
         else:

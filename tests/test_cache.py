@@ -418,9 +418,10 @@ def _stand_in_appending_cache(monkeypatch, max_seqlen: int = 140):
 
 def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch):
     """The host side of the one-launch appending decode (a stand-in plan on the CPU, the
-    backend made to say it appends): steps run it, with the new token and the commit
-    counters after q, until a sequence's next token would complete its residual block,
-    fall among the sink tokens or pass max_seqlen; those steps take append + decode."""
+    backend made to say it appends): steps run it, with the new K and V token after q (the
+    plan holds the commit counters), until a sequence's next token would complete its
+    residual block, fall among the sink tokens or pass max_seqlen; those steps take append
+    + decode."""
     c, fused, plain, dense, _ = _stand_in_appending_cache(monkeypatch)
     q = torch.ones(2, 1, 2, 64, dtype=torch.float16)
     kv = torch.zeros(2, 1, 1, 64, dtype=torch.float16)
@@ -432,7 +433,7 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
     # lengths 1 / 125 (2 sinks, Nr 128): the first's token goes to the sinks (step 0), the
     # second's (126 after it) completes its block at length 130 (step 4)
     assert steps == [False, True, True, True, False] + [True] * 7, steps
-    assert c.lengths == [13, 137] and set(fused) == {3}
+    assert c.lengths == [13, 137] and set(fused) == {2}
     assert c._append_room() == 140 - 137  # then capacity bounds it
     sparse = torch.ones(2, 1, 4, 64, dtype=torch.float16)[:, :, ::2]  # heads 128 apart: copied for the kernel
     c.decode(sparse, k_new=kv, v_new=kv)
