@@ -376,7 +376,7 @@ class KVCache:
         device, the options and their types, and the tiles of ``max_len`` tokens (what
         ``choose_splits`` counts); appending, the same of ``k_new`` and ``v_new`` (one flat
         tuple: building and comparing it is the fast path's main host cost)."""
-        tiles = -(-max_len // self.fmt.residual_block)
+        tiles = self.fmt.tiles(max_len)
         if k_new is None:
             return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
                     type(num_splits), backend, tiles)

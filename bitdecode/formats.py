@@ -133,6 +133,10 @@ class KVFormat:
     def codes_per_word(self) -> int:
         return packing.codes_per_word(self.bits)
 
+    def tiles(self, tokens: int) -> int:
+        """Residual blocks (the decode kernels' tiles) that ``tokens`` tokens span."""
+        return -(-tokens // self.residual_block)
+
     def check_head_dim(self, head_dim: int, name: str = "head_dim") -> None:
         if isinstance(head_dim, bool) or head_dim not in HEAD_DIMS:
             raise ValueError(f"{name} must be one of {HEAD_DIMS}, got {head_dim!r}")

@@ -193,7 +193,7 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
     """Enough CTAs to fill the GPU (``per_sm`` per SM), at least two tiles per split.
     ``whole_waves`` rounds down instead of up: with few CTAs per SM a partial second wave
     costs as much as a full one (sm90, B=16 Hkv=8 on 132 SMs: 2 splits, not 3)."""
-    tiles = max(1, -(-max_len // fmt.residual_block))
+    tiles = max(1, fmt.tiles(max_len))
     base = batch * kv_heads
     target = sms * per_sm
     if base >= target:

@@ -170,7 +170,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         short = short_tiles(fmt, dtype == torch.float16, head_dim, nh) if tq == 1 else 0
         if not short:
             return False
-        pairs, tiles, sms = batch * kv_heads, -(-max_len // fmt.residual_block), num_sms(device)
+        pairs, tiles, sms = batch * kv_heads, fmt.tiles(max_len), num_sms(device)
         if sms < 2 * pairs <= 2 * sms:
             return tiles <= short
         return small_pairs(pairs, sms) and tiles <= DIRECT_TILES.get(fmt.bits, 0)
