@@ -866,3 +866,36 @@ def test_per_stream_values():
     cache.get("s3", make("d"))  # past the limit: s1, the oldest, goes
     assert list(cache.values()) == [["c"], ["d"]]
     assert cache.get("s1", make("e")) == ["e"]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_appending_plan_passes_what_the_kernel_was_compiled_for(monkeypatch, split):
+    """``DecodePlan(append=True)`` calls the appending kernel with the arguments its compile
+    declared (``append_decode_args``) in the same order: each position's dtype and rank,
+    then the softmax scale; unsplit, the unread merge arguments are the plan's own bound
+    buffers (never the call's output a second time)."""
+    import torch
+
+    import bitdecode as bd
+    from bitdecode import jit
+
+    torch_of = {cutlass.Float16: torch.float16, cutlass.BFloat16: torch.bfloat16,
+                cutlass.Float32: torch.float32, cutlass.Int32: torch.int32}
+    fmt, d = KVFormat(bits=4), 128
+    cache = bd.KVCache.allocate(2, 2, d, 512, fmt, dtype=torch.bfloat16, device="cpu", backend="reference")
+    calls = []
+    monkeypatch.setattr(jit, "current_stream", lambda index: 0)
+    plan = kernels.DecodePlan(cache.tensors(), (2, 1, 8, d), torch.bfloat16, torch.device("cpu"), 3 if split else 1,
+                              lambda *args: calls.append(args), None, append=True)
+    q = torch.zeros(2, 1, 8, d, dtype=torch.bfloat16)
+    new = torch.zeros(2, 1, 2, d, dtype=torch.bfloat16)
+    out = plan(q, 0.5, False, (new, new.clone()))
+    args, = calls
+    fakes = kernels.append_decode_args(fmt, cutlass.BFloat16, d, split)
+    assert len(args) == len(fakes) + 1 and isinstance(args[-1], float)
+    for i, (arg, fake) in enumerate(zip(args, fakes)):
+        assert arg.dtype == torch_of[fake.element_type], (i, arg.dtype, fake.element_type)
+        assert arg.dim() == len(fake.shape), (i, arg.shape, fake.shape)
+    assert args[3] is cache.tensors().commits
+    if not split:  # out, its LSE, then the merge's: a dummy output, the unused LSE, any counters
+        assert args[-6] is out and args[-4] is not out and args[-4].shape == out.shape
