@@ -410,7 +410,7 @@ class Sm80Backend:
     # Split, the appending kernel's last CTA of a (sequence, KV head) merges every split of
     # its query rows alone: one launch less on the host, GPU time that grows with splits x
     # rows.  H200, B=1, 4-bit, GQA 4, GPU us a step (append + decode / one call;
-    # profiles/h200/append_step_gpu.json): sm90 at 16 splits 24.5 / 24.1 at 32K, 56.5 / 58.5
+    # profiles/NOTES.md, twenty-eighth session): sm90 at 16 splits 24.5 / 24.1 at 32K, 56.5 / 58.5
     # at 128K; sm80 at 66 splits 25.2 / 36.1 and 58.5 / 72.6.  So more than 16 splits take
     # the two calls (at such lengths a step is GPU-bound anyway).
     append_max_splits = 16

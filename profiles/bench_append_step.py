@@ -3,7 +3,8 @@ the pack kernel's launch, the decode's, the combine's when split) against the on
 ``decode(q, cache, k_new=, v_new=)`` (one launch: the decode kernel appends the token and
 its last CTA of each (sequence, KV head) merges the splits).  The merge is serial work of
 one CTA per KV head, so its cost grows with the splits; this is what
-``append_max_splits`` (kernels_sm80/backend.py) was set from.  B=1, 4-bit, bf16, GQA 4
+``append_max_splits`` (kernels_sm80/backend.py) was set from (before the limit; past it the
+one call now takes the two calls, so its column matches theirs there).  B=1, 4-bit, bf16, GQA 4
 (32 / 8 heads, head dim 128), every kernel backend this GPU runs that appends; CUDA events
 around 60 back-to-back steps (the cache truncated back after each round), median of five
 rounds.  At 32K tokens the packed cache (~33 MB) fits the H200's L2; at 128K it does not.
