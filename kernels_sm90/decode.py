@@ -664,22 +664,23 @@ class DecodeSm90(PackedDecodeConfig):
         if const_expr(not self.raw_k):
             return Float32(1.0), Float32(0.0)
         if const_expr(self.k_mult_uniform):
-            return Float32(1.0 / self.k_mult[0][half]), self.k_offset_of(half=half)
+            mult = self.k_mult[0][half]
+            return Float32(1.0 / mult), self.k_offset_of(mult)
         log2_mult = self.k_log2_mult(kt, half)
-        return ptx.pow2(-cutlass.Int32(log2_mult)), self.k_offset_of(log2_mult)
+        return ptx.pow2(-cutlass.Int32(log2_mult)), self.k_offset_of(Uint32(1) << log2_mult)
 
     def k_log2_mult(self, kt, half: int):
         """log2 of k-block ``kt``'s column-half ``half`` multiplier where it depends on the
         k-block's place in its word (2-bit ``raw_k``): a run-time lookup in ``k_mult_log2``."""
         return (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
 
-    def k_offset_of(self, log2_mult=None, half=None):
-        """The offset ``magic + center mult`` that B-tile values carry into the bias: of a
-        run-time multiplier ``2^log2_mult``, or (``half``) of the multiplier every k-block's
-        column half ``half`` shares (``k_mult_uniform``: an immediate)."""
-        if half is not None:
-            return Float32(self.k_offset + self.k_center * self.k_mult[0][half])
-        return Float32(self.k_offset) + Float32(self.k_center) * Float32(Uint32(1) << log2_mult)
+    def k_offset_of(self, mult):
+        """The offset ``magic + center mult`` that B-tile values of multiplier ``mult``
+        carry into the bias: an immediate for a Python number (``k_mult_uniform``), else
+        computed from the traced integer (a power of two)."""
+        if isinstance(mult, (int, float)):
+            return Float32(self.k_offset + self.k_center * mult)
+        return Float32(self.k_offset) + Float32(self.k_center) * Float32(mult)
 
     @cute.jit
     def divide_by_mult(self, qs2, kt, half: cutlass.Constexpr[int]):
@@ -692,13 +693,13 @@ class DecodeSm90(PackedDecodeConfig):
             mult = self.k_mult[0][half]
             if const_expr(mult != 1):
                 qs2 = ptx.fma_x2_imm(qs2, half2_bits(1.0 / mult, False), 0, False)
-            return qs2, self.k_offset_of(half=half)
+            return qs2, self.k_offset_of(mult)
         log2_mult = self.k_log2_mult(kt, half)
         # 2^-log2_mult as an fp16 pair: biased exponent (bias - log2_mult), mantissa 0 (the fp16 kernels' path)
         inv2 = ((Uint32(packing.EXP_BIAS["fp16"]) - log2_mult) << Uint32(packing.MANTISSA_BITS["fp16"])) \
             * Uint32(packing.HALF2_BOTH)
         qs2 = ptx.fma_x2(qs2, inv2, Uint32(0), False)
-        return qs2, self.k_offset_of(log2_mult)
+        return qs2, self.k_offset_of(Uint32(1) << log2_mult)
 
     # ---------------------------------------------------------------------------------
     # Consumer warpgroup
