@@ -225,7 +225,7 @@ def plan_decode(cache: CacheTensors, q: torch.Tensor, backend: str, num_splits: 
     key = (tuple(q.shape), q.dtype, backend, splits) + (("append",) if append else ())
     plan = plans.get(key) if plans is not None else None
     if plan is None:
-        plan = kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits, append=append)
+        plan = kernels.plan(cache, tuple(q.shape), q.dtype, q.device, splits, append=append, max_len=max_len)
         if plans is not None:
             plans[key] = plan
     return plan

@@ -182,7 +182,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     def __call__(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
                  mKr: cute.Tensor, mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor,
                  mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 softmax_scale_log2: Float32, stream):
+                 softmax_scale_log2: Float32, tail_weight: Int32, stream):
         """The decode calling convention of ``DecodeSm80.__call__`` (``k_pack`` / ``v_pack``
         as int32 words here), so every backend shares one ``DecodePlan``."""
         mQ, mO = query_views(mQ, mO, self.split)
@@ -204,7 +204,7 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         self.kernel(mma, mma16, mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mKsink, mVsink, mSeqlens,
-                    mBlockTable, mO, mLSE, softmax_scale_log2, Storage).launch(
+                    mBlockTable, mO, mLSE, softmax_scale_log2, tail_weight, Storage).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
@@ -213,8 +213,10 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
     @cute.kernel
     def kernel(self, mma: cute.TiledMma, mma16: cute.TiledMma, mQ, tma_k: cute.CopyAtom, mKt: cute.Tensor, mKs,
                tma_v: cute.CopyAtom, mVt: cute.Tensor, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO,
-               mLSE, softmax_scale_log2: Float32, Storage: cutlass.Constexpr):
+               mLSE, softmax_scale_log2: Float32, tail_weight: Int32, Storage: cutlass.Constexpr):
         lay = self._layouts(mma, mma16)
+        # (the grid's own order: the sm100 backend splits evenly, and the remap of
+        # ``split_coords`` made ptxas spill here)
         split_idx, head_kv, batch = cute.arch.block_idx()
         num_splits, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -250,7 +252,8 @@ class DecodeSm100(PackedDecodeConfig, Fp4Blocks):
 
         wait_for_previous_kernel(self.pdl)
         n_sink, n_rest = self.token_counts(mSeqlens[batch])
-        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
+        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits,
+                                                                  tail_weight)
         sink_tile = (split_idx == 0) & (n_sink > 0)
         tmem = self.tmem_tensors(mma, lay, storage)
 

@@ -244,13 +244,14 @@ class DecodePlan:
     OUT_CHUNK = 32  # outputs allocated at once
 
     def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn,
-                 append: bool = False):
+                 append: bool = False, tail_weight: int = sm80.TAIL_UNIT):
         bsz, _, hq, d = q_shape
         self.q_shape = tuple(q_shape)  # the queries' and the outputs'
         self.part_shape = (splits, bsz, hq, d)
         self.lse_shape = (bsz, hq)
         self.dtype = q_dtype
         self.splits = splits
+        self.tail_weight = tail_weight  # how the splits share a sequence (``tail_weight``)
         self.device = device
         self.device_index = device.index
         self.static = jit.bound_arguments((
@@ -309,16 +310,16 @@ class DecodePlan:
             k_new, v_new = new
             if self.splits == 1:
                 self.decode_fn(q, k_new, v_new, self.commits, *self.static, out, lse, self.unused_out,
-                               self.unused_lse, self.commits, scale_log2)
+                               self.unused_lse, self.commits, scale_log2, sm80.TAIL_UNIT)
             else:
                 o_part, l_part, arrivals = self.workspace(stream)
                 self.decode_fn(q, k_new, v_new, self.commits, *self.static, o_part, l_part, out, lse, arrivals,
-                               scale_log2)
+                               scale_log2, self.tail_weight)
         elif self.splits == 1:
-            self.decode_fn(q, *self.static, out, lse, scale_log2)
+            self.decode_fn(q, *self.static, out, lse, scale_log2, sm80.TAIL_UNIT)
         else:
             o_part, l_part = self.workspace(stream)
-            self.decode_fn(q, *self.static, o_part, l_part, scale_log2)
+            self.decode_fn(q, *self.static, o_part, l_part, scale_log2, self.tail_weight)
             self.combine_fn(o_part, l_part, out, lse)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
@@ -443,7 +444,7 @@ class Sm80Backend:
 
         kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant, append)
         entry, args = (kernel.call_append, append_decode_args) if append else (kernel, decode_args)
-        return cute.compile(entry, *args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), _stream(),
+        return cute.compile(entry, *args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), _stream(),
                             options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
     def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
@@ -471,9 +472,18 @@ class Sm80Backend:
         per_sm = self.ctas_per_sm(cache.fmt, d, nh, dtype, variant)
         return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)
 
-    def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, append: bool = False):
+    def tail_weight(self, cache: CacheTensors, q_shape, splits: int, max_len: int, device) -> int:
+        """How ``splits`` splits share a sequence of up to ``max_len`` tokens: ``split_tiles``'
+        weight of every split but the last against the last, in sixteenths
+        (``sm80.TAIL_UNIT``, which is even).  sm80: even."""
+        return sm80.TAIL_UNIT
+
+    def plan(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, append: bool = False,
+             max_len: int = 0):
         """A ``DecodePlan`` (one query token), or a ``MultiTokenPlan`` around one; ``append``:
-        its kernel appends the step's new token first (``appends``; called with ``new``)."""
+        its kernel appends the step's new token first (``appends``; called with ``new``);
+        ``max_len``: the longest sequence it is made for (0: not known), which the splits'
+        partition (``tail_weight``) may follow; any partition gives the same attention."""
         arch = jit.target_arch(device.index)
         dtype = _cute_dtype(q_dtype)
         bsz, tq, hq, d = q_shape
@@ -483,7 +493,9 @@ class Sm80Backend:
         variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device, splits)
         decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant, append)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 and not append else None
-        plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn, append)
+        weight = self.tail_weight(cache, q_shape, splits, max_len, device) if splits > 1 else sm80.TAIL_UNIT
+        plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn, append,
+                          weight)
         return plan if tq == 1 else MultiTokenPlan(plan, hkv)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------

@@ -40,7 +40,7 @@ from typing import Optional, Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp
 
 from ..layouts import resources, sm80, sm100
@@ -159,17 +159,19 @@ class PackedDecodeConfig:
         mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, 1, Hq, D) dtype
         mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
         softmax_scale_log2: Float32,
+        tail_weight: Int32,  # the splits' partition (split_tiles; 1: even)
         stream,
     ):
         self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, None)
+                    softmax_scale_log2, tail_weight, stream, None)
 
     @cute.jit
     def call_append(self, mQ: cute.Tensor, mKnew: cute.Tensor, mVnew: cute.Tensor, mCommits: cute.Tensor,
                     mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor, mKr: cute.Tensor,
                     mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor, mSeqlens: cute.Tensor,
                     mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor,
-                    mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, stream):
+                    mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32, tail_weight: Int32,
+                    stream):
         """``cache.append(k_new, v_new)`` and the decode after it in one launch (``append``):
         ``mKnew`` / ``mVnew`` ``[B, 1, Hkv, D]`` (heads D apart), ``mCommits`` the cache's
         per-sequence commit counters (zero, and left so); with ``split``, the last CTA of
@@ -177,7 +179,7 @@ class PackedDecodeConfig:
         D]`` and ``mLout`` ``[B, Hq]``, counted on ``mArrivals`` ``[B * Hkv]`` (zero, and
         left so; unsplit, the three are not read); the rest as ``__call__``'s."""
         self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
+                    softmax_scale_log2, tail_weight, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
 
     @cute.jit
     def merge_if_last(self, mO, mLSE, new, batch, head_kv, gq, smem_ptr, tid, sync=cute.arch.sync_threads):
@@ -317,14 +319,14 @@ class DecodeSm80(PackedDecodeConfig):
     # Host side: layouts, atoms, launch
     # ---------------------------------------------------------------------------------
     def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-               softmax_scale_log2, stream, new):
+               softmax_scale_log2, tail_weight, stream, new):
         """(plain Python, traced inside ``PackedDecodeConfig``'s entry points, ``__call__`` and
         ``call_append``)"""
         mQ, mO = query_views(mQ, mO, self.split)
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, new).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
+                    softmax_scale_log2, tail_weight, new).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
                                                     min_blocks_per_mp=self.min_blocks_per_sm,
                                                     preferred_smem_carveout=100, use_pdl=self.pdl)
 
@@ -333,8 +335,10 @@ class DecodeSm80(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-               softmax_scale_log2: Float32, new):
+               softmax_scale_log2: Float32, tail_weight: Int32, new):
         tid, _, _ = cute.arch.thread_idx()
+        # (the grid's own order: sm80 splits evenly, and ``split_coords``' remap cost the FP4
+        # kernel two registers past its residency model)
         split_idx, head_kv, batch = cute.arch.block_idx()
         num_splits, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(tid // 32)
@@ -344,7 +348,7 @@ class DecodeSm80(PackedDecodeConfig):
         wait_for_previous_kernel(self.pdl)
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         n_sink, n_rest = self.token_counts(seqlen)
-        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
+        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits, tail_weight)
         lim = self.causal_limits(seqlen, gq, lane)
 
         # ---- shared memory --------------------------------------------------------

@@ -7,6 +7,7 @@ import cutlass.cute as cute
 from cutlass import Int64
 
 from ..layouts.resources import L2_LINE_BYTES
+from ..layouts.sm80 import TAIL_UNIT
 from .ptx import prefetch_l2
 
 
@@ -45,20 +46,44 @@ def aligned_ptr(ptr, align_bytes: int):
     return cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace, assumed_align=align_bytes)
 
 
-def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits):
+def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits, tail_weight):
     """The tiles split ``split_idx`` of ``num_splits`` owns in a sequence of ``seqlen``
     tokens: full packed tiles ``[tile_begin, packed_end)``, and the 16-bit residual
-    (``n_res`` tokens) as one more tile when ``has_residual``.  Every decode kernel splits
-    the same way, so any split count gives the same partial results to combine."""
+    (``n_res`` tokens) as one more tile when ``has_residual``.  ``tail_weight`` w, in
+    sixteenths (``TAIL_UNIT``): every split but the last takes w / TAIL_UNIT times the last
+    one's share, ``ceil(n w / (w (S - 1) + TAIL_UNIT))`` tiles of n (w = TAIL_UNIT: even).  A
+    tail shorter than the others fills the SM slots that they leave free (``split_coords``;
+    the host's ``tail_weight``).  Every decode kernel splits the same way, so any (split
+    count, weight) gives the same partial results to combine."""
     n_full = seqlen // tile_tokens
     n_res = seqlen - n_full * tile_tokens
     n_tiles = n_full + (n_res + tile_tokens - 1) // tile_tokens  # the residual is one more tile
-    per_split = (n_tiles + num_splits - 1) // num_splits
+    parts = tail_weight * (num_splits - 1) + TAIL_UNIT
+    per_split = (n_tiles * tail_weight + parts - 1) // parts
     tile_begin = split_idx * per_split
     tile_end = cutlass.min(tile_begin + per_split, n_tiles)
     packed_end = cutlass.min(tile_end, n_full)
     has_residual = (n_res > 0) & (tile_begin <= n_full) & (n_full < tile_end)
     return tile_begin, packed_end, has_residual, n_res
+
+
+@cute.jit
+def split_coords(tail_weight):
+    """This CTA's (split, KV head, sequence) of a decode grid ``(splits, Hkv, B)``.  With a
+    weighted tail (``tail_weight`` > ``TAIL_UNIT``, ``split_tiles``) the splits run slowest in the order
+    the GPU starts CTAs, so every long split starts first and the short last splits fill
+    the slots that free up as long ones finish (a dynamic balance of the SMs); otherwise
+    the grid's own order."""
+    split_idx, head_kv, batch = cute.arch.block_idx()
+    if tail_weight > TAIL_UNIT:
+        num_splits, heads, batches = cute.arch.grid_dim()
+        pairs = heads * batches
+        started = split_idx + num_splits * (head_kv + heads * batch)  # the launch order
+        split_idx = started // pairs
+        pair = started - split_idx * pairs
+        batch = pair // heads
+        head_kv = pair - batch * heads
+    return split_idx, head_kv, batch
 
 
 @cute.jit

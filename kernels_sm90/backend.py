@@ -13,7 +13,7 @@ from typing import List, Tuple
 import torch
 
 from .. import jit
-from ..backend import Variant, num_sms
+from ..backend import Variant, num_sms, query_rows
 from ..formats import KVFormat
 from ..kernels_sm80 import backend as sm80_backend
 from ..layouts import sm80, sm90
@@ -47,6 +47,27 @@ SHORT_TILES = {2: 64, 4: 64}
 # 10.8.  2-bit: N=512 10.40 / 11.23, 1K 12.54 / 12.03, where sm80's heuristic already
 # leaves its two 256-token tiles unsplit (``MIN_TILES_PER_SPLIT``), so no entry.
 DIRECT_TILES = {4: 4}
+# A weighted tail (``Sm90Backend.tail_weight``): where the default kernel's whole waves
+# leave SM slots free, one more split a (sequence, KV head), shorter, started after all the
+# long ones (``split_coords``): the free slots run the short splits while the long ones
+# run, and the slots that free early (CTA times spread ~+-20 % on the H200) take what is
+# left.  H200, B x 8 KV heads on 132 SMs (264 slots), fp16, us, even / with the tail (one
+# run each, .scratch prototypes; profiles/NOTES.md thirtieth session): 4-bit B=16 N=64K
+# 319.6 / 303.5, N=32K 167.1 / 163.3, B=8 N=64K 167.5 / 161.9, B=20 N=32K 296.3 / 214.5,
+# B=24 N=32K 298.1 / 242.2, N=64K 589.1 / 455.2, B=30 N=32K 302.1 / 285.7, B=32 N=32K 304.4 /
+# 302.3; 2-bit B=16 N=64K
+# 266.2 / 262.3, B=8 141.2 / 139.6, B=24 520.4 / 403.7, B=30 N=32K 263.2 / 251.4.  Taken
+# where it was measured: ``measured_grids`` formats, sequences of at least this many tokens
+# (shorter ones keep even splits: there a split more also costs a larger share in the
+# combine, unmeasured)
+TAIL_MIN_TOKENS = 32768
+# A CTA's fixed time (entry, Q, the first tile's wait, epilogue) in tiles of the default
+# kernel at two CTAs an SM: ~4.5 us against ~1.1 us a tile (B=16 N=64K, a per-CTA
+# globaltimer trace, profiles/NOTES.md thirtieth session)
+CTA_FIXED_TILES = 4
+# the heaviest weight (a tail of 1/256 of a long split; keeps n * weight in int32 for
+# sequences of up to 2^19 tiles)
+MAX_TAIL_WEIGHT = 256 * sm80.TAIL_UNIT
 
 
 # the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose
@@ -118,6 +139,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
     name = "sm90"
     whole_waves = True  # two (or one) CTAs per SM: a partial second wave costs a full one
+    tails = True  # weighted tails (``tail_weight``; False: even splits, for A/B timing)
 
     decode_tiles = (HALF_TILE,) + sm80.HEADS_TILES
 
@@ -174,6 +196,42 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         if sms < 2 * pairs <= 2 * sms:
             return tiles <= short
         return small_pairs(pairs, sms) and tiles <= DIRECT_TILES.get(fmt.bits, 0)
+
+    def choose_splits(self, cache, q_shape, max_len: int, device) -> int:
+        """sm80's fill rule in whole waves, and one more split where a weighted tail pays
+        (``tail_weight``)."""
+        splits = super().choose_splits(cache, q_shape, max_len, device)
+        if splits < sm80.MAX_SPLITS and self.tail_weight(cache, q_shape, splits + 1, max_len,
+                                                          device) > sm80.TAIL_UNIT:
+            return splits + 1
+        return splits
+
+    def tail_weight(self, cache, q_shape, splits: int, max_len: int, device) -> int:
+        """The weight of ``split_tiles`` for ``splits`` splits of the default kernel: with P
+        (sequence, KV head) pairs, the first ``splits - 1`` splits of each take P (splits -
+        1) of the SM slots and the e slots left run the P tails; a tail of t tiles and a
+        long split of b, each with the CTA's fixed time f (``CTA_FIXED_TILES``), end
+        together when P (t + f) = e (b + f), with (splits - 1) b + t the sequence's tiles.
+        The weight is b / t in sixteenths (``TAIL_UNIT``); even wherever there is no such tail (no
+        free slot, a tail under one tile or as long as the others)."""
+        even = sm80.TAIL_UNIT
+        bsz, tq, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
+        dtype = cache.k_res.dtype
+        if (not self.tails or splits < 2 or max_len < TAIL_MIN_TOKENS or not measured_grids(cache.fmt, d)
+                or self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device, splits)):
+            return even
+        pairs = bsz * hkv
+        spare = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, dtype) - pairs * (splits - 1)
+        if spare <= 0:
+            return even
+        tiles, share = cache.fmt.tiles(max_len), spare / pairs
+        long = (tiles + CTA_FIXED_TILES * (1 - share)) / (splits - 1 + share)
+        tail = tiles - (splits - 1) * long
+        if tail < 1:
+            return even
+        return min(MAX_TAIL_WEIGHT, max(even, round(even * long / tail)))
 
     def grid_variant(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, device, splits=0) -> str:
         """``"small"`` where ``small_grid`` takes the request and (sequence, KV head)

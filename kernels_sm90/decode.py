@@ -57,7 +57,7 @@ from typing import Optional, Type
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Uint32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..kernels_sm80 import ptx
@@ -66,7 +66,7 @@ from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
                                     split_params)
 from ..kernels_sm80.reduce import across_lanes, across_rows
-from ..kernels_sm80.tensors import assume_aligned, page_of, split_tiles, wait_for_previous_kernel
+from ..kernels_sm80.tensors import assume_aligned, page_of, split_coords, split_tiles, wait_for_previous_kernel
 from ..layouts import packing, resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
 from . import ptx90
@@ -369,7 +369,7 @@ class DecodeSm90(PackedDecodeConfig):
         return FoldStorage
 
     def launch(self, mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-               softmax_scale_log2, stream, new):
+               softmax_scale_log2, tail_weight, stream, new):
         """(plain Python, traced inside ``PackedDecodeConfig``'s entry points, ``__call__`` and
         ``call_append``)"""
         mQ, mO = query_views(mQ, mO, self.split)
@@ -387,7 +387,7 @@ class DecodeSm90(PackedDecodeConfig):
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         # the register cap at entry (from the CTAs per SM) is what setmaxnreg redistributes
         self.kernel(mQ, tma_k, tma_tk, mKs, tma_v, tma_tv, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable,
-                    mO, mLSE, softmax_scale_log2, new, Storage).launch(
+                    mO, mLSE, softmax_scale_log2, tail_weight, new, Storage).launch(
             grid=grid, block=[(1 + self.consumers) * WG, 1, 1], stream=stream, min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100, use_pdl=self.pdl)
 
@@ -397,10 +397,10 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.kernel
     def kernel(self, mQ, tma_k: cute.CopyAtom, mKt: cute.Tensor, mKs, tma_v: cute.CopyAtom, mVt: cute.Tensor,
                mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE, softmax_scale_log2: Float32,
-               new, Storage: cutlass.Constexpr):
+               tail_weight: Int32, new, Storage: cutlass.Constexpr):
         q_layout, p_layout, kp_layout, vp_layout = self._layouts()
         tid, _, _ = cute.arch.thread_idx()
-        split_idx, head_kv, batch = cute.arch.block_idx()
+        split_idx, head_kv, batch = split_coords(tail_weight)
         num_splits, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -441,7 +441,8 @@ class DecodeSm90(PackedDecodeConfig):
         wait_for_previous_kernel(self.pdl)
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         n_sink, n_rest = self.token_counts(seqlen)
-        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits)
+        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits,
+                                                                  tail_weight)
 
         if warp_idx < WARPS:
             cute.arch.setmaxregister_decrease(self.producer_regs)

@@ -55,6 +55,9 @@ CHUNK_WORDS = 4  # 32-bit words in one 16-byte ldmatrix row (one per quad lane)
 CHUNK_BYTES = 16
 SMEM_BANKS = 32
 MAX_SPLITS = 256  # split-KV partials the combine kernel weighs (one fp32 weight each in smem)
+# the unit of a split partition's tail weight (``kernels_sm80.tensors.split_tiles``): the
+# long splits take w / TAIL_UNIT times the last split's share, TAIL_UNIT = even
+TAIL_UNIT = 16
 BANK_BYTES = 4
 
 

@@ -3,7 +3,14 @@ through the public API, so each count runs the kernel the dispatch builds for it
 4-head tile, one split whose pairs fit the SMs takes the one-CTA two-consumer kernel, more
 splits the default two CTAs an SM: ``Sm90Backend.grid_variant``).  CUDA-graph replay, L2 flushed before each call,
 median of 30 (``bench_decode``'s timer).  ``--backends sm90,sm80`` times other backends beside
-it on the same caches (their keys ``<backend>_splits_<n>_us``).
+it on the same caches (their keys ``<backend>_splits_<n>_us``).  ``--even`` times sm90's own
+choice with its weighted tails on and off (``Sm90Backend.tails``; ``tail_us`` / ``even_us``:
+even splits in whole waves), records the split count and tail weight of each, and beside
+them 16-bit SDPA on the same shape (``sdpa_us``) and the cache's bytes at the bandwidth
+measured in the same run (``roofline_us``).  ``--splits ""`` times no fixed count.
+
+    python3 profiles/bench_splits.py --format 4c128 --shapes 16x65536,20x32768 --splits "" \
+        --even --out profiles/h200 --tag tails_4bit
 
     python3 profiles/bench_splits.py --format 2c128 --shapes 16x4096,16x8192,16x16384,16x32768 \\
         --splits 1,2,0 --out profiles/h200 --tag short_2bit
@@ -16,16 +23,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shlex
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import bitdecode as bd
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import Timer, _graph_time, build  # noqa: E402
+from bench_decode import Timer, _graph_time, build, cache_bytes, measure_roofline  # noqa: E402
 from bench_variants import FORMATS, HKV, HQ, D, parse_shapes  # noqa: E402
 
 
@@ -38,6 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="sm90", help="comma-separated decode backends (default sm90)")
     p.add_argument("--out", type=Path, default=Path("profiles/h200"))
     p.add_argument("--tag", default="", help="suffix of the output file")
+    p.add_argument("--even", action="store_true",
+                   help="also time sm90's choice with even splits (its weighted tails off)")
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     unknown = [b for b in backends if b not in bd.backend.shipped()]
@@ -45,12 +56,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"--backends: unknown {unknown or args.backends!r} (shipped: {', '.join(bd.backend.shipped())})")
     if not torch.cuda.is_available():
         raise SystemExit("bench_splits needs a CUDA GPU")
-    counts = [int(s) for s in args.splits.split(",")]
+    counts = [int(s) for s in args.splits.split(",") if s]
     dev = torch.device("cuda")
     timer, gen = Timer(dev), torch.Generator(device=dev).manual_seed(0)
     fmt = bd.KVFormat(*FORMATS[args.format])
     dtype = torch_dtype(args.dtype)
     rows = []
+    roofline = measure_roofline(timer, dev) if args.even else None
     for b, n in parse_shapes(args.shapes):
         q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
         cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
@@ -61,14 +73,32 @@ def main(argv=None) -> int:
             for s in counts:
                 key = f"splits_{s}_us" if name == "sm90" else f"{name}_splits_{s}_us"
                 row[key] = _graph_time(timer, functools.partial(bd.decode, q, cache, num_splits=s, backend=name))
+        if args.even:
+            sm90 = bd.backend.get("sm90")
+            for tails in (True, False):
+                sm90.tails = tails
+                try:
+                    splits = sm90.choose_splits(cache.tensors(), tuple(q.shape), n, dev)
+                    weight = sm90.tail_weight(cache.tensors(), tuple(q.shape), splits, n, dev)
+                    tag = "tail" if tails else "even"
+                    row.update({f"{tag}_splits": splits, f"{tag}_weight": weight})
+                    row[f"{tag}_us"] = _graph_time(
+                        timer, functools.partial(bd.decode, q, cache, num_splits=splits, backend="sm90"))
+                finally:
+                    sm90.tails = True
+            row["roofline_us"] = cache_bytes(fmt, cache.lengths, HKV, D) / roofline["best_bytes_per_s"] * 1e6
+            k16, v16 = (torch.randn(b, HKV, n, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
+            q4 = q.transpose(1, 2)
+            row["sdpa_us"] = _graph_time(timer, lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True))
+            del k16, v16
         print(json.dumps(row), flush=True)
         rows.append(row)
         del cache
         torch.cuda.empty_cache()
-    result = {"command": " ".join(["python3 profiles/bench_splits.py", *(sys.argv[1:] if argv is None else argv)]),
+    result = {"command": "python3 profiles/bench_splits.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "format": args.format,
               "dtype": args.dtype, "backends": backends,
-              "method": __doc__.split("\n\n")[0].replace("\n", " "), "rows": rows}
+              "method": __doc__.split("\n\n")[0].replace("\n", " "), "roofline": roofline, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"splits{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1))
     return 0

@@ -16,7 +16,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from bitdecode import KVFormat  # noqa: E402
 from bitdecode.kernels_sm80 import backend as kernels  # noqa: E402
-from bitdecode.layouts import sm100  # noqa: E402
+from bitdecode.layouts import sm80, sm100  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
@@ -644,7 +644,7 @@ def test_sm90_consumers_config(tmp_path):
     with pytest.raises(AssertionError, match="at most four consumers"):
         DecodeSm90(f16, 4, "channel", 128, 128, 8, True, consumers=5)
     args = kernels.decode_args(KVFormat(4, "channel", 128), f16, 128, True)
-    ptx = cute.compile(three, *args, cutlass.Float32(1.0), kernels._stream(),
+    ptx = cute.compile(three, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
                        options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
     def has(pattern):
         return re.search(pattern.replace(" ", r"\s+"), ptx) is not None
@@ -868,12 +868,72 @@ def test_per_stream_values():
     assert cache.get("s1", make("e")) == ["e"]
 
 
+def test_sm90_weighted_tail(monkeypatch):
+    """Where the default kernel's whole waves leave SM slots free (B=16 Hkv=8 on 132 SMs:
+    256 CTAs on 264 slots; B=20: 160), the sm90 split heuristic takes one more split, whose
+    tail's tiles end with the long splits' on the free slots (the fixed-cost model of
+    ``tail_weight``), and the plan hands the weight to the kernel; even splits elsewhere:
+    no free slot, the small grid, short sequences, formats it was not measured on, sm80."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bitdecode import emulate_sm100 as emulate
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    for module in (sm90, sm80_backend):  # the H200's SMs
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    be, dev, even = sm90.BACKEND, torch.device("cpu"), sm80.TAIL_UNIT
+
+    def cache_of(fmt):
+        return SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=torch.float16))
+
+    for bits, tokens in ((4, 128), (2, 256)):
+        cache = cache_of(KVFormat(bits, "channel", 128))
+        for b, n, splits in ((16, 65536, 3), (20, 32768, 2), (8, 65536, 5)):
+            pairs, shape = b * 8, (b, 1, 32, 128)
+            assert be.choose_splits(cache, shape, n, dev) == splits
+            w = be.tail_weight(cache, shape, splits, n, dev)
+            long, tail = (emulate.split_tiles(n, tokens, s, splits, w)[:2] for s in (0, splits - 1))
+            long, tail = long[1] - long[0], tail[1] - tail[0]
+            # the tails (each with its fixed time) on the free slots, as long as a long split
+            free, f = 264 - pairs * (splits - 1), sm90.CTA_FIXED_TILES
+            assert w > even and 1 <= tail < long, (b, w, long, tail)
+            assert abs(pairs * (tail + f) - free * (long + f)) <= pairs + free * w / even, (b, w, long, tail)
+            be.tails = False  # the A/B switch: even splits in whole waves
+            try:
+                assert be.choose_splits(cache, shape, n, dev) == splits - 1
+                assert be.tail_weight(cache, shape, splits, n, dev) == even
+            finally:
+                be.tails = True
+        # even: no free slot (B=3: 11 splits of 24 pairs fill 264), the small grid (B=1),
+        # short sequences, sm80
+        assert be.choose_splits(cache, (3, 1, 32, 128), 65536, dev) == 11
+        assert be.tail_weight(cache, (1, 1, 32, 128), 16, 131072, dev) == even
+        assert be.tail_weight(cache, (16, 1, 32, 128), 3, sm90.TAIL_MIN_TOKENS - 1, dev) == even
+        assert sm80_backend.BACKEND.tail_weight(cache, (16, 1, 32, 128), 3, 65536, dev) == even
+    assert be.tail_weight(cache_of(KVFormat(4, "token", 128)), (16, 1, 32, 128), 3, 65536, dev) == even
+    # the plan takes it (and an unsplit plan has none)
+    cache = cache_of(KVFormat(4, "channel", 128))
+    made = []
+    monkeypatch.setattr(sm80_backend, "DecodePlan", lambda *args: made.append(args[-1]))
+    monkeypatch.setattr(be, "decode_kernel", lambda *args, **kw: None)
+    monkeypatch.setattr(sm80_backend, "_combine_kernel", lambda *args: None)
+    monkeypatch.setattr(sm80_backend.jit, "target_arch", lambda index: "sm_90a")
+    for splits in (3, 1):
+        be.plan(cache, (16, 1, 32, 128), torch.float16, dev, splits, max_len=65536)
+    assert made == [be.tail_weight(cache, (16, 1, 32, 128), 3, 65536, dev), even] and made[0] > even
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
-def test_appending_plan_passes_what_the_kernel_was_compiled_for(monkeypatch, split):
-    """``DecodePlan(append=True)`` calls the appending kernel with the arguments its compile
-    declared (``append_decode_args``) in the same order: each position's dtype and rank,
-    then the softmax scale; unsplit, the unread merge arguments are the plan's own bound
-    buffers (never the call's output a second time)."""
+@pytest.mark.parametrize("append", [False, True], ids=["decode", "append"])
+def test_plan_passes_what_the_kernel_was_compiled_for(monkeypatch, split, append):
+    """``DecodePlan`` calls the decode kernel (appending: ``call_append``) with the arguments
+    its compile declared (``decode_args`` / ``append_decode_args``) in the same order: each
+    position's dtype and rank, then the softmax scale and the splits' tail weight (the
+    plan's when split, else 1); unsplit, an appending kernel's unread merge arguments are
+    the plan's own bound buffers (never the call's output a second time)."""
     import torch
 
     import bitdecode as bd
@@ -886,16 +946,18 @@ def test_appending_plan_passes_what_the_kernel_was_compiled_for(monkeypatch, spl
     calls = []
     monkeypatch.setattr(jit, "current_stream", lambda index: 0)
     plan = kernels.DecodePlan(cache.tensors(), (2, 1, 8, d), torch.bfloat16, torch.device("cpu"), 3 if split else 1,
-                              lambda *args: calls.append(args), None, append=True)
+                              lambda *args: calls.append(args), lambda *args: None, append=append, tail_weight=70)
     q = torch.zeros(2, 1, 8, d, dtype=torch.bfloat16)
     new = torch.zeros(2, 1, 2, d, dtype=torch.bfloat16)
-    out = plan(q, 0.5, False, (new, new.clone()))
+    out = plan(q, 0.5, False, (new, new.clone())) if append else plan(q, 0.5, False)
     args, = calls
-    fakes = kernels.append_decode_args(fmt, cutlass.BFloat16, d, split)
-    assert len(args) == len(fakes) + 1 and isinstance(args[-1], float)
+    fakes = (kernels.append_decode_args if append else kernels.decode_args)(fmt, cutlass.BFloat16, d, split)
+    assert len(args) == len(fakes) + 2 and isinstance(args[-2], float)
+    assert args[-1] == (70 if split else sm80.TAIL_UNIT) and isinstance(args[-1], int)
     for i, (arg, fake) in enumerate(zip(args, fakes)):
         assert cute_dtype(arg.dtype) == fake.element_type, (i, arg.dtype, fake.element_type)
         assert arg.dim() == len(fake.shape), (i, arg.shape, fake.shape)
-    assert args[3] is cache.tensors().commits
-    if not split:  # out, its LSE, then the merge's: a dummy output, the unused LSE, any counters
-        assert args[-6] is out and args[-4] is not out and args[-4].shape == out.shape
+    if append:
+        assert args[3] is cache.tensors().commits
+    if append and not split:  # out, its LSE, then the merge's: a dummy output, the unused LSE, any counters
+        assert args[-7] is out and args[-5] is not out and args[-5].shape == out.shape

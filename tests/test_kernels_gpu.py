@@ -427,6 +427,27 @@ def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits, dtype):
     check_decode(q, cache, "sm90", num_splits=splits)
 
 
+@pytest.mark.parametrize("weight", [8, 17, 336, 4096])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_weighted_tail_splits_match_reference(backend, bits, weight, monkeypatch):
+    """Splits with a weighted tail (``split_tiles``, in sixteenths: 8 makes the tail the
+    longest; the tails started last, ``split_coords``) whatever weight the backend's plan
+    takes: ragged lengths (tails past the last tile, splits that own nothing, the residual
+    in the tail or not), paged, against the reference; an unsplit call ignores it."""
+    from bitdecode import backend as backends
+
+    kernels = backends.get(backend)
+    monkeypatch.setattr(type(kernels), "tail_weight", lambda self, *args: weight)
+    fmt = bd.KVFormat(bits, "channel", 128)
+    lens = [1, 130, 777, 2048, 3001, 0, 5000, 129]
+    cache, _, _ = make_cache(fmt, lens, 2, 128, torch.float16, page_size=256, backend=backend, shuffle=True)
+    q = torch.randn(len(lens), 1, 8, 128, generator=torch.Generator().manual_seed(weight)).half().to(DEV)
+    for splits in (1, 2, 3, 5):
+        check_decode(q, cache, backend, num_splits=splits)
+        plan, = [p for key, p in cache._plans.items() if key[3] == splits]
+        assert plan.tail_weight == (weight if splits > 1 else 16)
+
+
 @pytest.mark.parametrize("bits, gq, sinks", [(4, 1, 0), (4, 3, 0), (4, 5, 0), (2, 3, 0), (4, 2, 4), (2, 4, 4)])
 def test_sm90_head_tiles_match_reference(bits, gq, sinks):
     """GQA groups of 1-4 heads take the 4-head tile (``half_cols``: quad lanes 2 and 3 run the
