@@ -51,15 +51,16 @@ def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits, tail_weight):
     tokens: full packed tiles ``[tile_begin, packed_end)``, and the 16-bit residual
     (``n_res`` tokens) as one more tile when ``has_residual``.  ``tail_weight`` w, in
     sixteenths (``TAIL_UNIT``): every split but the last takes w / TAIL_UNIT times the last
-    one's share, ``ceil(n w / (w (S - 1) + TAIL_UNIT))`` tiles of n (w = TAIL_UNIT: even).  A
+    one's share, ``ceil(n w / (w (S - 1) + TAIL_UNIT))`` tiles of n (w <= TAIL_UNIT: even).  A
     tail shorter than the others fills the SM slots that they leave free (``split_coords``;
     the host's ``tail_weight``).  Every decode kernel splits the same way, so any (split
     count, weight) gives the same partial results to combine."""
     n_full = seqlen // tile_tokens
     n_res = seqlen - n_full * tile_tokens
     n_tiles = n_full + (n_res + tile_tokens - 1) // tile_tokens  # the residual is one more tile
-    parts = tail_weight * (num_splits - 1) + TAIL_UNIT
-    per_split = (n_tiles * tail_weight + parts - 1) // parts
+    weight = cutlass.max(tail_weight, TAIL_UNIT)  # (a lighter one would leave tiles past the last split)
+    parts = weight * (num_splits - 1) + TAIL_UNIT
+    per_split = (n_tiles * weight + parts - 1) // parts
     tile_begin = split_idx * per_split
     tile_end = cutlass.min(tile_begin + per_split, n_tiles)
     packed_end = cutlass.min(tile_end, n_full)

@@ -430,8 +430,8 @@ def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits, dtype):
 @pytest.mark.parametrize("weight", [8, 17, 336, 4096])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_weighted_tail_splits_match_reference(backend, bits, weight, monkeypatch):
-    """Splits with a weighted tail (``split_tiles``, in sixteenths: 8 makes the tail the
-    longest; the tails started last, ``split_coords``) whatever weight the backend's plan
+    """Splits with a weighted tail (``split_tiles``, in sixteenths: 8 counts as even; the
+    tails started last, ``split_coords``) whatever weight the backend's plan
     takes: ragged lengths (tails past the last tile, splits that own nothing, the residual
     in the tail or not), paged, against the reference; an unsplit call ignores it."""
     from bitdecode import backend as backends
