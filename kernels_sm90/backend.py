@@ -51,16 +51,22 @@ DIRECT_TILES = {4: 4}
 # leave SM slots free, one more split a (sequence, KV head), shorter, started after all the
 # long ones (``split_coords``): the free slots run the short splits while the long ones
 # run, and the slots that free early (CTA times spread ~+-20 % on the H200) take what is
-# left.  H200, B x 8 KV heads on 132 SMs (264 slots), fp16, us, even / with the tail (one
-# run each, .scratch prototypes; profiles/NOTES.md thirtieth session): 4-bit B=16 N=64K
-# 319.6 / 303.5, N=32K 167.1 / 163.3, B=8 N=64K 167.5 / 161.9, B=20 N=32K 296.3 / 214.5,
-# B=24 N=32K 298.1 / 242.2, N=64K 589.1 / 455.2, B=30 N=32K 302.1 / 285.7, B=32 N=32K 304.4 /
-# 302.3; 2-bit B=16 N=64K
-# 266.2 / 262.3, B=8 141.2 / 139.6, B=24 520.4 / 403.7, B=30 N=32K 263.2 / 251.4.  Taken
-# where it was measured: ``measured_grids`` formats, sequences of at least this many tokens
-# (shorter ones keep even splits: there a split more also costs a larger share in the
-# combine, unmeasured)
+# left.  The split heuristic adds it where the even choice is one split (the grid fills
+# 136-256 of 264 slots at B=17-32, Hkv=8) or the tail is at most a tenth of a long split
+# (``MIN_TAIL_WEIGHT``).  H200, Hkv=8 GQA 4 fp16, us, even / with the tail, the faster of
+# two alternating runs (profiles/h200/splits_tails_4bit.json, splits_tails_2bit.json):
+# - 4-bit N=32K: B=17 291.4 / 248.4, B=20 291.7 / 227.8, B=24 292.6 / 245.9, B=28 295.1 /
+#   270.6, B=32 299.9 / 299.4, B=16 161.9 / 160.3 (weight 489); N=64K B=16 302.6 / 298.3
+#   (337), B=8 161.6 / 159.6 (165);
+# - 2-bit: N=32K B=20 258.9 / 198.7, N=64K B=24 506.4 / 409.3, B=16 263.7 / 259.5 (489);
+# - not taken, heavier tails where the even choice already splits: 4-bit N=32K B=4 53.8 /
+#   55.0 (104), B=9 109.9 / 112.0 (25), B=12 155.0 / 158.3 (22), but B=5 65.3 / 63.5 (29);
+#   2-bit B=5 56.6 / 53.8 (31), B=9 97.0 / 93.2 (25).
+# Taken where it was measured: ``measured_grids`` formats, sequences of at least this many
+# tokens (shorter ones keep even splits: there a split more also costs a larger share in
+# the combine, unmeasured)
 TAIL_MIN_TOKENS = 32768
+MIN_TAIL_WEIGHT = 10 * sm80.TAIL_UNIT
 # A CTA's fixed time (entry, Q, the first tile's wait, epilogue) in tiles of the default
 # kernel at two CTAs an SM: ~4.5 us against ~1.1 us a tile (B=16 N=64K, a per-CTA
 # globaltimer trace, profiles/NOTES.md thirtieth session)
@@ -198,13 +204,14 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return small_pairs(pairs, sms) and tiles <= DIRECT_TILES.get(fmt.bits, 0)
 
     def choose_splits(self, cache, q_shape, max_len: int, device) -> int:
-        """sm80's fill rule in whole waves, and one more split where a weighted tail pays
-        (``tail_weight``)."""
+        """sm80's fill rule in whole waves, and one more split with a weighted tail
+        (``tail_weight``) where that measured faster: after one even split, or with a tail
+        of at most a tenth of a long split (``MIN_TAIL_WEIGHT``)."""
         splits = super().choose_splits(cache, q_shape, max_len, device)
-        if splits < sm80.MAX_SPLITS and self.tail_weight(cache, q_shape, splits + 1, max_len,
-                                                          device) > sm80.TAIL_UNIT:
-            return splits + 1
-        return splits
+        if splits >= sm80.MAX_SPLITS:
+            return splits
+        weight = self.tail_weight(cache, q_shape, splits + 1, max_len, device)
+        return splits + 1 if weight > sm80.TAIL_UNIT and (splits == 1 or weight >= MIN_TAIL_WEIGHT) else splits
 
     def tail_weight(self, cache, q_shape, splits: int, max_len: int, device) -> int:
         """The weight of ``split_tiles`` for ``splits`` splits of the default kernel: with P

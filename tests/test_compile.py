@@ -907,9 +907,12 @@ def test_sm90_weighted_tail(monkeypatch):
                 assert be.tail_weight(cache, shape, splits, n, dev) == even
             finally:
                 be.tails = True
-        # even: no free slot (B=3: 11 splits of 24 pairs fill 264), the small grid (B=1),
-        # short sequences, sm80
+        # even: no free slot (B=3: 11 splits of 24 pairs fill 264), a heavy tail where the
+        # even choice already splits (B=12: 3 splits would take weight 22 / 16), the small
+        # grid (B=1), short sequences, sm80
         assert be.choose_splits(cache, (3, 1, 32, 128), 65536, dev) == 11
+        assert be.tail_weight(cache, (12, 1, 32, 128), 3, 32768, dev) < sm90.MIN_TAIL_WEIGHT
+        assert be.choose_splits(cache, (12, 1, 32, 128), 32768, dev) == 2
         assert be.tail_weight(cache, (1, 1, 32, 128), 16, 131072, dev) == even
         assert be.tail_weight(cache, (16, 1, 32, 128), 3, sm90.TAIL_MIN_TOKENS - 1, dev) == even
         assert sm80_backend.BACKEND.tail_weight(cache, (16, 1, 32, 128), 3, 65536, dev) == even
