@@ -444,7 +444,8 @@ class Sm80Backend:
 
         kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant, append)
         entry, args = (kernel.call_append, append_decode_args) if append else (kernel, decode_args)
-        return cute.compile(entry, *args(fmt, dtype, head_dim, split), cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), _stream(),
+        scalars = (cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT))  # softmax scale, tail weight
+        return cute.compile(entry, *args(fmt, dtype, head_dim, split), *scalars, _stream(),
                             options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
     def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,

@@ -159,7 +159,7 @@ class PackedDecodeConfig:
         mO: cute.Tensor,  # split: (S, B, Hq, D) f32; else (B, 1, Hq, D) dtype
         mLSE: cute.Tensor,  # split: (S, B, Hq) f32; else (B, Hq) f32
         softmax_scale_log2: Float32,
-        tail_weight: Int32,  # the splits' partition (split_tiles; 1: even)
+        tail_weight: Int32,  # the splits' partition (split_tiles; TAIL_UNIT: even)
         stream,
     ):
         self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
@@ -326,9 +326,9 @@ class DecodeSm80(PackedDecodeConfig):
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         self.kernel(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
-                    softmax_scale_log2, tail_weight, new).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream,
-                                                    min_blocks_per_mp=self.min_blocks_per_sm,
-                                                    preferred_smem_carveout=100, use_pdl=self.pdl)
+                    softmax_scale_log2, tail_weight, new).launch(
+            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=self.min_blocks_per_sm,
+            preferred_smem_carveout=100, use_pdl=self.pdl)
 
     # ---------------------------------------------------------------------------------
     # Device side
@@ -348,7 +348,8 @@ class DecodeSm80(PackedDecodeConfig):
         wait_for_previous_kernel(self.pdl)
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         n_sink, n_rest = self.token_counts(seqlen)
-        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits, tail_weight)
+        tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits,
+                                                                  tail_weight)
         lim = self.causal_limits(seqlen, gq, lane)
 
         # ---- shared memory --------------------------------------------------------

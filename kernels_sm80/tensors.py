@@ -58,7 +58,7 @@ def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits, tail_weight):
     n_full = seqlen // tile_tokens
     n_res = seqlen - n_full * tile_tokens
     n_tiles = n_full + (n_res + tile_tokens - 1) // tile_tokens  # the residual is one more tile
-    weight = cutlass.max(tail_weight, TAIL_UNIT)  # (a lighter one would leave tiles past the last split)
+    weight = cutlass.max(tail_weight, TAIL_UNIT)  # (lighter ones would leave tiles past the last split)
     parts = weight * (num_splits - 1) + TAIL_UNIT
     per_split = (n_tiles * weight + parts - 1) // parts
     tile_begin = split_idx * per_split
@@ -71,10 +71,10 @@ def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits, tail_weight):
 @cute.jit
 def split_coords(tail_weight):
     """This CTA's (split, KV head, sequence) of a decode grid ``(splits, Hkv, B)``.  With a
-    weighted tail (``tail_weight`` > ``TAIL_UNIT``, ``split_tiles``) the splits run slowest in the order
-    the GPU starts CTAs, so every long split starts first and the short last splits fill
-    the slots that free up as long ones finish (a dynamic balance of the SMs); otherwise
-    the grid's own order."""
+    weighted tail (``tail_weight`` > ``TAIL_UNIT``, ``split_tiles``) the splits run slowest
+    in the order the GPU starts CTAs (linear block index), so every long split starts first
+    and the short last splits fill the slots that free up as long ones finish (a dynamic
+    balance of the SMs); otherwise the grid's own order."""
     split_idx, head_kv, batch = cute.arch.block_idx()
     if tail_weight > TAIL_UNIT:
         num_splits, heads, batches = cute.arch.grid_dim()

@@ -211,7 +211,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         if splits >= sm80.MAX_SPLITS:
             return splits
         weight = self.tail_weight(cache, q_shape, splits + 1, max_len, device)
-        return splits + 1 if weight > sm80.TAIL_UNIT and (splits == 1 or weight >= MIN_TAIL_WEIGHT) else splits
+        takes = weight > sm80.TAIL_UNIT and (splits == 1 or weight >= MIN_TAIL_WEIGHT)
+        return splits + 1 if takes else splits
 
     def tail_weight(self, cache, q_shape, splits: int, max_len: int, device) -> int:
         """The weight of ``split_tiles`` for ``splits`` splits of the default kernel: with P
@@ -219,8 +220,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         1) of the SM slots and the e slots left run the P tails; a tail of t tiles and a
         long split of b, each with the CTA's fixed time f (``CTA_FIXED_TILES``), end
         together when P (t + f) = e (b + f), with (splits - 1) b + t the sequence's tiles.
-        The weight is b / t in sixteenths (``TAIL_UNIT``); even wherever there is no such tail (no
-        free slot, a tail under one tile or as long as the others)."""
+        The weight is b / t in sixteenths (``sm80.TAIL_UNIT``); even wherever there is no
+        such tail (no free slot, a tail under one tile or as long as the others) and outside
+        what was measured (``measured_grids``, ``TAIL_MIN_TOKENS``).  ``tails`` False: even."""
         even = sm80.TAIL_UNIT
         bsz, tq, hq, d = q_shape
         hkv = cache.k_res.shape[2]
