@@ -265,19 +265,23 @@ class KVCache:
             backends.get(self.backend).prefill(self._tensors, k, v, lens_t)
         self._host_lens = lens
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, _names=("k", "v")) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k``, ``v`` ``[B, T, Hkv, D]`` to every sequence, in place.
 
         Raises before anything is written when a sequence would exceed ``max_seqlen``.
         With a kernel backend this is one launch and can be captured in a CUDA graph
         (the host-side capacity check then only sees the capture, not the replays).
         """
+        self._append(k, v, ("k", "v"))
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, names: Tuple[str, str]) -> None:
+        """``append``, its errors naming the arguments ``names`` (``decode``'s k_new / v_new)."""
         # the checks of k and v run once per new (shape, dtype, device, strides): a decode
         # loop's appends cost one tuple compare, one max and the launch
         key = (k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype, k.device, v.device) \
             if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) else None
         if key is None or key != self._append_key:
-            self._check_kv(k, v, "append", names=_names)
+            self._check_kv(k, v, "append", names=names)
             self._append_key = key
         t = k.shape[1]
         if self._host_max + t > self.max_seqlen:
@@ -403,7 +407,7 @@ class KVCache:
             appends = self._appends = (self.backend, self._kernel_appends(self.backend))
         if (backend == "auto" and not appends[1]) or (  # (no key to build: two calls)
                 self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()):
-            self.append(k_new, v_new, NEW_NAMES)
+            self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, return_lse=return_lse)
         try:
             key = self._call_key(q, softmax_scale, num_splits, backend, self._host_max + 1, k_new, v_new)
@@ -418,7 +422,7 @@ class KVCache:
         if room is None:
             room = self._append_room()
         if plan is None or room <= 0 or q.data_ptr() % 16 or k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
-            self.append(k_new, v_new, NEW_NAMES)
+            self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         self._fuse_room = room - 1
         self._host_added += 1

@@ -408,11 +408,11 @@ def _stand_in_appending_cache(monkeypatch, max_seqlen: int = 140):
     monkeypatch.setattr(attention, "plan_decode", lambda *a, **kw: Plan())
     monkeypatch.setattr(sm80_backend.Sm80Backend, "appends", True)
     monkeypatch.setattr(sm80_backend.Sm80Backend, "choose_splits", lambda self, *a: splits[0])
-    def append(k, v, *names):
+    def append(k, v, names):
         plain.append("append")
         c._host_added, c._host_max, c._fuse_room = c._host_added + 1, c._host_max + 1, None
 
-    monkeypatch.setattr(c, "append", append)
+    monkeypatch.setattr(c, "_append", append)
     return c, fused, plain, dense, splits
 
 
