@@ -208,8 +208,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         (``tail_weight``) where that measured faster: after one even split, or with a tail
         of at most a tenth of a long split (``MIN_TAIL_WEIGHT``)."""
         splits = super().choose_splits(cache, q_shape, max_len, device)
-        if splits >= sm80.MAX_SPLITS:
-            return splits
+        if splits >= sm80.MAX_SPLITS or max_len < TAIL_MIN_TOKENS or not self.tails:
+            return splits  # (no tail: skip the model's host time, ~2-4 us a call)
         weight = self.tail_weight(cache, q_shape, splits + 1, max_len, device)
         takes = weight > sm80.TAIL_UNIT and (splits == 1 or weight >= MIN_TAIL_WEIGHT)
         return splits + 1 if takes else splits
