@@ -81,6 +81,7 @@ from .backend import CacheTensors
 from .formats import KVFormat
 from .layouts import sm100
 from .layouts.packing import F32_MAX, LN_2, LOG2_E
+from .layouts.sm80 import TAIL_UNIT
 
 __all__ = ["NVFP4_MAX", "OPERAND_TOP", "OPERAND_TERMS", "emulate_cache", "split_tiles", "quantize_q_operand",
            "quantize_p_operand", "emulate_decode"]
@@ -98,15 +99,15 @@ TILE_TOKENS = sm100.SF_ATOM_ROWS  # a packed tile: 128 tokens, one chunk of K's 
 
 
 def split_tiles(seqlen: int, tile_tokens: int, split_idx: int, num_splits: int,
-                tail_weight: int = 16) -> Tuple[int, int, bool, int]:
+                tail_weight: int = TAIL_UNIT) -> Tuple[int, int, bool, int]:
     """(tile_begin, packed_end, has_residual, n_res): ``kernels_sm80.tensors.split_tiles``
-    in Python integers, so every split count and tail weight (in sixteenths; 16 or less:
-    even) partition the tiles as the kernels do (the residual counts as tile ``n_full``,
-    and a split past the last tile owns nothing)."""
+    in Python integers, so every split count and tail weight (in sixteenths, ``TAIL_UNIT``;
+    one unit or less: even) partition the tiles as the kernels do (the residual counts as
+    tile ``n_full``, and a split past the last tile owns nothing)."""
     n_full, n_res = divmod(seqlen, tile_tokens)
     n_tiles = n_full + (n_res > 0)
-    weight = max(tail_weight, 16)
-    per_split = -(-n_tiles * weight // (weight * (num_splits - 1) + 16))
+    weight = max(tail_weight, TAIL_UNIT)
+    per_split = -(-n_tiles * weight // (weight * (num_splits - 1) + TAIL_UNIT))
     tile_begin = split_idx * per_split
     tile_end = min(tile_begin + per_split, n_tiles)
     packed_end = min(tile_end, n_full)

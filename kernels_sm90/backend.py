@@ -208,8 +208,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         (``tail_weight``) where that measured faster: after one even split, or with a tail
         of at most a tenth of a long split (``MIN_TAIL_WEIGHT``)."""
         splits = super().choose_splits(cache, q_shape, max_len, device)
-        if splits >= sm80.MAX_SPLITS or max_len < TAIL_MIN_TOKENS or not self.tails:
-            return splits  # (no tail: skip the model's host time, ~2-4 us a call)
+        if splits >= sm80.MAX_SPLITS:
+            return splits
         weight = self.tail_weight(cache, q_shape, splits + 1, max_len, device)
         takes = weight > sm80.TAIL_UNIT and (splits == 1 or weight >= MIN_TAIL_WEIGHT)
         return splits + 1 if takes else splits
@@ -225,11 +225,14 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         what was measured (``measured_grids``, ``TAIL_MIN_TOKENS``).  ``tails`` False: even."""
         even = sm80.TAIL_UNIT
         bsz, tq, hq, d = q_shape
+        # the checks that need no tensor attribute first (host time: choose_splits asks
+        # whenever a cache's tile count changes, decode_attention on every call)
+        if not self.tails or splits < 2 or max_len < TAIL_MIN_TOKENS or not measured_grids(cache.fmt, d):
+            return even
         hkv = cache.k_res.shape[2]
         nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
         dtype = cache.k_res.dtype
-        if (not self.tails or splits < 2 or max_len < TAIL_MIN_TOKENS or not measured_grids(cache.fmt, d)
-                or self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device, splits)):
+        if self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device, splits):
             return even
         pairs = bsz * hkv
         spare = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, dtype) - pairs * (splits - 1)
