@@ -106,6 +106,16 @@ def build(fmt, b, hkv, d, n, device, gen, dtype=torch.float16):
     return cache, k, v
 
 
+def sdpa_baseline(q: torch.Tensor, hkv: int, n: int, gen) -> Callable[[], torch.Tensor]:
+    """The 16-bit baseline every decode benchmark times beside bitdecode: SDPA of ``q``
+    ``[B, 1, Hq, D]`` over random K / V ``[B, Hkv, n, D]`` of q's dtype (drawn from ``gen``)
+    with grouped KV heads; the callable holds the two tensors."""
+    b, _, _, d = q.shape
+    k16, v16 = (torch.randn(b, hkv, n, d, device=q.device, dtype=q.dtype, generator=gen) for _ in range(2))
+    q4 = q.transpose(1, 2)
+    return lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True)
+
+
 def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -> List[dict]:
     b, hq, hkv, d = shape
     rows = []
@@ -114,16 +124,12 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
         if b * n > MAX_TOKENS:
             continue
         q = torch.randn(b, 1, hq, d, device=device, dtype=torch.float16, generator=gen)
-        # 16-bit baseline: SDPA on [B, H, N, D] with grouped KV heads
-        k16 = torch.randn(b, hkv, n, d, device=device, dtype=torch.float16, generator=gen)
-        v16 = torch.randn(b, hkv, n, d, device=device, dtype=torch.float16, generator=gen)
-        q4 = q.transpose(1, 2)
-        sdpa = lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True)  # noqa: E731
+        sdpa = sdpa_baseline(q, hkv, n, gen)
         t_sdpa = _graph_time(timer, sdpa)
         sdpa_bytes = 2 * b * hkv * n * d * 2
         row = {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "sdpa_us": t_sdpa,
                "sdpa_eager_us": timer(sdpa), "sdpa_bw": sdpa_bytes / (t_sdpa * 1e-6)}
-        del k16, v16
+        del sdpa  # (its 16-bit K / V)
         for bits in keys:
             fmt = FORMATS[bits]
             cache, k, v = build(fmt, b, hkv, d, n, device, gen)
@@ -163,11 +169,8 @@ def bench_graph_small(timer, device) -> dict:
     b, hq, hkv, d, n = 1, 32, 8, 128, 4096
     gen = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(b, 1, hq, d, device=device, dtype=torch.float16, generator=gen)
-    k16 = torch.randn(b, hkv, n, d, device=device, dtype=torch.float16, generator=gen)
-    v16 = torch.randn_like(k16)
-    q4 = q.transpose(1, 2)
-    out = {"sdpa_eager_us": timer(lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True))}
-    out["sdpa_graph_us"] = _graph_time(timer, lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True))
+    sdpa = sdpa_baseline(q, hkv, n, gen)
+    out = {"sdpa_eager_us": timer(sdpa), "sdpa_graph_us": _graph_time(timer, sdpa)}
     for bits in (4, 2):
         fmt = bd.KVFormat(bits=bits)
         cache, k, v = build(fmt, b, hkv, d, n, device, gen)

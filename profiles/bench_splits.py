@@ -5,11 +5,12 @@ splits the default two CTAs an SM: ``Sm90Backend.grid_variant``).  CUDA-graph re
 median of 30 (``bench_decode``'s timer).  ``--backends sm90,sm80`` times other backends beside
 it on the same caches (their keys ``<backend>_splits_<n>_us``).  ``--even`` times sm90's own
 choice with its weighted tails off and on, twice each in turn (``Sm90Backend.tails``;
-``even_us`` / ``tail_us``, the faster of each pair: even splits in whole waves), records the split count and tail weight of each, and beside
-them 16-bit SDPA on the same shape (``sdpa_us``) and the cache's bytes at the bandwidth
-measured in the same run (``roofline_us``).  ``--splits ""`` times no fixed count.
+``even_us`` / ``tail_us``, the faster of each pair: even splits in whole waves), records
+the split count and tail weight of each, and beside them 16-bit SDPA on the same shape
+(``sdpa_us``, ``bench_decode.sdpa_baseline``) and the cache's bytes at the bandwidth measured
+in the same run (``roofline_us``).  ``--splits ""`` times no fixed count.
 
-    python3 profiles/bench_splits.py --format 4c128 --shapes 16x65536,20x32768 --splits "" \
+    python3 profiles/bench_splits.py --format 4c128 --shapes 16x65536,20x32768 --splits "" \\
         --even --out profiles/h200 --tag tails_4bit
 
     python3 profiles/bench_splits.py --format 2c128 --shapes 16x4096,16x8192,16x16384,16x32768 \\
@@ -28,13 +29,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import bitdecode as bd
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import Timer, _graph_time, build, cache_bytes, measure_roofline  # noqa: E402
+from bench_decode import Timer, _graph_time, build, cache_bytes, measure_roofline, sdpa_baseline  # noqa: E402
 from bench_variants import FORMATS, HKV, HQ, D, parse_shapes  # noqa: E402
 
 
@@ -90,10 +90,7 @@ def main(argv=None) -> int:
                 finally:
                     sm90.tails = True
             row["roofline_us"] = cache_bytes(fmt, cache.lengths, HKV, D) / roofline["best_bytes_per_s"] * 1e6
-            k16, v16 = (torch.randn(b, HKV, n, D, device=dev, dtype=dtype, generator=gen) for _ in range(2))
-            q4 = q.transpose(1, 2)
-            row["sdpa_us"] = _graph_time(timer, lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True))
-            del k16, v16
+            row["sdpa_us"] = _graph_time(timer, sdpa_baseline(q, HKV, n, gen))
         print(json.dumps(row), flush=True)
         rows.append(row)
         del cache
