@@ -64,13 +64,37 @@ DIRECT_TILES = {4: 4}
 #   2-bit B=5 56.6 / 53.8 (31), B=9 97.0 / 93.2 (25).
 # Taken where it was measured: ``measured_grids`` formats, sequences of at least this many
 # tokens (shorter ones keep even splits: there a split more also costs a larger share in
-# the combine, unmeasured)
+# the combine, unmeasured) ...
 TAIL_MIN_TOKENS = 32768
+# ... and after one even split from this many tokens by V's width (``tail_min_tokens``).
+# H200, fp16 Hkv=8 GQA 4, us, even / with the tail, the faster of two alternating runs
+# (profiles/h200/splits_explore_*.json, splits_explore8k_*.json):
+# - 4-bit N=16K: B=17 150.3 / 133.7, B=20 150.8 / 124.4, B=24 152.0 / 134.0, B=28 155.5 /
+#   145.0; but N=8K B=17 80.0 / 85.9 (B=20 81.0 / 71.5, B=24 81.8 / 75.4), N=4K B=24 45.6 /
+#   46.4 (B=20 45.2 / 43.1);
+# - 2-bit (256-token tiles): N=16K B=17 134.7 / 117.2, B=24 135.6 / 111.8; N=8K B=17 72.8 /
+#   67.1, B=24 73.9 / 65.6; N=4K B=20 42.4 / 37.7.
+ONE_SPLIT_TAIL_MIN_TOKENS = {2: 4096, 4: 16384}
 MIN_TAIL_WEIGHT = 10 * sm80.TAIL_UNIT
 # A CTA's fixed time (entry, Q, the first tile's wait, epilogue) in tiles of the default
 # kernel at two CTAs an SM: ~4.5 us against ~1.1 us a tile (B=16 N=64K, a per-CTA
 # globaltimer trace, profiles/NOTES.md thirtieth session)
 CTA_FIXED_TILES = 4
+# More (sequence, KV head) pairs than CTA slots, but at most this many times as many: one
+# split a pair runs a second, partial wave of whole-sequence CTAs, so splitting each pair
+# in 2 or 4 (``wave_splits``) evens the waves out.  H200, fp16 Hkv=8 GQA 4 (264 slots),
+# us, 1 / 2 / 4 splits (profiles/h200/splits_many_*.json, splits_many2_*.json):
+# - 4-bit N=32K: B=36 491.9 / 391.2 / 351.6, B=40 485.5 / 395.5 / 386.3, B=48 487.2 / 452.3
+#   / 461.0, B=56 589.6 / 534.0 / 539.3; N=16K B=40 254.7 / 212.6 / 211.1; N=8K B=48 139.5 /
+#   135.3 / 142.8;
+# - 2-bit N=32K B=40 424.4 / 344.8 / 341.7, B=48 423.1 / 396.2 / 405.4; N=16K B=56 265.9 /
+#   249.1 / 256.9;
+# - past 1.75 (one split kept): 4-bit N=32K B=64 596.4 / 590.4 / 596.9, N=16K B=66 308.2 /
+#   325.9 / 332.7, N=8K B=64 164.2 / 174.4 / 183.9, N=16K B=80 392.6 / 388.1 / 398.1, N=8K
+#   B=96 237.7 / 249.9 / 262.7, B=100 272.2 / 264.8 / 271.1, N=4K B=128 168.8 / 184.8 /
+#   204.3; 2-bit N=16K B=64 267.2 / 277.5 / 291.7, B=80 342.0 / 343.0 / 360.5, N=8K B=96
+#   207.7 / 224.0 / 246.0.
+MANY_PAIRS_MAX = 1.75
 # the heaviest weight (a tail of 1/256 of a long split; keeps n * weight in int32 for
 # sequences of up to 2^19 tiles)
 MAX_TAIL_WEIGHT = 256 * sm80.TAIL_UNIT
@@ -80,6 +104,30 @@ MAX_TAIL_WEIGHT = 256 * sm80.TAIL_UNIT
 # quad lanes 2 and 3 take their partner's second rows instead of padding (``half_cols``;
 # 2-4 % faster at B=8 / 16, level at B=1, profiles/h200/variants_half_cols.json)
 HALF_TILE = sm90.HALF_HEADS_TILE
+
+
+def tail_min_tokens(fmt: KVFormat, splits: int) -> int:
+    """The shortest sequence that ``splits`` splits with a weighted tail were measured faster
+    on: ``ONE_SPLIT_TAIL_MIN_TOKENS`` where the tail follows one long split, else
+    ``TAIL_MIN_TOKENS``."""
+    if splits == 2:
+        return ONE_SPLIT_TAIL_MIN_TOKENS[2 if fmt.bits == fmt.v_bits == 2 else 4]
+    return TAIL_MIN_TOKENS
+
+
+def wave_splits(pairs: int, slots: int, tiles: int) -> int:
+    """Splits a (sequence, KV head) pair where the pairs outnumber the CTA slots by at most
+    ``MANY_PAIRS_MAX``: 2 or 4, whichever ends sooner in whole waves of CTAs that each take
+    their share of the tiles plus the fixed time (``CTA_FIXED_TILES``; 2 on a tie), as long
+    as each split keeps ``MIN_TILES_PER_SPLIT`` tiles; else 1."""
+    if not slots < pairs <= MANY_PAIRS_MAX * slots:
+        return 1
+
+    def cost(splits):
+        return -(-pairs * splits // slots) * (tiles / splits + CTA_FIXED_TILES)
+
+    fits = [s for s in (2, 4) if tiles >= s * sm80_backend.MIN_TILES_PER_SPLIT]
+    return min(fits, key=cost, default=1)
 
 
 def measured_grids(fmt: KVFormat, head_dim: int) -> bool:
@@ -204,15 +252,30 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return small_pairs(pairs, sms) and tiles <= DIRECT_TILES.get(fmt.bits, 0)
 
     def choose_splits(self, cache, q_shape, max_len: int, device) -> int:
-        """sm80's fill rule in whole waves, and one more split with a weighted tail
+        """sm80's fill rule in whole waves; where the pairs outnumber the slots a little
+        (``wave_splits``), 2 or 4 splits; and one more split with a weighted tail
         (``tail_weight``) where that measured faster: after one even split, or with a tail
         of at most a tenth of a long split (``MIN_TAIL_WEIGHT``)."""
         splits = super().choose_splits(cache, q_shape, max_len, device)
+        if splits == 1:
+            splits = self.many_pairs_splits(cache, q_shape, max_len, device)
         if splits >= sm80.MAX_SPLITS:
             return splits
         weight = self.tail_weight(cache, q_shape, splits + 1, max_len, device)
         takes = weight > sm80.TAIL_UNIT and (splits == 1 or weight >= MIN_TAIL_WEIGHT)
         return splits + 1 if takes else splits
+
+    def many_pairs_splits(self, cache, q_shape, max_len: int, device) -> int:
+        """``wave_splits`` for the default kernel's slots on one query token of a
+        ``measured_grids`` format, else 1."""
+        bsz, tq, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        # every kernel has at least one slot an SM: fewer pairs than SMs never outnumber them
+        if tq != 1 or bsz * hkv <= num_sms(device) or not measured_grids(cache.fmt, d):
+            return 1
+        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
+        slots = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, cache.k_res.dtype)
+        return wave_splits(bsz * hkv, slots, cache.fmt.tiles(max_len))
 
     def tail_weight(self, cache, q_shape, splits: int, max_len: int, device) -> int:
         """The weight of ``split_tiles`` for ``splits`` splits of the default kernel: with P
@@ -222,12 +285,13 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         together when P (t + f) = e (b + f), with (splits - 1) b + t the sequence's tiles.
         The weight is b / t in sixteenths (``sm80.TAIL_UNIT``); even wherever there is no
         such tail (no free slot, a tail under one tile or as long as the others) and outside
-        what was measured (``measured_grids``, ``TAIL_MIN_TOKENS``).  ``tails`` False: even."""
+        what was measured (``measured_grids``, ``tail_min_tokens``).  ``tails`` False: even."""
         even = sm80.TAIL_UNIT
         bsz, tq, hq, d = q_shape
         # the checks that need no tensor attribute first (host time: choose_splits asks
         # whenever a cache's tile count changes, decode_attention on every call)
-        if not self.tails or splits < 2 or max_len < TAIL_MIN_TOKENS or not measured_grids(cache.fmt, d):
+        if (not self.tails or splits < 2 or max_len < tail_min_tokens(cache.fmt, splits)
+                or not measured_grids(cache.fmt, d)):
             return even
         hkv = cache.k_res.shape[2]
         nh = self.heads_tile(query_rows(tq, hq, hkv), tq)

@@ -1,14 +1,17 @@
 """sm90 decode time by split count: each shape at ``--splits`` (0: the backend's own choice),
 through the public API, so each count runs the kernel the dispatch builds for it (with the
 4-head tile, one split whose pairs fit the SMs takes the one-CTA two-consumer kernel, more
-splits the default two CTAs an SM: ``Sm90Backend.grid_variant``).  CUDA-graph replay, L2 flushed before each call,
-median of 30 (``bench_decode``'s timer).  ``--backends sm90,sm80`` times other backends beside
-it on the same caches (their keys ``<backend>_splits_<n>_us``).  ``--even`` times sm90's own
-choice with its weighted tails off and on, twice each in turn (``Sm90Backend.tails``;
-``even_us`` / ``tail_us``, the faster of each pair: even splits in whole waves), records
-the split count and tail weight of each, and beside them 16-bit SDPA on the same shape
-(``sdpa_us``, ``bench_decode.sdpa_baseline``) and the cache's bytes at the bandwidth measured
-in the same run (``roofline_us``).  ``--splits ""`` times no fixed count.
+splits the default two CTAs an SM: ``Sm90Backend.grid_variant``).  CUDA-graph replay, L2
+flushed before each call, median of 30 (``bench_decode``'s timer); a count given twice keeps
+its last time (the first call on a fresh cache measured up to ~5 % slow).  ``--backends
+sm90,sm80`` times other backends beside it on the same caches (their keys
+``<backend>_splits_<n>_us``).  ``--even`` times sm90's own choice with its weighted tails off
+and on, twice each in turn (``Sm90Backend.tails``; ``even_us`` / ``tail_us``, the faster of
+each pair: even splits in whole waves), records the split count and tail weight of each, and
+beside them 16-bit SDPA on the same shape (``sdpa_us``, ``bench_decode.sdpa_baseline``) and
+the cache's bytes at the bandwidth measured in the same run (``roofline_us``).  ``--splits
+""`` times no fixed count; ``--any-tail`` lifts the tail rule's length and weight limits (to
+measure where it could widen).
 
     python3 profiles/bench_splits.py --format 4c128 --shapes 16x65536,20x32768 --splits "" \\
         --even --out profiles/h200 --tag tails_4bit
@@ -49,6 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the output file")
     p.add_argument("--even", action="store_true",
                    help="also time sm90's choice with even splits (its weighted tails off)")
+    p.add_argument("--any-tail", action="store_true",
+                   help="sm90 takes a weighted tail wherever its model gives one (the rule's length and "
+                        "weight limits off): where the rule could widen, with --even")
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     unknown = [b for b in backends if b not in bd.backend.shipped()]
@@ -57,6 +63,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_splits needs a CUDA GPU")
     counts = [int(s) for s in args.splits.split(",") if s]
+    if args.any_tail:
+        from bitdecode.kernels_sm90 import backend as sm90_rules
+
+        sm90_rules.TAIL_MIN_TOKENS, sm90_rules.MIN_TAIL_WEIGHT = 0, 17
+        sm90_rules.ONE_SPLIT_TAIL_MIN_TOKENS = dict.fromkeys(sm90_rules.ONE_SPLIT_TAIL_MIN_TOKENS, 0)
     dev = torch.device("cuda")
     timer, gen = Timer(dev), torch.Generator(device=dev).manual_seed(0)
     fmt = bd.KVFormat(*FORMATS[args.format])

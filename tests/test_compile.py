@@ -929,6 +929,44 @@ def test_sm90_weighted_tail(monkeypatch):
     assert made == [be.tail_weight(cache, (16, 1, 32, 128), 3, 65536, dev), even] and made[0] > even
 
 
+def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
+    """Where the pairs outnumber the default kernel's 264 slots by up to 1.75x (B=33-58 at
+    Hkv=8 on 132 SMs), sm90 splits each pair in 2 or 4 by the whole-wave model, and keeps
+    one split past that and on formats it was not measured on; after one even
+    split a weighted tail from 16K tokens at 4 bits and 4K at 2 bits (the measured points
+    of ``MANY_PAIRS_MAX`` and ``ONE_SPLIT_TAIL_MIN_TOKENS``)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    for module in (sm90, sm80_backend):  # the H200's SMs
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    be, dev, even = sm90.BACKEND, torch.device("cpu"), sm80.TAIL_UNIT
+
+    def splits(bits, b, n, k_mode="channel"):
+        cache = SimpleNamespace(fmt=KVFormat(bits, k_mode, 128), k_res=torch.empty(1, 128, 8, 128, dtype=torch.float16))
+        return be.choose_splits(cache, (b, 1, 32, 128), n, dev)
+
+    # 4-bit: measured fastest (or within 1 % of it) at these counts
+    for b, n, want in ((36, 32768, 4), (40, 32768, 4), (48, 32768, 2), (56, 32768, 4), (40, 16384, 4),
+                       (48, 8192, 2), (64, 32768, 1), (66, 16384, 1), (96, 8192, 1), (128, 4096, 1)):
+        assert splits(4, b, n) == want, (b, n)
+    for b, n, want in ((40, 32768, 4), (48, 32768, 2), (56, 16384, 4), (64, 16384, 1)):
+        assert splits(2, b, n) == want, (b, n)
+    # each split keeps two tiles; K per token keeps one split
+    assert (splits(4, 40, 512), splits(4, 40, 256)) == (2, 1)
+    assert splits(4, 40, 32768, k_mode="token") == 1
+    assert sm90.wave_splits(264, 264, 256) == sm90.wave_splits(463, 264, 256) == 1
+    # after one even split (B=17-32), a tail from 16K tokens (4-bit) or 4K (2-bit)
+    assert (splits(4, 20, 16384), splits(4, 20, 8192)) == (2, 1)
+    assert (splits(2, 20, 4096), splits(2, 20, 2048)) == (2, 1)
+    cache = SimpleNamespace(fmt=KVFormat(4, "channel", 128), k_res=torch.empty(1, 128, 8, 128, dtype=torch.float16))
+    assert be.tail_weight(cache, (20, 1, 32, 128), 2, 16384, dev) > even
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 @pytest.mark.parametrize("append", [False, True], ids=["decode", "append"])
 def test_plan_passes_what_the_kernel_was_compiled_for(monkeypatch, split, append):

@@ -427,6 +427,23 @@ def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits, dtype):
     check_decode(q, cache, "sm90", num_splits=splits)
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_sm90_pairs_past_one_wave_split_match_reference(bits):
+    """More (sequence, KV head) pairs than the default kernel's CTA slots, by up to 1.75x
+    (B=40 at Hkv=8 on the H200's 132 SMs): the heuristic splits each pair (``wave_splits``),
+    ragged lengths down to an empty sequence, against the reference."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    fmt = bd.KVFormat(bits, "channel", 128)
+    lens = [2048, 777, 0, 1500, 64] * 8
+    cache, _, _ = make_cache(fmt, lens, 8, 128, torch.float16, backend="sm90")
+    q = torch.randn(len(lens), 1, 32, 128, generator=torch.Generator().manual_seed(bits)).half().to(DEV)
+    check_decode(q, cache, "sm90", num_splits=0)
+    splits, = [key[3] for key in cache._plans]
+    if torch.cuda.get_device_properties(DEV).multi_processor_count == 132:  # 264 slots for 320 pairs
+        assert splits in (2, 4)
+
+
 @pytest.mark.parametrize("weight", [8, 17, 336, 4096])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_weighted_tail_splits_match_reference(backend, bits, weight, monkeypatch):
