@@ -172,20 +172,33 @@ def check_decode_request(fmt: KVFormat, tq: int) -> None:
                          f"(got {tq}); pass backend='reference'")
 
 
-def decode_registers(fmt: KVFormat, head_dim: int, nh: int) -> int:
-    """Registers per thread of the decode kernel as ptxas reports them for sm_90a (4-bit
-    D<=128 with 8 head columns: capped at 128; 2-bit: 168; D=256 or 16 head columns:
-    211-255)."""
+# Where ptxas gives the decode kernel more registers than ``decode_registers``' classes: 2-bit
+# K per token with fp16 at head dim 128 (8 head columns), by (target, V's bits): K's group
+# sizes.  ptxas of CUDA 13 (CuTe DSL 4.8.1), registers, V 2-bit / V 4-bit: sm_80 g32 210 /
+# 194 (g64 159-162 / 158, g128 154); sm_90a g32 206 / 204, g64 202-205 / 194, g128 186 / 187;
+# sm_100a g32 206 / 162 (g64 158 / 168, g128 167 / 168).  Two CTAs an SM, not three; capped
+# at three (``min_blocks_per_mp``) the sm_90a kernels spill 72-156 bytes.
+WIDE_2BIT_TOKEN = {("sm_80", 2): (32,), ("sm_80", 4): (32,), ("sm_90a", 2): (32, 64, 128),
+                   ("sm_90a", 4): (32, 64, 128), ("sm_100a", 2): (32,)}
+
+
+def decode_registers(fmt: KVFormat, head_dim: int, nh: int, arch: str = "sm_80", fp16: bool = True) -> int:
+    """Registers per thread of the decode kernel as ptxas reports them (4-bit D<=128 with 8
+    head columns: capped at 128; 2-bit: 168, or 216, two CTAs an SM, where ``WIDE_2BIT_TOKEN``
+    says; D=256 or 16 head columns: 211-255)."""
     if head_dim > 128 or nh > 8:
         return 255
     if fmt.fp4:
         return 192  # its dequant temporaries and block-scale pairs: 185 at D=128 (ptxas)
-    return 128 if fmt.bits == fmt.v_bits == 4 else 168
+    if fmt.bits == fmt.v_bits == 4:
+        return 128
+    wide = fmt.bits == 2 and fmt.k_mode == "token" and fp16 and head_dim == 128
+    return 216 if wide and fmt.group_size in WIDE_2BIT_TOKEN.get((arch, fmt.v_bits), ()) else 168
 
 
-def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int) -> int:
+def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int, arch: str = "sm_80", fp16: bool = True) -> int:
     """Decode CTAs resident per SM (4 / 3 / 2 for the register counts above)."""
-    return resources.ctas_per_sm(decode_registers(fmt, head_dim, nh), sm80.WARPS_N)
+    return resources.ctas_per_sm(decode_registers(fmt, head_dim, nh, arch, fp16), sm80.WARPS_N)
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int, per_sm: int,
@@ -196,10 +209,45 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
     tiles = max(1, fmt.tiles(max_len))
     base = batch * kv_heads
     target = sms * per_sm
+    most = max(1, min(tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
+    if per_sm <= FEW_CTAS and not whole_waves:
+        return fewest_waves(base, target, tiles, most)
     if base >= target:
         return 1
     splits = target // base if whole_waves else -(-target // base)
-    return max(1, min(splits, tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
+    return min(splits, most)
+
+
+# With this many decode CTAs an SM or fewer, a partial last wave costs about a whole one, so
+# the sm80 heuristic counts waves (``fewest_waves``) instead of filling the slots once; a
+# CTA's fixed time (entry, first loads, epilogue) in tiles, as ``fewest_waves`` charges it.
+# H200, the sm80 kernel of 2-bit K per token g64 fp16 (two CTAs an SM on sm_90a), Hkv=8 GQA
+# 4, us, the fill rule's count (at the three CTAs an SM it assumed) / ``fewest_waves``' /
+# the fastest measured (profiles/h200/splits_sm80_occupancy_2t64.json, splits_sm80_many_2bit.json):
+# B=1 N=32K 29.2 (50) / 22.2 (33) / 22.2 (33), N=128K 67.0 / 52.0 / 52.0; B=4 N=32K 60.7 (13)
+# / - (8) / 56.2 (4); B=8 N=64K 187.3 (7) / 169.1 (4) / 169.1; B=16 N=32K 171.2 (4) / 168.1
+# (2) / 168.1; B=24 N=32K 313.2 (3) / 244.8 (4) / 244.8; past the slots (N=16K, one split /
+# fewest_waves' / fastest): B=54 299.5 / 271.7 (3) / 271.7, B=60 304.4 (1) / 304.4 / 304.4,
+# B=72 440.9 / 368.0 (3) / 368.0, B=84 445.2 / 417.8 (3) / 417.8, B=100 578.7 / 534.4 (2) /
+# 503.3 (3).
+FEW_CTAS = 2
+WAVE_FIXED_TILES = 4
+
+
+def fewest_waves(pairs: int, slots: int, tiles: int, most: int) -> int:
+    """The split count (1 to ``most``) whose CTAs end soonest when they run in whole waves
+    over ``slots``: waves x (tiles / splits + ``WAVE_FIXED_TILES``), the fewest splits on a
+    tie."""
+    def cost(splits):
+        return -(-pairs * splits // slots) * (tiles / splits + WAVE_FIXED_TILES)
+
+    return min(range(1, most + 1), key=cost)
+
+
+def device_arch(device: torch.device) -> str:
+    """The target the kernels for ``device`` are compiled for (``jit.target_arch``); a CPU
+    device (the CPU tests' stand-in for a GPU) counts as sm_80."""
+    return jit.target_arch(device.index) if device.type == "cuda" else "sm_80"
 
 
 def variant_format(v: Variant):
@@ -386,10 +434,12 @@ class Sm80Backend:
         return True
 
     # ---- decode -------------------------------------------------------------------------
-    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
+    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "",
+                    arch: str = "sm_80") -> int:
         """CTAs of the decode kernel one SM holds (the split heuristic fills them); ``dtype``:
-        the model's, which some backends' kernels depend on; ``variant``: ``grid_variant``'s."""
-        return ctas_per_sm(fmt, head_dim, nh)
+        the model's, which some backends' kernels depend on; ``variant``: ``grid_variant``'s;
+        ``arch``: the target it is compiled for (ptxas's register counts differ by target)."""
+        return ctas_per_sm(fmt, head_dim, nh, arch, dtype == torch.float16)
 
     decode_tiles = sm80.HEADS_TILES  # every ``heads_tile`` (``bitdecode compile`` lists them)
 
@@ -426,13 +476,15 @@ class Sm80Backend:
         """The decode kernel object (its constexpr configuration) for ``arch``; ``tq`` query
         tokens per sequence (``MultiTokenPlan``); ``variant``: one of ``grid_variant``'s;
         ``append``: the kernel appends one new token first (where ``appends``)."""
+        import cutlass
+
         from .decode import DecodeSm80
 
         check_decode_request(fmt, tq)
         if variant:
             raise ValueError(f"the {self.name} decode kernel has no variant {variant!r}")
         # 4-bit D<=128: capping registers at 128 (no spills) lets 4 CTAs share an SM
-        per_sm = ctas_per_sm(fmt, head_dim, nh)
+        per_sm = ctas_per_sm(fmt, head_dim, nh, arch, dtype == cutlass.Float16)
         return DecodeSm80(dtype, fmt.bits, fmt.k_mode, fmt.group_size, head_dim, nh, split,
                           min_blocks_per_sm=per_sm if per_sm == 4 else 0, pdl=jit.has_pdl(arch),
                           sinks=fmt.sink_tokens, v_bits=fmt.v_bits, tq=tq, fp4=fmt.fp4, append=append)
@@ -470,7 +522,7 @@ class Sm80Backend:
         if self.unsplit(cache.fmt, dtype, d, nh, bsz, hkv, tq, max_len, device):
             return 1
         variant = self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device)
-        per_sm = self.ctas_per_sm(cache.fmt, d, nh, dtype, variant)
+        per_sm = self.ctas_per_sm(cache.fmt, d, nh, dtype, variant, arch=device_arch(device))
         return choose_splits(bsz, hkv, max_len, cache.fmt, num_sms(device), per_sm, self.whole_waves)
 
     def tail_weight(self, cache: CacheTensors, q_shape, splits: int, max_len: int, device) -> int:

@@ -235,7 +235,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         return (fmt.bits in (2, 4) and fmt.v_bits == 2 and fmt.k_mode == "channel" and fmt.group_size == 128
                 and not fmt.fp4)
 
-    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "") -> int:
+    def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "",
+                    arch: str = "sm_90a") -> int:
         """What the decode kernel for these arguments is built for (its constexpr config)."""
         return _kernel_ctas_per_sm(self, fmt, head_dim, nh, dtype, variant)
 
