@@ -229,19 +229,24 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
 # (2) / 168.1; B=24 N=32K 313.2 (3) / 244.8 (4) / 244.8; past the slots (N=16K, one split /
 # fewest_waves' / fastest): B=54 299.5 / 271.7 (3) / 271.7, B=60 304.4 (1) / 304.4 / 304.4,
 # B=72 440.9 / 368.0 (3) / 368.0, B=84 445.2 / 417.8 (3) / 417.8, B=100 578.7 / 534.4 (2) /
-# 503.3 (3).
+# 503.3 (3).  Head dim 256 (two CTAs an SM everywhere), 4-bit K per channel g128, the fill
+# rule / fewest_waves' (profiles/h200/splits_sm80_waves_d256.json): B=1 N=32K 38.6 (33) /
+# 39.1 (33), B=4 130.7 (9) / 98.9 (8), B=8 N=64K 527.6 (5) / 346.9 (4), B=16 N=32K 447.2 (3)
+# / 347.0 (2), B=24 653.4 (2) / 517.1 (4), each the fastest count timed or within 0.2 %.
 FEW_CTAS = 2
 WAVE_FIXED_TILES = 4
 
 
-def fewest_waves(pairs: int, slots: int, tiles: int, most: int) -> int:
-    """The split count (1 to ``most``) whose CTAs end soonest when they run in whole waves
-    over ``slots``: waves x (tiles / splits + ``WAVE_FIXED_TILES``), the fewest splits on a
-    tie."""
-    def cost(splits):
-        return -(-pairs * splits // slots) * (tiles / splits + WAVE_FIXED_TILES)
+def waves_time(pairs: int, slots: int, tiles: int, splits: int, fixed: float = WAVE_FIXED_TILES) -> float:
+    """How long ``splits`` splits of each pair take, in tiles, when their CTAs run in whole
+    waves over ``slots``: waves x (tiles / splits + the CTA's ``fixed`` time)."""
+    return -(-pairs * splits // slots) * (tiles / splits + fixed)
 
-    return min(range(1, most + 1), key=cost)
+
+def fewest_waves(pairs: int, slots: int, tiles: int, most: int) -> int:
+    """The split count (1 to ``most``) whose CTAs end soonest (``waves_time``), the fewest
+    splits on a tie."""
+    return min(range(1, most + 1), key=lambda splits: waves_time(pairs, slots, tiles, splits))
 
 
 def device_arch(device: torch.device) -> str:

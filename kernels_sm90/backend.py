@@ -122,12 +122,8 @@ def wave_splits(pairs: int, slots: int, tiles: int) -> int:
     as each split keeps ``MIN_TILES_PER_SPLIT`` tiles; else 1."""
     if not slots < pairs <= MANY_PAIRS_MAX * slots:
         return 1
-
-    def cost(splits):
-        return -(-pairs * splits // slots) * (tiles / splits + CTA_FIXED_TILES)
-
     fits = [s for s in (2, 4) if tiles >= s * sm80_backend.MIN_TILES_PER_SPLIT]
-    return min(fits, key=cost, default=1)
+    return min(fits, key=lambda s: sm80_backend.waves_time(pairs, slots, tiles, s, CTA_FIXED_TILES), default=1)
 
 
 def measured_grids(fmt: KVFormat, head_dim: int) -> bool:
@@ -237,7 +233,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "",
                     arch: str = "sm_90a") -> int:
-        """What the decode kernel for these arguments is built for (its constexpr config)."""
+        """What the decode kernel for these arguments is built for (its constexpr config;
+        ``arch``, which sm80's register model reads, does not change it)."""
         return _kernel_ctas_per_sm(self, fmt, head_dim, nh, dtype, variant)
 
     def unsplit(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, max_len, device) -> bool:

@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the output file")
     p.add_argument("--even", action="store_true",
                    help="also time sm90's choice with even splits (its weighted tails off)")
+    p.add_argument("--heads", default=f"{HQ}/{HKV}", help=f"query / KV heads (default {HQ}/{HKV})")
+    p.add_argument("--head-dim", type=int, default=D, help=f"head dim (default {D})")
     p.add_argument("--any-tail", action="store_true",
                    help="sm90 takes a weighted tail wherever its model gives one (the rule's length and "
                         "weight limits off): where the rule could widen, with --even")
@@ -60,6 +62,13 @@ def main(argv=None) -> int:
     unknown = [b for b in backends if b not in bd.backend.shipped()]
     if unknown or not backends:
         raise SystemExit(f"--backends: unknown {unknown or args.backends!r} (shipped: {', '.join(bd.backend.shipped())})")
+    try:
+        hq, hkv = (int(h) for h in args.heads.split("/"))
+    except ValueError:
+        raise SystemExit(f"--heads: QUERY/KV head counts such as 32/8, got {args.heads!r}") from None
+    if not 0 < hkv <= hq or hq % hkv:
+        raise SystemExit(f"--heads: the query heads must be a positive multiple of the KV heads, got {args.heads!r}")
+    d = args.head_dim
     if not torch.cuda.is_available():
         raise SystemExit("bench_splits needs a CUDA GPU")
     counts = [int(s) for s in args.splits.split(",") if s]
@@ -75,8 +84,8 @@ def main(argv=None) -> int:
     rows = []
     roofline = measure_roofline(timer, dev) if args.even else None
     for b, n in parse_shapes(args.shapes):
-        q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
-        cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
+        q = torch.randn(b, 1, hq, d, device=dev, dtype=dtype, generator=gen)
+        cache, k, v = build(fmt, b, hkv, d, n, dev, gen, dtype)
         cache.prefill(k, v)
         del k, v
         row = {"B": b, "N": n}
@@ -100,15 +109,15 @@ def main(argv=None) -> int:
                     row[f"{tag}_us"] = min(row[f"{tag}_runs_us"])
                 finally:
                     sm90.tails = True
-            row["roofline_us"] = cache_bytes(fmt, cache.lengths, HKV, D) / roofline["best_bytes_per_s"] * 1e6
-            row["sdpa_us"] = _graph_time(timer, sdpa_baseline(q, HKV, n, gen))
+            row["roofline_us"] = cache_bytes(fmt, cache.lengths, hkv, d) / roofline["best_bytes_per_s"] * 1e6
+            row["sdpa_us"] = _graph_time(timer, sdpa_baseline(q, hkv, n, gen))
         print(json.dumps(row), flush=True)
         rows.append(row)
         del cache
         torch.cuda.empty_cache()
     result = {"command": "python3 profiles/bench_splits.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "format": args.format,
-              "dtype": args.dtype, "backends": backends,
+              "dtype": args.dtype, "heads": [hq, hkv], "head_dim": d, "backends": backends,
               "method": __doc__.split("\n\n")[0].replace("\n", " "), "roofline": roofline, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"splits{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1))

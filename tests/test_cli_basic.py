@@ -137,6 +137,9 @@ def test_bench_splits_arguments(capsys):
     _refused(bs.main, ["--format", "9c1"], "invalid choice", capsys)
     with pytest.raises(SystemExit, match="--backends: unknown"):
         bs.main(["--backends", "sm90,sm70"])
+    for heads in ("32", "32/5", "4/8", "x/8"):
+        with pytest.raises(SystemExit, match="--heads"):
+            bs.main(["--heads", heads])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             bs.main(["--dtype", "bf16"])
