@@ -232,7 +232,10 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
 # 503.3 (3).  Head dim 256 (two CTAs an SM everywhere), 4-bit K per channel g128, the fill
 # rule / fewest_waves' (profiles/h200/splits_sm80_waves_d256.json): B=1 N=32K 38.6 (33) /
 # 39.1 (33), B=4 130.7 (9) / 98.9 (8), B=8 N=64K 527.6 (5) / 346.9 (4), B=16 N=32K 447.2 (3)
-# / 347.0 (2), B=24 653.4 (2) / 517.1 (4), each the fastest count timed or within 0.2 %.
+# / 347.0 (2), B=24 653.4 (2) / 517.1 (4), each the fastest count timed or within 0.2 %;
+# 16 head columns (GQA 16, Hq/Hkv = 64/4, splits_sm80_waves_h16.json): B=2 N=32K 28.8 (33) /
+# 29.4 (33), B=8 95.4 (9) / 70.2 (8), B=16 N=64K 373.6 (5) / 236.8 (4), B=32 N=32K 315.9 (3) /
+# 237.8 (2), B=48 463.4 (2) / 360.5 (4).
 FEW_CTAS = 2
 WAVE_FIXED_TILES = 4
 
