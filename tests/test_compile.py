@@ -16,7 +16,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from bitdecode import KVFormat  # noqa: E402
 from bitdecode.kernels_sm80 import backend as kernels  # noqa: E402
-from bitdecode.layouts import sm80, sm100  # noqa: E402
+from bitdecode.layouts import resources, sm80, sm100  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 
@@ -34,6 +34,16 @@ def _dtype(name):
 
 def _spills(ptx: str, arch: str, tmp_path) -> int:
     return ptxas.spill_bytes(ptxas.report(ptx, arch, tmp_path))
+
+
+def _cache_stand_in(fmt: KVFormat, dtype=None, tokens: int = 128):
+    """What the split heuristics read of a cache: its format and a residual buffer of Hkv=8,
+    head dim 128 (``dtype``: the model's; fp16 when None)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(fmt=fmt, k_res=torch.empty(1, tokens, 8, 128, dtype=dtype or torch.float16))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,8 +65,6 @@ def test_decode_ptx(arch, cfg, tmp_path):
         assert ptxas.spill_bytes(report) == 0, "ptxas spills registers in the decode kernel"
     # the split heuristic's residency model: no more registers than ptxas uses would allow,
     # and at head dim <= 128 with 8 head columns the same CTAs an SM as ptxas's count gives
-    from bitdecode.layouts import resources
-
     fmt, fp16 = KVFormat(bits, mode, g), dtype == "fp16"
     used = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
     assert used <= kernels.decode_registers(fmt, d, nh, arch, fp16), used
@@ -673,8 +681,6 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     kernel with two consumers and K's scale not in Q, for the formats it was measured on;
     the split heuristic and the plan follow the same choice, the JIT cache keeps the two
     kernels apart, ``bitdecode compile`` lists it, and it compiles without spills."""
-    from types import SimpleNamespace
-
     import torch
 
     from bitdecode import jit
@@ -707,7 +713,7 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="no small-grid variant"):
         be.make_decode("sm_90a", two, cutlass.Float16, 128, 8, True, variant="small")
     # ... and at B=16 (128 pairs: more than half the SMs) one split of it for short sequences
-    cache2 = SimpleNamespace(fmt=two, k_res=torch.empty(1, 256, 8, 128, dtype=f16))
+    cache2 = _cache_stand_in(two, f16, tokens=256)
     assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES[2] * 256, dev) == 1
     assert be.choose_splits(cache2, (16, 1, 32, 128), sm90.SHORT_TILES[2] * 256 + 1, dev) == 2
     assert be.choose_splits(cache2, (8, 1, 32, 128), 4096, dev) == 4  # 64 pairs: the default kernel
@@ -715,14 +721,14 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     assert be.grid_variant(two, f16, 128, 4, 16, 8, 1, dev, splits=2) == ""
     assert be.grid_variant(two, f16, 128, 4, 17, 8, 1, dev, splits=1) == ""  # 136 pairs: not one wave
     # 4-bit: the same for its 4-head tile (128-token tiles), not for its 8-head one
-    cache4 = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=f16))
+    cache4 = _cache_stand_in(fmt, f16)
     assert be.choose_splits(cache4, (16, 1, 32, 128), sm90.SHORT_TILES[4] * 128, dev) == 1
     assert be.choose_splits(cache4, (16, 1, 32, 128), sm90.SHORT_TILES[4] * 128 + 1, dev) == 2
     assert be.choose_splits(cache4, (16, 1, 64, 128), 4096, dev) == 2  # GQA 8: the 8-head tile
     assert be.choose_splits(cache4, (8, 1, 32, 128), 4096, dev) == 4  # 64 pairs: half the SMs
     assert be.grid_variant(fmt, f16, 128, 4, 16, 8, 1, dev, splits=1) == "small"
     assert be.grid_variant(fmt, f16, 128, 8, 16, 8, 1, dev, splits=1) == ""
-    bf16 = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=torch.bfloat16))
+    bf16 = _cache_stand_in(fmt, torch.bfloat16)
     assert be.choose_splits(bf16, (16, 1, 32, 128), 4096, dev) == 1  # bf16 too (4-head tile)
     assert be.choose_splits(bf16, (16, 1, 64, 128), 4096, dev) == 2  # not its 8-head tile
     assert be.grid_variant(fmt, torch.bfloat16, 128, 4, 1, 8, 1, dev) == "small"
@@ -735,7 +741,7 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
         be.make_decode("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="tiny")
     with pytest.raises(ValueError, match="no variant 'small'"):
         sm80_backend.BACKEND.make_decode("sm_80", fmt, cutlass.Float16, 128, 8, True, variant="small")
-    cache = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=f16))
+    cache = _cache_stand_in(fmt, f16)
     assert be.choose_splits(cache, (1, 1, 32, 128), 131072, dev) == 16  # one CTA an SM
     # a small grid's very short sequences: unsplit (GQA 4: the 4-head tile), else split
     assert be.choose_splits(cache, (1, 1, 32, 128), sm90.DIRECT_TILES[4] * 128, dev) == 1
@@ -885,8 +891,6 @@ def test_sm90_weighted_tail(monkeypatch):
     tail's tiles end with the long splits' on the free slots (the fixed-cost model of
     ``tail_weight``), and the plan hands the weight to the kernel; even splits elsewhere:
     no free slot, the small grid, short sequences, formats it was not measured on, sm80."""
-    from types import SimpleNamespace
-
     import torch
 
     from bitdecode import emulate_sm100 as emulate
@@ -897,11 +901,8 @@ def test_sm90_weighted_tail(monkeypatch):
         monkeypatch.setattr(module, "num_sms", lambda device: 132)
     be, dev, even = sm90.BACKEND, torch.device("cpu"), sm80.TAIL_UNIT
 
-    def cache_of(fmt):
-        return SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=torch.float16))
-
     for bits, tokens in ((4, 128), (2, 256)):
-        cache = cache_of(KVFormat(bits, "channel", 128))
+        cache = _cache_stand_in(KVFormat(bits, "channel", 128))
         for b, n, splits in ((16, 65536, 3), (20, 32768, 2), (8, 65536, 5)):
             pairs, shape = b * 8, (b, 1, 32, 128)
             assert be.choose_splits(cache, shape, n, dev) == splits
@@ -927,9 +928,9 @@ def test_sm90_weighted_tail(monkeypatch):
         assert be.tail_weight(cache, (1, 1, 32, 128), 16, 131072, dev) == even
         assert be.tail_weight(cache, (16, 1, 32, 128), 3, sm90.TAIL_MIN_TOKENS - 1, dev) == even
         assert sm80_backend.BACKEND.tail_weight(cache, (16, 1, 32, 128), 3, 65536, dev) == even
-    assert be.tail_weight(cache_of(KVFormat(4, "token", 128)), (16, 1, 32, 128), 3, 65536, dev) == even
+    assert be.tail_weight(_cache_stand_in(KVFormat(4, "token", 128)), (16, 1, 32, 128), 3, 65536, dev) == even
     # the plan takes it (and an unsplit plan has none)
-    cache = cache_of(KVFormat(4, "channel", 128))
+    cache = _cache_stand_in(KVFormat(4, "channel", 128))
     made = []
     monkeypatch.setattr(sm80_backend, "DecodePlan", lambda *args: made.append(args[-1]))
     monkeypatch.setattr(be, "decode_kernel", lambda *args, **kw: None)
@@ -946,8 +947,6 @@ def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
     one split past that and on formats it was not measured on; after one even
     split a weighted tail from 16K tokens at 4 bits and 4K at 2 bits (the measured points
     of ``MANY_PAIRS_MAX`` and ``ONE_SPLIT_TAIL_MIN_TOKENS``)."""
-    from types import SimpleNamespace
-
     import torch
 
     from bitdecode.kernels_sm80 import backend as sm80_backend
@@ -958,8 +957,7 @@ def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
     be, dev, even = sm90.BACKEND, torch.device("cpu"), sm80.TAIL_UNIT
 
     def splits(bits, b, n, k_mode="channel"):
-        cache = SimpleNamespace(fmt=KVFormat(bits, k_mode, 128), k_res=torch.empty(1, 128, 8, 128, dtype=torch.float16))
-        return be.choose_splits(cache, (b, 1, 32, 128), n, dev)
+        return be.choose_splits(_cache_stand_in(KVFormat(bits, k_mode, 128)), (b, 1, 32, 128), n, dev)
 
     # 4-bit: measured fastest (or within 1 % of it) at these counts
     for b, n, want in ((36, 32768, 4), (40, 32768, 4), (48, 32768, 2), (56, 32768, 4), (40, 16384, 4),
@@ -974,8 +972,7 @@ def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
     # after one even split (B=17-32), a tail from 16K tokens (4-bit) or 4K (2-bit)
     assert (splits(4, 20, 16384), splits(4, 20, 8192)) == (2, 1)
     assert (splits(2, 20, 4096), splits(2, 20, 2048)) == (2, 1)
-    cache = SimpleNamespace(fmt=KVFormat(4, "channel", 128), k_res=torch.empty(1, 128, 8, 128, dtype=torch.float16))
-    assert be.tail_weight(cache, (20, 1, 32, 128), 2, 16384, dev) > even
+    assert be.tail_weight(_cache_stand_in(KVFormat(4, "channel", 128)), (20, 1, 32, 128), 2, 16384, dev) > even
 
 
 def test_sm80_splits_by_waves_where_two_ctas_share_an_sm(monkeypatch):
@@ -983,8 +980,6 @@ def test_sm80_splits_by_waves_where_two_ctas_share_an_sm(monkeypatch):
     sm_80): there the heuristic counts whole waves (``fewest_waves``) and picks the counts
     measured fastest on the H200 (``FEW_CTAS``' table; B=4 took 8 where 4, 7 and 9 were
     timed within 4 %); with three or four CTAs an SM it keeps the fill rule."""
-    from types import SimpleNamespace
-
     import torch
 
     for arch, slots in (("sm_90a", 264), ("sm_80", 396)):
@@ -992,7 +987,7 @@ def test_sm80_splits_by_waves_where_two_ctas_share_an_sm(monkeypatch):
         monkeypatch.setattr(kernels, "device_arch", lambda device, arch=arch: arch)
         fmt = KVFormat(2, "token", 64)
         assert kernels.ctas_per_sm(fmt, 128, 8, arch) * 132 == slots
-        cache = SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, 8, 128, dtype=torch.float16))
+        cache = _cache_stand_in(fmt)
 
         def splits(b, n):
             return kernels.BACKEND.choose_splits(cache, (b, 1, 32, 128), n, torch.device("cpu"))
