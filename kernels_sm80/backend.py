@@ -246,10 +246,10 @@ def waves_time(pairs: int, slots: int, tiles: int, splits: int, fixed: float = W
     return -(-pairs * splits // slots) * (tiles / splits + fixed)
 
 
-def fewest_waves(pairs: int, slots: int, tiles: int, most: int) -> int:
+def fewest_waves(pairs: int, slots: int, tiles: int, most: int, fixed: float = WAVE_FIXED_TILES) -> int:
     """The split count (1 to ``most``) whose CTAs end soonest (``waves_time``), the fewest
     splits on a tie."""
-    return min(range(1, most + 1), key=lambda splits: waves_time(pairs, slots, tiles, splits))
+    return min(range(1, most + 1), key=lambda splits: waves_time(pairs, slots, tiles, splits, fixed))
 
 
 def device_arch(device: torch.device) -> str:

@@ -8,7 +8,7 @@ kernels, and split-KV partials are merged by the sm80 combine kernel.
 from __future__ import annotations
 
 import functools
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -98,6 +98,47 @@ MANY_PAIRS_MAX = 1.75
 # the heaviest weight (a tail of 1/256 of a long split; keeps n * weight in int32 for
 # sequences of up to 2^19 tiles)
 MAX_TAIL_WEIGHT = 256 * sm80.TAIL_UNIT
+
+
+def tail_time(pairs: int, slots: int, tiles: int, splits: int, weight: int,
+              fixed: float = CTA_FIXED_TILES) -> Optional[float]:
+    """How long ``splits`` splits of each pair with ``split_tiles``' ``weight`` take, in
+    tiles, when all the long splits fit the slots at once: the long ones start first, the
+    tails run in rounds of the slots left free while they last and on any slot after; each
+    CTA costs its tiles plus its ``fixed`` time (``waves_time`` for even splits; None when
+    the long splits outnumber the slots).  The rounds are whole: a tail does not share a
+    slot's time with the next one, which ``tail_weight``'s balance assumes."""
+    free = slots - (splits - 1) * pairs
+    if splits < 2 or free <= 0:
+        return None
+    unit = sm80.TAIL_UNIT
+    weight = max(weight, unit)
+    per_split = -(-tiles * weight // (weight * (splits - 1) + unit))
+    long, tail = per_split + fixed, max(tiles - (splits - 1) * per_split, 0) + fixed
+    if -(-long // tail) * free >= pairs:  # every tail starts before the long splits end
+        return max(long, -(-pairs // free) * tail)
+    return long + tail
+
+
+# Pairs that fill more than half the CTA slots but not all of them (one split by the fill
+# rule, so each pair's one CTA leaves the rest idle): the even count of whole waves that
+# ends soonest (``sm80_backend.fewest_waves`` at ``CTA_FIXED_TILES``) where that beats one
+# split, or one split and a weighted tail, in the same model (``tail_time``).  Chosen on
+# every count of 1, 3, 4, 5, 6, 8, 10 at B=17-32 x N=4K-64K (profiles/h200/splits_band_*.json:
+# the model's pick averaged 1.003x the fastest count timed).  H200, fp16 Hkv=8 GQA 4 (264
+# slots), us, the rule before / this one (its count) (splits_half_full_*.json, 48 shapes a
+# format, B=17-30 x N=4K-128K; geomean 0.921 4-bit, 0.936 2-bit):
+# - 4-bit: B=17 N=8K 80.7 / 66.3 (5), 32K 252.7 / 188.5 (9), 128K 939.4 / 636.8 (17); B=18
+#   N=32K 290.1 / 193.9 (9); B=20 N=8K 81.8 / 70.2 (3), 64K 438.0 / 383.2 (8); B=24 N=32K
+#   250.7 / 240.7 (4); B=26 N=128K 1043.2 / 960.2 (5); slower: B=26 N=8K 86.1 / 89.0 (5),
+#   B=28 N=64K 532.5 / 561.4 (7), 128K 1091.9 / 1115.1 (7);
+# - 2-bit: B=17 N=4K 43.6 / 39.7 (3), 32K 220.2 / 172.1 (5), 128K 816.2 / 569.2 (11); B=20
+#   N=32K 199.5 / 185.8 (3); B=24 N=64K 411.5 / 394.4 (4); slower: B=18 N=4K 38.9 / 40.2 (3),
+#   B=20 N=8K 60.0 / 61.3 (3), B=28 N=128K 866.3 / 878.6 (7);
+# - GQA 8 (Hq=64), 4-bit: B=17 N=32K 282.5 / 206.0 (9), B=18 N=8K 88.7 / 70.1 (5).
+# Where both rules take the same count (timed twice: as the rule's and as a count given) the
+# two times differed by up to 6 % at N=128K (4-bit B=22 791.9 / 840.0), once by 19 % (4-bit
+# B=30 N=128K 1103.3 / 1318.5).
 
 
 # the heads tile of GQA groups of at most 4 heads (one query token): an 8-column wgmma whose
@@ -253,7 +294,9 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         """sm80's fill rule in whole waves; where the pairs outnumber the slots a little
         (``wave_splits``), 2 or 4 splits; and one more split with a weighted tail
         (``tail_weight``) where that measured faster: after one even split, or with a tail
-        of at most a tenth of a long split (``MIN_TAIL_WEIGHT``)."""
+        of at most a tenth of a long split (``MIN_TAIL_WEIGHT``); where one split leaves
+        slots idle, the faster in the wave model of it and several even splits
+        (``half_full_splits``)."""
         splits = super().choose_splits(cache, q_shape, max_len, device)
         if splits == 1:
             splits = self.many_pairs_splits(cache, q_shape, max_len, device)
@@ -261,7 +304,35 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             return splits
         weight = self.tail_weight(cache, q_shape, splits + 1, max_len, device)
         takes = weight > sm80.TAIL_UNIT and (splits == 1 or weight >= MIN_TAIL_WEIGHT)
+        if splits == 1:
+            return self.half_full_splits(cache, q_shape, max_len, device, weight if takes else 0)
         return splits + 1 if takes else splits
+
+    def half_full_splits(self, cache, q_shape, max_len: int, device, weight: int) -> int:
+        """Where one split leaves CTA slots idle (pairs between half the slots and all of
+        them) on one query token of a ``measured_grids`` format: ``fewest_waves``' even count
+        where the model ends it sooner than one split, or than 2 with a tail of ``weight``
+        (0: no tail); else that one split (1 or 2)."""
+        one = 2 if weight else 1
+        bsz, tq, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        if tq != 1 or not measured_grids(cache.fmt, d):
+            return one
+        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
+        dtype = cache.k_res.dtype
+        if self.unsplit(cache.fmt, dtype, d, nh, bsz, hkv, tq, max_len, device):
+            return one
+        pairs, tiles = bsz * hkv, cache.fmt.tiles(max_len)
+        slots = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, dtype)
+        if not pairs <= slots < 2 * pairs:
+            return one
+        most = max(1, min(tiles // sm80_backend.MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
+        even = sm80_backend.fewest_waves(pairs, slots, tiles, most, CTA_FIXED_TILES)
+        if weight:
+            single = tail_time(pairs, slots, tiles, 2, weight)
+        else:
+            single = sm80_backend.waves_time(pairs, slots, tiles, 1, CTA_FIXED_TILES)
+        return even if sm80_backend.waves_time(pairs, slots, tiles, even, CTA_FIXED_TILES) < single else one
 
     def many_pairs_splits(self, cache, q_shape, max_len: int, device) -> int:
         """``wave_splits`` for the default kernel's slots on one query token of a

@@ -887,7 +887,7 @@ def test_per_stream_values():
 
 def test_sm90_weighted_tail(monkeypatch):
     """Where the default kernel's whole waves leave SM slots free (B=16 Hkv=8 on 132 SMs:
-    256 CTAs on 264 slots; B=20: 160), the sm90 split heuristic takes one more split, whose
+    256 CTAs on 264 slots; B=28: 224), the sm90 split heuristic takes one more split, whose
     tail's tiles end with the long splits' on the free slots (the fixed-cost model of
     ``tail_weight``), and the plan hands the weight to the kernel; even splits elsewhere:
     no free slot, the small grid, short sequences, formats it was not measured on, sm80."""
@@ -903,7 +903,7 @@ def test_sm90_weighted_tail(monkeypatch):
 
     for bits, tokens in ((4, 128), (2, 256)):
         cache = _cache_stand_in(KVFormat(bits, "channel", 128))
-        for b, n, splits in ((16, 65536, 3), (20, 32768, 2), (8, 65536, 5)):
+        for b, n, splits in ((16, 65536, 3), (28, 32768, 2), (8, 65536, 5)):
             pairs, shape = b * 8, (b, 1, 32, 128)
             assert be.choose_splits(cache, shape, n, dev) == splits
             w = be.tail_weight(cache, shape, splits, n, dev)
@@ -915,7 +915,9 @@ def test_sm90_weighted_tail(monkeypatch):
             assert abs(pairs * (tail + f) - free * (long + f)) <= pairs + free * w / even, (b, w, long, tail)
             be.tails = False  # the A/B switch: even splits in whole waves
             try:
-                assert be.choose_splits(cache, shape, n, dev) == splits - 1
+                # (one split's CTAs fill fewer than all slots at B=28: the wave model's count)
+                untailed = be.half_full_splits(cache, shape, n, dev, 0) if splits == 2 else splits - 1
+                assert be.choose_splits(cache, shape, n, dev) == untailed
                 assert be.tail_weight(cache, shape, splits, n, dev) == even
             finally:
                 be.tails = True
@@ -969,10 +971,64 @@ def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
     assert (splits(4, 40, 512), splits(4, 40, 256)) == (2, 1)
     assert splits(4, 40, 32768, k_mode="token") == 1
     assert sm90.wave_splits(264, 264, 256) == sm90.wave_splits(463, 264, 256) == 1
-    # after one even split (B=17-32), a tail from 16K tokens (4-bit) or 4K (2-bit)
-    assert (splits(4, 20, 16384), splits(4, 20, 8192)) == (2, 1)
+    # after one even split (B=17-32), a tail from 16K tokens (4-bit) or 4K (2-bit), where
+    # the wave model has it ahead of several even splits (``half_full_splits``)
+    assert (splits(4, 28, 16384), splits(4, 28, 8192)) == (2, 1)
     assert (splits(2, 20, 4096), splits(2, 20, 2048)) == (2, 1)
     assert be.tail_weight(_cache_stand_in(KVFormat(4, "channel", 128)), (20, 1, 32, 128), 2, 16384, dev) > even
+
+
+def test_sm90_even_waves_where_one_split_leaves_slots_idle(monkeypatch):
+    """Where one split's CTAs fill more than half the 264 slots but not all (B=17-33 at Hkv=8
+    on 132 SMs), sm90 takes the even count whose whole waves end soonest where the model
+    has it ahead of one split, or of one split and a weighted tail (the counts below timed
+    fastest or within 3 % of it, profiles/h200/splits_band_*.json); the model's tail time
+    matches a list-scheduling simulation of the CTAs."""
+    import heapq
+
+    import torch
+
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    for module in (sm90, sm80_backend):  # the H200's SMs
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    be, dev = sm90.BACKEND, torch.device("cpu")
+
+    def splits(bits, b, n, k_mode="channel", hq=32, tq=1):
+        return be.choose_splits(_cache_stand_in(KVFormat(bits, k_mode, 128)), (b, tq, hq, 128), n, dev)
+
+    for b, n, want in ((17, 8192, 5), (17, 16384, 5), (20, 8192, 3), (20, 16384, 3), (24, 32768, 4),
+                       (24, 65536, 4), (28, 16384, 2), (28, 32768, 2), (32, 16384, 1)):
+        assert splits(4, b, n) == want, (4, b, n)
+    for b, n, want in ((17, 4096, 3), (17, 16384, 5), (20, 4096, 2), (20, 32768, 3), (24, 16384, 2),
+                       (24, 65536, 4), (28, 32768, 2), (32, 16384, 1)):
+        assert splits(2, b, n) == want, (2, b, n)
+    # B=16 (128 pairs: half the slots) keeps the fill rule's 2 and a tail; unmeasured formats,
+    # and more than one query token, one split (and a tail)
+    assert splits(4, 16, 65536) == 3
+    assert splits(4, 17, 32768, k_mode="token") == 1
+    assert splits(4, 17, 32768, tq=2) == 2
+
+    def simulated(pairs, slots, tiles, n_splits, weight, fixed=sm90.CTA_FIXED_TILES):
+        """Each CTA, long splits first, on the slot that frees first."""
+        unit = sm80.TAIL_UNIT
+        per = -(-tiles * weight // (weight * (n_splits - 1) + unit))
+        ctas = [per + fixed] * (pairs * (n_splits - 1)) + [tiles - (n_splits - 1) * per + fixed] * pairs
+        free, end = [0.0] * slots, 0.0
+        for t in ctas:
+            done = heapq.heappop(free) + t
+            end = max(end, done)
+            heapq.heappush(free, done)
+        return end
+
+    for pairs in range(136, 264, 8):
+        for tiles in (32, 128, 512):
+            for weight in (17, 25, 60, 200):
+                model, sim = sm90.tail_time(pairs, 264, tiles, 2, weight), simulated(pairs, 264, tiles, 2, weight)
+                assert abs(model - sim) <= 0.03 * sim, (pairs, tiles, weight, model, sim)
+    assert sm90.tail_time(160, 264, 256, 2, 25) == 206  # 104 free slots run the tails twice
+    assert sm90.tail_time(200, 264, 256, 3, 25) is None  # the long splits alone overfill the slots
 
 
 def test_sm80_splits_by_waves_where_two_ctas_share_an_sm(monkeypatch):
