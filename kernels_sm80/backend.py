@@ -204,25 +204,25 @@ def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int, arch: str = "sm_80", fp16
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int, per_sm: int,
                   whole_waves: bool = False) -> int:
-    """Enough CTAs to fill the GPU (``per_sm`` per SM), at least two tiles per split.
-    ``whole_waves`` rounds down instead of up: with few CTAs per SM a partial second wave
-    costs as much as a full one (sm90, B=16 Hkv=8 on 132 SMs: 2 splits, not 3)."""
+    """The split count whose CTAs (``per_sm`` an SM) end soonest in whole waves
+    (``fewest_waves``), at least two tiles per split; ``whole_waves`` (sm90's base rule):
+    enough CTAs to fill the GPU once, rounded down (sm90, B=16 Hkv=8 on 132 SMs: 2 splits,
+    not 3)."""
     tiles = max(1, fmt.tiles(max_len))
     base = batch * kv_heads
     target = sms * per_sm
     most = max(1, min(tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
-    if per_sm <= FEW_CTAS and not whole_waves:
+    if not whole_waves:
         return fewest_waves(base, target, tiles, most)
     if base >= target:
         return 1
-    splits = target // base if whole_waves else -(-target // base)
-    return min(splits, most)
+    return min(target // base, most)
 
 
-# With this many decode CTAs an SM or fewer, a partial last wave costs about a whole one, so
-# the sm80 heuristic counts waves (``fewest_waves``) instead of filling the slots once; a
-# CTA's fixed time (entry, first loads, epilogue) in tiles, as ``fewest_waves`` charges it.
-# H200, the sm80 kernel of 2-bit K per token g64 fp16 (two CTAs an SM on sm_90a), Hkv=8 GQA
+# A partial last wave costs about a whole one, so the sm80 heuristic counts waves
+# (``fewest_waves``) instead of filling the slots once; a CTA's fixed time (entry, first
+# loads, epilogue) in tiles, as ``fewest_waves`` charges it.  First measured where two CTAs
+# share an SM, then at four (below).  H200, the sm80 kernel of 2-bit K per token g64 fp16 (two CTAs an SM on sm_90a), Hkv=8 GQA
 # 4, us, the fill rule's count (at the three CTAs an SM it assumed) / ``fewest_waves``' /
 # the fastest measured (profiles/h200/splits_sm80_occupancy_2t64.json, splits_sm80_many_2bit.json):
 # B=1 N=32K 29.2 (50) / 22.2 (33) / 22.2 (33), N=128K 67.0 / 52.0 / 52.0; B=4 N=32K 60.7 (13)
@@ -236,8 +236,16 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
 # / 347.0 (2), B=24 653.4 (2) / 517.1 (4), each the fastest count timed or within 0.2 %;
 # 16 head columns (GQA 16, Hq/Hkv = 64/4, splits_sm80_waves_h16.json): B=2 N=32K 28.8 (33) /
 # 29.4 (33), B=8 95.4 (9) / 70.2 (8), B=16 N=64K 373.6 (5) / 236.8 (4), B=32 N=32K 315.9 (3) /
-# 237.8 (2), B=48 463.4 (2) / 360.5 (4).
-FEW_CTAS = 2
+# 237.8 (2), B=48 463.4 (2) / 360.5 (4).  At four CTAs an SM (4-bit K per token g64 fp16, 528
+# slots) and three (2-bit bf16, 396), the fill rule that those kept before / fewest_waves',
+# at every shape of B = 1-72 x N = 8K, 32K, 128K where the two counts differ (the two rules
+# timed one after the other, splits_sm80_waves_4t64_*.json, splits_sm80_waves_2t64_bf16_*.json;
+# geomean 0.922 over 36 shapes and 0.927 over 43): 4-bit B=8 N=32K 128.5 / 104.8, B=12 N=8K
+# 63.2 / 49.9, B=16 N=8K 73.9 / 59.2, B=17 N=128K 879.1 / 727.7, B=24 N=32K 308.2 / 277.3,
+# B=72 N=128K 3460.4 / 3176.4, slower at B=4 N=8K 26.3 / 27.6 and N=32K 60.2 / 62.3, B=20
+# N=32K 238.5 / 249.4, B=40 N=32K 454.8 / 464.5; 2-bit bf16 B=4 N=32K 66.1 / 50.9, B=8 N=32K
+# 114.4 / 87.6, B=17 N=128K 801.7 / 635.7, B=28 N=128K 1200.7 / 994.2, B=72 N=32K 731.4 /
+# 659.9, slower at B=17 N=8K 60.9 / 66.4, B=40 N=8K 105.2 / 119.4, B=64 N=8K 160.4 / 163.9.
 WAVE_FIXED_TILES = 4
 
 

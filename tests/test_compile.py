@@ -1031,11 +1031,12 @@ def test_sm90_even_waves_where_one_split_leaves_slots_idle(monkeypatch):
     assert sm90.tail_time(200, 264, 256, 3, 25) is None  # the long splits alone overfill the slots
 
 
-def test_sm80_splits_by_waves_where_two_ctas_share_an_sm(monkeypatch):
-    """The sm80 kernel of 2-bit K per token fp16 holds two CTAs an SM on sm_90a (three on
-    sm_80): there the heuristic counts whole waves (``fewest_waves``) and picks the counts
-    measured fastest on the H200 (``FEW_CTAS``' table; B=4 took 8 where 4, 7 and 9 were
-    timed within 4 %); with three or four CTAs an SM it keeps the fill rule."""
+def test_sm80_splits_by_waves(monkeypatch):
+    """The sm80 heuristic counts whole waves (``fewest_waves``) at any CTAs an SM: 2-bit K per
+    token fp16 holds two on sm_90a (three on sm_80), where it picks the counts measured
+    fastest on the H200 (B=4 took 8 where 4, 7 and 9 were timed within 4 %); 4-bit four and
+    2-bit bf16 three, where it picks the counts that the H200 ran faster than the fill
+    rule's (``WAVE_FIXED_TILES``' table)."""
     import torch
 
     for arch, slots in (("sm_90a", 264), ("sm_80", 396)):
@@ -1053,8 +1054,16 @@ def test_sm80_splits_by_waves_where_two_ctas_share_an_sm(monkeypatch):
                                (24, 32768, 4), (54, 16384, 3), (60, 16384, 1), (72, 16384, 3), (84, 16384, 3),
                                (100, 16384, 2)):
                 assert splits(b, n) == want, (b, n)
-        else:  # the fill rule: enough CTAs for the slots once, rounded up
-            assert (splits(1, 32768), splits(16, 32768), splits(54, 16384)) == (50, 4, 1)
+        else:  # 396 slots: 49 x 8 fill them once; 3 x 128 and 4 x 432 leave few idle
+            assert (splits(1, 32768), splits(16, 32768), splits(54, 16384)) == (49, 3, 4)
+    monkeypatch.setattr(kernels, "device_arch", lambda device: "sm_90a")
+    for fmt, dtype, cases in ((KVFormat(4, "token", 64), None, ((8, 32768, 8), (12, 8192, 5), (16, 8192, 4),
+                                                                 (24, 32768, 8), (28, 131072, 7))),
+                              (KVFormat(2, "token", 64), torch.bfloat16, ((4, 32768, 12), (8, 32768, 6),
+                                                                          (12, 8192, 4), (17, 131072, 11)))):
+        cache = _cache_stand_in(fmt, dtype)
+        for b, n, want in cases:
+            assert kernels.BACKEND.choose_splits(cache, (b, 1, 32, 128), n, torch.device("cpu")) == want, (fmt, b, n)
     # bf16 keeps three CTAs an SM on sm_90a, and 4-bit four
     assert kernels.ctas_per_sm(KVFormat(2, "token", 64), 128, 8, "sm_90a", fp16=False) == 3
     assert kernels.ctas_per_sm(KVFormat(4, "token", 64), 128, 8, "sm_90a") == 4
