@@ -222,9 +222,10 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
 # A partial last wave costs about a whole one, so the sm80 heuristic counts waves
 # (``fewest_waves``) instead of filling the slots once; a CTA's fixed time (entry, first
 # loads, epilogue) in tiles, as ``fewest_waves`` charges it.  First measured where two CTAs
-# share an SM, then at four (below).  H200, the sm80 kernel of 2-bit K per token g64 fp16 (two CTAs an SM on sm_90a), Hkv=8 GQA
-# 4, us, the fill rule's count (at the three CTAs an SM it assumed) / ``fewest_waves``' /
-# the fastest measured (profiles/h200/splits_sm80_occupancy_2t64.json, splits_sm80_many_2bit.json):
+# share an SM, then at three and four (below).  H200, the sm80 kernel of 2-bit K per token
+# g64 fp16 (two CTAs an SM on sm_90a), Hkv=8 GQA 4, us, the fill rule's count (at the three
+# CTAs an SM it assumed) / ``fewest_waves``' / the fastest measured
+# (profiles/h200/splits_sm80_occupancy_2t64.json, splits_sm80_many_2bit.json):
 # B=1 N=32K 29.2 (50) / 22.2 (33) / 22.2 (33), N=128K 67.0 / 52.0 / 52.0; B=4 N=32K 60.7 (13)
 # / - (8) / 56.2 (4); B=8 N=64K 187.3 (7) / 169.1 (4) / 169.1; B=16 N=32K 171.2 (4) / 168.1
 # (2) / 168.1; B=24 N=32K 313.2 (3) / 244.8 (4) / 244.8; past the slots (N=16K, one split /

@@ -328,9 +328,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             return one
         most = max(1, min(tiles // sm80_backend.MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
         even = sm80_backend.fewest_waves(pairs, slots, tiles, most, CTA_FIXED_TILES)
-        if weight:
-            single = tail_time(pairs, slots, tiles, 2, weight)
-        else:
+        single = tail_time(pairs, slots, tiles, 2, weight) if weight else None
+        if single is None:  # (no tail, or no slot free for one)
             single = sm80_backend.waves_time(pairs, slots, tiles, 1, CTA_FIXED_TILES)
         return even if sm80_backend.waves_time(pairs, slots, tiles, even, CTA_FIXED_TILES) < single else one
 
