@@ -76,6 +76,19 @@ TAIL_MIN_TOKENS = 32768
 #   67.1, B=24 73.9 / 65.6; N=4K B=20 42.4 / 37.7.
 ONE_SPLIT_TAIL_MIN_TOKENS = {2: 4096, 4: 16384}
 MIN_TAIL_WEIGHT = 10 * sm80.TAIL_UNIT
+# Where the tails outnumber the free slots (k = ceil(P / e) of them a slot), the weight that
+# ends them with the long splits: as a fluid (P (t + f) = e (b + f)) or in whole rounds (b + f
+# = k (t + f), heavier where k is 2-4, the same where k is large).  With K and V at 2 bits
+# whole rounds measured faster twice, at 4 bits not (an explanation, not measured: 2-bit
+# CTAs are issue-bound and run no faster on an emptier SM, 4-bit ones gain bandwidth there,
+# as a fluid would).  H200, fp16 Hkv=8 GQA 4, us, the rule's count with the fluid / whole
+# rounds, at every shape of B = 1-33 x N = 4K-128K where the two picks differ, then again at
+# 18 of them (profiles/NOTES.md, thirty-second session): 2-bit geomean 0.985 over 58 shapes,
+# 0.965 over the 18: B=17 / 18 / 19 N=4K 40.0 / 40.7 / 41.4 -> 36.7 / 36.7 / 37.1, B=23 N=8K
+# 73.1 -> 65.3, B=25 N=16K 127.8 -> 120.4, slower at B=17 N=16K 97.6 -> 100.1, B=27 / 28 N=8K
+# 70.9 / 73.1 -> 72.7 / 74.9; 4-bit geomean 1.004 over 34 (B=26 N=32K 276.2 -> 257.1, B=27
+# N=128K 982.4 -> 1044.9).
+WHOLE_ROUNDS_BITS = 2
 # A CTA's fixed time (entry, Q, the first tile's wait, epilogue) in tiles of the default
 # kernel at two CTAs an SM: ~4.5 us against ~1.1 us a tile (B=16 N=64K, a per-CTA
 # globaltimer trace, profiles/NOTES.md thirtieth session)
@@ -134,7 +147,9 @@ def tail_time(pairs: int, slots: int, tiles: int, splits: int, weight: int,
 #   B=28 N=64K 532.5 / 561.4 (7), 128K 1091.9 / 1115.1 (7);
 # - 2-bit: B=17 N=4K 43.6 / 39.7 (3), 32K 220.2 / 172.1 (5), 128K 816.2 / 569.2 (11); B=20
 #   N=32K 199.5 / 185.8 (3); B=24 N=64K 411.5 / 394.4 (4); slower: B=18 N=4K 38.9 / 40.2 (3),
-#   B=20 N=8K 60.0 / 61.3 (3), B=28 N=128K 866.3 / 878.6 (7);
+#   B=20 N=8K 60.0 / 61.3 (3), B=28 N=128K 866.3 / 878.6 (7); since then 2-bit tails are
+#   weighed in whole rounds (``WHOLE_ROUNDS_BITS``), after which the tail wins most of
+#   B=17-28 below 32K tokens (B=17 N=4K 36.7 against 40.0 with 3 even splits);
 # - GQA 8 (Hq=64), 4-bit: B=17 N=32K 282.5 / 206.0 (9), B=18 N=8K 88.7 / 70.1 (5).
 # Where both rules take the same count (timed twice: as the rule's and as a count given) the
 # two times differed by up to 6 % at N=128K (4-bit B=22 791.9 / 840.0), once by 19 % (4-bit
@@ -154,6 +169,23 @@ def tail_min_tokens(fmt: KVFormat, splits: int) -> int:
     if splits == 2:
         return ONE_SPLIT_TAIL_MIN_TOKENS[2 if fmt.bits == fmt.v_bits == 2 else 4]
     return TAIL_MIN_TOKENS
+
+
+def tail_balance(pairs: int, spare: int, tiles: int, splits: int, rounds: bool) -> Tuple[float, float]:
+    """The long split's and the tail's tiles (b, t) with (splits - 1) b + t = ``tiles`` that
+    end together when the ``pairs`` tails run on ``spare`` free slots, each CTA with the fixed
+    time f (``CTA_FIXED_TILES``): ``rounds``, in k = ceil(P / e) whole rounds, b + f = k (t +
+    f); else as a fluid, P (t + f) = e (b + f).  Whole rounds where they leave no tile for the
+    tail fall back to the fluid."""
+    f = CTA_FIXED_TILES
+    if rounds:
+        k = -(-pairs // spare)
+        tail = (tiles - (splits - 1) * (k - 1) * f) / ((splits - 1) * k + 1)
+        if tail >= 1:
+            return k * tail + (k - 1) * f, tail
+    share = spare / pairs
+    long = (tiles + f * (1 - share)) / (splits - 1 + share)
+    return long, tiles - (splits - 1) * long
 
 
 def wave_splits(pairs: int, slots: int, tiles: int) -> int:
@@ -349,11 +381,11 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         """The weight of ``split_tiles`` for ``splits`` splits of the default kernel: with P
         (sequence, KV head) pairs, the first ``splits - 1`` splits of each take P (splits -
         1) of the SM slots and the e slots left run the P tails; a tail of t tiles and a
-        long split of b, each with the CTA's fixed time f (``CTA_FIXED_TILES``), end
-        together when P (t + f) = e (b + f), with (splits - 1) b + t the sequence's tiles.
-        The weight is b / t in sixteenths (``sm80.TAIL_UNIT``); even wherever there is no
-        such tail (no free slot, a tail under one tile or as long as the others) and outside
-        what was measured (``measured_grids``, ``tail_min_tokens``).  ``tails`` False: even."""
+        long split of b end together (``tail_balance``: K and V at 2 bits in whole rounds
+        of tails, ``WHOLE_ROUNDS_BITS``; else as a fluid).  The weight is b / t in sixteenths
+        (``sm80.TAIL_UNIT``); even wherever there is no such tail (no free slot, a tail
+        under one tile or as long as the others) and outside what was measured
+        (``measured_grids``, ``tail_min_tokens``).  ``tails`` False: even."""
         even = sm80.TAIL_UNIT
         bsz, tq, hq, d = q_shape
         # the checks that need no tensor attribute first (host time: choose_splits asks
@@ -370,9 +402,8 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         spare = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, dtype) - pairs * (splits - 1)
         if spare <= 0:
             return even
-        tiles, share = cache.fmt.tiles(max_len), spare / pairs
-        long = (tiles + CTA_FIXED_TILES * (1 - share)) / (splits - 1 + share)
-        tail = tiles - (splits - 1) * long
+        rounds = cache.fmt.bits == cache.fmt.v_bits == WHOLE_ROUNDS_BITS
+        long, tail = tail_balance(pairs, spare, cache.fmt.tiles(max_len), splits, rounds)
         if tail < 1:
             return even
         return min(MAX_TAIL_WEIGHT, max(even, round(even * long / tail)))
