@@ -148,8 +148,9 @@ def tail_time(pairs: int, slots: int, tiles: int, splits: int, weight: int,
 # - 2-bit: B=17 N=4K 43.6 / 39.7 (3), 32K 220.2 / 172.1 (5), 128K 816.2 / 569.2 (11); B=20
 #   N=32K 199.5 / 185.8 (3); B=24 N=64K 411.5 / 394.4 (4); slower: B=18 N=4K 38.9 / 40.2 (3),
 #   B=20 N=8K 60.0 / 61.3 (3), B=28 N=128K 866.3 / 878.6 (7); since then 2-bit tails are
-#   weighed in whole rounds (``WHOLE_ROUNDS_BITS``), after which the tail wins most of
-#   B=17-28 below 32K tokens (B=17 N=4K 36.7 against 40.0 with 3 even splits);
+#   weighed in whole rounds (``WHOLE_ROUNDS_BITS``), after which one split and its tail
+#   win at B=20-28, and at B=17-19 below 32K tokens (B=17 N=4K 36.7 against 40.0 with 3
+#   even splits);
 # - GQA 8 (Hq=64), 4-bit: B=17 N=32K 282.5 / 206.0 (9), B=18 N=8K 88.7 / 70.1 (5).
 # Where both rules take the same count (timed twice: as the rule's and as a count given) the
 # two times differed by up to 6 % at N=128K (4-bit B=22 791.9 / 840.0), once by 19 % (4-bit
