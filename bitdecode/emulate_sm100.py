@@ -81,7 +81,7 @@ from .backend import CacheTensors
 from .formats import KVFormat
 from .layouts import sm100
 from .layouts.packing import F32_MAX, LN_2, LOG2_E
-from .layouts.sm80 import TAIL_UNIT
+from .layouts.sm80 import TAIL_UNIT, tiles_per_split
 
 __all__ = ["NVFP4_MAX", "OPERAND_TOP", "OPERAND_TERMS", "emulate_cache", "split_tiles", "quantize_q_operand",
            "quantize_p_operand", "emulate_decode"]
@@ -106,8 +106,7 @@ def split_tiles(seqlen: int, tile_tokens: int, split_idx: int, num_splits: int,
     tile ``n_full``, and a split past the last tile owns nothing)."""
     n_full, n_res = divmod(seqlen, tile_tokens)
     n_tiles = n_full + (n_res > 0)
-    weight = max(tail_weight, TAIL_UNIT)
-    per_split = -(-n_tiles * weight // (weight * (num_splits - 1) + TAIL_UNIT))
+    per_split = tiles_per_split(n_tiles, num_splits, tail_weight)
     tile_begin = split_idx * per_split
     tile_end = min(tile_begin + per_split, n_tiles)
     packed_end = min(tile_end, n_full)

@@ -202,6 +202,12 @@ def ctas_per_sm(fmt: KVFormat, head_dim: int, nh: int, arch: str = "sm_80", fp16
     return resources.ctas_per_sm(decode_registers(fmt, head_dim, nh, arch, fp16), sm80.WARPS_N)
 
 
+def most_splits(tiles: int) -> int:
+    """The most splits a sequence of ``tiles`` tiles takes: ``MIN_TILES_PER_SPLIT`` tiles each,
+    at most the combine's ``MAX_SPLITS``, at least one."""
+    return max(1, min(tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: int, per_sm: int,
                   whole_waves: bool = False) -> int:
     """The split count whose CTAs (``per_sm`` an SM) end soonest in whole waves
@@ -211,7 +217,7 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, fmt: KVFormat, sms: i
     tiles = max(1, fmt.tiles(max_len))
     base = batch * kv_heads
     target = sms * per_sm
-    most = max(1, min(tiles // MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
+    most = most_splits(tiles)
     if not whole_waves:
         return fewest_waves(base, target, tiles, most)
     if base >= target:

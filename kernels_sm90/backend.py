@@ -120,13 +120,11 @@ def tail_time(pairs: int, slots: int, tiles: int, splits: int, weight: int,
     tails run in rounds of the slots left free while they last and on any slot after; each
     CTA costs its tiles plus its ``fixed`` time (``waves_time`` for even splits; None when
     the long splits outnumber the slots).  The rounds are whole: a tail does not share a
-    slot's time with the next one, which ``tail_weight``'s balance assumes."""
+    slot's time with the next one, which ``tail_balance``'s fluid assumes."""
     free = slots - (splits - 1) * pairs
     if splits < 2 or free <= 0:
         return None
-    unit = sm80.TAIL_UNIT
-    weight = max(weight, unit)
-    per_split = -(-tiles * weight // (weight * (splits - 1) + unit))
+    per_split = sm80.tiles_per_split(tiles, splits, weight)
     long, tail = per_split + fixed, max(tiles - (splits - 1) * per_split, 0) + fixed
     if -(-long // tail) * free >= pairs:  # every tail starts before the long splits end
         return max(long, -(-pairs // free) * tail)
@@ -351,15 +349,13 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         hkv = cache.k_res.shape[2]
         if tq != 1 or not measured_grids(cache.fmt, d):
             return one
-        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
-        dtype = cache.k_res.dtype
-        if self.unsplit(cache.fmt, dtype, d, nh, bsz, hkv, tq, max_len, device):
+        nh, slots = self.default_grid(cache, q_shape, device)
+        if self.unsplit(cache.fmt, cache.k_res.dtype, d, nh, bsz, hkv, tq, max_len, device):
             return one
         pairs, tiles = bsz * hkv, cache.fmt.tiles(max_len)
-        slots = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, dtype)
         if not pairs <= slots < 2 * pairs:
             return one
-        most = max(1, min(tiles // sm80_backend.MIN_TILES_PER_SPLIT, sm80.MAX_SPLITS))
+        most = sm80_backend.most_splits(tiles)
         even = sm80_backend.fewest_waves(pairs, slots, tiles, most, CTA_FIXED_TILES)
         single = tail_time(pairs, slots, tiles, 2, weight) if weight else None
         if single is None:  # (no tail, or no slot free for one)
@@ -374,9 +370,14 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         # every kernel has at least one slot an SM: fewer pairs than SMs never outnumber them
         if tq != 1 or bsz * hkv <= num_sms(device) or not measured_grids(cache.fmt, d):
             return 1
-        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
-        slots = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, cache.k_res.dtype)
-        return wave_splits(bsz * hkv, slots, cache.fmt.tiles(max_len))
+        return wave_splits(bsz * hkv, self.default_grid(cache, q_shape, device)[1], cache.fmt.tiles(max_len))
+
+    def default_grid(self, cache, q_shape, device) -> Tuple[int, int]:
+        """(heads tile, CTA slots) of the default decode kernel for this request: the slots
+        are the SMs times its CTAs an SM, which the split rules fill."""
+        bsz, tq, hq, d = q_shape
+        nh = self.heads_tile(query_rows(tq, hq, cache.k_res.shape[2]), tq)
+        return nh, num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, cache.k_res.dtype)
 
     def tail_weight(self, cache, q_shape, splits: int, max_len: int, device) -> int:
         """The weight of ``split_tiles`` for ``splits`` splits of the default kernel: with P
@@ -395,12 +396,11 @@ class Sm90Backend(sm80_backend.Sm80Backend):
                 or not measured_grids(cache.fmt, d)):
             return even
         hkv = cache.k_res.shape[2]
-        nh = self.heads_tile(query_rows(tq, hq, hkv), tq)
-        dtype = cache.k_res.dtype
-        if self.grid_variant(cache.fmt, dtype, d, nh, bsz, hkv, tq, device, splits):
+        nh, slots = self.default_grid(cache, q_shape, device)
+        if self.grid_variant(cache.fmt, cache.k_res.dtype, d, nh, bsz, hkv, tq, device, splits):
             return even
         pairs = bsz * hkv
-        spare = num_sms(device) * self.ctas_per_sm(cache.fmt, d, nh, dtype) - pairs * (splits - 1)
+        spare = slots - pairs * (splits - 1)
         if spare <= 0:
             return even
         rounds = cache.fmt.bits == cache.fmt.v_bits == WHOLE_ROUNDS_BITS

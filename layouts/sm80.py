@@ -66,6 +66,14 @@ BANK_BYTES = 4
 # --------------------------------------------------------------------------------------
 
 
+def tiles_per_split(n_tiles: int, num_splits: int, tail_weight: int = TAIL_UNIT) -> int:
+    """Tiles of every split but the last in a partition of ``n_tiles`` with ``tail_weight``
+    (in sixteenths, ``TAIL_UNIT``; one unit or less: even): ceil(n w / (w (S - 1) +
+    TAIL_UNIT)), the last split the rest (``kernels_sm80.tensors.split_tiles`` on the GPU)."""
+    weight = max(tail_weight, TAIL_UNIT)
+    return -(-n_tiles * weight // (weight * (num_splits - 1) + TAIL_UNIT))
+
+
 def residual_block(bits: int) -> int:
     """Nr: tokens one CTA's warps cover in one packed V tile (128 for 4-bit, 256 for 2-bit)."""
     return WARPS_N * LDSM_ROWS * packing.codes_per_half(bits)
