@@ -46,6 +46,16 @@ def _cache_stand_in(fmt: KVFormat, dtype=None, tokens: int = 128):
     return SimpleNamespace(fmt=fmt, k_res=torch.empty(1, tokens, 8, 128, dtype=dtype or torch.float16))
 
 
+@pytest.fixture
+def h200_sms(monkeypatch):
+    """The split heuristics see the H200's 132 SMs (where the counts the tests name were
+    measured)."""
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    for module in (sm90, kernels):
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg", DECODE, ids=lambda c: f"{c[0]}b-{c[1]}-g{c[2]}-{c[3]}-d{c[4]}-h{c[5]}-{'split' if c[6] else 'direct'}")
 def test_decode_ptx(arch, cfg, tmp_path):
@@ -676,7 +686,7 @@ def test_sm90_consumers_config(tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
-def test_sm90_small_grid_variant(monkeypatch, tmp_path):
+def test_sm90_small_grid_variant(monkeypatch, tmp_path, h200_sms):
     """Grids of few (sequence, KV head) pairs (B <= 2 at Hkv=8 on 132 SMs) take the one-CTA
     kernel with two consumers and K's scale not in Q, for the formats it was measured on;
     the split heuristic and the plan follow the same choice, the JIT cache keeps the two
@@ -687,8 +697,6 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path):
     from bitdecode.kernels_sm80 import backend as sm80_backend
     from bitdecode.kernels_sm90 import backend as sm90
 
-    for module in (sm90, sm80_backend):  # the H200's SMs
-        monkeypatch.setattr(module, "num_sms", lambda device: 132)
     be, fmt, f16 = sm90.BACKEND, KVFormat(4, "channel", 128), torch.float16
     dev = torch.device("cpu")
     assert be.grid_variant(fmt, f16, 128, 8, 1, 8, 1, dev) == "small"
@@ -885,7 +893,7 @@ def test_per_stream_values():
     assert cache.get("s1", make("e")) == ["e"]
 
 
-def test_sm90_weighted_tail(monkeypatch):
+def test_sm90_weighted_tail(monkeypatch, h200_sms):
     """Where the default kernel's whole waves leave SM slots free (B=16 Hkv=8 on 132 SMs:
     256 CTAs on 264 slots; B=28: 224), the sm90 split heuristic takes one more split, whose
     tail's tiles end with the long splits' on the free slots (the fixed-cost model of
@@ -898,8 +906,6 @@ def test_sm90_weighted_tail(monkeypatch):
     from bitdecode.kernels_sm80 import backend as sm80_backend
     from bitdecode.kernels_sm90 import backend as sm90
 
-    for module in (sm90, sm80_backend):  # the H200's SMs
-        monkeypatch.setattr(module, "num_sms", lambda device: 132)
     be, dev, even = sm90.BACKEND, torch.device("cpu"), sm80.TAIL_UNIT
 
     for bits, tokens in ((4, 128), (2, 256)):
@@ -949,7 +955,7 @@ def test_sm90_weighted_tail(monkeypatch):
     assert made == [be.tail_weight(cache, (16, 1, 32, 128), 3, 65536, dev), even] and made[0] > even
 
 
-def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
+def test_sm90_splits_past_one_wave_and_short_tails(h200_sms):
     """Where the pairs outnumber the default kernel's 264 slots by up to 1.75x (B=33-58 at
     Hkv=8 on 132 SMs), sm90 splits each pair in 2 or 4 by the whole-wave model, and keeps
     one split past that and on formats it was not measured on; after one even
@@ -957,11 +963,8 @@ def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
     of ``MANY_PAIRS_MAX`` and ``ONE_SPLIT_TAIL_MIN_TOKENS``)."""
     import torch
 
-    from bitdecode.kernels_sm80 import backend as sm80_backend
     from bitdecode.kernels_sm90 import backend as sm90
 
-    for module in (sm90, sm80_backend):  # the H200's SMs
-        monkeypatch.setattr(module, "num_sms", lambda device: 132)
     be, dev, even = sm90.BACKEND, torch.device("cpu"), sm80.TAIL_UNIT
 
     def splits(bits, b, n, k_mode="channel"):
@@ -984,7 +987,7 @@ def test_sm90_splits_past_one_wave_and_short_tails(monkeypatch):
     assert be.tail_weight(_cache_stand_in(KVFormat(4, "channel", 128)), (20, 1, 32, 128), 2, 16384, dev) > even
 
 
-def test_sm90_even_waves_where_one_split_leaves_slots_idle(monkeypatch):
+def test_sm90_even_waves_where_one_split_leaves_slots_idle(h200_sms):
     """Where one split's CTAs fill more than half the 264 slots but not all (B=17-33 at Hkv=8
     on 132 SMs), sm90 takes the even count whose whole waves end soonest where the model
     has it ahead of one split, or of one split and a weighted tail (the counts below timed
@@ -995,11 +998,8 @@ def test_sm90_even_waves_where_one_split_leaves_slots_idle(monkeypatch):
 
     import torch
 
-    from bitdecode.kernels_sm80 import backend as sm80_backend
     from bitdecode.kernels_sm90 import backend as sm90
 
-    for module in (sm90, sm80_backend):  # the H200's SMs
-        monkeypatch.setattr(module, "num_sms", lambda device: 132)
     be, dev = sm90.BACKEND, torch.device("cpu")
 
     def splits(bits, b, n, k_mode="channel", hq=32, tq=1):
