@@ -558,7 +558,7 @@ ENV_PDL = "BITDECODE_PDL"
 
 
 def pdl_enabled() -> bool:
-    """Whether the Hopper GEMV / mma.sync GEMM launch with PDL (``$BITDECODE_PDL != 0``)."""
+    """Whether the Hopper GEMV and GEMMs launch with PDL (``$BITDECODE_PDL != 0``)."""
     return os.environ.get(ENV_PDL, "1").strip() != "0"
 
 
@@ -660,7 +660,9 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
                 full, splits, tails = mod.tile_count(cfg, m, n), 1, 0
             else:
                 full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
-            cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k)  # only what the plan needs
+            # (only what the plan needs; PDL where it pays: ``pdl_plan``)
+            cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k,
+                                      pdl=mod.pdl_plan(m) and jit.has_pdl(arch) and pdl_enabled())
             extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, extra, split_work)

@@ -29,11 +29,14 @@ far as the ring lets them.  (The previous kernel, cp.async by every thread and a
 lock step: with its wgmmas removed it still took 489 us at M = 4096, 20480 x 3200, against
 640 us in all, H200; profiles/NOTES.md.)
 
-No programmatic dependent launch: with the first stages' weights requested before
-``griddepcontrol.wait`` (db2e5cb, removed since) back-to-back GEMMs were slower on the H200
-even where the next GEMM's CTAs fit beside ours (M = 256, 2560 x 2560: 10.5 against 8.7
-us), and on the previous kernel with larger grids 13.5 -> 19.4 us: the next GEMM's waiting
-CTAs hold SM slots (and ask for weights) while ours still run.
+Programmatic dependent launch (``pdl``, up to ``PDL_MAX_M`` tokens): every thread waits for
+the previous grid before its first global access (x, the scales, the weights, out, the
+split workspace), and each CTA lets the next grid launch once it is past that wait, so the
+next GEMM's launch and prologue (barrier init, descriptor prefetch, setmaxnreg) overlap
+this one's drain.  Nothing is read before the wait: with the first stages' weights
+requested before it the next CTAs' copies competed with ours (H200, thirty-third session:
+M = 256 1.2-1.5x slower; db2e5cb measured the same on an earlier kernel), and a trigger
+after the main loop instead of at the wait lost 7-18 % at M = 256 (profiles/NOTES.md).
 
 Split-K.  Tiles that do not fill the last wave are split along K (``split_plan``): each
 split stores its int32 sums in a workspace, and the last of a tile to arrive adds them and
@@ -125,6 +128,9 @@ class WgmmaConfig:
     cluster_k: int = 1
     # ``cluster_plan``: a cluster CTA per this many K groups (0: this tile never splits so)
     cluster_groups: int = 0
+    # programmatic dependent launch (``pdl_plan``): wait for the previous grid before the
+    # first global access, then let the next one launch
+    pdl: bool = False
 
     def __post_init__(self):
         assert self.block_m in (64, 96, 128, 192, 256) and self.warpgroups in (1, 2) and self.stages >= 2
@@ -309,6 +315,19 @@ def cluster_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int) -> int:
     return max(1, min(groups // cfg.cluster_groups, MAX_CLUSTER_K, cfg.max_cluster_k, slots // tiles))
 
 
+# Programmatic dependent launch up to this many tokens.  H200, two runs over the eight
+# shapes at M = 64 / 256 / 1024 / 4096, graph replay of back-to-back GEMMs, time with PDL
+# over without (profiles/h200/gemm_variants_pdl*.json): M = 64 0.85-0.97, M = 256 0.89-0.98,
+# M = 1024 0.94-1.01; M = 4096 0.98-1.02 but 13824 x 2560 1.04 in both runs.
+PDL_MAX_M = 1024
+
+
+def pdl_plan(m: int) -> bool:
+    """Whether a GEMM of ``m`` tokens launches with PDL (``WgmmaConfig.pdl``), where the
+    GPU and ``$BITDECODE_PDL`` allow it."""
+    return m <= PDL_MAX_M
+
+
 def k_bounds(part, parts, total_groups):
     """(first group, end group) of K part ``part`` of ``parts`` (host ints or traced values)."""
     return part * total_groups // parts, (part + 1) * total_groups // parts
@@ -432,6 +451,7 @@ class BitnetGemmSm90:
             stream=stream,
             min_blocks_per_mp=cfg.ctas_per_sm,
             preferred_smem_carveout=100,
+            use_pdl=cfg.pdl,
         )
 
     @cute.kernel
@@ -481,6 +501,9 @@ class BitnetGemmSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.threads // WARP),
             tx_count=self.tx_bytes,
         )
+        if const_expr(cfg.pdl):
+            cute.arch.griddepcontrol_wait()  # x, the scales, the weights, out, the split workspace
+            cute.arch.griddepcontrol_launch_dependents()
         if warp < WG_THREADS // WARP:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:

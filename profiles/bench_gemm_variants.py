@@ -13,7 +13,8 @@ keep the host's choice): ``tile`` (small, medium or large: ``kernels_sm90.bitnet
 SMALL / MEDIUM / LARGE), any ``WgmmaConfig`` field of the tile (``stages``,
 ``ctas_per_sm``, ...), ``cluster_k`` (CTAs a cluster split puts on a tile; 1: none),
 ``splits`` (the workspace split of the last wave's tiles: that many CTAs a tail tile,
-1: whole tiles), ``kernel`` (``mma`` times the mma.sync kernel instead).
+1: whole tiles), ``pdl`` (True / False: launch with programmatic dependent launch or
+not; unset: ``pdl_plan``'s choice), ``kernel`` (``mma`` times the mma.sync kernel instead).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from bench_variants import add_variant_arguments, variants_of, write_result  # n
 
 DEFAULT_SHAPES = "2560x2560,3840x2560,13824x2560,2560x6912,3200x3200,4800x3200,3200x10240,20480x3200"
 TILES = {"small": "SMALL", "medium": "MEDIUM", "large": "LARGE"}  # --variant tile=... -> bitnet_gemm's config
-PLAN_KEYS = ("tile", "cluster_k", "splits", "kernel")
+PLAN_KEYS = ("tile", "cluster_k", "splits", "pdl", "kernel")
 
 
 def parse_shapes(text: str) -> List[Tuple[int, int]]:
@@ -91,15 +92,16 @@ def applied(kwargs: Dict[str, object]):
     from bitdecode import bitnet as bn
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    host = g90.config_for, g90.cluster_plan, g90.split_plan
+    host = g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan
     g90.config_for = lambda m, n, sms: variant_tile(kwargs, m, n, sms, host[0])
-    g90.cluster_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:])[0]
-    g90.split_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:])[1]
+    g90.cluster_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:3])[0]
+    g90.split_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:3])[1]
+    g90.pdl_plan = lambda m: bool(kwargs["pdl"]) if "pdl" in kwargs else host[3](m)
     bn._LAUNCHERS.clear()
     try:
         yield
     finally:
-        g90.config_for, g90.cluster_plan, g90.split_plan = host
+        g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan = host
         bn._LAUNCHERS.clear()
 
 

@@ -484,6 +484,8 @@ def test_kernel_configs():
                 assert 1 <= wk <= min(cfg.max_wk, groups)
             cfg90 = g90.config_for(m, n, 132)
             assert cfg90.block_m >= min(m, 64) and cfg90.threads in (128, 256)
+    # PDL up to PDL_MAX_M tokens (level to 4 % slower at M = 4096 on the H200)
+    assert g90.pdl_plan(1) and g90.pdl_plan(g90.PDL_MAX_M) and not g90.pdl_plan(g90.PDL_MAX_M + 1)
     # split-K only where the last wave is partial: whole tiles first, at most the idle slots
     # of tail CTAs, at least MIN_SPLIT_GROUPS groups each
     for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE):
@@ -639,8 +641,9 @@ def test_wgmma_gemm_compiles(tmp_path):
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     split = [dataclasses.replace(cfg, split_k=True) for cfg in (g90.SMALL, g90.LARGE)]
-    cluster = [dataclasses.replace(cfg, cluster_k=3) for cfg in (g90.SMALL, g90.MEDIUM)]
-    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.MEDIUM_96, g90.LARGE_192,
+    # (PDL as the host launches M <= 1024: the cluster splits and the 96-token tile)
+    cluster = [dataclasses.replace(cfg, cluster_k=3, pdl=True) for cfg in (g90.SMALL, g90.MEDIUM)]
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, dataclasses.replace(g90.MEDIUM_96, pdl=True), g90.LARGE_192,
                 g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split, *cluster):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
@@ -651,6 +654,12 @@ def test_wgmma_gemm_compiles(tmp_path):
         assert re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{g90.PRODUCER_REGS};", ptx)
         assert re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{cfg.consumer_regs};", ptx)
         assert "cp.async.cg" not in ptx and "cp.async.wait_group" not in ptx
+        # PDL: every thread waits for the previous grid before the first copy of anything,
+        # then lets the next grid launch
+        assert ("griddepcontrol.wait" in ptx) == ("griddepcontrol.launch_dependents" in ptx) == cfg.pdl
+        if cfg.pdl:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+            assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("cp.async.bulk")
         # the epilogue: one reciprocal per token (no division per value), bf16 pairs through
         # stmatrix .trans into the [token, row] staging tile
         assert "div.rn.f32" not in ptx and "rcp.rn.f32" in ptx and "fma.rn.f32" in ptx
@@ -993,6 +1002,42 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
                     _check(out, bn.reference_gemm(x, wp, xs, ws, segs), torch.zeros(1), torch.zeros(1))
                 # the split CTAs leave the counts at zero, for the next launch
                 assert not count.any(), (cfg, m, full, splits)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_wgmma_gemm_reads_the_gemm_before():
+    """PDL (M <= 1024): a wgmma GEMM launched right after another reads that one's output
+    (its int32 sums taken as int8 bytes) only once it is complete, and the first one's
+    output is not overwritten early: eager, then replayed in a CUDA graph; every value
+    exact."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs Hopper")
+    m, n, k = 256, 2560, 2560
+    assert bn.gemm_kernel_for(m, "cuda", n, k) == "wgmma"
+    w1, wp1 = _weights(n, k)
+    w2, wp2 = _weights(640, 4 * n)  # x of the second: the first's [m, n] int32 as [m, 4n] int8
+    x, xs = _acts(m, k, 5)
+    ws = torch.ones(1, device="cuda")
+
+    def step():
+        first = bn.gemm(x, wp1, xs, ws, out_dtype=torch.int32)
+        return first, bn.gemm(first.view(torch.int8), wp2, xs, ws, out_dtype=torch.int32)
+
+    first, second = step()
+    want_first = bn.accumulate(x, w1)
+    assert torch.equal(first, want_first)
+    want = bn.accumulate(want_first.view(torch.int8), w2)
+    assert torch.equal(second, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first, second = step()
+    for _ in range(3):
+        first.fill_(-7)
+        second.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(first, want_first) and torch.equal(second, want)
 
 
 @pytest.mark.gpu

@@ -208,13 +208,14 @@ def test_bench_variants_write_result(tmp_path, monkeypatch):
 
 def test_bench_gemm_variants_arguments(capsys):
     """profiles/bench_gemm_variants.py: the variant keys (tile, WgmmaConfig fields, cluster
-    CTAs, workspace splits, kernel) become the tile and plans the host launches, unset keys
+    CTAs, workspace splits, PDL, kernel) become the tile and plans the host launches, unset keys
     keep the host's; bad keys, values and shapes are refused naming the argument; without a
     Hopper GPU it says so and exits 2."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     bg = _profile_script("bench_gemm_variants")
     host = g90.config_for, g90.cluster_plan, g90.split_plan
+    host_pdl = g90.pdl_plan
 
     def chosen(kwargs, m, n, k):
         cfg = bg.variant_tile(kwargs, m, n, 132, host[0])
@@ -239,7 +240,14 @@ def test_bench_gemm_variants_arguments(capsys):
     with bg.applied({"tile": "medium", "cluster_k": 2}):
         assert g90.config_for(64, 2560, 132) == g90.MEDIUM
         assert g90.cluster_plan(g90.MEDIUM, 64, 2560, 2560, 132) == 2
-    assert (g90.config_for, g90.cluster_plan, g90.split_plan) == host  # restored
+        assert g90.pdl_plan(64) and not g90.pdl_plan(4096)  # unset: the host's
+    # pdl is a plan key: it decides the launch whatever the host would, and never reaches
+    # the tile as a field
+    for pdl in (True, False):
+        with bg.applied({"pdl": pdl}):
+            assert g90.pdl_plan(64) == g90.pdl_plan(4096) == pdl
+            assert g90.config_for(64, 2560, 132) == g90.SMALL
+    assert (g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan) == host + (host_pdl,)  # restored
     assert bg.parse_shapes("2560x2560,20480x3200") == [(2560, 2560), (20480, 3200)]
     for bad in ("2560", "2561x2560", "2560x100", "0x128"):
         with pytest.raises(ValueError, match="--shapes"):
