@@ -655,13 +655,15 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
             # the wgmma kernel splits the tiles of a partial last wave along K (its workspace:
             # the tail tiles' int32 partial sums and arrival counts; none without a tail)
             # (or, where its tiles leave half the CTA slots idle, along K over a cluster's CTAs)
-            cluster_k = mod.cluster_plan(cfg, m, n, k, sms)
-            if cluster_k > 1:
+            # (or, with more tiles than CTA slots, a persistent grid: ``persistent_plan``)
+            persistent = mod.persistent_plan(cfg, m, n, k, sms)
+            cluster_k = 1 if persistent else mod.cluster_plan(cfg, m, n, k, sms)
+            if cluster_k > 1 or persistent:
                 full, splits, tails = mod.tile_count(cfg, m, n), 1, 0
             else:
                 full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
             # (only what the plan needs; PDL where it pays: ``pdl_plan``)
-            cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k,
+            cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k, persistent=persistent,
                                       pdl=mod.pdl_plan(m) and jit.has_pdl(arch) and pdl_enabled())
             extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))

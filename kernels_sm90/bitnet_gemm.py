@@ -93,6 +93,7 @@ KSTEPS = fmt.GROUP_K // fmt.TILE_K  # wgmma k-steps per group
 A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas read
 PRODUCER_REGS = 40  # the producer warpgroup only issues copies
 MAX_REGS = 240  # what a consumer asks for at most (setmaxnreg allows 256)
+SMEM_BYTES = 227 * 1024  # an sm_90 CTA's shared memory at most
 
 
 class Barrier:
@@ -131,11 +132,18 @@ class WgmmaConfig:
     # programmatic dependent launch (``pdl_plan``): wait for the previous grid before the
     # first global access, then let the next one launch
     pdl: bool = False
+    # a persistent grid of this many CTAs (``persistent_plan``; 0: a CTA a tile): CTA ``b``
+    # takes tiles b, b + persistent, .. with the ring running on from tile to tile, so the
+    # next tile's first stages load while this one's epilogue runs (the output is staged in
+    # its own buffer, not in the token ring)
+    persistent: int = 0
 
     def __post_init__(self):
         assert self.block_m in (64, 96, 128, 192, 256) and self.warpgroups in (1, 2) and self.stages >= 2
         assert self.ctas_per_sm in (1, 2)
         assert 1 <= self.cluster_k <= self.max_cluster_k and not (self.split_k and self.cluster_k > 1)
+        assert not self.persistent or (not self.split_k and self.cluster_k == 1)
+        assert not self.persistent or self.persistent_smem_bytes <= SMEM_BYTES, self
 
     @property
     def tile_sum_bytes(self) -> int:
@@ -178,9 +186,23 @@ class WgmmaConfig:
         return self.warpgroups * STAGE_W_BYTES
 
     @property
+    def out_stage_bytes(self) -> int:
+        """The staged output tile."""
+        return self.block_m * self.out_row_bytes
+
+    @property
+    def persistent_smem_bytes(self) -> int:
+        """Shared memory of the persistent variant (its rings, staged output, token scales)
+        at most."""
+        return (self.stages * (self.x_stage_bytes + self.w_stage_bytes) + self.out_stage_bytes
+                + 8 * self.block_m + 2048)
+
+    @property
     def x_ring_bytes(self) -> int:
-        """The token ring, which the staged output tile reuses."""
-        return max(self.stages * self.x_stage_bytes, self.block_m * self.out_row_bytes)
+        """The token ring, which the staged output tile reuses (a persistent CTA's ring
+        holds the next tile's tokens by then: it stages in a buffer of its own)."""
+        ring = self.stages * self.x_stage_bytes
+        return ring if self.persistent else max(ring, self.out_stage_bytes)
 
     @property
     def entry_regs(self) -> int:
@@ -328,6 +350,25 @@ def pdl_plan(m: int) -> bool:
     return m <= PDL_MAX_M
 
 
+# A persistent grid (``WgmmaConfig.persistent``) for one-CTA-an-SM tiles with more tiles
+# than SMs and K of at most this many 128-column groups.  H200, one run, time persistent
+# over a CTA a tile (profiles/h200/gemm_variants_persistent.json): M = 1024 13824 x 2560
+# 0.915, 20480 x 3200 0.956; M = 4096, K <= 3200: 0.98-1.02 (2560 x 2560 0.980, 20480 x 3200
+# 0.981, 3200 x 3200 1.020); longer K lost (2560 x 6912 1.018, 3200 x 10240 1.099: the tiles
+# are dealt round-robin, where a CTA a tile lets an SM that finished early take the next).
+PERSISTENT_MAX_GROUPS = 25
+
+
+def persistent_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int) -> int:
+    """CTAs of a persistent grid for this GEMM (0: a CTA a tile): one per SM where the tile
+    runs one CTA an SM, there are more tiles than SMs, K is at most
+    ``PERSISTENT_MAX_GROUPS`` groups and the variant's staging fits in shared memory."""
+    if (cfg.ctas_per_sm != 1 or tile_count(cfg, m, n) <= sms or k // fmt.GROUP_K > PERSISTENT_MAX_GROUPS
+            or cfg.persistent_smem_bytes > SMEM_BYTES):
+        return 0
+    return sms
+
+
 def k_bounds(part, parts, total_groups):
     """(first group, end group) of K part ``part`` of ``parts`` (host ints or traced values)."""
     return part * total_groups // parts, (part + 1) * total_groups // parts
@@ -362,6 +403,11 @@ class CtaWork:
         part = bx % cluster_k
         group0, group1 = k_bounds(part, cluster_k, total_groups)
         return CtaWork(bx // cluster_k, bn, group0, group1 - group0, Int32(cluster_k), part, Int32(0))
+
+    @staticmethod
+    def tile(t, tiles_m, total_groups):
+        """Tile ``t`` of a persistent CTA (launch order as ``of``), the whole of K."""
+        return CtaWork(t % tiles_m, t // tiles_m, Int32(0), total_groups, Int32(1), Int32(0), Int32(0))
 
     @staticmethod
     def whole(total_groups):
@@ -410,7 +456,15 @@ class BitnetGemmSm90:
             flag: cute.struct.MemRange[Int32, 1]  # a split CTA learned it is its tile's last
             sums_bar: cute.struct.MemRange[cutlass.Int64, 1]  # a cluster split's sums have landed
 
-        return Storage
+        if const_expr(not cfg.persistent):
+            return Storage
+
+        @cute.struct
+        class PersistentStorage:
+            base: Storage
+            sOut: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.out_stage_bytes], 128]
+
+        return PersistentStorage
 
     @cute.jit
     def __call__(
@@ -442,6 +496,8 @@ class BitnetGemmSm90:
         grid = [tiles_m * cfg.cluster_k, tiles_n, 1]
         if const_expr(cfg.split_k):
             grid = [full_tiles + (tiles_m * tiles_n - full_tiles) * splits, 1, 1]
+        if const_expr(cfg.persistent):
+            grid = [cutlass.min(tiles_m * tiles_n, cfg.persistent), 1, 1]
         cluster = {"cluster": [cfg.cluster_k, 1, 1]} if cfg.cluster_k > 1 else {}
         self.kernel(tma_x, tma_tx, mW, mXScale, mWScale, mOut, e1, e2, e3, mWork, mCount, full_tiles, splits,
                     self._shared_storage()).launch(
@@ -488,6 +544,10 @@ class BitnetGemmSm90:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
+        s_out = None
+        if const_expr(cfg.persistent):
+            s_out = storage.sOut.data_ptr().toint()
+            storage = storage.base
         x_layout = self.x_layout()
         sX = storage.sX.get_tensor(x_layout.outer, swizzle=x_layout.inner)
         sW = storage.sW.get_tensor(cute.make_layout((cfg.stages * cfg.w_stage_bytes,)))
@@ -507,7 +567,14 @@ class BitnetGemmSm90:
         if warp < WG_THREADS // WARP:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.produce(ring, tma_x, mXt, sX, mW, sW, work, tidx)
+                if const_expr(cfg.persistent):
+                    tiles_m, tiles_n = grid_for(cfg, mOut.shape[0], mOut.shape[1])
+                    for t in cutlass.range(cute.arch.block_idx()[0], tiles_m * tiles_n, cute.arch.grid_dim()[0],
+                                           unroll=1):
+                        uses = (t - cute.arch.block_idx()[0]) // cute.arch.grid_dim()[0] * groups
+                        self.produce(ring, tma_x, mXt, sX, mW, sW, CtaWork.tile(t, tiles_m, groups), tidx, uses)
+                else:
+                    self.produce(ring, tma_x, mXt, sX, mW, sW, work, tidx)
             if const_expr(cfg.cluster_k > 1):
                 # the cluster's two barriers count every thread (see ``sum_cluster``)
                 cute.arch.cluster_arrive()
@@ -517,32 +584,62 @@ class BitnetGemmSm90:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
             sXRcp = storage.sXRcp.get_tensor(cute.make_layout((cfg.block_m,)))
-            if const_expr(not cfg.raw):
-                self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, tidx - WG_THREADS)
-            acc, thr_mma = self.consume(ring, sX, sW, work.groups, tidx - WG_THREADS)
-            # every consumer's wgmmas are done: the token ring may hold the output tile (all
-            # loads have landed, as every stage was waited for); the token scales are in
-            cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
-            ctid = tidx - WG_THREADS
-            last = Int32(1)  # a split tile: only the CTA that ends up with the whole sum stores it
-            if const_expr(cfg.cluster_k > 1):
-                last = self.sum_cluster(acc, storage, work, ctid)
-            elif const_expr(cfg.split_k):
-                if work.splits > 1:
-                    last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work,
-                                           ctid)
-            if last != 0:
-                self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
+            if const_expr(cfg.persistent):
+                tiles_m, tiles_n = grid_for(cfg, mOut.shape[0], mOut.shape[1])
+                for t in cutlass.range(cute.arch.block_idx()[0], tiles_m * tiles_n, cute.arch.grid_dim()[0],
+                                       unroll=1):
+                    uses = (t - cute.arch.block_idx()[0]) // cute.arch.grid_dim()[0] * groups
+                    self.tile(ring, sX, sW, sXScale, sXRcp, s_out, mXScale, mWScale, mOut, e1, e2, e3,
+                              CtaWork.tile(t, tiles_m, groups), tidx - WG_THREADS, uses)
+            else:
+                self.whole_or_split(ring, sX, sW, sXScale, sXRcp, storage, mXScale, mWScale, mOut, e1, e2, e3, mWork,
+                                    mCount, work, tidx - WG_THREADS)
+
+    @cute.jit
+    def tile(self, ring, sX, sW, sXScale, sXRcp, s_out: Int32, mXScale, mWScale, mOut, e1: Int32, e2: Int32,
+             e3: Int32, work, ctid: Int32, uses: Int32):
+        """A persistent CTA's tile ``work``, whose first group is the ring's use ``uses``:
+        the main loop, then the epilogue through ``s_out``.  The barrier before the
+        epilogue also keeps it from overwriting the staged tile before the previous tile's
+        stores have read it."""
+        cfg = self.cfg
+        if const_expr(not cfg.raw):
+            self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, ctid)
+        acc, thr_mma = self.consume(ring, sX, sW, work.groups, ctid, uses)
+        cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
+        self.epilogue(acc, thr_mma, s_out, sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
+
+    @cute.jit
+    def whole_or_split(self, ring, sX, sW, sXScale, sXRcp, storage, mXScale, mWScale, mOut, e1: Int32, e2: Int32,
+                       e3: Int32, mWork, mCount, work, ctid: Int32):
+        """A CTA's one tile (or split of one): main loop, the split's sums, the epilogue
+        through the token ring."""
+        cfg = self.cfg
+        if const_expr(not cfg.raw):
+            self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, ctid)
+        acc, thr_mma = self.consume(ring, sX, sW, work.groups, ctid)
+        # every consumer's wgmmas are done: the token ring may hold the output tile (all
+        # loads have landed, as every stage was waited for); the token scales are in
+        cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
+        last = Int32(1)  # a split tile: only the CTA that ends up with the whole sum stores it
+        if const_expr(cfg.cluster_k > 1):
+            last = self.sum_cluster(acc, storage, work, ctid)
+        elif const_expr(cfg.split_k):
+            if work.splits > 1:
+                last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work, ctid)
+        if last != 0:
+            self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
 
     # ---------------------------------------------------------------------------------
     # Producer: warp 0 of warpgroup 0
     # ---------------------------------------------------------------------------------
     @cute.jit
     def produce(self, ring, tma_x, mXt: cute.Tensor, sX: cute.Tensor, mW: cute.Tensor, sW: cute.Tensor,
-                work, tidx: Int32):
+                work, tidx: Int32, uses=0):
         """Group after group: wait for a free stage, then one TMA box of the token tile and
         lane ``i``'s bulk copy of weight stripe ``i`` (512 contiguous bytes), all on the
-        stage's mbarrier."""
+        stage's mbarrier.  ``uses``: the ring's uses before this tile's first group (a
+        persistent CTA's earlier tiles)."""
         cfg = self.cfg
         lane = tidx % WARP
         gX = cute.local_tile(mXt, (cfg.block_m, fmt.GROUP_K), (work.bm, None))  # (block_m, 128, groups)
@@ -555,7 +652,7 @@ class BitnetGemmSm90:
         stripe = cutlass.min(work.bn * w_stripes + lane, n_stripes - 1)
         w_src = mW.iterator + Int64(stripe) * Int64(row_bytes * fmt.TILE_N)
         w_dst = sW.iterator + lane * fmt.GROUP_BYTES
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        state = seq_state(Int32(uses), cfg.stages, True)
         for kg in cutlass.range(work.group0, work.group0 + work.groups, unroll=1):
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)
@@ -569,8 +666,9 @@ class BitnetGemmSm90:
     # Consumers: 64 weight rows each
     # ---------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, ring, sX: cute.Tensor, sW: cute.Tensor, groups: Int32, ctid: Int32):
-        """The warpgroup's 64 x ``block_m`` int32 tile of ``out.T`` over every group."""
+    def consume(self, ring, sX: cute.Tensor, sW: cute.Tensor, groups: Int32, ctid: Int32, uses=0):
+        """The warpgroup's 64 x ``block_m`` int32 tile of ``out.T`` over every group (the
+        ring's uses ``uses`` ..)."""
         cfg = self.cfg
         lane = ctid % WARP
         g = lane >> 2
@@ -594,7 +692,7 @@ class BitnetGemmSm90:
         for kg0 in cutlass.range(0, groups, A_BUFFERS, unroll=1):
             for buf in cutlass.range_constexpr(A_BUFFERS):
                 kg = kg0 + buf
-                state = seq_state(kg, cfg.stages, False)
+                state = seq_state(uses + kg, cfg.stages, False)
                 if const_expr(buf == 0):
                     ring.consumer_wait(state)
                 else:
@@ -616,8 +714,13 @@ class BitnetGemmSm90:
                 # the wgmmas of the group before are done: its stage is free
                 if kg >= 1:
                     if kg <= groups:
-                        ring.consumer_release(seq_state(kg - 1, cfg.stages, False))
+                        ring.consumer_release(seq_state(uses + kg - 1, cfg.stages, False))
         warpgroup.wait_group(0)
+        if const_expr(cfg.persistent):
+            # an even group count's last stage is still held (odd ones released it after
+            # the phantom group): the ring runs on into the next tile
+            if groups % A_BUFFERS == 0:
+                ring.consumer_release(seq_state(uses + groups - 1, cfg.stages, False))
         return acc, thr_mma
 
     @cute.jit

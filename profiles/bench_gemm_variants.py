@@ -14,7 +14,9 @@ SMALL / MEDIUM / LARGE), any ``WgmmaConfig`` field of the tile (``stages``,
 ``ctas_per_sm``, ...), ``cluster_k`` (CTAs a cluster split puts on a tile; 1: none),
 ``splits`` (the workspace split of the last wave's tiles: that many CTAs a tail tile,
 1: whole tiles), ``pdl`` (True / False: launch with programmatic dependent launch or
-not; unset: ``pdl_plan``'s choice), ``kernel`` (``mma`` times the mma.sync kernel instead).
+not; unset: ``pdl_plan``'s choice), ``persistent`` (True: a persistent grid of a CTA per
+CTA slot, for tiles of one CTA an SM; False: a CTA a tile; unset: ``persistent_plan``'s),
+``kernel`` (``mma`` times the mma.sync kernel instead).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from bench_variants import add_variant_arguments, variants_of, write_result  # n
 
 DEFAULT_SHAPES = "2560x2560,3840x2560,13824x2560,2560x6912,3200x3200,4800x3200,3200x10240,20480x3200"
 TILES = {"small": "SMALL", "medium": "MEDIUM", "large": "LARGE"}  # --variant tile=... -> bitnet_gemm's config
-PLAN_KEYS = ("tile", "cluster_k", "splits", "pdl", "kernel")
+PLAN_KEYS = ("tile", "cluster_k", "splits", "pdl", "persistent", "kernel")
 
 
 def parse_shapes(text: str) -> List[Tuple[int, int]]:
@@ -86,14 +88,27 @@ def variant_plan(kwargs: Dict[str, object], cfg, m: int, n: int, k: int, sms: in
     return 1, (tiles, 1, 0) if kwargs["splits"] == 1 else (tiles - tail, kwargs["splits"], tail)
 
 
+def variant_persistent(kwargs: Dict[str, object], cfg, m: int, n: int, k: int, sms: int, persistent_plan) -> int:
+    """The persistent grid's CTAs the variant gives this GEMM (0: none): with ``persistent``
+    True a CTA an SM wherever the tile runs one an SM and its variant fits in shared
+    memory; unset, the host's (``persistent_plan``)."""
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    if "persistent" not in kwargs:
+        return persistent_plan(cfg, m, n, k, sms)
+    fits = cfg.ctas_per_sm == 1 and cfg.persistent_smem_bytes <= g90.SMEM_BYTES
+    return sms if kwargs["persistent"] and fits else 0
+
+
 @contextlib.contextmanager
 def applied(kwargs: Dict[str, object]):
     """The host's tile and split choices replaced by the variant's for this block."""
     from bitdecode import bitnet as bn
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
-    host = g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan
+    host = g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan, g90.persistent_plan
     g90.config_for = lambda m, n, sms: variant_tile(kwargs, m, n, sms, host[0])
+    g90.persistent_plan = lambda cfg, m, n, k, sms: variant_persistent(kwargs, cfg, m, n, k, sms, host[4])
     g90.cluster_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:3])[0]
     g90.split_plan = lambda cfg, m, n, k, sms: variant_plan(kwargs, cfg, m, n, k, sms, *host[1:3])[1]
     g90.pdl_plan = lambda m: bool(kwargs["pdl"]) if "pdl" in kwargs else host[3](m)
@@ -101,7 +116,7 @@ def applied(kwargs: Dict[str, object]):
     try:
         yield
     finally:
-        g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan = host
+        g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan, g90.persistent_plan = host
         bn._LAUNCHERS.clear()
 
 

@@ -486,6 +486,22 @@ def test_kernel_configs():
             assert cfg90.block_m >= min(m, 64) and cfg90.threads in (128, 256)
     # PDL up to PDL_MAX_M tokens (level to 4 % slower at M = 4096 on the H200)
     assert g90.pdl_plan(1) and g90.pdl_plan(g90.PDL_MAX_M) and not g90.pdl_plan(g90.PDL_MAX_M + 1)
+    # a persistent grid only for one-CTA-an-SM tiles with more tiles than SMs, K of at most
+    # PERSISTENT_MAX_GROUPS groups, and only where its own output staging fits
+    assert g90.persistent_plan(g90.LARGE, 1024, 13824, 2560, 132) == 132  # 432 tiles
+    assert g90.persistent_plan(g90.LARGE, 4096, 20480, 3200, 132) == 132
+    assert g90.persistent_plan(g90.LARGE, 4096, 3200, 10240, 132) == 0  # 80 groups
+    assert g90.persistent_plan(g90.LARGE, 1024, 2560, 2560, 132) == 0  # 80 tiles
+    assert g90.persistent_plan(g90.MEDIUM, 4096, 20480, 3200, 132) == 0  # two CTAs an SM
+    raw = dataclasses.replace(g90.LARGE, raw=True)  # int32 staging: 280 KB with the rings
+    assert raw.persistent_smem_bytes > g90.SMEM_BYTES and g90.persistent_plan(raw, 4096, 20480, 3200, 132) == 0
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.MEDIUM_96, g90.LARGE_192):
+        for m in (64, 256, 1024, 4096):
+            for n, k in ((2560, 2560), (13824, 2560), (20480, 3200), (3200, 10240)):
+                ctas = g90.persistent_plan(cfg, m, n, k, 132)
+                if ctas:
+                    dataclasses.replace(cfg, persistent=ctas)  # (its own checks: fits, no splits)
+                    assert ctas == 132 < g90.tile_count(cfg, m, n)
     # split-K only where the last wave is partial: whole tiles first, at most the idle slots
     # of tail CTAs, at least MIN_SPLIT_GROUPS groups each
     for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE):
@@ -643,7 +659,8 @@ def test_wgmma_gemm_compiles(tmp_path):
     split = [dataclasses.replace(cfg, split_k=True) for cfg in (g90.SMALL, g90.LARGE)]
     # (PDL as the host launches M <= 1024: the cluster splits and the 96-token tile)
     cluster = [dataclasses.replace(cfg, cluster_k=3, pdl=True) for cfg in (g90.SMALL, g90.MEDIUM)]
-    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, dataclasses.replace(g90.MEDIUM_96, pdl=True), g90.LARGE_192,
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, dataclasses.replace(g90.MEDIUM_96, pdl=True),
+                dataclasses.replace(g90.LARGE_192, persistent=132),
                 g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split, *cluster):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
@@ -971,7 +988,9 @@ def test_gpu_gemm(n, k, kernel):
 def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
     """Every tile shape of the sm90 GEMM (the default picks only some per shape): ragged
     M and N tiles, an odd group count (the phantom group), exact sums and bf16 output,
-    whole and split along K (split CTAs with fewer groups than stages included)."""
+    whole and split along K (split CTAs with fewer groups than stages included), and a
+    persistent grid of three CTAs walking every tile (the ring's phases running on from
+    tile to tile)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs Hopper")
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
@@ -984,12 +1003,18 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
         cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw, ctas_per_sm=ctas)
         fns = {split_k: g90.compile_gemm(dataclasses.replace(cfg, split_k=split_k), jit.compile_options("sm_90a"))
                for split_k in (False, True)}
+        persistent = cfg.persistent_smem_bytes <= g90.SMEM_BYTES  # (not int32 256-token tiles)
+        if persistent:
+            fns["persistent"] = g90.compile_gemm(dataclasses.replace(cfg, persistent=3), jit.compile_options("sm_90a"))
         for m in (1, block_m - 3, block_m + 5, 3 * block_m):
             x, xs = _acts(m, k, m)
             tiles = g90.grid_for(cfg, m, n)[0] * g90.grid_for(cfg, m, n)[1]
             # whole tiles (both variants); every tile split in 3; the last one split in 7 (25
             # groups: 3 or 4 each)
-            for split_k, full, splits in ((False, tiles, 1), (True, tiles, 1), (True, 0, 3), (True, tiles - 1, 7)):
+            for split_k, full, splits in ((False, tiles, 1), (True, tiles, 1), (True, 0, 3), (True, tiles - 1, 7),
+                                          ("persistent", tiles, 1)):
+                if split_k == "persistent" and not persistent:
+                    continue
                 fn = fns[split_k]
                 work = torch.full(((tiles - full) * splits * block_m * cfg.block_n + 4,), -5, dtype=torch.int32,
                                   device="cuda")
