@@ -38,6 +38,11 @@ requested before it the next CTAs' copies competed with ours (H200, thirty-third
 M = 256 1.2-1.5x slower; db2e5cb measured the same on an earlier kernel), and a trigger
 after the main loop instead of at the wait lost 7-18 % at M = 256 (profiles/NOTES.md).
 
+Persistent grid.  Where a tile runs one CTA an SM and the tiles outnumber the SMs
+(``persistent_plan``), one CTA an SM walks the tiles round-robin: the producer's ring runs
+on across tiles, so the next tile's first stages land while the consumers run this one's
+epilogue, which stages the output in a buffer of its own instead of the token ring.
+
 Split-K.  Tiles that do not fill the last wave are split along K (``split_plan``): each
 split stores its int32 sums in a workspace, and the last of a tile to arrive adds them and
 stores the tile (``sum_splits``).  Where the tiles leave half the CTA slots idle (small M)
