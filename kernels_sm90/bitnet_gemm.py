@@ -573,11 +573,10 @@ class BitnetGemmSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 if const_expr(cfg.persistent):
-                    tiles_m, tiles_n = grid_for(cfg, mOut.shape[0], mOut.shape[1])
-                    for t in cutlass.range(cute.arch.block_idx()[0], tiles_m * tiles_n, cute.arch.grid_dim()[0],
-                                           unroll=1):
-                        uses = (t - cute.arch.block_idx()[0]) // cute.arch.grid_dim()[0] * groups
-                        self.produce(ring, tma_x, mXt, sX, mW, sW, CtaWork.tile(t, tiles_m, groups), tidx, uses)
+                    tiles_m, first, tiles, step = self.walk(mOut)
+                    for t in cutlass.range(first, tiles, step, unroll=1):
+                        self.produce(ring, tma_x, mXt, sX, mW, sW, CtaWork.tile(t, tiles_m, groups), tidx,
+                                     (t - first) // step * groups)
                 else:
                     self.produce(ring, tma_x, mXt, sX, mW, sW, work, tidx)
             if const_expr(cfg.cluster_k > 1):
@@ -590,15 +589,20 @@ class BitnetGemmSm90:
             sXScale = storage.sXScale.get_tensor(cute.make_layout((cfg.block_m,)))
             sXRcp = storage.sXRcp.get_tensor(cute.make_layout((cfg.block_m,)))
             if const_expr(cfg.persistent):
-                tiles_m, tiles_n = grid_for(cfg, mOut.shape[0], mOut.shape[1])
-                for t in cutlass.range(cute.arch.block_idx()[0], tiles_m * tiles_n, cute.arch.grid_dim()[0],
-                                       unroll=1):
-                    uses = (t - cute.arch.block_idx()[0]) // cute.arch.grid_dim()[0] * groups
+                tiles_m, first, tiles, step = self.walk(mOut)
+                for t in cutlass.range(first, tiles, step, unroll=1):
                     self.tile(ring, sX, sW, sXScale, sXRcp, s_out, mXScale, mWScale, mOut, e1, e2, e3,
-                              CtaWork.tile(t, tiles_m, groups), tidx - WG_THREADS, uses)
+                              CtaWork.tile(t, tiles_m, groups), tidx - WG_THREADS, (t - first) // step * groups)
             else:
                 self.whole_or_split(ring, sX, sW, sXScale, sXRcp, storage, mXScale, mWScale, mOut, e1, e2, e3, mWork,
                                     mCount, work, tidx - WG_THREADS)
+
+    def walk(self, mOut: cute.Tensor):
+        """A persistent CTA's tiles: (token tiles, its first tile, all tiles, step); the
+        producer and the consumers walk the same ones, and the ring's uses before tile
+        ``t`` are ``(t - first) // step`` times the groups of a tile."""
+        tiles_m, tiles_n = grid_for(self.cfg, mOut.shape[0], mOut.shape[1])
+        return tiles_m, cute.arch.block_idx()[0], tiles_m * tiles_n, cute.arch.grid_dim()[0]
 
     @cute.jit
     def tile(self, ring, sX, sW, sXScale, sXRcp, s_out: Int32, mXScale, mWScale, mOut, e1: Int32, e2: Int32,
@@ -693,7 +697,9 @@ class BitnetGemmSm90:
         shift = fmt.kstep_shift(tq)
         # Pairs of groups, one per A buffer; an odd count ends with a phantom group whose A
         # is zero (no branch around the wgmmas: ptxas serializes every wgmma (C7513) when
-        # the accumulators pass through one); its B is whatever the next stage holds
+        # the accumulators pass through one); its B is whatever the next stage holds (in a
+        # persistent CTA possibly the next tile's tokens landing: integer products with a
+        # zero A are zero whatever B holds)
         for kg0 in cutlass.range(0, groups, A_BUFFERS, unroll=1):
             for buf in cutlass.range_constexpr(A_BUFFERS):
                 kg = kg0 + buf

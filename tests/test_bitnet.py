@@ -972,7 +972,9 @@ def test_gpu_gemm(n, k, kernel):
     w, wp = _weights(n, k)
     segs = _segments_for(n)
     ws = torch.rand(len(segs or (n,)), device="cuda") + 0.5
-    ms = (1, 2, 7, 16, 64, 100, 256) + ((1000, 4096) if (n, k) in MODEL_SHAPES else ())
+    # (M = 1024 and 4096: the 256-token tiles, the persistent grid where they outnumber
+    # the SMs, with PDL at 1024)
+    ms = (1, 2, 7, 16, 64, 100, 256) + ((1000, 1024, 4096) if (n, k) in MODEL_SHAPES else ())
     for m in ms:
         x, xs = _acts(m, k, n + k + m)
         raw = bn.gemm(x, wp, xs, ws, segs, kernel=kernel, out_dtype=torch.int32)
