@@ -197,8 +197,8 @@ class WgmmaConfig:
 
     @property
     def persistent_smem_bytes(self) -> int:
-        """Shared memory of the persistent variant (its rings, staged output, token scales)
-        at most."""
+        """Shared memory of the persistent variant at most: its rings, the staged output,
+        the token scales, and 2 KB for the barriers and the alignment padding."""
         return (self.stages * (self.x_stage_bytes + self.w_stage_bytes) + self.out_stage_bytes
                 + 8 * self.block_m + 2048)
 

@@ -209,14 +209,14 @@ def test_bench_variants_write_result(tmp_path, monkeypatch):
 
 def test_bench_gemm_variants_arguments(capsys):
     """profiles/bench_gemm_variants.py: the variant keys (tile, WgmmaConfig fields, cluster
-    CTAs, workspace splits, PDL, a persistent grid, kernel) become the tile and plans the host launches, unset keys
-    keep the host's; bad keys, values and shapes are refused naming the argument; without a
-    Hopper GPU it says so and exits 2."""
+    CTAs, workspace splits, PDL, a persistent grid, kernel) become the tile and plans the
+    host launches, unset keys keep the host's; bad keys, values and shapes are refused
+    naming the argument; without a Hopper GPU it says so and exits 2."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     bg = _profile_script("bench_gemm_variants")
     host = g90.config_for, g90.cluster_plan, g90.split_plan
-    host_pdl = g90.pdl_plan, g90.persistent_plan
+    host_plans = g90.pdl_plan, g90.persistent_plan
 
     def chosen(kwargs, m, n, k):
         cfg = bg.variant_tile(kwargs, m, n, 132, host[0])
@@ -258,7 +258,7 @@ def test_bench_gemm_variants_arguments(capsys):
         assert g90.persistent_plan(g90.LARGE, 4096, 20480, 3200, 132) == 0
     with bg.applied({}):
         assert g90.persistent_plan(g90.LARGE, 4096, 20480, 3200, 132) == 132
-    assert (g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan, g90.persistent_plan) == host + host_pdl
+    assert (g90.config_for, g90.cluster_plan, g90.split_plan, g90.pdl_plan, g90.persistent_plan) == host + host_plans
     assert bg.parse_shapes("2560x2560,20480x3200") == [(2560, 2560), (20480, 3200)]
     for bad in ("2560", "2561x2560", "2560x100", "0x128"):
         with pytest.raises(ValueError, match="--shapes"):
