@@ -1033,6 +1033,36 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("k", [2560, 3200, 128])
+def test_gpu_wgmma_gemm_persistent_group_counts(k):
+    """A persistent grid of three CTAs over many tiles at an even group count (20: the
+    last group's stage is released after the main loop, or the ring runs dry on the next
+    tile), an odd one (25: the phantom group) and one group; exact sums, and bf16 output
+    through the LARGE tile (whose int32 staging does not fit beside its rings)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs Hopper")
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    n = 2560 + 16
+    w, wp = _weights(n, k)
+    ws = torch.ones(1, device="cuda")
+    for cfg, raw in ((g90.MEDIUM_96, True), (g90.LARGE, False)):
+        cfg = dataclasses.replace(cfg, raw=raw, persistent=3)
+        fn = g90.compile_gemm(cfg, jit.compile_options("sm_90a"))
+        m = 2 * cfg.block_m + 7
+        x, xs = _acts(m, k, k)
+        tiles = g90.tile_count(cfg, m, n)
+        dummy = torch.zeros(4, dtype=torch.int32, device="cuda")
+        out = torch.full((m, n), -7, dtype=torch.int32 if raw else torch.bfloat16, device="cuda")
+        fn(x, wp, xs, ws, out, n, n, n, dummy, dummy, tiles, 1)
+        if raw:
+            assert torch.equal(out, bn.accumulate(x, w)), (cfg, k)
+        else:
+            _check(out, bn.reference_gemm(x, wp, xs, ws), torch.zeros(1), torch.zeros(1))
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_wgmma_gemm_reads_the_gemm_before():
     """PDL (M <= 1024): a wgmma GEMM launched right after another reads that one's output
     (its int32 sums taken as int8 bytes) only once it is complete, and the first one's
