@@ -7,7 +7,7 @@ import cutlass.cute as cute
 from cutlass import Int64
 
 from ..layouts.resources import L2_LINE_BYTES
-from ..layouts.sm80 import TAIL_UNIT
+from ..layouts.sm80 import TAIL_UNIT, tiles_per_split
 from .ptx import prefetch_l2
 
 
@@ -58,9 +58,7 @@ def split_tiles(seqlen, tile_tokens: int, split_idx, num_splits, tail_weight):
     n_full = seqlen // tile_tokens
     n_res = seqlen - n_full * tile_tokens
     n_tiles = n_full + (n_res + tile_tokens - 1) // tile_tokens  # the residual is one more tile
-    weight = cutlass.max(tail_weight, TAIL_UNIT)  # (lighter ones would leave tiles past the last split)
-    parts = weight * (num_splits - 1) + TAIL_UNIT
-    per_split = (n_tiles * weight + parts - 1) // parts
+    per_split = tiles_per_split(n_tiles, num_splits, tail_weight, maximum=cutlass.max)
     tile_begin = split_idx * per_split
     tile_end = cutlass.min(tile_begin + per_split, n_tiles)
     packed_end = cutlass.min(tile_end, n_full)

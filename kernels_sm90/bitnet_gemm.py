@@ -98,7 +98,6 @@ KSTEPS = fmt.GROUP_K // fmt.TILE_K  # wgmma k-steps per group
 A_BUFFERS = 2  # A register sets: the group being decoded and the one the wgmmas read
 PRODUCER_REGS = 40  # the producer warpgroup only issues copies
 MAX_REGS = 240  # what a consumer asks for at most (setmaxnreg allows 256)
-SMEM_BYTES = 227 * 1024  # an sm_90 CTA's shared memory at most
 
 
 class Barrier:
@@ -148,7 +147,7 @@ class WgmmaConfig:
         assert self.ctas_per_sm in (1, 2)
         assert 1 <= self.cluster_k <= self.max_cluster_k and not (self.split_k and self.cluster_k > 1)
         assert not self.persistent or (not self.split_k and self.cluster_k == 1)
-        assert not self.persistent or self.persistent_smem_bytes <= SMEM_BYTES, self
+        assert not self.persistent or self.persistent_fits, self
 
     @property
     def tile_sum_bytes(self) -> int:
@@ -201,6 +200,12 @@ class WgmmaConfig:
         the token scales, and 2 KB for the barriers and the alignment padding."""
         return (self.stages * (self.x_stage_bytes + self.w_stage_bytes) + self.out_stage_bytes
                 + 8 * self.block_m + 2048)
+
+    @property
+    def persistent_fits(self) -> bool:
+        """Whether the persistent variant fits in a CTA's shared memory (the int32 output of
+        256-token tiles does not, beside their rings)."""
+        return self.persistent_smem_bytes <= resources.HOPPER_CTA_SMEM_BYTES
 
     @property
     def x_ring_bytes(self) -> int:
@@ -369,7 +374,7 @@ def persistent_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int) -> int:
     runs one CTA an SM, there are more tiles than SMs, K is at most
     ``PERSISTENT_MAX_GROUPS`` groups and the variant's staging fits in shared memory."""
     if (cfg.ctas_per_sm != 1 or tile_count(cfg, m, n) <= sms or k // fmt.GROUP_K > PERSISTENT_MAX_GROUPS
-            or cfg.persistent_smem_bytes > SMEM_BYTES):
+            or not cfg.persistent_fits):
         return 0
     return sms
 

@@ -19,6 +19,8 @@ L2_LINE_BYTES = 128  # an L2 cache line: the granularity of the GEMVs' weight pr
 REGISTER_FILE = SUBPARTITIONS * SUBPARTITION_REGISTERS  # registers of one SM
 MAX_THREAD_REGISTERS = 255
 SETMAXNREG_STEP = 8  # setmaxnreg counts are multiples of 8
+# shared memory one CTA may allocate on sm_90 / sm_100 (227 KB of the SM's 228)
+HOPPER_CTA_SMEM_BYTES = 227 * 1024
 
 
 def ctas_per_sm(registers: int, warps: int) -> int:

@@ -66,12 +66,15 @@ BANK_BYTES = 4
 # --------------------------------------------------------------------------------------
 
 
-def tiles_per_split(n_tiles: int, num_splits: int, tail_weight: int = TAIL_UNIT) -> int:
+def tiles_per_split(n_tiles, num_splits, tail_weight=TAIL_UNIT, maximum=max):
     """Tiles of every split but the last in a partition of ``n_tiles`` with ``tail_weight``
-    (in sixteenths, ``TAIL_UNIT``; one unit or less: even): ceil(n w / (w (S - 1) +
-    TAIL_UNIT)), the last split the rest (``kernels_sm80.tensors.split_tiles`` on the GPU)."""
-    weight = max(tail_weight, TAIL_UNIT)
-    return -(-n_tiles * weight // (weight * (num_splits - 1) + TAIL_UNIT))
+    (in sixteenths, ``TAIL_UNIT``; one unit or less: even, as lighter ones would leave
+    tiles past the last split): ceil(n w / (w (S - 1) + TAIL_UNIT)), the last split the
+    rest.  Host ints, or a kernel's traced integers with ``maximum=cutlass.max``
+    (``kernels_sm80.tensors.split_tiles``): the one definition of the partition."""
+    weight = maximum(tail_weight, TAIL_UNIT)
+    parts = weight * (num_splits - 1) + TAIL_UNIT
+    return (n_tiles * weight + parts - 1) // parts
 
 
 def residual_block(bits: int) -> int:

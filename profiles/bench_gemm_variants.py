@@ -92,12 +92,9 @@ def variant_persistent(kwargs: Dict[str, object], cfg, m: int, n: int, k: int, s
     """The persistent grid's CTAs the variant gives this GEMM (0: none): with ``persistent``
     True a CTA an SM wherever the tile runs one an SM and its variant fits in shared
     memory; unset, the host's (``persistent_plan``)."""
-    from bitdecode.kernels_sm90 import bitnet_gemm as g90
-
     if "persistent" not in kwargs:
         return persistent_plan(cfg, m, n, k, sms)
-    fits = cfg.ctas_per_sm == 1 and cfg.persistent_smem_bytes <= g90.SMEM_BYTES
-    return sms if kwargs["persistent"] and fits else 0
+    return sms if kwargs["persistent"] and cfg.ctas_per_sm == 1 and cfg.persistent_fits else 0
 
 
 @contextlib.contextmanager

@@ -74,9 +74,10 @@ def main(argv=None) -> int:
     counts = [int(s) for s in args.splits.split(",") if s]
     if args.any_tail:
         from bitdecode.kernels_sm90 import backend as sm90_rules
+        from bitdecode.layouts.sm80 import TAIL_UNIT
 
         # any weight above even (sixteenths: TAIL_UNIT) and any length
-        sm90_rules.TAIL_MIN_TOKENS, sm90_rules.MIN_TAIL_WEIGHT = 0, sm90_rules.sm80.TAIL_UNIT + 1
+        sm90_rules.TAIL_MIN_TOKENS, sm90_rules.MIN_TAIL_WEIGHT = 0, TAIL_UNIT + 1
         sm90_rules.ONE_SPLIT_TAIL_MIN_TOKENS = dict.fromkeys(sm90_rules.ONE_SPLIT_TAIL_MIN_TOKENS, 0)
     dev = torch.device("cuda")
     timer, gen = Timer(dev), torch.Generator(device=dev).manual_seed(0)

@@ -494,7 +494,7 @@ def test_kernel_configs():
     assert g90.persistent_plan(g90.LARGE, 1024, 2560, 2560, 132) == 0  # 80 tiles
     assert g90.persistent_plan(g90.MEDIUM, 4096, 20480, 3200, 132) == 0  # two CTAs an SM
     raw = dataclasses.replace(g90.LARGE, raw=True)  # int32 staging: 280 KB with the rings
-    assert raw.persistent_smem_bytes > g90.SMEM_BYTES and g90.persistent_plan(raw, 4096, 20480, 3200, 132) == 0
+    assert not raw.persistent_fits and g90.persistent_plan(raw, 4096, 20480, 3200, 132) == 0
     for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.MEDIUM_96, g90.LARGE_192):
         for m in (64, 256, 1024, 4096):
             for n, k in ((2560, 2560), (13824, 2560), (20480, 3200), (3200, 10240)):
@@ -1005,7 +1005,7 @@ def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
         cfg = g90.WgmmaConfig(block_m=block_m, warpgroups=warpgroups, stages=stages, raw=raw, ctas_per_sm=ctas)
         fns = {split_k: g90.compile_gemm(dataclasses.replace(cfg, split_k=split_k), jit.compile_options("sm_90a"))
                for split_k in (False, True)}
-        persistent = cfg.persistent_smem_bytes <= g90.SMEM_BYTES  # (not int32 256-token tiles)
+        persistent = cfg.persistent_fits  # (not int32 256-token tiles)
         if persistent:
             fns["persistent"] = g90.compile_gemm(dataclasses.replace(cfg, persistent=3), jit.compile_options("sm_90a"))
         for m in (1, block_m - 3, block_m + 5, 3 * block_m):
