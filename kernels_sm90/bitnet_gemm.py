@@ -196,10 +196,8 @@ class WgmmaConfig:
 
     @property
     def persistent_smem_bytes(self) -> int:
-        """Shared memory of the persistent variant at most: its rings, the staged output,
-        the token scales, and 2 KB for the barriers and the alignment padding."""
-        return (self.stages * (self.x_stage_bytes + self.w_stage_bytes) + self.out_stage_bytes
-                + 8 * self.block_m + 2048)
+        """Shared memory of the persistent variant: its storage struct's size."""
+        return shared_storage(self, persistent=True).size_in_bytes()
 
     @property
     def persistent_fits(self) -> bool:
@@ -207,12 +205,15 @@ class WgmmaConfig:
         256-token tiles does not, beside their rings)."""
         return self.persistent_smem_bytes <= resources.HOPPER_CTA_SMEM_BYTES
 
-    @property
-    def x_ring_bytes(self) -> int:
+    def token_ring_bytes(self, persistent: bool) -> int:
         """The token ring, which the staged output tile reuses (a persistent CTA's ring
         holds the next tile's tokens by then: it stages in a buffer of its own)."""
         ring = self.stages * self.x_stage_bytes
-        return ring if self.persistent else max(ring, self.out_stage_bytes)
+        return ring if persistent else max(ring, self.out_stage_bytes)
+
+    @property
+    def x_ring_bytes(self) -> int:
+        return self.token_ring_bytes(bool(self.persistent))
 
     @property
     def entry_regs(self) -> int:
@@ -426,6 +427,32 @@ class CtaWork:
         return CtaWork(bm, bn, Int32(0), total_groups, Int32(1), Int32(0), Int32(0))
 
 
+def shared_storage(cfg: WgmmaConfig, persistent: bool):
+    """The kernel's shared memory for ``cfg`` (``persistent``: with the staged output tile of
+    its own that a persistent CTA needs; a plain Python struct, so the host can size it)."""
+    x_ring_bytes = cfg.token_ring_bytes(persistent)
+
+    @cute.struct
+    class Storage:
+        mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+        sX: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, x_ring_bytes], 1024]
+        sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.stages * cfg.w_stage_bytes], 128]
+        sXScale: cute.struct.MemRange[Float32, cfg.block_m]  # the tile's token scales
+        sXRcp: cute.struct.MemRange[Float32, cfg.block_m]  # and their reciprocals
+        flag: cute.struct.MemRange[Int32, 1]  # a split CTA learned it is its tile's last
+        sums_bar: cute.struct.MemRange[cutlass.Int64, 1]  # a cluster split's sums have landed
+
+    if not persistent:
+        return Storage
+
+    @cute.struct
+    class PersistentStorage:
+        base: Storage
+        sOut: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.out_stage_bytes], 128]
+
+    return PersistentStorage
+
+
 class BitnetGemmSm90:
     """Arguments: ``x`` int8 [M, K], ``w`` int8 [N, K/4] packed, ``x_scale`` fp32 [M],
     ``w_scale`` fp32 [S], ``out`` bf16 [M, N], segment ends ``e1, e2, e3``."""
@@ -452,29 +479,6 @@ class BitnetGemmSm90:
             (WG_ROWS, self.cfg.block_m),
             warpgroup.OperandSource.RMEM,
         )
-
-    def _shared_storage(self):
-        cfg = self.cfg
-
-        @cute.struct
-        class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
-            sX: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.x_ring_bytes], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.stages * cfg.w_stage_bytes], 128]
-            sXScale: cute.struct.MemRange[Float32, cfg.block_m]  # the tile's token scales
-            sXRcp: cute.struct.MemRange[Float32, cfg.block_m]  # and their reciprocals
-            flag: cute.struct.MemRange[Int32, 1]  # a split CTA learned it is its tile's last
-            sums_bar: cute.struct.MemRange[cutlass.Int64, 1]  # a cluster split's sums have landed
-
-        if const_expr(not cfg.persistent):
-            return Storage
-
-        @cute.struct
-        class PersistentStorage:
-            base: Storage
-            sOut: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, cfg.out_stage_bytes], 128]
-
-        return PersistentStorage
 
     @cute.jit
     def __call__(
@@ -510,7 +514,7 @@ class BitnetGemmSm90:
             grid = [cutlass.min(tiles_m * tiles_n, cfg.persistent), 1, 1]
         cluster = {"cluster": [cfg.cluster_k, 1, 1]} if cfg.cluster_k > 1 else {}
         self.kernel(tma_x, tma_tx, mW, mXScale, mWScale, mOut, e1, e2, e3, mWork, mCount, full_tiles, splits,
-                    self._shared_storage()).launch(
+                    shared_storage(cfg, bool(cfg.persistent))).launch(
             grid=grid,
             **cluster,
             block=[cfg.block_threads, 1, 1],
@@ -727,16 +731,16 @@ class BitnetGemmSm90:
                     cute.gemm(tiled_mma, acc, tCrA[buf][None, None, ks], tCrB[None, None, ks, state.index], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(A_BUFFERS - 1)
-                # the wgmmas of the group before are done: its stage is free
+                # the wgmmas of the group before are done: its stage is free (but the last
+                # group's, whatever the count's parity: that one is released below)
                 if kg >= 1:
-                    if kg <= groups:
+                    if kg < groups:
                         ring.consumer_release(seq_state(uses + kg - 1, cfg.stages, False))
         warpgroup.wait_group(0)
-        if const_expr(cfg.persistent):
-            # an even group count's last stage is still held (odd ones released it after
-            # the phantom group): the ring runs on into the next tile
-            if groups % A_BUFFERS == 0:
-                ring.consumer_release(seq_state(uses + groups - 1, cfg.stages, False))
+        # every stage this CTA waited for goes back, so a persistent CTA's ring runs on into
+        # its next tile (a split CTA may have no group at all)
+        if groups > 0:
+            ring.consumer_release(seq_state(uses + groups - 1, cfg.stages, False))
         return acc, thr_mma
 
     @cute.jit
