@@ -593,14 +593,15 @@ _LAUNCHERS: dict = {}
 
 def gemv_configs(device: torch.device) -> list:
     """Every GEMV configuration ``device`` can run (benchmarks and tests time / check them
-    side by side): unroll 4 and 8 plain, and on Hopper the PDL candidates the host picks from."""
+    side by side): unroll 4 and 8 plain, and on Hopper the PDL candidates the host picks from
+    and the stripe kernel (``kernels_sm90.bitnet_gemv.BULK``, not picked by default yet)."""
     from .kernels_sm80 import bitnet_gemv as v80
 
     configs = [v80.GemvConfig(unroll=u) for u in (4, 8)]
     if _arch(torch.device(device)) == "sm_90a":
         from .kernels_sm90 import bitnet_gemv as v90
 
-        configs += list(v90.CANDIDATES)
+        configs += list(v90.CANDIDATES) + [v90.BULK]
     return configs
 
 
@@ -610,12 +611,21 @@ def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
     hit = _LAUNCHERS.get(key)
     if hit is None:
         from . import jit
-        from .kernels_sm80 import bitnet_gemv as mod  # every GEMV configuration is this kernel
+        from .kernels_sm80 import bitnet_gemv as mod  # every register-kernel configuration
 
         arch = _arch(device)
         cfg = dataclasses.replace(cfg or gemv_config_for(device, n, k), raw=raw)
-        fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
-        hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, num_sms(device)))
+        if cfg.bulk:  # the stripe kernel, compiled per K
+            from .kernels_sm90 import bitnet_gemv as v90
+
+            if arch != "sm_90a" or not v90.bulk_fits(k):
+                raise ValueError(f"the bulk-copy GEMV runs on sm_90a with a stripe that fits in shared memory, "
+                                 f"got {arch} and K={k}")
+            fn = _compile(("bitnet_gemv_bulk", arch, cfg, k), lambda: v90.compile_bulk(cfg, k, jit.compile_options(arch)))
+            hit = _LAUNCHERS[key] = (fn, v90.bulk_warps(k))
+        else:
+            fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
+            hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, num_sms(device)))
     return hit
 
 

@@ -93,6 +93,10 @@ class GemvConfig:
     # with pdl: the first batch of weight loads also lands in registers before the wait
     # (pays when the CTAs are resident early, in one wave; ptxas's register count changes)
     pin: bool = False
+    # sm_90a only: each CTA takes its whole weight stripe into shared memory with one bulk
+    # copy (``kernels_sm90.bitnet_gemv.BitnetGemvBulk``, compiled per K; ``unroll`` and
+    # ``pin`` do not apply)
+    bulk: bool = False
 
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x

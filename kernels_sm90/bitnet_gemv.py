@@ -41,9 +41,16 @@ longer than one more wave.
 
 from __future__ import annotations
 
-from ..kernels_sm80.bitnet_gemv import MAX_WARPS, BitnetGemv, GemvConfig, compile_gemv, launch_size, warps_for
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv, fold_rows,
+                                        launch_size, warps_for)
+from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args, segment_scale, store_out
 from ..layouts import bitnet as fmt
-from ..layouts.resources import ctas_per_sm
+from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm
+from . import ptx90
 
 # ptxas register counts of the PDL builds for sm_90a, by (unroll, pin) (tests/test_bitnet.py)
 REGISTERS = {(4, False): 66, (5, False): 71, (8, False): 88, (10, False): 118,
@@ -77,5 +84,134 @@ def config_for(n: int, k: int, sms: int) -> GemvConfig:
     return min(CANDIDATES, key=lambda cfg: cost(cfg, n, k, sms))
 
 
-__all__ = ["BitnetGemv", "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "compile_gemv", "config_for", "cost",
-           "launch_size", "warps_for"]
+# ---------------------------------------------------------------------------------------
+# The stripe kernel: a CTA's weights through one bulk copy into shared memory
+# ---------------------------------------------------------------------------------------
+
+# Groups whose activation words a warp holds in registers at once (a batch)
+BULK_BATCH = 8
+BULK = GemvConfig(pdl=True, bulk=True)
+
+
+def bulk_warps(k: int) -> int:
+    """Warps per CTA of the stripe kernel: a batch of groups each, at most ``MAX_WARPS``."""
+    groups = k // fmt.GROUP_K
+    return max(1, min(MAX_WARPS, -(-groups // BULK_BATCH)))
+
+
+def bulk_stripe_bytes(k: int) -> int:
+    """Shared memory of a CTA's weight stripe (16 rows of K / 4 bytes)."""
+    return fmt.TILE_N * k // fmt.CODES_PER_BYTE
+
+
+def bulk_fits(k: int) -> bool:
+    """Whether a stripe of K columns (and the kernel's few other bytes) fits in a CTA."""
+    return bulk_stripe_bytes(k) + 4096 <= HOPPER_CTA_SMEM_BYTES
+
+
+class BitnetGemvBulk:
+    """The GEMV of ``BitnetGemv`` (same arguments, same lane mapping, decode and reduction)
+    with the weights read from shared memory: thread 0 of each CTA asks for its whole
+    16-row stripe (one contiguous run, ``16 K / 4`` bytes) with one ``cp.async.bulk`` on an
+    mbarrier as soon as the CTA starts, before ``griddepcontrol.wait`` (the weights never
+    depend on the previous kernel).  No register holds a weight in flight, so the CTAs are
+    light (a few warps, ~40 registers) and a GPU's worth of stripes is requested at once
+    (the register kernel holds its loads in registers and runs the large shapes in two
+    waves); their shared memory leaves room for the next GEMV's first CTAs to start and ask
+    for theirs while this one drains.  Compiled per K: the stripe's size and the warps'
+    batches are static."""
+
+    def __init__(self, cfg: GemvConfig, k: int):
+        assert cfg.bulk and k % fmt.GROUP_K == 0 and bulk_fits(k), (cfg, k)
+        self.raw = cfg.raw
+        self.pdl = cfg.pdl
+        self.groups = k // fmt.GROUP_K
+        self.warps = bulk_warps(k)
+        self.per_warp = -(-self.groups // self.warps)  # groups a warp takes (the last may pad)
+        self.stripe_bytes = bulk_stripe_bytes(k)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mXScale: cute.Tensor, mWScale: cute.Tensor,
+                 mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, warps: Int32, stream):
+        """``warps``: the register kernel's launch argument, unused (the block is static)."""
+        n = mW.shape[0]
+        self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3).launch(
+            grid=[n // fmt.TILE_N, 1, 1], block=[self.warps * WARP, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mXScale: cute.Tensor, mWScale: cute.Tensor,
+               mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        stripe, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        lane = tidx % WARP
+        q = lane % fmt.CHUNKS_PER_TILE
+        tile = lane // fmt.CHUNKS_PER_TILE
+
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
+        sW = smem.allocate_array(cutlass.Int8, self.stripe_bytes, byte_alignment=128)
+        red = smem.allocate_tensor(Int32, cute.make_layout((fmt.TILE_N, self.warps), stride=(1, fmt.TILE_N)), 16)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.stripe_bytes)
+            ptx90.bulk_g2s(sW, mW.iterator + Int64(stripe) * Int64(self.stripe_bytes), self.stripe_bytes, mbar)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # x (and out) may be the previous kernel's
+
+        # Groups warp, warp + W, ..: each batch's activation words are loaded before any
+        # is used (the first batch's while the stripe lands); groups past the stripe read
+        # its last one again with zeroed activations, adding nothing to either sum.
+        x_lane = mX.iterator.toint() + Int64(tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K)
+        w_lane = sW.toint() + lane * fmt.CHUNK_BYTES
+        acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
+        acc.fill(0)
+        xsum = Int32(0)
+        for b0 in cutlass.range_constexpr(0, self.per_warp, BULK_BATCH):
+            grps = []
+            keep = []
+            xv = []
+            for j in cutlass.range_constexpr(b0, min(b0 + BULK_BATCH, self.per_warp)):
+                g = warp + j * self.warps
+                grps.append(cutlass.min(g, self.groups - 1))
+                keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
+                xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
+            if cutlass.const_expr(b0 == 0):
+                cute.arch.mbarrier_wait(mbar, 0)
+            for u in cutlass.range_constexpr(len(grps)):
+                wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
+                x = tuple(xv[u][i] & keep[u] for i in range(4))
+                for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+                    xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
+                accumulate_words(wv, x, acc)
+
+        # the +2 code offset, the fold and the CTA's reduction, as ``BitnetGemv``
+        for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+            acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
+        rows = fold_rows(acc)
+        if (lane & 0b11010) == 0:
+            base = fmt.chunk_row(q)
+            for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+                red[base + r, warp] = rows[r]
+        cute.arch.sync_threads()
+        if tidx < fmt.TILE_N:
+            total = Int32(0)
+            for w in cutlass.range_constexpr(self.warps):
+                total = total + red[tidx, w]
+            row = stripe * fmt.TILE_N + tidx
+            w_scale = segment_scale(mWScale, row, e1, e2, e3)
+            store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, self.raw)
+
+
+def compile_bulk(cfg: GemvConfig, k: int, options: str):
+    """The stripe kernel for K columns (any N, a multiple of 16)."""
+    return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
+
+
+__all__ = ["BULK", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_fits",
+           "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size", "warps_for"]

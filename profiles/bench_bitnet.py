@@ -19,8 +19,8 @@ Method (everything in one run, on one GPU):
 ``quick=True``: fewer replays, GEMM at M = 16 with the default kernel only, no GEMV
 variants.  The full run also times the other GEMV configurations side by side
 (``unroll4_us`` / ``unroll8_us``, on Hopper also ``pdl_unrollU_us`` and
-``pdl_unrollU_pin_us`` for U = 4, 5, 8, 10 with programmatic dependent launch; ``config``
-names the default) and, on Hopper,
+``pdl_unrollU_pin_us`` for U = 4, 5, 8, 10 with programmatic dependent launch, and
+``pdl_bulk_us``, the stripe kernel; ``config`` names the default) and, on Hopper,
 both GEMM kernels (mma.sync and wgmma) at every M; ``default`` marks the one
 ``bitnet.gemm`` picks.
 """
@@ -112,7 +112,8 @@ def copies_for(nbytes: int, l2_bytes: int) -> int:
 def gemv_variants(device) -> Dict[str, tuple]:
     """Every GEMV configuration this GPU runs (``bitnet.gemv_configs``) by column name:
     ``unrollU_us`` plain, ``pdl_unrollU_us`` with programmatic dependent launch
-    (``pdl_unrollU_pin_us`` with the first weight batch pinned above the wait) ->
+    (``pdl_unrollU_pin_us`` with the first weight batch pinned above the wait; ``pdl_bulk_us``
+    the stripe kernel) ->
     (config, ``call(x, w, xs, ws) -> out`` running it)."""
     out = {}
     for cfg in bn.gemv_configs(device):
@@ -120,7 +121,8 @@ def gemv_variants(device) -> Dict[str, tuple]:
             n = w.shape[0]
             return bn._gemv_launch(x, w, xs, ws, [n, n, n], False, cfg)
 
-        out[("pdl_" if cfg.pdl else "") + f"unroll{cfg.unroll}" + ("_pin" if cfg.pin else "") + "_us"] = (cfg, call)
+        shape = "bulk" if cfg.bulk else f"unroll{cfg.unroll}" + ("_pin" if cfg.pin else "")
+        out[("pdl_" if cfg.pdl else "") + shape + "_us"] = (cfg, call)
     return out
 
 

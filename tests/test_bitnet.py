@@ -611,6 +611,27 @@ def test_sm90_gemv_compiles(unroll, pin, tmp_path):
         assert (sass[:acq].count("LDG.E.NA.128.CONSTANT") == unroll) == pin
 
 
+@pytest.mark.parametrize("k", [2560, 10240, 40960])
+def test_sm90_gemv_bulk_compiles(k, tmp_path):
+    """The stripe kernel: one bulk copy of the CTA's weights onto an mbarrier, issued before
+    the wait for the previous kernel; the activations after it; the weights read from shared
+    memory only; light on registers (so many CTAs fit an SM), no spills."""
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    ptx = _ptx(v90.compile_bulk(v90.BULK, k, jit.compile_options("sm_90a", keep_ptx=True)))
+    wait = ptx.index("griddepcontrol.wait")
+    assert "griddepcontrol.launch_dependents" in ptx[:wait]
+    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 1
+    assert ptx.index("cp.async.bulk") < wait and "mbarrier.try_wait" in ptx[wait:]
+    assert "ld.global.nc" not in ptx and "ld.global.v4.u32" in ptx[wait:] and "ld.global.v4.u32" not in ptx[:wait]
+    groups = k // L.GROUP_K
+    assert ptx.count("ld.shared.v4.b32") == -(-groups // v90.bulk_warps(k))  # a warp's groups, unrolled
+    assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx
+    rep = ptxas.report(ptx, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(rep) == 0 and int(rep.split("Used ")[1].split(" registers")[0]) <= 64, rep[-1000:]
+    assert v90.bulk_fits(k) and not v90.bulk_fits(65536)
+
+
 def test_sm90_gemv_config():
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
     from bitdecode.layouts.resources import ctas_per_sm
