@@ -444,6 +444,23 @@ def test_sm90_pairs_past_one_wave_split_match_reference(bits):
         assert splits in (2, 4)
 
 
+def test_sm90_half_full_band_splits_match_reference():
+    """Pairs between half the default kernel's CTA slots and all of them (B=17 at Hkv=8:
+    136 pairs on the H200's 264 slots), where one split would leave slots idle: the
+    heuristic's even count over several waves (``half_full_splits``: 5 splits at 8K tokens
+    there), ragged lengths with an empty and a one-tile sequence, against the reference."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    fmt = bd.KVFormat(4, "channel", 128)
+    lens = [8192, 8000, 0, 4097, 8191, 129, 6000, 7777] * 2 + [8192]
+    cache, _, _ = make_cache(fmt, lens, 8, 128, torch.float16, backend="sm90")
+    q = torch.randn(len(lens), 1, 32, 128, generator=torch.Generator().manual_seed(17)).half().to(DEV)
+    check_decode(q, cache, "sm90", num_splits=0)
+    splits, = [key[3] for key in cache._plans]
+    if torch.cuda.get_device_properties(DEV).multi_processor_count == 132:
+        assert splits >= 3, splits  # (one split, with or without a tail, is 1 or 2)
+
+
 @pytest.mark.parametrize("weight", [8, 17, 336, 4096])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_weighted_tail_splits_match_reference(backend, bits, weight, monkeypatch):
