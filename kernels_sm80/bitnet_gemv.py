@@ -76,6 +76,34 @@ def fold_rows(acc: cute.Tensor) -> cute.Tensor:
     return rows
 
 
+@cute.jit
+def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, lane, tidx, stripe, mXScale: cute.Tensor,
+                 mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr):
+    """A GEMV CTA's end, from each lane's accumulators and activation sum: the +2 code
+    offset (``sum(w x) = sum(c x) - 2 sum(x)``, before the fold), the fold, the warps' row
+    sums through ``red`` (16 rows x ``warps``: an int, or a launch argument) and the
+    stripe's 16 scaled outputs."""
+    for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+        acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
+    rows = fold_rows(acc)
+    if (lane & 0b11010) == 0:  # lanes 0, 1, 4, 5: chunks 0, 1, 4, 5 = rows 0, 4, 8, 12
+        base = fmt.chunk_row(lane % fmt.CHUNKS_PER_TILE)
+        for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
+            red[base + r, warp] = rows[r]
+    cute.arch.sync_threads()
+    if tidx < fmt.TILE_N:
+        total = Int32(0)
+        if cutlass.const_expr(isinstance(warps, int)):
+            for w in cutlass.range_constexpr(warps):
+                total = total + red[tidx, w]
+        else:
+            for w in cutlass.range(warps, unroll=1):
+                total = total + red[tidx, w]
+        row = stripe * fmt.TILE_N + tidx
+        w_scale = segment_scale(mWScale, row, e1, e2, e3)
+        store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, raw)
+
+
 # --------------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------------
@@ -231,23 +259,7 @@ class BitnetGemv:
                     xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
                 accumulate_words(wv[u], x, acc)
 
-        # The +2 code offset: sum(w x) = sum(c x) - 2 sum(x), applied before the fold.
-        for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
-            acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum[0]
-        rows = fold_rows(acc)
-
-        if (lane & 0b11010) == 0:  # lanes 0, 1, 4, 5: chunks 0, 1, 4, 5 = rows 0, 4, 8, 12
-            base = fmt.chunk_row(q)
-            for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
-                red[base + r, warp] = rows[r]
-        cute.arch.sync_threads()
-        if tidx < fmt.TILE_N:
-            total = Int32(0)
-            for w in cutlass.range(warps, unroll=1):
-                total = total + red[tidx, w]
-            row = stripe * fmt.TILE_N + tidx
-            w_scale = segment_scale(mWScale, row, e1, e2, e3)
-            store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, self.raw)
+        store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw)
 
 
 def compile_gemv(cfg: GemvConfig, options: str):

@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 
-from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv, fold_rows,
-                                        launch_size, warps_for)
-from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args, segment_scale, store_out
+from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv,
+                                        launch_size, store_stripe, warps_for)
+from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
 from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm
 from . import ptx90
@@ -115,7 +115,7 @@ class BitnetGemvBulk:
     16-row stripe (one contiguous run, ``16 K / 4`` bytes) with one ``cp.async.bulk`` on an
     mbarrier as soon as the CTA starts, before ``griddepcontrol.wait`` (the weights never
     depend on the previous kernel).  No register holds a weight in flight, so the CTAs are
-    light (a few warps, ~40 registers) and a GPU's worth of stripes is requested at once
+    light (3-16 warps, 56-64 registers up to K = 10240) and a GPU's worth of stripes is requested at once
     (the register kernel holds its loads in registers and runs the large shapes in two
     waves); their shared memory leaves room for the next GEMV's first CTAs to start and ask
     for theirs while this one drains.  Compiled per K: the stripe's size and the warps'
@@ -190,22 +190,8 @@ class BitnetGemvBulk:
                     xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
                 accumulate_words(wv, x, acc)
 
-        # the +2 code offset, the fold and the CTA's reduction, as ``BitnetGemv``
-        for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
-            acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
-        rows = fold_rows(acc)
-        if (lane & 0b11010) == 0:
-            base = fmt.chunk_row(q)
-            for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
-                red[base + r, warp] = rows[r]
-        cute.arch.sync_threads()
-        if tidx < fmt.TILE_N:
-            total = Int32(0)
-            for w in cutlass.range_constexpr(self.warps):
-                total = total + red[tidx, w]
-            row = stripe * fmt.TILE_N + tidx
-            w_scale = segment_scale(mWScale, row, e1, e2, e3)
-            store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, self.raw)
+        store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
+                     self.raw)
 
 
 def compile_bulk(cfg: GemvConfig, k: int, options: str):
