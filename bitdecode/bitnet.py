@@ -562,11 +562,17 @@ def pdl_enabled() -> bool:
     return os.environ.get(ENV_PDL, "1").strip() != "0"
 
 
+def _pdl(arch: str) -> bool:
+    """Whether kernels for ``arch`` may launch with programmatic dependent launch: from sm_90
+    on, unless ``BITDECODE_PDL=0``."""
+    return jit.has_pdl(arch) and pdl_enabled()
+
+
 def _with_pdl(cfg, arch: str):
-    """``cfg`` with programmatic dependent launch from sm_90 on unless ``BITDECODE_PDL=0``: the
-    GEMV and the mma.sync GEMM stream weights while the previous kernel drains
-    (profiles/NOTES.md); the weights must not come from that kernel."""
-    return dataclasses.replace(cfg, pdl=jit.has_pdl(arch) and pdl_enabled())
+    """``cfg`` with programmatic dependent launch where ``_pdl`` allows it: the GEMV and the
+    mma.sync GEMM stream weights while the previous kernel drains (profiles/NOTES.md); the
+    weights must not come from that kernel."""
+    return dataclasses.replace(cfg, pdl=_pdl(arch))
 
 
 def gemv_config_for(device: torch.device, n: int, k: int):
@@ -674,7 +680,7 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
                 full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
             # (only what the plan needs; PDL where it pays: ``pdl_plan``)
             cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k, persistent=persistent,
-                                      pdl=mod.pdl_plan(m) and jit.has_pdl(arch) and pdl_enabled())
+                                      pdl=mod.pdl_plan(m) and _pdl(arch))
             extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
         fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, extra, split_work)

@@ -205,6 +205,12 @@ class WgmmaConfig:
         256-token tiles does not, beside their rings)."""
         return self.persistent_smem_bytes <= resources.HOPPER_CTA_SMEM_BYTES
 
+    @property
+    def persistent_capable(self) -> bool:
+        """Whether this tile can run a persistent grid: one CTA an SM, and its variant's
+        staging fits in shared memory (``persistent_plan`` decides where it pays)."""
+        return self.ctas_per_sm == 1 and self.persistent_fits
+
     def token_ring_bytes(self, persistent: bool) -> int:
         """The token ring, which the staged output tile reuses (a persistent CTA's ring
         holds the next tile's tokens by then: it stages in a buffer of its own)."""
@@ -374,8 +380,7 @@ def persistent_plan(cfg: WgmmaConfig, m: int, n: int, k: int, sms: int) -> int:
     """CTAs of a persistent grid for this GEMM (0: a CTA a tile): one per SM where the tile
     runs one CTA an SM, there are more tiles than SMs, K is at most
     ``PERSISTENT_MAX_GROUPS`` groups and the variant's staging fits in shared memory."""
-    if (cfg.ctas_per_sm != 1 or tile_count(cfg, m, n) <= sms or k // fmt.GROUP_K > PERSISTENT_MAX_GROUPS
-            or not cfg.persistent_fits):
+    if not cfg.persistent_capable or tile_count(cfg, m, n) <= sms or k // fmt.GROUP_K > PERSISTENT_MAX_GROUPS:
         return 0
     return sms
 
@@ -620,12 +625,20 @@ class BitnetGemmSm90:
         the main loop, then the epilogue through ``s_out``.  The barrier before the
         epilogue also keeps it from overwriting the staged tile before the previous tile's
         stores have read it."""
+        acc, thr_mma = self.main_loop(ring, sX, sW, sXScale, sXRcp, mXScale, work, ctid, uses)
+        self.epilogue(acc, thr_mma, s_out, sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
+
+    @cute.jit
+    def main_loop(self, ring, sX, sW, sXScale, sXRcp, mXScale, work, ctid: Int32, uses=0):
+        """A tile's token scales staged and its main loop, up to the barrier after which
+        every consumer's wgmmas are done: the output may be staged (all loads have landed,
+        as every stage was waited for) and the token scales are in."""
         cfg = self.cfg
         if const_expr(not cfg.raw):
             self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, ctid)
         acc, thr_mma = self.consume(ring, sX, sW, work.groups, ctid, uses)
         cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
-        self.epilogue(acc, thr_mma, s_out, sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
+        return acc, thr_mma
 
     @cute.jit
     def whole_or_split(self, ring, sX, sW, sXScale, sXRcp, storage, mXScale, mWScale, mOut, e1: Int32, e2: Int32,
@@ -633,12 +646,7 @@ class BitnetGemmSm90:
         """A CTA's one tile (or split of one): main loop, the split's sums, the epilogue
         through the token ring."""
         cfg = self.cfg
-        if const_expr(not cfg.raw):
-            self.stage_token_scales(mXScale, sXScale, sXRcp, work.bm, ctid)
-        acc, thr_mma = self.consume(ring, sX, sW, work.groups, ctid)
-        # every consumer's wgmmas are done: the token ring may hold the output tile (all
-        # loads have landed, as every stage was waited for); the token scales are in
-        cute.arch.barrier(barrier_id=Barrier.EPI, number_of_threads=cfg.threads)
+        acc, thr_mma = self.main_loop(ring, sX, sW, sXScale, sXRcp, mXScale, work, ctid)  # (the token ring is free)
         last = Int32(1)  # a split tile: only the CTA that ends up with the whole sum stores it
         if const_expr(cfg.cluster_k > 1):
             last = self.sum_cluster(acc, storage, work, ctid)

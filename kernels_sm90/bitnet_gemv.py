@@ -99,14 +99,14 @@ def bulk_warps(k: int) -> int:
     return max(1, min(MAX_WARPS, -(-groups // BULK_BATCH)))
 
 
-def bulk_stripe_bytes(k: int) -> int:
-    """Shared memory of a CTA's weight stripe (16 rows of K / 4 bytes)."""
-    return fmt.TILE_N * k // fmt.CODES_PER_BYTE
+# the stripe kernel's shared memory beside its stripe: the mbarrier, the warps' row sums
+# (16 rows x at most MAX_WARPS int32) and the stripe's 128-byte alignment
+BULK_OTHER_BYTES = 8 + 4 * fmt.TILE_N * MAX_WARPS + 128
 
 
 def bulk_fits(k: int) -> bool:
-    """Whether a stripe of K columns (and the kernel's few other bytes) fits in a CTA."""
-    return bulk_stripe_bytes(k) + 4096 <= HOPPER_CTA_SMEM_BYTES
+    """Whether a stripe of K columns (and the kernel's other bytes) fits in a CTA."""
+    return fmt.stripe_bytes(k) + BULK_OTHER_BYTES <= HOPPER_CTA_SMEM_BYTES
 
 
 class BitnetGemvBulk:
@@ -128,7 +128,7 @@ class BitnetGemvBulk:
         self.groups = k // fmt.GROUP_K
         self.warps = bulk_warps(k)
         self.per_warp = -(-self.groups // self.warps)  # groups a warp takes (the last may pad)
-        self.stripe_bytes = bulk_stripe_bytes(k)
+        self.stripe_bytes = fmt.stripe_bytes(k)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mXScale: cute.Tensor, mWScale: cute.Tensor,

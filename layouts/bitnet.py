@@ -89,6 +89,12 @@ GROUP_K = 4 * TILE_K
 GROUP_BYTES = 4 * TILE_BYTES  # 512: one warp's 32 lanes x 16 bytes
 N_MULTIPLE = TILE_N
 K_MULTIPLE = GROUP_K
+
+
+def stripe_bytes(k: int) -> int:
+    """Bytes of one 16-row stripe of a packed [N, K] matrix (one contiguous run of K / 128
+    groups of GROUP_BYTES)."""
+    return TILE_N * k // CODES_PER_BYTE
 CHUNK_BYTES = 16
 CHUNKS_PER_TILE = TILE_BYTES // CHUNK_BYTES  # 8
 ROWS_PER_CHUNK = CHUNK_BYTES // 4  # 4 words = 4 rows

@@ -94,7 +94,7 @@ def variant_persistent(kwargs: Dict[str, object], cfg, m: int, n: int, k: int, s
     memory; unset, the host's (``persistent_plan``)."""
     if "persistent" not in kwargs:
         return persistent_plan(cfg, m, n, k, sms)
-    return sms if kwargs["persistent"] and cfg.ctas_per_sm == 1 and cfg.persistent_fits else 0
+    return sms if kwargs["persistent"] and cfg.persistent_capable else 0
 
 
 @contextlib.contextmanager
