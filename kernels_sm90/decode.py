@@ -21,6 +21,11 @@ One CTA = (split, KV head, sequence), warpgroups with fixed roles:
   codes and P^T carries V's per-token scale, one P^T copy per V group, while V's zero
   points reach O through per-head sums of P times zero: V costs one lop3 and one exact fma
   per pair instead of two fmas and its params in fragment order.
+  The SS form of the second product, V^T dequantized by the producer warpgroup into
+  shared memory with stmatrix (``v_slots``), is built and tested but not the default: at
+  two CTAs an SM its 32 KB V^T tiles leave the ring two stages, and with three the
+  producer's dequantization still trails the consumers (H200, 2c128 B=16 N=64K: 363 us
+  against 267 RS; profiles/NOTES.md, thirty-fifth session).
   The query heads that share the KV head are the N = 8 (or 16) side, so GQA wastes no MMA
   rows on padding queries, and the wgmma RS A fragment of warp ``w`` is the m16n8k16 A
   fragment of rows ``16 w ..`` (``layouts.sm90.wgmma_fragment``): the lop3 dequant of the
@@ -85,6 +90,10 @@ PRODUCER_REGS = {1: 40, 2: 40, 3: 24}
 # With ``fold_k`` the producer warpgroup also scales Q by K's per-channel scales for each
 # stage (four (scale, zero) words, two Q pairs and three fp32 sums a thread)
 SCALER_REGS = 56
+# ... and with ``v_slots`` dequantizes V^T too (ptxas spilled at 56 and 72 registers), on
+# all its warps but the one that issues the TMA loads
+VT_SCALER_REGS = 88
+V_DECODERS = WARPS - 1
 SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its CTAs may take
 # log2 units a logit may pass the running maximum by before the warpgroup exchanges maxima
 # (``lazy_softmax``): P then stays below 4 (H200: 2 skips nearly every exchange)
@@ -159,7 +168,7 @@ class DecodeSm90(PackedDecodeConfig):
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
-                 append: bool = False):
+                 append: bool = False, v_slots: int = 0):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -278,16 +287,43 @@ class DecodeSm90(PackedDecodeConfig):
         assert 1 <= consumers and Barrier.done(consumers) < 16, "named barriers: at most four consumers"
         self.consumers = consumers
         self.ctas_per_sm = ctas_per_sm or (1 if consumers > 1 else default_ctas_per_sm(head_dim))
+        # V^T through shared memory (the SS form of the P V product, ``v_slots`` > 0): the
+        # producer warpgroup, which visits every stage for Q o s already, also decodes the
+        # stage's V codes (the consumers' ``v_block`` sequence) and stores them with stmatrix
+        # into one of ``v_slots`` K-major V^T tiles (channels x tokens, ``stage_v``); the
+        # consumers' P V wgmma reads A from there, so V's ldmatrix, lop3 and centering leave
+        # their chain and their V^T registers are freed.  A slot is one softmax step's V^T
+        # (32 KB at 128 tokens and head dim 128), handed over by a ``PipelineAsync`` of its
+        # own: full once decoded, empty once the consumer's wgmma that read it has landed.
+        # Needs the scalers (``fold_k``) and V's scale in P (``fold_v``: codes only).
+        # Measured slower everywhere (H200, fp16 GQA 4, us, RS / SS): 2c128 B=16 N=64K 267 /
+        # 363 (one slot, three stages; the slots' hand-over alone, no decode, 265), 4c128
+        # 314 / 389, 2c128 B=1 N=128K 45.9 / 74.1 (profiles/h200/variants_vss_*.json).
+        self.v_slots = v_slots
+        self.vt_bytes = head_dim * self.step * 2 if v_slots else 0
+        if v_slots:
+            if not (self.fold_k and self.fold_v and self.p_copies == 1 and not fp4 and self.v_tiles == 1):
+                raise ValueError("v_slots needs K's scale in Q (fold_k), V's in P (fold_v) with one V group a "
+                                 "row, an integer format and one V tile a stage")
+            least = (consumers - 1) * self.steps + 1
+            if v_slots < least:
+                # A consumer releases a slot at its next step, which for a tile's last step is
+                # its next tile's first: that waits for the tile's Q o s, which the scalers
+                # commit before they wait for the tile's V^T slots.  From this many slots up,
+                # the slot they wait for is never one released only by such a later tile.
+                raise ValueError(f"v_slots must be at least {least} with {consumers} consumers and "
+                                 f"{self.steps} steps a tile, got {v_slots}")
         if num_stages == 0:
             # four stages measured best on the H200 with one consumer (5 or 8 were slower at
             # B=1; 3 no better); several consumers hold a stage each
             stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * 2
             cap = 4 if consumers == 1 else 3 * consumers
-            num_stages = max(2, min(cap, SMEM_BUDGET // self.ctas_per_sm // stage_smem))
+            budget = SMEM_BUDGET // self.ctas_per_sm - self.v_slots * self.vt_bytes
+            num_stages = max(2, min(cap, budget // stage_smem))
         self.num_stages = num_stages
         self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
         if self.fold_k:
-            self.producer_regs = max(self.producer_regs, SCALER_REGS)
+            self.producer_regs = max(self.producer_regs, VT_SCALER_REGS if v_slots else SCALER_REGS)
         self.consumer_regs = resources.consumer_registers(self.ctas_per_sm, WG, self.producer_regs,
                                                           consumers * WG, 256)
         # the residual sub-tile (64 tokens of K and of V, 16-bit) reuses the K / V rings
@@ -311,6 +347,11 @@ class DecodeSm90(PackedDecodeConfig):
     def _qs_layout(self):
         """``fold_k``: Q o s, one K-major wgmma B tile per (stage, K group of the tile)."""
         return sm90.make_operand_smem_layout(self.s_dtype, self.nh, self.d, self.num_stages * self.q_copies)
+
+    def _vt_layout(self):
+        """``v_slots``: the dequantized V^T tiles, K-major wgmma A operands (channels, tokens,
+        slot)."""
+        return sm90.make_operand_smem_layout(self.dtype, self.d, self.step, self.v_slots)
 
     @property
     def red_slots(self) -> int:
@@ -365,6 +406,9 @@ class DecodeSm90(PackedDecodeConfig):
             if self.k_shift:
                 shift: cute.struct.MemRange[Float32, stages * self.q_copies * self.nh]  # 2^e of each row
             sQs: cute.struct.Align[cute.struct.MemRange[self.s_dtype, cute.cosize(qs_layout)], 1024]
+            if self.v_slots:
+                vbar: cute.struct.MemRange[cutlass.Int64, 2 * self.v_slots]  # V^T slots: full, empty
+                sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self._vt_layout())], 1024]
 
         return FoldStorage
 
@@ -410,6 +454,7 @@ class DecodeSm90(PackedDecodeConfig):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(Storage)
         fold = None  # fold_k: (qready pipeline, Q o s tiles, bias) of every stage
+        vt = None  # v_slots: (the V^T slots' pipeline, the slots)
         if const_expr(self.fold_k):
             qready = pipeline.PipelineAsync.create(
                 barrier_storage=storage.qbar.data_ptr(),
@@ -425,6 +470,16 @@ class DecodeSm90(PackedDecodeConfig):
             if const_expr(self.k_shift):
                 sShift = storage.shift.get_tensor(cute.make_layout((self.nh, self.q_copies, self.num_stages)))
             fold = (qready, sQs, sBias, sShift)
+            if const_expr(self.v_slots):
+                vtiles = pipeline.PipelineAsync.create(
+                    barrier_storage=storage.vbar.data_ptr(),
+                    num_stages=self.v_slots,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, V_DECODERS * cute.arch.WARP_SIZE),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+                    defer_sync=True,
+                )
+                vt_layout = self._vt_layout()
+                vt = (vtiles, storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner))
             storage = storage.base
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
@@ -450,7 +505,7 @@ class DecodeSm90(PackedDecodeConfig):
                 sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
                 self.produce_and_scale(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
                                        mBlockTable, batch, head_kv, tile_begin, packed_end,
-                                       mQ.shape[1] // mKr.shape[2], tid)
+                                       mQ.shape[1] // mKr.shape[2], tid, vt)
             else:
                 if warp_idx == 0:
                     self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
@@ -459,7 +514,7 @@ class DecodeSm90(PackedDecodeConfig):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                          mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res,
-                         n_sink, n_sink + n_rest, softmax_scale_log2, fold, new)
+                         n_sink, n_sink + n_rest, softmax_scale_log2, fold, new, vt)
 
     # ---------------------------------------------------------------------------------
     # Producer: TMA of packed K / V rows, bulk copies of their params
@@ -517,7 +572,7 @@ class DecodeSm90(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     @cute.jit
     def produce_and_scale(self, ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
-                          mBlockTable, batch, head_kv, tile_begin, packed_end, gq, tid):
+                          mBlockTable, batch, head_kv, tile_begin, packed_end, gq, tid, vt=None):
         """The whole producer warpgroup (``tid`` < 128).  Iteration ``it``: warp 0 loads tile
         ``it`` into the ring; then all four warps scale tile ``it - lag``, which has had
         ``lag`` iterations to land.  Four warps, one per SM sub-partition, share the scaling
@@ -526,6 +581,7 @@ class DecodeSm90(PackedDecodeConfig):
         barrier of the warpgroup (H200, profiles/NOTES.md, thirteenth session)."""
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
         warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
+        lane = tid % cute.arch.WARP_SIZE
         # scaling tile j waits (through warp 0's acquire of tile j + lag) for the consumers to
         # release tile j + lag - stages: with lag = stages - 1 - consumers that is j - 1 -
         # consumers, so tile j is scaled while the consumers work on the tiles before it (one
@@ -552,6 +608,17 @@ class DecodeSm90(PackedDecodeConfig):
                 self.scale_stage(fold, sQ, sKs, state.index, gq, tid)
                 cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
                 qready.producer_commit(state)
+                if const_expr(self.v_slots):
+                    # after Q o s: the consumer starts the tile's scores while V^T is decoded,
+                    # by warps 1 .. 3: warp 0, which issues the TMA loads, never waits for a slot
+                    vtiles, sVt = vt
+                    if warp != 0:
+                        for st in cutlass.range_constexpr(self.steps):
+                            vstate = seq_state((it - lag - tile_begin) * self.steps + st, self.v_slots, True)
+                            vtiles.producer_acquire(vstate)
+                            self.stage_v(sVp, sVt[None, None, vstate.index], state.index, st, warp - 1, lane)
+                            cute.arch.fence_proxy("async.shared", space="cta")  # the P V wgmma reads sVt
+                            vtiles.producer_commit(vstate)
 
     @cute.jit
     def scale_stage(self, fold, sQ, sKs, stage, gq, tid):
@@ -583,6 +650,31 @@ class DecodeSm90(PackedDecodeConfig):
                         sBias[head, g, stage] = bias
                         if const_expr(self.k_shift):
                             sShift[head, g, stage] = up
+
+    @cute.jit
+    def stage_v(self, sVp, sVt, stage, st: cutlass.Constexpr[int], decoder, lane):
+        """``v_slots``: V^T of step ``st`` of the tile in ``stage``, dequantized to its exact
+        centered codes, into slot ``sVt`` (channels x step tokens, K-major).  The three
+        decoder warps (``decoder`` 0 .. 2) take the 16-channel slabs round robin; each slab
+        is what a consumer warp's ``v_block`` makes of it, an m16n8k16 A fragment a k-block,
+        stored with one stmatrix x4."""
+        vp = [sVp[None, None, stage]]
+        stsm = sm90.make_dequant_stsm_copy(self.dtype)
+        thr = stsm.get_slice(lane)
+        dst = thr.partition_D(sVt)  # (values, channels / 16, tokens / 16)
+        block_shape = thr.partition_S(cute.make_identity_tensor((self.d, self.step)))[None, 0, 0].shape
+        dq = WordDequant(self.v_bits, self.is_bf16, self.v_center)
+        slabs = self.d // SLAB
+        for r in cutlass.range_constexpr(-(-slabs // V_DECODERS)):
+            slab = r * V_DECODERS + decoder
+            if slab < slabs:
+                words = self.v_slab(vp, st, slab * SLAB, lane)
+                for k in cutlass.range_constexpr(self.step // K_BLOCK):
+                    block = cute.make_rmem_tensor(block_shape, self.dtype)
+                    block32 = cute.recast_tensor(block, Uint32)
+                    for (h, ch), word in self.v_block(words, None, st, k, slab * SLAB, 0, dq, lane, {}).items():
+                        block32[h + 2 * ch] = word  # A-fragment register order: (h, ch) = (0,0), (1,0), ..
+                    cute.copy(stsm, block, dst[None, slab, k])
 
     def row_pairs(self, sQ, sKs, stage, g, head, lane, tid):
         """This scaler thread's pairs of head ``head``'s B-tile row for K group ``g`` of
@@ -708,7 +800,7 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def consume(self, ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
                 mO, mLSE, batch, head_kv, split_idx, tile_begin, packed_end, has_residual, n_res, n_sink,
-                seqlen, scale_log2, fold=None, new=None):
+                seqlen, scale_log2, fold=None, new=None, vt=None):
         n = self.consumers
         consumer = self.consumer_index()
         tid_all = cute.arch.thread_idx()[0] - WG  # over every consumer warpgroup
@@ -762,6 +854,11 @@ class DecodeSm90(PackedDecodeConfig):
             if const_expr(self.k_shift):  # the scaling fma's multiplier, 2^e times the softmax scale
                 mul = cute.make_rmem_tensor((sm80.head_columns(self.nh), self.m_k), Float32)
         tOrP = [mma.make_fragment_B(thr_o.partition_B(sP[None, None, i])) for i in range(self.p_copies)]
+        tOsV = None  # v_slots: the V^T slots as the SS P V product's A (MMA, M-blocks, k-blocks, slot)
+        if const_expr(self.v_slots):
+            vtiles, sVt = vt
+            mma_ss = sm90.make_wgmma(self.dtype, self.nh)
+            tOsV = mma_ss.make_fragment_A(mma_ss.get_slice(tid).partition_A(sVt))
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((M_BLOCK * self.m_v, self.nh)), Float32)
         acc_o.fill(0.0)
         # each step's P V product goes to its own accumulator, folded into acc_o with fp32
@@ -809,6 +906,11 @@ class DecodeSm90(PackedDecodeConfig):
                 # the previous P V has landed: its V^T registers may be rewritten, its sum folded
                 warpgroup.wait_group(0)
                 self.fold(acc_o, acc_pv)
+                if const_expr(self.v_slots):  # ... and the V^T slot it read may take the scalers' next
+                    if const_expr(st > 0):
+                        vtiles.consumer_release(self.v_state(tile - tile_begin, st - 1))
+                    elif tile != first:
+                        vtiles.consumer_release(self.v_state(tile - n - tile_begin, self.steps - 1))
                 if const_expr(self.fold_k):
                     # M-block mb of the step is in K group g(mb): its scores take that group's Q o s
                     g0 = (st * self.step) // self.group
@@ -818,7 +920,9 @@ class DecodeSm90(PackedDecodeConfig):
                     self.load_bias(bias, sBias, state.index, st, scale_log2, lane, mul, sShift)
                 else:
                     acc_s = self.scores(thr_s, k_frag, tSrQ)  # in flight while V is dequantized
-                v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
+                v_frag = None
+                if const_expr(not self.v_slots):
+                    v_frag = self.v_fragments(thr_o, vp, vs, st, dq_v, warp, lane)
                 warpgroup.wait_group(0)
                 if const_expr(self.lazy_max):
                     self.lazy_softmax(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, st * self.step, lim,
@@ -827,7 +931,12 @@ class DecodeSm90(PackedDecodeConfig):
                     self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, None,
                                       st * self.step, lim, n_sink + tile * self.nr, zsum, bias, mul)
                 self.store_p(acc_s, sP, warp, lane, vs, st, zsum, self.fp4 is not None)
-                self.pv(v_frag, tOrP, acc_pv, self.fold_v)
+                if const_expr(self.v_slots):
+                    vstate = self.v_state(tile - tile_begin, st)
+                    vtiles.consumer_wait(vstate)
+                    self.pv_ss(tOsV, vstate.index, tOrP, acc_pv)
+                else:
+                    self.pv(v_frag, tOrP, acc_pv, self.fold_v)
                 if const_expr(st + 1 < self.steps):
                     self.k_fragments(k_frag, kp, ks, st + 1, dq_k, warp, lane)
                 else:
@@ -1045,28 +1154,47 @@ class DecodeSm90(PackedDecodeConfig):
         lies in one of them."""
         frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, self.step)), self.dtype)
         frag32 = cute.recast_tensor(frag, Uint32)
-        kt0 = st * (self.step // K_BLOCK)
+        words = self.v_slabs(vp, st, warp, lane)
+        shared = {}
+        for k in cutlass.range_constexpr(self.step // K_BLOCK):
+            for mb in cutlass.range_constexpr(self.m_v):
+                pairs = self.v_block(words[mb], vs, st, k, mb * M_BLOCK + warp * SLAB, mb, dq, lane, shared)
+                for (h, ch), word in pairs.items():
+                    frag32[(0, h, ch), mb, k] = word
+        return frag
+
+    def v_slabs(self, vp, st, warp, lane):
+        """``v_slab`` of this warp's slab of every channel M-block, one dict an M-block."""
+        return [self.v_slab(vp, st, mb * M_BLOCK + warp * SLAB, lane) for mb in range(self.m_v)]
+
+    def v_slab(self, vp, st, row0, lane):
+        """ldmatrix words (``slab_words``) of step ``st`` for the 16 channels from ``row0``:
+        the step's chunks of the V tile it lies in."""
         per_step = self.step // sm80.chunk_columns(self.v_bits)  # chunks of a V row per step
         per_tile = self.v_tile // sm80.chunk_columns(self.v_bits)  # ... per V tile
         tile = (st * self.step) // self.v_tile
-        chans = [mb * M_BLOCK + warp * SLAB for mb in range(self.m_v)]
-        words = [self.slab_words(vp[tile], ch0, st * per_step - tile * per_tile, per_step, lane) for ch0 in chans]
-        shared = {}
-        for k in cutlass.range_constexpr(self.step // K_BLOCK):
-            kt = kt0 + k  # k-block of tokens in the tile
-            j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
-            for mb in cutlass.range_constexpr(self.m_v):
-                params = self.v_params(vs, kt, chans[mb], mb, lane, shared)
-                for h in cutlass.range_constexpr(2):
-                    codes = dq.codes(words[mb][(h, j)], (2 * kb, 2 * kb + 1))
-                    for ch in cutlass.range_constexpr(2):
-                        code = codes[2 * kb + ch]
-                        if const_expr(params is None):  # fold_v: the exact codes; scale and zero are P's
-                            frag32[(0, h, ch), mb, k] = code
-                        else:
-                            s2, z2 = params[(h, ch)]
-                            frag32[(0, h, ch), mb, k] = dq.scale(code, s2, z2)
-        return frag
+        return self.slab_words(vp[tile], row0, st * per_step - tile * per_tile, per_step, lane)
+
+    def v_block(self, words, vs, st, k, ch0, mb, dq, lane, shared):
+        """The four A-fragment words ``{(h, ch): word}`` of V^T's 16 channels from ``ch0``
+        (M-block ``mb``) at k-block ``k`` of step ``st``, from that M-block's ``v_slabs``
+        words: the exact codes with ``fold_v`` (``vs`` unused), else scaled."""
+        kt = st * (self.step // K_BLOCK) + k  # k-block of tokens in the tile
+        tile = (st * self.step) // self.v_tile
+        per_tile = self.v_tile // sm80.chunk_columns(self.v_bits)
+        j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
+        params = self.v_params(vs, kt, ch0, mb, lane, shared)
+        out = {}
+        for h in range(2):
+            codes = dq.codes(words[(h, j)], (2 * kb, 2 * kb + 1))
+            for ch in range(2):
+                code = codes[2 * kb + ch]
+                if params is None:  # fold_v: the exact codes; scale and zero are P's
+                    out[(h, ch)] = code
+                else:
+                    s2, z2 = params[(h, ch)]
+                    out[(h, ch)] = dq.scale(code, s2, z2)
+        return out
 
     def v_params(self, vs, kt, ch0, mb, lane, shared):
         """(scale2, zero2) for row half h, column half ch of V^T's rows ``ch0 ..`` (M-block
@@ -1161,6 +1289,22 @@ class DecodeSm90(PackedDecodeConfig):
                 mma_o.set(warpgroup.Field.ACCUMULATE, k != 0)
                 cute.gemm(mma_o, acc_pv, v_frag[None, None, k], tOrP[0][None, None, k], acc_pv)
         warpgroup.commit_group()
+
+    @cute.jit
+    def pv_ss(self, tOsV, slot, tOrP, acc_pv):
+        """``v_slots``: ``pv`` with the step's V^T read from shared-memory slot ``slot`` (wgmma
+        SS); one P^T copy (``fold_v`` with one V group a row)."""
+        mma_o = sm90.make_wgmma(self.dtype, self.nh)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.step // K_BLOCK):
+            mma_o.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(mma_o, acc_pv, tOsV[None, None, k, slot], tOrP[0][None, None, k], acc_pv)
+        warpgroup.commit_group()
+
+    def v_state(self, tile_count, st: int):
+        """The consumers' state of the V^T slot of step ``st`` of the split's tile number
+        ``tile_count`` (from 0)."""
+        return seq_state(tile_count * self.steps + st, self.v_slots, False)
 
     @cute.jit
     def fold(self, acc_o, acc_pv):

@@ -686,6 +686,43 @@ def test_sm90_consumers_config(tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+def test_sm90_v_through_shared_memory(tmp_path):
+    """``v_slots``: the producer warpgroup's warps 1-3 store V^T with stmatrix into 32 KB
+    slots of a step and the P V wgmma reads A from shared memory (SS, two descriptors), the
+    scores' wgmma still from registers; the slots come out of the ring's shared memory and
+    the producer keeps more registers; slot counts a consumer's release could deadlock on,
+    and kernels without K's scale in Q or V's in P, are refused."""
+    import cutlass.cute as cute
+
+    from bitdecode import jit
+    from bitdecode.kernels_sm90.decode import VT_SCALER_REGS, DecodeSm90
+
+    f16 = cutlass.Float16
+    one = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1, v_slots=1)
+    plain = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1)
+    assert one.vt_bytes == 128 * 128 * 2 and one.producer_regs == VT_SCALER_REGS and one.steps == 2
+    assert one.num_stages < plain.num_stages and one.ctas_per_sm == plain.ctas_per_sm == 2
+    with pytest.raises(ValueError, match="at least 3 with 2 consumers"):
+        DecodeSm90(f16, 2, "channel", 128, 128, 8, True, consumers=2, v_slots=2)
+    with pytest.raises(ValueError, match="fold_k"):
+        DecodeSm90(f16, 2, "channel", 128, 128, 8, True, fold_k=False, v_slots=1)
+    for refused in ({"fold_v": False}, {"group_size": 64}):  # V's scale in V^T; two V groups a row (two P^T copies)
+        with pytest.raises(ValueError, match="fold_v"):
+            DecodeSm90(f16, 2, "channel", refused.get("group_size", 128), 128, 8, True, v_slots=3,
+                       **{k: v for k, v in refused.items() if k != "group_size"})
+    args = kernels.decode_args(KVFormat(2, "channel", 128), f16, 128, True)
+    ptx = cute.compile(one, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
+                       options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+    mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    ss = [line for line in mmas if not re.search(r"\}, \{", line)]
+    # P V: 2 steps x 2 channel M-blocks x 8 token k-blocks from shared memory
+    assert len(ss) == 2 * 2 * 8 and len(mmas) > len(ss), (len(ss), len(mmas))
+    # three decoder warps take the 8 slabs in 3 rounds: 3 x 8 k-blocks x 2 steps stores
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 3 * 8 * 2
+    report = ptxas.report(ptx, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 def test_sm90_small_grid_variant(monkeypatch, tmp_path, h200_sms):
     """Grids of few (sequence, KV head) pairs (B <= 2 at Hkv=8 on 132 SMs) take the one-CTA
     kernel with two consumers and K's scale not in Q, for the formats it was measured on;

@@ -461,6 +461,57 @@ def test_sm90_half_full_band_splits_match_reference():
         assert splits >= 3, splits  # (one split, with or without a tail, is 1 or 2)
 
 
+@pytest.mark.parametrize("bits, dtype, hkv, keywords", [
+    (2, torch.float16, 8, {"v_slots": 1}),  # one consumer, two CTAs an SM (2-bit's default grid)
+    (2, torch.float16, 8, {"v_slots": 2, "ctas_per_sm": 1}),
+    (2, torch.float16, 8, {"v_slots": 3, "consumers": 2}),  # the fewest slots two consumers may take
+    (2, torch.bfloat16, 8, {"v_slots": 1}),
+    (4, torch.float16, 8, {"v_slots": 2}),
+])
+def test_sm90_v_through_shared_memory_matches_reference(bits, dtype, hkv, keywords, monkeypatch):
+    """The SS form of the P V product (``DecodeSm90(v_slots=...)``: the producer warpgroup
+    dequantizes V^T into shared memory with stmatrix, the wgmma reads it there) in the
+    default grid's kernel, built into a fresh JIT cache: ragged lengths with residuals, one
+    split (a CTA's slots wrap many times) and several, paged and shuffled, against the
+    reference."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    from bitdecode import jit
+    from bitdecode.kernels_sm90 import backend as sm90
+    from bitdecode.kernels_sm90 import decode as d90
+
+    grid_keywords = sm90.grid_keywords
+    init = d90.DecodeSm90.__init__
+    built = []
+
+    def with_slots(fmt, fp16, head_dim, nh, variant):
+        found = grid_keywords(fmt, fp16, head_dim, nh, variant)
+        return {**found, **keywords} if variant == "" else found
+
+    def recorded(self, *args, **kw):
+        init(self, *args, **kw)
+        built.append(self.v_slots)
+
+    monkeypatch.setattr(sm90, "grid_keywords", with_slots)
+    monkeypatch.setattr(d90.DecodeSm90, "__init__", recorded)
+    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
+    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    sm90._kernel_ctas_per_sm.cache_clear()
+    try:
+        fmt = bd.KVFormat(bits, "channel", 128)
+        lens = [9000, 700, 3000, 64, 4097, 0, 1500, 2049]
+        for page_size, shuffle in ((None, False), (256, True)):
+            cache, _, _ = make_cache(fmt, lens, hkv, 128, dtype, page_size=page_size, shuffle=shuffle,
+                                     backend="sm90")
+            q = torch.randn(len(lens), 1, 4 * hkv, 128, generator=torch.Generator().manual_seed(bits))
+            q = q.to(dtype).to(DEV)
+            for splits in (1, 3, 0):
+                check_decode(q, cache, "sm90", num_splits=splits)
+        assert keywords["v_slots"] in built, built  # the default grid's kernel ran with the slots
+    finally:
+        sm90._kernel_ctas_per_sm.cache_clear()
+
+
 @pytest.mark.parametrize("weight", [8, 17, 336, 4096])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_weighted_tail_splits_match_reference(backend, bits, weight, monkeypatch):
