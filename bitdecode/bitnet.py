@@ -600,7 +600,7 @@ _LAUNCHERS: dict = {}
 def gemv_configs(device: torch.device) -> list:
     """Every GEMV configuration ``device`` can run (benchmarks and tests time / check them
     side by side): unroll 4 and 8 plain, and on Hopper the PDL candidates the host picks from
-    and the stripe kernel (``kernels_sm90.bitnet_gemv.BULK``, not picked by default yet)."""
+    and the stripe kernel (``kernels_sm90.bitnet_gemv.BULK``, picked where ``bulk_pays``)."""
     from .kernels_sm80 import bitnet_gemv as v80
 
     configs = [v80.GemvConfig(unroll=u) for u in (4, 8)]

@@ -30,8 +30,12 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 ``config_for`` evaluates that order for the compiled candidates, whose register counts
 (ptxas, sm_90a) are recorded in ``REGISTERS`` and checked by the CPU tests.
 
-A bulk-copy (``cp.async.bulk`` + mbarrier ring, persistent CTAs) variant was measured
-and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
+The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
+memory, no weight in a register) takes the shapes with at least four stripes an SM that it
+holds in one wave (``bulk_pays``): there all of the matrix is asked for at once by light
+CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2 us against
+3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any arithmetic and it
+loses up to 25 %).  A bulk-copy ring with persistent CTAs was measured and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
 So was a fixed grid of at most half an SM walking the stripes (the next GEMV's CTAs fit
 beside it and bulk-prefetch all their stripes to L2 while it runs; next stripe's loads in
 flight during this one's arithmetic): 8.1 - 14 us at 20480 x 3200, 5.6 - 8.8 at 13824 x
@@ -49,7 +53,7 @@ from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accum
                                         launch_size, store_stripe, warps_for)
 from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
-from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm
+from ..layouts.resources import CTA_RESERVED_SMEM_BYTES, HOPPER_CTA_SMEM_BYTES, HOPPER_SM_SMEM_BYTES, ctas_per_sm
 from . import ptx90
 
 # ptxas register counts of the PDL builds for sm_90a, by (unroll, pin) (tests/test_bitnet.py)
@@ -80,7 +84,11 @@ def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
 
 
 def config_for(n: int, k: int, sms: int) -> GemvConfig:
-    """The GEMV configuration for an (N, K) problem on a Hopper GPU with ``sms`` SMs."""
+    """The GEMV configuration for an (N, K) problem on a Hopper GPU with ``sms`` SMs: the
+    stripe kernel where it pays (``bulk_pays``), else the register kernel the occupancy model
+    orders first."""
+    if bulk_pays(n, k, sms):
+        return BULK
     return min(CANDIDATES, key=lambda cfg: cost(cfg, n, k, sms))
 
 
@@ -107,6 +115,37 @@ BULK_OTHER_BYTES = 8 + 4 * fmt.TILE_N * MAX_WARPS + 128
 def bulk_fits(k: int) -> bool:
     """Whether a stripe of K columns (and the kernel's other bytes) fits in a CTA."""
     return fmt.stripe_bytes(k) + BULK_OTHER_BYTES <= HOPPER_CTA_SMEM_BYTES
+
+
+def bulk_registers(k: int) -> int:
+    """ptxas's register count of the stripe kernel for sm_90a at K columns, rounded up (48 -
+    56 to 7 warps a CTA, 62 - 64 past that; tests/test_bitnet.py checks it)."""
+    return 56 if bulk_warps(k) <= 7 else 64
+
+
+def bulk_ctas_per_sm(k: int) -> int:
+    """Stripe-kernel CTAs resident on one SM: registers, warps, and the stripes' shared memory."""
+    per_cta = fmt.stripe_bytes(k) + BULK_OTHER_BYTES + CTA_RESERVED_SMEM_BYTES
+    return min(ctas_per_sm(bulk_registers(k), bulk_warps(k)), HOPPER_SM_SMEM_BYTES // per_cta)
+
+
+# The stripe kernel pays from this many stripes an SM up, all of them resident at once.
+# H200, back to back in a CUDA graph (profiles/h200/gemv_sweep.json, bitnet.json; us,
+# stripe / the register kernel the host picked): 4 stripes an SM and more in one wave,
+# 8448 x 2560 2.83 / 3.01, 13824 x 2560 3.21 / 3.74, 20480 x 2560 4.42 / 5.70, 16896 x 3200
+# 4.93 / 5.80, 8448 x 6912 4.96 / 6.84; fewer, 3840 x 2560 (1.8) 2.54 / 2.01, 4800 x 3200
+# (2.3) 2.83 / 2.38, 3200 x 10240 (1.5) 4.51 / 4.20; past one wave, 20480 x 3200 (1280
+# stripes, 1188 slots) 7.24 / 6.55.  (Two waves won too at 13824 x 6912, 8.88 / 11.88, and
+# 8448 x 10240, 7.96 / 8.83: the rule leaves them to the register kernel.)
+BULK_MIN_STRIPES_PER_SM = 4
+
+
+def bulk_pays(n: int, k: int, sms: int) -> bool:
+    """Whether the stripe kernel runs an (N, K) GEMV: at least ``BULK_MIN_STRIPES_PER_SM``
+    stripes an SM, every one resident in the first wave."""
+    stripes = n // fmt.TILE_N
+    return (bulk_fits(k) and stripes >= BULK_MIN_STRIPES_PER_SM * sms
+            and stripes <= bulk_ctas_per_sm(k) * sms)
 
 
 class BitnetGemvBulk:
@@ -199,5 +238,6 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_fits",
-           "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size", "warps_for"]
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS",
+           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_pays", "bulk_registers", "bulk_warps", "compile_bulk",
+           "compile_gemv", "config_for", "cost", "launch_size", "warps_for"]

@@ -21,6 +21,8 @@ MAX_THREAD_REGISTERS = 255
 SETMAXNREG_STEP = 8  # setmaxnreg counts are multiples of 8
 # shared memory one CTA may allocate on sm_90 / sm_100 (227 KB of the SM's 228)
 HOPPER_CTA_SMEM_BYTES = 227 * 1024
+HOPPER_SM_SMEM_BYTES = 228 * 1024
+CTA_RESERVED_SMEM_BYTES = 1024  # what the system takes of an SM's shared memory per resident CTA
 
 
 def ctas_per_sm(registers: int, warps: int) -> int:
