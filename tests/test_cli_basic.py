@@ -128,6 +128,41 @@ def _refused(main, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_probe_patches_apply():
+    """profiles/probes/*.patch, the measurement-only kernel switches that NOTES.md's numbers
+    name, still apply to the tree (``git apply --check``), so the measurements can be
+    repeated; a kernel change that breaks one must refresh it."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("needs a git checkout")
+    patches = sorted((root / "profiles" / "probes").glob("*.patch"))
+    assert patches
+    for patch in patches:
+        done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True)
+        assert done.returncode == 0, f"{patch.name}: {done.stderr}"
+
+
+def test_bench_gemv_sweep_arguments(capsys, monkeypatch):
+    """profiles/bench_gemv_sweep.py: NxK shapes on the packed format's tiles, a tag that is
+    an identifier; on a machine without a GPU it says so instead of timing anything."""
+    import torch
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "profiles"))
+    sweep = _profile_script("bench_gemv_sweep")
+    assert sweep.parse_shapes("8448x2560,16x128") == [(8448, 2560), (16, 128)]
+    for bad, message in (("100x128", "multiple of 16"), ("16x100", "multiple of 16"), ("16", "expected NxK"),
+                         (",", "no shape")):
+        _refused(sweep.main, ["--shapes", bad, "--out", "x"], message, capsys)
+    _refused(sweep.main, ["--shapes", "16x128", "--out", "x", "--tag", "a-b"], "Python identifier", capsys)
+    if not torch.cuda.is_available():
+        assert sweep.main(["--shapes", "16x128", "--out", "x"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_bench_splits_arguments(capsys):
     """profiles/bench_splits.py: a known format, model dtype and backends, else it refuses; on a
     machine without a GPU it says so instead of timing anything."""
