@@ -465,6 +465,7 @@ def test_sm90_half_full_band_splits_match_reference():
     (2, torch.float16, 8, {"v_slots": 1}),  # one consumer, two CTAs an SM (2-bit's default grid)
     (2, torch.float16, 8, {"v_slots": 2, "ctas_per_sm": 1}),
     (2, torch.float16, 8, {"v_slots": 3, "consumers": 2}),  # the fewest slots two consumers may take
+    (2, torch.float16, 8, {"v_slots": 2, "step": 64, "num_stages": 3}),  # 16 KB slots of 64-token steps
     (2, torch.bfloat16, 8, {"v_slots": 1}),
     (4, torch.float16, 8, {"v_slots": 2}),
 ])
