@@ -216,7 +216,7 @@ class BitnetGemv:
         x_lane = mX.iterator.toint() + Int64(tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K)
 
         smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Int32, cute.make_layout((fmt.TILE_N, MAX_WARPS), stride=(1, fmt.TILE_N)), 16)
+        red = smem.allocate_tensor(Int32, fmt.make_row_sums_layout(MAX_WARPS), 16)
 
         if cutlass.const_expr(self.pdl):
             # the next kernel's CTAs may take our SMs as soon as ours retire

@@ -107,14 +107,19 @@ def bulk_warps(k: int) -> int:
     return max(1, min(MAX_WARPS, -(-groups // BULK_BATCH)))
 
 
-# the stripe kernel's shared memory beside its stripe: the mbarrier, the warps' row sums
-# (16 rows x at most MAX_WARPS int32) and the stripe's 128-byte alignment
-BULK_OTHER_BYTES = 8 + 4 * fmt.TILE_N * MAX_WARPS + 128
+# the stripe's alignment in shared memory (the mbarrier before it and its padding fit in it)
+BULK_STRIPE_ALIGN = 128
+
+
+def bulk_smem_bytes(k: int) -> int:
+    """The stripe kernel's shared memory at K columns: the mbarrier, the stripe and the
+    warps' row sums (its allocations in order, with their alignments)."""
+    return BULK_STRIPE_ALIGN + fmt.stripe_bytes(k) + fmt.row_sums_bytes(bulk_warps(k))
 
 
 def bulk_fits(k: int) -> bool:
-    """Whether a stripe of K columns (and the kernel's other bytes) fits in a CTA."""
-    return fmt.stripe_bytes(k) + BULK_OTHER_BYTES <= HOPPER_CTA_SMEM_BYTES
+    """Whether the stripe kernel's shared memory at K columns fits in a CTA."""
+    return bulk_smem_bytes(k) <= HOPPER_CTA_SMEM_BYTES
 
 
 def bulk_registers(k: int) -> int:
@@ -125,7 +130,7 @@ def bulk_registers(k: int) -> int:
 
 def bulk_ctas_per_sm(k: int) -> int:
     """Stripe-kernel CTAs resident on one SM: registers, warps, and the stripes' shared memory."""
-    per_cta = fmt.stripe_bytes(k) + BULK_OTHER_BYTES + CTA_RESERVED_SMEM_BYTES
+    per_cta = bulk_smem_bytes(k) + CTA_RESERVED_SMEM_BYTES
     return min(ctas_per_sm(bulk_registers(k), bulk_warps(k)), HOPPER_SM_SMEM_BYTES // per_cta)
 
 
@@ -189,8 +194,8 @@ class BitnetGemvBulk:
 
         smem = cutlass.memory.SmemAllocator()
         mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
-        sW = smem.allocate_array(cutlass.Int8, self.stripe_bytes, byte_alignment=128)
-        red = smem.allocate_tensor(Int32, cute.make_layout((fmt.TILE_N, self.warps), stride=(1, fmt.TILE_N)), 16)
+        sW = smem.allocate_array(cutlass.Int8, self.stripe_bytes, byte_alignment=BULK_STRIPE_ALIGN)
+        red = smem.allocate_tensor(Int32, fmt.make_row_sums_layout(self.warps), 16)
         if tidx == 0:
             cute.arch.mbarrier_init(mbar, 1)
             cute.arch.mbarrier_init_fence()
@@ -239,5 +244,5 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
 
 
 __all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS",
-           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_pays", "bulk_registers", "bulk_warps", "compile_bulk",
-           "compile_gemv", "config_for", "cost", "launch_size", "warps_for"]
+           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_pays", "bulk_registers", "bulk_smem_bytes", "bulk_warps",
+           "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size", "warps_for"]

@@ -300,7 +300,7 @@ class DecodeSm90(PackedDecodeConfig):
         # 363 (one slot, three stages; the slots' hand-over alone, no decode, 265), 4c128
         # 314 / 389, 2c128 B=1 N=128K 45.9 / 74.1 (profiles/h200/variants_vss_*.json).
         self.v_slots = v_slots
-        self.vt_bytes = head_dim * self.step * 2 if v_slots else 0
+        self.vt_bytes = head_dim * self.step * sm90.ELEM_BYTES if v_slots else 0
         if v_slots:
             if not (self.fold_k and self.fold_v and self.p_copies == 1 and not fp4 and self.v_tiles == 1):
                 raise ValueError("v_slots needs K's scale in Q (fold_k), V's in P (fold_v) with one V group a "
@@ -1167,22 +1167,25 @@ class DecodeSm90(PackedDecodeConfig):
         """``v_slab`` of this warp's slab of every channel M-block, one dict an M-block."""
         return [self.v_slab(vp, st, mb * M_BLOCK + warp * SLAB, lane) for mb in range(self.m_v)]
 
+    def v_tile_of(self, st: int):
+        """(the V tile step ``st`` lies in, that tile's first chunk among the stage's): a
+        stage holds ``v_tiles`` V tiles of ``v_tile`` tokens, a chunk column per 16 bytes."""
+        tile = (st * self.step) // self.v_tile
+        return tile, tile * (self.v_tile // sm80.chunk_columns(self.v_bits))
+
     def v_slab(self, vp, st, row0, lane):
         """ldmatrix words (``slab_words``) of step ``st`` for the 16 channels from ``row0``:
         the step's chunks of the V tile it lies in."""
         per_step = self.step // sm80.chunk_columns(self.v_bits)  # chunks of a V row per step
-        per_tile = self.v_tile // sm80.chunk_columns(self.v_bits)  # ... per V tile
-        tile = (st * self.step) // self.v_tile
-        return self.slab_words(vp[tile], row0, st * per_step - tile * per_tile, per_step, lane)
+        tile, chunk0 = self.v_tile_of(st)
+        return self.slab_words(vp[tile], row0, st * per_step - chunk0, per_step, lane)
 
     def v_block(self, words, vs, st, k, ch0, mb, dq, lane, shared):
         """The four A-fragment words ``{(h, ch): word}`` of V^T's 16 channels from ``ch0``
         (M-block ``mb``) at k-block ``k`` of step ``st``, from that M-block's ``v_slabs``
         words: the exact codes with ``fold_v`` (``vs`` unused), else scaled."""
         kt = st * (self.step // K_BLOCK) + k  # k-block of tokens in the tile
-        tile = (st * self.step) // self.v_tile
-        per_tile = self.v_tile // sm80.chunk_columns(self.v_bits)
-        j, kb = kt // self.kpw_v - tile * per_tile, kt % self.kpw_v  # chunk within the V tile
+        j, kb = kt // self.kpw_v - self.v_tile_of(st)[1], kt % self.kpw_v  # chunk within the V tile
         params = self.v_params(vs, kt, ch0, mb, lane, shared)
         out = {}
         for h in range(2):

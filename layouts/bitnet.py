@@ -89,16 +89,22 @@ GROUP_K = 4 * TILE_K
 GROUP_BYTES = 4 * TILE_BYTES  # 512: one warp's 32 lanes x 16 bytes
 N_MULTIPLE = TILE_N
 K_MULTIPLE = GROUP_K
+CHUNK_BYTES = 16
+CHUNKS_PER_TILE = TILE_BYTES // CHUNK_BYTES  # 8
+ROWS_PER_CHUNK = CHUNK_BYTES // 4  # 4 words = 4 rows
+CHUNK_K = CODES_PER_WORD  # 16 columns per word / chunk
+ROW_SUM_BYTES = 4  # a GEMV warp's int32 sum of one stripe row
 
 
 def stripe_bytes(k: int) -> int:
     """Bytes of one 16-row stripe of a packed [N, K] matrix (one contiguous run of K / 128
     groups of GROUP_BYTES)."""
     return TILE_N * k // CODES_PER_BYTE
-CHUNK_BYTES = 16
-CHUNKS_PER_TILE = TILE_BYTES // CHUNK_BYTES  # 8
-ROWS_PER_CHUNK = CHUNK_BYTES // 4  # 4 words = 4 rows
-CHUNK_K = CODES_PER_WORD  # 16 columns per word / chunk
+
+
+def row_sums_bytes(warps: int) -> int:
+    """Shared memory of a GEMV CTA's per-warp row sums (``make_row_sums_layout``)."""
+    return ROW_SUM_BYTES * TILE_N * warps
 
 # Per-token int8 activations (BitNet's absmax quantizer): q = round(x * s), s = ACT_Q_MAX / max|x|,
 # clamped to [ACT_Q_MIN, ACT_Q_MAX]; its kernel reads 16-byte chunks of 16-bit values.
@@ -110,6 +116,14 @@ ACT_QUANT_VEC = dense.VEC  # 16-bit values per 16-byte load (the row kernels' ve
 # --------------------------------------------------------------------------------------
 # CuTe layouts (call inside a @cute.jit trace)
 # --------------------------------------------------------------------------------------
+
+
+def make_row_sums_layout(warps):
+    """A GEMV CTA's per-warp sums of its stripe's rows in shared memory: (TILE_N rows,
+    ``warps``), a warp's 16 rows contiguous (the 16 storing threads read one row each)."""
+    import cutlass.cute as cute
+
+    return cute.make_layout((TILE_N, warps), stride=(1, TILE_N))
 
 
 def make_tile_permutation():

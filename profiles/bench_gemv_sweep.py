@@ -20,22 +20,7 @@ import time
 from pathlib import Path
 
 from bench_bitnet import bench_gemv, gemv_variants, measure_roofline
-
-
-def parse_shapes(text: str):
-    """``NxK,...`` -> [(N, K)]: N a multiple of 16, K of 128 (the packed format's tiles)."""
-    shapes = []
-    for item in filter(None, text.split(",")):
-        try:
-            n, k = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"--shapes: expected NxK, got {item!r}") from None
-        if n <= 0 or k <= 0 or n % 16 or k % 128:
-            raise ValueError(f"--shapes: {item!r} needs N a positive multiple of 16 and K of 128")
-        shapes.append((n, k))
-    if not shapes:
-        raise ValueError("--shapes: no shape given")
-    return shapes
+from bench_gemm_variants import parse_shapes
 
 
 def main(argv=None) -> int:
@@ -49,9 +34,11 @@ def main(argv=None) -> int:
     if args.tag and not args.tag.isidentifier():
         p.error(f"--tag must be a Python identifier, got {args.tag!r}")
     try:
-        shapes = parse_shapes(args.shapes)
+        shapes = parse_shapes(args.shapes)  # (the GEMM A/B's: NxK on the packed format's tiles)
     except ValueError as e:
         p.error(str(e))
+    if not shapes:
+        p.error("--shapes: no shape given")
     import torch
 
     if not torch.cuda.is_available():

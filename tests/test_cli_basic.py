@@ -154,7 +154,7 @@ def test_bench_gemv_sweep_arguments(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "profiles"))
     sweep = _profile_script("bench_gemv_sweep")
     assert sweep.parse_shapes("8448x2560,16x128") == [(8448, 2560), (16, 128)]
-    for bad, message in (("100x128", "multiple of 16"), ("16x100", "multiple of 16"), ("16", "expected NxK"),
+    for bad, message in (("100x128", "N % 16 == 0"), ("16x100", "K % 128 == 0"), ("16", "must be NxK"),
                          (",", "no shape")):
         _refused(sweep.main, ["--shapes", bad, "--out", "x"], message, capsys)
     _refused(sweep.main, ["--shapes", "16x128", "--out", "x", "--tag", "a-b"], "Python identifier", capsys)
