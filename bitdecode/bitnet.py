@@ -600,14 +600,14 @@ _LAUNCHERS: dict = {}
 def gemv_configs(device: torch.device) -> list:
     """Every GEMV configuration ``device`` can run (benchmarks and tests time / check them
     side by side): unroll 4 and 8 plain, and on Hopper the PDL candidates the host picks from
-    and the stripe kernel (``kernels_sm90.bitnet_gemv.BULK``, picked where ``bulk_pays``)."""
+    and the stripe kernels (``kernels_sm90.bitnet_gemv.BULK``, ``BULK_X``, picked by ``stripe_config``)."""
     from .kernels_sm80 import bitnet_gemv as v80
 
     configs = [v80.GemvConfig(unroll=u) for u in (4, 8)]
     if _arch(torch.device(device)) == "sm_90a":
         from .kernels_sm90 import bitnet_gemv as v90
 
-        configs += list(v90.CANDIDATES) + [v90.BULK]
+        configs += list(v90.CANDIDATES) + [v90.BULK, v90.BULK_X]
     return configs
 
 
@@ -624,7 +624,7 @@ def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
         if cfg.bulk:  # the stripe kernel, compiled per K
             from .kernels_sm90 import bitnet_gemv as v90
 
-            if arch != "sm_90a" or not v90.bulk_fits(k):
+            if arch != "sm_90a" or not v90.bulk_fits(k, cfg.stage_x):
                 raise ValueError(f"the bulk-copy GEMV runs on sm_90a with a stripe that fits in shared memory, "
                                  f"got {arch} and K={k}")
             fn = _compile(("bitnet_gemv_bulk", arch, cfg, k), lambda: v90.compile_bulk(cfg, k, jit.compile_options(arch)))

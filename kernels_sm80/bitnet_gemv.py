@@ -125,6 +125,9 @@ class GemvConfig:
     # copy (``kernels_sm90.bitnet_gemv.BitnetGemvBulk``, compiled per K; ``unroll`` and
     # ``pin`` do not apply)
     bulk: bool = False
+    # with bulk: x too through shared memory (one bulk copy after the wait) instead of
+    # registers, so the CTAs are lighter still and more of them fit an SM
+    stage_x: bool = False
 
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x

@@ -32,7 +32,8 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave (``bulk_pays``): there all of the matrix is asked for at once by light
+holds in one wave (``stripe_config``; where it does not, the form with x staged in shared
+memory too, ``BULK_X``, lighter still): there all of the matrix is asked for at once by light
 CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2 us against
 3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any arithmetic and it
 loses up to 25 %).  A bulk-copy ring with persistent CTAs was measured and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
@@ -85,11 +86,10 @@ def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
 
 def config_for(n: int, k: int, sms: int) -> GemvConfig:
     """The GEMV configuration for an (N, K) problem on a Hopper GPU with ``sms`` SMs: the
-    stripe kernel where it pays (``bulk_pays``), else the register kernel the occupancy model
-    orders first."""
-    if bulk_pays(n, k, sms):
-        return BULK
-    return min(CANDIDATES, key=lambda cfg: cost(cfg, n, k, sms))
+    stripe kernel where it pays (``stripe_config``), else the register kernel the occupancy
+    model orders first."""
+    register = min(CANDIDATES, key=lambda cfg: cost(cfg, n, k, sms))
+    return stripe_config(n, k, sms, cost(register, n, k, sms)[0]) or register
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,6 +99,7 @@ def config_for(n: int, k: int, sms: int) -> GemvConfig:
 # Groups whose activation words a warp holds in registers at once (a batch)
 BULK_BATCH = 8
 BULK = GemvConfig(pdl=True, bulk=True)
+BULK_X = GemvConfig(pdl=True, bulk=True, stage_x=True)
 
 
 def bulk_warps(k: int) -> int:
@@ -111,46 +112,70 @@ def bulk_warps(k: int) -> int:
 BULK_STRIPE_ALIGN = 128
 
 
-def bulk_smem_bytes(k: int) -> int:
-    """The stripe kernel's shared memory at K columns: the mbarrier, the stripe and the
-    warps' row sums (its allocations in order, with their alignments)."""
-    return BULK_STRIPE_ALIGN + fmt.stripe_bytes(k) + fmt.row_sums_bytes(bulk_warps(k))
+def bulk_smem_bytes(k: int, stage_x: bool = False) -> int:
+    """The stripe kernel's shared memory at K columns: the mbarriers, the stripe, the
+    warps' row sums and with ``stage_x`` the activations (its allocations in order, with
+    their alignments)."""
+    sums = fmt.row_sums_bytes(bulk_warps(k))
+    x = -(-sums // BULK_STRIPE_ALIGN) * BULK_STRIPE_ALIGN - sums + k if stage_x else 0
+    return BULK_STRIPE_ALIGN + fmt.stripe_bytes(k) + sums + x
 
 
-def bulk_fits(k: int) -> bool:
+def bulk_fits(k: int, stage_x: bool = False) -> bool:
     """Whether the stripe kernel's shared memory at K columns fits in a CTA."""
-    return bulk_smem_bytes(k) <= HOPPER_CTA_SMEM_BYTES
+    return bulk_smem_bytes(k, stage_x) <= HOPPER_CTA_SMEM_BYTES
 
 
-def bulk_registers(k: int) -> int:
-    """ptxas's register count of the stripe kernel for sm_90a at K columns, rounded up (48 -
-    56 to 7 warps a CTA, 62 - 64 past that; tests/test_bitnet.py checks it)."""
+def bulk_registers(k: int, stage_x: bool = False) -> int:
+    """ptxas's register count of the stripe kernel for sm_90a at K columns, rounded up: with
+    the activations in registers 48 - 56 to 7 warps a CTA, 62 - 64 past that; staged in
+    shared memory 40 - 48 to 10 groups a warp (ptxas hoists the unrolled shared loads: 64 at
+    20; tests/test_bitnet.py checks it)."""
+    if stage_x:
+        return 48 if -(-(k // fmt.GROUP_K) // bulk_warps(k)) <= 10 else 64
     return 56 if bulk_warps(k) <= 7 else 64
 
 
-def bulk_ctas_per_sm(k: int) -> int:
+def bulk_ctas_per_sm(k: int, stage_x: bool = False) -> int:
     """Stripe-kernel CTAs resident on one SM: registers, warps, and the stripes' shared memory."""
-    per_cta = bulk_smem_bytes(k) + CTA_RESERVED_SMEM_BYTES
-    return min(ctas_per_sm(bulk_registers(k), bulk_warps(k)), HOPPER_SM_SMEM_BYTES // per_cta)
+    per_cta = bulk_smem_bytes(k, stage_x) + CTA_RESERVED_SMEM_BYTES
+    return min(ctas_per_sm(bulk_registers(k, stage_x), bulk_warps(k)), HOPPER_SM_SMEM_BYTES // per_cta)
 
 
-# The stripe kernel pays from this many stripes an SM up, all of them resident at once.
-# H200, back to back in a CUDA graph (profiles/h200/gemv_sweep.json, bitnet.json; us,
-# stripe / the register kernel the host picked): 4 stripes an SM and more in one wave,
-# 8448 x 2560 2.83 / 3.01, 13824 x 2560 3.21 / 3.74, 20480 x 2560 4.42 / 5.70, 16896 x 3200
-# 4.93 / 5.80, 8448 x 6912 4.96 / 6.84; fewer, 3840 x 2560 (1.8) 2.54 / 2.01, 4800 x 3200
-# (2.3) 2.83 / 2.38, 3200 x 10240 (1.5) 4.51 / 4.20; past one wave, 20480 x 3200 (1280
-# stripes, 1188 slots) 7.24 / 6.55.  (Two waves won too at 13824 x 6912, 8.88 / 11.88, and
-# 8448 x 10240, 7.96 / 8.83: the rule leaves them to the register kernel.)
+def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
+    """Waves of the stripe kernel ``cfg`` (``BULK`` or ``BULK_X``) over N / 16 stripes (0 if
+    its shared memory does not fit)."""
+    if not bulk_fits(k, cfg.stage_x):
+        return 0
+    return -(-(n // fmt.TILE_N) // (bulk_ctas_per_sm(k, cfg.stage_x) * sms))
+
+
+# The stripe kernel pays from this many stripes an SM up.  H200, back to back in a CUDA
+# graph (profiles/h200/gemv_sweep.json, gemv_sweep_stage_x.json, bitnet.json; us, stripe /
+# the register kernel the host picked): 4 stripes an SM and more in one wave, 8448 x 2560
+# 2.83 / 3.01, 13824 x 2560 3.21 / 3.74, 20480 x 2560 4.42 / 5.70, 16896 x 3200 4.93 / 5.80,
+# 8448 x 6912 4.96 / 6.84; fewer, 3840 x 2560 (1.8) 2.54 / 2.01, 4800 x 3200 (2.3) 2.83 /
+# 2.38, 3200 x 10240 (1.5) 4.51 / 4.20.
 BULK_MIN_STRIPES_PER_SM = 4
 
 
-def bulk_pays(n: int, k: int, sms: int) -> bool:
-    """Whether the stripe kernel runs an (N, K) GEMV: at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM, every one resident in the first wave."""
-    stripes = n // fmt.TILE_N
-    return (bulk_fits(k) and stripes >= BULK_MIN_STRIPES_PER_SM * sms
-            and stripes <= bulk_ctas_per_sm(k) * sms)
+def stripe_config(n: int, k: int, sms: int, register_waves: int):
+    """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
+    stripes an SM, or None: ``BULK`` where it holds every stripe in the first wave, else
+    ``BULK_X`` (x staged too: 8 - 16 fewer registers, one or two more CTAs an SM) where that
+    does, else ``BULK`` where it takes fewer waves than the register kernel
+    (``register_waves``).  H200 (gemv_sweep_stage_x.json; us, BULK / BULK_X / register):
+    20480 x 3200 (1280 stripes: 1188 slots, 1320 staged) 7.36 / 6.34 / 6.65, 8448 x 10240
+    (528: 396, 528) 8.20 / 7.75 / 8.92; two waves either way against the register kernel's
+    three, 13824 x 6912 9.02 / 9.24 / 12.04.  Where ``BULK`` holds all, staging x measured
+    from 10 % faster to 15 % slower (13824 x 2560 3.29 / 3.79), so it is not taken there."""
+    if n // fmt.TILE_N < BULK_MIN_STRIPES_PER_SM * sms:
+        return None
+    for cfg in (BULK, BULK_X):
+        if stripe_waves(cfg, n, k, sms) == 1:
+            return cfg
+    waves = stripe_waves(BULK, n, k, sms)
+    return BULK if 0 < waves < register_waves else None
 
 
 class BitnetGemvBulk:
@@ -166,9 +191,11 @@ class BitnetGemvBulk:
     batches are static."""
 
     def __init__(self, cfg: GemvConfig, k: int):
-        assert cfg.bulk and k % fmt.GROUP_K == 0 and bulk_fits(k), (cfg, k)
+        assert cfg.bulk and k % fmt.GROUP_K == 0 and bulk_fits(k, cfg.stage_x), (cfg, k)
         self.raw = cfg.raw
         self.pdl = cfg.pdl
+        self.stage_x = cfg.stage_x
+        self.k = k
         self.groups = k // fmt.GROUP_K
         self.warps = bulk_warps(k)
         self.per_warp = -(-self.groups // self.warps)  # groups a warp takes (the last may pad)
@@ -193,11 +220,12 @@ class BitnetGemvBulk:
         tile = lane // fmt.CHUNKS_PER_TILE
 
         smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
+        mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)  # the stripe's, x's
         sW = smem.allocate_array(cutlass.Int8, self.stripe_bytes, byte_alignment=BULK_STRIPE_ALIGN)
         red = smem.allocate_tensor(Int32, fmt.make_row_sums_layout(self.warps), 16)
         if tidx == 0:
             cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init(mbar + 1, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if cutlass.const_expr(self.pdl):
@@ -207,11 +235,20 @@ class BitnetGemvBulk:
             ptx90.bulk_g2s(sW, mW.iterator + Int64(stripe) * Int64(self.stripe_bytes), self.stripe_bytes, mbar)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # x (and out) may be the previous kernel's
+        sX = None
+        if cutlass.const_expr(self.stage_x):
+            # after the wait: the async proxy reads what the previous grid wrote and flushed
+            sX = smem.allocate_array(cutlass.Int8, self.k, byte_alignment=BULK_STRIPE_ALIGN)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, self.k)
+                ptx90.bulk_g2s(sX, mX.iterator, self.k, mbar + 1)
 
-        # Groups warp, warp + W, ..: each batch's activation words are loaded before any
-        # is used (the first batch's while the stripe lands); groups past the stripe read
-        # its last one again with zeroed activations, adding nothing to either sum.
-        x_lane = mX.iterator.toint() + Int64(tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K)
+        # Groups warp, warp + W, ..; groups past the stripe read its last one again with
+        # zeroed activations, adding nothing to either sum.  From registers, each batch's
+        # activation words are loaded before any is used (the first batch's while the
+        # stripe lands); staged, they are read from shared memory beside the weights.
+        x_offset = tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K
+        x_lane = mX.iterator.toint() + Int64(x_offset)
         w_lane = sW.toint() + lane * fmt.CHUNK_BYTES
         acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
         acc.fill(0)
@@ -224,12 +261,19 @@ class BitnetGemvBulk:
                 g = warp + j * self.warps
                 grps.append(cutlass.min(g, self.groups - 1))
                 keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
-                xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
+                if cutlass.const_expr(not self.stage_x):
+                    xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
             if cutlass.const_expr(b0 == 0):
                 cute.arch.mbarrier_wait(mbar, 0)
+                if cutlass.const_expr(self.stage_x):
+                    cute.arch.mbarrier_wait(mbar + 1, 0)
             for u in cutlass.range_constexpr(len(grps)):
                 wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
-                x = tuple(xv[u][i] & keep[u] for i in range(4))
+                if cutlass.const_expr(self.stage_x):
+                    xw = lds_v4(sX.toint() + x_offset + grps[u] * fmt.GROUP_K)
+                else:
+                    xw = xv[u]
+                x = tuple(xw[i] & keep[u] for i in range(4))
                 for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
                     xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
                 accumulate_words(wv, x, acc)
@@ -243,6 +287,7 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS",
-           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_pays", "bulk_registers", "bulk_smem_bytes", "bulk_warps",
-           "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size", "warps_for"]
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_X", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS",
+           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers", "bulk_smem_bytes", "bulk_warps",
+           "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size", "stripe_config", "stripe_waves",
+           "warps_for"]

@@ -113,7 +113,7 @@ def gemv_variants(device) -> Dict[str, tuple]:
     """Every GEMV configuration this GPU runs (``bitnet.gemv_configs``) by column name:
     ``unrollU_us`` plain, ``pdl_unrollU_us`` with programmatic dependent launch
     (``pdl_unrollU_pin_us`` with the first weight batch pinned above the wait; ``pdl_bulk_us``
-    the stripe kernel) ->
+    the stripe kernel, ``pdl_bulk_x_us`` with x staged in shared memory too) ->
     (config, ``call(x, w, xs, ws) -> out`` running it)."""
     out = {}
     for cfg in bn.gemv_configs(device):
@@ -121,7 +121,7 @@ def gemv_variants(device) -> Dict[str, tuple]:
             n = w.shape[0]
             return bn._gemv_launch(x, w, xs, ws, [n, n, n], False, cfg)
 
-        shape = "bulk" if cfg.bulk else f"unroll{cfg.unroll}" + ("_pin" if cfg.pin else "")
+        shape = ("bulk_x" if cfg.stage_x else "bulk") if cfg.bulk else f"unroll{cfg.unroll}" + ("_pin" if cfg.pin else "")
         out[("pdl_" if cfg.pdl else "") + shape + "_us"] = (cfg, call)
     return out
 

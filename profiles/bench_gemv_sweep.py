@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         best = min(others.items(), key=lambda kv: kv[1], default=(None, None))
         print(f"{n:>6} x {k:<6} {row['stripes_per_sm']:5.2f} stripes/SM  host {row['us']:6.2f} us  "
               f"best other {best[0]} {best[1] if best[1] is None else round(best[1], 2)}  "
-              f"bulk {row.get('pdl_bulk_us', float('nan')):6.2f}", flush=True)
+              f"bulk {row.get('pdl_bulk_us', float('nan')):6.2f}  bulk_x {row.get('pdl_bulk_x_us', float('nan')):6.2f}",
+              flush=True)
         rows.append(row)
     name = f"gemv_sweep_{args.tag}.json" if args.tag else "gemv_sweep.json"
     args.out.mkdir(parents=True, exist_ok=True)

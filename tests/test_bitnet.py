@@ -611,27 +611,35 @@ def test_sm90_gemv_compiles(unroll, pin, tmp_path):
         assert (sass[:acq].count("LDG.E.NA.128.CONSTANT") == unroll) == pin
 
 
+@pytest.mark.parametrize("stage_x", [False, True])
 @pytest.mark.parametrize("k", [2560, 3200, 6912, 10240, 40960])
-def test_sm90_gemv_bulk_compiles(k, tmp_path):
+def test_sm90_gemv_bulk_compiles(k, stage_x, tmp_path):
     """The stripe kernel: one bulk copy of the CTA's weights onto an mbarrier, issued before
-    the wait for the previous kernel; the activations after it; the weights read from shared
-    memory only; light on registers (so many CTAs fit an SM), no spills."""
+    the wait for the previous kernel; the activations after it (by loads, or staged by a
+    second bulk copy); the weights read from shared memory only; light on registers (so
+    many CTAs fit an SM), no spills."""
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
-    ptx = _ptx(v90.compile_bulk(v90.BULK, k, jit.compile_options("sm_90a", keep_ptx=True)))
+    cfg = v90.BULK_X if stage_x else v90.BULK
+    ptx = _ptx(v90.compile_bulk(cfg, k, jit.compile_options("sm_90a", keep_ptx=True)))
     wait = ptx.index("griddepcontrol.wait")
     assert "griddepcontrol.launch_dependents" in ptx[:wait]
-    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 1
-    assert ptx.index("cp.async.bulk") < wait and "mbarrier.try_wait" in ptx[wait:]
-    assert "ld.global.nc" not in ptx and "ld.global.v4.u32" in ptx[wait:] and "ld.global.v4.u32" not in ptx[:wait]
+    bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    assert ptx.count(bulk) == 1 + stage_x and ptx[:wait].count(bulk) == 1
+    assert "mbarrier.try_wait" in ptx[wait:] and "ld.global.nc" not in ptx
     groups = k // L.GROUP_K
-    assert ptx.count("ld.shared.v4.b32") == -(-groups // v90.bulk_warps(k))  # a warp's groups, unrolled
+    per_warp = -(-groups // v90.bulk_warps(k))  # a warp's groups, unrolled
+    if stage_x:  # no activation load from global: a shared load beside each weight load
+        assert "ld.global.v4" not in ptx and ptx.count("ld.shared.v4.b32") == 2 * per_warp
+    else:
+        assert "ld.global.v4.u32" in ptx[wait:] and "ld.global.v4.u32" not in ptx[:wait]
+        assert ptx.count("ld.shared.v4.b32") == per_warp
     assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx
     rep = ptxas.report(ptx, "sm_90a", tmp_path)
-    # (bulk_registers: the count the host's residency rule, bulk_pays, assumes)
+    # (bulk_registers: the count the host's residency rule, stripe_config, assumes)
     used = int(rep.split("Used ")[1].split(" registers")[0])
-    assert ptxas.spill_bytes(rep) == 0 and used <= v90.bulk_registers(k) <= 64, rep[-1000:]
-    assert v90.bulk_fits(k) and not v90.bulk_fits(65536)
+    assert ptxas.spill_bytes(rep) == 0 and used <= v90.bulk_registers(k, stage_x) <= 64, rep[-1000:]
+    assert v90.bulk_fits(k, stage_x) and not v90.bulk_fits(65536, stage_x)
 
 
 def test_sm90_gemv_config():
@@ -641,20 +649,25 @@ def test_sm90_gemv_config():
     # H200 measurements (profiles/NOTES.md): the model picks the fastest or within 5 %
     def pick(n, k):
         cfg = v90.config_for(n, k, 132)
-        return "bulk" if cfg.bulk else (cfg.unroll, cfg.pin)
+        return ("bulk_x" if cfg.stage_x else "bulk") if cfg.bulk else (cfg.unroll, cfg.pin)
 
     assert pick(2560, 2560) == (4, True)  # one wave either way: the most warps, no padding, pinned
     assert pick(2560, 6912) == (5, True)  # 11-warp CTAs, 2 an SM (unroll 4: 14 warps, 1 an SM, two waves)
-    assert pick(20480, 3200) == (5, False)  # two waves at best: unpinned (pinned, unroll 5 takes three)
+    assert pick(3200, 3200) == (5, True)
     assert pick(3200, 10240) == (8, False)  # 10-warp CTAs, 2 an SM, 76 % full: unpinned
-    # the stripe kernel from 4 stripes an SM, all resident at once (bulk_pays)
+    # the stripe kernel from 4 stripes an SM, all resident at once (stripe_config)
     for n, k in ((13824, 2560), (16384, 2560), (8448, 2560), (20480, 2560), (16896, 3200), (8448, 6912)):
         assert pick(n, k) == "bulk", (n, k)
     assert pick(3840, 2560) == (4, True) and pick(4800, 3200) == (5, True)  # 1.8 and 2.3 stripes an SM
     # 1280 stripes against 9 of 4-warp CTAs an SM (56 registers), 13824 x 6912 against 5 of 7 warps
     assert v90.bulk_ctas_per_sm(3200) == 9 and v90.bulk_ctas_per_sm(6912) == 5 and v90.bulk_ctas_per_sm(2560) == 12
-    assert not v90.bulk_pays(20480, 3200, 132) and not v90.bulk_pays(13824, 6912, 132)
-    assert not v90.bulk_pays(1 << 16, 1 << 16, 132)  # a stripe past a CTA's shared memory
+    # past one wave of BULK: staged x where that holds all (20480 x 3200: 10 CTAs an SM, 1320
+    # slots), else BULK where it takes fewer waves than the register kernel (2 against 3)
+    assert pick(20480, 3200) == "bulk_x" and pick(8448, 10240) == "bulk_x" and pick(13824, 6912) == "bulk"
+    assert v90.bulk_ctas_per_sm(3200, True) == 10 and v90.stripe_waves(v90.BULK, 20480, 3200, 132) == 2
+    assert v90.stripe_config(20480, 3200, 132, 2) == v90.BULK_X and v90.stripe_config(26400, 3200, 132, 2) is None
+    assert v90.stripe_waves(v90.BULK, 1 << 16, 1 << 16, 132) == 0  # a stripe past a CTA's shared memory
+    assert v90.stripe_config(1 << 16, 1 << 16, 132, 9) is None
     assert ctas_per_sm(72, 4) == 7 and ctas_per_sm(88, 3) == 6 and ctas_per_sm(72, 16) == 1
     for n, k in ((16, 128), (16, 40960), (1 << 20, 128)):
         cfg = v90.config_for(n, k, 132)
@@ -961,6 +974,38 @@ def test_gpu_gemv_every_config(n, k):
     for cfg in bn.gemv_configs("cuda"):
         out = bn._gemv_launch(x, wp, xs, torch.ones(1, device="cuda"), [n, n, n], True, cfg)
         assert torch.equal(out, ref), (cfg, (out - ref).abs().max())
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_gemv_reads_the_gemv_before():
+    """Every GEMV configuration launched right after another GEMV reads that one's output
+    (its int32 sums taken as int8 activations) only once it is complete (the PDL builds
+    wait on the grid before, the staged-x stripe kernel copies x by the async proxy after
+    that wait): eager, then replayed in a CUDA graph with both outputs poisoned; exact."""
+    n1, n2 = 2560, 640
+    w1, wp1 = _weights(n1, 2560)
+    w2, wp2 = _weights(n2, 4 * n1)
+    x, xs = _acts(1, 2560, 11)
+    ones = torch.ones(1, device="cuda")
+    want_first = bn.accumulate(x, w1)
+    want = bn.accumulate(want_first.view(torch.int8), w2)
+    for cfg in bn.gemv_configs("cuda"):
+        def step(cfg=cfg):
+            first = bn._gemv_launch(x, wp1, xs, ones, [n1] * 3, True, cfg)
+            return first, bn._gemv_launch(first.view(torch.int8), wp2, xs, ones, [n2] * 3, True, cfg)
+
+        first, second = step()
+        assert torch.equal(first, want_first) and torch.equal(second, want), cfg
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            first, second = step()
+        for _ in range(3):
+            first.fill_(-7)
+            second.fill_(-7)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(first, want_first) and torch.equal(second, want), cfg
 
 
 @pytest.mark.gpu
