@@ -98,6 +98,10 @@ def config_for(n: int, k: int, sms: int) -> GemvConfig:
 
 # Groups whose activation words a warp holds in registers at once (a batch)
 BULK_BATCH = 8
+# x staged: the group loop's unroll (1 measured 1.5 % faster at 20480 x 3200 but up to 40 %
+# slower elsewhere, e.g. 13824 x 3200 5.47 against 4.24 - 4.51 us; full unrolling hoists
+# every group's shared loads: 47 registers)
+BULK_X_UNROLL = 2
 BULK = GemvConfig(pdl=True, bulk=True)
 BULK_X = GemvConfig(pdl=True, bulk=True, stage_x=True)
 
@@ -129,10 +133,9 @@ def bulk_fits(k: int, stage_x: bool = False) -> bool:
 def bulk_registers(k: int, stage_x: bool = False) -> int:
     """ptxas's register count of the stripe kernel for sm_90a at K columns, rounded up: with
     the activations in registers 48 - 56 to 7 warps a CTA, 62 - 64 past that; staged in
-    shared memory 40 - 48 to 10 groups a warp (ptxas hoists the unrolled shared loads: 64 at
-    20; tests/test_bitnet.py checks it)."""
+    shared memory (the loop rolled) 38 - 39 (tests/test_bitnet.py checks it)."""
     if stage_x:
-        return 48 if -(-(k // fmt.GROUP_K) // bulk_warps(k)) <= 10 else 64
+        return 40
     return 56 if bulk_warps(k) <= 7 else 64
 
 
@@ -159,21 +162,35 @@ def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
 BULK_MIN_STRIPES_PER_SM = 4
 
 
+# A stripe kernel's wave should leave this share of its CTA slots free: the next GEMV's CTAs
+# then start beside it and fetch their stripes while it drains.  H200
+# (gemv_sweep_rolled_a/_b.json; us): 20480 x 3200 in one wave of 1320 slots (BULK_X with its
+# group loop unrolled, 47 registers: 3 % free) 6.25 / 6.27, of 1584 (rolled, 38-39
+# registers: 19 % free) 5.47 / 5.47.
+BULK_FREE_SLOTS = 0.10
+
+
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM, or None: ``BULK`` where it holds every stripe in the first wave, else
-    ``BULK_X`` (x staged too: 8 - 16 fewer registers, one or two more CTAs an SM) where that
-    does, else ``BULK`` where it takes fewer waves than the register kernel
-    (``register_waves``).  H200 (gemv_sweep_stage_x.json; us, BULK / BULK_X / register):
-    20480 x 3200 (1280 stripes: 1188 slots, 1320 staged) 7.36 / 6.34 / 6.65, 8448 x 10240
-    (528: 396, 528) 8.20 / 7.75 / 8.92; two waves either way against the register kernel's
-    three, 13824 x 6912 9.02 / 9.24 / 12.04.  Where ``BULK`` holds all, staging x measured
-    from 10 % faster to 15 % slower (13824 x 2560 3.29 / 3.79), so it is not taken there."""
-    if n // fmt.TILE_N < BULK_MIN_STRIPES_PER_SM * sms:
+    stripes an SM, or None: the first of ``BULK`` and ``BULK_X`` (x staged too: 38 - 39
+    registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free,
+    else the first that holds every stripe in one wave, else ``BULK`` where it takes fewer
+    waves than the register kernel (``register_waves``).  H200 (gemv_sweep_stage_x.json,
+    gemv_sweep_rolled_*.json; us, BULK / BULK_X / register): 20480 x 3200 (1280 stripes:
+    1188 slots, 1584 staged) 7.26 - 7.36 / 5.47 / 6.65; 8448 x 10240 (528: 396, 528) 7.96 -
+    8.20 / 7.64 - 7.72 / 8.92; two waves either way against the register kernel's three,
+    13824 x 6912 8.92 - 9.02 / 9.13 - 9.24 / 12.04.  Where ``BULK`` leaves room, staging x
+    ranged from 14 % faster (16896 x 3200, 89 % full) to 18 % slower (13824 x 2560), so it
+    is not taken there."""
+    stripes = n // fmt.TILE_N
+    if stripes < BULK_MIN_STRIPES_PER_SM * sms:
         return None
-    for cfg in (BULK, BULK_X):
-        if stripe_waves(cfg, n, k, sms) == 1:
+    one_wave = [cfg for cfg in (BULK, BULK_X) if stripe_waves(cfg, n, k, sms) == 1]
+    for cfg in one_wave:
+        if stripes <= (1 - BULK_FREE_SLOTS) * bulk_ctas_per_sm(k, cfg.stage_x) * sms:
             return cfg
+    if one_wave:
+        return one_wave[0]
     waves = stripe_waves(BULK, n, k, sms)
     return BULK if 0 < waves < register_waves else None
 
@@ -253,30 +270,40 @@ class BitnetGemvBulk:
         acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
         acc.fill(0)
         xsum = Int32(0)
-        for b0 in cutlass.range_constexpr(0, self.per_warp, BULK_BATCH):
-            grps = []
-            keep = []
-            xv = []
-            for j in cutlass.range_constexpr(b0, min(b0 + BULK_BATCH, self.per_warp)):
+        if cutlass.const_expr(self.stage_x):
+            # the group loop rolled (two groups an iteration): a group's words live only
+            # while it is used, 38-39 registers, so two more CTAs fit an SM than unrolled
+            # (47; H200, 20480 x 3200: 5.47 against 6.25 us, profiles/NOTES.md)
+            cute.arch.mbarrier_wait(mbar, 0)
+            cute.arch.mbarrier_wait(mbar + 1, 0)
+            for j in cutlass.range(self.per_warp, unroll=BULK_X_UNROLL):
                 g = warp + j * self.warps
-                grps.append(cutlass.min(g, self.groups - 1))
-                keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
-                if cutlass.const_expr(not self.stage_x):
-                    xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
-            if cutlass.const_expr(b0 == 0):
-                cute.arch.mbarrier_wait(mbar, 0)
-                if cutlass.const_expr(self.stage_x):
-                    cute.arch.mbarrier_wait(mbar + 1, 0)
-            for u in cutlass.range_constexpr(len(grps)):
-                wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
-                if cutlass.const_expr(self.stage_x):
-                    xw = lds_v4(sX.toint() + x_offset + grps[u] * fmt.GROUP_K)
-                else:
-                    xw = xv[u]
-                x = tuple(xw[i] & keep[u] for i in range(4))
+                grp = cutlass.min(g, self.groups - 1)
+                keep = cutlass.select_(g < self.groups, Int32(-1), Int32(0))
+                wv = lds_v4(w_lane + grp * fmt.GROUP_BYTES)
+                xw = lds_v4(sX.toint() + x_offset + grp * fmt.GROUP_K)
+                x = tuple(xw[i] & keep for i in range(4))
                 for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
                     xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
                 accumulate_words(wv, x, acc)
+        else:
+            for b0 in cutlass.range_constexpr(0, self.per_warp, BULK_BATCH):
+                grps = []
+                keep = []
+                xv = []
+                for j in cutlass.range_constexpr(b0, min(b0 + BULK_BATCH, self.per_warp)):
+                    g = warp + j * self.warps
+                    grps.append(cutlass.min(g, self.groups - 1))
+                    keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
+                    xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
+                if cutlass.const_expr(b0 == 0):
+                    cute.arch.mbarrier_wait(mbar, 0)
+                for u in cutlass.range_constexpr(len(grps)):
+                    wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
+                    x = tuple(xv[u][i] & keep[u] for i in range(4))
+                    for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+                        xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
+                    accumulate_words(wv, x, acc)
 
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
                      self.raw)
@@ -287,7 +314,7 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_X", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS",
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS",
            "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers", "bulk_smem_bytes", "bulk_warps",
            "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size", "stripe_config", "stripe_waves",
            "warps_for"]

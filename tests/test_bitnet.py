@@ -619,6 +619,7 @@ def test_sm90_gemv_bulk_compiles(k, stage_x, tmp_path):
     second bulk copy); the weights read from shared memory only; light on registers (so
     many CTAs fit an SM), no spills."""
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
+    from bitdecode.layouts.resources import ctas_per_sm
 
     cfg = v90.BULK_X if stage_x else v90.BULK
     ptx = _ptx(v90.compile_bulk(cfg, k, jit.compile_options("sm_90a", keep_ptx=True)))
@@ -629,8 +630,9 @@ def test_sm90_gemv_bulk_compiles(k, stage_x, tmp_path):
     assert "mbarrier.try_wait" in ptx[wait:] and "ld.global.nc" not in ptx
     groups = k // L.GROUP_K
     per_warp = -(-groups // v90.bulk_warps(k))  # a warp's groups, unrolled
-    if stage_x:  # no activation load from global: a shared load beside each weight load
-        assert "ld.global.v4" not in ptx and ptx.count("ld.shared.v4.b32") == 2 * per_warp
+    if stage_x:  # no activation load from global: a shared load beside each weight load, the
+        # loop rolled (two groups an iteration, and a remainder)
+        assert "ld.global.v4" not in ptx and 4 <= ptx.count("ld.shared.v4.b32") <= 8 < 2 * per_warp + 4
     else:
         assert "ld.global.v4.u32" in ptx[wait:] and "ld.global.v4.u32" not in ptx[:wait]
         assert ptx.count("ld.shared.v4.b32") == per_warp
@@ -638,7 +640,11 @@ def test_sm90_gemv_bulk_compiles(k, stage_x, tmp_path):
     rep = ptxas.report(ptx, "sm_90a", tmp_path)
     # (bulk_registers: the count the host's residency rule, stripe_config, assumes)
     used = int(rep.split("Used ")[1].split(" registers")[0])
-    assert ptxas.spill_bytes(rep) == 0 and used <= v90.bulk_registers(k, stage_x) <= 64, rep[-1000:]
+    assert ptxas.spill_bytes(rep) == 0 and used <= 64, rep[-1000:]
+    # the CTAs an SM the rule counts on are resident at ptxas's count (staged, 38-41 against
+    # the rule's 40: 41 at K = 10240 leaves shared memory the limit)
+    assert ctas_per_sm(used, v90.bulk_warps(k)) >= v90.bulk_ctas_per_sm(k, stage_x), rep[-1000:]
+    assert stage_x or used <= v90.bulk_registers(k)
     assert v90.bulk_fits(k, stage_x) and not v90.bulk_fits(65536, stage_x)
 
 
@@ -664,8 +670,12 @@ def test_sm90_gemv_config():
     # past one wave of BULK: staged x where that holds all (20480 x 3200: 10 CTAs an SM, 1320
     # slots), else BULK where it takes fewer waves than the register kernel (2 against 3)
     assert pick(20480, 3200) == "bulk_x" and pick(8448, 10240) == "bulk_x" and pick(13824, 6912) == "bulk"
-    assert v90.bulk_ctas_per_sm(3200, True) == 10 and v90.stripe_waves(v90.BULK, 20480, 3200, 132) == 2
+    # (BULK_X at 20480 x 3200: 1280 of 1584 slots, 19 % free; BULK at 16896 x 3200: 1056 of
+    # 1188, 11 % free; BULK_X at 8448 x 10240: one full wave of 528)
+    assert v90.bulk_ctas_per_sm(3200, True) == 12 and v90.stripe_waves(v90.BULK, 20480, 3200, 132) == 2
+    assert pick(16896, 3200) == "bulk" and v90.bulk_ctas_per_sm(10240, True) == 4
     assert v90.stripe_config(20480, 3200, 132, 2) == v90.BULK_X and v90.stripe_config(26400, 3200, 132, 2) is None
+    assert v90.stripe_config(20480, 3200, 107, 2) == v90.BULK_X  # 1284 slots, nearly full: still one wave
     assert v90.stripe_waves(v90.BULK, 1 << 16, 1 << 16, 132) == 0  # a stripe past a CTA's shared memory
     assert v90.stripe_config(1 << 16, 1 << 16, 132, 9) is None
     assert ctas_per_sm(72, 4) == 7 and ctas_per_sm(88, 3) == 6 and ctas_per_sm(72, 16) == 1
