@@ -126,7 +126,8 @@ class GemvConfig:
     # ``pin`` do not apply)
     bulk: bool = False
     # with bulk: x too through shared memory (one bulk copy after the wait) instead of
-    # registers, so the CTAs are lighter still and more of them fit an SM
+    # registers, and the group loop rolled, so the CTAs are lighter still and more of them
+    # fit an SM
     stage_x: bool = False
 
 

@@ -32,8 +32,9 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave (``stripe_config``; where it does not, the form with x staged in shared
-memory too, ``BULK_X``, lighter still): there all of the matrix is asked for at once by light
+holds in one wave (``stripe_config``; where that wave would leave the next GEMV no room, the
+form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter still:
+20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at once by light
 CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2 us against
 3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any arithmetic and it
 loses up to 25 %).  A bulk-copy ring with persistent CTAs was measured and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
@@ -133,7 +134,8 @@ def bulk_fits(k: int, stage_x: bool = False) -> bool:
 def bulk_registers(k: int, stage_x: bool = False) -> int:
     """ptxas's register count of the stripe kernel for sm_90a at K columns, rounded up: with
     the activations in registers 48 - 56 to 7 warps a CTA, 62 - 64 past that; staged in
-    shared memory (the loop rolled) 38 - 39 (tests/test_bitnet.py checks it)."""
+    shared memory (the loop rolled) 38 - 39, 41 at K = 10240 where shared memory limits the
+    CTAs an SM anyway (tests/test_bitnet.py checks that the residency holds)."""
     if stage_x:
         return 40
     return 56 if bulk_warps(k) <= 7 else 64
@@ -164,24 +166,20 @@ BULK_MIN_STRIPES_PER_SM = 4
 
 # A stripe kernel's wave should leave this share of its CTA slots free: the next GEMV's CTAs
 # then start beside it and fetch their stripes while it drains.  H200
-# (gemv_sweep_rolled_a/_b.json; us): 20480 x 3200 in one wave of 1320 slots (BULK_X with its
-# group loop unrolled, 47 registers: 3 % free) 6.25 / 6.27, of 1584 (rolled, 38-39
-# registers: 19 % free) 5.47 / 5.47.
-BULK_FREE_SLOTS = 0.10
-
-
+# (gemv_sweep_rolled*.json, gemv_sweep_final.json; us, BULK / BULK_X, the share BULK leaves
+# free): 20480 x 3200 7.26 - 7.36 / 5.38 - 5.52 (BULK two waves; BULK_X unrolled, 3 % free,
+# 6.18 - 6.27), 16896 x 3200 4.99 - 5.09 / 4.28 - 4.38 (11 %), 20480 x 2560 4.47 - 4.81 /
+# 4.46 - 4.64 (19 %), 8448 x 6912 5.00 - 5.10 / 4.66 (20 %); 13824 x 3200 3.87 - 3.90 /
+# 4.24 - 4.51 (27 %), 13824 x 2560 3.21 - 3.30 / 3.77 - 3.79 (45 %).
+BULK_FREE_SLOTS = 0.25
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM, or None: the first of ``BULK`` and ``BULK_X`` (x staged too: 38 - 39
-    registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free,
-    else the first that holds every stripe in one wave, else ``BULK`` where it takes fewer
-    waves than the register kernel (``register_waves``).  H200 (gemv_sweep_stage_x.json,
-    gemv_sweep_rolled_*.json; us, BULK / BULK_X / register): 20480 x 3200 (1280 stripes:
-    1188 slots, 1584 staged) 7.26 - 7.36 / 5.47 / 6.65; 8448 x 10240 (528: 396, 528) 7.96 -
-    8.20 / 7.64 - 7.72 / 8.92; two waves either way against the register kernel's three,
-    13824 x 6912 8.92 - 9.02 / 9.13 - 9.24 / 12.04.  Where ``BULK`` leaves room, staging x
-    ranged from 14 % faster (16896 x 3200, 89 % full) to 18 % slower (13824 x 2560), so it
-    is not taken there."""
+    stripes an SM, or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
+    rolled: 38 - 41 registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of
+    its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
+    stripes, 396 / 528 slots; us, BULK 7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else
+    ``BULK`` where it takes fewer waves than the register kernel (``register_waves``:
+    13824 x 6912, 2 against 3; 8.92 - 9.02 against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
         return None

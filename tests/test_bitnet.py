@@ -662,18 +662,20 @@ def test_sm90_gemv_config():
     assert pick(3200, 3200) == (5, True)
     assert pick(3200, 10240) == (8, False)  # 10-warp CTAs, 2 an SM, 76 % full: unpinned
     # the stripe kernel from 4 stripes an SM, all resident at once (stripe_config)
-    for n, k in ((13824, 2560), (16384, 2560), (8448, 2560), (20480, 2560), (16896, 3200), (8448, 6912)):
+    for n, k in ((13824, 2560), (16384, 2560), (8448, 2560), (13824, 3200)):
         assert pick(n, k) == "bulk", (n, k)
     assert pick(3840, 2560) == (4, True) and pick(4800, 3200) == (5, True)  # 1.8 and 2.3 stripes an SM
     # 1280 stripes against 9 of 4-warp CTAs an SM (56 registers), 13824 x 6912 against 5 of 7 warps
     assert v90.bulk_ctas_per_sm(3200) == 9 and v90.bulk_ctas_per_sm(6912) == 5 and v90.bulk_ctas_per_sm(2560) == 12
-    # past one wave of BULK: staged x where that holds all (20480 x 3200: 10 CTAs an SM, 1320
+    # past one wave of BULK: staged x where that holds all (20480 x 3200: 12 CTAs an SM, 1584
     # slots), else BULK where it takes fewer waves than the register kernel (2 against 3)
     assert pick(20480, 3200) == "bulk_x" and pick(8448, 10240) == "bulk_x" and pick(13824, 6912) == "bulk"
-    # (BULK_X at 20480 x 3200: 1280 of 1584 slots, 19 % free; BULK at 16896 x 3200: 1056 of
-    # 1188, 11 % free; BULK_X at 8448 x 10240: one full wave of 528)
+    # the first form whose wave leaves a quarter of its slots free (BULK at 13824 x 3200: 864 of
+    # 1188, 27 %; BULK at 16896 x 3200: 1056 of 1188, 11 %, so BULK_X: 1056 of 1584), else the
+    # first in one wave (BULK_X at 8448 x 10240: one full wave of 528)
     assert v90.bulk_ctas_per_sm(3200, True) == 12 and v90.stripe_waves(v90.BULK, 20480, 3200, 132) == 2
-    assert pick(16896, 3200) == "bulk" and v90.bulk_ctas_per_sm(10240, True) == 4
+    assert pick(16896, 3200) == "bulk_x" and pick(13824, 3200) == "bulk" and v90.bulk_ctas_per_sm(10240, True) == 4
+    assert pick(8448, 6912) == "bulk_x" and pick(20480, 2560) == "bulk_x"  # 20 % and 19 % free
     assert v90.stripe_config(20480, 3200, 132, 2) == v90.BULK_X and v90.stripe_config(26400, 3200, 132, 2) is None
     assert v90.stripe_config(20480, 3200, 107, 2) == v90.BULK_X  # 1284 slots, nearly full: still one wave
     assert v90.stripe_waves(v90.BULK, 1 << 16, 1 << 16, 132) == 0  # a stripe past a CTA's shared memory
