@@ -172,6 +172,8 @@ BULK_MIN_STRIPES_PER_SM = 4
 # 4.46 - 4.64 (19 %), 8448 x 6912 5.00 - 5.10 / 4.66 (20 %); 13824 x 3200 3.87 - 3.90 /
 # 4.24 - 4.51 (27 %), 13824 x 2560 3.21 - 3.30 / 3.77 - 3.79 (45 %).
 BULK_FREE_SLOTS = 0.25
+
+
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
     stripes an SM, or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
@@ -202,8 +204,10 @@ class BitnetGemvBulk:
     light (3-16 warps, 56-64 registers up to K = 10240) and a GPU's worth of stripes is requested at once
     (the register kernel holds its loads in registers and runs the large shapes in two
     waves); their shared memory leaves room for the next GEMV's first CTAs to start and ask
-    for theirs while this one drains.  Compiled per K: the stripe's size and the warps'
-    batches are static."""
+    for theirs while this one drains.  ``stage_x`` (``BULK_X``): x too comes by one bulk copy
+    (after the wait) and the group loop runs rolled, so a CTA holds 38-41 registers and more
+    of them fit an SM.  Compiled per K: the stripe's size and the warps' batches are
+    static."""
 
     def __init__(self, cfg: GemvConfig, k: int):
         assert cfg.bulk and k % fmt.GROUP_K == 0 and bulk_fits(k, cfg.stage_x), (cfg, k)
@@ -259,52 +263,64 @@ class BitnetGemvBulk:
                 ptx90.bulk_g2s(sX, mX.iterator, self.k, mbar + 1)
 
         # Groups warp, warp + W, ..; groups past the stripe read its last one again with
-        # zeroed activations, adding nothing to either sum.  From registers, each batch's
-        # activation words are loaded before any is used (the first batch's while the
-        # stripe lands); staged, they are read from shared memory beside the weights.
-        x_offset = tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K
-        x_lane = mX.iterator.toint() + Int64(x_offset)
+        # zeroed activations, adding nothing to either sum.
+        x_offset = tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K  # the lane's x words in a group
         w_lane = sW.toint() + lane * fmt.CHUNK_BYTES
         acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
         acc.fill(0)
-        xsum = Int32(0)
         if cutlass.const_expr(self.stage_x):
-            # the group loop rolled (two groups an iteration): a group's words live only
-            # while it is used, 38-39 registers, so two more CTAs fit an SM than unrolled
-            # (47; H200, 20480 x 3200: 5.47 against 6.25 us, profiles/NOTES.md)
-            cute.arch.mbarrier_wait(mbar, 0)
-            cute.arch.mbarrier_wait(mbar + 1, 0)
-            for j in cutlass.range(self.per_warp, unroll=BULK_X_UNROLL):
+            xsum = self.staged_products(mbar, w_lane, sX.toint() + x_offset, warp, acc)
+        else:
+            xsum = self.batched_products(mbar, w_lane, mX.iterator.toint() + Int64(x_offset), warp, acc)
+        store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
+                     self.raw)
+
+
+    @cute.jit
+    def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:
+        """x from registers: each batch's activation words are loaded (coherent loads, after
+        the wait) before any is used, the first batch's while the stripe lands; then the
+        batch's groups from shared memory into ``acc``.  Returns the lane's activation sum."""
+        xsum = Int32(0)
+        for b0 in cutlass.range_constexpr(0, self.per_warp, BULK_BATCH):
+            grps = []
+            keep = []
+            xv = []
+            for j in cutlass.range_constexpr(b0, min(b0 + BULK_BATCH, self.per_warp)):
                 g = warp + j * self.warps
-                grp = cutlass.min(g, self.groups - 1)
-                keep = cutlass.select_(g < self.groups, Int32(-1), Int32(0))
-                wv = lds_v4(w_lane + grp * fmt.GROUP_BYTES)
-                xw = lds_v4(sX.toint() + x_offset + grp * fmt.GROUP_K)
-                x = tuple(xw[i] & keep for i in range(4))
+                grps.append(cutlass.min(g, self.groups - 1))
+                keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
+                xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
+            if cutlass.const_expr(b0 == 0):
+                cute.arch.mbarrier_wait(mbar, 0)
+            for u in cutlass.range_constexpr(len(grps)):
+                wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
+                x = tuple(xv[u][i] & keep[u] for i in range(4))
                 for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
                     xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
                 accumulate_words(wv, x, acc)
-        else:
-            for b0 in cutlass.range_constexpr(0, self.per_warp, BULK_BATCH):
-                grps = []
-                keep = []
-                xv = []
-                for j in cutlass.range_constexpr(b0, min(b0 + BULK_BATCH, self.per_warp)):
-                    g = warp + j * self.warps
-                    grps.append(cutlass.min(g, self.groups - 1))
-                    keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
-                    xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
-                if cutlass.const_expr(b0 == 0):
-                    cute.arch.mbarrier_wait(mbar, 0)
-                for u in cutlass.range_constexpr(len(grps)):
-                    wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
-                    x = tuple(xv[u][i] & keep[u] for i in range(4))
-                    for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-                        xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
-                    accumulate_words(wv, x, acc)
+        return xsum
 
-        store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
-                     self.raw)
+    @cute.jit
+    def staged_products(self, mbar, w_lane: Int32, x_lane: Int32, warp: Int32, acc: cute.Tensor) -> Int32:
+        """x staged: once the stripe and x have landed, the group loop rolled (two groups an
+        iteration), each group's weight and x words read from shared memory only while it is
+        used: 38-41 registers, two more CTAs an SM than unrolled (47; H200, 20480 x 3200: 5.47
+        against 6.25 us, profiles/NOTES.md).  Returns the lane's activation sum."""
+        cute.arch.mbarrier_wait(mbar, 0)
+        cute.arch.mbarrier_wait(mbar + 1, 0)
+        xsum = Int32(0)
+        for j in cutlass.range(self.per_warp, unroll=BULK_X_UNROLL):
+            g = warp + j * self.warps
+            grp = cutlass.min(g, self.groups - 1)
+            keep = cutlass.select_(g < self.groups, Int32(-1), Int32(0))
+            wv = lds_v4(w_lane + grp * fmt.GROUP_BYTES)
+            xw = lds_v4(x_lane + grp * fmt.GROUP_K)
+            x = tuple(xw[i] & keep for i in range(4))
+            for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+                xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
+            accumulate_words(wv, x, acc)
+        return xsum
 
 
 def compile_bulk(cfg: GemvConfig, k: int, options: str):

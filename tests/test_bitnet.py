@@ -959,6 +959,23 @@ def _acts(m, k, seed):
     return bn.quantize_activation(x)
 
 
+def _check_chain(step, want_first, want, label):
+    """``step()`` -> (first, second), two launches the second of which reads the first's
+    output: exact eager, then replayed in a CUDA graph with both outputs poisoned before each
+    replay (a read before the first kernel completes, or an early write, shows)."""
+    first, second = step()
+    assert torch.equal(first, want_first) and torch.equal(second, want), label
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first, second = step()
+    for _ in range(3):
+        first.fill_(-7)
+        second.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(first, want_first) and torch.equal(second, want), label
+
+
 def _segments_for(n):
     if n % 48 == 0:  # three unequal parts: q gets half, k and v a quarter each
         return (n // 2, n // 4, n // 4)
@@ -1007,17 +1024,7 @@ def test_gpu_gemv_reads_the_gemv_before():
             first = bn._gemv_launch(x, wp1, xs, ones, [n1] * 3, True, cfg)
             return first, bn._gemv_launch(first.view(torch.int8), wp2, xs, ones, [n2] * 3, True, cfg)
 
-        first, second = step()
-        assert torch.equal(first, want_first) and torch.equal(second, want), cfg
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            first, second = step()
-        for _ in range(3):
-            first.fill_(-7)
-            second.fill_(-7)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(first, want_first) and torch.equal(second, want), cfg
+        _check_chain(step, want_first, want, cfg)
 
 
 @pytest.mark.gpu
@@ -1167,20 +1174,8 @@ def test_gpu_wgmma_gemm_reads_the_gemm_before():
         first = bn.gemm(x, wp1, xs, ws, out_dtype=torch.int32)
         return first, bn.gemm(first.view(torch.int8), wp2, xs, ws, out_dtype=torch.int32)
 
-    first, second = step()
     want_first = bn.accumulate(x, w1)
-    assert torch.equal(first, want_first)
-    want = bn.accumulate(want_first.view(torch.int8), w2)
-    assert torch.equal(second, want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        first, second = step()
-    for _ in range(3):
-        first.fill_(-7)
-        second.fill_(-7)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(first, want_first) and torch.equal(second, want)
+    _check_chain(step, want_first, bn.accumulate(want_first.view(torch.int8), w2), "wgmma")
 
 
 @pytest.mark.gpu
