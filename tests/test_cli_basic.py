@@ -131,7 +131,8 @@ def _refused(main, argv, message, capsys):
 def test_probe_patches_apply():
     """profiles/probes/*.patch, the measurement-only kernel switches that NOTES.md's numbers
     name, still apply to the tree (``git apply --check``), so the measurements can be
-    repeated; a kernel change that breaks one must refresh it."""
+    repeated; a kernel change that breaks one must refresh it.  (``profiles/probes/pinned/``
+    holds rejected experiments that apply to the commit their name gives, not checked.)"""
     import shutil
     from pathlib import Path
 
