@@ -130,6 +130,10 @@ class GemvConfig:
     # fit an SM
     stage_x: bool = False
 
+    def __post_init__(self):
+        if self.stage_x and not self.bulk:
+            raise ValueError("GemvConfig: stage_x applies to the stripe kernel (bulk=True) only")
+
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x
 # ~600 ns latency product with the ~30 warps per SM that 48 registers allow.

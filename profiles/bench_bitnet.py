@@ -20,7 +20,7 @@ Method (everything in one run, on one GPU):
 variants.  The full run also times the other GEMV configurations side by side
 (``unroll4_us`` / ``unroll8_us``, on Hopper also ``pdl_unrollU_us`` and
 ``pdl_unrollU_pin_us`` for U = 4, 5, 8, 10 with programmatic dependent launch, and
-``pdl_bulk_us``, the stripe kernel; ``config`` names the default) and, on Hopper,
+``pdl_bulk_us`` / ``pdl_bulk_x_us``, the stripe kernels; ``config`` names the default) and, on Hopper,
 both GEMM kernels (mma.sync and wgmma) at every M; ``default`` marks the one
 ``bitnet.gemm`` picks.
 """

@@ -680,6 +680,8 @@ def test_sm90_gemv_config():
     assert v90.stripe_config(20480, 3200, 107, 2) == v90.BULK_X  # 1284 slots, nearly full: still one wave
     assert v90.stripe_waves(v90.BULK, 1 << 16, 1 << 16, 132) == 0  # a stripe past a CTA's shared memory
     assert v90.stripe_config(1 << 16, 1 << 16, 132, 9) is None
+    with pytest.raises(ValueError, match="stage_x"):
+        v90.GemvConfig(stage_x=True)
     assert ctas_per_sm(72, 4) == 7 and ctas_per_sm(88, 3) == 6 and ctas_per_sm(72, 16) == 1
     for n, k in ((16, 128), (16, 40960), (1 << 20, 128)):
         cfg = v90.config_for(n, k, 132)
