@@ -301,6 +301,10 @@ class DecodeSm90(PackedDecodeConfig):
         # 314 / 389, 2c128 B=1 N=128K 45.9 / 74.1 (profiles/h200/variants_vss_*.json).
         self.v_slots = v_slots
         self.vt_bytes = head_dim * self.step * sm90.ELEM_BYTES if v_slots else 0
+        # the A-fragment register of each dequantized (row half, column half) pair that
+        # ``stage_v`` hands to stmatrix (a traced table: read here, before the kernel's trace)
+        self.vt_registers = {(h, ch): sm90.a_pair_value(h, ch) // 2 for h in range(2) for ch in range(2)} \
+            if v_slots else {}
         if v_slots:
             if not (self.fold_k and self.fold_v and self.p_copies == 1 and not fp4 and self.v_tiles == 1):
                 raise ValueError("v_slots needs K's scale in Q (fold_k), V's in P (fold_v) with one V group a "
@@ -614,7 +618,7 @@ class DecodeSm90(PackedDecodeConfig):
                     vtiles, sVt = vt
                     if warp != 0:
                         for st in cutlass.range_constexpr(self.steps):
-                            vstate = seq_state((it - lag - tile_begin) * self.steps + st, self.v_slots, True)
+                            vstate = self.v_state(it - lag - tile_begin, st, producer=True)
                             vtiles.producer_acquire(vstate)
                             self.stage_v(sVp, sVt[None, None, vstate.index], state.index, st, warp - 1, lane)
                             cute.arch.fence_proxy("async.shared", space="cta")  # the P V wgmma reads sVt
@@ -673,7 +677,7 @@ class DecodeSm90(PackedDecodeConfig):
                     block = cute.make_rmem_tensor(block_shape, self.dtype)
                     block32 = cute.recast_tensor(block, Uint32)
                     for (h, ch), word in self.v_block(words, None, st, k, slab * SLAB, 0, dq, lane, {}).items():
-                        block32[h + 2 * ch] = word  # A-fragment register order: (h, ch) = (0,0), (1,0), ..
+                        block32[self.vt_registers[h, ch]] = word
                     cute.copy(stsm, block, dst[None, slab, k])
 
     def row_pairs(self, sQ, sKs, stage, g, head, lane, tid):
@@ -1304,10 +1308,10 @@ class DecodeSm90(PackedDecodeConfig):
             cute.gemm(mma_o, acc_pv, tOsV[None, None, k, slot], tOrP[0][None, None, k], acc_pv)
         warpgroup.commit_group()
 
-    def v_state(self, tile_count, st: int):
-        """The consumers' state of the V^T slot of step ``st`` of the split's tile number
-        ``tile_count`` (from 0)."""
-        return seq_state(tile_count * self.steps + st, self.v_slots, False)
+    def v_state(self, tile_count, st: int, producer: bool = False):
+        """The consumers' (``producer``: the decoding warps') state of the V^T slot of step
+        ``st`` of the split's tile number ``tile_count`` (from 0)."""
+        return seq_state(tile_count * self.steps + st, self.v_slots, producer)
 
     @cute.jit
     def fold(self, acc_o, acc_pv):

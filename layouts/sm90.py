@@ -445,6 +445,16 @@ def dequant_smem_offsets(bits: int, rows: int, length: int) -> Tuple[Tuple[Tuple
     return tuple(tuple(tuple(offsets[r][col] for col in w) for w in words) for r in range(rows))
 
 
+def a_pair_value(h: int, ch: int) -> int:
+    """The first of the two adjacent A-fragment (m16n8k16) values that hold a dequantized
+    pair: row half ``h`` (rows ``8 h + g``), column half ``ch`` (k columns ``8 ch + 2 c``,
+    ``+ 1``); the pair is 32-bit register ``a_pair_value(h, ch) // 2``."""
+    frag = sm80.fragment("a")[0]  # lane 0 (g = c = 0): (row, col) of each value in order
+    v = frag.index((sm80.LDSM_ROWS * h, 8 * ch))
+    assert v % 2 == 0 and frag[v + 1] == (sm80.LDSM_ROWS * h, 8 * ch + 1), "a pair is two adjacent registers"
+    return v
+
+
 def dequant_pair_targets(bits: int) -> Tuple[Tuple[Tuple[int, int, int], ...], ...]:
     """Where a lane's dequantized pairs go in the stmatrix registers, for one 32-row load.
 
@@ -452,15 +462,12 @@ def dequant_pair_targets(bits: int) -> Tuple[Tuple[Tuple[int, int, int], ...], .
     ldmatrix x4 becomes values ``v, v+1`` of the stmatrix (A-fragment) registers of the
     16x16 block in rows ``16*mt ..`` of the load and k-block ``kb`` of the chunk.
     """
-    frag = sm80.fragment("a")[0]  # lane 0 (g = c = 0): (row, col) of each value in order
     out = []
     for i in range(4):
         h = i % 2
         row = []
         for p in range(packing.codes_per_word(bits) // 2):
             kb, ch = divmod(p, 2)
-            v = frag.index((sm80.LDSM_ROWS * h, 8 * ch))
-            assert frag[v + 1] == (sm80.LDSM_ROWS * h, 8 * ch + 1), "a pair is two adjacent registers"
-            row.append((i // 2, kb, v))
+            row.append((i // 2, kb, a_pair_value(h, ch)))
         out.append(tuple(row))
     return tuple(out)
