@@ -10,6 +10,7 @@ checked bit for bit against the reference pack.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -477,28 +478,7 @@ def test_sm90_v_through_shared_memory_matches_reference(bits, dtype, hkv, keywor
     reference."""
     if not dispatch.runnable("sm90", DEV):
         pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
-    from bitdecode import jit
-    from bitdecode.kernels_sm90 import backend as sm90
-    from bitdecode.kernels_sm90 import decode as d90
-
-    grid_keywords = sm90.grid_keywords
-    init = d90.DecodeSm90.__init__
-    built = []
-
-    def with_slots(fmt, fp16, head_dim, nh, variant):
-        found = grid_keywords(fmt, fp16, head_dim, nh, variant)
-        return {**found, **keywords} if variant == "" else found
-
-    def recorded(self, *args, **kw):
-        init(self, *args, **kw)
-        built.append(self.v_slots)
-
-    monkeypatch.setattr(sm90, "grid_keywords", with_slots)
-    monkeypatch.setattr(d90.DecodeSm90, "__init__", recorded)
-    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
-    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
-    sm90._kernel_ctas_per_sm.cache_clear()
-    try:
+    with sm90_default_kernel_with(monkeypatch, keywords, "v_slots") as built:
         fmt = bd.KVFormat(bits, "channel", 128)
         lens = [9000, 700, 3000, 64, 4097, 0, 1500, 2049]
         for page_size, shuffle in ((None, False), (256, True)):
@@ -509,6 +489,37 @@ def test_sm90_v_through_shared_memory_matches_reference(bits, dtype, hkv, keywor
             for splits in (1, 3, 0):
                 check_decode(q, cache, "sm90", num_splits=splits)
         assert keywords["v_slots"] in built, built  # the default grid's kernel ran with the slots
+
+
+@contextlib.contextmanager
+def sm90_default_kernel_with(monkeypatch, keywords, attribute):
+    """The sm90 default grid's decode kernel built with ``keywords`` added to its
+    ``DecodeSm90`` keywords (the "small" grid's as shipped), into a fresh JIT cache with the
+    disk cache off; yields the list every ``DecodeSm90`` built inside appends its
+    ``attribute`` to, so a test can check that the kernel it meant ran."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm90 import backend as sm90
+    from bitdecode.kernels_sm90 import decode as d90
+
+    grid_keywords = sm90.grid_keywords
+    init = d90.DecodeSm90.__init__
+    built = []
+
+    def with_keywords(fmt, fp16, head_dim, nh, variant):
+        found = grid_keywords(fmt, fp16, head_dim, nh, variant)
+        return {**found, **keywords} if variant == "" else found
+
+    def recorded(self, *args, **kw):
+        init(self, *args, **kw)
+        built.append(getattr(self, attribute))
+
+    monkeypatch.setattr(sm90, "grid_keywords", with_keywords)
+    monkeypatch.setattr(d90.DecodeSm90, "__init__", recorded)
+    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
+    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    sm90._kernel_ctas_per_sm.cache_clear()
+    try:
+        yield built
     finally:
         sm90._kernel_ctas_per_sm.cache_clear()
 
