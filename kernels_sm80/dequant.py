@@ -35,19 +35,26 @@ def half2_bits(value: float, is_bf16: bool) -> int:
 class WordDequant:
     """Dequantizes element pairs of packed words (trace-time object; one per kernel)."""
 
-    def __init__(self, bits: int, is_bf16: bool, center: int = 0):
+    def __init__(self, bits: int, is_bf16: bool, center: int = 0, subnormal_room: int = 0):
         """``center``: subtracted from every code by the exact fix step (``codes`` then
         yields ``code - center``, still exact), for consumers that apply (scale, zero)
-        themselves and want small products (``kernels_sm90.decode``'s ``fold_v``)."""
+        themselves and want small products (``kernels_sm90.decode``'s ``fold_v``).
+        ``subnormal_room`` (fp16): ``codes`` is the lop3 alone, ``(code << offset) 2^-24``
+        with offsets under ``subnormal_room - bits`` bits (``steps[p].mult = 2^offset``): the
+        consumer folds ``2^24 / mult`` into the other operand and the result."""
         self.is_bf16 = is_bf16
         dtype = "bf16" if is_bf16 else "fp16"
-        self.steps = packing.dequant_steps(bits, dtype)
+        self.subnormal = bool(subnormal_room)
+        assert not (self.subnormal and (is_bf16 or center))
+        self.steps = packing.dequant_steps(bits, dtype, subnormal_room, self.subnormal)
         self.fix_mul = [half2_bits(s.fix_scale, is_bf16) for s in self.steps]
         self.fix_add = [half2_bits(s.fix_bias(dtype) - center, is_bf16) for s in self.steps]
 
     def codes(self, word, pairs: Iterable[int]) -> Dict[int, Uint32]:
         """Exact half2 codes of the requested element pairs of ``word``."""
         shifted: Dict[int, Uint32] = {}
+        if self.subnormal:
+            return {p: self._lop3(word, p, shifted) for p in pairs}
         return {p: ptx.fma_x2_imm(self._lop3(word, p, shifted), self.fix_mul[p], self.fix_add[p], self.is_bf16)
                 for p in pairs}
 

@@ -98,6 +98,11 @@ SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its
 # log2 units a logit may pass the running maximum by before the warpgroup exchanges maxima
 # (``lazy_softmax``): P then stays below 4 (H200: 2 skips nearly every exchange)
 LAZY_MARGIN = 2.0
+# ``v_subnormal``: mantissa bits above a 2-bit code's own that its offset may take (mult 1
+# or 4: shifts every two pairs bound how far 1 / mult pushes P^T towards fp16's underflow)
+V_SUB_ROOM = 2
+# ``v_subnormal``: a packed P V product's factor into O (the subnormal codes' 2^-24)
+V_SUB_FOLD = float(2 ** 24)
 # ``k_shift``: the B tile's rows stay under 2^K_SHIFT_LOG2, fp16's largest power of two (its
 # exponent bias), so their rounding to fp16 cannot reach infinity
 K_SHIFT_LOG2 = packing.EXP_BIAS["fp16"]
@@ -168,7 +173,7 @@ class DecodeSm90(PackedDecodeConfig):
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
-                 append: bool = False, v_slots: int = 0):
+                 append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -244,7 +249,28 @@ class DecodeSm90(PackedDecodeConfig):
         if self.fold_v and not self.is_bf16:
             room = math.log2((2 ** self.v_bits - 1) / 2)
             self.lazy_margin = min(LAZY_MARGIN, math.ceil(2 * room) / 2 - 0.5)
-        self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
+        # V^T's 2-bit codes as fp16 subnormals (``v_subnormal``; None: wherever it applies).
+        # With ``fold_v`` every V pair cost a lop3 and an exact fma (the magic exponent's and
+        # the center's fix-up).  With no magic exponent the lop3 alone gives (code << offset)
+        # 2^-24 exactly (fp16 subnormals: wgmma takes them unflushed, H200); ``store_p`` folds
+        # 1 / mult (2^-offset, offsets 0 or ``V_SUB_ROOM``) into P^T beside V's scale, and each
+        # packed product enters O times 2^24 (``fold``; the residual's and the sinks' 16-bit
+        # products unscaled).  The codes stay raw: at 2 bits 0..3 against centered -2..1 the
+        # zero sums barely cancel more (at 4 bits raw codes failed the tolerance, see
+        # ``fold_v``).  Only fp16: bf16's subnormals sit at 2^-133, whose 2^133 fold fp32
+        # cannot hold.  H200, 2c128 fp16 GQA 4, us, without / with
+        # (profiles/h200/variants_v_subnormal.json, one run): B=16 N=64K 271.2 / 255.9, B=8
+        # 139.0 / 135.3, B=1 N=128K 46.2 / 43.9.
+        applies = self.fold_v and not self.is_bf16 and self.v_bits == 2 and not fp4 and not v_slots
+        if v_subnormal and not applies:
+            raise ValueError("v_subnormal needs fp16, 2-bit V with its scale in P (fold_v), no FP4 and no v_slots")
+        self.v_subnormal = applies if v_subnormal is None else v_subnormal
+        self.v_center = 1 << (self.v_bits - 1) if self.fold_v and not self.v_subnormal else 0
+        self.v_mult_log2 = 0  # log2 of V pair p's mult in bits 4 p .. 4 p + 3 (``v_subnormal``)
+        if self.v_subnormal:
+            steps = packing.dequant_steps(self.v_bits, "fp16", self.v_bits + V_SUB_ROOM, True)
+            self.v_mult_log2 = sum((s.mult.bit_length() - 1) << 4 * s.pair for s in steps)
+            assert {s.mult for s in steps} <= {1, 1 << V_SUB_ROOM}  # (store_p picks one of the two)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it.  128 halves the per-step chain (the
         # S wait, the lazy verdict's barrier, P's store, fence and barrier) per token: 2-bit K
@@ -884,7 +910,8 @@ class DecodeSm90(PackedDecodeConfig):
             dq_k = dq_v = E2M1Dequant(self.is_bf16)
         else:
             dq_k = WordDequant(self.bits, self.s_bf16, self.k_center)
-            dq_v = WordDequant(self.v_bits, self.is_bf16, self.v_center)
+            dq_v = WordDequant(self.v_bits, self.is_bf16, self.v_center,
+                               self.v_bits + V_SUB_ROOM if self.v_subnormal else 0)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -909,7 +936,7 @@ class DecodeSm90(PackedDecodeConfig):
             for st in cutlass.range_constexpr(self.steps):
                 # the previous P V has landed: its V^T registers may be rewritten, its sum folded
                 warpgroup.wait_group(0)
-                self.fold(acc_o, acc_pv)
+                self.fold(acc_o, acc_pv, self.packed_fold())
                 if const_expr(self.v_slots):  # ... and the V^T slot it read may take the scalers' next
                     if const_expr(st > 0):
                         vtiles.consumer_release(self.v_state(tile - tile_begin, st - 1))
@@ -962,7 +989,7 @@ class DecodeSm90(PackedDecodeConfig):
             stash = storage.stash.get_tensor(self._stash_layout())
             if consumer > 0:
                 warpgroup.wait_group(0)
-                self.fold(acc_o, acc_pv)
+                self.fold(acc_o, acc_pv, self.packed_fold())
                 self.stash_state(stash[None, None, consumer - 1], tid, acc_o, row_max, row_sum, zsum)
                 # the rings are idle too once every consumer is here (the residual reuses them)
                 cute.arch.barrier_arrive(barrier_id=Barrier.done(n), number_of_threads=n * WG)
@@ -979,17 +1006,20 @@ class DecodeSm90(PackedDecodeConfig):
         """After the packed tiles (consumer 0): the 16-bit residual block (with ``append``
         the new token stored into it first), the sink tokens, the other consumers' state
         (``stash``: softmax states merge in any order) and the epilogue."""
+        pend = self.packed_fold()  # the factor of the product acc_pv holds (v_subnormal)
         if has_residual:
             if const_expr(self.append):
                 self.store_new_token(new[0], new[1], mKr, mVr, batch, head_kv, n_res - 1, tid, WG)
-            self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                          acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res, zsum)
+            pend = self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
+                                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res,
+                                 zsum, pend)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
             if split_idx == 0:
-                self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKsink, mVsink, batch, head_kv, n_sink,
-                              acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, 0, zsum)
+                pend = self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKsink, mVsink, batch, head_kv, n_sink,
+                                     acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, 0, zsum,
+                                     pend)
         warpgroup.wait_group(0)
-        self.fold(acc_o, acc_pv)
+        self.fold(acc_o, acc_pv, pend)
         if const_expr(stash is not None):
             self.merge(stash, tid, acc_o, row_max, row_sum, zsum)
         self.epilogue(acc_o, row_max, row_sum, red, mO, mLSE, batch, head_kv, split_idx, gq, warp, lane, zsum)
@@ -1313,14 +1343,22 @@ class DecodeSm90(PackedDecodeConfig):
         ``st`` of the split's tile number ``tile_count`` (from 0)."""
         return seq_state(tile_count * self.steps + st, self.v_slots, producer)
 
+    def packed_fold(self):
+        """A packed P V product's factor into O: 2^24 with ``v_subnormal``, else None (a plain
+        add)."""
+        return Float32(V_SUB_FOLD) if self.v_subnormal else None
+
     @cute.jit
-    def fold(self, acc_o, acc_pv):
+    def fold(self, acc_o, acc_pv, scale=None):
         """O += the last P V product (landed: after a wait that covers its wgmma).  Every
         fold is followed by a fresh product before the next one, and acc_pv starts at zero,
         so each product is added once (writing the zeros here instead made ptxas serialize
-        the wgmmas)."""
+        the wgmmas).  ``scale`` (``v_subnormal``): the product's factor into O."""
         for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] + acc_pv[i]
+            if const_expr(scale is None):
+                acc_o[i] = acc_o[i] + acc_pv[i]
+            else:
+                acc_o[i] = acc_o[i] + acc_pv[i] * scale
 
     def cv(self, v0: int, v1: int, nt: int):
         """Value index of (head 2c + v0 + 8 nt, row g + 8 v1) in a wgmma C fragment."""
@@ -1511,6 +1549,12 @@ class DecodeSm90(PackedDecodeConfig):
                         scale = ptx.half_to_f32(word, self.is_bf16)
                         # the codes come centered: v = (code - center) * scale + zero'
                         zero = ptx.half_to_f32(word >> 16, self.is_bf16) + self.v_center * scale
+                        if const_expr(self.v_subnormal):
+                            # the token's pair of its V word reads (code << offset) 2^-24
+                            pair = 2 * (kt % self.kpw_v) + self.row_of(v1, c) // 8
+                            shift = (Uint32(self.v_mult_log2) >> Uint32(4 * pair)) & Uint32(0xF)
+                            scale = scale * cutlass.select_(shift == Uint32(0), Float32(1.0),
+                                                            Float32(1.0 / (1 << V_SUB_ROOM)))
                         for nt in cutlass.range_constexpr(self.nh // 8):
                             for v0 in cutlass.range_constexpr(2):
                                 p = acc_s[self.cv(v0, v1, nt), mb, 0]
@@ -1522,7 +1566,8 @@ class DecodeSm90(PackedDecodeConfig):
     # ---- the 16-bit residual block --------------------------------------------------------
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
-                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first, zsum=None):
+                 acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first, zsum=None,
+                 pend=None):
         """The ``n_res`` 16-bit tokens of ``mKr`` / ``mVr`` (the residual block or the sink
         tokens; row 0 is sequence position ``abs_first``) in 64-token sub-tiles, staged in the
         idle K / V rings."""
@@ -1534,7 +1579,9 @@ class DecodeSm90(PackedDecodeConfig):
         mma16 = sm80.make_mma(self.dtype)
         for sub in cutlass.range(0, (n_res + M_BLOCK - 1) // M_BLOCK, unroll=1):
             warpgroup.wait_group(0)  # the previous PV product has read sP and its V^T registers
-            self.fold(acc_o, acc_pv)
+            self.fold(acc_o, acc_pv, pend)
+            if const_expr(pend is not None):
+                pend = Float32(1.0)  # the products from here on are 16-bit ones
             self.bar(Barrier.EPI)  # every warp is done with the previous sub-tile's smem
             valid = n_res - sub * M_BLOCK
             gK = cute.local_tile(mKr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
@@ -1561,6 +1608,7 @@ class DecodeSm90(PackedDecodeConfig):
                               lim, abs_first + sub * M_BLOCK, zsum)
             self.store_p(acc_s, sP, warp, lane)  # 16-bit V: plain P, no zero sums
             self.pv(v_frag, tOrP, acc_pv, False)
+        return pend
 
     # ---- epilogue -----------------------------------------------------------------------
     @cute.jit

@@ -137,13 +137,16 @@ class DequantStep:
         return -MAGIC_VALUE[dtype] / self.mult
 
 
-def dequant_steps(bits: int, dtype: str) -> Tuple[DequantStep, ...]:
-    """The per-pair lop3 sequence for one word, with the fewest distinct shifts."""
+def dequant_steps(bits: int, dtype: str, room: int = 0, subnormal: bool = False) -> Tuple[DequantStep, ...]:
+    """The per-pair lop3 sequence for one word, with the fewest distinct shifts that keep
+    every code within the lowest ``room`` mantissa bits (default: all of them).
+    ``subnormal``: no magic exponent, the lop3's halves read ``(code << offset) 2^-24``
+    (fp16 subnormals, exact)."""
     _check_bits(bits)
     _check_dtype(dtype)
     f = codes_per_word(bits)
-    room = MANTISSA_BITS[dtype]
-    magic = MAGIC_BITS[dtype] * HALF2_BOTH
+    room = room or MANTISSA_BITS[dtype]
+    magic = 0 if subnormal else MAGIC_BITS[dtype] * HALF2_BOTH
     steps = []
     shift = 0
     for pair in range(f // 2):

@@ -686,6 +686,36 @@ def test_sm90_consumers_config(tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+def test_sm90_v_subnormal(tmp_path):
+    """``v_subnormal`` (the default for fp16 2-bit V with its scale in P): V^T's codes without
+    the fix-up fma (fewer ``fma.rn.f16x2`` than with centered codes, the same lop3 count), no
+    spills; on by default where it applies, off elsewhere; refused where the codes are not
+    2-bit fp16 with V's scale in P."""
+    import cutlass.cute as cute
+
+    from bitdecode import jit
+    from bitdecode.kernels_sm90.decode import DecodeSm90
+
+    f16 = cutlass.Float16
+    args = kernels.decode_args(KVFormat(2, "channel", 128), f16, 128, True)
+    counts = {}
+    for sub in (False, True):
+        k = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1, v_subnormal=sub)
+        ptx = cute.compile(k, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
+                           options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+        counts[sub] = (ptx.count("fma.rn.f16x2"), ptx.count("lop3.b32"))
+        assert ptxas.spill_bytes(ptxas.report(ptx, "sm_90a", tmp_path)) == 0
+    assert counts[True][0] < counts[False][0] and counts[True][1] == counts[False][1], counts
+    auto = {(dt, bits, g): DecodeSm90(dt, bits, "channel", g, 128, 8, True).v_subnormal
+            for dt in (f16, cutlass.BFloat16) for bits in (2, 4) for g in (32, 128)}
+    assert auto == {key: key == (f16, 2, 128) for key in auto}, auto
+    assert DecodeSm90(f16, 4, "channel", 128, 128, 8, True, v_bits=2).v_subnormal
+    for refused in ({"dtype": cutlass.BFloat16}, {"bits": 4}, {"group_size": 32}):
+        kw = {"dtype": f16, "bits": 2, "group_size": 128, **refused}
+        with pytest.raises(ValueError, match="v_subnormal"):
+            DecodeSm90(kw["dtype"], kw["bits"], "channel", kw["group_size"], 128, 8, True, v_subnormal=True)
+
+
 def test_sm90_v_through_shared_memory(tmp_path):
     """``v_slots``: the producer warpgroup's warps 1-3 store V^T with stmatrix into 32 KB
     slots of a step and the P V wgmma reads A from shared memory (SS, two descriptors), the

@@ -524,6 +524,28 @@ def sm90_default_kernel_with(monkeypatch, keywords, attribute):
         sm90._kernel_ctas_per_sm.cache_clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [bd.KVFormat(2, "channel", 128), bd.KVFormat(2, "channel", 128, sink_tokens=5),
+                                 bd.KVFormat(4, "channel", 128, v_bits=2)])
+def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
+    """``DecodeSm90(v_subnormal=True)`` (fp16 2-bit V's default): V^T's codes as fp16
+    subnormals (the lop3 alone), 1 / mult in P^T, packed products folded times 2^24, the
+    residual's and the sinks' unscaled, in the default grid's kernel: ragged lengths with
+    residuals, paged and shuffled, 1 / 3 / automatic splits, against the reference (fp16,
+    GQA 4)."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    with sm90_default_kernel_with(monkeypatch, {"v_subnormal": True}, "v_subnormal") as built:
+        lens = [9000, 700, 3000, 64, 4097, 0, 1500, 2049]
+        for page_size, shuffle in ((None, False), (256, True)):
+            cache, _, _ = make_cache(fmt, lens, 8, 128, torch.float16, page_size=page_size, shuffle=shuffle,
+                                     backend="sm90")
+            q = torch.randn(len(lens), 1, 32, 128, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+            for splits in (1, 3, 0):
+                check_decode(q.to(DEV), cache, "sm90", num_splits=splits)
+        assert True in built, built
+
+
 @pytest.mark.parametrize("weight", [8, 17, 336, 4096])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_weighted_tail_splits_match_reference(backend, bits, weight, monkeypatch):
