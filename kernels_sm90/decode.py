@@ -1550,18 +1550,39 @@ class DecodeSm90(PackedDecodeConfig):
                         # the codes come centered: v = (code - center) * scale + zero'
                         zero = ptx.half_to_f32(word >> 16, self.is_bf16) + self.v_center * scale
                         if const_expr(self.v_subnormal):
-                            # the token's pair of its V word reads (code << offset) 2^-24
-                            pair = 2 * (kt % self.kpw_v) + self.row_of(v1, c) // 8
-                            shift = (Uint32(self.v_mult_log2) >> Uint32(4 * pair)) & Uint32(0xF)
-                            scale = scale * cutlass.select_(shift == Uint32(0), Float32(1.0),
-                                                            Float32(1.0 / (1 << V_SUB_ROOM)))
-                        for nt in cutlass.range_constexpr(self.nh // 8):
-                            for v0 in cutlass.range_constexpr(2):
-                                p = acc_s[self.cv(v0, v1, nt), mb, 0]
-                                sP[self.head_of(nt, v0, c), tok, i] = self.dtype(p * scale)
-                                zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero
+                            self.store_p_subnormal(acc_s, sP, zsum, mb, v1, c, tok, i, kt, scale, zero)
+                        else:
+                            for nt in cutlass.range_constexpr(self.nh // 8):
+                                for v0 in cutlass.range_constexpr(2):
+                                    p = acc_s[self.cv(v0, v1, nt), mb, 0]
+                                    sP[self.head_of(nt, v0, c), tok, i] = self.dtype(p * scale)
+                                    zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero
         cute.arch.fence_proxy("async.shared", space="cta")  # wgmma reads sP through the async proxy
         self.bar(Barrier.P)
+
+    @cute.jit
+    def store_p_subnormal(self, acc_s, sP, zsum, mb: cutlass.Constexpr[int], v1: cutlass.Constexpr[int], c, tok,
+                          i: cutlass.Constexpr[int], kt, scale, zero):
+        """``store_p``'s P^T and zero sums for one token of V group ``i`` with ``v_subnormal``
+        (raw codes read ``(code << offset) 2^-24``): P^T takes ``1 / mult`` beside V's scale,
+        and the zero sums take the P that the product gets, ``h = fp16(p scale / mult)``
+        read back, times ``zero mult / scale``, not ``p`` itself: with raw codes (0..3, all
+        of one sign) the product and the zero sums grow together and cancel in O, so P's
+        rounding must be the same in both (with ``p`` in the zero sums alone a 2^20-token
+        split missed the tolerance, H200: 0.0046 against 0.0021).  A zero scale (a constant
+        group: codes 0) keeps ``p zero``."""
+        # the token's pair of its V word reads (code << offset) 2^-24
+        pair = 2 * (kt % self.kpw_v) + self.row_of(v1, c) // 8
+        shift = (Uint32(self.v_mult_log2) >> Uint32(4 * pair)) & Uint32(0xF)
+        scale = scale * cutlass.select_(shift == Uint32(0), Float32(1.0), Float32(1.0 / (1 << V_SUB_ROOM)))
+        flat = scale == Float32(0.0)
+        ratio = cutlass.select_(flat, zero, zero * cute.arch.rcp_approx(scale))
+        for nt in cutlass.range_constexpr(self.nh // 8):
+            for v0 in cutlass.range_constexpr(2):
+                p = acc_s[self.cv(v0, v1, nt), mb, 0]
+                h = self.dtype(p * scale)
+                sP[self.head_of(nt, v0, c), tok, i] = h
+                zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + cutlass.select_(flat, p, Float32(h)) * ratio
 
     # ---- the 16-bit residual block --------------------------------------------------------
     @cute.jit

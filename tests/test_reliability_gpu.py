@@ -333,7 +333,9 @@ def test_four_threads_append_and_decode_their_own_caches(backend):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+# (2-bit K per channel: the sm90 kernel's V codes as fp16 subnormals, uncentered, the case
+# whose zero sums must take P as the product gets it)
+@pytest.mark.parametrize("fmt", FORMATS + [pytest.param(bd.KVFormat(2, "channel", 128), id="2bit-channel-g128")])
 def test_one_million_token_sequence(backend, fmt):
     """One sequence of 2^20 tokens (B = 1, Hkv = 1, 4 query heads, D = 128) decodes to
     torch attention over ``cache.dequantized`` within FlashAttention's rule (twice the
