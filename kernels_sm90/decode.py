@@ -258,9 +258,10 @@ class DecodeSm90(PackedDecodeConfig):
         # products unscaled).  The codes stay raw: at 2 bits 0..3 against centered -2..1 the
         # zero sums barely cancel more (at 4 bits raw codes failed the tolerance, see
         # ``fold_v``).  Only fp16: bf16's subnormals sit at 2^-133, whose 2^133 fold fp32
-        # cannot hold.  H200, 2c128 fp16 GQA 4, us, without / with
-        # (profiles/h200/variants_v_subnormal.json, one run): B=16 N=64K 271.2 / 255.9, B=8
-        # 139.0 / 135.3, B=1 N=128K 46.2 / 43.9.
+        # cannot hold.  The zero sums take P as the product gets it (``store_p_subnormal``).
+        # H200, fp16 GQA 4, us, without / with (profiles/h200/variants_v_subnormal_consistent
+        # .json, one run): 2c128 B=1 N=4K 13.57 / 13.38, N=128K 46.02 / 43.87, B=16 N=64K
+        # 262.3 / 259.1; K4V2 g128 14.91 / 14.78, 53.20 / 52.53, 297.8 / 295.5.
         applies = self.fold_v and not self.is_bf16 and self.v_bits == 2 and not fp4 and not v_slots
         if v_subnormal and not applies:
             raise ValueError("v_subnormal needs fp16, 2-bit V with its scale in P (fold_v), no FP4 and no v_slots")
