@@ -20,7 +20,9 @@ One CTA = (split, KV head, sequence), warpgroups with fixed roles:
   With V groups of at least 64 channels (``fold_v``) V^T holds V's exact (centered)
   codes and P^T carries V's per-token scale, one P^T copy per V group, while V's zero
   points reach O through per-head sums of P times zero: V costs one lop3 and one exact fma
-  per pair instead of two fmas and its params in fragment order.
+  per pair instead of two fmas and its params in fragment order.  fp16 2-bit V goes one
+  step further (``v_subnormal``): its raw codes as fp16 subnormals, the lop3 alone, with
+  1 / mult in P^T and each product folded into O times 2^24.
   The SS form of the second product, V^T dequantized by the producer warpgroup into
   shared memory with stmatrix (``v_slots``), is built and tested but not the default: at
   two CTAs an SM its 32 KB V^T tiles leave the ring two stages, and with three the
