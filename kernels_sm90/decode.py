@@ -100,11 +100,17 @@ SMEM_BUDGET = 192 * 1024  # of the 227 KB an SM has: what the stage rings of its
 # log2 units a logit may pass the running maximum by before the warpgroup exchanges maxima
 # (``lazy_softmax``): P then stays below 4 (H200: 2 skips nearly every exchange)
 LAZY_MARGIN = 2.0
-# ``v_subnormal``: mantissa bits above a 2-bit code's own that its offset may take (mult 1
-# or 4: shifts every two pairs bound how far 1 / mult pushes P^T towards fp16's underflow)
+# ``v_subnormal``: mantissa bits above a 2-bit code's own that its offset may take (the
+# default of ``v_sub_room``): 2 gives mult 1 or 4 and a shift every two pairs; 0 gives mult 1
+# and a shift every pair (P^T as fp16's underflow takes it with centered codes)
 V_SUB_ROOM = 2
 # ``v_subnormal``: a packed P V product's factor into O (the subnormal codes' 2^-24)
 V_SUB_FOLD = float(2 ** 24)
+# ``v_subnormal=None`` takes the subnormal V codes wherever they apply only with this set.
+# Off: the zero sums' present form (``store_p_subnormal``, centered in the zero sums) is
+# CPU-compiled but not yet GPU-run; the form the H200 measured (thirty-seventh session)
+# dropped whole tokens whose P^T underflowed (flat V tokens of large offset).
+V_SUBNORMAL_AUTO = False
 # ``k_shift``: the B tile's rows stay under 2^K_SHIFT_LOG2, fp16's largest power of two (its
 # exponent bias), so their rounding to fp16 cannot reach infinity
 K_SHIFT_LOG2 = packing.EXP_BIAS["fp16"]
@@ -175,7 +181,8 @@ class DecodeSm90(PackedDecodeConfig):
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
-                 append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None):
+                 append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
+                 v_sub_room: int = V_SUB_ROOM):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -251,29 +258,35 @@ class DecodeSm90(PackedDecodeConfig):
         if self.fold_v and not self.is_bf16:
             room = math.log2((2 ** self.v_bits - 1) / 2)
             self.lazy_margin = min(LAZY_MARGIN, math.ceil(2 * room) / 2 - 0.5)
-        # V^T's 2-bit codes as fp16 subnormals (``v_subnormal``; None: wherever it applies).
+        # V^T's 2-bit codes as fp16 subnormals (``v_subnormal``; None: wherever it applies,
+        # once ``V_SUBNORMAL_AUTO`` is set).
         # With ``fold_v`` every V pair cost a lop3 and an exact fma (the magic exponent's and
         # the center's fix-up).  With no magic exponent the lop3 alone gives (code << offset)
         # 2^-24 exactly (fp16 subnormals: wgmma takes them unflushed, H200); ``store_p`` folds
-        # 1 / mult (2^-offset, offsets 0 or ``V_SUB_ROOM``) into P^T beside V's scale, and each
+        # 1 / mult (2^-offset, offsets 0 or ``v_sub_room``) into P^T beside V's scale, and each
         # packed product enters O times 2^24 (``fold``; the residual's and the sinks' 16-bit
-        # products unscaled).  The codes stay raw: at 2 bits 0..3 against centered -2..1 the
-        # zero sums barely cancel more (at 4 bits raw codes failed the tolerance, see
-        # ``fold_v``).  Only fp16: bf16's subnormals sit at 2^-133, whose 2^133 fold fp32
-        # cannot hold.  The zero sums take P as the product gets it (``store_p_subnormal``).
-        # H200, fp16 GQA 4, us, without / with (profiles/h200/variants_v_subnormal_consistent
+        # products unscaled).  The product takes the raw codes and the zero sums take the
+        # center back out (``store_p_subnormal``).  Only fp16: bf16's subnormals sit at
+        # 2^-133, whose 2^133 fold fp32 cannot hold.  Measured with an earlier form of the
+        # zero sums (P' times the zero; a cvt, a select and an fma a value, as now a cvt and
+        # two fmas): H200, fp16 GQA 4, us, without / with (profiles/h200/variants_v_subnormal_consistent
         # .json, one run): 2c128 B=1 N=4K 13.57 / 13.38, N=128K 46.02 / 43.87, B=16 N=64K
         # 262.3 / 259.1; K4V2 g128 14.91 / 14.78, 53.20 / 52.53, 297.8 / 295.5.
         applies = self.fold_v and not self.is_bf16 and self.v_bits == 2 and not fp4 and not v_slots
         if v_subnormal and not applies:
             raise ValueError("v_subnormal needs fp16, 2-bit V with its scale in P (fold_v), no FP4 and no v_slots")
-        self.v_subnormal = applies if v_subnormal is None else v_subnormal
+        self.v_subnormal = applies and V_SUBNORMAL_AUTO if v_subnormal is None else v_subnormal
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v and not self.v_subnormal else 0
+        # (v_subnormal) the center the zero sums carry instead (``store_p_subnormal``)
+        self.v_sub_center = 1 << (self.v_bits - 1) if self.v_subnormal else 0
         self.v_mult_log2 = 0  # log2 of V pair p's mult in bits 4 p .. 4 p + 3 (``v_subnormal``)
+        self.v_sub_room = v_sub_room if self.v_subnormal else 0
         if self.v_subnormal:
-            steps = packing.dequant_steps(self.v_bits, "fp16", self.v_bits + V_SUB_ROOM, True)
+            if v_sub_room not in (0, V_SUB_ROOM):
+                raise ValueError(f"v_sub_room must be 0 or {V_SUB_ROOM}, got {v_sub_room}")
+            steps = packing.dequant_steps(self.v_bits, "fp16", self.v_bits + v_sub_room, True)
             self.v_mult_log2 = sum((s.mult.bit_length() - 1) << 4 * s.pair for s in steps)
-            assert {s.mult for s in steps} <= {1, 1 << V_SUB_ROOM}  # (store_p picks one of the two)
+            assert {s.mult for s in steps} <= {1, 1 << v_sub_room}  # (store_p picks one of the two)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it.  128 halves the per-step chain (the
         # S wait, the lazy verdict's barrier, P's store, fence and barrier) per token: 2-bit K
@@ -914,7 +927,7 @@ class DecodeSm90(PackedDecodeConfig):
         else:
             dq_k = WordDequant(self.bits, self.s_bf16, self.k_center)
             dq_v = WordDequant(self.v_bits, self.is_bf16, self.v_center,
-                               self.v_bits + V_SUB_ROOM if self.v_subnormal else 0)
+                               self.v_bits + self.v_sub_room if self.v_subnormal else 0)
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -1567,25 +1580,29 @@ class DecodeSm90(PackedDecodeConfig):
     def store_p_subnormal(self, acc_s, sP, zsum, mb: cutlass.Constexpr[int], v1: cutlass.Constexpr[int], c, tok,
                           i: cutlass.Constexpr[int], kt, scale, zero):
         """``store_p``'s P^T and zero sums for one token of V group ``i`` with ``v_subnormal``
-        (raw codes read ``(code << offset) 2^-24``): P^T takes ``1 / mult`` beside V's scale,
-        and the zero sums take the P that the product gets, ``h = fp16(p scale / mult)``
-        read back, times ``zero mult / scale``, not ``p`` itself: with raw codes (0..3, all
-        of one sign) the product and the zero sums grow together and cancel in O, so P's
-        rounding must be the same in both (with ``p`` in the zero sums alone a 2^20-token
-        split missed the tolerance, H200: 0.0046 against 0.0021).  A zero scale (a constant
-        group: codes 0) keeps ``p zero``."""
+        (raw codes read ``(code << offset) 2^-24``): P^T takes ``h = fp16(p scale / mult)``,
+        and the zero sums ``p (zero + center scale) - center mult h``, so that O gets
+        ``sum P' scale (code - center) + sum P zero`` with ``P' = h mult / scale``, the P the
+        product got.  P's rounding (and fp16's underflow of small ``p scale / mult``) then
+        costs ``scale (code - center)`` a token, mixed in sign, as with centered codes: the
+        zero sums on ``p`` alone left ``P' scale code`` of one sign (a bias over a 2^20-token
+        split: 0.0046 against 0.0021, H200), and on ``P'`` alone a token whose ``h``
+        underflows lost its zero too (flat V tokens of large offset under a peaked softmax;
+        a CPU model of the three, profiles/NOTES.md)."""
         # the token's pair of its V word reads (code << offset) 2^-24
         pair = 2 * (kt % self.kpw_v) + self.row_of(v1, c) // 8
         shift = (Uint32(self.v_mult_log2) >> Uint32(4 * pair)) & Uint32(0xF)
-        scale = scale * cutlass.select_(shift == Uint32(0), Float32(1.0), Float32(1.0 / (1 << V_SUB_ROOM)))
-        flat = scale == Float32(0.0)
-        ratio = cutlass.select_(flat, zero, zero * cute.arch.rcp_approx(scale))
+        one = shift == Uint32(0)
+        scale_p = scale * cutlass.select_(one, Float32(1.0), Float32(1.0 / (1 << self.v_sub_room)))
+        zero_c = zero + Float32(self.v_sub_center) * scale
+        back = cutlass.select_(one, Float32(-self.v_sub_center),
+                               Float32(-self.v_sub_center * (1 << self.v_sub_room)))
         for nt in cutlass.range_constexpr(self.nh // 8):
             for v0 in cutlass.range_constexpr(2):
                 p = acc_s[self.cv(v0, v1, nt), mb, 0]
-                h = self.dtype(p * scale)
+                h = self.dtype(p * scale_p)
                 sP[self.head_of(nt, v0, c), tok, i] = h
-                zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + cutlass.select_(flat, p, Float32(h)) * ratio
+                zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero_c + Float32(h) * back
 
     # ---- the 16-bit residual block --------------------------------------------------------
     @cute.jit

@@ -687,29 +687,33 @@ def test_sm90_consumers_config(tmp_path):
 
 
 def test_sm90_v_subnormal(tmp_path):
-    """``v_subnormal`` (the default for fp16 2-bit V with its scale in P): V^T's codes without
-    the fix-up fma (fewer ``fma.rn.f16x2`` than with centered codes, the same lop3 count), no
-    spills; on by default where it applies, off elsewhere; refused where the codes are not
-    2-bit fp16 with V's scale in P."""
+    """``v_subnormal``: V^T's codes without the fix-up fma (fewer ``fma.rn.f16x2`` than with
+    centered codes, the same lop3 count), no spills; by default (``V_SUBNORMAL_AUTO``) only
+    where it applies; refused where the codes are not 2-bit fp16 with V's scale in P."""
     import cutlass.cute as cute
 
     from bitdecode import jit
+    from bitdecode.kernels_sm90 import decode as d90
     from bitdecode.kernels_sm90.decode import DecodeSm90
 
     f16 = cutlass.Float16
     args = kernels.decode_args(KVFormat(2, "channel", 128), f16, 128, True)
     counts = {}
-    for sub in (False, True):
-        k = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1, v_subnormal=sub)
+    for sub, room in ((False, 0), (True, 2), (True, 0)):
+        k = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1, v_subnormal=sub,
+                       v_sub_room=room)
         ptx = cute.compile(k, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
                            options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
-        counts[sub] = (ptx.count("fma.rn.f16x2"), ptx.count("lop3.b32"))
+        counts[sub, room] = (ptx.count("fma.rn.f16x2"), ptx.count("lop3.b32"))
         assert ptxas.spill_bytes(ptxas.report(ptx, "sm_90a", tmp_path)) == 0
-    assert counts[True][0] < counts[False][0] and counts[True][1] == counts[False][1], counts
+    for room in (2, 0):  # (``v_sub_room`` 0: a shift a pair instead of every two, the same lop3s)
+        assert counts[True, room][0] < counts[False, 0][0] and counts[True, room][1] == counts[False, 0][1], counts
+    with pytest.raises(ValueError, match="v_sub_room"):
+        DecodeSm90(f16, 2, "channel", 128, 128, 8, True, v_subnormal=True, v_sub_room=1)
     auto = {(dt, bits, g): DecodeSm90(dt, bits, "channel", g, 128, 8, True).v_subnormal
             for dt in (f16, cutlass.BFloat16) for bits in (2, 4) for g in (32, 128)}
-    assert auto == {key: key == (f16, 2, 128) for key in auto}, auto
-    assert DecodeSm90(f16, 4, "channel", 128, 128, 8, True, v_bits=2).v_subnormal
+    assert auto == {key: d90.V_SUBNORMAL_AUTO and key == (f16, 2, 128) for key in auto}, auto
+    assert DecodeSm90(f16, 4, "channel", 128, 128, 8, True, v_bits=2).v_subnormal == d90.V_SUBNORMAL_AUTO
     for refused in ({"dtype": cutlass.BFloat16}, {"bits": 4}, {"group_size": 32}):
         kw = {"dtype": f16, "bits": 2, "group_size": 128, **refused}
         with pytest.raises(ValueError, match="v_subnormal"):

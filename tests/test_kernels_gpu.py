@@ -492,11 +492,11 @@ def test_sm90_v_through_shared_memory_matches_reference(bits, dtype, hkv, keywor
 
 
 @contextlib.contextmanager
-def sm90_default_kernel_with(monkeypatch, keywords, attribute):
+def sm90_default_kernel_with(monkeypatch, keywords, attribute, every_variant=False):
     """The sm90 default grid's decode kernel built with ``keywords`` added to its
-    ``DecodeSm90`` keywords (the "small" grid's as shipped), into a fresh JIT cache with the
-    disk cache off; yields the list every ``DecodeSm90`` built inside appends its
-    ``attribute`` to, so a test can check that the kernel it meant ran."""
+    ``DecodeSm90`` keywords (the "small" grid's as shipped, unless ``every_variant``), into
+    a fresh JIT cache with the disk cache off; yields the list every ``DecodeSm90`` built
+    inside appends its ``attribute`` to, so a test can check that the kernel it meant ran."""
     from bitdecode import jit
     from bitdecode.kernels_sm90 import backend as sm90
     from bitdecode.kernels_sm90 import decode as d90
@@ -507,7 +507,7 @@ def sm90_default_kernel_with(monkeypatch, keywords, attribute):
 
     def with_keywords(fmt, fp16, head_dim, nh, variant):
         found = grid_keywords(fmt, fp16, head_dim, nh, variant)
-        return {**found, **keywords} if variant == "" else found
+        return {**found, **keywords} if variant == "" or every_variant else found
 
     def recorded(self, *args, **kw):
         init(self, *args, **kw)
@@ -528,7 +528,7 @@ def sm90_default_kernel_with(monkeypatch, keywords, attribute):
 @pytest.mark.parametrize("fmt", [bd.KVFormat(2, "channel", 128), bd.KVFormat(2, "channel", 128, sink_tokens=5),
                                  bd.KVFormat(4, "channel", 128, v_bits=2)])
 def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
-    """``DecodeSm90(v_subnormal=True)`` (fp16 2-bit V's default): V^T's codes as fp16
+    """``DecodeSm90(v_subnormal=True)`` (fp16 2-bit V, ``V_SUBNORMAL_AUTO``): V^T's codes as fp16
     subnormals (the lop3 alone), 1 / mult in P^T, packed products folded times 2^24, the
     residual's and the sinks' unscaled, in the default grid's kernel: ragged lengths with
     residuals, paged and shuffled, 1 / 3 / automatic splits, against the reference (fp16,
@@ -543,6 +543,54 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
             q = torch.randn(len(lens), 1, 32, 128, generator=torch.Generator().manual_seed(2)).to(torch.float16)
             for splits in (1, 3, 0):
                 check_decode(q.to(DEV), cache, "sm90", num_splits=splits)
+        assert True in built, built
+
+
+def flat_v_cache(backend, batch=8, hkv=8, n=16384, needle=12.0):
+    """A 2c128 fp16 cache whose V tokens are flat (every channel 3 + 1e-3 noise: a tiny scale
+    under a large zero) and whose K has three needle tokens per KV head scoring ~``needle``
+    for every query head (GQA 4), so the other tokens' P sits near e^-needle: their P^T
+    (P times a ~1e-3 scale) underflows fp16, and only their zero keeps them in O.
+    Returns (q, cache)."""
+    gen = torch.Generator().manual_seed(5)
+    d, gq = 128, 4
+    k = torch.randn(batch, n, hkv, d, generator=gen)
+    v = 3.0 + 1e-3 * torch.randn(batch, n, hkv, d, generator=gen)
+    q = torch.randn(batch, 1, hkv * gq, d, generator=gen)
+    for b in range(batch):
+        for h in range(hkv):
+            qh = q[b, 0, h * gq:(h + 1) * gq]
+            sign = torch.where(qh.sum(0) >= 0, 1.0, -1.0)
+            c = needle / float((qh @ sign).mean() * d ** -0.5)
+            for t in (3, n // 2 + 77, n - 300):
+                k[b, t, h] = c * sign
+    cache = bd.KVCache.allocate(batch, hkv, d, n, bd.KVFormat(2, "channel", 128), dtype=torch.float16, device=DEV,
+                                backend=backend)
+    cache.prefill(k.half().to(DEV), v.half().to(DEV))
+    return q.half().to(DEV), cache
+
+
+def test_flat_v_tokens_under_a_peaked_softmax(backend):
+    """V tokens of a tiny scale and a large zero, attended weakly beside a few needles
+    (``flat_v_cache``): every kernel keeps their zero in O (a fold of V's scale into P that
+    dropped a token whose scaled P underflowed would miss by ~5 %)."""
+    q, cache = flat_v_cache(backend)
+    for splits in (1, 0):
+        check_decode(q, cache, backend, num_splits=splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("room", [0, 2])
+def test_sm90_v_subnormal_flat_v_tokens(room, monkeypatch):
+    """``v_subnormal`` (``v_sub_room`` 0 and 2) on flat V tokens under a peaked softmax
+    (``flat_v_cache``): the zero sums keep the zero of a token whose P^T underflowed (the
+    form that put P^T's value in the zero sums lost it)."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    with sm90_default_kernel_with(monkeypatch, {"v_subnormal": True, "v_sub_room": room}, "v_subnormal") as built:
+        q, cache = flat_v_cache("sm90")
+        for splits in (1, 3, 0):
+            check_decode(q, cache, "sm90", num_splits=splits)
         assert True in built, built
 
 
