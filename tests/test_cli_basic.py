@@ -128,11 +128,14 @@ def _refused(main, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_probe_patches_apply():
+def test_probe_patches_apply(tmp_path):
     """profiles/probes/*.patch, the measurement-only kernel switches that NOTES.md's numbers
-    name, still apply to the tree (``git apply --check``), so the measurements can be
-    repeated; a kernel change that breaks one must refresh it.  (``profiles/probes/pinned/``
-    holds rejected experiments that apply to the commit their name gives, not checked.)"""
+    name, still apply to the tree (``git apply --check``) and leave Python that parses (a
+    refresh that kept a merge's conflict markers applies cleanly too), so the measurements
+    can be repeated; a kernel change that breaks one must refresh it.
+    (``profiles/probes/pinned/`` holds rejected experiments that apply to the commit their
+    name gives, not checked.)"""
+    import ast
     import shutil
     from pathlib import Path
 
@@ -144,6 +147,20 @@ def test_probe_patches_apply():
     for patch in patches:
         done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root, capture_output=True, text=True)
         assert done.returncode == 0, f"{patch.name}: {done.stderr}"
+        # the patched files, in a copy of their own outside any repository
+        copy = tmp_path / patch.stem
+        files = re.findall(r"^diff --git a/(\S+) b/", patch.read_text(), re.M)
+        for name in files:
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(root / name, copy / name)
+        done = subprocess.run(["git", "apply", str(patch)], cwd=copy, capture_output=True, text=True,
+                              env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+        assert done.returncode == 0, f"{patch.name}: {done.stderr}"
+        for name in files:
+            text = (copy / name).read_text()
+            assert not re.search(r"^(<<<<<<<|>>>>>>>) ", text, re.M), f"{patch.name}: conflict markers in {name}"
+            if name.endswith(".py"):
+                ast.parse(text, filename=f"{name} ({patch.name})")
 
 
 def test_bench_gemv_sweep_arguments(capsys, monkeypatch):
