@@ -105,9 +105,9 @@ LAZY_MARGIN = 2.0
 # and a shift every pair (P^T as fp16's underflow takes it with centered codes)
 V_SUB_ROOM = 2
 # ``v_subnormal``: a packed P V product's factor into O (the subnormal codes' 2^-24)
-V_SUB_FOLD = float(2 ** 24)
+V_SUB_FOLD = float(2 ** packing.SUBNORMAL_LOG2["fp16"])
 # ``v_subnormal=None`` takes the subnormal V codes wherever they apply only with this set.
-# Off: the zero sums' present form (``store_p_subnormal``, centered in the zero sums) is
+# Off: the zero sums' present form (``subnormal_factors``, centered in the zero sums) is
 # CPU-compiled but not yet GPU-run; the form the H200 measured (thirty-seventh session)
 # dropped whole tokens whose P^T underflowed (flat V tokens of large offset).
 V_SUBNORMAL_AUTO = False
@@ -165,6 +165,16 @@ def pair_word(tile, row, col, value=None):
     word[0] = value
     tile[row, col] = pair[0]
     tile[row, col + 1] = pair[1]
+
+
+def log2_nibbles(mults) -> int:
+    """Powers of two ``mults`` as one run-time table: log2 of ``mults[i]`` in bits 4 i .. 4 i + 3."""
+    return sum((m.bit_length() - 1) << 4 * i for i, m in enumerate(mults))
+
+
+def nibble(table: int, index):
+    """Entry ``index`` (traced) of a ``log2_nibbles`` table."""
+    return (Uint32(table) >> Uint32(4 * index)) & Uint32(0xF)
 
 
 def default_ctas_per_sm(head_dim: int) -> int:
@@ -237,9 +247,8 @@ class DecodeSm90(PackedDecodeConfig):
         self.k_mult_uniform = len(set(mults)) == 1  # 4-bit: (1, 16) in every k-block
         self.raw_k = self.fold_k and (self.k_mult_uniform or raw_k_all)
         self.k_mult = mults if self.raw_k else ((1, 1),) * self.kpw_k
-        # log2 of k_mult[kb][half] in bits 4 (2 kb + half) .. + 3: the scalers' run-time lookup
-        self.k_mult_log2 = sum((self.k_mult[kb][h].bit_length() - 1) << 4 * (2 * kb + h)
-                               for kb in range(self.kpw_k) for h in range(2))
+        # log2 of k_mult[kb][half], nibble 2 kb + half: the scalers' run-time lookup
+        self.k_mult_log2 = log2_nibbles([self.k_mult[kb][h] for kb in range(self.kpw_k) for h in range(2)])
         self.k_offset = packing.MAGIC_VALUE["fp16"]
         # the producer threads that scale one head (a quad of lanes per k-block), and the
         # k-blocks each of them takes: (16, 1) at head dim 64, (32, 1) at 128, (32, 2) at 256
@@ -266,7 +275,7 @@ class DecodeSm90(PackedDecodeConfig):
         # 1 / mult (2^-offset, offsets 0 or ``v_sub_room``) into P^T beside V's scale, and each
         # packed product enters O times 2^24 (``fold``; the residual's and the sinks' 16-bit
         # products unscaled).  The product takes the raw codes and the zero sums take the
-        # center back out (``store_p_subnormal``).  Only fp16: bf16's subnormals sit at
+        # center back out (``subnormal_factors``).  Only fp16: bf16's subnormals sit at
         # 2^-133, whose 2^133 fold fp32 cannot hold.  Measured with an earlier form of the
         # zero sums (P' times the zero; a cvt, a select and an fma a value, as now a cvt and
         # two fmas): H200, fp16 GQA 4, us, without / with (profiles/h200/variants_v_subnormal_consistent
@@ -276,16 +285,16 @@ class DecodeSm90(PackedDecodeConfig):
         if v_subnormal and not applies:
             raise ValueError("v_subnormal needs fp16, 2-bit V with its scale in P (fold_v), no FP4 and no v_slots")
         self.v_subnormal = applies and V_SUBNORMAL_AUTO if v_subnormal is None else v_subnormal
-        self.v_center = 1 << (self.v_bits - 1) if self.fold_v and not self.v_subnormal else 0
-        # (v_subnormal) the center the zero sums carry instead (``store_p_subnormal``)
-        self.v_sub_center = 1 << (self.v_bits - 1) if self.v_subnormal else 0
-        self.v_mult_log2 = 0  # log2 of V pair p's mult in bits 4 p .. 4 p + 3 (``v_subnormal``)
+        # the center V's zero sums carry (``store_p``); the codes come centered by it unless
+        # they are subnormal (``v_dequant``: the zero sums then take it back out)
+        self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
+        self.v_mult_log2 = 0  # log2 of V pair p's mult, nibble p (``v_subnormal``)
         self.v_sub_room = v_sub_room if self.v_subnormal else 0
         if self.v_subnormal:
             if v_sub_room not in (0, V_SUB_ROOM):
                 raise ValueError(f"v_sub_room must be 0 or {V_SUB_ROOM}, got {v_sub_room}")
             steps = packing.dequant_steps(self.v_bits, "fp16", self.v_bits + v_sub_room, True)
-            self.v_mult_log2 = sum((s.mult.bit_length() - 1) << 4 * s.pair for s in steps)
+            self.v_mult_log2 = log2_nibbles([s.mult for s in steps])
             assert {s.mult for s in steps} <= {1, 1 << v_sub_room}  # (store_p picks one of the two)
         # tokens of one softmax step: the registers of its K and V^T fragments (and, with 16
         # head columns, of its accumulators) bound it.  128 halves the per-step chain (the
@@ -709,7 +718,7 @@ class DecodeSm90(PackedDecodeConfig):
         thr = stsm.get_slice(lane)
         dst = thr.partition_D(sVt)  # (values, channels / 16, tokens / 16)
         block_shape = thr.partition_S(cute.make_identity_tensor((self.d, self.step)))[None, 0, 0].shape
-        dq = WordDequant(self.v_bits, self.is_bf16, self.v_center)
+        dq = self.v_dequant()
         slabs = self.d // SLAB
         for r in cutlass.range_constexpr(-(-slabs // V_DECODERS)):
             slab = r * V_DECODERS + decoder
@@ -811,7 +820,7 @@ class DecodeSm90(PackedDecodeConfig):
     def k_log2_mult(self, kt, half: int):
         """log2 of k-block ``kt``'s column-half ``half`` multiplier where it depends on the
         k-block's place in its word (2-bit ``raw_k``): a run-time lookup in ``k_mult_log2``."""
-        return (Uint32(self.k_mult_log2) >> Uint32(4 * (2 * (kt % self.kpw_k) + half))) & Uint32(0xF)
+        return nibble(self.k_mult_log2, 2 * (kt % self.kpw_k) + half)
 
     def k_offset_of(self, mult):
         """The offset ``magic + center mult`` that B-tile values of multiplier ``mult``
@@ -926,8 +935,7 @@ class DecodeSm90(PackedDecodeConfig):
             dq_k = dq_v = E2M1Dequant(self.is_bf16)
         else:
             dq_k = WordDequant(self.bits, self.s_bf16, self.k_center)
-            dq_v = WordDequant(self.v_bits, self.is_bf16, self.v_center,
-                               self.v_bits + self.v_sub_room if self.v_subnormal else 0)
+            dq_v = self.v_dequant()
 
         # Software pipeline, one wgmma group in flight at a time: S of a step overlaps the
         # V dequant of that step, and its P V overlaps the K dequant of the next step (the
@@ -1563,46 +1571,47 @@ class DecodeSm90(PackedDecodeConfig):
                         word = Uint32(vs[sm80.param_position(kt * self.groups_v + i, g // 2,
                                                              g % 2 + 2 * sm90.c_slot_v1(v1, c, self.half_cols))])
                         scale = ptx.half_to_f32(word, self.is_bf16)
-                        # the codes come centered: v = (code - center) * scale + zero'
+                        # the codes come centered (or the zero sums take the center back
+                        # out): v = (code - center) * scale + zero'
                         zero = ptx.half_to_f32(word >> 16, self.is_bf16) + self.v_center * scale
+                        scale_p, back = scale, None
                         if const_expr(self.v_subnormal):
-                            self.store_p_subnormal(acc_s, sP, zsum, mb, v1, c, tok, i, kt, scale, zero)
-                        else:
-                            for nt in cutlass.range_constexpr(self.nh // 8):
-                                for v0 in cutlass.range_constexpr(2):
-                                    p = acc_s[self.cv(v0, v1, nt), mb, 0]
-                                    sP[self.head_of(nt, v0, c), tok, i] = self.dtype(p * scale)
-                                    zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero
+                            scale_p, back = self.subnormal_factors(kt, v1, c, scale)
+                        for nt in cutlass.range_constexpr(self.nh // 8):
+                            for v0 in cutlass.range_constexpr(2):
+                                p = acc_s[self.cv(v0, v1, nt), mb, 0]
+                                h = self.dtype(p * scale_p)
+                                sP[self.head_of(nt, v0, c), tok, i] = h
+                                zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero
+                                if const_expr(back is not None):
+                                    zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + Float32(h) * back
         cute.arch.fence_proxy("async.shared", space="cta")  # wgmma reads sP through the async proxy
         self.bar(Barrier.P)
 
-    @cute.jit
-    def store_p_subnormal(self, acc_s, sP, zsum, mb: cutlass.Constexpr[int], v1: cutlass.Constexpr[int], c, tok,
-                          i: cutlass.Constexpr[int], kt, scale, zero):
-        """``store_p``'s P^T and zero sums for one token of V group ``i`` with ``v_subnormal``
-        (raw codes read ``(code << offset) 2^-24``): P^T takes ``h = fp16(p scale / mult)``,
-        and the zero sums ``p (zero + center scale) - center mult h``, so that O gets
-        ``sum P' scale (code - center) + sum P zero`` with ``P' = h mult / scale``, the P the
-        product got.  P's rounding (and fp16's underflow of small ``p scale / mult``) then
+    def subnormal_factors(self, kt, v1: int, c, scale):
+        """``store_p``'s factors for one token with ``v_subnormal`` (raw codes read ``(code <<
+        offset) 2^-24``): P^T's scale ``scale / mult``, and ``-center mult``, what the zero
+        sums take of ``h = fp16(p scale / mult)`` beside ``p (zero + center scale)``.  O then
+        gets ``sum P' scale (code - center) + sum P zero`` with ``P' = h mult / scale``, the P
+        the product got, so P's rounding (and fp16's underflow of small ``p scale / mult``)
         costs ``scale (code - center)`` a token, mixed in sign, as with centered codes: the
         zero sums on ``p`` alone left ``P' scale code`` of one sign (a bias over a 2^20-token
         split: 0.0046 against 0.0021, H200), and on ``P'`` alone a token whose ``h``
         underflows lost its zero too (flat V tokens of large offset under a peaked softmax;
         a CPU model of the three, profiles/NOTES.md)."""
-        # the token's pair of its V word reads (code << offset) 2^-24
-        pair = 2 * (kt % self.kpw_v) + self.row_of(v1, c) // 8
-        shift = (Uint32(self.v_mult_log2) >> Uint32(4 * pair)) & Uint32(0xF)
-        one = shift == Uint32(0)
-        scale_p = scale * cutlass.select_(one, Float32(1.0), Float32(1.0 / (1 << self.v_sub_room)))
-        zero_c = zero + Float32(self.v_sub_center) * scale
-        back = cutlass.select_(one, Float32(-self.v_sub_center),
-                               Float32(-self.v_sub_center * (1 << self.v_sub_room)))
-        for nt in cutlass.range_constexpr(self.nh // 8):
-            for v0 in cutlass.range_constexpr(2):
-                p = acc_s[self.cv(v0, v1, nt), mb, 0]
-                h = self.dtype(p * scale_p)
-                sP[self.head_of(nt, v0, c), tok, i] = h
-                zsum[2 * nt + v0, i] = zsum[2 * nt + v0, i] + p * zero_c + Float32(h) * back
+        # the token's pair of its V word
+        one = nibble(self.v_mult_log2, 2 * (kt % self.kpw_v) + self.row_of(v1, c) // 8) == Uint32(0)
+        mult = 1 << self.v_sub_room
+        scale_p = scale * cutlass.select_(one, Float32(1.0), Float32(1.0 / mult))
+        back = cutlass.select_(one, Float32(-self.v_center), Float32(-self.v_center * mult))
+        return scale_p, back
+
+    def v_dequant(self) -> WordDequant:
+        """V's dequantization: codes centered by ``v_center``, or with ``v_subnormal`` the raw
+        codes as subnormals (``v_sub_room``)."""
+        if self.v_subnormal:
+            return WordDequant(self.v_bits, self.is_bf16, 0, self.v_bits + self.v_sub_room)
+        return WordDequant(self.v_bits, self.is_bf16, self.v_center)
 
     # ---- the 16-bit residual block --------------------------------------------------------
     @cute.jit

@@ -42,6 +42,9 @@ MANTISSA_BITS = {"fp16": 10, "bf16": 7}
 HALF_SIGN_BIT = 15  # a 16-bit float's sign bit
 EXP_BIAS = {"fp16": 15, "bf16": 127}  # exponent bias of the 16-bit floats
 EXP_MAX_FINITE = {"fp16": 30, "bf16": 254}  # their largest finite biased exponent
+# log2 of the smallest subnormal's reciprocal: a half2 word's low mantissa bits, exponent 0,
+# read ``bits x 2^-SUBNORMAL_LOG2`` (fp16: 2^-24)
+SUBNORMAL_LOG2 = {dt: EXP_BIAS[dt] - 1 + MANTISSA_BITS[dt] for dt in EXP_BIAS}
 F32_MANTISSA_BITS = 23
 F32_EXP_BITS = 8
 F32_EXP_BIAS = 127
@@ -140,8 +143,8 @@ class DequantStep:
 def dequant_steps(bits: int, dtype: str, room: int = 0, subnormal: bool = False) -> Tuple[DequantStep, ...]:
     """The per-pair lop3 sequence for one word, with the fewest distinct shifts that keep
     every code within the lowest ``room`` mantissa bits (default: all of them).
-    ``subnormal``: no magic exponent, the lop3's halves read ``(code << offset) 2^-24``
-    (fp16 subnormals, exact)."""
+    ``subnormal``: no magic exponent, the lop3's halves read ``(code << offset)
+    2^-SUBNORMAL_LOG2`` (subnormals, exact)."""
     _check_bits(bits)
     _check_dtype(dtype)
     f = codes_per_word(bits)
