@@ -45,8 +45,7 @@ flight during this one's arithmetic): 8.1 - 14 us at 20480 x 3200, 5.6 - 8.8 at 
 longer than one more wave.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
@@ -117,13 +116,31 @@ def bulk_warps(k: int) -> int:
 BULK_STRIPE_ALIGN = 128
 
 
+def bulk_storage(k: int, stage_x: bool = False):
+    """The stripe kernel's shared memory at K columns: the mbarriers (the stripe's, x's), the
+    stripe, the warps' row sums and with ``stage_x`` the activations (a plain Python struct,
+    so the host can size it: ``bulk_smem_bytes``)."""
+
+    @cute.struct
+    class Storage:
+        mbar: cute.struct.MemRange[cutlass.Int64, 2]
+        sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, fmt.stripe_bytes(k)], BULK_STRIPE_ALIGN]
+        red: cute.struct.Align[cute.struct.MemRange[Int32, fmt.row_sums_bytes(bulk_warps(k)) // 4], 16]
+
+    if not stage_x:
+        return Storage
+
+    @cute.struct
+    class StagedStorage:
+        base: Storage
+        sX: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, k], BULK_STRIPE_ALIGN]
+
+    return StagedStorage
+
+
 def bulk_smem_bytes(k: int, stage_x: bool = False) -> int:
-    """The stripe kernel's shared memory at K columns: the mbarriers, the stripe, the
-    warps' row sums and with ``stage_x`` the activations (its allocations in order, with
-    their alignments)."""
-    sums = fmt.row_sums_bytes(bulk_warps(k))
-    x = -(-sums // BULK_STRIPE_ALIGN) * BULK_STRIPE_ALIGN - sums + k if stage_x else 0
-    return BULK_STRIPE_ALIGN + fmt.stripe_bytes(k) + sums + x
+    """The stripe kernel's shared memory at K columns (``bulk_storage``'s size)."""
+    return bulk_storage(k, stage_x).size_in_bytes()
 
 
 def bulk_fits(k: int, stage_x: bool = False) -> bool:
@@ -238,10 +255,11 @@ class BitnetGemvBulk:
         q = lane % fmt.CHUNKS_PER_TILE
         tile = lane // fmt.CHUNKS_PER_TILE
 
-        smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)  # the stripe's, x's
-        sW = smem.allocate_array(cutlass.Int8, self.stripe_bytes, byte_alignment=BULK_STRIPE_ALIGN)
-        red = smem.allocate_tensor(Int32, fmt.make_row_sums_layout(self.warps), 16)
+        storage = cutlass.memory.SmemAllocator().allocate(bulk_storage(self.k, self.stage_x))
+        base = storage.base if cutlass.const_expr(self.stage_x) else storage
+        mbar = base.mbar.data_ptr()  # the stripe's, x's
+        sW = base.sW.data_ptr()
+        red = base.red.get_tensor(fmt.make_row_sums_layout(self.warps))
         if tidx == 0:
             cute.arch.mbarrier_init(mbar, 1)
             cute.arch.mbarrier_init(mbar + 1, 1)
@@ -257,7 +275,7 @@ class BitnetGemvBulk:
         sX = None
         if cutlass.const_expr(self.stage_x):
             # after the wait: the async proxy reads what the previous grid wrote and flushed
-            sX = smem.allocate_array(cutlass.Int8, self.k, byte_alignment=BULK_STRIPE_ALIGN)
+            sX = storage.sX.data_ptr()
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, self.k)
                 ptx90.bulk_g2s(sX, mX.iterator, self.k, mbar + 1)
