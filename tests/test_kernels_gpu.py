@@ -476,19 +476,22 @@ def test_sm90_v_through_shared_memory_matches_reference(bits, dtype, hkv, keywor
     default grid's kernel, built into a fresh JIT cache: ragged lengths with residuals, one
     split (a CTA's slots wrap many times) and several, paged and shuffled, against the
     reference."""
-    if not dispatch.runnable("sm90", DEV):
-        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
     with sm90_default_kernel_with(monkeypatch, keywords, "v_slots") as built:
-        fmt = bd.KVFormat(bits, "channel", 128)
-        lens = [9000, 700, 3000, 64, 4097, 0, 1500, 2049]
-        for page_size, shuffle in ((None, False), (256, True)):
-            cache, _, _ = make_cache(fmt, lens, hkv, 128, dtype, page_size=page_size, shuffle=shuffle,
-                                     backend="sm90")
-            q = torch.randn(len(lens), 1, 4 * hkv, 128, generator=torch.Generator().manual_seed(bits))
-            q = q.to(dtype).to(DEV)
-            for splits in (1, 3, 0):
-                check_decode(q, cache, "sm90", num_splits=splits)
+        check_sm90_ragged(bd.KVFormat(bits, "channel", 128), dtype, hkv, seed=bits)
         assert keywords["v_slots"] in built, built  # the default grid's kernel ran with the slots
+
+
+def check_sm90_ragged(fmt, dtype, hkv, seed):
+    """sm90 decode against the reference over ragged lengths with residuals (an empty
+    sequence among them), contiguous and paged with the pages shuffled, at 1 / 3 / automatic
+    splits; GQA 4, head dim 128."""
+    lens = [9000, 700, 3000, 64, 4097, 0, 1500, 2049]
+    for page_size, shuffle in ((None, False), (256, True)):
+        cache, _, _ = make_cache(fmt, lens, hkv, 128, dtype, page_size=page_size, shuffle=shuffle, backend="sm90")
+        q = torch.randn(len(lens), 1, 4 * hkv, 128, generator=torch.Generator().manual_seed(seed))
+        q = q.to(dtype).to(DEV)
+        for splits in (1, 3, 0):
+            check_decode(q, cache, "sm90", num_splits=splits)
 
 
 @contextlib.contextmanager
@@ -496,7 +499,10 @@ def sm90_default_kernel_with(monkeypatch, keywords, attribute, every_variant=Fal
     """The sm90 default grid's decode kernel built with ``keywords`` added to its
     ``DecodeSm90`` keywords (the "small" grid's as shipped, unless ``every_variant``), into
     a fresh JIT cache with the disk cache off; yields the list every ``DecodeSm90`` built
-    inside appends its ``attribute`` to, so a test can check that the kernel it meant ran."""
+    inside appends its ``attribute`` to, so a test can check that the kernel it meant ran.
+    Skips the test where the sm90 kernels do not run."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
     from bitdecode import jit
     from bitdecode.kernels_sm90 import backend as sm90
     from bitdecode.kernels_sm90 import decode as d90
@@ -533,16 +539,8 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
     residual's and the sinks' unscaled, in the default grid's kernel: ragged lengths with
     residuals, paged and shuffled, 1 / 3 / automatic splits, against the reference (fp16,
     GQA 4)."""
-    if not dispatch.runnable("sm90", DEV):
-        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
     with sm90_default_kernel_with(monkeypatch, {"v_subnormal": True}, "v_subnormal") as built:
-        lens = [9000, 700, 3000, 64, 4097, 0, 1500, 2049]
-        for page_size, shuffle in ((None, False), (256, True)):
-            cache, _, _ = make_cache(fmt, lens, 8, 128, torch.float16, page_size=page_size, shuffle=shuffle,
-                                     backend="sm90")
-            q = torch.randn(len(lens), 1, 32, 128, generator=torch.Generator().manual_seed(2)).to(torch.float16)
-            for splits in (1, 3, 0):
-                check_decode(q.to(DEV), cache, "sm90", num_splits=splits)
+        check_sm90_ragged(fmt, torch.float16, 8, seed=2)
         assert True in built, built
 
 
@@ -585,8 +583,6 @@ def test_sm90_v_subnormal_flat_v_tokens(room, monkeypatch):
     """``v_subnormal`` (``v_sub_room`` 0 and 2) on flat V tokens under a peaked softmax
     (``flat_v_cache``): the zero sums keep the zero of a token whose P^T underflowed (the
     form that put P^T's value in the zero sums lost it)."""
-    if not dispatch.runnable("sm90", DEV):
-        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
     with sm90_default_kernel_with(monkeypatch, {"v_subnormal": True, "v_sub_room": room}, "v_subnormal") as built:
         q, cache = flat_v_cache("sm90")
         for splits in (1, 3, 0):
