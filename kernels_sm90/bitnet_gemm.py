@@ -144,7 +144,7 @@ class WgmmaConfig:
 
     def __post_init__(self):
         assert self.block_m in (64, 96, 128, 192, 256) and self.warpgroups in (1, 2) and self.stages >= 2
-        assert self.ctas_per_sm in (1, 2)
+        assert self.ctas_per_sm in (1, 2, 3)
         assert 1 <= self.cluster_k <= self.max_cluster_k and not (self.split_k and self.cluster_k > 1)
         assert not self.persistent or (not self.split_k and self.cluster_k == 1)
         assert not self.persistent or self.persistent_fits, self
@@ -204,6 +204,13 @@ class WgmmaConfig:
         """Whether the persistent variant fits in a CTA's shared memory (the int32 output of
         256-token tiles does not, beside their rings)."""
         return self.persistent_smem_bytes <= resources.HOPPER_CTA_SMEM_BYTES
+
+    @property
+    def resident(self) -> bool:
+        """Whether ``ctas_per_sm`` CTAs of this config fit one SM's shared memory (the
+        registers are split for them by construction: ``entry_regs``)."""
+        per_cta = shared_storage(self, bool(self.persistent)).size_in_bytes() + resources.CTA_RESERVED_SMEM_BYTES
+        return self.ctas_per_sm * per_cta <= resources.HOPPER_SM_SMEM_BYTES
 
     @property
     def persistent_capable(self) -> bool:
@@ -905,6 +912,8 @@ def compile_gemm(cfg: WgmmaConfig, options: str):
     """Compile for every M and every (N, K) with N % 16 == 0, K % 128 == 0 (sm_90a only).
     The launch takes, after the segment ends, the split-K workspace and counts (int32
     vectors) and ``split_plan``'s full tiles and splits."""
+    if not cfg.resident:  # (min_blocks_per_mp would split the registers for CTAs that never co-reside)
+        raise ValueError(f"{cfg.ctas_per_sm} CTAs an SM do not fit its shared memory: {cfg}")
     *args, stream = matmul_fake_args(cfg.raw, launch_arg=False)
     work = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=16)
     count = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)

@@ -705,6 +705,21 @@ def test_mma_gemm_pdl_compiles(tmp_path):
         assert used <= cfg.registers, (used, cfg)
 
 
+def test_wgmma_gemm_refuses_ctas_that_cannot_co_reside():
+    """A tile whose ``ctas_per_sm`` CTAs do not fit one SM's shared memory is refused at
+    compile time (its registers would be split for CTAs that never run side by side); the
+    shipped tiles and the three-an-SM 64-token tile fit."""
+    from bitdecode.kernels_sm90 import bitnet_gemm as g90
+
+    for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.MEDIUM_96, g90.LARGE_192,
+                dataclasses.replace(g90.SMALL, ctas_per_sm=3, stages=7)):
+        assert cfg.resident, cfg
+    crowded = dataclasses.replace(g90.SMALL, ctas_per_sm=3)  # 8 stages: 3 x 83 KB
+    assert not crowded.resident
+    with pytest.raises(ValueError, match="3 CTAs an SM do not fit"):
+        g90.compile_gemm(crowded, jit.compile_options("sm_90a"))
+
+
 def test_wgmma_gemm_compiles(tmp_path):
     """s8 x s8 wgmma with the A operand from registers, fed by a TMA + bulk-copy mbarrier
     ring (warp-specialized: setmaxnreg), one wgmma group in flight, no CTA-wide barrier in
@@ -717,7 +732,8 @@ def test_wgmma_gemm_compiles(tmp_path):
     cluster = [dataclasses.replace(cfg, cluster_k=3, pdl=True) for cfg in (g90.SMALL, g90.MEDIUM)]
     for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, dataclasses.replace(g90.MEDIUM_96, pdl=True),
                 dataclasses.replace(g90.LARGE_192, persistent=132),
-                g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5), *split, *cluster):
+                g90.WgmmaConfig(block_m=256, warpgroups=2, stages=5),
+                dataclasses.replace(g90.SMALL, ctas_per_sm=3, stages=7, pdl=True), *split, *cluster):
         ptx = _ptx(g90.compile_gemm(cfg, jit.compile_options("sm_90a", keep_ptx=True)))
         assert "wgmma.mma_async.sync.aligned" in ptx and ".s32.s8.s8" in ptx
         assert re.search(r"wgmma.wait_group.sync.aligned\s+1;", ptx), "one wgmma group kept in flight"
@@ -1081,7 +1097,7 @@ def test_gpu_gemm(n, k, kernel):
 @cuda
 @pytest.mark.parametrize("block_m,warpgroups,stages,ctas", [(64, 1, 8, 2), (64, 2, 3, 2), (96, 1, 6, 2), (128, 1, 6, 2),
                                                           (128, 2, 5, 1), (192, 2, 4, 1), (256, 1, 4, 1), (256, 2, 4, 1),
-                                                          (256, 2, 2, 1)])
+                                                          (256, 2, 2, 1), (64, 1, 7, 3)])
 def test_gpu_wgmma_gemm_every_tile(block_m, warpgroups, stages, ctas):
     """Every tile shape of the sm90 GEMM (the default picks only some per shape): ragged
     M and N tiles, an odd group count (the phantom group), exact sums and bf16 output,
