@@ -192,7 +192,7 @@ class DecodeSm90(PackedDecodeConfig):
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
-                 v_sub_room: int = V_SUB_ROOM):
+                 v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -288,6 +288,12 @@ class DecodeSm90(PackedDecodeConfig):
         # the center V's zero sums carry (``store_p``); the codes come centered by it unless
         # they are subnormal (``v_dequant``: the zero sums then take it back out)
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
+        # With K's scale in Q the producer warpgroup scales each stage from Q, which the
+        # consumers load after the sequence length: a global round trip before the barrier
+        # that publishes it.  ``early_tiles`` issues the first ``lag`` tiles (which need no Q)
+        # before that barrier, so their loads run under Q's instead of after it (not measured
+        # yet: off)
+        self.early_tiles = early_tiles
         self.v_mult_log2 = 0  # log2 of V pair p's mult, nibble p (``v_subnormal``)
         self.v_sub_room = v_sub_room if self.v_subnormal else 0
         if self.v_subnormal:
@@ -650,9 +656,17 @@ class DecodeSm90(PackedDecodeConfig):
         zero_shared(sBias, tid, WG)
         if const_expr(self.k_shift):
             zero_shared(sShift, tid, WG)
+        start = tile_begin  # the loop's first iteration
+        if const_expr(self.early_tiles):
+            # the loop's first ``lag`` iterations only issue tiles: run them before the barrier
+            start = tile_begin + lag
+            if warp == 0:
+                for it in cutlass.range(tile_begin, cutlass.min(start, packed_end), unroll=1):
+                    self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,
+                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv)
         # the consumers put Q in smem
         cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
-        for it in cutlass.range(tile_begin, packed_end + lag, unroll=1):
+        for it in cutlass.range(start, packed_end + lag, unroll=1):
             if warp == 0:
                 if it < packed_end:
                     self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,

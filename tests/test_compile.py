@@ -644,6 +644,33 @@ def test_sm90_fold_k_bf16_ptx(monkeypatch, tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+def test_sm90_early_tiles_ptx(monkeypatch, tmp_path):
+    """``early_tiles``: with K's scale in Q the producer's first TMA loads come before the
+    barrier that publishes Q (the shipped kernel issues them after it); spill-free, no
+    serialized wgmmas, and the consumers' code untouched (the same wgmmas and lop3s)."""
+    import functools
+
+    from bitdecode.kernels_sm90 import backend as sm90_backend
+    from bitdecode.kernels_sm90.decode import Barrier, DecodeSm90
+
+    fmt = KVFormat(2, "channel", 128)  # one consumer, two CTAs an SM: Q's barrier is 256 threads
+    args = ("sm_90a", fmt, cutlass.Float16, 128, 4, True)
+    shipped = sm90_backend.compile_decode(*args, keep_ptx=True).artifacts.PTX
+    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, early_tiles=True))
+    early = sm90_backend.compile_decode(*args, keep_ptx=True).artifacts.PTX
+    q_barrier = re.compile(rf"bar.sync\s+{Barrier.q(1)}, 256;")
+
+    def first_tile_before_q(ptx):
+        return ptx.index("cp.async.bulk.tensor") < q_barrier.search(ptx).start()
+
+    assert first_tile_before_q(early) and not first_tile_before_q(shipped)
+    assert early.count("cp.async.bulk.tensor") == 2 * shipped.count("cp.async.bulk.tensor")  # (two issue sites)
+    for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix"):
+        assert early.count(instr) == shipped.count(instr), instr
+    report = ptxas.report(early, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 def test_sm90_consumers_config(tmp_path):
     """Consumer warpgroups a CTA: two in one CTA an SM for 2-bit with K's scale in Q (the
     measured default), one (two CTAs an SM) elsewhere; the split heuristic counts the CTAs

@@ -544,6 +544,24 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
         assert True in built, built
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, dtype", [(bd.KVFormat(4, "channel", 128), torch.float16),
+                                        (bd.KVFormat(2, "channel", 128), torch.float16),
+                                        (bd.KVFormat(2, "channel", 128), torch.bfloat16),
+                                        (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
+def test_sm90_early_tiles_match_reference(fmt, dtype, monkeypatch):
+    """``DecodeSm90(early_tiles=True)``: with K's scale in Q the producer issues its first
+    ``lag`` tiles before the barrier that publishes Q, on every grid's kernel (the default
+    and the small grid's, splits with fewer tiles than ``lag`` among them): ragged lengths
+    with residuals, paged and shuffled, 1 / 3 / automatic splits, against the reference."""
+    with sm90_default_kernel_with(monkeypatch, {"early_tiles": True}, "early_tiles", every_variant=True) as built:
+        check_sm90_ragged(fmt, dtype, 8, seed=3)
+        q = torch.randn(1, 1, 32, 128, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
+        cache, _, _ = make_cache(fmt, [4096], 8, 128, dtype, backend="sm90")  # B = 1: the small grid
+        check_decode(q, cache, "sm90")
+        assert built and all(built), built
+
+
 def flat_v_cache(backend, batch=8, hkv=8, n=16384, needle=12.0):
     """A 2c128 fp16 cache whose V tokens are flat (every channel 3 + 1e-3 noise: a tiny scale
     under a large zero) and whose K has three needle tokens per KV head scoring ~``needle``
