@@ -559,6 +559,8 @@ def test_sm90_early_tiles_match_reference(fmt, dtype, monkeypatch):
         q = torch.randn(1, 1, 32, 128, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
         cache, _, _ = make_cache(fmt, [4096], 8, 128, dtype, backend="sm90")  # B = 1: the small grid
         check_decode(q, cache, "sm90")
+        if fmt.v_bits == 2 and dtype == torch.float16:  # the appending kernels (one launch a step) too
+            test_appending_decode_equals_append_then_decode("sm90", fmt, 4, [700, 1530], None, dtype)
         assert built and all(built), built
 
 
