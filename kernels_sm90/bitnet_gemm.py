@@ -912,7 +912,9 @@ def compile_gemm(cfg: WgmmaConfig, options: str):
     """Compile for every M and every (N, K) with N % 16 == 0, K % 128 == 0 (sm_90a only).
     The launch takes, after the segment ends, the split-K workspace and counts (int32
     vectors) and ``split_plan``'s full tiles and splits."""
-    if not cfg.resident:  # (min_blocks_per_mp would split the registers for CTAs that never co-reside)
+    # min_blocks_per_mp would split the registers for CTAs that never co-reside (a persistent
+    # grid sizes itself: ``persistent`` CTAs, whatever the tile's residency)
+    if not cfg.persistent and not cfg.resident:
         raise ValueError(f"{cfg.ctas_per_sm} CTAs an SM do not fit its shared memory: {cfg}")
     *args, stream = matmul_fake_args(cfg.raw, launch_arg=False)
     work = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=16)

@@ -707,8 +707,8 @@ def test_mma_gemm_pdl_compiles(tmp_path):
 
 def test_wgmma_gemm_refuses_ctas_that_cannot_co_reside():
     """A tile whose ``ctas_per_sm`` CTAs do not fit one SM's shared memory is refused at
-    compile time (its registers would be split for CTAs that never run side by side); the
-    shipped tiles and the three-an-SM 64-token tile fit."""
+    compile time (its registers would be split for CTAs that never run side by side), but
+    for a persistent grid; the shipped tiles and the three-an-SM 64-token tile fit."""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     for cfg in (g90.SMALL, g90.MEDIUM, g90.LARGE, g90.MEDIUM_96, g90.LARGE_192,
@@ -718,6 +718,11 @@ def test_wgmma_gemm_refuses_ctas_that_cannot_co_reside():
     assert not crowded.resident
     with pytest.raises(ValueError, match="3 CTAs an SM do not fit"):
         g90.compile_gemm(crowded, jit.compile_options("sm_90a"))
+    # a persistent grid sizes itself (``test_gpu_wgmma_gemm_every_tile`` runs three CTAs of
+    # the two-an-SM tiles, whose persistent staging does not fit twice)
+    walk = dataclasses.replace(g90.MEDIUM, persistent=3)
+    assert not walk.resident
+    g90.compile_gemm(walk, jit.compile_options("sm_90a"))
 
 
 def test_wgmma_gemm_compiles(tmp_path):
