@@ -209,8 +209,8 @@ class WgmmaConfig:
     def resident(self) -> bool:
         """Whether ``ctas_per_sm`` CTAs of this config fit one SM's shared memory (the
         registers are split for them by construction: ``entry_regs``)."""
-        per_cta = shared_storage(self, bool(self.persistent)).size_in_bytes() + resources.CTA_RESERVED_SMEM_BYTES
-        return self.ctas_per_sm * per_cta <= resources.HOPPER_SM_SMEM_BYTES
+        smem = shared_storage(self, bool(self.persistent)).size_in_bytes()
+        return self.ctas_per_sm <= resources.smem_ctas_per_sm(smem)
 
     @property
     def persistent_capable(self) -> bool:

@@ -32,12 +32,13 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave (``stripe_config``; where that wave would leave the next GEMV no room, the
-form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter still:
-20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at once by light
-CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2 us against
-3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any arithmetic and it
-loses up to 25 %).  A bulk-copy ring with persistent CTAs was measured and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
+holds in one wave (``stripe_config``; where that wave would leave the next GEMV no room,
+the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
+still: 20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at
+once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
+us against 3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any
+arithmetic and it loses up to 25 %). A bulk-copy ring with persistent CTAs was measured
+and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
 So was a fixed grid of at most half an SM walking the stripes (the next GEMV's CTAs fit
 beside it and bulk-prefetch all their stripes to L2 while it runs; next stripe's loads in
 flight during this one's arithmetic): 8.1 - 14 us at 20480 x 3200, 5.6 - 8.8 at 13824 x
@@ -54,7 +55,7 @@ from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accum
                                         launch_size, store_stripe, warps_for)
 from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
-from ..layouts.resources import CTA_RESERVED_SMEM_BYTES, HOPPER_CTA_SMEM_BYTES, HOPPER_SM_SMEM_BYTES, ctas_per_sm
+from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm, smem_ctas_per_sm
 from . import ptx90
 
 # ptxas register counts of the PDL builds for sm_90a, by (unroll, pin) (tests/test_bitnet.py)
@@ -160,8 +161,7 @@ def bulk_registers(k: int, stage_x: bool = False) -> int:
 
 def bulk_ctas_per_sm(k: int, stage_x: bool = False) -> int:
     """Stripe-kernel CTAs resident on one SM: registers, warps, and the stripes' shared memory."""
-    per_cta = bulk_smem_bytes(k, stage_x) + CTA_RESERVED_SMEM_BYTES
-    return min(ctas_per_sm(bulk_registers(k, stage_x), bulk_warps(k)), HOPPER_SM_SMEM_BYTES // per_cta)
+    return min(ctas_per_sm(bulk_registers(k, stage_x), bulk_warps(k)), smem_ctas_per_sm(bulk_smem_bytes(k, stage_x)))
 
 
 def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
@@ -293,7 +293,6 @@ class BitnetGemvBulk:
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
                      self.raw)
 
-
     @cute.jit
     def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:
         """x from registers: each batch's activation words are loaded (coherent loads, after
@@ -346,7 +345,7 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BitnetGemv", "BitnetGemvBulk", "CANDIDATES", "GemvConfig", "MAX_WARPS",
-           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers", "bulk_smem_bytes", "bulk_warps",
-           "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size", "stripe_config", "stripe_waves",
-           "warps_for"]
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BitnetGemv", "BitnetGemvBulk",
+           "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers",
+           "bulk_smem_bytes", "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size",
+           "stripe_config", "stripe_waves", "warps_for"]

@@ -25,6 +25,12 @@ HOPPER_SM_SMEM_BYTES = 228 * 1024
 CTA_RESERVED_SMEM_BYTES = 1024  # what the system takes of an SM's shared memory per resident CTA
 
 
+def smem_ctas_per_sm(smem_bytes: int) -> int:
+    """CTAs of ``smem_bytes`` of shared memory each that one sm_90 / sm_100 SM holds (the
+    system's reserve per CTA included)."""
+    return HOPPER_SM_SMEM_BYTES // (smem_bytes + CTA_RESERVED_SMEM_BYTES)
+
+
 def ctas_per_sm(registers: int, warps: int) -> int:
     """CTAs of ``warps`` warps at ``registers`` per thread resident on one SM (registers
     and the warp / CTA limits; shared memory is not the bound for these kernels)."""
