@@ -221,6 +221,12 @@ class DecodeSm90(PackedDecodeConfig):
         # scale out of Q either way).
         self.fold_k = fold_k and self.k_channel and group_size >= M_BLOCK and not fp4 and (
             not self.is_bf16 or fold_k_bf16)
+        # With K's scale in Q the producer warpgroup scales each stage from Q, which the
+        # consumers load after the sequence length: a global round trip before the barrier
+        # that publishes it.  ``early_tiles`` issues the first ``lag`` tiles (which need no
+        # Q) before that barrier, so their loads run under Q's instead of after it (not
+        # measured yet: off; no effect without ``fold_k``)
+        self.early_tiles = early_tiles
         # the scores' wgmma operand type: fp16 wherever K's scale is in Q, else the model's
         self.s_dtype = cutlass.Float16 if self.fold_k else dtype
         self.s_bf16 = self.s_dtype is cutlass.BFloat16
@@ -288,12 +294,6 @@ class DecodeSm90(PackedDecodeConfig):
         # the center V's zero sums carry (``store_p``); the codes come centered by it unless
         # they are subnormal (``v_dequant``: the zero sums then take it back out)
         self.v_center = 1 << (self.v_bits - 1) if self.fold_v else 0
-        # With K's scale in Q the producer warpgroup scales each stage from Q, which the
-        # consumers load after the sequence length: a global round trip before the barrier
-        # that publishes it.  ``early_tiles`` issues the first ``lag`` tiles (which need no Q)
-        # before that barrier, so their loads run under Q's instead of after it (not measured
-        # yet: off)
-        self.early_tiles = early_tiles
         self.v_mult_log2 = 0  # log2 of V pair p's mult, nibble p (``v_subnormal``)
         self.v_sub_room = v_sub_room if self.v_subnormal else 0
         if self.v_subnormal:
