@@ -36,6 +36,18 @@ def _spills(ptx: str, arch: str, tmp_path) -> int:
     return ptxas.spill_bytes(ptxas.report(ptx, arch, tmp_path))
 
 
+def _sm90_decode_ptx(kernel, fmt: KVFormat) -> str:
+    """PTX (sm_90a) of ``kernel``, a ``DecodeSm90`` built with the test's own keywords: the
+    split fp16 head-dim-128 decode's arguments."""
+    import cutlass.cute as cute
+
+    from bitdecode import jit
+
+    args = kernels.decode_args(fmt, cutlass.Float16, 128, True)
+    return cute.compile(kernel, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
+                        options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+
+
 def _cache_stand_in(fmt: KVFormat, dtype=None, tokens: int = 128):
     """What the split heuristics read of a cache: its format and a residual buffer of Hkv=8,
     head dim 128 (``dtype``: the model's; fp16 when None)."""
@@ -644,20 +656,16 @@ def test_sm90_fold_k_bf16_ptx(monkeypatch, tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
-def test_sm90_early_tiles_ptx(monkeypatch, tmp_path):
+def test_sm90_early_tiles_ptx(tmp_path):
     """``early_tiles``: with K's scale in Q the producer's first TMA loads come before the
     barrier that publishes Q (the shipped kernel issues them after it); spill-free, no
     serialized wgmmas, and the consumers' code untouched (the same wgmmas and lop3s)."""
-    import functools
-
-    from bitdecode.kernels_sm90 import backend as sm90_backend
     from bitdecode.kernels_sm90.decode import Barrier, DecodeSm90
 
-    fmt = KVFormat(2, "channel", 128)  # one consumer, two CTAs an SM: Q's barrier is 256 threads
-    args = ("sm_90a", fmt, cutlass.Float16, 128, 4, True)
-    shipped = sm90_backend.compile_decode(*args, keep_ptx=True).artifacts.PTX
-    monkeypatch.setattr(DecodeSm90, "__init__", functools.partialmethod(DecodeSm90.__init__, early_tiles=True))
-    early = sm90_backend.compile_decode(*args, keep_ptx=True).artifacts.PTX
+    # (2-bit, GQA 4: one consumer, two CTAs an SM; Q's barrier is 256 threads)
+    shipped, early = (_sm90_decode_ptx(DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True,
+                                                  consumers=1, early_tiles=on), KVFormat(2, "channel", 128))
+                      for on in (False, True))
     q_barrier = re.compile(rf"bar.sync\s+{Barrier.q(1)}, 256;")
 
     def first_tile_before_q(ptx):
@@ -677,10 +685,8 @@ def test_sm90_consumers_config(tmp_path):
     the kernel is built for.  Several consumers vote and wait on their own named barriers
     (ids in registers), hand their state to consumer 0 through one barrier of all of them,
     and three at 64-token steps fit their 152 registers."""
-    import cutlass.cute as cute
     import torch
 
-    from bitdecode import jit
     from bitdecode.kernels_sm90 import backend as sm90
     from bitdecode.kernels_sm90.decode import SCALER_REGS, Barrier, DecodeSm90
 
@@ -699,9 +705,7 @@ def test_sm90_consumers_config(tmp_path):
     assert three.num_stages == 9 and Barrier.done(3) < 16
     with pytest.raises(AssertionError, match="at most four consumers"):
         DecodeSm90(f16, 4, "channel", 128, 128, 8, True, consumers=5)
-    args = kernels.decode_args(KVFormat(4, "channel", 128), f16, 128, True)
-    ptx = cute.compile(three, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
-                       options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+    ptx = _sm90_decode_ptx(three, KVFormat(4, "channel", 128))
     def has(pattern):
         return re.search(pattern.replace(" ", r"\s+"), ptx) is not None
 
@@ -717,20 +721,16 @@ def test_sm90_v_subnormal(tmp_path):
     """``v_subnormal``: V^T's codes without the fix-up fma (fewer ``fma.rn.f16x2`` than with
     centered codes, the same lop3 count), no spills; by default (``V_SUBNORMAL_AUTO``) only
     where it applies; refused where the codes are not 2-bit fp16 with V's scale in P."""
-    import cutlass.cute as cute
 
-    from bitdecode import jit
     from bitdecode.kernels_sm90 import decode as d90
     from bitdecode.kernels_sm90.decode import DecodeSm90
 
     f16 = cutlass.Float16
-    args = kernels.decode_args(KVFormat(2, "channel", 128), f16, 128, True)
     counts = {}
     for sub, room in ((False, 0), (True, 2), (True, 0)):
         k = DecodeSm90(f16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1, v_subnormal=sub,
                        v_sub_room=room)
-        ptx = cute.compile(k, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
-                           options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+        ptx = _sm90_decode_ptx(k, KVFormat(2, "channel", 128))
         counts[sub, room] = (ptx.count("fma.rn.f16x2"), ptx.count("lop3.b32"))
         assert ptxas.spill_bytes(ptxas.report(ptx, "sm_90a", tmp_path)) == 0
     for room in (2, 0):  # (``v_sub_room`` 0: a shift a pair instead of every two, the same lop3s)
@@ -753,9 +753,7 @@ def test_sm90_v_through_shared_memory(tmp_path):
     scores' wgmma still from registers; the slots come out of the ring's shared memory and
     the producer keeps more registers; slot counts a consumer's release could deadlock on,
     and kernels without K's scale in Q or V's in P, are refused."""
-    import cutlass.cute as cute
 
-    from bitdecode import jit
     from bitdecode.kernels_sm90.decode import VT_SCALER_REGS, DecodeSm90
 
     f16 = cutlass.Float16
@@ -771,9 +769,7 @@ def test_sm90_v_through_shared_memory(tmp_path):
         with pytest.raises(ValueError, match="fold_v"):
             DecodeSm90(f16, 2, "channel", refused.get("group_size", 128), 128, 8, True, v_slots=3,
                        **{k: v for k, v in refused.items() if k != "group_size"})
-    args = kernels.decode_args(KVFormat(2, "channel", 128), f16, 128, True)
-    ptx = cute.compile(one, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
-                       options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+    ptx = _sm90_decode_ptx(one, KVFormat(2, "channel", 128))
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     ss = [line for line in mmas if not re.search(r"\}, \{", line)]
     # P V: 2 steps x 2 channel M-blocks x 8 token k-blocks from shared memory

@@ -560,7 +560,7 @@ def test_sm90_early_tiles_match_reference(fmt, dtype, monkeypatch):
         cache, _, _ = make_cache(fmt, [4096], 8, 128, dtype, backend="sm90")  # B = 1: the small grid
         check_decode(q, cache, "sm90")
         if fmt.v_bits == 2 and dtype == torch.float16:  # the appending kernels (one launch a step) too
-            test_appending_decode_equals_append_then_decode("sm90", fmt, 4, [700, 1530], None, dtype)
+            check_appending_steps("sm90", fmt, 4, [700, 1530], None, dtype)
         assert built and all(built), built
 
 
@@ -1066,6 +1066,11 @@ def test_appending_decode_equals_append_then_decode(backend, fmt, gq, lens, page
     outputs and LSEs of ``append`` then ``decode`` (the combine kernel) over 12 steps that
     cross a block boundary for some sequence, leaves the same cache bytes and lengths, and
     its commit and arrival counters at zero."""
+    check_appending_steps(backend, fmt, gq, lens, page, dtype)
+
+
+def check_appending_steps(backend, fmt, gq, lens, page, dtype):
+    """``test_appending_decode_equals_append_then_decode``'s check, for any kernel build."""
     hkv, d, steps = 2, 128, 12
     gen = torch.Generator().manual_seed(77)
     k, v = kv(gen, len(lens), max(lens) + steps, hkv, d, dtype=dtype, device=DEV)
