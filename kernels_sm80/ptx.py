@@ -230,3 +230,12 @@ def prefetch_l2(addr, *, loc=None, ip=None) -> None:
     """Ask L2 to fetch the line holding global address ``addr`` (no register, no wait)."""
     llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_here(addr, *, loc=None, ip=None) -> Int32:
+    """The 32-bit word at global address ``addr``, loaded where the kernel's code says (an
+    op with side effects: LLVM neither sinks it into the branch that uses it nor moves
+    loads across it), so it is in flight beside the loads that follow."""
+    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.b32 $0, [$1];", "=r,l",
+                      side_effects=True, loc=loc, ip=ip))

@@ -8,7 +8,7 @@ from cutlass import Int64
 
 from ..layouts.resources import L2_LINE_BYTES
 from ..layouts.sm80 import TAIL_UNIT, tiles_per_split
-from .ptx import prefetch_l2
+from .ptx import load_here, prefetch_l2
 
 
 def assume_aligned(t: cute.Tensor, align_bytes: int = 16) -> cute.Tensor:
@@ -32,6 +32,26 @@ def page_of(block_table: cute.Tensor, batch, tok, page_size, num_pages=None):
     page = block_table[batch, slot]
     if num_pages is not None:
         page = cutlass.Int32(cutlass.min(cutlass.Uint32(page), cutlass.Uint32(num_pages - 1)))
+    return page, tok - slot * page_size
+
+
+def first_page(block_table: cute.Tensor, batch, num_pages):
+    """Sequence ``batch``'s first block-table entry, clamped as ``page_of`` clamps: its
+    address needs no sequence length, so a kernel may load it beside that length's load
+    (``page_after``)."""
+    row = block_table.iterator + batch * block_table.stride[0]
+    page = load_here(row.toint())  # (a plain load would be sunk to its use, after the length's)
+    return cutlass.Int32(cutlass.min(cutlass.Uint32(page), cutlass.Uint32(num_pages - 1)))
+
+
+@cute.jit
+def page_after(block_table: cute.Tensor, batch, tok, page_size, num_pages, first):
+    """``page_of`` (with ``num_pages``) where ``first`` is ``first_page``'s entry, loaded
+    already: tokens of the first page read no block table, the others as ``page_of``."""
+    slot = tok // page_size
+    page = first
+    if slot != 0:
+        page = cutlass.Int32(cutlass.min(cutlass.Uint32(block_table[batch, slot]), cutlass.Uint32(num_pages - 1)))
     return page, tok - slot * page_size
 
 

@@ -73,7 +73,8 @@ from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
                                     split_params)
 from ..kernels_sm80.reduce import across_lanes, across_rows
-from ..kernels_sm80.tensors import assume_aligned, page_of, split_coords, split_tiles, wait_for_previous_kernel
+from ..kernels_sm80.tensors import (assume_aligned, first_page, page_after, page_of, split_coords, split_tiles,
+                                    wait_for_previous_kernel)
 from ..layouts import packing, resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
 from . import ptx90
@@ -192,7 +193,7 @@ class DecodeSm90(PackedDecodeConfig):
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
-                 v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False):
+                 v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -227,6 +228,16 @@ class DecodeSm90(PackedDecodeConfig):
         # Q) before that barrier, so their loads run under Q's instead of after it (not
         # measured yet: off; no effect without ``fold_k``)
         self.early_tiles = early_tiles
+        # Every kernel's first tile waits on two dependent global loads before its TMA
+        # issue (the sequence length, which places the split's first tile, then that
+        # tile's block-table entry), and the consumers issue Q's copy only once the length
+        # is in.  ``early_loads`` issues both address-independent loads right after the PDL
+        # wait, beside the length's: Q's cp.async by the consumers, and the sequence's first
+        # block-table entry, which every tile of an unpaged cache (one page a sequence) and
+        # the first page's tiles of a paged one then take instead of reading the table
+        # (``page_after``).  One global round trip less before the first tile's loads, and
+        # Q's under the length's (not measured yet: off)
+        self.early_loads = early_loads
         # the scores' wgmma operand type: fp16 wherever K's scale is in Q, else the model's
         self.s_dtype = cutlass.Float16 if self.fold_k else dtype
         self.s_bf16 = self.s_dtype is cutlass.BFloat16
@@ -555,6 +566,12 @@ class DecodeSm90(PackedDecodeConfig):
         sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
 
         wait_for_previous_kernel(self.pdl)
+        first = None  # early_loads: the sequence's first block-table entry (``page_after``)
+        if const_expr(self.early_loads):
+            if warp_idx >= WARPS:  # (consume waits for it)
+                self.copy_q(mQ, storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner), mKr, batch, head_kv,
+                            tid - WG)
+            first = first_page(mBlockTable, batch, mKs.shape[0])
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits,
@@ -566,11 +583,11 @@ class DecodeSm90(PackedDecodeConfig):
                 sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
                 self.produce_and_scale(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
                                        mBlockTable, batch, head_kv, tile_begin, packed_end,
-                                       mQ.shape[1] // mKr.shape[2], tid, vt)
+                                       mQ.shape[1] // mKr.shape[2], tid, vt, first)
             else:
                 if warp_idx == 0:
                     self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
-                                 batch, head_kv, tile_begin, packed_end)
+                                 batch, head_kv, tile_begin, packed_end, first)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(ring, storage, q_layout, p_layout, sKp, sKs, sVp, sVs, mQ, mKr, mVr, mKsink, mVsink,
@@ -592,11 +609,15 @@ class DecodeSm90(PackedDecodeConfig):
         return tKs, tKg, tVs, tVg
 
     def issue_tile(self, ring, state, tile, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
-                   head_kv):
+                   head_kv, first=None):
         """One warp: waits for stage ``state`` to be free, then loads packed tile ``tile``
-        into it (a TMA box of K rows, one per V tile, bulk copies of both params)."""
+        into it (a TMA box of K rows, one per V tile, bulk copies of both params);
+        ``first``: the sequence's first block-table entry, loaded already (``early_loads``)."""
         tKs, tKg, tVs, tVg = views
-        page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0])
+        if const_expr(first is None):
+            page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0])
+        else:
+            page, off = page_after(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0], first)
         blk = off // self.nr
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)
@@ -619,13 +640,13 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def produce(self, ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
-                batch, head_kv, tile_begin, packed_end):
+                batch, head_kv, tile_begin, packed_end, first=None):
         """Warp 0 of the producer warpgroup: the split's tiles into the ring."""
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for tile in cutlass.range(tile_begin, packed_end, unroll=1):
             self.issue_tile(ring, state, tile, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
-                            head_kv)
+                            head_kv, first)
             state.advance()
 
     # ---------------------------------------------------------------------------------
@@ -633,7 +654,7 @@ class DecodeSm90(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     @cute.jit
     def produce_and_scale(self, ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
-                          mBlockTable, batch, head_kv, tile_begin, packed_end, gq, tid, vt=None):
+                          mBlockTable, batch, head_kv, tile_begin, packed_end, gq, tid, vt=None, first=None):
         """The whole producer warpgroup (``tid`` < 128).  Iteration ``it``: warp 0 loads tile
         ``it`` into the ring; then all four warps scale tile ``it - lag``, which has had
         ``lag`` iterations to land.  Four warps, one per SM sub-partition, share the scaling
@@ -663,14 +684,14 @@ class DecodeSm90(PackedDecodeConfig):
             if warp == 0:
                 for it in cutlass.range(tile_begin, cutlass.min(start, packed_end), unroll=1):
                     self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,
-                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv)
+                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv, first)
         # the consumers put Q in smem
         cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
         for it in cutlass.range(start, packed_end + lag, unroll=1):
             if warp == 0:
                 if it < packed_end:
                     self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,
-                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv)
+                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv, first)
             if it >= tile_begin + lag:
                 state = seq_state(it - lag - tile_begin, self.num_stages, False)
                 ring.consumer_wait(state)  # waits only: the consumer warps release the stage
@@ -888,15 +909,8 @@ class DecodeSm90(PackedDecodeConfig):
             zero_shared(sP, tid, WG)
         lim = self.causal_limits(seqlen, gq, lane)  # multi-token queries: each column's last token
 
-        # ---- Q: global -> smem (rows >= gq zero), by every consumer warpgroup ------------
-        q_rows = mQ[batch, None, None]
-        gQ = cute.local_tile(q_rows, (self.nh, self.d), (0, 0))
-        gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
-        if const_expr(self.fp4):  # Q's channels in the fragment order of FP4's natural K rows
-            self.copy_fp4_order(gQ, sQ, gq, tid_all, n * WG)
-        else:
-            copy_rows(gQ, sQ, tid_all, n * WG, gq, True)
-        cute.arch.cp_async_commit_group()
+        if const_expr(not self.early_loads):  # (else issued right after the PDL wait)
+            self.copy_q(mQ, sQ, mKr, batch, head_kv, tid_all)
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
         if const_expr(n == 1):
@@ -1086,6 +1100,18 @@ class DecodeSm90(PackedDecodeConfig):
         """Consumers 1 ..: this thread's partial state into its column of ``stash``."""
         for j, (regs, idx, _) in enumerate(self.state_slots(acc_o, row_max, row_sum, zsum)):
             stash[tid, j] = regs[idx]
+
+    def copy_q(self, mQ, sQ, mKr, batch, head_kv, tid_all):
+        """Q: global -> smem (rows >= gq zero), cp.async by every consumer warpgroup's
+        ``tid_all``, committed (the caller waits for it)."""
+        gq = mQ.shape[1] // mKr.shape[2]
+        gQ = cute.local_tile(mQ[batch, None, None], (self.nh, self.d), (0, 0))
+        gQ = assume_aligned(cute.make_tensor(gQ.iterator + head_kv * gq * mQ.stride[1], gQ.layout))
+        if const_expr(self.fp4):  # Q's channels in the fragment order of FP4's natural K rows
+            self.copy_fp4_order(gQ, sQ, gq, tid_all, self.consumers * WG)
+        else:
+            copy_rows(gQ, sQ, tid_all, self.consumers * WG, gq, True)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def merge(self, stash, tid, acc_o, row_max, row_sum, zsum):

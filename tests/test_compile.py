@@ -679,6 +679,41 @@ def test_sm90_early_tiles_ptx(tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+@pytest.mark.parametrize("bits, keywords", [
+    (2, {"half_cols": True, "consumers": 1}),  # K's scale in Q (the scalers wait for Q), GQA 4
+    (4, {"consumers": 2, "fold_k": False}),  # the 4-bit small grid's kernel
+])
+def test_sm90_early_loads_ptx(bits, keywords, tmp_path):
+    """``early_loads``: right after the PDL wait the consumers issue Q's cp.async and the
+    producer loads the sequence's first block-table entry, both before the sequence
+    length's load (the shipped kernel issues them once the length is in); in the tile loop
+    the block table is read only past the first page; spill-free, the consumers' code
+    otherwise untouched."""
+    from bitdecode.kernels_sm90.decode import DecodeSm90
+
+    fmt = KVFormat(bits, "channel", 128)
+    shipped, early = (_sm90_decode_ptx(DecodeSm90(cutlass.Float16, bits, "channel", 128, 128, 8, True, pdl=True,
+                                                  early_loads=on, **keywords), fmt) for on in (False, True))
+
+    def prologue(ptx):  # from the PDL wait to the producer's register hand-back
+        start = ptx.index("griddepcontrol.wait")
+        return ptx[start:ptx.index("setmaxnreg.dec", start)]
+
+    def loads(text):  # the global loads and cp.asyncs of ``text``, in order
+        return re.findall(r"^\s*(ld\.global|cp\.async\.cg)", text, re.M)
+
+    assert loads(prologue(shipped)) == ["ld.global"]  # the length only
+    assert loads(prologue(early))[:3] == ["cp.async.cg", "ld.global", "ld.global"]  # Q, the table, the length
+    # the loop's table read is skipped on the first page: a branch around it
+    loop_read = re.search(r"@%p\d+ bra\s+(\$L__BB\d+_\d+);\n(?:.*\n){1,3}?\s*ld\.global\.b32[^\n]*\n"
+                          r"\s*min\.u32[^\n]*\n\1:", early)
+    assert loop_read, "the tile loop's block-table read is not conditional"
+    for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix", "cp.async.bulk.tensor"):
+        assert early.count(instr) == shipped.count(instr), instr
+    report = ptxas.report(early, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 def test_sm90_consumers_config(tmp_path):
     """Consumer warpgroups a CTA: two in one CTA an SM for 2-bit with K's scale in Q (the
     measured default), one (two CTAs an SM) elsewhere; the split heuristic counts the CTAs

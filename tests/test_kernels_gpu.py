@@ -549,12 +549,18 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
                                         (bd.KVFormat(2, "channel", 128), torch.float16),
                                         (bd.KVFormat(2, "channel", 128), torch.bfloat16),
                                         (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
-def test_sm90_early_tiles_match_reference(fmt, dtype, monkeypatch):
+@pytest.mark.parametrize("keywords", [{"early_tiles": True}, {"early_loads": True},
+                                      {"early_loads": True, "early_tiles": True}], ids=["tiles", "loads", "both"])
+def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     """``DecodeSm90(early_tiles=True)``: with K's scale in Q the producer issues its first
-    ``lag`` tiles before the barrier that publishes Q, on every grid's kernel (the default
+    ``lag`` tiles before the barrier that publishes Q; ``early_loads=True``: Q's copy and the
+    sequence's first block-table entry are issued beside the sequence length's load, and the
+    tile loop reads the table only past the first page.  On every grid's kernel (the default
     and the small grid's, splits with fewer tiles than ``lag`` among them): ragged lengths
-    with residuals, paged and shuffled, 1 / 3 / automatic splits, against the reference."""
-    with sm90_default_kernel_with(monkeypatch, {"early_tiles": True}, "early_tiles", every_variant=True) as built:
+    with residuals, paged and shuffled (tiles on the first page and past it), 1 / 3 /
+    automatic splits, against the reference."""
+    attribute = next(iter(keywords))
+    with sm90_default_kernel_with(monkeypatch, keywords, attribute, every_variant=True) as built:
         check_sm90_ragged(fmt, dtype, 8, seed=3)
         q = torch.randn(1, 1, 32, 128, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
         cache, _, _ = make_cache(fmt, [4096], 8, 128, dtype, backend="sm90")  # B = 1: the small grid
