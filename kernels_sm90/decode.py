@@ -670,6 +670,15 @@ class DecodeSm90(PackedDecodeConfig):
         # consumer with stages - 1 waited for j - 1: the scaling sat on its critical path)
         lag = max(1, self.num_stages - 1 - self.consumers)
         qready, sQs, sBias, sShift = fold
+        start = tile_begin  # the loop's first iteration
+        if const_expr(self.early_tiles):
+            # the loop's first ``lag`` iterations only issue tiles: run them before the barrier
+            # (and before warp 0's share of the zero fills below, ~64 stores a thread)
+            start = tile_begin + lag
+            if warp == 0:
+                for it in cutlass.range(tile_begin, cutlass.min(start, packed_end), unroll=1):
+                    self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,
+                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv, first)
         # padding heads' Q o s rows and biases stay zero (scale_stage skips them): their scores
         # are then exactly 0, never shared memory left by an earlier CTA (``lazy_softmax``
         # decides over every head column of the tile)
@@ -677,14 +686,6 @@ class DecodeSm90(PackedDecodeConfig):
         zero_shared(sBias, tid, WG)
         if const_expr(self.k_shift):
             zero_shared(sShift, tid, WG)
-        start = tile_begin  # the loop's first iteration
-        if const_expr(self.early_tiles):
-            # the loop's first ``lag`` iterations only issue tiles: run them before the barrier
-            start = tile_begin + lag
-            if warp == 0:
-                for it in cutlass.range(tile_begin, cutlass.min(start, packed_end), unroll=1):
-                    self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,
-                                    mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv, first)
         # the consumers put Q in smem
         cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
         for it in cutlass.range(start, packed_end + lag, unroll=1):
