@@ -571,7 +571,9 @@ class DecodeSm90(PackedDecodeConfig):
             if warp_idx >= WARPS:  # (consume waits for it)
                 self.copy_q(mQ, storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner), mKr, batch, head_kv,
                             tid - WG)
-            first = first_page(mBlockTable, batch, mKs.shape[0])
+            first = Int32(0)
+            if warp_idx == 0:  # (in a branch of its own: in the common code ptxas sinks it past the length)
+                first = first_page(mBlockTable, batch, mKs.shape[0])
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits,
