@@ -50,8 +50,8 @@ from .combine import SplitMerge
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from .reduce import across_rows
-from .tensors import (aligned_ptr, assume_aligned, commit_length, one_token, page_of, split_tiles,
-                      wait_for_previous_kernel)
+from .tensors import (aligned_ptr, assume_aligned, commit_length, first_page, one_token, page_after, page_of,
+                      split_tiles, wait_for_previous_kernel)
 
 NUM_WARPS = sm80.WARPS_N
 NUM_THREADS = resources.WARP * NUM_WARPS
@@ -298,10 +298,19 @@ class DecodeSm80(PackedDecodeConfig):
         tq: int = 1,
         fp4: Optional[str] = None,
         append: bool = False,
+        early_loads: bool = False,
     ):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         self.min_blocks_per_sm = min_blocks_per_sm  # caps registers so that many CTAs fit an SM
+        # The first tiles' cp.asyncs wait on two dependent global loads after the PDL wait
+        # (the sequence length, which places the split's tiles, then their block-table
+        # entries), and Q's waits on the length too.  ``early_loads`` issues Q's copy and
+        # the sequence's first block-table entry (what every tile of an unpaged cache and
+        # the first page's tiles of a paged one take, ``page_after``) beside the length's
+        # load: one round trip less before the first tiles (as ``DecodeSm90``'s; not
+        # measured yet: off)
+        self.early_loads = early_loads
         self.t = self.nr // NUM_WARPS  # tokens per warp per tile
         # 16-byte chunks of V rows those tokens span: one, or two of a 4-bit V tile (K2V4)
         self.cpw_v = self.t // sm80.chunk_columns(self.v_bits)
@@ -346,18 +355,22 @@ class DecodeSm80(PackedDecodeConfig):
         gq = mQ.shape[1] // mKr.shape[2]
 
         wait_for_previous_kernel(self.pdl)
+        first = None  # early_loads: the sequence's first block-table entry (``page_after``)
+        if const_expr(self.early_loads):
+            first = first_page(mBlockTable, batch, mKp.shape[0])
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
+        if const_expr(self.early_loads):  # (issued beside the length's load, which it does not wait for)
+            sQ, union = self.shared_tensors()
+            self.load_q(mQ, sQ, batch, head_kv, gq, tid)
+            cute.arch.cp_async_commit_group()
         n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits,
                                                                   tail_weight)
         lim = self.causal_limits(seqlen, gq, lane)
 
         # ---- shared memory --------------------------------------------------------
-        smem = cutlass.memory.SmemAllocator()
-        base = smem.allocate_array(cutlass.Uint8, self.smem_bytes, byte_alignment=SMEM_ALIGN)
-        sQ = cute.make_tensor(cute.recast_ptr(base, dtype=self.dtype),
-                              sm80.make_smem_layout(self.nh, 2 * self.d))
-        union = base + self.q_bytes
+        if const_expr(not self.early_loads):
+            sQ, union = self.shared_tensors()
 
         mma = sm80.make_mma(self.dtype)
         thr_mma = mma.get_slice(lane)
@@ -367,14 +380,15 @@ class DecodeSm80(PackedDecodeConfig):
             dq_k, dq_v = WordDequant(self.bits, self.is_bf16), WordDequant(self.v_bits, self.is_bf16)
 
         # ---- Q: global -> smem (rows >= gq zero) -> B fragments --------------------
-        self.load_q(mQ, sQ, batch, head_kv, gq, tid)
-        cute.arch.cp_async_commit_group()
+        if const_expr(not self.early_loads):
+            self.load_q(mQ, sQ, batch, head_kv, gq, tid)
+            cute.arch.cp_async_commit_group()
 
         # ---- pipeline prologue ------------------------------------------------------
         for s in cutlass.range_constexpr(self.num_stages - 1):
             if tile_begin + s < packed_end:
                 self.load_tile(mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile_begin + s,
-                               union + s * self.stage_bytes, tid)
+                               union + s * self.stage_bytes, tid, first)
             cute.arch.cp_async_commit_group()
 
         cute.arch.cp_async_wait_group(self.num_stages - 1)
@@ -396,7 +410,8 @@ class DecodeSm80(PackedDecodeConfig):
             nxt = tile + self.num_stages - 1
             if nxt < packed_end:
                 self.load_tile(mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, nxt,
-                               union + ((it + self.num_stages - 1) % self.num_stages) * self.stage_bytes, tid)
+                               union + ((it + self.num_stages - 1) % self.num_stages) * self.stage_bytes, tid,
+                               first)
             cute.arch.cp_async_commit_group()
             stage = union + (it % self.num_stages) * self.stage_bytes
             # V's words are fetched first so their smem latency hides under Q.K^T and softmax
@@ -456,9 +471,21 @@ class DecodeSm80(PackedDecodeConfig):
                                                        stride=(16 * self.groups_v, 16, 1)))
         return kp, vp, ks, vs
 
+    def shared_tensors(self):
+        """(sQ, the union's base): the CTA's shared memory, Q's tile first."""
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate_array(cutlass.Uint8, self.smem_bytes, byte_alignment=SMEM_ALIGN)
+        sQ = cute.make_tensor(cute.recast_ptr(base, dtype=self.dtype), sm80.make_smem_layout(self.nh, 2 * self.d))
+        return sQ, base + self.q_bytes
+
     @cute.jit
-    def load_tile(self, mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile, stage, tid):
-        page, off = page_of(mBlockTable, batch, tile * self.nr, mKp.shape[2], mKp.shape[0])
+    def load_tile(self, mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile, stage, tid, first=None):
+        """Packed tile ``tile`` into ``stage`` (every thread's share of its cp.asyncs);
+        ``first``: the sequence's first block-table entry, loaded already (``early_loads``)."""
+        if const_expr(first is None):
+            page, off = page_of(mBlockTable, batch, tile * self.nr, mKp.shape[2], mKp.shape[0])
+        else:
+            page, off = page_after(mBlockTable, batch, tile * self.nr, mKp.shape[2], mKp.shape[0], first)
         kp, vp, ks, vs = self.stage_tensors(stage)
         gkp = cute.local_tile(mKp[page, head_kv, None, None], (self.nr, 2 * self.wk), (off // self.nr, 0))
         copy_rows(assume_aligned(gkp), kp, tid, NUM_THREADS, 0, False)

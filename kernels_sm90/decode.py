@@ -568,7 +568,7 @@ class DecodeSm90(PackedDecodeConfig):
         wait_for_previous_kernel(self.pdl)
         first = None  # early_loads: the sequence's first block-table entry (``page_after``)
         if const_expr(self.early_loads):
-            if warp_idx >= WARPS:  # (consume waits for it)
+            if warp_idx >= WARPS:  # (consume waits for it; the producer warps skip to their loads)
                 self.copy_q(mQ, storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner), mKr, batch, head_kv,
                             tid - WG)
             first = Int32(0)

@@ -1,5 +1,6 @@
-"""A/B of sm90 decode kernel variants: each variant is a set of ``DecodeSm90`` keyword
-arguments (its constexpr configuration), run in its own process with the kernels compiled
+"""A/B of sm90 (or sm80) decode kernel variants: each variant is a set of ``DecodeSm90`` keyword
+arguments (its constexpr configuration; ``--backend sm80``: ``DecodeSm80``'s, timed
+through the sm80 backend), run in its own process with the kernels compiled
 afresh (the JIT cache's key does not hold these arguments, so no disk cache there), timed
 as ``bench_decode`` times (CUDA-graph replay between CUDA events, L2 flushed before each
 call, median of 30) on the same shapes, with the error against the reference at N <= 32K.
@@ -110,20 +111,26 @@ def parse_shapes(text: str) -> List[Tuple[int, int]]:
     return out
 
 
-def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> List[dict]:
+KERNEL_CLASSES = {"sm90": ("bitdecode.kernels_sm90.decode", "DecodeSm90"),
+                  "sm80": ("bitdecode.kernels_sm80.decode", "DecodeSm80")}  # --backend: whose keywords
+
+
+def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backend: str = "sm90") -> List[dict]:
     """One variant, in this process: the rows of every (format, dtype, shape)."""
+    import importlib
+
     import torch
 
-    from bitdecode.kernels_sm90 import decode as d90
-
-    init = d90.DecodeSm90.__init__
+    module, cls_name = KERNEL_CLASSES[backend]
+    cls = getattr(importlib.import_module(module), cls_name)
+    init = cls.__init__
 
     def with_variant(self, *args, **kw):
         init(self, *args, **{**kw, **kwargs})
 
-    # every sm90 decode kernel this process builds (the split heuristic reads the CTAs per SM
-    # a variant is built for from the kernel's config)
-    d90.DecodeSm90.__init__ = with_variant
+    # every decode kernel of ``backend`` this process builds (the split heuristic reads the
+    # CTAs per SM a variant is built for from the kernel's config)
+    cls.__init__ = with_variant
 
     import bitdecode as bd
     from bench_decode import Timer, _graph_time, build
@@ -141,8 +148,8 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
                 cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
                 cache.prefill(k, v)
                 del k, v
-                decode = functools.partial(bd.decode, q, cache, backend="sm90")
-                row = {"variant": name, "format": fkey, "dtype": dname, "B": b, "N": n,
+                decode = functools.partial(bd.decode, q, cache, backend=backend)
+                row = {"variant": name, "backend": backend, "format": fkey, "dtype": dname, "B": b, "N": n,
                        "us": _graph_time(timer, decode)}
                 if n <= 32768:
                     ref = bd.decode(q, cache, backend="reference").float()
@@ -157,7 +164,9 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes) -> Lis
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_variant_arguments(p, "DecodeSm90 keywords", "variants")
+    add_variant_arguments(p, "DecodeSm90 keywords (DecodeSm80's with --backend sm80)", "variants")
+    p.add_argument("--backend", default="sm90", choices=sorted(KERNEL_CLASSES),
+                   help="whose decode kernels the variants build and the timing calls (default sm90)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"BxN,... (default {DEFAULT_SHAPES})")
     p.add_argument("--formats", default="4c128", help=f"comma-separated, of {', '.join(FORMATS)} (default 4c128)")
     p.add_argument("--dtypes", default="fp16", help="comma-separated, of fp16, bf16 (default fp16)")
@@ -174,7 +183,7 @@ def main(argv=None) -> int:
         if d not in DTYPE_NAMES:
             p.error(f"--dtypes: unknown dtype {d!r} (known: {', '.join(DTYPE_NAMES)})")
     if args.worker:
-        worker(*variants[0], shapes, formats, dtypes)
+        worker(*variants[0], shapes, formats, dtypes, args.backend)
         return 0
     import torch
 
@@ -186,7 +195,7 @@ def main(argv=None) -> int:
     rows: List[dict] = []
     for text in args.variant:
         cmd = [sys.executable, __file__, "--worker", "--variant", text, "--shapes", args.shapes,
-               "--formats", args.formats, "--dtypes", args.dtypes]
+               "--formats", args.formats, "--dtypes", args.dtypes, "--backend", args.backend]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stdout + done.stderr, file=sys.stderr)
@@ -199,9 +208,11 @@ def main(argv=None) -> int:
         err = f"  err {r['rel_err']:.2e}" if "rel_err" in r else ""
         print(f"{r['variant']:>12} {r['format']} {r['dtype']} B={r['B']:<3} N={r['N']:<7} "
               f"{r['us']:8.2f} us  x{r['over_first']:.3f}{err}")
-    write_result(args, "variants", f"--shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes}",
-                 variants, "sm90 decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, median of "
-                           "30 after 5 warm-ups, L2 flushed before each call; one process per variant", rows)
+    write_result(args, "variants", f"--shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes}"
+                 + (f" --backend {args.backend}" if args.backend != "sm90" else ""),
+                 variants, f"{args.backend} decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, "
+                           "median of 30 after 5 warm-ups, L2 flushed before each call; one process per variant",
+                 rows)
     return 0
 
 

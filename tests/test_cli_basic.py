@@ -232,6 +232,8 @@ def test_bench_variants_arguments(capsys):
     _refused(bv.main, ["--variant", "a=", "--variant", "a=lazy_max=False"], "names must differ", capsys)
     _refused(bv.main, ["--variant", "a=", "--formats", "5c128"], "unknown format", capsys)
     _refused(bv.main, ["--variant", "a=", "--tag", "2-bit"], "--tag must be an identifier", capsys)
+    _refused(bv.main, ["--variant", "a=", "--backend", "sm70"], "--backend: invalid choice", capsys)
+    assert set(bv.KERNEL_CLASSES) == {"sm80", "sm90"}
     import torch
 
     if not torch.cuda.is_available():

@@ -36,16 +36,33 @@ def _spills(ptx: str, arch: str, tmp_path) -> int:
     return ptxas.spill_bytes(ptxas.report(ptx, arch, tmp_path))
 
 
-def _sm90_decode_ptx(kernel, fmt: KVFormat) -> str:
-    """PTX (sm_90a) of ``kernel``, a ``DecodeSm90`` built with the test's own keywords: the
-    split fp16 head-dim-128 decode's arguments."""
+def _sm90_decode_ptx(kernel, fmt: KVFormat, arch: str = "sm_90a") -> str:
+    """PTX (``arch``) of ``kernel``, a ``DecodeSm90`` (or ``DecodeSm80``) built with the
+    test's own keywords: the split fp16 head-dim-128 decode's arguments."""
     import cutlass.cute as cute
 
     from bitdecode import jit
 
     args = kernels.decode_args(fmt, cutlass.Float16, 128, True)
     return cute.compile(kernel, *args, cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT), kernels._stream(),
-                        options=jit.compile_options("sm_90a", keep_ptx=True)).artifacts.PTX
+                        options=jit.compile_options(arch, keep_ptx=True)).artifacts.PTX
+
+
+def _table_reads_skipped(ptx: str) -> bool:
+    """Whether ``ptx`` reads the block table (``ld.global.b32``, tab-separated: not the
+    early entry's inline load) and every read is jumped over by a predicated branch just
+    before it (``page_after``: a tile on the sequence's first page reads no table)."""
+    lines = ptx.splitlines()
+    reads = [i for i, line in enumerate(lines) if re.match(r"\s*ld\.global\.b32\s*\t", line)]
+
+    def skipped(i):  # a predicated branch shortly before line i jumps to a label shortly after it
+        for line in lines[max(0, i - 10):i]:
+            m = re.match(r"\s*@%p\d+ bra\s+(\$L__BB\d+_\d+);", line)
+            if m and any(after.startswith(m.group(1) + ":") for after in lines[i + 1:i + 6]):
+                return True
+        return False
+
+    return bool(reads) and all(skipped(i) for i in reads)
 
 
 def _cache_stand_in(fmt: KVFormat, dtype=None, tokens: int = 128):
@@ -705,21 +722,38 @@ def test_sm90_early_loads_ptx(bits, keywords, tmp_path):
     assert loads(prologue(shipped)) == ["ld.global"]  # the length only
     assert loads(prologue(early))[:3] == ["cp.async.cg", "ld.global", "ld.global"]  # Q, the table, the length
     # the loop's table reads are skipped on the first page: a branch around each of them
-    lines = early[early.index("setmaxnreg.dec"):].splitlines()
-    reads = [i for i, line in enumerate(lines) if re.match(r"\s*ld\.global\.b32\s", line)]
-
-    def skipped(i):  # a predicated branch shortly before line i jumps to a label shortly after it
-        for line in lines[max(0, i - 10):i]:
-            m = re.match(r"\s*@%p\d+ bra\s+(\$L__BB\d+_\d+);", line)
-            if m and any(after.startswith(m.group(1) + ":") for after in lines[i + 1:i + 6]):
-                return True
-        return False
-
-    assert reads and all(skipped(i) for i in reads), "a tile's block-table read is not conditional"
+    assert _table_reads_skipped(early[early.index("setmaxnreg.dec"):]), "a tile's table read is not conditional"
+    assert not _table_reads_skipped(shipped[shipped.index("setmaxnreg.dec"):])
     for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix", "cp.async.bulk.tensor"):
         assert early.count(instr) == shipped.count(instr), instr
     report = ptxas.report(early, "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_sm80_early_loads_ptx(arch, tmp_path):
+    """``DecodeSm80(early_loads=True)``: the sequence's first block-table entry and the
+    length are loaded before Q's cp.async and the first tiles' (the shipped kernel loads the
+    length alone first, and each tile's entry after it); tiles on the first page read no
+    table; spill-free, the loop's MMAs and dequantization untouched."""
+    from bitdecode.kernels_sm80.decode import DecodeSm80
+
+    fmt = KVFormat(4, "channel", 128)
+    shipped, early = (_sm90_decode_ptx(DecodeSm80(cutlass.Float16, 4, "channel", 128, 128, 8, True,
+                                                  pdl=arch != "sm_80", early_loads=on), fmt, arch)
+                      for on in (False, True))
+
+    def memory_ops(ptx):  # the first global loads and cp.asyncs, in order
+        return re.findall(r"^\s*(ld\.global|cp\.async\.cg)", ptx, re.M)[:3]
+
+    assert memory_ops(shipped) == ["ld.global", "cp.async.cg", "ld.global"]  # the length, Q, a tile's entry
+    assert memory_ops(early) == ["ld.global", "ld.global", "cp.async.cg"]  # the table, the length, Q
+    early_tiles, shipped_tiles = (ptx[ptx.index("cp.async.cg"):] for ptx in (early, shipped))  # (past the length)
+    assert _table_reads_skipped(early_tiles) and not _table_reads_skipped(shipped_tiles)
+    for instr in ("mma.sync", "lop3.b32", "ldmatrix"):
+        assert early.count(instr) == shipped.count(instr), instr
+    report = ptxas.report(early, arch, tmp_path)
+    assert ptxas.spill_bytes(report) == 0
 
 
 def test_sm90_consumers_config(tmp_path):

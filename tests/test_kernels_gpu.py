@@ -477,21 +477,21 @@ def test_sm90_v_through_shared_memory_matches_reference(bits, dtype, hkv, keywor
     split (a CTA's slots wrap many times) and several, paged and shuffled, against the
     reference."""
     with sm90_default_kernel_with(monkeypatch, keywords, "v_slots") as built:
-        check_sm90_ragged(bd.KVFormat(bits, "channel", 128), dtype, hkv, seed=bits)
+        check_ragged(bd.KVFormat(bits, "channel", 128), dtype, hkv, seed=bits)
         assert keywords["v_slots"] in built, built  # the default grid's kernel ran with the slots
 
 
-def check_sm90_ragged(fmt, dtype, hkv, seed):
-    """sm90 decode against the reference over ragged lengths with residuals (an empty
-    sequence among them), contiguous and paged with the pages shuffled, at 1 / 3 / automatic
-    splits; GQA 4, head dim 128."""
+def check_ragged(fmt, dtype, hkv, seed, backend="sm90"):
+    """``backend``'s decode (sm90's unless said) against the reference over ragged lengths
+    with residuals (an empty sequence among them), contiguous and paged with the pages
+    shuffled, at 1 / 3 / automatic splits; GQA 4, head dim 128."""
     lens = [9000, 700, 3000, 64, 4097, 0, 1500, 2049]
     for page_size, shuffle in ((None, False), (256, True)):
-        cache, _, _ = make_cache(fmt, lens, hkv, 128, dtype, page_size=page_size, shuffle=shuffle, backend="sm90")
+        cache, _, _ = make_cache(fmt, lens, hkv, 128, dtype, page_size=page_size, shuffle=shuffle, backend=backend)
         q = torch.randn(len(lens), 1, 4 * hkv, 128, generator=torch.Generator().manual_seed(seed))
         q = q.to(dtype).to(DEV)
         for splits in (1, 3, 0):
-            check_decode(q, cache, "sm90", num_splits=splits)
+            check_decode(q, cache, backend, num_splits=splits)
 
 
 @contextlib.contextmanager
@@ -540,7 +540,7 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
     residuals, paged and shuffled, 1 / 3 / automatic splits, against the reference (fp16,
     GQA 4)."""
     with sm90_default_kernel_with(monkeypatch, {"v_subnormal": True}, "v_subnormal") as built:
-        check_sm90_ragged(fmt, torch.float16, 8, seed=2)
+        check_ragged(fmt, torch.float16, 8, seed=2)
         assert True in built, built
 
 
@@ -561,13 +561,42 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     automatic splits, against the reference."""
     attribute = next(iter(keywords))
     with sm90_default_kernel_with(monkeypatch, keywords, attribute, every_variant=True) as built:
-        check_sm90_ragged(fmt, dtype, 8, seed=3)
+        check_ragged(fmt, dtype, 8, seed=3)
         q = torch.randn(1, 1, 32, 128, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
         cache, _, _ = make_cache(fmt, [4096], 8, 128, dtype, backend="sm90")  # B = 1: the small grid
         check_decode(q, cache, "sm90")
         if fmt.v_bits == 2 and dtype == torch.float16:  # the appending kernels (one launch a step) too
             check_appending_steps("sm90", fmt, 4, [700, 1530], None, dtype)
         assert built and all(built), built
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, dtype", [(bd.KVFormat(4, "channel", 128), torch.float16),
+                                        (bd.KVFormat(2, "token", 64), torch.bfloat16),
+                                        (bd.KVFormat(4, fp4="nvfp4", sink_tokens=5), torch.float16)])
+def test_sm80_early_loads_match_reference(fmt, dtype, monkeypatch):
+    """``DecodeSm80(early_loads=True)``: the sequence's first block-table entry and Q's copy
+    issued beside the length's load, tiles on the first page reading no table: ragged
+    lengths with residuals, paged and shuffled (tiles on the first page and past it), 1 / 3
+    / automatic splits, against the reference; and the appending kernels bit-equal to
+    append + decode."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm80 import decode as d80
+
+    init = d80.DecodeSm80.__init__
+    built = []
+
+    def with_early_loads(self, *args, **kw):
+        init(self, *args, **{**kw, "early_loads": True})
+        built.append(self.early_loads)
+
+    monkeypatch.setattr(d80.DecodeSm80, "__init__", with_early_loads)
+    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
+    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    check_ragged(fmt, dtype, 8, seed=6, backend="sm80")
+    if not fmt.fp4:  # (FP4 caches take the two calls: their K is written reordered)
+        check_appending_steps("sm80", fmt, 4, [700, 1530], None, dtype)
+    assert built and all(built), built
 
 
 def flat_v_cache(backend, batch=8, hkv=8, n=16384, needle=12.0):
