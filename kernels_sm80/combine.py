@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from ..layouts import sm80
 from ..layouts.packing import LN_2, LOG2_E
@@ -25,6 +25,8 @@ NUM_THREADS = 128
 NUM_WARPS = NUM_THREADS // 32
 VEC = 4
 MAX_SPLITS = sm80.MAX_SPLITS
+LSES_PER_THREAD = -(-MAX_SPLITS // NUM_THREADS)  # (``hoist_loads`` keeps them in registers)
+PREFETCH_PARTS = 4  # partial-output vectors a thread loads ahead with ``hoist_loads``
 
 
 class SplitMerge:
@@ -32,11 +34,18 @@ class SplitMerge:
     combine kernel runs it and as a decode kernel's last split CTA runs it in place of the
     combine launch (the appending decode): one definition, so both give the same bits."""
 
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, hoist_loads: bool = False):
         self.dtype = dtype
         self.d = head_dim
         self.vecs = head_dim // VEC  # threads per split row
         self.groups = NUM_THREADS // self.vecs  # split groups working in parallel
+        # The merge's chain is three round trips to L2 (the LSEs for their maximum, the same
+        # LSEs again for the weights, then the partial outputs), though only the LSEs'
+        # maximum needs the LSEs first.  ``hoist_loads`` loads a thread's first
+        # ``PREFETCH_PARTS`` splits' output vectors before the LSEs and keeps its LSEs in
+        # registers for the weights: one round trip (the same sums in the same order: the
+        # outputs' bits do not change).  Not measured yet: off.
+        self.ahead = PREFETCH_PARTS if hoist_loads else 0
         # shared memory: split weights, the warps' reductions, the split groups' sums
         self.smem_bytes = 4 * (MAX_SPLITS + NUM_WARPS + VEC * self.vecs * self.groups)
 
@@ -57,26 +66,54 @@ class SplitMerge:
         the barrier of those threads (a next row on the same shared memory syncs first)."""
         s_w, s_red, s_acc = smem
         num_splits = mOp.shape[0]
+        ahead = self.ahead
+        if const_expr(ahead):  # thread = (channel vector, split group), as in step 2
+            vec, grp = tid % self.vecs, tid // self.vecs
+            early = cute.make_rmem_tensor((VEC, ahead), Float32)
+            for i in cutlass.range_constexpr(ahead):
+                if grp + i * self.groups < num_splits:
+                    cute.autovec_copy(cute.local_tile(mOp[grp + i * self.groups, b, h, None], (VEC,), (vec,)),
+                                      early[None, i])
         # 1. the splits' LSEs: the threads' max, then weights exp(lse_s - max) and their sum
         m = -Float32.inf
-        for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
-            m = cute.arch.fmax(m, mLp[s, b, h])
+        if const_expr(ahead):  # (each LSE loaded once, held for the weights)
+            lses = cute.make_rmem_tensor((LSES_PER_THREAD,), Float32)
+            for i in cutlass.range_constexpr(LSES_PER_THREAD):
+                if tid + i * NUM_THREADS < num_splits:
+                    lses[i] = mLp[tid + i * NUM_THREADS, b, h]
+                    m = cute.arch.fmax(m, lses[i])
+        else:
+            for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
+                m = cute.arch.fmax(m, mLp[s, b, h])
         m = block_reduce(m, s_red, tid, NUM_WARPS, True, sync)
         m_use = m if m != -Float32.inf else Float32(0.0)
         total = Float32(0.0)
-        for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
-            w = cute.math.exp2((mLp[s, b, h] - m_use) * LOG2_E, fastmath=True)
-            s_w[s] = w
-            total += w
+        if const_expr(ahead):
+            for i in cutlass.range_constexpr(LSES_PER_THREAD):
+                if tid + i * NUM_THREADS < num_splits:
+                    w = cute.math.exp2((lses[i] - m_use) * LOG2_E, fastmath=True)
+                    s_w[tid + i * NUM_THREADS] = w
+                    total += w
+        else:
+            for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
+                w = cute.math.exp2((mLp[s, b, h] - m_use) * LOG2_E, fastmath=True)
+                s_w[s] = w
+                total += w
         total = block_reduce(total, s_red, tid, NUM_WARPS, False, sync)
         inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
         # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
-        vec = tid % self.vecs
-        grp = tid // self.vecs
+        if const_expr(not ahead):
+            vec = tid % self.vecs
+            grp = tid // self.vecs
         acc = cute.make_rmem_tensor((VEC,), Float32)
         acc.fill(0.0)
+        for i in cutlass.range_constexpr(ahead):
+            if grp + i * self.groups < num_splits:
+                w = s_w[grp + i * self.groups]
+                for j in cutlass.range_constexpr(VEC):
+                    acc[j] = acc[j] + w * early[j, i]
         part = cute.make_rmem_tensor((VEC,), Float32)
-        for s in cutlass.range(grp, num_splits, self.groups, unroll=4):
+        for s in cutlass.range(grp + ahead * self.groups, num_splits, self.groups, unroll=4):
             cute.autovec_copy(cute.local_tile(mOp[s, b, h, None], (VEC,), (vec,)), part)
             w = s_w[s]
             for i in cutlass.range_constexpr(VEC):
@@ -100,13 +137,13 @@ class SplitMerge:
 
 
 class CombineSm80:
-    def __init__(self, dtype, head_dim: int, pdl: bool = False):
+    def __init__(self, dtype, head_dim: int, pdl: bool = False, hoist_loads: bool = False):
         self.dtype = dtype
         # programmatic dependent launch (sm_90+): the CTAs launch while the decode kernel
         # drains and wait for its partials (tensors.wait_for_previous_kernel)
         self.pdl = pdl
         self.d = head_dim
-        self.merger = SplitMerge(dtype, head_dim)
+        self.merger = SplitMerge(dtype, head_dim, hoist_loads)
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, stream):

@@ -11,7 +11,8 @@ call, median of 30) on the same shapes, with the error against the reference at 
 writes ``<out>/variants.json`` (``variants_<tag>.json`` with ``--tag``): every variant's rows and each row's time over the first
 variant's.  The variants run one after the other on one GPU, so compare them within one
 file only.  Keywords: any ``DecodeSm90.__init__`` argument after the format's (``lazy_max``,
-``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``, ``consumers``, ``half_cols``).  Where the
+``fold_k``, ``fold_v``, ``num_stages``, ``step``, ``ctas_per_sm``, ``consumers``, ``half_cols``), or
+``CombineSm80.__init__``'s (``hoist_loads``: the split combine's).  Where the
 backend builds a grid variant (``Sm90Backend.grid_variant``: small grids, and one split of
 short sequences whose pairs fill the SMs; ``kernels_sm90.backend`` says which formats), the
 variant's keywords apply on top of that kernel's.
@@ -115,6 +116,30 @@ KERNEL_CLASSES = {"sm90": ("bitdecode.kernels_sm90.decode", "DecodeSm90"),
                   "sm80": ("bitdecode.kernels_sm80.decode", "DecodeSm80")}  # --backend: whose keywords
 
 
+def target_keywords(cls) -> set:
+    """The keyword arguments ``cls.__init__`` takes (a variant's keys go to the kernel
+    classes that take them: the decode kernel's, or ``CombineSm80``'s such as
+    ``hoist_loads``)."""
+    import inspect
+
+    return set(inspect.signature(cls.__init__).parameters) - {"self"}
+
+
+def known_keywords(backend: str) -> set:
+    """Every key a variant may set with ``--backend backend``."""
+    import importlib
+
+    from bitdecode.kernels_sm80.combine import CombineSm80
+
+    module, cls_name = KERNEL_CLASSES[backend]
+    return target_keywords(getattr(importlib.import_module(module), cls_name)) | target_keywords(CombineSm80)
+
+
+def with_keywords(self, init, keywords, *args, **kw):
+    """``init`` (a kernel class's own ``__init__``) with ``keywords`` over the caller's."""
+    init(self, *args, **{**kw, **keywords})
+
+
 def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backend: str = "sm90") -> List[dict]:
     """One variant, in this process: the rows of every (format, dtype, shape)."""
     import importlib
@@ -122,15 +147,15 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backen
     import torch
 
     module, cls_name = KERNEL_CLASSES[backend]
+    from bitdecode.kernels_sm80.combine import CombineSm80
+
     cls = getattr(importlib.import_module(module), cls_name)
-    init = cls.__init__
-
-    def with_variant(self, *args, **kw):
-        init(self, *args, **{**kw, **kwargs})
-
-    # every decode kernel of ``backend`` this process builds (the split heuristic reads the
-    # CTAs per SM a variant is built for from the kernel's config)
-    cls.__init__ = with_variant
+    for target in (cls, CombineSm80):
+        # every decode kernel of ``backend`` this process builds (the split heuristic reads
+        # the CTAs per SM a variant is built for from the kernel's config) and every combine
+        # kernel, each with the keywords of the variant that it takes
+        mine = {k: v for k, v in kwargs.items() if k in target_keywords(target)}
+        target.__init__ = functools.partialmethod(with_keywords, target.__init__, mine)
 
     import bitdecode as bd
     from bench_decode import Timer, _graph_time, build
@@ -182,6 +207,12 @@ def main(argv=None) -> int:
     for d in dtypes:
         if d not in DTYPE_NAMES:
             p.error(f"--dtypes: unknown dtype {d!r} (known: {', '.join(DTYPE_NAMES)})")
+    known = known_keywords(args.backend)
+    for name, kwargs in variants:
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            p.error(f"--variant {name}: {', '.join(unknown)} is no keyword of the {args.backend} decode kernel "
+                    f"or the combine kernel")
     if args.worker:
         worker(*variants[0], shapes, formats, dtypes, args.backend)
         return 0

@@ -234,6 +234,9 @@ def test_bench_variants_arguments(capsys):
     _refused(bv.main, ["--variant", "a=", "--tag", "2-bit"], "--tag must be an identifier", capsys)
     _refused(bv.main, ["--variant", "a=", "--backend", "sm70"], "--backend: invalid choice", capsys)
     assert set(bv.KERNEL_CLASSES) == {"sm80", "sm90"}
+    _refused(bv.main, ["--variant", "a=early_load=True"], "early_load is no keyword", capsys)  # (a typo)
+    assert {"early_loads", "hoist_loads", "num_stages"} <= bv.known_keywords("sm80")
+    assert {"early_tiles", "hoist_loads", "v_slots"} <= bv.known_keywords("sm90")
     import torch
 
     if not torch.cuda.is_available():

@@ -155,6 +155,31 @@ def test_combine_ptx(arch):
     assert ("griddepcontrol.wait" in ptx) == (arch == "sm_90a")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_combine_hoist_loads_ptx(head_dim, monkeypatch, tmp_path):
+    """``CombineSm80(hoist_loads=True)``: every global load of the merge (the prefetched
+    partial vectors, the LSEs, once) comes before its first barrier, where the shipped
+    kernel loads the LSEs again and the partials after its reductions; no spill."""
+    from bitdecode.kernels_sm80 import combine
+
+    init = combine.CombineSm80.__init__
+    shipped = kernels.compile_combine("sm_90a", cutlass.Float16, head_dim, keep_ptx=True).artifacts.PTX
+    monkeypatch.setattr(combine.CombineSm80, "__init__",
+                        lambda self, *a, **kw: init(self, *a, **{**kw, "hoist_loads": True}))
+    hoisted = kernels.compile_combine("sm_90a", cutlass.Float16, head_dim, keep_ptx=True).artifacts.PTX
+
+    def lse_loads_after_first_barrier(ptx):  # (scalar loads: the partials are 16-byte vectors)
+        return len(re.findall(r"ld\.global\.(?!v4)", ptx[ptx.index("bar.sync"):]))
+
+    def partial_loads_before_first_barrier(ptx):
+        return len(re.findall(r"ld\.global\.v4", ptx[:ptx.index("bar.sync")]))
+
+    assert lse_loads_after_first_barrier(shipped) == 1 and lse_loads_after_first_barrier(hoisted) == 0
+    assert partial_loads_before_first_barrier(shipped) == 0
+    assert partial_loads_before_first_barrier(hoisted) == combine.PREFETCH_PARTS
+    assert ptxas.spill_bytes(ptxas.report(hoisted, "sm_90a", tmp_path)) == 0
+
+
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90a"))
 def test_dequant_probe_ptx(arch):
     from bitdecode.kernels_sm80.dequant_probe import DequantProbe

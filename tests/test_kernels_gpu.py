@@ -599,6 +599,37 @@ def test_sm80_early_loads_match_reference(fmt, dtype, monkeypatch):
     assert built and all(built), built
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, splits", [(128, 3), (128, 21), (128, 130), (64, 40), (256, 9)])
+def test_combine_hoist_loads_is_bit_equal(head_dim, splits, backend, monkeypatch):
+    """``CombineSm80(hoist_loads=True)`` (the first partial vectors loaded before the LSEs,
+    the LSEs held in registers): outputs and LSEs bit-equal to the shipped combine's, at
+    split counts below, at and past one CTA's threads (two LSEs a thread) and past the
+    prefetched splits, ragged lengths with an empty sequence among them."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm80 import combine
+
+    fmt = bd.KVFormat(4, "channel", 64)
+    cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)
+    q = torch.randn(3, 1, 8, head_dim, generator=torch.Generator().manual_seed(8)).half().to(DEV)
+    shipped = bd.decode(q, cache, num_splits=splits, return_lse=True)
+    init = combine.CombineSm80.__init__
+    built = []
+
+    def hoisted(self, *args, **kw):
+        init(self, *args, **{**kw, "hoist_loads": True})
+        built.append(self.merger.ahead)
+
+    monkeypatch.setattr(combine.CombineSm80, "__init__", hoisted)
+    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
+    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)  # (same)
+    hoist = bd.decode(q, cache, num_splits=splits, return_lse=True)
+    assert built and all(built), built
+    for a, b in zip(shipped, hoist):
+        assert torch.equal(a, b)
+
+
 def flat_v_cache(backend, batch=8, hkv=8, n=16384, needle=12.0):
     """A 2c128 fp16 cache whose V tokens are flat (every channel 3 + 1e-3 noise: a tiny scale
     under a large zero) and whose K has three needle tokens per KV head scoring ~``needle``
