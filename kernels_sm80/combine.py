@@ -39,11 +39,11 @@ class SplitMerge:
         self.d = head_dim
         self.vecs = head_dim // VEC  # threads per split row
         self.groups = NUM_THREADS // self.vecs  # split groups working in parallel
-        # The merge's chain is three round trips to L2 (the LSEs for their maximum, the same
-        # LSEs again for the weights, then the partial outputs), though only the LSEs'
-        # maximum needs the LSEs first.  ``hoist_loads`` loads a thread's first
-        # ``PREFETCH_PARTS`` splits' output vectors before the LSEs and keeps its LSEs in
-        # registers for the weights: one round trip (the same sums in the same order: the
+        # The merge loads the LSEs (a round trip to L2), reduces them, loads them again (L1
+        # at best) for the weights, and only then loads the partial outputs (a second round
+        # trip), though nothing but the weights needs the LSEs first.  ``hoist_loads`` loads
+        # a thread's first ``PREFETCH_PARTS`` splits' output vectors before the LSEs and keeps
+        # its LSEs in registers: one round trip (the same sums in the same order: the
         # outputs' bits do not change).  Not measured yet: off.
         self.ahead = PREFETCH_PARTS if hoist_loads else 0
         # shared memory: split weights, the warps' reductions, the split groups' sums
