@@ -193,7 +193,8 @@ class DecodeSm90(PackedDecodeConfig):
                  fold_v: bool = True, fp4: Optional[str] = None, fold_k: bool = True, lazy_max: bool = True,
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
-                 v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False):
+                 v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False,
+                 early_residual: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -385,14 +386,27 @@ class DecodeSm90(PackedDecodeConfig):
                 # the slot they wait for is never one released only by such a later tile.
                 raise ValueError(f"v_slots must be at least {least} with {consumers} consumers and "
                                  f"{self.steps} steps a tile, got {v_slots}")
+        stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * 2
+        budget = SMEM_BUDGET // self.ctas_per_sm - self.v_slots * self.vt_bytes
         if num_stages == 0:
             # four stages measured best on the H200 with one consumer (5 or 8 were slower at
             # B=1; 3 no better); several consumers hold a stage each
-            stage_smem = self.tx_bytes + self.q_copies * self.nh * head_dim * 2
             cap = 4 if consumers == 1 else 3 * consumers
-            budget = SMEM_BUDGET // self.ctas_per_sm - self.v_slots * self.vt_bytes
             num_stages = max(2, min(cap, budget // stage_smem))
         self.num_stages = num_stages
+        # The split that owns the 16-bit residual block reads it after its packed tiles, 64
+        # tokens at a time through the idle rings: a global round trip (cp.async, wait,
+        # barrier) before each sub-tile's products, on the kernel's last stretch (a 64-token
+        # residual added 1.2-1.5 us at B=1 N=4K, 1.0-1.4 with the consumers idle:
+        # profiles/h200/variants_ring_b1_short.json).  ``early_residual`` has consumer 0 load
+        # the first sub-tile into a buffer of its own as soon as the length is known, so
+        # the first round trip runs under the packed tiles.  Where that buffer fits beside
+        # the rings without fewer stages (the one-CTA-an-SM kernels of small grids); not in
+        # the appending kernels, which store the new token into the block at the end (not
+        # measured yet: off)
+        self.res_buffer = 2 * M_BLOCK * head_dim  # 16-bit K then V rows of the first sub-tile
+        self.early_residual = early_residual and not append and (
+            num_stages * stage_smem + self.res_buffer * sm90.ELEM_BYTES <= budget)
         self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
         if self.fold_k:
             self.producer_regs = max(self.producer_regs, VT_SCALER_REGS if v_slots else SCALER_REGS)
@@ -465,6 +479,8 @@ class DecodeSm90(PackedDecodeConfig):
             sVs: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, stages * self.words_vs], 128]
             if n > 1:
                 stash: cute.struct.MemRange[Float32, cute.cosize(self._stash_layout())]
+            if self.early_residual:
+                sRes: cute.struct.Align[cute.struct.MemRange[self.dtype, self.res_buffer], 1024]
 
         if not self.fold_k:
             return Storage
@@ -922,6 +938,10 @@ class DecodeSm90(PackedDecodeConfig):
                 cute.arch.barrier_arrive(barrier_id=Barrier.q(n), number_of_threads=self.q_threads)
         else:  # Q is every consumer's: a barrier of all of them (and of the scalers, who read it)
             cute.arch.barrier(barrier_id=Barrier.q(n), number_of_threads=self.q_threads)
+        if const_expr(self.early_residual):
+            if consumer == 0 and has_residual:  # (consumer 0 runs ``finish``; it waits for this copy)
+                self.copy_residual_rows(self.residual_buffers(storage.sRes.data_ptr()), mKr, mVr, batch, head_kv,
+                                        0, n_res, tid)
 
         # both products are wgmma 64 x nh x 16 with A from registers: one partitioning serves
         # both (the MMA objects that issue them are made per product, see ``scores``)
@@ -1065,9 +1085,10 @@ class DecodeSm90(PackedDecodeConfig):
         if has_residual:
             if const_expr(self.append):
                 self.store_new_token(new[0], new[1], mKr, mVr, batch, head_kv, n_res - 1, tid, WG)
+            early = self.residual_buffers(storage.sRes.data_ptr()) if const_expr(self.early_residual) else None
             pend = self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                                  acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, seqlen - n_res,
-                                 zsum, pend)
+                                 zsum, pend, early)
         if const_expr(self.sinks > 0):  # the sink tokens, 16-bit as the residual, in split 0
             if split_idx == 0:
                 pend = self.residual(thr_s, thr_o, tSrQ, tOrP, sP, storage, mKsink, mVsink, batch, head_kv, n_sink,
@@ -1660,48 +1681,83 @@ class DecodeSm90(PackedDecodeConfig):
     @cute.jit
     def residual(self, thr_s, thr_o, tSrQ, tOrP, sP, storage, mKr, mVr, batch, head_kv, n_res,
                  acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, tid, lim, abs_first, zsum=None,
-                 pend=None):
+                 pend=None, early=None):
         """The ``n_res`` 16-bit tokens of ``mKr`` / ``mVr`` (the residual block or the sink
         tokens; row 0 is sequence position ``abs_first``) in 64-token sub-tiles, staged in the
-        idle K / V rings."""
-        # K-major 128B-swizzled 16-bit tiles (the swizzle on the pointer, as for every sm90 tile)
-        layout = sm90.make_operand_smem_layout(self.dtype, M_BLOCK, self.d)
-        sK = cute.make_tensor(cute.recast_ptr(storage.sKp.data_ptr(), layout.inner, dtype=self.dtype), layout.outer)
-        sV = cute.make_tensor(cute.recast_ptr(storage.sVp.data_ptr(), layout.inner, dtype=self.dtype), layout.outer)
-        sVt = cute.composition(sV, cute.make_layout((self.d, M_BLOCK), stride=(M_BLOCK, 1)))  # (channels, tokens)
+        idle K / V rings; ``early``: the first sub-tile's (K, V) buffers, copied already
+        (``early_residual``; this thread's copies are its only ones in flight)."""
+        sK, sV = self.residual_tiles(storage.sKp.data_ptr(), storage.sVp.data_ptr())
         mma16 = sm80.make_mma(self.dtype)
-        for sub in cutlass.range(0, (n_res + M_BLOCK - 1) // M_BLOCK, unroll=1):
+        first = 0
+        if const_expr(early is not None):
+            warpgroup.wait_group(0)  # the last packed PV product has read sP
+            self.fold(acc_o, acc_pv, pend)
+            if const_expr(pend is not None):
+                pend = Float32(1.0)  # the products from here on are 16-bit ones
+            cute.arch.cp_async_wait_group(0)
+            self.bar(Barrier.EPI)  # every thread's rows of the early copy have landed
+            self.residual_products(thr_s, thr_o, tSrQ, tOrP, sP, early[0], early[1], mma16, n_res, abs_first,
+                                   acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, lim, zsum)
+            first = 1
+        for sub in cutlass.range(first, (n_res + M_BLOCK - 1) // M_BLOCK, unroll=1):
             warpgroup.wait_group(0)  # the previous PV product has read sP and its V^T registers
             self.fold(acc_o, acc_pv, pend)
             if const_expr(pend is not None):
                 pend = Float32(1.0)  # the products from here on are 16-bit ones
             self.bar(Barrier.EPI)  # every warp is done with the previous sub-tile's smem
-            valid = n_res - sub * M_BLOCK
-            gK = cute.local_tile(mKr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
-            gV = cute.local_tile(mVr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
-            if const_expr(self.fp4):  # K's channels in Q's order
-                self.copy_fp4_order(assume_aligned(gK), sK, valid, tid, WG)
-            else:
-                copy_rows(assume_aligned(gK), sK, tid, WG, valid, True)
-            copy_rows(assume_aligned(gV), sV, tid, WG, valid, True)
-            cute.arch.cp_async_commit_group()
+            self.copy_residual_rows((sK, sV), mKr, mVr, batch, head_kv, sub, n_res, tid)
             cute.arch.cp_async_wait_group(0)
             self.bar(Barrier.EPI)
-            k_frag = load_a_fragments(mma16, cute.local_tile(sK, (SLAB, self.d), (warp, 0)), lane, False)
-            acc_s = self.scores(thr_s, k_frag, tSrQ)
-            v_frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, M_BLOCK)), self.dtype)
-            for mb in cutlass.range_constexpr(self.m_v):
-                part = load_a_fragments(mma16, cute.local_tile(sVt, (SLAB, M_BLOCK), (mb * WARPS + warp, 0)),
-                                        lane, True)
-                dst = v_frag[None, mb, None]
-                for i in cutlass.range_constexpr(cute.size(part)):
-                    dst[i] = part[i]
-            warpgroup.wait_group(0)
-            self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, 0,
-                              lim, abs_first + sub * M_BLOCK, zsum)
-            self.store_p(acc_s, sP, warp, lane)  # 16-bit V: plain P, no zero sums
-            self.pv(v_frag, tOrP, acc_pv, False)
+            self.residual_products(thr_s, thr_o, tSrQ, tOrP, sP, sK, sV, mma16, n_res - sub * M_BLOCK,
+                                   abs_first + sub * M_BLOCK, acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp,
+                                   lane, lim, zsum)
         return pend
+
+    def residual_tiles(self, k_ptr, v_ptr):
+        """(sK, sV): one 64-token sub-tile of 16-bit K and V rows at ``k_ptr`` / ``v_ptr``,
+        K-major 128B-swizzled (the swizzle on the pointer, as for every sm90 tile)."""
+        layout = sm90.make_operand_smem_layout(self.dtype, M_BLOCK, self.d)
+        return tuple(cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=self.dtype), layout.outer)
+                     for ptr in (k_ptr, v_ptr))
+
+    def residual_buffers(self, ptr):
+        """``early_residual``: (sK, sV) of the first sub-tile in its own buffer at ``ptr``."""
+        return self.residual_tiles(ptr, ptr + M_BLOCK * self.d)
+
+    def copy_residual_rows(self, tiles, mKr, mVr, batch, head_kv, sub, n_res, tid):
+        """cp.async of sub-tile ``sub`` of the ``n_res`` rows into ``tiles`` (rows past them
+        zero), by consumer 0's ``tid``; committed."""
+        sK, sV = tiles
+        valid = n_res - sub * M_BLOCK
+        gK = cute.local_tile(mKr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
+        gV = cute.local_tile(mVr[batch, None, head_kv, None], (M_BLOCK, self.d), (sub, 0))
+        if const_expr(self.fp4):  # K's channels in Q's order
+            self.copy_fp4_order(assume_aligned(gK), sK, valid, tid, WG)
+        else:
+            copy_rows(assume_aligned(gK), sK, tid, WG, valid, True)
+        copy_rows(assume_aligned(gV), sV, tid, WG, valid, True)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def residual_products(self, thr_s, thr_o, tSrQ, tOrP, sP, sK, sV, mma16, valid, abs_first, acc_o, acc_pv,
+                          row_max, row_sum, scale_log2, red, warp, lane, lim, zsum):
+        """One staged 16-bit sub-tile (``valid`` rows, the first at sequence position
+        ``abs_first``): its scores, a softmax step, and its P V product issued into acc_pv."""
+        sVt = cute.composition(sV, cute.make_layout((self.d, M_BLOCK), stride=(M_BLOCK, 1)))  # (channels, tokens)
+        k_frag = load_a_fragments(mma16, cute.local_tile(sK, (SLAB, self.d), (warp, 0)), lane, False)
+        acc_s = self.scores(thr_s, k_frag, tSrQ)
+        v_frag = cute.make_rmem_tensor(thr_o.partition_shape_A((M_BLOCK * self.m_v, M_BLOCK)), self.dtype)
+        for mb in cutlass.range_constexpr(self.m_v):
+            part = load_a_fragments(mma16, cute.local_tile(sVt, (SLAB, M_BLOCK), (mb * WARPS + warp, 0)),
+                                    lane, True)
+            dst = v_frag[None, mb, None]
+            for i in cutlass.range_constexpr(cute.size(part)):
+                dst[i] = part[i]
+        warpgroup.wait_group(0)
+        self.softmax_step(acc_s, acc_o, row_max, row_sum, scale_log2, red, warp, lane, valid, 0,
+                          lim, abs_first, zsum)
+        self.store_p(acc_s, sP, warp, lane)  # 16-bit V: plain P, no zero sums
+        self.pv(v_frag, tOrP, acc_pv, False)
 
     # ---- epilogue -----------------------------------------------------------------------
     @cute.jit

@@ -755,6 +755,37 @@ def test_sm90_early_loads_ptx(bits, keywords, tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+def test_sm90_early_residual_ptx(tmp_path):
+    """``early_residual``: the small grid's kernel (one CTA an SM) copies the residual
+    block's first sub-tile (cp.async, 16-bit K and V rows) before its first wgmma, into a
+    buffer of its own; the default grid's kernels (two CTAs an SM: no room beside the rings)
+    and the appending ones do not take it; spill-free."""
+    from bitdecode.kernels_sm90.backend import small_grid
+    from bitdecode.kernels_sm90.decode import DecodeSm90
+
+    fmt = KVFormat(2, "channel", 128)
+    small = small_grid(fmt, True, 128, 4)
+    shipped, early = (DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True,
+                                 early_residual=on, **small) for on in (False, True))
+    assert early.early_residual and early.ctas_per_sm == 1 and early.num_stages == shipped.num_stages
+    assert not DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1,
+                          early_residual=True).early_residual  # (two CTAs an SM)
+    assert not DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True, append=True,
+                          early_residual=True, **small).early_residual
+    shipped_ptx, early_ptx = (_sm90_decode_ptx(k, fmt) for k in (shipped, early))
+
+    def copies_before_first_mma(ptx):
+        return ptx[:ptx.index("wgmma.mma_async")].count("cp.async.cg")
+
+    extra = early_ptx.count("cp.async.cg") - shipped_ptx.count("cp.async.cg")
+    assert extra > 0 and copies_before_first_mma(early_ptx) == copies_before_first_mma(shipped_ptx) + extra
+    assert early_ptx.count("lop3.b32") == shipped_ptx.count("lop3.b32")  # (the packed loop untouched)
+    # the first sub-tile's products, peeled out of the residual loop: 8 + 8 wgmmas at head dim 128
+    assert early_ptx.count("wgmma.mma_async") == shipped_ptx.count("wgmma.mma_async") + 16
+    report = ptxas.report(early_ptx, "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_sm80_early_loads_ptx(arch, tmp_path):
     """``DecodeSm80(early_loads=True)``: the sequence's first block-table entry and the

@@ -550,21 +550,26 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
                                         (bd.KVFormat(2, "channel", 128), torch.bfloat16),
                                         (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
 @pytest.mark.parametrize("keywords", [{"early_tiles": True}, {"early_loads": True},
-                                      {"early_loads": True, "early_tiles": True}], ids=["tiles", "loads", "both"])
+                                      {"early_loads": True, "early_tiles": True, "early_residual": True}],
+                         ids=["tiles", "loads", "all"])
 def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     """``DecodeSm90(early_tiles=True)``: with K's scale in Q the producer issues its first
     ``lag`` tiles before the barrier that publishes Q; ``early_loads=True``: Q's copy and the
     sequence's first block-table entry are issued beside the sequence length's load, and the
-    tile loop reads the table only past the first page.  On every grid's kernel (the default
-    and the small grid's, splits with fewer tiles than ``lag`` among them): ragged lengths
-    with residuals, paged and shuffled (tiles on the first page and past it), 1 / 3 /
-    automatic splits, against the reference."""
+    tile loop reads the table only past the first page; ``early_residual=True`` (where it
+    fits: the small grids' kernels): the residual block's first sub-tile copied into a
+    buffer of its own at the start.  On every grid's kernel (the default and the small
+    grid's, splits with fewer tiles than ``lag`` among them): ragged lengths with residuals
+    of one to four sub-tiles, paged and shuffled (tiles on the first page and past it), 1 / 3
+    / automatic splits, against the reference."""
     attribute = next(iter(keywords))
     with sm90_default_kernel_with(monkeypatch, keywords, attribute, every_variant=True) as built:
         check_ragged(fmt, dtype, 8, seed=3)
-        q = torch.randn(1, 1, 32, 128, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
-        cache, _, _ = make_cache(fmt, [4096], 8, 128, dtype, backend="sm90")  # B = 1: the small grid
-        check_decode(q, cache, "sm90")
+        for lens in ([4096], [4296], [3077, 190]):  # B <= 2: the small grid (2-bit residuals: 0, 200, 5, 190)
+            q = torch.randn(len(lens), 1, 32, 128, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEV)
+            cache, _, _ = make_cache(fmt, lens, 8, 128, dtype, backend="sm90")
+            for splits in (3, 0):
+                check_decode(q, cache, "sm90", num_splits=splits)
         if fmt.v_bits == 2 and dtype == torch.float16:  # the appending kernels (one launch a step) too
             check_appending_steps("sm90", fmt, 4, [700, 1530], None, dtype)
         assert built and all(built), built
