@@ -399,8 +399,8 @@ class DecodeSm90(PackedDecodeConfig):
         # barrier) before each sub-tile's products, on the kernel's last stretch (a 64-token
         # residual added 1.2-1.5 us at B=1 N=4K, 1.0-1.4 with the consumers idle:
         # profiles/h200/variants_ring_b1_short.json).  ``early_residual`` has consumer 0 load
-        # the first sub-tile into a buffer of its own as soon as the length is known, so
-        # the first round trip runs under the packed tiles.  Where that buffer fits beside
+        # the first sub-tile into a buffer of its own right after Q (before its packed
+        # tiles), so the first round trip runs under them.  Where that buffer fits beside
         # the rings without fewer stages (the one-CTA-an-SM kernels of small grids); not in
         # the appending kernels, which store the new token into the block at the end (not
         # measured yet: off)
