@@ -45,7 +45,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out
+from .bitnet_ptx import (WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_of, segment_scale,
+                         store_out)
+from .ptx import cp_async_word
 from .tensors import prefetch_run_l2, wait_holding, xor_words
 
 MAX_WARPS = 16
@@ -78,11 +80,13 @@ def fold_rows(acc: cute.Tensor) -> cute.Tensor:
 
 @cute.jit
 def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, lane, tidx, stripe, mXScale: cute.Tensor,
-                 mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr):
+                 mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr,
+                 scales=None):
     """A GEMV CTA's end, from each lane's accumulators and activation sum: the +2 code
     offset (``sum(w x) = sum(c x) - 2 sum(x)``, before the fold), the fold, the warps' row
     sums through ``red`` (16 rows x ``warps``: an int, or a launch argument) and the
-    stripe's 16 scaled outputs."""
+    stripe's 16 scaled outputs; ``scales``: the shared words ``copy_scales`` filled (the
+    rows' scales, then x's), else the scales are loaded here, after the barrier."""
     for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
         acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
     rows = fold_rows(acc)
@@ -90,6 +94,8 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
         base = fmt.chunk_row(lane % fmt.CHUNKS_PER_TILE)
         for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
             red[base + r, warp] = rows[r]
+    if cutlass.const_expr(scales is not None):
+        cute.arch.cp_async_wait_group(0)  # (this thread's scale copy, if it made one; the barrier publishes it)
     cute.arch.sync_threads()
     if tidx < fmt.TILE_N:
         total = Int32(0)
@@ -100,8 +106,31 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
             for w in cutlass.range(warps, unroll=1):
                 total = total + red[tidx, w]
         row = stripe * fmt.TILE_N + tidx
-        w_scale = segment_scale(mWScale, row, e1, e2, e3)
-        store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, raw)
+        if cutlass.const_expr(scales is None):
+            store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]),
+                      segment_scale(mWScale, row, e1, e2, e3), raw)
+        else:
+            store_out(mOut.iterator.toint(), Int64(row), total, scales[fmt.TILE_N], scales[tidx], raw)
+
+
+SCALE_WORDS = fmt.TILE_N + 1  # ``copy_scales``: the stripe's rows' scales, then x's
+
+
+@cute.jit
+def copy_scales(scales: cute.Tensor, mXScale: cute.Tensor, mWScale: cute.Tensor, stripe, tidx, e1: Int32, e2: Int32,
+                e3: Int32, rows: cutlass.Constexpr[bool] = True, x: cutlass.Constexpr[bool] = True):
+    """``GemvConfig.early_scales``: threads 0-15 copy their row's segment scale into
+    ``scales`` (``SCALE_WORDS`` shared fp32 words; ``rows``), every thread x's into the last
+    (the same word: a branch around it cost the unrolled register kernel 14 registers; ``x``:
+    after the PDL wait, x's scale is the previous kernel's); cp.async of a word, committed:
+    no register holds them and nobody waits until ``store_stripe``."""
+    if cutlass.const_expr(rows):
+        if tidx < fmt.TILE_N:
+            seg = segment_of(stripe * fmt.TILE_N + tidx, e1, e2, e3)
+            cp_async_word(scales.iterator.toint() + tidx * 4, mWScale.iterator.toint() + Int64(seg) * 4)
+    if cutlass.const_expr(x):
+        cp_async_word(scales.iterator.toint() + fmt.TILE_N * 4, mXScale.iterator.toint())
+    cute.arch.cp_async_commit_group()
 
 
 # --------------------------------------------------------------------------------------
@@ -129,6 +158,11 @@ class GemvConfig:
     # registers, and the group loop rolled, so the CTAs are lighter still and more of them
     # fit an SM
     stage_x: bool = False
+    # The stripe's end loads x's scale and its rows' scales after the warps' reduction
+    # barrier: a global round trip between the last sums and the stores, on every CTA's
+    # path.  ``early_scales`` copies them into shared memory (``copy_scales``: cp.async,
+    # no register) right after the PDL wait.  Not measured yet: off.
+    early_scales: bool = False
 
     def __post_init__(self):
         if self.stage_x and not self.bulk:
@@ -170,6 +204,7 @@ class BitnetGemv:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.pin = cfg.pin and cfg.pdl
+        self.early_scales = cfg.early_scales and not cfg.raw  # (raw sums take no scale)
 
     @cute.jit
     def __call__(
@@ -225,6 +260,10 @@ class BitnetGemv:
 
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Int32, fmt.make_row_sums_layout(MAX_WARPS), 16)
+        scales = None  # early_scales: the shared words ``copy_scales`` fills
+        if cutlass.const_expr(self.early_scales):  # (the rows' scales are weights: no wait; x's after it)
+            scales = smem.allocate_tensor(Float32, cute.make_layout(SCALE_WORDS), 16)
+            copy_scales(scales, mXScale, mWScale, stripe, tidx, e1, e2, e3, x=not self.pdl)
 
         if cutlass.const_expr(self.pdl):
             # the next kernel's CTAs may take our SMs as soon as ours retire
@@ -259,6 +298,8 @@ class BitnetGemv:
                         wait_holding(xor_words(wv), w_lane)  # the weights in registers first
                     else:
                         cute.arch.griddepcontrol_wait()
+                    if cutlass.const_expr(self.early_scales):
+                        copy_scales(scales, mXScale, mWScale, stripe, tidx, e1, e2, e3, rows=False)
             for u in cutlass.range_constexpr(self.unroll):
                 xv.append(load_v4(x_lane + Int64(grps[u]) * fmt.GROUP_K, False, self.pdl))
             for u in cutlass.range_constexpr(self.unroll):
@@ -267,7 +308,8 @@ class BitnetGemv:
                     xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
                 accumulate_words(wv[u], x, acc)
 
-        store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw)
+        store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw,
+                     scales)
 
 
 def compile_gemv(cfg: GemvConfig, options: str):

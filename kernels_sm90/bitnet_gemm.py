@@ -141,6 +141,11 @@ class WgmmaConfig:
     # next tile's first stages load while this one's epilogue runs (the output is staged in
     # its own buffer, not in the token ring)
     persistent: int = 0
+    # The epilogue loads its rows' segment scales after the main loop's last barrier: a
+    # global round trip between the last wgmma and the scaled stores, on every tile's path.
+    # ``early_scales`` loads them before the main loop (two fp32 registers a consumer
+    # thread).  Not measured yet: off.
+    early_scales: bool = False
 
     def __post_init__(self):
         assert self.block_m in (64, 96, 128, 192, 256) and self.warpgroups in (1, 2) and self.stages >= 2
@@ -632,8 +637,9 @@ class BitnetGemmSm90:
         the main loop, then the epilogue through ``s_out``.  The barrier before the
         epilogue also keeps it from overwriting the staged tile before the previous tile's
         stores have read it."""
+        w_scale = self.early_row_scales(mWScale, mOut, e1, e2, e3, work, ctid)
         acc, thr_mma = self.main_loop(ring, sX, sW, sXScale, sXRcp, mXScale, work, ctid, uses)
-        self.epilogue(acc, thr_mma, s_out, sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
+        self.epilogue(acc, thr_mma, s_out, sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid, w_scale)
 
     @cute.jit
     def main_loop(self, ring, sX, sW, sXScale, sXRcp, mXScale, work, ctid: Int32, uses=0):
@@ -653,6 +659,7 @@ class BitnetGemmSm90:
         """A CTA's one tile (or split of one): main loop, the split's sums, the epilogue
         through the token ring."""
         cfg = self.cfg
+        w_scale = self.early_row_scales(mWScale, mOut, e1, e2, e3, work, ctid)
         acc, thr_mma = self.main_loop(ring, sX, sW, sXScale, sXRcp, mXScale, work, ctid)  # (the token ring is free)
         last = Int32(1)  # a split tile: only the CTA that ends up with the whole sum stores it
         if const_expr(cfg.cluster_k > 1):
@@ -661,7 +668,8 @@ class BitnetGemmSm90:
             if work.splits > 1:
                 last = self.sum_splits(acc, mWork, mCount, storage.flag.get_tensor(cute.make_layout(1)), work, ctid)
         if last != 0:
-            self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid)
+            self.epilogue(acc, thr_mma, sX.iterator.toint(), sXScale, sXRcp, mWScale, mOut, e1, e2, e3, work, ctid,
+                          w_scale)
 
     # ---------------------------------------------------------------------------------
     # Producer: warp 0 of warpgroup 0
@@ -845,9 +853,28 @@ class BitnetGemmSm90:
                 mCount[work.tail] = Int32(0)
         return last
 
+    def row_scales(self, coords, mWScale, n, e1: Int32, e2: Int32, e3: Int32, bn, row_in_tile0):
+        """The segment scales of this thread's two accumulator rows (``coords``: its C
+        fragment's (row, token) coordinates), by accumulator value index."""
+        w_scale = {}
+        for i in range(2):  # (a plain helper: unrolled by Python)
+            first = sm90.acc_row_value(2 * i)
+            row = cutlass.min(bn * self.cfg.block_n + row_in_tile0 + coords[first][0], n - 1)
+            w_scale[first] = segment_scale(mWScale, row, e1, e2, e3)
+        return w_scale
+
+    def early_row_scales(self, mWScale, mOut, e1: Int32, e2: Int32, e3: Int32, work, ctid: Int32):
+        """``early_scales``: ``row_scales`` loaded before the main loop (weights: no
+        dependence on the previous kernel), else None (the epilogue loads them)."""
+        if const_expr(not self.cfg.early_scales or self.cfg.raw):
+            return None
+        thr_mma = self.tiled_mma().get_slice(ctid % WG_THREADS)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, self.cfg.block_m)))
+        return self.row_scales(coords, mWScale, mOut.shape[1], e1, e2, e3, work.bn, (ctid // WG_THREADS) * WG_ROWS)
+
     @cute.jit
     def epilogue(self, acc, thr_mma, s_base: Int32, sXScale: cute.Tensor, sXRcp: cute.Tensor, mWScale, mOut,
-                 e1: Int32, e2: Int32, e3: Int32, work, ctid: Int32):
+                 e1: Int32, e2: Int32, e3: Int32, work, ctid: Int32, w_scale=None):
         """Scale each sum (``(acc / x_scale) * w_scale``, or the raw int32), stage the tile
         in [token, row] order in shared memory, store it in 16-byte row runs.  A thread's
         values lie on two rows (one segment scale each, looked up once) and pairs of them
@@ -867,11 +894,8 @@ class BitnetGemmSm90:
                 r, c = coords[i]
                 store_i32(s_base + c * cfg.out_row_bytes + (row_in_tile0 + r) * cfg.out_bytes, acc[i], "shared")
         else:
-            w_scale = {}
-            for i in cutlass.range_constexpr(2):
-                first = sm90.acc_row_value(2 * i)
-                row = cutlass.min(bn * cfg.block_n + row_in_tile0 + coords[first][0], n - 1)
-                w_scale[first] = segment_scale(mWScale, row, e1, e2, e3)
+            if const_expr(w_scale is None):  # (else ``early_row_scales``' registers)
+                w_scale = self.row_scales(coords, mWScale, n, e1, e2, e3, bn, row_in_tile0)
             # this lane's address in each stmatrix: a token column, 8 weight rows of its warp's 16
             tok, row = sm90.acc_stsm_lane_target(ctid % WARP)
             row = row + row_in_tile0 + sm90.WARP_SLAB_ROWS * ((ctid % WG_THREADS) // WARP)

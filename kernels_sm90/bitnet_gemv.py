@@ -51,8 +51,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv,
-                                        launch_size, store_stripe, warps_for)
+from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, SCALE_WORDS, BitnetGemv, GemvConfig, accumulate_words,
+                                        compile_gemv, copy_scales, launch_size, store_stripe, warps_for)
 from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
 from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm, smem_ctas_per_sm
@@ -117,16 +117,18 @@ def bulk_warps(k: int) -> int:
 BULK_STRIPE_ALIGN = 128
 
 
-def bulk_storage(k: int, stage_x: bool = False):
+def bulk_storage(k: int, stage_x: bool = False, early_scales: bool = False):
     """The stripe kernel's shared memory at K columns: the mbarriers (the stripe's, x's), the
-    stripe, the warps' row sums and with ``stage_x`` the activations (a plain Python struct,
-    so the host can size it: ``bulk_smem_bytes``)."""
+    stripe, the warps' row sums, with ``early_scales`` the scales' words and with ``stage_x``
+    the activations (a plain Python struct, so the host can size it: ``bulk_smem_bytes``)."""
 
     @cute.struct
     class Storage:
         mbar: cute.struct.MemRange[cutlass.Int64, 2]
         sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, fmt.stripe_bytes(k)], BULK_STRIPE_ALIGN]
         red: cute.struct.Align[cute.struct.MemRange[Int32, fmt.row_sums_bytes(bulk_warps(k)) // 4], 16]
+        if early_scales:
+            scl: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCALE_WORDS], 16]
 
     if not stage_x:
         return Storage
@@ -231,6 +233,7 @@ class BitnetGemvBulk:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.stage_x = cfg.stage_x
+        self.early_scales = cfg.early_scales and not cfg.raw  # (raw sums take no scale)
         self.k = k
         self.groups = k // fmt.GROUP_K
         self.warps = bulk_warps(k)
@@ -255,7 +258,7 @@ class BitnetGemvBulk:
         q = lane % fmt.CHUNKS_PER_TILE
         tile = lane // fmt.CHUNKS_PER_TILE
 
-        storage = cutlass.memory.SmemAllocator().allocate(bulk_storage(self.k, self.stage_x))
+        storage = cutlass.memory.SmemAllocator().allocate(bulk_storage(self.k, self.stage_x, self.early_scales))
         base = storage.base if cutlass.const_expr(self.stage_x) else storage
         mbar = base.mbar.data_ptr()  # the stripe's, x's
         sW = base.sW.data_ptr()
@@ -272,6 +275,10 @@ class BitnetGemvBulk:
             ptx90.bulk_g2s(sW, mW.iterator + Int64(stripe) * Int64(self.stripe_bytes), self.stripe_bytes, mbar)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # x (and out) may be the previous kernel's
+        scales = None
+        if cutlass.const_expr(self.early_scales):  # (after the wait: x's scale is the previous kernel's)
+            scales = base.scl.get_tensor(cute.make_layout(SCALE_WORDS))
+            copy_scales(scales, mXScale, mWScale, stripe, tidx, e1, e2, e3)
         sX = None
         if cutlass.const_expr(self.stage_x):
             # after the wait: the async proxy reads what the previous grid wrote and flushed
@@ -291,7 +298,7 @@ class BitnetGemvBulk:
         else:
             xsum = self.batched_products(mbar, w_lane, mX.iterator.toint() + Int64(x_offset), warp, acc)
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
-                     self.raw)
+                     self.raw, scales)
 
     @cute.jit
     def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:
