@@ -236,7 +236,9 @@ def prefetch_l2(addr, *, loc=None, ip=None) -> None:
 def load_here(addr, *, loc=None, ip=None) -> Int32:
     """The 32-bit word at global address ``addr``, loaded where the kernel's code says (an
     op with side effects: LLVM neither sinks it into the branch that uses it nor moves
-    loads across it), so it is in flight beside the loads that follow."""
+    loads across it), so it is in flight beside the loads that follow.  ptxas may still
+    sink it into the one block that uses it; loaded inside a branch of its own it stays
+    (``DecodeSm90``'s first block-table entry)."""
     return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.b32 $0, [$1];", "=r,l",
                       side_effects=True, loc=loc, ip=ip))
 
