@@ -112,6 +112,11 @@ def _tokens(x: torch.Tensor) -> int:
 # So the small-M GEMM from 3 tokens on weights of at most q/k/v's size, the GEMV for fewer
 # tokens except on large weights with more rows than columns (gate/up), cuBLAS otherwise.
 SMALL_M_AUTO_WEIGHTS = 6144 * 4096
+# The fused residual read with a row's first weights, not after its reduction
+# (``kernels_sm80.dense.GemvSm80.residual_ahead`` and the small-M GEMM's).  Not measured
+# yet: off; ``profiles/bench_e2e.py --dense-residual-ahead`` sets it for an A/B (read when a
+# kernel is first built: set it before the first call).
+RESIDUAL_AHEAD = False
 SMALL_M_AUTO_MIN_TOKENS = 3
 
 
@@ -173,7 +178,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return y if residual is None or in_kernel else residual + y
 
 
-# (device index, dtype, N, K, tokens, bias, residual) -> (compiled GEMV, rows per warp): a
+# (device index, dtype, N, K, tokens, bias, residual, RESIDUAL_AHEAD) -> (compiled GEMV, rows per warp): a
 # decode step calls the same few projections every layer, so the per-call host work is this lookup
 _GEMV_PLANS: dict = {}
 
@@ -187,11 +192,14 @@ def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens:
     arch = jit.target_arch(device.index)
     bf16 = dtype == torch.bfloat16
 
+    ahead = has_residual and RESIDUAL_AHEAD
+
     def build():
         return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch),
-                            has_residual=has_residual)
+                            has_residual=has_residual, **({"residual_ahead": True} if ahead else {}))
 
-    key = ("gemv", arch, bf16, k, tokens, has_bias) + (("residual",) if has_residual else ())
+    key = ("gemv", arch, bf16, k, tokens, has_bias) + (("residual",) if has_residual else ()) + (
+        ("ahead",) if ahead else ())
     return jit.KERNELS.get(key, build), rows_per_warp(n, k, num_sms(device))
 
 
@@ -201,7 +209,7 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     [tokens, N], contiguous, with no bias)."""
     n, k = weight.shape
     tokens = x2.shape[0]
-    key = (x2.device.index, x2.dtype, n, k, tokens, bias is not None, residual is not None)
+    key = (x2.device.index, x2.dtype, n, k, tokens, bias is not None, residual is not None, RESIDUAL_AHEAD)
     plan = _GEMV_PLANS.get(key)
     if plan is None:
         plan = _GEMV_PLANS[key] = _gemv_plan(x2.device, x2.dtype, n, k, tokens, bias is not None,
@@ -231,12 +239,16 @@ def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, bias: None = None,
     bf16, k, tokens = x2.dtype == torch.bfloat16, weight.shape[1], x2.shape[0]
     has_residual = residual is not None
     extra = {} if config is None else dict(zip(("warps", "batch", "row_blocks"), config))
+    ahead = has_residual and RESIDUAL_AHEAD
+    if ahead:
+        extra["residual_ahead"] = True
 
     def build():
         return compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch), pdl=jit.has_pdl(arch),
                                     has_residual=has_residual, **extra)
 
-    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, config), build)
+    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, config) + (("ahead",) if ahead else ()),
+                         build)
     y = torch.empty(tokens, weight.shape[0], dtype=x2.dtype, device=x2.device)
     if has_residual:
         fn(x2, weight, residual, y)

@@ -97,6 +97,19 @@ def rows_per_warp(n: int, k: int, sms: int) -> int:
     return max(1, min(MAX_ROWS_PER_WARP, -(-n // (sms * WARPS_PER_SM))))
 
 
+@cute.jit
+def residual_values(mR: cute.Tensor, coords, mine) -> cute.Tensor:
+    """``residual_ahead``: fp32 registers holding ``mR`` at each (token, row) of ``coords``,
+    read where ``mine`` (the threads that store them) in a branch of its own, so ptxas keeps
+    the loads there, beside the weight loads that follow, instead of sinking them to their
+    use after the reduction (read after the PDL wait: the previous kernel writes r)."""
+    vals = cute.make_rmem_tensor((len(coords),), Float32)
+    if mine:
+        for j in cutlass.range_constexpr(len(coords)):
+            vals[j] = mR[coords[j][0], coords[j][1]].to(Float32)
+    return vals
+
+
 class GemvSm80:
     """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])``, fp32 sums rounded once to the 16-bit
     dtype, for ``tokens`` rows of ``x``.  Arguments: ``x`` [tokens, K] (rows 16-byte aligned,
@@ -105,10 +118,16 @@ class GemvSm80:
     ``rows_per_warp(N, K, SMs)``); K (a multiple of 256) is compiled in.
     """
 
-    def __init__(self, is_bf16: bool, k: int, tokens: int, batch: int, pdl: bool = False, warps: int = GEMV_WARPS):
+    def __init__(self, is_bf16: bool, k: int, tokens: int, batch: int, pdl: bool = False, warps: int = GEMV_WARPS,
+                 residual_ahead: bool = False):
         if k % ROW_STEP or not 1 <= tokens <= MAX_TOKENS:
             raise ValueError(f"the GEMV takes K % {ROW_STEP} == 0 and 1..{MAX_TOKENS} tokens, got K={k}, {tokens}")
         self.is_bf16, self.k, self.tokens, self.pdl, self.warps = is_bf16, k, tokens, pdl, warps
+        # ``call_residual`` reads a row's residual after its reduction: a global round trip
+        # between the row's last sums and its store, on every warp's last stretch (and per
+        # row, serially).  ``residual_ahead`` has lane 0 read it with the row's first weight
+        # batch (``residual_values``).  Not measured yet: off
+        self.residual_ahead = residual_ahead
         iters = k // ROW_STEP  # 16-byte vectors per lane per row
         self.batch = max(u for u in range(1, batch + 1) if iters % u == 0)  # no remainder batch
         self.batches = iters // self.batch
@@ -160,6 +179,9 @@ class GemvSm80:
 
         for r in cutlass.range(rows_per_warp, unroll=1):
             row = first + r
+            ahead = None  # residual_ahead: the row's residual of each token, lane 0's registers
+            if cutlass.const_expr(mR is not None and self.residual_ahead):
+                ahead = residual_values(mR, [(i, cutlass.min(row, n - 1)) for i in range(self.tokens)], lane == 0)
             acc = self.row_dot(self.row_address(mW, row) + Int64(lane * VEC_BYTES), x_lanes)
             bias = Float32(0.0)
             if cutlass.const_expr(mB is not None):
@@ -169,7 +191,9 @@ class GemvSm80:
                 if lane == 0:
                     if row < n:
                         y = mY.element_type(s + bias)
-                        if cutlass.const_expr(mR is not None):  # (read after the wait: a coherent load)
+                        if cutlass.const_expr(ahead is not None):
+                            y = mY.element_type(y.to(Float32) + ahead[i])
+                        elif cutlass.const_expr(mR is not None):  # (read after the wait: a coherent load)
                             y = mY.element_type(y.to(Float32) + mR[i, row].to(Float32))
                         mY[i, row] = y
         if cutlass.const_expr(self.pdl):
@@ -221,7 +245,7 @@ class GemmSmallMSm80:
     stores the rows."""
 
     def __init__(self, is_bf16: bool, k: int, tokens: int, pdl: bool = False, warps: int = SMALL_M_WARPS,
-                 batch: int = SMALL_M_BATCH, row_blocks: int = 1):
+                 batch: int = SMALL_M_BATCH, row_blocks: int = 1, residual_ahead: bool = False):
         # (1-3 tokens build too, for timing against the GEMV; the API sends those to the GEMV)
         if not 1 <= tokens <= SMALL_M_MAX_TOKENS or k % (SMALL_M_CHUNK * warps) or not 1 <= batch or row_blocks < 1:
             raise ValueError(f"the small-M GEMM takes 1..{SMALL_M_MAX_TOKENS} tokens, K % {SMALL_M_CHUNK * warps} "
@@ -237,6 +261,9 @@ class GemmSmallMSm80:
         self.tiles = -(-tokens // SMALL_M_TOKEN_TILE)
         # which loaded word each MMA register takes (read off the atom on the host)
         self.a_slots, self.b_slots, self.c_slots = small_m_slots()
+        # warp 0 reads the residual of the values it stores with the block's first weight
+        # batch, not after the warps' barrier (``GemvSm80.residual_ahead``; off)
+        self.residual_ahead = residual_ahead
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
@@ -302,6 +329,9 @@ class GemmSmallMSm80:
         """Rows ``row0 ..`` of y (16): the warp's slice of K in batches of chunks, then the
         warps' tiles added and stored (``store``)."""
         w_rows = self.weight_rows(mW, row0, lane // 4, k0, n)
+        ahead = None  # residual_ahead: warp 0's values' residuals (``store``'s order)
+        if cutlass.const_expr(mR is not None and self.residual_ahead):
+            ahead = residual_values(mR, self.stored_values(lane, row0, n), warp == 0)
         step = SMALL_M_CHUNK * ELEM_BYTES  # bytes from one chunk of a row to the next
         accs = [cute.make_rmem_tensor(thr.partition_shape_C((SMALL_M_ROWS, SMALL_M_TOKEN_TILE)), Float32)
                 for _ in range(self.tiles)]
@@ -316,7 +346,19 @@ class GemmSmallMSm80:
             for j in cutlass.range_constexpr(self.batch):
                 for q in cutlass.range_constexpr(2):
                     self.mma_words(mma, thr, ws[j], xs[j], q, accs)
-        self.store(red, accs, mR, mY, warp, lane, row0, n)
+        self.store(red, accs, mR, mY, warp, lane, row0, n, ahead)
+
+    def stored_values(self, lane, row0, n):
+        """(token, row) of each value warp 0's ``lane`` stores, in ``store``'s order (clamped
+        into y: values past it are not stored)."""
+        g, quad = lane // 4, lane % 4
+        out = []
+        for t in range(self.tiles):
+            for v in range(4):
+                half, off = self.c_slots[v]
+                out.append((cutlass.min(SMALL_M_TOKEN_TILE * t + 2 * quad + off, self.tokens - 1),
+                            cutlass.min(row0 + g + 8 * half, n - 1)))
+        return out
 
     @cute.jit
     def mma_words(self, mma, thr, w_words, x_words, q, accs):
@@ -336,9 +378,9 @@ class GemmSmallMSm80:
             cute.gemm(mma, accs[t], frag_a[None, None, 0], frag_b[None, None, 0], accs[t])
 
     @cute.jit
-    def store(self, red, accs, mR, mY, warp, lane, row0, n):
-        """The warps' partial tiles added in shared memory; warp 0 rounds (adds the residual)
-        and stores the CTA's rows of each token."""
+    def store(self, red, accs, mR, mY, warp, lane, row0, n, ahead=None):
+        """The warps' partial tiles added in shared memory; warp 0 rounds (adds the residual,
+        ``ahead``'s if read already) and stores the CTA's rows of each token."""
         g, quad = lane // 4, lane % 4
         for t in cutlass.range_constexpr(self.tiles):
             for v in cutlass.range_constexpr(4):
@@ -355,7 +397,9 @@ class GemmSmallMSm80:
                     tok = SMALL_M_TOKEN_TILE * t + 2 * quad + off
                     if row < n and tok < self.tokens:
                         y = mY.element_type(s)
-                        if cutlass.const_expr(mR is not None):
+                        if cutlass.const_expr(ahead is not None):
+                            y = mY.element_type(y.to(Float32) + ahead[4 * t + v])
+                        elif cutlass.const_expr(mR is not None):
                             y = mY.element_type(y.to(Float32) + mR[tok, row].to(Float32))
                         mY[tok, row] = y
 
@@ -400,12 +444,12 @@ class SiluMulSm80:
 
 
 def compile_gemv(is_bf16: bool, k: int, tokens: int, has_bias: bool, options: str, pdl: bool = False,
-                 has_residual: bool = False):
+                 has_residual: bool = False, residual_ahead: bool = False):
     """Compile ``GemvSm80`` for every N (K and the token count compiled in; ``pdl`` for
     sm_90+, which also picks the load batch: ``batch_for``); ``has_bias`` its
     ``call_bias``, ``has_residual`` its ``call_residual`` (one or the other)."""
     x, w, y, r, stream = _fake_projection(is_bf16, k, tokens)
-    kernel = GemvSm80(is_bf16, k, tokens, batch_for(k, tokens, pdl), pdl)
+    kernel = GemvSm80(is_bf16, k, tokens, batch_for(k, tokens, pdl), pdl, residual_ahead=residual_ahead)
     assert not (has_bias and has_residual), "a bias or a residual"
     if has_bias:
         b = cute.runtime.make_fake_compact_tensor(cute_float16(is_bf16), (w.shape[0],), assumed_align=2)
@@ -430,11 +474,11 @@ def _fake_projection(is_bf16: bool, k: int, tokens: int):
 
 def compile_gemm_small_m(is_bf16: bool, k: int, tokens: int, options: str, pdl: bool = False,
                          has_residual: bool = False, warps: int = SMALL_M_WARPS, batch: int = SMALL_M_BATCH,
-                         row_blocks: int = 1):
+                         row_blocks: int = 1, residual_ahead: bool = False):
     """Compile ``GemmSmallMSm80`` for every N (K, the token count, the warps a CTA, the load
     batch and the row blocks a CTA compiled in); ``has_residual`` its ``call_residual``."""
     x, w, y, r, stream = _fake_projection(is_bf16, k, tokens)
-    kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl, warps, batch, row_blocks)
+    kernel = GemmSmallMSm80(is_bf16, k, tokens, pdl, warps, batch, row_blocks, residual_ahead)
     if has_residual:
         return cute.compile(kernel.call_residual, x, w, r, y, stream, options=options)
     return cute.compile(kernel, x, w, y, stream, options=options)

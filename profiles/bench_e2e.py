@@ -673,6 +673,7 @@ def run(args) -> dict:
         "optimum_quanto": quanto or "not installed",
         "transformers_packs_gqa": packs,
         "backend": backend,
+        "dense_residual_ahead": bd.dense.RESIDUAL_AHEAD,
         "model": model_info,
         "bandwidth": bw,
         "memory_budget_bytes": budget,
@@ -740,7 +741,12 @@ def main(argv=None) -> int:
                    help="memory cap for the fit check (default: the free memory; with --tiny, one that fits "
                         "a 4-bit cache but no 16-bit one at the last point)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed configurations")
+    p.add_argument("--dense-residual-ahead", action="store_true",
+                   help="the fused-residual dense kernels read the residual with the first weights "
+                        "(bitdecode.dense.RESIDUAL_AHEAD; an A/B of an option that is off by default)")
     args = p.parse_args(argv)
+    if args.dense_residual_ahead:
+        bd.dense.RESIDUAL_AHEAD = True
     if args.steps is None:
         args.steps = 3 if args.tiny else (10 if args.quick else 20)
     if args.warmup is None:

@@ -755,6 +755,35 @@ def test_sm90_early_loads_ptx(bits, keywords, tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("kernel", ["gemv", "small_m"])
+def test_dense_residual_ahead_ptx(kernel, arch, tmp_path):
+    """``residual_ahead``: the fused residual's 16-bit loads come before the first weight
+    load (the shipped kernels read it after the row's products); the products untouched; no
+    spill."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm80.dense import compile_gemm_small_m, compile_gemv
+
+    opts = jit.compile_options(arch, keep_ptx=True)
+    pdl = arch != "sm_80"
+
+    def build(ahead):
+        if kernel == "gemv":
+            return compile_gemv(True, 4096, 1, False, opts, pdl=pdl, has_residual=True, residual_ahead=ahead)
+        return compile_gemm_small_m(True, 4096, 8, opts, pdl=pdl, has_residual=True, residual_ahead=ahead)
+
+    shipped, ahead = (build(on).artifacts.PTX for on in (False, True))
+    weights = "ld.global.nc.L1::no_allocate.v4.u32"  # (the weights' stream loads)
+
+    def residual_before_weights(ptx):
+        return re.search(r"ld\.global\.(b16|u16)", ptx).start() < ptx.index(weights)
+
+    assert residual_before_weights(ahead) and not residual_before_weights(shipped)
+    for instr in ("fma.rn.f32", "mma.sync"):
+        assert ahead.count(instr) == shipped.count(instr), instr
+    assert ptxas.spill_bytes(ptxas.report(ahead, arch, tmp_path)) == 0
+
+
 def test_sm90_early_residual_ptx(tmp_path):
     """``early_residual``: the small grid's kernel (one CTA an SM) copies the residual
     block's first sub-tile (cp.async, 16-bit K and V rows) before its first wgmma, into a

@@ -219,6 +219,40 @@ def test_gpu_gemv_residual_is_torchs_add(dtype, tokens, n, k):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("tokens, n, k", [(1, 4096, 4096), (1, 4096, 14336), (2, 101, 256), (3, 101, 256),
+                                          (8, 4096, 4096), (16, 200, 512)])
+def test_gpu_residual_ahead_is_bit_equal(tokens, n, k, monkeypatch):
+    """``bitdecode.dense.RESIDUAL_AHEAD`` (the residual read with the first weights, in the
+    GEMV and the small-M GEMM): bit for bit the shipped kernels' results, and with the
+    previous kernel writing the residual (a torch add right before, in a CUDA graph whose
+    replays change it)."""
+    from bitdecode import jit
+
+    x, w, _ = _operands(tokens, n, k, torch.bfloat16, "cuda", False, None)
+    r = torch.randn(tokens, 1, n, device="cuda").mul(8).to(torch.bfloat16)
+    want = dense.linear(x[:, None], w, backend="kernel", residual=r)
+    monkeypatch.setattr(dense, "RESIDUAL_AHEAD", True)
+    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
+    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    assert torch.equal(dense.linear(x[:, None], w, backend="kernel", residual=r), want)
+    # the residual written by the kernel right before (programmatic launches overlap them)
+    base = r.clone()
+    step = lambda: dense.linear(x[:, None], w, backend="kernel", residual=base + 1)  # noqa: E731
+    out = step()
+    assert torch.equal(out, dense.linear(x[:, None], w, backend="kernel") + (base + 1))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for shift in (2.0, -3.0):
+        base.add_(shift)
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, dense.linear(x[:, None], w, backend="kernel") + (base + 1)), shift
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 1, 2 * 14336), (7, 2 * 14336), (3, 5, 2 * 512)])
 def test_gpu_silu_mul_is_torch_bit_for_bit(dtype, shape):
