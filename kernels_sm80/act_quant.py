@@ -35,7 +35,7 @@ from ..layouts import bitnet as fmt
 from .bitnet_ptx import WARP
 from .ptx import _asm, cvt_pack_x2, half_pair_to_f32, mul_rn, rcp_rn
 from .reduce import block_reduce
-from .tensors import cute_float16, wait_for_previous_kernel
+from .tensors import cute_float16, prefetch_run_l2, wait_for_previous_kernel
 
 THREADS = 128
 VEC = fmt.ACT_QUANT_VEC  # halves per 16-byte load
@@ -157,7 +157,7 @@ class RmsNormQuantSm80(ActQuantSm80):
     and ``s`` are exactly the quantizer's of this ``y``."""
 
     def __init__(self, is_bf16: bool, eps: float, norm_eps: float, gated: bool = False, quantize: bool = True,
-                 pdl: bool = False, residual: bool = False):
+                 pdl: bool = False, residual: bool = False, prefetch_weight: bool = False):
         super().__init__(is_bf16, eps)
         assert not (gated and residual), "one input transform: the gated product or the residual sum"
         self.norm_eps = norm_eps
@@ -167,6 +167,11 @@ class RmsNormQuantSm80(ActQuantSm80):
         # programmatic dependent launch (sm_90+): the next kernel (a projection's GEMV) is let
         # in at once, so it starts fetching its weights while this one-CTA-per-token kernel runs
         self.pdl = pdl
+        # The weight is read in pass 2, after the sum of squares' reduction: a global round
+        # trip (from HBM in a model step, whose weights stream through L2) between the two
+        # passes.  ``prefetch_weight`` asks L2 for it before the wait for the previous
+        # kernel (it never depends on it), so pass 2 finds it there.  Not measured yet: off
+        self.prefetch_weight = prefetch_weight
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
@@ -248,6 +253,8 @@ class RmsNormQuantSm80(ActQuantSm80):
         w_row = mW.iterator.toint()
         smem = cutlass.memory.SmemAllocator()
         s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
+        if const_expr(self.prefetch_weight):
+            prefetch_run_l2(w_row, Int64(k) * HALF_BYTES, tidx, THREADS)
         wait_for_previous_kernel(self.pdl)
 
         # pass 1: sum of squares (each square exact in fp32)
@@ -297,7 +304,7 @@ def compile_act_quant(is_bf16: bool, eps: float, options: str):
 
 
 def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str, gated: bool = False,
-                       quantize: bool = True, pdl: bool = False, residual: bool = False):
+                       quantize: bool = True, pdl: bool = False, residual: bool = False, prefetch_weight: bool = False):
     """Compile ``RmsNormQuantSm80`` for every M and every K % 8 == 0.  Without
     ``quantize``: its ``call_norm`` entry point, ``(x, w, y)`` only; with ``residual`` (and
     without ``quantize``) its ``call_add_norm``, ``(x, r, w, h, y)``."""
@@ -309,7 +316,7 @@ def compile_norm_quant(is_bf16: bool, eps: float, norm_eps: float, options: str,
     w = fake(dtype, (k,), assumed_align=16)
     y = fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize, pdl, residual)
+    kernel = RmsNormQuantSm80(is_bf16, eps, norm_eps, gated, quantize, pdl, residual, prefetch_weight)
     if residual:
         assert not quantize, "the residual sum's norm is the norm alone"
         r, h = (fake(dtype, (m, k), stride_order=(1, 0), assumed_align=16) for _ in range(2))

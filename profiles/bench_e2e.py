@@ -674,6 +674,7 @@ def run(args) -> dict:
         "transformers_packs_gqa": packs,
         "backend": backend,
         "dense_residual_ahead": bd.dense.RESIDUAL_AHEAD,
+        "norm_prefetch": bd.bitnet.NORM_PREFETCH,
         "model": model_info,
         "bandwidth": bw,
         "memory_budget_bytes": budget,
@@ -744,9 +745,14 @@ def main(argv=None) -> int:
     p.add_argument("--dense-residual-ahead", action="store_true",
                    help="the fused-residual dense kernels read the residual with the first weights "
                         "(bitdecode.dense.RESIDUAL_AHEAD; an A/B of an option that is off by default)")
+    p.add_argument("--norm-prefetch", action="store_true",
+                   help="the RMSNorm kernels ask L2 for their weight before waiting for the previous kernel "
+                        "(bitdecode.bitnet.NORM_PREFETCH; an A/B of an option that is off by default)")
     args = p.parse_args(argv)
     if args.dense_residual_ahead:
         bd.dense.RESIDUAL_AHEAD = True
+    if args.norm_prefetch:
+        bd.bitnet.NORM_PREFETCH = True
     if args.steps is None:
         args.steps = 3 if args.tiny else (10 if args.quick else 20)
     if args.warmup is None:

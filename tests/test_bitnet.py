@@ -902,6 +902,27 @@ def test_norm_quant_compiles(arch):
     assert ptx.count("st.global.v4.b32") == 2 * y_stores  # h in pass 1, y in pass 2
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_norm_prefetch_weight_ptx(arch):
+    """``prefetch_weight``: the norm kernels ask L2 for their weight's lines before the wait
+    for the previous kernel (sm_90a) / before pass 1 (sm_80), the shipped ones never; the
+    maths untouched."""
+    from bitdecode.kernels_sm80 import act_quant
+
+    for gated, quantize, residual in ((False, True, False), (True, True, False), (False, False, True)):
+        shipped, early = (_ptx(act_quant.compile_norm_quant(True, bn.ACT_EPS, 1e-5,
+                                                            jit.compile_options(arch, keep_ptx=True), gated, quantize,
+                                                            pdl=arch != "sm_80", residual=residual,
+                                                            prefetch_weight=on)) for on in (False, True))
+        assert "prefetch.global.L2" not in shipped and "prefetch.global.L2" in early
+        first_load = early.index("ld.global")
+        assert early.index("prefetch.global.L2") < first_load
+        if arch != "sm_80":
+            assert early.index("prefetch.global.L2") < early.index("griddepcontrol.wait")
+        for instr in ("rsqrt.approx.f32", "mul.rn.f32", "st.global.v4.b32", "ld.global"):
+            assert early.count(instr) == shipped.count(instr), (instr, gated, quantize, residual)
+
+
 def test_act_quant_kernel_maths():
     """The kernel's op sequence (max |x|, rcp.rn, mul.rn by 127, mul.rn, round to nearest
     even, clamp), in fp32 torch ops one rounding each, equals quantize_activation: torch
@@ -1374,6 +1395,41 @@ def test_gpu_add_rms_norm(dtype):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(h, r + x) and torch.equal(y, bn.rms_norm(r + x, w, 1e-5))
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_norm_prefetch_weight_is_bit_equal(monkeypatch):
+    """``bitdecode.bitnet.NORM_PREFETCH`` (the norm kernels' weight asked of L2 before the
+    wait): the same bits from rms_norm, add_rms_norm and rms_norm_quantize, widths whose
+    weight is not a whole number of L2 lines included, and in a graph behind the kernel
+    that writes their input."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    cases = []
+    for m, k in ((1, 4096), (8, 4096), (3, 1032), (2, 2560)):
+        x, r = ((torch.randn(m, k, generator=gen, device="cuda") * 3).to(torch.bfloat16) for _ in range(2))
+        w = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+        cases.append((x, r, w))
+
+    def run():
+        return [(bn.rms_norm(x, w, 1e-5, backend="kernel"), *bn.add_rms_norm(x, r, w, 1e-5, backend="kernel"),
+                 *bn.rms_norm_quantize(x, w, 1e-6, backend="kernel")) for x, r, w in cases]
+
+    want = run()
+    monkeypatch.setattr(bn, "NORM_PREFETCH", True)
+    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
+    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    for got_case, want_case in zip(run(), want):
+        for got, w_ in zip(got_case, want_case):
+            assert torch.equal(got, w_)
+    x, r, w = cases[1]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = bn.rms_norm(x + r, w, 1e-5)
+    r.add_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, bn.rms_norm(x + r, w, 1e-5, backend="kernel"))
 
 
 @pytest.mark.gpu
