@@ -50,7 +50,7 @@ from .combine import SplitMerge
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from .reduce import across_rows
-from .tensors import (aligned_ptr, assume_aligned, commit_length, first_page, one_token, page_after, page_of,
+from .tensors import (aligned_ptr, assume_aligned, commit_length, first_page, one_token, page_of,
                       split_tiles, wait_for_previous_kernel)
 
 NUM_WARPS = sm80.WARPS_N
@@ -307,9 +307,9 @@ class DecodeSm80(PackedDecodeConfig):
         # (the sequence length, which places the split's tiles, then their block-table
         # entries), and Q's waits on the length too.  ``early_loads`` issues Q's copy and
         # the sequence's first block-table entry (what every tile of an unpaged cache and
-        # the first page's tiles of a paged one take, ``page_after``) beside the length's
-        # load: one round trip less before the first tiles (as ``DecodeSm90``'s; not
-        # measured yet: off)
+        # the first page's tiles of a paged one take: ``page_of``'s ``first``) beside the
+        # length's load: one round trip less before the first tiles (as ``DecodeSm90``'s;
+        # not measured yet: off)
         self.early_loads = early_loads
         self.t = self.nr // NUM_WARPS  # tokens per warp per tile
         # 16-byte chunks of V rows those tokens span: one, or two of a 4-bit V tile (K2V4)
@@ -355,7 +355,7 @@ class DecodeSm80(PackedDecodeConfig):
         gq = mQ.shape[1] // mKr.shape[2]
 
         wait_for_previous_kernel(self.pdl)
-        first = None  # early_loads: the sequence's first block-table entry (``page_after``)
+        first = None  # early_loads: the sequence's first block-table entry (``page_of``'s ``first``)
         if const_expr(self.early_loads):
             first = first_page(mBlockTable, batch, mKp.shape[0])
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
@@ -482,10 +482,7 @@ class DecodeSm80(PackedDecodeConfig):
     def load_tile(self, mKp, mKs, mVp, mVs, mBlockTable, batch, head_kv, tile, stage, tid, first=None):
         """Packed tile ``tile`` into ``stage`` (every thread's share of its cp.asyncs);
         ``first``: the sequence's first block-table entry, loaded already (``early_loads``)."""
-        if const_expr(first is None):
-            page, off = page_of(mBlockTable, batch, tile * self.nr, mKp.shape[2], mKp.shape[0])
-        else:
-            page, off = page_after(mBlockTable, batch, tile * self.nr, mKp.shape[2], mKp.shape[0], first)
+        page, off = page_of(mBlockTable, batch, tile * self.nr, mKp.shape[2], mKp.shape[0], first)
         kp, vp, ks, vs = self.stage_tensors(stage)
         gkp = cute.local_tile(mKp[page, head_kv, None, None], (self.nr, 2 * self.wk), (off // self.nr, 0))
         copy_rows(assume_aligned(gkp), kp, tid, NUM_THREADS, 0, False)

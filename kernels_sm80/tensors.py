@@ -22,36 +22,43 @@ def assume_aligned(t: cute.Tensor, align_bytes: int = 16) -> cute.Tensor:
     return cute.make_tensor(ptr, t.layout)
 
 
-def page_of(block_table: cute.Tensor, batch, tok, page_size, num_pages=None):
+def clamp_page(page, num_pages):
+    """A block-table entry clamped into ``[0, num_pages)``: one unsigned min (an entry past
+    the cache, negative ones included, reads the last page)."""
+    return cutlass.Int32(cutlass.min(cutlass.Uint32(page), cutlass.Uint32(num_pages - 1)))
+
+
+def page_of(block_table: cute.Tensor, batch, tok, page_size, num_pages=None, first=None):
     """(page, offset in the page) of token ``tok`` of sequence ``batch`` (paged cache).
 
     The host rejects block tables with entries outside ``[0, num_pages)``; a table edited
     after that check must still not send a kernel outside the cache, so with ``num_pages``
-    such an entry reads the last page instead (one unsigned min)."""
+    such an entry reads the last page instead (``clamp_page``).  ``first``: the
+    sequence's first entry, loaded already (``first_page``, with ``num_pages``): tokens of
+    the first page then read no block table (``page_after``)."""
+    if first is not None:
+        return page_after(block_table, batch, tok, page_size, num_pages, first)
     slot = tok // page_size
     page = block_table[batch, slot]
     if num_pages is not None:
-        page = cutlass.Int32(cutlass.min(cutlass.Uint32(page), cutlass.Uint32(num_pages - 1)))
+        page = clamp_page(page, num_pages)
     return page, tok - slot * page_size
 
 
 def first_page(block_table: cute.Tensor, batch, num_pages):
-    """Sequence ``batch``'s first block-table entry, clamped as ``page_of`` clamps: its
-    address needs no sequence length, so a kernel may load it beside that length's load
-    (``page_after``)."""
+    """Sequence ``batch``'s first block-table entry, clamped: its address needs no sequence
+    length, so a kernel may load it beside that length's load (``page_of``'s ``first``)."""
     row = block_table.iterator + batch * block_table.stride[0]
-    page = load_here(row.toint())  # (a plain load would be sunk to its use, after the length's)
-    return cutlass.Int32(cutlass.min(cutlass.Uint32(page), cutlass.Uint32(num_pages - 1)))
+    return clamp_page(load_here(row.toint()), num_pages)  # (a plain load would be sunk to its use)
 
 
 @cute.jit
 def page_after(block_table: cute.Tensor, batch, tok, page_size, num_pages, first):
-    """``page_of`` (with ``num_pages``) where ``first`` is ``first_page``'s entry, loaded
-    already: tokens of the first page read no block table, the others as ``page_of``."""
+    """``page_of`` given the first page's entry: the table read only past the first page."""
     slot = tok // page_size
     page = first
     if slot != 0:
-        page = cutlass.Int32(cutlass.min(cutlass.Uint32(block_table[batch, slot]), cutlass.Uint32(num_pages - 1)))
+        page = clamp_page(block_table[batch, slot], num_pages)
     return page, tok - slot * page_size
 
 

@@ -73,7 +73,7 @@ from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
                                     split_params)
 from ..kernels_sm80.reduce import across_lanes, across_rows
-from ..kernels_sm80.tensors import (assume_aligned, first_page, page_after, page_of, split_coords, split_tiles,
+from ..kernels_sm80.tensors import (assume_aligned, first_page, page_of, split_coords, split_tiles,
                                     wait_for_previous_kernel)
 from ..layouts import packing, resources, sm80, sm90, sm100
 from ..layouts.packing import LN_2
@@ -236,7 +236,7 @@ class DecodeSm90(PackedDecodeConfig):
         # wait, beside the length's: Q's cp.async by the consumers, and the sequence's first
         # block-table entry, which every tile of an unpaged cache (one page a sequence) and
         # the first page's tiles of a paged one then take instead of reading the table
-        # (``page_after``).  One global round trip less before the first tile's loads, and
+        # (``page_of``'s ``first``).  One global round trip less before the first tile's loads, and
         # Q's under the length's (not measured yet: off)
         self.early_loads = early_loads
         # the scores' wgmma operand type: fp16 wherever K's scale is in Q, else the model's
@@ -582,7 +582,7 @@ class DecodeSm90(PackedDecodeConfig):
         sVs = storage.sVs.get_tensor(cute.make_layout((self.words_vs, self.num_stages)))
 
         wait_for_previous_kernel(self.pdl)
-        first = None  # early_loads: the sequence's first block-table entry (``page_after``)
+        first = None  # early_loads: the sequence's first block-table entry (``page_of``'s ``first``)
         if const_expr(self.early_loads):
             if warp_idx >= WARPS:  # (consume waits for it; the producer warps skip to their loads)
                 self.copy_q(mQ, storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner), mKr, batch, head_kv,
@@ -632,10 +632,7 @@ class DecodeSm90(PackedDecodeConfig):
         into it (a TMA box of K rows, one per V tile, bulk copies of both params);
         ``first``: the sequence's first block-table entry, loaded already (``early_loads``)."""
         tKs, tKg, tVs, tVg = views
-        if const_expr(first is None):
-            page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0])
-        else:
-            page, off = page_after(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0], first)
+        page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0], first)
         blk = off // self.nr
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)
