@@ -404,16 +404,16 @@ class DecodeSm90(PackedDecodeConfig):
         # the rings without fewer stages (the one-CTA-an-SM kernels of small grids); not in
         # the appending kernels, which store the new token into the block at the end (not
         # measured yet: off)
-        self.res_buffer = 2 * M_BLOCK * head_dim  # 16-bit K then V rows of the first sub-tile
+        self.res_tile = M_BLOCK * head_dim  # values of a residual sub-tile's K (or V) rows
         self.early_residual = early_residual and not append and (
-            num_stages * stage_smem + self.res_buffer * sm90.ELEM_BYTES <= budget)
+            num_stages * stage_smem + 2 * self.res_tile * sm90.ELEM_BYTES <= budget)
         self.producer_regs = PRODUCER_REGS[self.ctas_per_sm]
         if self.fold_k:
             self.producer_regs = max(self.producer_regs, VT_SCALER_REGS if v_slots else SCALER_REGS)
         self.consumer_regs = resources.consumer_registers(self.ctas_per_sm, WG, self.producer_regs,
                                                           consumers * WG, 256)
         # the residual sub-tile (64 tokens of K and of V, 16-bit) reuses the K / V rings
-        res_bytes = M_BLOCK * head_dim * 2
+        res_bytes = self.res_tile * sm90.ELEM_BYTES
         assert num_stages * self.bytes_kp >= res_bytes and num_stages * self.bytes_vp >= res_bytes
         assert num_stages * self.bytes_kp >= self.merge_smem_bytes  # (the K ring hosts the split merge)
 
@@ -480,7 +480,7 @@ class DecodeSm90(PackedDecodeConfig):
             if n > 1:
                 stash: cute.struct.MemRange[Float32, cute.cosize(self._stash_layout())]
             if self.early_residual:
-                sRes: cute.struct.Align[cute.struct.MemRange[self.dtype, self.res_buffer], 1024]
+                sRes: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * self.res_tile], 1024]  # K, V
 
         if not self.fold_k:
             return Storage
@@ -1687,20 +1687,14 @@ class DecodeSm90(PackedDecodeConfig):
         mma16 = sm80.make_mma(self.dtype)
         first = 0
         if const_expr(early is not None):
-            warpgroup.wait_group(0)  # the last packed PV product has read sP
-            self.fold(acc_o, acc_pv, pend)
-            if const_expr(pend is not None):
-                pend = Float32(1.0)  # the products from here on are 16-bit ones
+            pend = self.land_product(acc_o, acc_pv, pend)  # (the last packed one: it has read sP)
             cute.arch.cp_async_wait_group(0)
             self.bar(Barrier.EPI)  # every thread's rows of the early copy have landed
             self.residual_products(thr_s, thr_o, tSrQ, tOrP, sP, early[0], early[1], mma16, n_res, abs_first,
                                    acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp, lane, lim, zsum)
             first = 1
         for sub in cutlass.range(first, (n_res + M_BLOCK - 1) // M_BLOCK, unroll=1):
-            warpgroup.wait_group(0)  # the previous PV product has read sP and its V^T registers
-            self.fold(acc_o, acc_pv, pend)
-            if const_expr(pend is not None):
-                pend = Float32(1.0)  # the products from here on are 16-bit ones
+            pend = self.land_product(acc_o, acc_pv, pend)  # (it has read sP and its V^T registers)
             self.bar(Barrier.EPI)  # every warp is done with the previous sub-tile's smem
             self.copy_residual_rows((sK, sV), mKr, mVr, batch, head_kv, sub, n_res, tid)
             cute.arch.cp_async_wait_group(0)
@@ -1709,6 +1703,14 @@ class DecodeSm90(PackedDecodeConfig):
                                    abs_first + sub * M_BLOCK, acc_o, acc_pv, row_max, row_sum, scale_log2, red, warp,
                                    lane, lim, zsum)
         return pend
+
+    def land_product(self, acc_o, acc_pv, pend):
+        """Waits for the last P V product and folds it into O with its factor ``pend``;
+        returns the factor of the products after it (16-bit ones: 1, where ``pend`` is not
+        None)."""
+        warpgroup.wait_group(0)
+        self.fold(acc_o, acc_pv, pend)
+        return None if const_expr(pend is None) else Float32(1.0)
 
     def residual_tiles(self, k_ptr, v_ptr):
         """(sK, sV): one 64-token sub-tile of 16-bit K and V rows at ``k_ptr`` / ``v_ptr``,
@@ -1719,7 +1721,7 @@ class DecodeSm90(PackedDecodeConfig):
 
     def residual_buffers(self, ptr):
         """``early_residual``: (sK, sV) of the first sub-tile in its own buffer at ``ptr``."""
-        return self.residual_tiles(ptr, ptr + M_BLOCK * self.d)
+        return self.residual_tiles(ptr, ptr + self.res_tile)
 
     def copy_residual_rows(self, tiles, mKr, mVr, batch, head_kv, sub, n_res, tid):
         """cp.async of sub-tile ``sub`` of the ``n_res`` rows into ``tiles`` (rows past them
