@@ -110,26 +110,23 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
             store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]),
                       segment_scale(mWScale, row, e1, e2, e3), raw)
         else:
-            store_out(mOut.iterator.toint(), Int64(row), total, scales[fmt.TILE_N], scales[tidx], raw)
-
-
-SCALE_WORDS = fmt.TILE_N + 1  # ``copy_scales``: the stripe's rows' scales, then x's
+            store_out(mOut.iterator.toint(), Int64(row), total, scales[fmt.X_SCALE_WORD], scales[tidx], raw)
 
 
 @cute.jit
 def copy_scales(scales: cute.Tensor, mXScale: cute.Tensor, mWScale: cute.Tensor, stripe, tidx, e1: Int32, e2: Int32,
                 e3: Int32, rows: cutlass.Constexpr[bool] = True, x: cutlass.Constexpr[bool] = True):
     """``GemvConfig.early_scales``: threads 0-15 copy their row's segment scale into
-    ``scales`` (``SCALE_WORDS`` shared fp32 words; ``rows``), every thread x's into the last
+    ``scales`` (``fmt.make_scales_layout``; ``rows``), every thread x's into its word
     (the same word: a branch around it cost the unrolled register kernel 14 registers; ``x``:
     after the PDL wait, x's scale is the previous kernel's); cp.async of a word, committed:
     no register holds them and nobody waits until ``store_stripe``."""
     if cutlass.const_expr(rows):
         if tidx < fmt.TILE_N:
             seg = segment_of(stripe * fmt.TILE_N + tidx, e1, e2, e3)
-            cp_async_word(scales.iterator.toint() + tidx * 4, mWScale.iterator.toint() + Int64(seg) * 4)
+            cp_async_word((scales.iterator + tidx).toint(), (mWScale.iterator + seg).toint())
     if cutlass.const_expr(x):
-        cp_async_word(scales.iterator.toint() + fmt.TILE_N * 4, mXScale.iterator.toint())
+        cp_async_word((scales.iterator + fmt.X_SCALE_WORD).toint(), mXScale.iterator.toint())
     cute.arch.cp_async_commit_group()
 
 
@@ -262,7 +259,7 @@ class BitnetGemv:
         red = smem.allocate_tensor(Int32, fmt.make_row_sums_layout(MAX_WARPS), 16)
         scales = None  # early_scales: the shared words ``copy_scales`` fills
         if cutlass.const_expr(self.early_scales):  # (the rows' scales are weights: no wait; x's after it)
-            scales = smem.allocate_tensor(Float32, cute.make_layout(SCALE_WORDS), 16)
+            scales = smem.allocate_tensor(Float32, fmt.make_scales_layout(), 16)
             copy_scales(scales, mXScale, mWScale, stripe, tidx, e1, e2, e3, x=not self.pdl)
 
         if cutlass.const_expr(self.pdl):
