@@ -348,16 +348,20 @@ class GemmSmallMSm80:
                     self.mma_words(mma, thr, ws[j], xs[j], q, accs)
         self.store(red, accs, mR, mY, warp, lane, row0, n, ahead)
 
+    def value_coords(self, lane, row0, t: int, v: int):
+        """(token, row) of accumulator value ``v`` of token tile ``t`` of ``lane`` (rows from
+        ``row0``): where ``store`` puts it."""
+        half, off = self.c_slots[v]
+        return SMALL_M_TOKEN_TILE * t + 2 * (lane % 4) + off, row0 + lane // 4 + 8 * half
+
     def stored_values(self, lane, row0, n):
         """(token, row) of each value warp 0's ``lane`` stores, in ``store``'s order (clamped
         into y: values past it are not stored)."""
-        g, quad = lane // 4, lane % 4
         out = []
         for t in range(self.tiles):
             for v in range(4):
-                half, off = self.c_slots[v]
-                out.append((cutlass.min(SMALL_M_TOKEN_TILE * t + 2 * quad + off, self.tokens - 1),
-                            cutlass.min(row0 + g + 8 * half, n - 1)))
+                tok, row = self.value_coords(lane, row0, t, v)
+                out.append((cutlass.min(tok, self.tokens - 1), cutlass.min(row, n - 1)))
         return out
 
     @cute.jit
@@ -381,7 +385,6 @@ class GemmSmallMSm80:
     def store(self, red, accs, mR, mY, warp, lane, row0, n, ahead=None):
         """The warps' partial tiles added in shared memory; warp 0 rounds (adds the residual,
         ``ahead``'s if read already) and stores the CTA's rows of each token."""
-        g, quad = lane // 4, lane % 4
         for t in cutlass.range_constexpr(self.tiles):
             for v in cutlass.range_constexpr(4):
                 red[lane, 4 * t + v, warp] = accs[t][v]
@@ -392,9 +395,7 @@ class GemmSmallMSm80:
                     s = red[lane, 4 * t + v, 0]
                     for w in cutlass.range_constexpr(1, self.warps):
                         s = s + red[lane, 4 * t + v, w]
-                    half, off = self.c_slots[v]
-                    row = row0 + g + 8 * half
-                    tok = SMALL_M_TOKEN_TILE * t + 2 * quad + off
+                    tok, row = self.value_coords(lane, row0, t, v)
                     if row < n and tok < self.tokens:
                         y = mY.element_type(s)
                         if cutlass.const_expr(ahead is not None):
