@@ -25,6 +25,7 @@ from bitdecode import jit
 from bitdecode.layouts import bitnet as L
 
 import ptxas
+from kernel_builds import fresh_jit
 
 MODEL_SHAPES = list(bn.MODEL_SHAPES)
 # plus: a padded last batch at both unroll depths, long K (several batches), many stripes
@@ -1417,8 +1418,7 @@ def test_gpu_norm_prefetch_weight_is_bit_equal(monkeypatch):
 
     want = run()
     monkeypatch.setattr(bn, "NORM_PREFETCH", True)
-    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
-    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    fresh_jit(monkeypatch)
     for got_case, want_case in zip(run(), want):
         for got, w_ in zip(got_case, want_case):
             assert torch.equal(got, w_)

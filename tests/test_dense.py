@@ -8,6 +8,8 @@ import torch
 
 from bitdecode import dense
 
+from kernel_builds import fresh_jit
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HALF_ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # relative, normal range
 
@@ -226,14 +228,11 @@ def test_gpu_residual_ahead_is_bit_equal(tokens, n, k, monkeypatch):
     GEMV and the small-M GEMM): bit for bit the shipped kernels' results, and with the
     previous kernel writing the residual (a torch add right before, in a CUDA graph whose
     replays change it)."""
-    from bitdecode import jit
-
     x, w, _ = _operands(tokens, n, k, torch.bfloat16, "cuda", False, None)
     r = torch.randn(tokens, 1, n, device="cuda").mul(8).to(torch.bfloat16)
     want = dense.linear(x[:, None], w, backend="kernel", residual=r)
     monkeypatch.setattr(dense, "RESIDUAL_AHEAD", True)
-    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
-    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    fresh_jit(monkeypatch)
     assert torch.equal(dense.linear(x[:, None], w, backend="kernel", residual=r), want)
     # the residual written by the kernel right before (programmatic launches overlap them)
     base = r.clone()

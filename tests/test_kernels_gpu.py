@@ -24,6 +24,7 @@ from bitdecode import cache as cache_module
 from bitdecode import cli_selfcheck, dispatch, selfcheck
 from bitdecode.reference import kernel_tolerance
 
+from kernel_builds import built_with, fresh_jit
 from kvdata import kv, on_grid
 
 pytestmark = pytest.mark.gpu
@@ -503,26 +504,18 @@ def sm90_default_kernel_with(monkeypatch, keywords, attribute, every_variant=Fal
     Skips the test where the sm90 kernels do not run."""
     if not dispatch.runnable("sm90", DEV):
         pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
-    from bitdecode import jit
     from bitdecode.kernels_sm90 import backend as sm90
     from bitdecode.kernels_sm90 import decode as d90
 
     grid_keywords = sm90.grid_keywords
-    init = d90.DecodeSm90.__init__
-    built = []
 
     def with_keywords(fmt, fp16, head_dim, nh, variant):
         found = grid_keywords(fmt, fp16, head_dim, nh, variant)
         return {**found, **keywords} if variant == "" or every_variant else found
 
-    def recorded(self, *args, **kw):
-        init(self, *args, **kw)
-        built.append(getattr(self, attribute))
-
     monkeypatch.setattr(sm90, "grid_keywords", with_keywords)
-    monkeypatch.setattr(d90.DecodeSm90, "__init__", recorded)
-    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
-    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    built = built_with(monkeypatch, d90.DecodeSm90, {}, lambda kernel: getattr(kernel, attribute))
+    fresh_jit(monkeypatch)
     sm90._kernel_ctas_per_sm.cache_clear()
     try:
         yield built
@@ -585,19 +578,10 @@ def test_sm80_early_loads_match_reference(fmt, dtype, monkeypatch):
     lengths with residuals, paged and shuffled (tiles on the first page and past it), 1 / 3
     / automatic splits, against the reference; and the appending kernels bit-equal to
     append + decode."""
-    from bitdecode import jit
     from bitdecode.kernels_sm80 import decode as d80
 
-    init = d80.DecodeSm80.__init__
-    built = []
-
-    def with_early_loads(self, *args, **kw):
-        init(self, *args, **{**kw, "early_loads": True})
-        built.append(self.early_loads)
-
-    monkeypatch.setattr(d80.DecodeSm80, "__init__", with_early_loads)
-    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
-    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    built = built_with(monkeypatch, d80.DecodeSm80, {"early_loads": True}, lambda kernel: kernel.early_loads)
+    fresh_jit(monkeypatch)
     check_ragged(fmt, dtype, 8, seed=6, backend="sm80")
     if not fmt.fp4:  # (FP4 caches take the two calls: their K is written reordered)
         check_appending_steps("sm80", fmt, 4, [700, 1530], None, dtype)
@@ -611,23 +595,14 @@ def test_combine_hoist_loads_is_bit_equal(head_dim, splits, backend, monkeypatch
     the LSEs held in registers): outputs and LSEs bit-equal to the shipped combine's, at
     split counts below, at and past one CTA's threads (two LSEs a thread) and past the
     prefetched splits, ragged lengths with an empty sequence among them."""
-    from bitdecode import jit
     from bitdecode.kernels_sm80 import combine
 
     fmt = bd.KVFormat(4, "channel", 64)
     cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)
     q = torch.randn(3, 1, 8, head_dim, generator=torch.Generator().manual_seed(8)).half().to(DEV)
     shipped = bd.decode(q, cache, num_splits=splits, return_lse=True)
-    init = combine.CombineSm80.__init__
-    built = []
-
-    def hoisted(self, *args, **kw):
-        init(self, *args, **{**kw, "hoist_loads": True})
-        built.append(self.merger.ahead)
-
-    monkeypatch.setattr(combine.CombineSm80, "__init__", hoisted)
-    monkeypatch.setattr(jit, "KERNELS", jit.KernelCache())
-    monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")
+    built = built_with(monkeypatch, combine.CombineSm80, {"hoist_loads": True}, lambda kernel: kernel.merger.ahead)
+    fresh_jit(monkeypatch)  # (the shipped combine is in the cache)
     cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)  # (same)
     hoist = bd.decode(q, cache, num_splits=splits, return_lse=True)
     assert built and all(built), built
