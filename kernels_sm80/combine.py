@@ -59,6 +59,12 @@ class SplitMerge:
             (VEC, self.vecs, self.groups), stride=(1, VEC, VEC * self.vecs)))
         return s_w, s_red, s_acc
 
+    def weigh(self, lse, m_use, s_w, s):
+        """Split ``s``'s weight ``exp(lse - m_use)`` into ``s_w``; returns it."""
+        w = cute.math.exp2((lse - m_use) * LOG2_E, fastmath=True)
+        s_w[s] = w
+        return w
+
     @cute.jit
     def merge(self, mOp, mLp, mO, mL, b, h, smem, tid, sync=cute.arch.sync_threads):
         """Row ``(b, h)``: mOp (S, B, Hq, D) f32 and mLp (S, B, Hq) f32 -> mO (B, Hq, D)
@@ -91,14 +97,10 @@ class SplitMerge:
         if const_expr(ahead):
             for i in cutlass.range_constexpr(LSES_PER_THREAD):
                 if tid + i * NUM_THREADS < num_splits:
-                    w = cute.math.exp2((lses[i] - m_use) * LOG2_E, fastmath=True)
-                    s_w[tid + i * NUM_THREADS] = w
-                    total += w
+                    total += self.weigh(lses[i], m_use, s_w, tid + i * NUM_THREADS)
         else:
             for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
-                w = cute.math.exp2((mLp[s, b, h] - m_use) * LOG2_E, fastmath=True)
-                s_w[s] = w
-                total += w
+                total += self.weigh(mLp[s, b, h], m_use, s_w, s)
         total = block_reduce(total, s_red, tid, NUM_WARPS, False, sync)
         inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
         # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
