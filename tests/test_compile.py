@@ -48,6 +48,12 @@ def _sm90_decode_ptx(kernel, fmt: KVFormat, arch: str = "sm_90a") -> str:
                         options=jit.compile_options(arch, keep_ptx=True)).artifacts.PTX
 
 
+def _global_reads(ptx: str) -> list:
+    """The global loads and 16-byte cp.asyncs of ``ptx``, in order (``ld.global`` /
+    ``cp.async.cg``)."""
+    return re.findall(r"^\s*(ld\.global|cp\.async\.cg)", ptx, re.M)
+
+
 def _table_reads_skipped(ptx: str) -> bool:
     """Whether ``ptx`` reads the block table (``ld.global.b32``, tab-separated: not the
     early entry's inline load) and every read is jumped over by a predicated branch just
@@ -741,11 +747,8 @@ def test_sm90_early_loads_ptx(bits, keywords, tmp_path):
         start = ptx.index("griddepcontrol.wait")
         return ptx[start:ptx.index("setmaxnreg.dec", start)]
 
-    def loads(text):  # the global loads and cp.asyncs of ``text``, in order
-        return re.findall(r"^\s*(ld\.global|cp\.async\.cg)", text, re.M)
-
-    assert loads(prologue(shipped)) == ["ld.global"]  # the length only
-    assert loads(prologue(early))[:3] == ["cp.async.cg", "ld.global", "ld.global"]  # Q, the table, the length
+    assert _global_reads(prologue(shipped)) == ["ld.global"]  # the length only
+    assert _global_reads(prologue(early))[:3] == ["cp.async.cg", "ld.global", "ld.global"]  # Q, the table, the length
     # the loop's table reads are skipped on the first page: a branch around each of them
     assert _table_reads_skipped(early[early.index("setmaxnreg.dec"):]), "a tile's table read is not conditional"
     assert not _table_reads_skipped(shipped[shipped.index("setmaxnreg.dec"):])
@@ -828,11 +831,8 @@ def test_sm80_early_loads_ptx(arch, tmp_path):
                                                   pdl=arch != "sm_80", early_loads=on), fmt, arch)
                       for on in (False, True))
 
-    def memory_ops(ptx):  # the first global loads and cp.asyncs, in order
-        return re.findall(r"^\s*(ld\.global|cp\.async\.cg)", ptx, re.M)[:3]
-
-    assert memory_ops(shipped) == ["ld.global", "cp.async.cg", "ld.global"]  # the length, Q, a tile's entry
-    assert memory_ops(early) == ["ld.global", "ld.global", "cp.async.cg"]  # the table, the length, Q
+    assert _global_reads(shipped)[:3] == ["ld.global", "cp.async.cg", "ld.global"]  # the length, Q, a tile's entry
+    assert _global_reads(early)[:3] == ["ld.global", "ld.global", "cp.async.cg"]  # the table, the length, Q
     early_tiles, shipped_tiles = (ptx[ptx.index("cp.async.cg"):] for ptx in (early, shipped))  # (past the length)
     assert _table_reads_skipped(early_tiles) and not _table_reads_skipped(shipped_tiles)
     for instr in ("mma.sync", "lop3.b32", "ldmatrix"):
