@@ -125,14 +125,20 @@ def target_keywords(cls) -> set:
     return set(inspect.signature(cls.__init__).parameters) - {"self"}
 
 
-def known_keywords(backend: str) -> set:
-    """Every key a variant may set with ``--backend backend``."""
+def variant_classes(backend: str) -> tuple:
+    """The kernel classes a variant's keys go to with ``--backend backend``: its decode
+    kernel's and the split combine's."""
     import importlib
 
     from bitdecode.kernels_sm80.combine import CombineSm80
 
     module, cls_name = KERNEL_CLASSES[backend]
-    return target_keywords(getattr(importlib.import_module(module), cls_name)) | target_keywords(CombineSm80)
+    return getattr(importlib.import_module(module), cls_name), CombineSm80
+
+
+def known_keywords(backend: str) -> set:
+    """Every key a variant may set with ``--backend backend``."""
+    return set().union(*(target_keywords(cls) for cls in variant_classes(backend)))
 
 
 def with_keywords(self, init, keywords, *args, **kw):
@@ -142,15 +148,9 @@ def with_keywords(self, init, keywords, *args, **kw):
 
 def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backend: str = "sm90") -> List[dict]:
     """One variant, in this process: the rows of every (format, dtype, shape)."""
-    import importlib
-
     import torch
 
-    module, cls_name = KERNEL_CLASSES[backend]
-    from bitdecode.kernels_sm80.combine import CombineSm80
-
-    cls = getattr(importlib.import_module(module), cls_name)
-    for target in (cls, CombineSm80):
+    for target in variant_classes(backend):
         # every decode kernel of ``backend`` this process builds (the split heuristic reads
         # the CTAs per SM a variant is built for from the kernel's config) and every combine
         # kernel, each with the keywords of the variant that it takes
