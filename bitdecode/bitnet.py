@@ -319,8 +319,7 @@ def _norm_fn(x: torch.Tensor, eps: float, gated: bool = False, quantize: bool = 
         from .kernels_sm80 import act_quant
 
         return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated, quantize,
-                                            pdl=jit.has_pdl(arch), residual=residual,
-                                            **({"prefetch_weight": True} if prefetch else {}))
+                                            pdl=jit.has_pdl(arch), residual=residual, prefetch_weight=prefetch)
 
     return _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize, residual) + (("prefetch",) if prefetch
                                                                                           else ()), build)

@@ -196,7 +196,7 @@ def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens:
 
     def build():
         return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch),
-                            has_residual=has_residual, **({"residual_ahead": True} if ahead else {}))
+                            has_residual=has_residual, residual_ahead=ahead)
 
     key = ("gemv", arch, bf16, k, tokens, has_bias) + (("residual",) if has_residual else ()) + (
         ("ahead",) if ahead else ())
@@ -240,12 +240,10 @@ def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, bias: None = None,
     has_residual = residual is not None
     extra = {} if config is None else dict(zip(("warps", "batch", "row_blocks"), config))
     ahead = has_residual and RESIDUAL_AHEAD
-    if ahead:
-        extra["residual_ahead"] = True
 
     def build():
         return compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch), pdl=jit.has_pdl(arch),
-                                    has_residual=has_residual, **extra)
+                                    has_residual=has_residual, residual_ahead=ahead, **extra)
 
     fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, config) + (("ahead",) if ahead else ()),
                          build)
