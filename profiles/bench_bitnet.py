@@ -117,13 +117,18 @@ def gemv_variants(device) -> Dict[str, tuple]:
     (config, ``call(x, w, xs, ws) -> out`` running it)."""
     out = {}
     for cfg in bn.gemv_configs(device):
-        def call(x, w, xs, ws, cfg=cfg):
-            n = w.shape[0]
-            return bn._gemv_launch(x, w, xs, ws, [n, n, n], False, cfg)
-
         shape = ("bulk_x" if cfg.stage_x else "bulk") if cfg.bulk else f"unroll{cfg.unroll}" + ("_pin" if cfg.pin else "")
-        out[("pdl_" if cfg.pdl else "") + shape + "_us"] = (cfg, call)
+        out[("pdl_" if cfg.pdl else "") + shape + "_us"] = (cfg, gemv_call(cfg))
     return out
+
+
+def gemv_call(cfg) -> Callable:
+    """``call(x, w, xs, ws) -> out``: the GEMV run with configuration ``cfg`` (one segment)."""
+    def call(x, w, xs, ws):
+        n = w.shape[0]
+        return bn._gemv_launch(x, w, xs, ws, [n, n, n], False, cfg)
+
+    return call
 
 
 def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, variants=None) -> Dict[str, float]:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_bitnet import bench_gemv, gemv_variants, measure_roofline
+from bench_bitnet import bench_gemv, gemv_call, gemv_variants, measure_roofline
 from bench_gemm_variants import parse_shapes
 
 from bitdecode import bitnet as bn
@@ -59,8 +59,7 @@ def main(argv=None) -> int:
         shape_variants = dict(variants)
         if args.early_scales:  # the host's own pick with the scales read at the start
             early = dataclasses.replace(bn.gemv_config_for(device, n, k), early_scales=True)
-            shape_variants["host_es_us"] = (early, lambda x, w, xs, ws, cfg=early: bn._gemv_launch(
-                x, w, xs, ws, [w.shape[0]] * 3, False, cfg))
+            shape_variants["host_es_us"] = (early, gemv_call(early))
         row = bench_gemv(n, k, device, props.L2_cache_size, args.replays, roofline["bytes_per_s"], shape_variants)
         row["stripes_per_sm"] = n / 16 / props.multi_processor_count
         others = {name: us for name, us in row.items() if name.endswith("_us") and name != "bf16_us"}
