@@ -44,7 +44,11 @@ class SplitMerge:
         # trip), though nothing but the weights needs the LSEs first.  ``hoist_loads`` loads
         # a thread's first ``PREFETCH_PARTS`` splits' output vectors before the LSEs and keeps
         # its LSEs in registers: one round trip (the same sums in the same order: the
-        # outputs' bits do not change).  Not measured yet: off.
+        # outputs' bits do not change).  On by default in ``CombineSm80``: H200, fp16 GQA 4,
+        # one run, us, the late loads / hoisted (profiles/h200/variants_early_default_2c128.json,
+        # variants_sm80_early_default.json): sm90 2c128 B=1 N=4096 12.35 / 11.86, 4296 15.79 /
+        # 15.36, 131272 47.26 / 47.31; sm80 4c128 B=1 N=4096 11.84 / 11.36, 2t64 12.24 / 11.86;
+        # B=16 level (+-0.8 %).
         self.ahead = PREFETCH_PARTS if hoist_loads else 0
         # shared memory: split weights, the warps' reductions, the split groups' sums
         self.smem_bytes = 4 * (MAX_SPLITS + NUM_WARPS + VEC * self.vecs * self.groups)
@@ -139,7 +143,7 @@ class SplitMerge:
 
 
 class CombineSm80:
-    def __init__(self, dtype, head_dim: int, pdl: bool = False, hoist_loads: bool = False):
+    def __init__(self, dtype, head_dim: int, pdl: bool = False, hoist_loads: bool = True):
         self.dtype = dtype
         # programmatic dependent launch (sm_90+): the CTAs launch while the decode kernel
         # drains and wait for its partials (tensors.wait_for_previous_kernel)

@@ -20,9 +20,18 @@ from ..layouts import sm80, sm90
 
 
 # grid_variant's kernels: their DecodeSm90 keywords (the "small" grid's by format,
-# ``small_grid``: 4-bit leaves K's scale out of Q there, 2-bit keeps it)
-SMALL_GRID = {"consumers": 2, "fold_k": False}
-SMALL_GRID_2BIT = {"consumers": 2}
+# ``small_grid``: 4-bit leaves K's scale out of Q there, 2-bit keeps it).  The small grids
+# (B <= 2 at Hkv = 8) issue their first loads early (``early_loads``: Q and the first
+# block-table entry beside the length; ``early_residual``: the residual block's first
+# sub-tile beside Q; ``early_tiles``: the first tiles before Q o s, 2-bit's fold only).
+# H200, fp16 GQA 4, one run, us, without / with all three (+ the combine's hoisted loads;
+# profiles/h200/variants_early_issue_2c128.json, _4c128.json): 2-bit B=1 N=4096 13.34 /
+# 11.86, 4296 18.02 / 15.39, 131272 47.14 / 47.39; 4-bit 11.70 / 11.46, 12.61 / 12.10,
+# 55.50 / 54.64.  The default grid's kernels (two CTAs an SM) lost with them at B=16 N=64K
+# (2-bit 263.4 / 270.2, 4-bit 317.1 / 321.4), so they keep the late issue.
+EARLY_ISSUE = {"early_loads": True, "early_residual": True}
+SMALL_GRID = {"consumers": 2, "fold_k": False, **EARLY_ISSUE}
+SMALL_GRID_2BIT = {"consumers": 2, "early_tiles": True, **EARLY_ISSUE}
 VARIANTS = ("", "small")
 # splits per (sequence, KV head) the default kernel would need for a grid to count as small
 SMALL_GRID_SPLITS = 8

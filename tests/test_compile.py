@@ -163,16 +163,16 @@ def test_combine_ptx(arch):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_combine_hoist_loads_ptx(head_dim, monkeypatch, tmp_path):
-    """``CombineSm80(hoist_loads=True)``: every global load of the merge (the prefetched
-    partial vectors, the LSEs, once) comes before its first barrier, where the shipped
-    kernel loads the LSEs again and the partials after its reductions; no spill."""
+    """``CombineSm80(hoist_loads=True)``, the default: every global load of the merge (the
+    prefetched partial vectors, the LSEs, once) comes before its first barrier, where the
+    late form loads the LSEs again and the partials after its reductions; no spill."""
     from bitdecode.kernels_sm80 import combine
 
     init = combine.CombineSm80.__init__
-    shipped = kernels.compile_combine("sm_90a", cutlass.Float16, head_dim, keep_ptx=True).artifacts.PTX
-    monkeypatch.setattr(combine.CombineSm80, "__init__",
-                        lambda self, *a, **kw: init(self, *a, **{**kw, "hoist_loads": True}))
     hoisted = kernels.compile_combine("sm_90a", cutlass.Float16, head_dim, keep_ptx=True).artifacts.PTX
+    monkeypatch.setattr(combine.CombineSm80, "__init__",
+                        lambda self, *a, **kw: init(self, *a, **{**kw, "hoist_loads": False}))
+    late = kernels.compile_combine("sm_90a", cutlass.Float16, head_dim, keep_ptx=True).artifacts.PTX
 
     def lse_loads_after_first_barrier(ptx):  # (scalar loads: the partials are 16-byte vectors)
         return len(re.findall(r"ld\.global\.(?!v4)", ptx[ptx.index("bar.sync"):]))
@@ -180,8 +180,8 @@ def test_combine_hoist_loads_ptx(head_dim, monkeypatch, tmp_path):
     def partial_loads_before_first_barrier(ptx):
         return len(re.findall(r"ld\.global\.v4", ptx[:ptx.index("bar.sync")]))
 
-    assert lse_loads_after_first_barrier(shipped) == 1 and lse_loads_after_first_barrier(hoisted) == 0
-    assert partial_loads_before_first_barrier(shipped) == 0
+    assert lse_loads_after_first_barrier(late) == 1 and lse_loads_after_first_barrier(hoisted) == 0
+    assert partial_loads_before_first_barrier(late) == 0
     assert partial_loads_before_first_barrier(hoisted) == combine.PREFETCH_PARTS
     assert ptxas.spill_bytes(ptxas.report(hoisted, "sm_90a", tmp_path)) == 0
 
@@ -791,29 +791,31 @@ def test_sm90_early_residual_ptx(tmp_path):
     """``early_residual``: the small grid's kernel (one CTA an SM) copies the residual
     block's first sub-tile (cp.async, 16-bit K and V rows) before its first wgmma, into a
     buffer of its own; the default grid's kernels (two CTAs an SM: no room beside the rings)
-    and the appending ones do not take it; spill-free."""
+    and the appending ones do not take it; spill-free.  (The small grids take it by default:
+    ``kernels_sm90.backend.EARLY_ISSUE``.)"""
     from bitdecode.kernels_sm90.backend import small_grid
     from bitdecode.kernels_sm90.decode import DecodeSm90
 
     fmt = KVFormat(2, "channel", 128)
     small = small_grid(fmt, True, 128, 4)
-    shipped, early = (DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True,
-                                 early_residual=on, **small) for on in (False, True))
-    assert early.early_residual and early.ctas_per_sm == 1 and early.num_stages == shipped.num_stages
+    assert small["early_residual"]
+    late, early = (DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True,
+                              **{**small, "early_residual": on}) for on in (False, True))
+    assert early.early_residual and early.ctas_per_sm == 1 and early.num_stages == late.num_stages
     assert not DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True, consumers=1,
                           early_residual=True).early_residual  # (two CTAs an SM)
     assert not DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True, append=True,
-                          early_residual=True, **small).early_residual
-    shipped_ptx, early_ptx = (_sm90_decode_ptx(k, fmt) for k in (shipped, early))
+                          **small).early_residual
+    late_ptx, early_ptx = (_sm90_decode_ptx(k, fmt) for k in (late, early))
 
     def copies_before_first_mma(ptx):
         return ptx[:ptx.index("wgmma.mma_async")].count("cp.async.cg")
 
-    extra = early_ptx.count("cp.async.cg") - shipped_ptx.count("cp.async.cg")
-    assert extra > 0 and copies_before_first_mma(early_ptx) == copies_before_first_mma(shipped_ptx) + extra
-    assert early_ptx.count("lop3.b32") == shipped_ptx.count("lop3.b32")  # (the packed loop untouched)
+    extra = early_ptx.count("cp.async.cg") - late_ptx.count("cp.async.cg")
+    assert extra > 0 and copies_before_first_mma(early_ptx) == copies_before_first_mma(late_ptx) + extra
+    assert early_ptx.count("lop3.b32") == late_ptx.count("lop3.b32")  # (the packed loop untouched)
     # the first sub-tile's products, peeled out of the residual loop: 8 + 8 wgmmas at head dim 128
-    assert early_ptx.count("wgmma.mma_async") == shipped_ptx.count("wgmma.mma_async") + 16
+    assert early_ptx.count("wgmma.mma_async") == late_ptx.count("wgmma.mma_async") + 16
     report = ptxas.report(early_ptx, "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 

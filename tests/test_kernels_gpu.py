@@ -591,22 +591,29 @@ def test_sm80_early_loads_match_reference(fmt, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, splits", [(128, 3), (128, 21), (128, 130), (64, 40), (256, 9)])
 def test_combine_hoist_loads_is_bit_equal(head_dim, splits, backend, monkeypatch):
-    """``CombineSm80(hoist_loads=True)`` (the first partial vectors loaded before the LSEs,
-    the LSEs held in registers): outputs and LSEs bit-equal to the shipped combine's, at
-    split counts below, at and past one CTA's threads (two LSEs a thread) and past the
-    prefetched splits, ragged lengths with an empty sequence among them."""
+    """``CombineSm80(hoist_loads=True)``, the default (the first partial vectors loaded
+    before the LSEs, the LSEs held in registers): outputs and LSEs bit-equal to the late
+    form's, at split counts below, at and past one CTA's threads (two LSEs a thread) and
+    past the prefetched splits, ragged lengths with an empty sequence among them."""
     from bitdecode.kernels_sm80 import combine
 
     fmt = bd.KVFormat(4, "channel", 64)
-    cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)
     q = torch.randn(3, 1, 8, head_dim, generator=torch.Generator().manual_seed(8)).half().to(DEV)
-    shipped = bd.decode(q, cache, num_splits=splits, return_lse=True)
-    built = built_with(monkeypatch, combine.CombineSm80, {"hoist_loads": True}, lambda kernel: kernel.merger.ahead)
-    fresh_jit(monkeypatch)  # (the shipped combine is in the cache)
-    cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)  # (same)
-    hoist = bd.decode(q, cache, num_splits=splits, return_lse=True)
+
+    def run():  # (a fresh cache each time: the same bytes)
+        cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)
+        return bd.decode(q, cache, num_splits=splits, return_lse=True)
+
+    with monkeypatch.context() as m:
+        late_built = built_with(m, combine.CombineSm80, {"hoist_loads": False}, lambda kernel: kernel.merger.ahead)
+        fresh_jit(m)
+        late = run()
+    built = built_with(monkeypatch, combine.CombineSm80, {}, lambda kernel: kernel.merger.ahead)
+    fresh_jit(monkeypatch)  # (the late combine is not in this cache)
+    hoist = run()
+    assert late_built and not any(late_built), late_built
     assert built and all(built), built
-    for a, b in zip(shipped, hoist):
+    for a, b in zip(late, hoist):
         assert torch.equal(a, b)
 
 
