@@ -158,7 +158,9 @@ class GemvConfig:
     # The stripe's end loads x's scale and its rows' scales after the warps' reduction
     # barrier: a global round trip between the last sums and the stores, on every CTA's
     # path.  ``early_scales`` copies them into shared memory (``copy_scales``: cp.async,
-    # no register) right after the PDL wait.  Not measured yet: off.
+    # no register) right after the PDL wait.  Measured slower on every model shape (H200,
+    # one run, us, the host's kernel / with it, profiles/h200/gemv_sweep_early_scales.json:
+    # 3200 x 10240 4.13 / 5.13, 13824 x 2560 3.19 / 3.76, 2560 x 2560 1.91 / 1.96): off.
     early_scales: bool = False
 
     def __post_init__(self):

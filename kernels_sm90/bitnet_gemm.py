@@ -144,8 +144,12 @@ class WgmmaConfig:
     # The epilogue loads its rows' segment scales after the main loop's last barrier: a
     # global round trip between the last wgmma and the scaled stores, on every tile's path.
     # ``early_scales`` loads them before the main loop (two fp32 registers a consumer
-    # thread).  Not measured yet: off.
-    early_scales: bool = False
+    # thread).  H200, one run, us, the host's plan without / with
+    # (profiles/h200/gemm_variants_early_scales.json): M = 256 4800 x 3200 11.53 / 11.53,
+    # 2560 x 2560 6.74 / 6.48, 2560 x 6912 14.09 / 14.04, 13824 x 2560 20.55 / 20.33,
+    # 20480 x 3200 37.74 / 35.33; M = 1024 32.24 / 31.28, 13.99 / 14.33, 34.45 / 32.62,
+    # 66.89 / 63.21, 104.79 / 105.36.
+    early_scales: bool = True
 
     def __post_init__(self):
         assert self.block_m in (64, 96, 128, 192, 256) and self.warpgroups in (1, 2) and self.stages >= 2

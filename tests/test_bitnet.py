@@ -616,8 +616,9 @@ def test_sm90_gemv_compiles(unroll, pin, tmp_path):
 def test_early_scales_ptx(kind, tmp_path):
     """``early_scales`` (GEMV and sm90 GEMM): the scales the end of the kernel applies are
     read before its main work (the GEMV's by cp.async into shared memory, x's after the PDL
-    wait; the GEMM's rows' into registers), where the shipped kernels read them after their
-    last barrier / wgmma; the raw (int32) builds take no scale either way; no spill."""
+    wait; the GEMM's rows' into registers, its default), where the late builds read them
+    after their last barrier / wgmma; the raw (int32) builds take no scale either way; no
+    spill."""
     from bitdecode.kernels_sm80 import bitnet_gemv as v80
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
@@ -633,14 +634,14 @@ def test_early_scales_ptx(kind, tmp_path):
             return _ptx(v90.compile_bulk(cfg, 3200, jit.compile_options(arch, keep_ptx=True)))
         return _ptx(v80.compile_gemv(cfg, jit.compile_options(arch, keep_ptx=True)))
 
-    shipped, early = (build(dataclasses.replace(base, early_scales=on)) for on in (False, True))
+    late, early = (build(dataclasses.replace(base, early_scales=on)) for on in (False, True))
     scalar_loads = re.compile(r"ld\.global(\.nc)?\.(b32|f32|u32|s32)\s")
     if kind == "wgmma":  # the two rows' scales: after the last wgmma, or before the first
-        assert len(scalar_loads.findall(shipped[shipped.rindex("wgmma.mma_async"):])) == 2
+        assert len(scalar_loads.findall(late[late.rindex("wgmma.mma_async"):])) == 2
         assert not scalar_loads.findall(early[early.rindex("wgmma.mma_async"):])
         assert len(scalar_loads.findall(early[early.index("griddepcontrol.wait"):early.index("wgmma.mma_async")])) >= 2
     else:  # x's and the row's scale: after the reduction's barrier, or copied at the start
-        assert len(scalar_loads.findall(shipped[shipped.rindex("bar.sync"):])) == 2
+        assert len(scalar_loads.findall(late[late.rindex("bar.sync"):])) == 2
         assert not scalar_loads.findall(early[early.rindex("bar.sync"):])
         copies = [m.start() for m in re.finditer(r"cp\.async\.ca\.shared\.global \[[^]]*\], \[[^]]*\], 4;", early)]
         assert len(copies) == 2 and re.search(r"cp\.async\.wait_group\s+0;", early[copies[-1]:early.rindex("bar.sync")])
@@ -1248,13 +1249,14 @@ def check_wgmma_tiles(block_m, warpgroups, stages, ctas, raws, **fields):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("block_m,warpgroups,stages,ctas", [(96, 1, 6, 2), (64, 1, 7, 3), (192, 2, 4, 1)])
-def test_gpu_wgmma_gemm_early_scales(block_m, warpgroups, stages, ctas):
-    """``WgmmaConfig(early_scales=True)``, the rows' segment scales loaded before the main
-    loop: the bf16 outputs of whole, split and persistent tiles against the reference, as
-    ``test_gpu_wgmma_gemm_every_tile`` checks the shipped kernel's."""
+def test_gpu_wgmma_gemm_late_scales(block_m, warpgroups, stages, ctas):
+    """``WgmmaConfig(early_scales=False)``, the rows' segment scales loaded after the main
+    loop (the default loads them before it): the bf16 outputs of whole, split and persistent
+    tiles against the reference, as ``test_gpu_wgmma_gemm_every_tile`` checks the shipped
+    kernel's."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma needs Hopper")
-    check_wgmma_tiles(block_m, warpgroups, stages, ctas, (False,), early_scales=True)
+    check_wgmma_tiles(block_m, warpgroups, stages, ctas, (False,), early_scales=False)
 
 
 @pytest.mark.gpu
@@ -1416,6 +1418,8 @@ def test_gpu_norm_prefetch_weight_is_bit_equal(monkeypatch):
         return [(bn.rms_norm(x, w, 1e-5, backend="kernel"), *bn.add_rms_norm(x, r, w, 1e-5, backend="kernel"),
                  *bn.rms_norm_quantize(x, w, 1e-6, backend="kernel")) for x, r, w in cases]
 
+    monkeypatch.setattr(bn, "NORM_PREFETCH", False)  # (the default is on: build without it first)
+    fresh_jit(monkeypatch)
     want = run()
     monkeypatch.setattr(bn, "NORM_PREFETCH", True)
     fresh_jit(monkeypatch)
