@@ -303,10 +303,12 @@ def _norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool,
 
 
 # The norm kernels ask L2 for their weight before waiting for the previous kernel
-# (``kernels_sm80.act_quant.RmsNormQuantSm80.prefetch_weight``).  Not measured yet: off;
-# ``profiles/bench_e2e.py --norm-prefetch`` sets it for an A/B (read when a kernel is first
-# built: set it before the first call).
-NORM_PREFETCH = False
+# (``kernels_sm80.act_quant.RmsNormQuantSm80.prefetch_weight``): in a model step, whose
+# weights stream through L2, a round trip to HBM less between the norm's two passes
+# (measured with ``dense.RESIDUAL_AHEAD``, whose comment has the numbers).
+# ``profiles/bench_e2e.py --no-norm-prefetch`` clears it for an A/B (read when a kernel is
+# first built: set it before the first call).
+NORM_PREFETCH = True
 
 
 def _norm_fn(x: torch.Tensor, eps: float, gated: bool = False, quantize: bool = True, residual: bool = False):

@@ -113,10 +113,13 @@ def _tokens(x: torch.Tensor) -> int:
 # tokens except on large weights with more rows than columns (gate/up), cuBLAS otherwise.
 SMALL_M_AUTO_WEIGHTS = 6144 * 4096
 # The fused residual read with a row's first weights, not after its reduction
-# (``kernels_sm80.dense.GemvSm80.residual_ahead`` and the small-M GEMM's).  Not measured
-# yet: off; ``profiles/bench_e2e.py --dense-residual-ahead`` sets it for an A/B (read when a
+# (``kernels_sm80.dense.GemvSm80.residual_ahead`` and the small-M GEMM's): a global round
+# trip off the o_proj and down_proj of every layer.  With ``NORM_PREFETCH`` (H200, Llama-3.1-8B
+# shape, bd4-all graph step / roofline, without / with both,
+# profiles/h200/e2e_ahead_ab.json): B=1 N=128K 1.294 / 1.281, B=8 N=64K 1.294 / 1.279.
+# ``profiles/bench_e2e.py --no-dense-residual-ahead`` clears it for an A/B (read when a
 # kernel is first built: set it before the first call).
-RESIDUAL_AHEAD = False
+RESIDUAL_AHEAD = True
 SMALL_M_AUTO_MIN_TOKENS = 3
 
 

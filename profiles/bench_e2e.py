@@ -742,17 +742,17 @@ def main(argv=None) -> int:
                    help="memory cap for the fit check (default: the free memory; with --tiny, one that fits "
                         "a 4-bit cache but no 16-bit one at the last point)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed configurations")
-    p.add_argument("--dense-residual-ahead", action="store_true",
-                   help="the fused-residual dense kernels read the residual with the first weights "
-                        "(bitdecode.dense.RESIDUAL_AHEAD; an A/B of an option that is off by default)")
-    p.add_argument("--norm-prefetch", action="store_true",
-                   help="the RMSNorm kernels ask L2 for their weight before waiting for the previous kernel "
-                        "(bitdecode.bitnet.NORM_PREFETCH; an A/B of an option that is off by default)")
+    p.add_argument("--dense-residual-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the fused-residual dense kernels read the residual with the first weights "
+                        "(bitdecode.dense.RESIDUAL_AHEAD, on by default; --no-... for an A/B)")
+    p.add_argument("--norm-prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the RMSNorm kernels ask L2 for their weight before waiting for the previous "
+                        "kernel (bitdecode.bitnet.NORM_PREFETCH, on by default; --no-... for an A/B)")
     args = p.parse_args(argv)
-    if args.dense_residual_ahead:
-        bd.dense.RESIDUAL_AHEAD = True
-    if args.norm_prefetch:
-        bd.bitnet.NORM_PREFETCH = True
+    if args.dense_residual_ahead is not None:
+        bd.dense.RESIDUAL_AHEAD = args.dense_residual_ahead
+    if args.norm_prefetch is not None:
+        bd.bitnet.NORM_PREFETCH = args.norm_prefetch
     if args.steps is None:
         args.steps = 3 if args.tiny else (10 if args.quick else 20)
     if args.warmup is None:

@@ -225,11 +225,13 @@ def test_gpu_gemv_residual_is_torchs_add(dtype, tokens, n, k):
                                           (8, 4096, 4096), (16, 200, 512)])
 def test_gpu_residual_ahead_is_bit_equal(tokens, n, k, monkeypatch):
     """``bitdecode.dense.RESIDUAL_AHEAD`` (the residual read with the first weights, in the
-    GEMV and the small-M GEMM): bit for bit the shipped kernels' results, and with the
+    GEMV and the small-M GEMM): bit for bit the late read's results, and with the
     previous kernel writing the residual (a torch add right before, in a CUDA graph whose
     replays change it)."""
     x, w, _ = _operands(tokens, n, k, torch.bfloat16, "cuda", False, None)
     r = torch.randn(tokens, 1, n, device="cuda").mul(8).to(torch.bfloat16)
+    monkeypatch.setattr(dense, "RESIDUAL_AHEAD", False)  # (the default is on: build the late read first)
+    fresh_jit(monkeypatch)
     want = dense.linear(x[:, None], w, backend="kernel", residual=r)
     monkeypatch.setattr(dense, "RESIDUAL_AHEAD", True)
     fresh_jit(monkeypatch)
