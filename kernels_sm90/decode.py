@@ -108,9 +108,12 @@ V_SUB_ROOM = 2
 # ``v_subnormal``: a packed P V product's factor into O (the subnormal codes' 2^-24)
 V_SUB_FOLD = float(2 ** packing.SUBNORMAL_LOG2["fp16"])
 # ``v_subnormal=None`` takes the subnormal V codes wherever they apply only with this set.
-# Off: the zero sums' present form (``subnormal_factors``, centered in the zero sums) is
-# CPU-compiled but not yet GPU-run; the form the H200 measured (thirty-seventh session)
-# dropped whole tokens whose P^T underflowed (flat V tokens of large offset).
+# Off: the zero sums' present form (``subnormal_factors``, centered in the zero sums) with
+# room 2 misses the 1M-token test's tolerance with K per token (H200, fortieth session:
+# 0.00214 against 0.00206 at one split); room 0 passes but was slower at B=16 (2c128 N=64K:
+# 263.5 centered, 257.9 room 2, 272.6 room 0 us; profiles/h200/variants_v_subnormal_center.json).
+# The form the H200 measured first (thirty-seventh session) dropped whole tokens whose P^T
+# underflowed (flat V tokens of large offset).
 V_SUBNORMAL_AUTO = False
 # ``k_shift``: the B tile's rows stay under 2^K_SHIFT_LOG2, fp16's largest power of two (its
 # exponent bias), so their rounding to fp16 cannot reach infinity

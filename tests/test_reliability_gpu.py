@@ -349,12 +349,18 @@ def test_one_million_token_sequence(backend, fmt):
 
 @pytest.mark.parametrize("room", [0, 2])
 @pytest.mark.parametrize("fmt", [pytest.param(FMT2, id="2bit-token-g64"), pytest.param(FMT2C, id="2bit-channel-g128")])
-def test_one_million_tokens_v_subnormal(fmt, room, monkeypatch):
+def test_one_million_tokens_v_subnormal(fmt, room, monkeypatch, request):
     """The same sequence through the sm90 kernels (both grids) with V's 2-bit codes as
     fp16 subnormals (``DecodeSm90(v_subnormal=True)``, ``v_sub_room`` 0 and 2): raw codes
     of one sign over 2^20 tokens in one split are where a bias of the zero sums shows (one
-    form missed here by 2x on the H200, thirty-seventh session)."""
+    form missed here by 2x on the H200, thirty-seventh session).  The "h center" form with
+    room 2 misses it with K per token (H200, fortieth session, twice: 0.00214 against a
+    0.00206 tolerance at one split), which is why ``V_SUBNORMAL_AUTO`` stays off."""
     from test_kernels_gpu import sm90_default_kernel_with
+
+    if room == 2 and fmt is FMT2:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="v_sub_room=2 misses the 1M-token tolerance "
+                                                                  "with K per token (0.00214 > 0.00206, H200)"))
 
     keywords = {"v_subnormal": True, "v_sub_room": room}
     with sm90_default_kernel_with(monkeypatch, keywords, "v_subnormal", every_variant=True) as built:
