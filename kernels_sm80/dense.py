@@ -126,7 +126,7 @@ class GemvSm80:
         # ``call_residual`` reads a row's residual after its reduction: a global round trip
         # between the row's last sums and its store, on every warp's last stretch (and per
         # row, serially).  ``residual_ahead`` has lane 0 read it with the row's first weight
-        # batch (``residual_values``).  Not measured yet: off
+        # batch (``residual_values``).  On where ``bitdecode.dense.RESIDUAL_AHEAD`` (the default)
         self.residual_ahead = residual_ahead
         iters = k // ROW_STEP  # 16-byte vectors per lane per row
         self.batch = max(u for u in range(1, batch + 1) if iters % u == 0)  # no remainder batch

@@ -229,8 +229,9 @@ class DecodeSm90(PackedDecodeConfig):
         # With K's scale in Q the producer warpgroup scales each stage from Q, which the
         # consumers load after the sequence length: a global round trip before the barrier
         # that publishes it.  ``early_tiles`` issues the first ``lag`` tiles (which need no
-        # Q) before that barrier, so their loads run under Q's instead of after it (not
-        # measured yet: off; no effect without ``fold_k``)
+        # Q) before that barrier, so their loads run under Q's instead of after it (no
+        # effect without ``fold_k``; the host takes it for 2-bit's small grid:
+        # ``kernels_sm90.backend.EARLY_ISSUE`` has the measurements)
         self.early_tiles = early_tiles
         # Every kernel's first tile waits on two dependent global loads before its TMA
         # issue (the sequence length, which places the split's first tile, then that
@@ -240,7 +241,8 @@ class DecodeSm90(PackedDecodeConfig):
         # block-table entry, which every tile of an unpaged cache (one page a sequence) and
         # the first page's tiles of a paged one then take instead of reading the table
         # (``page_of``'s ``first``).  One global round trip less before the first tile's loads, and
-        # Q's under the length's (not measured yet: off)
+        # Q's under the length's (the host takes it for the small grids:
+        # ``kernels_sm90.backend.EARLY_ISSUE``)
         self.early_loads = early_loads
         # the scores' wgmma operand type: fp16 wherever K's scale is in Q, else the model's
         self.s_dtype = cutlass.Float16 if self.fold_k else dtype
@@ -405,8 +407,8 @@ class DecodeSm90(PackedDecodeConfig):
         # the first sub-tile into a buffer of its own right after Q (before its packed
         # tiles), so the first round trip runs under them.  Where that buffer fits beside
         # the rings without fewer stages (the one-CTA-an-SM kernels of small grids); not in
-        # the appending kernels, which store the new token into the block at the end (not
-        # measured yet: off)
+        # the appending kernels, which store the new token into the block at the end (the
+        # host takes it for the small grids: ``kernels_sm90.backend.EARLY_ISSUE``)
         self.res_tile = M_BLOCK * head_dim  # values of a residual sub-tile's K (or V) rows
         self.early_residual = early_residual and not append and (
             num_stages * stage_smem + 2 * self.res_tile * sm90.ELEM_BYTES <= budget)
