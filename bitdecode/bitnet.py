@@ -323,8 +323,7 @@ def _norm_fn(x: torch.Tensor, eps: float, gated: bool = False, quantize: bool = 
         return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated, quantize,
                                             pdl=jit.has_pdl(arch), residual=residual, prefetch_weight=prefetch)
 
-    return _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize, residual) + (("prefetch",) if prefetch
-                                                                                          else ()), build)
+    return _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize, residual, prefetch), build)
 
 
 def _norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, gated: bool, quantize: bool = True):

@@ -201,8 +201,7 @@ def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens:
         return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch),
                             has_residual=has_residual, residual_ahead=ahead)
 
-    key = ("gemv", arch, bf16, k, tokens, has_bias) + (("residual",) if has_residual else ()) + (
-        ("ahead",) if ahead else ())
+    key = ("gemv", arch, bf16, k, tokens, has_bias, has_residual, ahead)
     return jit.KERNELS.get(key, build), rows_per_warp(n, k, num_sms(device))
 
 
@@ -248,8 +247,7 @@ def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, bias: None = None,
         return compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch), pdl=jit.has_pdl(arch),
                                     has_residual=has_residual, residual_ahead=ahead, **extra)
 
-    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, config) + (("ahead",) if ahead else ()),
-                         build)
+    fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, config, ahead), build)
     y = torch.empty(tokens, weight.shape[0], dtype=x2.dtype, device=x2.device)
     if has_residual:
         fn(x2, weight, residual, y)

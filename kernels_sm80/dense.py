@@ -262,7 +262,7 @@ class GemmSmallMSm80:
         # which loaded word each MMA register takes (read off the atom on the host)
         self.a_slots, self.b_slots, self.c_slots = small_m_slots()
         # warp 0 reads the residual of the values it stores with the block's first weight
-        # batch, not after the warps' barrier (``GemvSm80.residual_ahead``; off)
+        # batch, not after the warps' barrier (``GemvSm80.residual_ahead``)
         self.residual_ahead = residual_ahead
 
     @cute.jit
