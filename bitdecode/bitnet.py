@@ -634,7 +634,7 @@ def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
         if cfg.bulk:  # the stripe kernel, compiled per K
             from .kernels_sm90 import bitnet_gemv as v90
 
-            if arch != "sm_90a" or not v90.bulk_fits(k, cfg.stage_x, cfg.early_scales):
+            if arch != "sm_90a" or not v90.bulk_fits(k, cfg.stage_x):
                 raise ValueError(f"the bulk-copy GEMV runs on sm_90a with a stripe that fits in shared memory, "
                                  f"got {arch} and K={k}")
             fn = _compile(("bitnet_gemv_bulk", arch, cfg, k), lambda: v90.compile_bulk(cfg, k, jit.compile_options(arch)))

@@ -45,9 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import (WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_of, segment_scale,
-                         store_out)
-from .ptx import cp_async_word
+from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out
 from .tensors import prefetch_run_l2, wait_holding, xor_words
 
 MAX_WARPS = 16
@@ -80,13 +78,11 @@ def fold_rows(acc: cute.Tensor) -> cute.Tensor:
 
 @cute.jit
 def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, lane, tidx, stripe, mXScale: cute.Tensor,
-                 mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr,
-                 scales=None):
+                 mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr):
     """A GEMV CTA's end, from each lane's accumulators and activation sum: the +2 code
     offset (``sum(w x) = sum(c x) - 2 sum(x)``, before the fold), the fold, the warps' row
     sums through ``red`` (16 rows x ``warps``: an int, or a launch argument) and the
-    stripe's 16 scaled outputs; ``scales``: the shared words ``copy_scales`` filled (the
-    rows' scales, then x's), else the scales are loaded here, after the barrier."""
+    stripe's 16 scaled outputs."""
     for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
         acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
     rows = fold_rows(acc)
@@ -94,8 +90,6 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
         base = fmt.chunk_row(lane % fmt.CHUNKS_PER_TILE)
         for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
             red[base + r, warp] = rows[r]
-    if cutlass.const_expr(scales is not None):
-        cute.arch.cp_async_wait_group(0)  # (this thread's scale copy, if it made one; the barrier publishes it)
     cute.arch.sync_threads()
     if tidx < fmt.TILE_N:
         total = Int32(0)
@@ -106,28 +100,8 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
             for w in cutlass.range(warps, unroll=1):
                 total = total + red[tidx, w]
         row = stripe * fmt.TILE_N + tidx
-        if cutlass.const_expr(scales is None):
-            store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]),
-                      segment_scale(mWScale, row, e1, e2, e3), raw)
-        else:
-            store_out(mOut.iterator.toint(), Int64(row), total, scales[fmt.X_SCALE_WORD], scales[tidx], raw)
-
-
-@cute.jit
-def copy_scales(scales: cute.Tensor, mXScale: cute.Tensor, mWScale: cute.Tensor, stripe, tidx, e1: Int32, e2: Int32,
-                e3: Int32, rows: cutlass.Constexpr[bool] = True, x: cutlass.Constexpr[bool] = True):
-    """``GemvConfig.early_scales``: threads 0-15 copy their row's segment scale into
-    ``scales`` (``fmt.make_scales_layout``; ``rows``), every thread x's into its word
-    (the same word: a branch around it cost the unrolled register kernel 14 registers; ``x``:
-    after the PDL wait, x's scale is the previous kernel's); cp.async of a word, committed:
-    no register holds them and nobody waits until ``store_stripe``."""
-    if cutlass.const_expr(rows):
-        if tidx < fmt.TILE_N:
-            seg = segment_of(stripe * fmt.TILE_N + tidx, e1, e2, e3)
-            cp_async_word((scales.iterator + tidx).toint(), (mWScale.iterator + seg).toint())
-    if cutlass.const_expr(x):
-        cp_async_word((scales.iterator + fmt.X_SCALE_WORD).toint(), mXScale.iterator.toint())
-    cute.arch.cp_async_commit_group()
+        w_scale = segment_scale(mWScale, row, e1, e2, e3)
+        store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, raw)
 
 
 # --------------------------------------------------------------------------------------
@@ -155,13 +129,6 @@ class GemvConfig:
     # registers, and the group loop rolled, so the CTAs are lighter still and more of them
     # fit an SM
     stage_x: bool = False
-    # The stripe's end loads x's scale and its rows' scales after the warps' reduction
-    # barrier: a global round trip between the last sums and the stores, on every CTA's
-    # path.  ``early_scales`` copies them into shared memory (``copy_scales``: cp.async,
-    # no register) right after the PDL wait.  Measured slower on every model shape (H200,
-    # one run, us, the host's kernel / with it, profiles/h200/gemv_sweep_early_scales.json:
-    # 3200 x 10240 4.13 / 5.13, 13824 x 2560 3.19 / 3.76, 2560 x 2560 1.91 / 1.96): off.
-    early_scales: bool = False
 
     def __post_init__(self):
         if self.stage_x and not self.bulk:
@@ -203,7 +170,6 @@ class BitnetGemv:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.pin = cfg.pin and cfg.pdl
-        self.early_scales = cfg.early_scales and not cfg.raw  # (raw sums take no scale)
 
     @cute.jit
     def __call__(
@@ -259,10 +225,6 @@ class BitnetGemv:
 
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Int32, fmt.make_row_sums_layout(MAX_WARPS), 16)
-        scales = None  # early_scales: the shared words ``copy_scales`` fills
-        if cutlass.const_expr(self.early_scales):  # (the rows' scales are weights: no wait; x's after it)
-            scales = smem.allocate_tensor(Float32, fmt.make_scales_layout(), 16)
-            copy_scales(scales, mXScale, mWScale, stripe, tidx, e1, e2, e3, x=not self.pdl)
 
         if cutlass.const_expr(self.pdl):
             # the next kernel's CTAs may take our SMs as soon as ours retire
@@ -297,8 +259,6 @@ class BitnetGemv:
                         wait_holding(xor_words(wv), w_lane)  # the weights in registers first
                     else:
                         cute.arch.griddepcontrol_wait()
-                    if cutlass.const_expr(self.early_scales):
-                        copy_scales(scales, mXScale, mWScale, stripe, tidx, e1, e2, e3, rows=False)
             for u in cutlass.range_constexpr(self.unroll):
                 xv.append(load_v4(x_lane + Int64(grps[u]) * fmt.GROUP_K, False, self.pdl))
             for u in cutlass.range_constexpr(self.unroll):
@@ -307,8 +267,7 @@ class BitnetGemv:
                     xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
                 accumulate_words(wv[u], x, acc)
 
-        store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw,
-                     scales)
+        store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw)
 
 
 def compile_gemv(cfg: GemvConfig, options: str):

@@ -242,12 +242,3 @@ def load_here(addr, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.b32 $0, [$1];", "=r,l",
                       side_effects=True, loc=loc, ip=ip))
 
-
-@dsl_user_op
-def cp_async_word(smem_addr, gmem_addr, *, loc=None, ip=None) -> None:
-    """``cp.async`` of the 4-byte word at global address ``gmem_addr`` to shared address
-    ``smem_addr`` (no register, no wait: the thread waits for its groups with
-    ``cp.async.wait_group``; commit it into one)."""
-    llvm.inline_asm(None, [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-                    "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

@@ -52,7 +52,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv,
-                                        copy_scales, launch_size, store_stripe, warps_for)
+                                        launch_size, store_stripe, warps_for)
 from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
 from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm, smem_ctas_per_sm
@@ -117,18 +117,16 @@ def bulk_warps(k: int) -> int:
 BULK_STRIPE_ALIGN = 128
 
 
-def bulk_storage(k: int, stage_x: bool = False, early_scales: bool = False):
+def bulk_storage(k: int, stage_x: bool = False):
     """The stripe kernel's shared memory at K columns: the mbarriers (the stripe's, x's), the
-    stripe, the warps' row sums, with ``early_scales`` the scales' words and with ``stage_x``
-    the activations (a plain Python struct, so the host can size it: ``bulk_smem_bytes``)."""
+    stripe, the warps' row sums and with ``stage_x`` the activations (a plain Python struct,
+    so the host can size it: ``bulk_smem_bytes``)."""
 
     @cute.struct
     class Storage:
         mbar: cute.struct.MemRange[cutlass.Int64, 2]
         sW: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, fmt.stripe_bytes(k)], BULK_STRIPE_ALIGN]
         red: cute.struct.Align[cute.struct.MemRange[Int32, fmt.row_sums_bytes(bulk_warps(k)) // 4], 16]
-        if early_scales:
-            scl: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, fmt.SCALE_WORDS], 16]
 
     if not stage_x:
         return Storage
@@ -141,14 +139,14 @@ def bulk_storage(k: int, stage_x: bool = False, early_scales: bool = False):
     return StagedStorage
 
 
-def bulk_smem_bytes(k: int, stage_x: bool = False, early_scales: bool = False) -> int:
+def bulk_smem_bytes(k: int, stage_x: bool = False) -> int:
     """The stripe kernel's shared memory at K columns (``bulk_storage``'s size)."""
-    return bulk_storage(k, stage_x, early_scales).size_in_bytes()
+    return bulk_storage(k, stage_x).size_in_bytes()
 
 
-def bulk_fits(k: int, stage_x: bool = False, early_scales: bool = False) -> bool:
+def bulk_fits(k: int, stage_x: bool = False) -> bool:
     """Whether the stripe kernel's shared memory at K columns fits in a CTA."""
-    return bulk_smem_bytes(k, stage_x, early_scales) <= HOPPER_CTA_SMEM_BYTES
+    return bulk_smem_bytes(k, stage_x) <= HOPPER_CTA_SMEM_BYTES
 
 
 def bulk_registers(k: int, stage_x: bool = False) -> int:
@@ -161,18 +159,18 @@ def bulk_registers(k: int, stage_x: bool = False) -> int:
     return 56 if bulk_warps(k) <= 7 else 64
 
 
-def bulk_ctas_per_sm(k: int, stage_x: bool = False, early_scales: bool = False) -> int:
+def bulk_ctas_per_sm(k: int, stage_x: bool = False) -> int:
     """Stripe-kernel CTAs resident on one SM: registers, warps, and the stripes' shared memory."""
     return min(ctas_per_sm(bulk_registers(k, stage_x), bulk_warps(k)),
-               smem_ctas_per_sm(bulk_smem_bytes(k, stage_x, early_scales)))
+               smem_ctas_per_sm(bulk_smem_bytes(k, stage_x)))
 
 
 def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
     """Waves of the stripe kernel ``cfg`` (``BULK`` or ``BULK_X``) over N / 16 stripes (0 if
     its shared memory does not fit)."""
-    if not bulk_fits(k, cfg.stage_x, cfg.early_scales):
+    if not bulk_fits(k, cfg.stage_x):
         return 0
-    return -(-(n // fmt.TILE_N) // (bulk_ctas_per_sm(k, cfg.stage_x, cfg.early_scales) * sms))
+    return -(-(n // fmt.TILE_N) // (bulk_ctas_per_sm(k, cfg.stage_x) * sms))
 
 
 # The stripe kernel pays from this many stripes an SM up.  H200, back to back in a CUDA
@@ -207,7 +205,7 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
         return None
     one_wave = [cfg for cfg in (BULK, BULK_X) if stripe_waves(cfg, n, k, sms) == 1]
     for cfg in one_wave:
-        if stripes <= (1 - BULK_FREE_SLOTS) * bulk_ctas_per_sm(k, cfg.stage_x, cfg.early_scales) * sms:
+        if stripes <= (1 - BULK_FREE_SLOTS) * bulk_ctas_per_sm(k, cfg.stage_x) * sms:
             return cfg
     if one_wave:
         return one_wave[0]
@@ -230,11 +228,10 @@ class BitnetGemvBulk:
     static."""
 
     def __init__(self, cfg: GemvConfig, k: int):
-        assert cfg.bulk and k % fmt.GROUP_K == 0 and bulk_fits(k, cfg.stage_x, cfg.early_scales), (cfg, k)
+        assert cfg.bulk and k % fmt.GROUP_K == 0 and bulk_fits(k, cfg.stage_x), (cfg, k)
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.stage_x = cfg.stage_x
-        self.early_scales = cfg.early_scales and not cfg.raw  # (raw sums take no scale)
         self.k = k
         self.groups = k // fmt.GROUP_K
         self.warps = bulk_warps(k)
@@ -259,7 +256,7 @@ class BitnetGemvBulk:
         q = lane % fmt.CHUNKS_PER_TILE
         tile = lane // fmt.CHUNKS_PER_TILE
 
-        storage = cutlass.memory.SmemAllocator().allocate(bulk_storage(self.k, self.stage_x, self.early_scales))
+        storage = cutlass.memory.SmemAllocator().allocate(bulk_storage(self.k, self.stage_x))
         base = storage.base if cutlass.const_expr(self.stage_x) else storage
         mbar = base.mbar.data_ptr()  # the stripe's, x's
         sW = base.sW.data_ptr()
@@ -276,10 +273,6 @@ class BitnetGemvBulk:
             ptx90.bulk_g2s(sW, mW.iterator + Int64(stripe) * Int64(self.stripe_bytes), self.stripe_bytes, mbar)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # x (and out) may be the previous kernel's
-        scales = None
-        if cutlass.const_expr(self.early_scales):  # (after the wait: x's scale is the previous kernel's)
-            scales = base.scl.get_tensor(fmt.make_scales_layout())
-            copy_scales(scales, mXScale, mWScale, stripe, tidx, e1, e2, e3)
         sX = None
         if cutlass.const_expr(self.stage_x):
             # after the wait: the async proxy reads what the previous grid wrote and flushed
@@ -299,7 +292,7 @@ class BitnetGemvBulk:
         else:
             xsum = self.batched_products(mbar, w_lane, mX.iterator.toint() + Int64(x_offset), warp, acc)
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
-                     self.raw, scales)
+                     self.raw)
 
     @cute.jit
     def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:

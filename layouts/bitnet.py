@@ -118,19 +118,6 @@ ACT_QUANT_VEC = dense.VEC  # 16-bit values per 16-byte load (the row kernels' ve
 # --------------------------------------------------------------------------------------
 
 
-# ``GemvConfig.early_scales``: a GEMV CTA's scales copied into shared memory at its start,
-# fp32 words: its TILE_N rows' segment scales (row r at word r), then x's scale
-X_SCALE_WORD = TILE_N
-SCALE_WORDS = TILE_N + 1
-
-
-def make_scales_layout():
-    """The early scales' shared words (``SCALE_WORDS``; x's at ``X_SCALE_WORD``)."""
-    import cutlass.cute as cute
-
-    return cute.make_layout(SCALE_WORDS)
-
-
 def make_row_sums_layout(warps):
     """A GEMV CTA's per-warp sums of its stripe's rows in shared memory: (TILE_N rows,
     ``warps``), a warp's 16 rows contiguous (the 16 storing threads read one row each)."""

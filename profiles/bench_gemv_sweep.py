@@ -14,16 +14,13 @@ shape's stripes (16-row CTAs) per SM.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
-from bench_bitnet import bench_gemv, gemv_call, gemv_variants, measure_roofline
+from bench_bitnet import bench_gemv, gemv_variants, measure_roofline
 from bench_gemm_variants import parse_shapes
-
-from bitdecode import bitnet as bn
 
 
 def main(argv=None) -> int:
@@ -33,8 +30,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, type=Path, help="folder for gemv_sweep[_TAG].json")
     p.add_argument("--tag", default="", help="file name suffix (a Python identifier)")
     p.add_argument("--replays", type=int, default=30, help="graph replays per configuration (default 30)")
-    p.add_argument("--early-scales", action="store_true",
-                   help="also time the host's configuration with early_scales=True (column host_es_us)")
     args = p.parse_args(argv)
     if args.tag and not args.tag.isidentifier():
         p.error(f"--tag must be a Python identifier, got {args.tag!r}")
@@ -56,18 +51,13 @@ def main(argv=None) -> int:
     variants = gemv_variants(device)
     rows = []
     for n, k in shapes:
-        shape_variants = dict(variants)
-        if args.early_scales:  # the host's own pick with the scales read at the start
-            early = dataclasses.replace(bn.gemv_config_for(device, n, k), early_scales=True)
-            shape_variants["host_es_us"] = (early, gemv_call(early))
-        row = bench_gemv(n, k, device, props.L2_cache_size, args.replays, roofline["bytes_per_s"], shape_variants)
+        row = bench_gemv(n, k, device, props.L2_cache_size, args.replays, roofline["bytes_per_s"], variants)
         row["stripes_per_sm"] = n / 16 / props.multi_processor_count
         others = {name: us for name, us in row.items() if name.endswith("_us") and name != "bf16_us"}
         best = min(others.items(), key=lambda kv: kv[1], default=(None, None))
         print(f"{n:>6} x {k:<6} {row['stripes_per_sm']:5.2f} stripes/SM  host {row['us']:6.2f} us  "
               f"best other {best[0]} {best[1] if best[1] is None else round(best[1], 2)}  "
-              f"bulk {row.get('pdl_bulk_us', float('nan')):6.2f}  bulk_x {row.get('pdl_bulk_x_us', float('nan')):6.2f}"
-              + (f"  host_es {row['host_es_us']:6.2f}" if "host_es_us" in row else ""),
+              f"bulk {row.get('pdl_bulk_us', float('nan')):6.2f}  bulk_x {row.get('pdl_bulk_x_us', float('nan')):6.2f}",
               flush=True)
         rows.append(row)
     name = f"gemv_sweep_{args.tag}.json" if args.tag else "gemv_sweep.json"
@@ -75,7 +65,6 @@ def main(argv=None) -> int:
     result = {
         "command": " ".join(["python3 profiles/bench_gemv_sweep.py", f"--shapes {args.shapes}", f"--out {args.out}",
                              *([f"--tag {args.tag}"] if args.tag else []),
-                             *(["--early-scales"] if args.early_scales else []),
                              *([f"--replays {args.replays}"] if args.replays != 30 else [])]),
         "device": props.name,
         "sms": props.multi_processor_count,
