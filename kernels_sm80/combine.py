@@ -76,9 +76,9 @@ class SplitMerge:
         the barrier of those threads (a next row on the same shared memory syncs first)."""
         s_w, s_red, s_acc = smem
         num_splits = mOp.shape[0]
+        vec, grp = tid % self.vecs, tid // self.vecs  # step 2's thread: (channel vector, split group)
         ahead = self.ahead
-        if const_expr(ahead):  # thread = (channel vector, split group), as in step 2
-            vec, grp = tid % self.vecs, tid // self.vecs
+        if const_expr(ahead):  # (step 2's first splits, loaded before the LSEs)
             early = cute.make_rmem_tensor((VEC, ahead), Float32)
             for i in cutlass.range_constexpr(ahead):
                 if grp + i * self.groups < num_splits:
@@ -108,9 +108,6 @@ class SplitMerge:
         total = block_reduce(total, s_red, tid, NUM_WARPS, False, sync)
         inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
         # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
-        if const_expr(not ahead):
-            vec = tid % self.vecs
-            grp = tid // self.vecs
         acc = cute.make_rmem_tensor((VEC,), Float32)
         acc.fill(0.0)
         for i in cutlass.range_constexpr(ahead):
