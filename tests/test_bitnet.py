@@ -884,22 +884,22 @@ def test_norm_quant_compiles(arch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_norm_prefetch_weight_ptx(arch):
     """``prefetch_weight``: the norm kernels ask L2 for their weight's lines before the wait
-    for the previous kernel (sm_90a) / before pass 1 (sm_80), the shipped ones never; the
+    for the previous kernel (sm_90a) / before pass 1 (sm_80), the late ones never; the
     maths untouched."""
     from bitdecode.kernels_sm80 import act_quant
 
     for gated, quantize, residual in ((False, True, False), (True, True, False), (False, False, True)):
-        shipped, early = (_ptx(act_quant.compile_norm_quant(True, bn.ACT_EPS, 1e-5,
-                                                            jit.compile_options(arch, keep_ptx=True), gated, quantize,
-                                                            pdl=arch != "sm_80", residual=residual,
-                                                            prefetch_weight=on)) for on in (False, True))
-        assert "prefetch.global.L2" not in shipped and "prefetch.global.L2" in early
+        late, early = (_ptx(act_quant.compile_norm_quant(True, bn.ACT_EPS, 1e-5,
+                                                         jit.compile_options(arch, keep_ptx=True), gated, quantize,
+                                                         pdl=arch != "sm_80", residual=residual,
+                                                         prefetch_weight=on)) for on in (False, True))
+        assert "prefetch.global.L2" not in late and "prefetch.global.L2" in early
         first_load = early.index("ld.global")
         assert early.index("prefetch.global.L2") < first_load
         if arch != "sm_80":
             assert early.index("prefetch.global.L2") < early.index("griddepcontrol.wait")
         for instr in ("rsqrt.approx.f32", "mul.rn.f32", "st.global.v4.b32", "ld.global"):
-            assert early.count(instr) == shipped.count(instr), (instr, gated, quantize, residual)
+            assert early.count(instr) == late.count(instr), (instr, gated, quantize, residual)
 
 
 def test_act_quant_kernel_maths():

@@ -706,23 +706,23 @@ def test_sm90_fold_k_bf16_ptx(monkeypatch, tmp_path):
 
 def test_sm90_early_tiles_ptx(tmp_path):
     """``early_tiles``: with K's scale in Q the producer's first TMA loads come before the
-    barrier that publishes Q (the shipped kernel issues them after it); spill-free, no
+    barrier that publishes Q (the late form issues them after it); spill-free, no
     serialized wgmmas, and the consumers' code untouched (the same wgmmas and lop3s)."""
     from bitdecode.kernels_sm90.decode import Barrier, DecodeSm90
 
     # (2-bit, GQA 4: one consumer, two CTAs an SM; Q's barrier is 256 threads)
-    shipped, early = (_sm90_decode_ptx(DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True,
-                                                  consumers=1, early_tiles=on), KVFormat(2, "channel", 128))
-                      for on in (False, True))
+    late, early = (_sm90_decode_ptx(DecodeSm90(cutlass.Float16, 2, "channel", 128, 128, 8, True, half_cols=True,
+                                               consumers=1, early_tiles=on), KVFormat(2, "channel", 128))
+                   for on in (False, True))
     q_barrier = re.compile(rf"bar.sync\s+{Barrier.q(1)}, 256;")
 
     def first_tile_before_q(ptx):
         return ptx.index("cp.async.bulk.tensor") < q_barrier.search(ptx).start()
 
-    assert first_tile_before_q(early) and not first_tile_before_q(shipped)
-    assert early.count("cp.async.bulk.tensor") == 2 * shipped.count("cp.async.bulk.tensor")  # (two issue sites)
+    assert first_tile_before_q(early) and not first_tile_before_q(late)
+    assert early.count("cp.async.bulk.tensor") == 2 * late.count("cp.async.bulk.tensor")  # (two issue sites)
     for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix"):
-        assert early.count(instr) == shipped.count(instr), instr
+        assert early.count(instr) == late.count(instr), instr
     report = ptxas.report(early, "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
@@ -734,26 +734,26 @@ def test_sm90_early_tiles_ptx(tmp_path):
 def test_sm90_early_loads_ptx(bits, keywords, tmp_path):
     """``early_loads``: right after the PDL wait the consumers issue Q's cp.async and the
     producer loads the sequence's first block-table entry, both before the sequence
-    length's load (the shipped kernel issues them once the length is in); in the tile loop
+    length's load (the late form issues them once the length is in); in the tile loop
     the block table is read only past the first page; spill-free, the consumers' code
     otherwise untouched."""
     from bitdecode.kernels_sm90.decode import DecodeSm90
 
     fmt = KVFormat(bits, "channel", 128)
-    shipped, early = (_sm90_decode_ptx(DecodeSm90(cutlass.Float16, bits, "channel", 128, 128, 8, True, pdl=True,
-                                                  early_loads=on, **keywords), fmt) for on in (False, True))
+    late, early = (_sm90_decode_ptx(DecodeSm90(cutlass.Float16, bits, "channel", 128, 128, 8, True, pdl=True,
+                                               early_loads=on, **keywords), fmt) for on in (False, True))
 
     def prologue(ptx):  # from the PDL wait to the producer's register hand-back
         start = ptx.index("griddepcontrol.wait")
         return ptx[start:ptx.index("setmaxnreg.dec", start)]
 
-    assert _global_reads(prologue(shipped)) == ["ld.global"]  # the length only
+    assert _global_reads(prologue(late)) == ["ld.global"]  # the length only
     assert _global_reads(prologue(early))[:3] == ["cp.async.cg", "ld.global", "ld.global"]  # Q, the table, the length
     # the loop's table reads are skipped on the first page: a branch around each of them
     assert _table_reads_skipped(early[early.index("setmaxnreg.dec"):]), "a tile's table read is not conditional"
-    assert not _table_reads_skipped(shipped[shipped.index("setmaxnreg.dec"):])
+    assert not _table_reads_skipped(late[late.index("setmaxnreg.dec"):])
     for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix", "cp.async.bulk.tensor"):
-        assert early.count(instr) == shipped.count(instr), instr
+        assert early.count(instr) == late.count(instr), instr
     report = ptxas.report(early, "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
@@ -762,7 +762,7 @@ def test_sm90_early_loads_ptx(bits, keywords, tmp_path):
 @pytest.mark.parametrize("kernel", ["gemv", "small_m"])
 def test_dense_residual_ahead_ptx(kernel, arch, tmp_path):
     """``residual_ahead``: the fused residual's 16-bit loads come before the first weight
-    load (the shipped kernels read it after the row's products); the products untouched; no
+    load (the late form reads it after the row's products); the products untouched; no
     spill."""
     from bitdecode import jit
     from bitdecode.kernels_sm80.dense import compile_gemm_small_m, compile_gemv
@@ -775,15 +775,15 @@ def test_dense_residual_ahead_ptx(kernel, arch, tmp_path):
             return compile_gemv(True, 4096, 1, False, opts, pdl=pdl, has_residual=True, residual_ahead=ahead)
         return compile_gemm_small_m(True, 4096, 8, opts, pdl=pdl, has_residual=True, residual_ahead=ahead)
 
-    shipped, ahead = (build(on).artifacts.PTX for on in (False, True))
+    late, ahead = (build(on).artifacts.PTX for on in (False, True))
     weights = "ld.global.nc.L1::no_allocate.v4.u32"  # (the weights' stream loads)
 
     def residual_before_weights(ptx):
         return re.search(r"ld\.global\.(b16|u16)", ptx).start() < ptx.index(weights)
 
-    assert residual_before_weights(ahead) and not residual_before_weights(shipped)
+    assert residual_before_weights(ahead) and not residual_before_weights(late)
     for instr in ("fma.rn.f32", "mma.sync"):
-        assert ahead.count(instr) == shipped.count(instr), instr
+        assert ahead.count(instr) == late.count(instr), instr
     assert ptxas.spill_bytes(ptxas.report(ahead, arch, tmp_path)) == 0
 
 
@@ -823,22 +823,22 @@ def test_sm90_early_residual_ptx(tmp_path):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_sm80_early_loads_ptx(arch, tmp_path):
     """``DecodeSm80(early_loads=True)``: the sequence's first block-table entry and the
-    length are loaded before Q's cp.async and the first tiles' (the shipped kernel loads the
+    length are loaded before Q's cp.async and the first tiles' (the late form loads the
     length alone first, and each tile's entry after it); tiles on the first page read no
     table; spill-free, the loop's MMAs and dequantization untouched."""
     from bitdecode.kernels_sm80.decode import DecodeSm80
 
     fmt = KVFormat(4, "channel", 128)
-    shipped, early = (_sm90_decode_ptx(DecodeSm80(cutlass.Float16, 4, "channel", 128, 128, 8, True,
-                                                  pdl=arch != "sm_80", early_loads=on), fmt, arch)
-                      for on in (False, True))
+    late, early = (_sm90_decode_ptx(DecodeSm80(cutlass.Float16, 4, "channel", 128, 128, 8, True,
+                                               pdl=arch != "sm_80", early_loads=on), fmt, arch)
+                   for on in (False, True))
 
-    assert _global_reads(shipped)[:3] == ["ld.global", "cp.async.cg", "ld.global"]  # the length, Q, a tile's entry
+    assert _global_reads(late)[:3] == ["ld.global", "cp.async.cg", "ld.global"]  # the length, Q, a tile's entry
     assert _global_reads(early)[:3] == ["ld.global", "ld.global", "cp.async.cg"]  # the table, the length, Q
-    early_tiles, shipped_tiles = (ptx[ptx.index("cp.async.cg"):] for ptx in (early, shipped))  # (past the length)
-    assert _table_reads_skipped(early_tiles) and not _table_reads_skipped(shipped_tiles)
+    early_tiles, late_tiles = (ptx[ptx.index("cp.async.cg"):] for ptx in (early, late))  # (past the length)
+    assert _table_reads_skipped(early_tiles) and not _table_reads_skipped(late_tiles)
     for instr in ("mma.sync", "lop3.b32", "ldmatrix"):
-        assert early.count(instr) == shipped.count(instr), instr
+        assert early.count(instr) == late.count(instr), instr
     report = ptxas.report(early, arch, tmp_path)
     assert ptxas.spill_bytes(report) == 0
 
