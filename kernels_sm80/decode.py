@@ -357,23 +357,19 @@ class DecodeSm80(PackedDecodeConfig):
         lane = tid % 32
         gq = mQ.shape[1] // mKr.shape[2]
 
+        sQ, union = self.shared_tensors()  # (a static allocation: no instruction)
         wait_for_previous_kernel(self.pdl)
         first = None  # early_loads: the sequence's first block-table entry (``page_of``'s ``first``)
         if const_expr(self.early_loads):
             first = first_page(mBlockTable, batch, mKp.shape[0])
         seqlen = self.sequence_length(mSeqlens, new, batch, num_splits, tid)
         if const_expr(self.early_loads):  # (issued beside the length's load, which it does not wait for)
-            sQ, union = self.shared_tensors()
             self.load_q(mQ, sQ, batch, head_kv, gq, tid)
             cute.arch.cp_async_commit_group()
         n_sink, n_rest = self.token_counts(seqlen)
         tile_begin, packed_end, has_residual, n_res = split_tiles(n_rest, self.nr, split_idx, num_splits,
                                                                   tail_weight)
         lim = self.causal_limits(seqlen, gq, lane)
-
-        # ---- shared memory --------------------------------------------------------
-        if const_expr(not self.early_loads):
-            sQ, union = self.shared_tensors()
 
         mma = sm80.make_mma(self.dtype)
         thr_mma = mma.get_slice(lane)
