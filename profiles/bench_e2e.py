@@ -20,7 +20,10 @@ change a decode step):
   ``StaticCache`` + SDPA with the query heads of a KV head packed as query rows, as newer
   transformers does it -- so the 16-bit baseline is the strongest either way;
 * ``quanto4`` / ``quanto2``: ``QuantizedCache(backend="quanto")``, eager (dequantizes the
-  whole cache every step), when optimum-quanto is importable, else recorded "not installed";
+  whole cache every step), when optimum-quanto is importable, else recorded "not installed"
+  (the H200 host has no optimum-quanto: its pure-Python wheel travels with the run, and its
+  CUDA extension builds with nvcc on first use, 86 s there; profiles/NOTES.md, forty-first
+  session);
 * ``bd4`` / ``bd2``: ``BitDecodingCache`` (K per channel, groups of 128), eager and
   CUDA-graph captured;
 * ``bd4-norms``: ``bd4`` with the model's RMSNorms replaced by one kernel each
