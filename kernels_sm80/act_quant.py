@@ -170,8 +170,8 @@ class RmsNormQuantSm80(ActQuantSm80):
         # The weight is read in pass 2, after the sum of squares' reduction: a global round
         # trip (from HBM in a model step, whose weights stream through L2) between the two
         # passes.  ``prefetch_weight`` asks L2 for it before the wait for the previous
-        # kernel (it never depends on it), so pass 2 finds it there.  On where
-        # ``bitdecode.bitnet.NORM_PREFETCH`` (the default)
+        # kernel (it never depends on it), so pass 2 finds it there.  The host builds it
+        # so while ``bitdecode.bitnet.NORM_PREFETCH`` is set (the default)
         self.prefetch_weight = prefetch_weight
 
     @cute.jit

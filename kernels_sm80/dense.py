@@ -110,6 +110,17 @@ def residual_values(mR: cute.Tensor, coords, mine) -> cute.Tensor:
     return vals
 
 
+def add_residual(y, mR: cute.Tensor, tok, row, ahead, j: int):
+    """The rounded 16-bit ``y`` plus the residual at (``tok``, ``row``) as torch adds it
+    (in fp32, rounded again): ``ahead[j]`` where ``residual_values`` read it already, else
+    read here (after the PDL wait: a coherent load); ``y`` itself without a residual."""
+    if cutlass.const_expr(ahead is not None):
+        return y.dtype(y.to(Float32) + ahead[j])
+    if cutlass.const_expr(mR is not None):
+        return y.dtype(y.to(Float32) + mR[tok, row].to(Float32))
+    return y
+
+
 class GemvSm80:
     """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])``, fp32 sums rounded once to the 16-bit
     dtype, for ``tokens`` rows of ``x``.  Arguments: ``x`` [tokens, K] (rows 16-byte aligned,
@@ -126,7 +137,8 @@ class GemvSm80:
         # ``call_residual`` reads a row's residual after its reduction: a global round trip
         # between the row's last sums and its store, on every warp's last stretch (and per
         # row, serially).  ``residual_ahead`` has lane 0 read it with the row's first weight
-        # batch (``residual_values``).  On where ``bitdecode.dense.RESIDUAL_AHEAD`` (the default)
+        # batch (``residual_values``).  The host builds it so while
+        # ``bitdecode.dense.RESIDUAL_AHEAD`` is set (the default)
         self.residual_ahead = residual_ahead
         iters = k // ROW_STEP  # 16-byte vectors per lane per row
         self.batch = max(u for u in range(1, batch + 1) if iters % u == 0)  # no remainder batch
@@ -190,12 +202,7 @@ class GemvSm80:
                 s = across_lanes(acc[i], WARP, operator.add)
                 if lane == 0:
                     if row < n:
-                        y = mY.element_type(s + bias)
-                        if cutlass.const_expr(ahead is not None):
-                            y = mY.element_type(y.to(Float32) + ahead[i])
-                        elif cutlass.const_expr(mR is not None):  # (read after the wait: a coherent load)
-                            y = mY.element_type(y.to(Float32) + mR[i, row].to(Float32))
-                        mY[i, row] = y
+                        mY[i, row] = add_residual(mY.element_type(s + bias), mR, i, row, ahead, i)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -397,12 +404,7 @@ class GemmSmallMSm80:
                         s = s + red[lane, 4 * t + v, w]
                     tok, row = self.value_coords(lane, row0, t, v)
                     if row < n and tok < self.tokens:
-                        y = mY.element_type(s)
-                        if cutlass.const_expr(ahead is not None):
-                            y = mY.element_type(y.to(Float32) + ahead[4 * t + v])
-                        elif cutlass.const_expr(mR is not None):
-                            y = mY.element_type(y.to(Float32) + mR[tok, row].to(Float32))
-                        mY[tok, row] = y
+                        mY[tok, row] = add_residual(mY.element_type(s), mR, tok, row, ahead, 4 * t + v)
 
 
 class SiluMulSm80:
