@@ -483,18 +483,24 @@ def gather_kv(
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: q ``[Hq, D]``, k/v ``[L, Hkv, D]`` -> (out ``[Hq, D]`` fp32, lse ``[Hq]``)."""
+    """One sequence: q ``[Hq, D]``, k/v ``[L, Hkv, D]`` -> (out ``[Hq, D]`` fp32, lse ``[Hq]``).
+
+    The sums run in float64, rounded to fp32 once: callers compare two reference decodes
+    of equal values bit for bit (a paged cache against a dense one), and with fp32 sums
+    through BLAS such a pair came out one fp16 ulp apart in 2 of ~16 runs on a loaded
+    2-core host (profiles/NOTES.md); a float64 sum's run-to-run wobble is far below an fp32
+    rounding step."""
     hq, d = q.shape
     hkv = k.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     if k.shape[0] == 0:
         return q.new_zeros(hq, d, dtype=torch.float32), q.new_full((hq,), -math.inf, dtype=torch.float32)
-    qg = q.float().view(hkv, hq // hkv, d)
-    s = torch.einsum("hgd,lhd->hgl", qg, k.float()) * scale
+    qg = q.double().view(hkv, hq // hkv, d)
+    s = torch.einsum("hgd,lhd->hgl", qg, k.double()) * scale
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
-    out = torch.einsum("hgl,lhd->hgd", p, v.float())
-    return out.reshape(hq, d), lse.reshape(hq)
+    out = torch.einsum("hgl,lhd->hgd", p, v.double())
+    return out.reshape(hq, d).float(), lse.reshape(hq).float()
 
 
 def decode(
