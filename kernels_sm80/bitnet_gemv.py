@@ -78,11 +78,13 @@ def fold_rows(acc: cute.Tensor) -> cute.Tensor:
 
 @cute.jit
 def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, lane, tidx, stripe, mXScale: cute.Tensor,
-                 mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr):
+                 mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr,
+                 early: cutlass.Constexpr = False, x_scale: Float32 = None, w_scale: Float32 = None):
     """A GEMV CTA's end, from each lane's accumulators and activation sum: the +2 code
     offset (``sum(w x) = sum(c x) - 2 sum(x)``, before the fold), the fold, the warps' row
     sums through ``red`` (16 rows x ``warps``: an int, or a launch argument) and the
-    stripe's 16 scaled outputs."""
+    stripe's 16 scaled outputs.  ``early``: the storing threads' ``x_scale`` / ``w_scale``
+    were loaded before (``early_scales``), else they are loaded here."""
     for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
         acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
     rows = fold_rows(acc)
@@ -100,8 +102,11 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
             for w in cutlass.range(warps, unroll=1):
                 total = total + red[tidx, w]
         row = stripe * fmt.TILE_N + tidx
-        w_scale = segment_scale(mWScale, row, e1, e2, e3)
-        store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]), w_scale, raw)
+        if cutlass.const_expr(early):
+            store_out(mOut.iterator.toint(), Int64(row), total, x_scale, w_scale, raw)
+        else:
+            store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]),
+                      segment_scale(mWScale, row, e1, e2, e3), raw)
 
 
 # --------------------------------------------------------------------------------------
@@ -129,10 +134,16 @@ class GemvConfig:
     # registers, and the group loop rolled, so the CTAs are lighter still and more of them
     # fit an SM
     stage_x: bool = False
+    # with bulk: the storing threads load x's scale and their row's segment scale right
+    # after the PDL wait (into registers, beside x's loads) instead of after the warps'
+    # reduction, where the loads put a global round trip between the sums and the stores
+    early_scales: bool = False
 
     def __post_init__(self):
         if self.stage_x and not self.bulk:
             raise ValueError("GemvConfig: stage_x applies to the stripe kernel (bulk=True) only")
+        if self.early_scales and not self.bulk:
+            raise ValueError("GemvConfig: early_scales applies to the stripe kernel (bulk=True) only")
 
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x

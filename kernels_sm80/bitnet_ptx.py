@@ -230,11 +230,9 @@ def store_out(out_base: Int64, index: Int64, acc: Int32, x_scale: Float32, w_sca
 
 
 @cute.jit
-def segment_scale(mWScale: cute.Tensor, row: Int32, e1: Int32, e2: Int32, e3: Int32) -> Float32:
-    """Scale of the fused segment (q/k/v, w1/w3) that ``row`` belongs to.
-
-    ``e1..e3`` are the cumulative row ends of segments 0..2 (``N`` where unused).
-    """
+def segment_of(row: Int32, e1: Int32, e2: Int32, e3: Int32) -> Int32:
+    """The fused segment (q/k/v, w1/w3) that ``row`` belongs to; ``e1..e3`` are the
+    cumulative row ends of segments 0..2 (``N`` where unused)."""
     seg = Int32(0)
     if row >= e1:
         seg = seg + 1
@@ -242,7 +240,13 @@ def segment_scale(mWScale: cute.Tensor, row: Int32, e1: Int32, e2: Int32, e3: In
         seg = seg + 1
     if row >= e3:
         seg = seg + 1
-    return Float32(mWScale[seg])
+    return seg
+
+
+@cute.jit
+def segment_scale(mWScale: cute.Tensor, row: Int32, e1: Int32, e2: Int32, e3: Int32) -> Float32:
+    """Scale of the fused segment that ``row`` belongs to (``segment_of``)."""
+    return Float32(mWScale[segment_of(row, e1, e2, e3)])
 
 
 @cute.jit

@@ -49,11 +49,12 @@ longer than one more wave.
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv,
                                         launch_size, store_stripe, warps_for)
-from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
+from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args, segment_of
+from ..kernels_sm80.ptx import load_here, u32_as_f32
 from ..layouts import bitnet as fmt
 from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm, smem_ctas_per_sm
 from . import ptx90
@@ -104,7 +105,15 @@ BULK_BATCH = 8
 # every group's shared loads: 47 registers)
 BULK_X_UNROLL = 2
 BULK = GemvConfig(pdl=True, bulk=True)
-BULK_X = GemvConfig(pdl=True, bulk=True, stage_x=True)
+# The staged form loads the scales its stores apply right after the PDL wait
+# (``early_scales``), not after the warps' reduction: faster on all eight model shapes (H200,
+# two alternating rounds, us, late / early: 2560 x 2560 2.29 / 2.07, 3840 x 2560 2.38 / 2.15,
+# 13824 x 2560 3.74 / 3.72, 2560 x 6912 3.27 / 3.15, 3200 x 3200 2.18 / 2.04, 4800 x 3200 3.20 /
+# 2.67, 3200 x 10240 4.46 / 4.06, 20480 x 3200 5.51 / 5.31; profiles/h200/gemv_es.json) at the
+# same residency (40 registers, 46 at K = 10240 where shared memory sets it).  The plain
+# stripe kernel keeps them late: early it lost at 13824 x 2560, the one model shape the host
+# gives it (3.24 -> 3.39 us), and won elsewhere (2560 x 6912 3.15 -> 2.66).
+BULK_X = GemvConfig(pdl=True, bulk=True, stage_x=True, early_scales=True)
 
 
 def bulk_warps(k: int) -> int:
@@ -213,6 +222,21 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     return BULK if 0 < waves < register_waves else None
 
 
+@cute.jit
+def early_scales(tidx, stripe, mXScale: cute.Tensor, mWScale: cute.Tensor, e1: Int32, e2: Int32, e3: Int32):
+    """(x's scale, the row's segment scale) for the stripe's 16 storing threads, loaded
+    where this is called (after the PDL wait: x's scale is the previous kernel's) by loads
+    with side effects, so that neither LLVM nor ptxas sinks them to their use after the
+    reduction's barrier; zero in the other threads."""
+    x_scale = Float32(0.0)
+    w_scale = Float32(0.0)
+    if tidx < fmt.TILE_N:
+        seg = segment_of(stripe * fmt.TILE_N + tidx, e1, e2, e3)
+        x_scale = u32_as_f32(load_here(mXScale.iterator.toint()))
+        w_scale = u32_as_f32(load_here(mWScale.iterator.toint() + Int64(seg) * 4))
+    return x_scale, w_scale
+
+
 class BitnetGemvBulk:
     """The GEMV of ``BitnetGemv`` (same arguments, same lane mapping, decode and reduction)
     with the weights read from shared memory: thread 0 of each CTA asks for its whole
@@ -232,6 +256,7 @@ class BitnetGemvBulk:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.stage_x = cfg.stage_x
+        self.early_scales = cfg.early_scales and not cfg.raw
         self.k = k
         self.groups = k // fmt.GROUP_K
         self.warps = bulk_warps(k)
@@ -273,6 +298,10 @@ class BitnetGemvBulk:
             ptx90.bulk_g2s(sW, mW.iterator + Int64(stripe) * Int64(self.stripe_bytes), self.stripe_bytes, mbar)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # x (and out) may be the previous kernel's
+        x_scale = Float32(0.0)
+        w_scale = Float32(0.0)
+        if cutlass.const_expr(self.early_scales):
+            x_scale, w_scale = early_scales(tidx, stripe, mXScale, mWScale, e1, e2, e3)
         sX = None
         if cutlass.const_expr(self.stage_x):
             # after the wait: the async proxy reads what the previous grid wrote and flushed
@@ -292,7 +321,7 @@ class BitnetGemvBulk:
         else:
             xsum = self.batched_products(mbar, w_lane, mX.iterator.toint() + Int64(x_offset), warp, acc)
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
-                     self.raw)
+                     self.raw, self.early_scales, x_scale, w_scale)
 
     @cute.jit
     def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:

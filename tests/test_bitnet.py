@@ -665,6 +665,13 @@ def test_sm90_gemv_bulk_compiles(k, stage_x, tmp_path):
     assert ctas_per_sm(used, v90.bulk_warps(k)) >= v90.bulk_ctas_per_sm(k, stage_x), rep[-1000:]
     assert stage_x or used <= v90.bulk_registers(k)
     assert v90.bulk_fits(k, stage_x) and not v90.bulk_fits(65536, stage_x)
+    # the scales the stores apply: the staged form (``early_scales``) loads x's and the row's
+    # right after the wait, with side effects so that they stay there, none after the
+    # reduction's barrier; the plain form loads them after it
+    scalar = re.compile(r"ld\.global(\.nc)?\.(b32|f32|u32|s32)\s")
+    last_bar = ptx.rindex("bar.sync")
+    assert len(scalar.findall(ptx[wait:last_bar])) == (2 if stage_x else 0)
+    assert len(scalar.findall(ptx[last_bar:])) == (0 if stage_x else 2)
 
 
 def test_sm90_gemv_config():
@@ -1066,6 +1073,55 @@ def test_gpu_gemv_every_config(n, k):
     for cfg in bn.gemv_configs("cuda"):
         out = bn._gemv_launch(x, wp, xs, torch.ones(1, device="cuda"), [n, n, n], True, cfg)
         assert torch.equal(out, ref), (cfg, (out - ref).abs().max())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n,k", [(4096 + 16, 2560), (3200, 10240), (272, 40960)])
+def test_gpu_gemv_early_scales(n, k):
+    """The stripe kernels that load their scales right after the PDL wait (``BULK_X``, and
+    ``BULK`` with ``early_scales``): bf16 outputs over three segments bit-equal to the plain
+    register kernel's, which loads them at its end; and behind the activation quantizer in a
+    CUDA graph whose input (so x's scale, the quantizer's output) changes between replays,
+    with the output poisoned before each: the scale is read after the wait, not before."""
+    from bitdecode.kernels_sm80 import bitnet_gemv as v80
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    if not v90.bulk_fits(k, True) or bn._arch(torch.device("cuda")) != "sm_90a":
+        pytest.skip("the stripe kernels run on sm_90a")
+    _, wp = _weights(n, k)
+    ws = torch.tensor([0.5, 1.25, 3.0], device="cuda")
+    seg = [n // 64 * 16, n // 32 * 16, n]
+    plain = v80.GemvConfig(unroll=4)
+    src = torch.randn(1, k, device="cuda") * 3
+
+    def want_of(x_in):
+        x, xs = bn.quantize_activation(x_in)
+        return bn._gemv_launch(x, wp, xs, ws, seg, False, plain)
+
+    for cfg in (v90.BULK_X, dataclasses.replace(v90.BULK, early_scales=True)):
+        assert cfg.early_scales
+        x, xs = bn.quantize_activation(src)
+        assert torch.equal(bn._gemv_launch(x, wp, xs, ws, seg, False, cfg), want_of(src)), cfg
+
+        def step(cfg=cfg):
+            xq, s = bn.quantize_activation(src)
+            return bn._gemv_launch(xq, wp, s, ws, seg, False, cfg)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for scale in (1.0, 7.0, 0.125):
+            src.mul_(scale)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want_of(src)), (cfg, scale)
 
 
 @pytest.mark.gpu
