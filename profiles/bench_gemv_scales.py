@@ -1,0 +1,93 @@
+"""The BitNet GEMV's stripe kernels with their scales loaded late (after the warps'
+reduction, before the stores) and early (right after the PDL wait: ``GemvConfig.early_scales``),
+beside the host's pick, on the eight model shapes, in one run::
+
+    python3 profiles/bench_gemv_scales.py --out profiles/h200
+
+First each form's bf16 outputs over three segments (and its raw int32 sums) are checked
+bit-equal to the host's kernel; then each is timed as ``bench_bitnet`` times a GEMV (CUDA-graph
+replay of back-to-back calls over weight copies >= 4 x L2, median of 30) in two rounds, the
+second in the reverse order, so drift between them shows.  Writes ``<out>/gemv_scales.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def forms():
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    late_x = dataclasses.replace(v90.BULK_X, early_scales=False)
+    early = dataclasses.replace(v90.BULK, early_scales=True)
+    return {"bulk": v90.BULK, "bulk_es": early, "bulk_x_late": late_x, "bulk_x_es": dataclasses.replace(late_x, early_scales=True)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="folder for gemv_scales.json")
+    p.add_argument("--replays", type=int, default=30, help="graph replays per form and round (default 30)")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_gemv_scales needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from bench_bitnet import copies_for, gemv_bytes, gemv_call, graph_time_us, measure_roofline
+
+    from bitdecode import bitnet as bn
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if bn._arch(dev) != "sm_90a":
+        print("bench_gemv_scales: the stripe kernels run on sm_90a", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    roof = measure_roofline(dev, args.replays)["bytes_per_s"]
+    rows = []
+    for n, k in bn.MODEL_SHAPES:
+        gen = torch.Generator(device=dev).manual_seed(n + k)
+        packed = bn.pack_weight(torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=dev))
+        copies = copies_for(packed.numel(), l2)
+        packs = [packed.clone() for _ in range(copies)]
+        x, xs = bn.quantize_activation(torch.randn(1, k, generator=gen, device=dev))
+        ws = torch.rand(3, device=dev) + 0.5
+        seg = [n // 4, n // 2, n]
+        host = bn.gemv_config_for(dev, n, k)
+        mine = {name: cfg for name, cfg in forms().items() if v90.bulk_fits(k, cfg.stage_x)}
+        ok = True
+        for cfg in mine.values():
+            for raw in (False, True):
+                got = bn._gemv_launch(x, packed, xs, ws, seg, raw, cfg)
+                ok &= bool(torch.equal(got, bn._gemv_launch(x, packed, xs, ws, seg, raw, None)))
+        row = {"n": n, "k": k, "host": repr(host), "bit_equal": ok, "roofline_us": gemv_bytes(n, k) / roof * 1e6}
+        order = [("host", host)] + list(mine.items())
+        for rnd in range(2):
+            for name, cfg in (order if rnd == 0 else order[::-1]):
+                call = gemv_call(cfg)
+                calls = [(lambda q=packs[i % copies], call=call: call(x, q, xs, ws)) for i in range(max(copies, 32))]
+                row.setdefault(name + "_us", []).append(graph_time_us(calls, args.replays))
+        print(f"{n:>6} x {k:<6} {'bit-equal' if ok else 'MISMATCH'} " + "  ".join(
+            f"{key[:-3]} {'/'.join(f'{t:.2f}' for t in v)}" for key, v in row.items() if key.endswith("_us")
+            and key != "roofline_us"), flush=True)
+        rows.append(row)
+        del packs
+        torch.cuda.empty_cache()
+    res = {"command": "python3 profiles/bench_gemv_scales.py " + " ".join(argv or sys.argv[1:]),
+           "gpu": torch.cuda.get_device_name(dev), "method": __doc__, "roofline_bytes_per_s": roof, "rows": rows,
+           "seconds": time.perf_counter() - started}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemv_scales.json").write_text(json.dumps(res, indent=1))
+    return 0 if all(r["bit_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())
