@@ -45,7 +45,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..layouts import bitnet as fmt
-from .bitnet_ptx import WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_scale, store_out
+from .bitnet_ptx import (WARP, dp4a_ss, dp4a_us, load_v4, lop3_and, matmul_fake_args, segment_of, segment_scale,
+                         store_out)
+from .ptx import load_here, u32_as_f32
 from .tensors import prefetch_run_l2, wait_holding, xor_words
 
 MAX_WARPS = 16
@@ -74,6 +76,21 @@ def fold_rows(acc: cute.Tensor) -> cute.Tensor:
             s = s + cute.arch.shuffle_sync_bfly(s, offset=(2, 8, 16)[mask])
         rows[r] = s
     return rows
+
+
+@cute.jit
+def early_scales(tidx, stripe, mXScale: cute.Tensor, mWScale: cute.Tensor, e1: Int32, e2: Int32, e3: Int32):
+    """(x's scale, the row's segment scale) for the stripe's 16 storing threads, loaded
+    where this is called (after the PDL wait: x's scale is the previous kernel's) by loads
+    with side effects, so that neither LLVM nor ptxas sinks them to their use after the
+    reduction's barrier; zero in the other threads."""
+    x_scale = Float32(0.0)
+    w_scale = Float32(0.0)
+    if tidx < fmt.TILE_N:
+        seg = segment_of(stripe * fmt.TILE_N + tidx, e1, e2, e3)
+        x_scale = u32_as_f32(load_here(mXScale.iterator.toint()))
+        w_scale = u32_as_f32(load_here(mWScale.iterator.toint() + Int64(seg) * 4))
+    return x_scale, w_scale
 
 
 @cute.jit
@@ -134,16 +151,16 @@ class GemvConfig:
     # registers, and the group loop rolled, so the CTAs are lighter still and more of them
     # fit an SM
     stage_x: bool = False
-    # with bulk: the storing threads load x's scale and their row's segment scale right
-    # after the PDL wait (into registers, beside x's loads) instead of after the warps'
+    # with pdl: the storing threads load x's scale and their row's segment scale right after
+    # the PDL wait (into registers, beside x's loads) instead of after the warps'
     # reduction, where the loads put a global round trip between the sums and the stores
     early_scales: bool = False
 
     def __post_init__(self):
         if self.stage_x and not self.bulk:
             raise ValueError("GemvConfig: stage_x applies to the stripe kernel (bulk=True) only")
-        if self.early_scales and not self.bulk:
-            raise ValueError("GemvConfig: early_scales applies to the stripe kernel (bulk=True) only")
+        if self.early_scales and not self.pdl:
+            raise ValueError("GemvConfig: early_scales loads the scales after the PDL wait (pdl=True) only")
 
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x
@@ -181,6 +198,7 @@ class BitnetGemv:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.pin = cfg.pin and cfg.pdl
+        self.early_scales = cfg.early_scales and cfg.pdl and not cfg.raw
 
     @cute.jit
     def __call__(
@@ -254,6 +272,8 @@ class BitnetGemv:
         # and its activation words are zeroed, so it adds nothing to either sum.
         mine = (groups - warp + warps - 1) // warps
         batches = (mine + self.unroll - 1) // self.unroll
+        x_scale = Float32(0.0)
+        w_scale = Float32(0.0)
         for it in cutlass.range(batches, unroll=1):
             wv = []
             xv = []
@@ -270,6 +290,8 @@ class BitnetGemv:
                         wait_holding(xor_words(wv), w_lane)  # the weights in registers first
                     else:
                         cute.arch.griddepcontrol_wait()
+                    if cutlass.const_expr(self.early_scales):
+                        x_scale, w_scale = early_scales(tidx, stripe, mXScale, mWScale, e1, e2, e3)
             for u in cutlass.range_constexpr(self.unroll):
                 xv.append(load_v4(x_lane + Int64(grps[u]) * fmt.GROUP_K, False, self.pdl))
             for u in cutlass.range_constexpr(self.unroll):
@@ -278,7 +300,8 @@ class BitnetGemv:
                     xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
                 accumulate_words(wv[u], x, acc)
 
-        store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw)
+        store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw,
+                     self.early_scales, x_scale, w_scale)
 
 
 def compile_gemv(cfg: GemvConfig, options: str):

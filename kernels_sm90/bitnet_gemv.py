@@ -51,10 +51,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv,
+from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv, early_scales,
                                         launch_size, store_stripe, warps_for)
-from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args, segment_of
-from ..kernels_sm80.ptx import load_here, u32_as_f32
+from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
 from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm, smem_ctas_per_sm
 from . import ptx90
@@ -220,21 +219,6 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
         return one_wave[0]
     waves = stripe_waves(BULK, n, k, sms)
     return BULK if 0 < waves < register_waves else None
-
-
-@cute.jit
-def early_scales(tidx, stripe, mXScale: cute.Tensor, mWScale: cute.Tensor, e1: Int32, e2: Int32, e3: Int32):
-    """(x's scale, the row's segment scale) for the stripe's 16 storing threads, loaded
-    where this is called (after the PDL wait: x's scale is the previous kernel's) by loads
-    with side effects, so that neither LLVM nor ptxas sinks them to their use after the
-    reduction's barrier; zero in the other threads."""
-    x_scale = Float32(0.0)
-    w_scale = Float32(0.0)
-    if tidx < fmt.TILE_N:
-        seg = segment_of(stripe * fmt.TILE_N + tidx, e1, e2, e3)
-        x_scale = u32_as_f32(load_here(mXScale.iterator.toint()))
-        w_scale = u32_as_f32(load_here(mWScale.iterator.toint() + Int64(seg) * 4))
-    return x_scale, w_scale
 
 
 class BitnetGemvBulk:

@@ -1,6 +1,7 @@
 """The BitNet GEMV's stripe kernels with their scales loaded late (after the warps'
 reduction, before the stores) and early (right after the PDL wait: ``GemvConfig.early_scales``),
-beside the host's pick, on the eight model shapes, in one run::
+beside the host's pick (and, where that is a register kernel, the same with early scales:
+``host_es``), on the eight model shapes, in one run::
 
     python3 profiles/bench_gemv_scales.py --out profiles/h200
 
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
         seg = [n // 4, n // 2, n]
         host = bn.gemv_config_for(dev, n, k)
         mine = {name: cfg for name, cfg in forms().items() if v90.bulk_fits(k, cfg.stage_x)}
+        if not host.bulk:  # the register kernel the host picks, with its scales early
+            mine["host_es"] = dataclasses.replace(host, early_scales=True)
         ok = True
         for cfg in mine.values():
             for raw in (False, True):

@@ -674,6 +674,29 @@ def test_sm90_gemv_bulk_compiles(k, stage_x, tmp_path):
     assert len(scalar.findall(ptx[last_bar:])) == (0 if stage_x else 2)
 
 
+@pytest.mark.parametrize("unroll,pin", [(4, False), (8, False), (10, False), (5, True), (8, True)])
+def test_sm90_gemv_early_scales_ptx(unroll, pin, tmp_path):
+    """``GemvConfig(early_scales=True)`` on the register kernel (off by default there): the
+    storing threads' two scale loads sit between the PDL wait and the reduction's last
+    barrier, none before the wait (x's scale is the previous kernel's) or after the barrier;
+    no spill.  The default build loads them after the barrier."""
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    cfg = next(c for c in v90.CANDIDATES if c.unroll == unroll and c.pin == pin)
+    scalar = re.compile(r"ld\.global(\.nc)?\.(b32|f32|u32|s32)\s")
+    for early in (True, False):
+        ptx = _ptx(v90.compile_gemv(dataclasses.replace(cfg, early_scales=early),
+                                    jit.compile_options("sm_90a", keep_ptx=True)))
+        wait, bar = ptx.index("griddepcontrol.wait"), ptx.rindex("bar.sync")
+        assert not scalar.findall(ptx[:wait])
+        assert len(scalar.findall(ptx[wait:bar])) == (2 if early else 0)
+        assert len(scalar.findall(ptx[bar:])) == (0 if early else 2)
+        if early:
+            assert ptxas.spill_bytes(ptxas.report(ptx, "sm_90a", tmp_path)) == 0
+    with pytest.raises(ValueError, match="pdl"):
+        dataclasses.replace(cfg, pdl=False, pin=False, early_scales=True)
+
+
 def test_sm90_gemv_config():
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
     from bitdecode.layouts.resources import ctas_per_sm
@@ -1079,8 +1102,8 @@ def test_gpu_gemv_every_config(n, k):
 @cuda
 @pytest.mark.parametrize("n,k", [(4096 + 16, 2560), (3200, 10240), (272, 40960)])
 def test_gpu_gemv_early_scales(n, k):
-    """The stripe kernels that load their scales right after the PDL wait (``BULK_X``, and
-    ``BULK`` with ``early_scales``): bf16 outputs over three segments bit-equal to the plain
+    """The GEMVs that load their scales right after the PDL wait (``BULK_X``, and ``BULK``
+    and two register kernels with ``early_scales``): bf16 outputs over three segments bit-equal to the plain
     register kernel's, which loads them at its end; and behind the activation quantizer in a
     CUDA graph whose input (so x's scale, the quantizer's output) changes between replays,
     with the output poisoned before each: the scale is read after the wait, not before."""
@@ -1099,7 +1122,9 @@ def test_gpu_gemv_early_scales(n, k):
         x, xs = bn.quantize_activation(x_in)
         return bn._gemv_launch(x, wp, xs, ws, seg, False, plain)
 
-    for cfg in (v90.BULK_X, dataclasses.replace(v90.BULK, early_scales=True)):
+    register = [dataclasses.replace(c, early_scales=True) for c in v90.CANDIDATES if (c.unroll, c.pin) in
+                ((8, False), (5, True))]
+    for cfg in [v90.BULK_X, dataclasses.replace(v90.BULK, early_scales=True)] + register:
         assert cfg.early_scales
         x, xs = bn.quantize_activation(src)
         assert torch.equal(bn._gemv_launch(x, wp, xs, ws, seg, False, cfg), want_of(src)), cfg
