@@ -49,8 +49,8 @@ TARGETS = {"roofline_frac_largest3": 0.70, "speedup_largest3": 4.0, "max_gemv_us
 LARGE_M = 1024
 
 
-def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int = 3) -> float:
-    """Median GPU time per call of ``calls`` captured back to back in one CUDA graph."""
+def captured(calls: List[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
+    """``calls`` captured back to back in one CUDA graph (compiled and warmed up first)."""
     for fn in calls[: min(len(calls), 2)]:  # compile / autotune outside the capture
         fn()
     torch.cuda.synchronize()
@@ -64,6 +64,12 @@ def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int =
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
+    return graph
+
+
+def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int = 3) -> float:
+    """Median GPU time per call of ``calls`` captured back to back in one CUDA graph."""
+    graph = captured(calls)
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()

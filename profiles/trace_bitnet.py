@@ -67,19 +67,10 @@ def summarize(rec, waddrs):
 
 def trace(buf, calls, waddrs, replays: int):
     import torch
-    from bench_bitnet import graph_time_us
+    from bench_bitnet import captured, graph_time_us
 
     us = graph_time_us(calls, replays)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
+    graph = captured(calls)
     graph.replay()
     torch.cuda.synchronize()
     buf.zero_()
