@@ -105,13 +105,14 @@ BULK_BATCH = 8
 BULK_X_UNROLL = 2
 BULK = GemvConfig(pdl=True, bulk=True)
 # The staged form loads the scales its stores apply right after the PDL wait
-# (``early_scales``), not after the warps' reduction: faster on all eight model shapes (H200,
-# two alternating rounds, us, late / early: 2560 x 2560 2.29 / 2.07, 3840 x 2560 2.38 / 2.15,
-# 13824 x 2560 3.74 / 3.72, 2560 x 6912 3.27 / 3.15, 3200 x 3200 2.18 / 2.04, 4800 x 3200 3.20 /
-# 2.67, 3200 x 10240 4.46 / 4.06, 20480 x 3200 5.51 / 5.31; profiles/h200/gemv_es.json) at the
-# same residency (40 registers, 46 at K = 10240 where shared memory sets it).  The plain
-# stripe kernel keeps them late: early it lost at 13824 x 2560, the one model shape the host
-# gives it (3.24 -> 3.39 us), and won elsewhere (2560 x 6912 3.15 -> 2.66).
+# (``early_scales``), not after the warps' reduction: faster on seven model shapes, level on
+# the eighth (H200, two alternating rounds, us, late / early: 2560 x 2560 2.29 / 2.07, 3840 x
+# 2560 2.38 / 2.15, 13824 x 2560 3.74 / 3.72, 2560 x 6912 3.27 / 3.15, 3200 x 3200 2.18 / 2.04,
+# 4800 x 3200 3.20 / 2.67, 3200 x 10240 4.46 / 4.06, 20480 x 3200 5.51 / 5.31;
+# profiles/h200/gemv_scales.json) at the same residency (40 registers, 46 at K = 10240 where
+# shared memory sets it).  The plain stripe kernel keeps them late: early it lost at 13824 x
+# 2560, the one model shape the host gives it (3.24 -> 3.39 us), and won elsewhere (2560 x
+# 6912 3.15 -> 2.66).
 BULK_X = GemvConfig(pdl=True, bulk=True, stage_x=True, early_scales=True)
 
 
