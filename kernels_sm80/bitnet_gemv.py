@@ -96,12 +96,12 @@ def early_scales(tidx, stripe, mXScale: cute.Tensor, mWScale: cute.Tensor, e1: I
 @cute.jit
 def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, lane, tidx, stripe, mXScale: cute.Tensor,
                  mWScale: cute.Tensor, mOut: cute.Tensor, e1: Int32, e2: Int32, e3: Int32, raw: cutlass.Constexpr,
-                 early: cutlass.Constexpr = False, x_scale: Float32 = None, w_scale: Float32 = None):
+                 scales=None):
     """A GEMV CTA's end, from each lane's accumulators and activation sum: the +2 code
     offset (``sum(w x) = sum(c x) - 2 sum(x)``, before the fold), the fold, the warps' row
     sums through ``red`` (16 rows x ``warps``: an int, or a launch argument) and the
-    stripe's 16 scaled outputs.  ``early``: the storing threads' ``x_scale`` / ``w_scale``
-    were loaded before (``early_scales``), else they are loaded here."""
+    stripe's 16 scaled outputs.  ``scales``: the storing threads' (x's scale, the row's
+    scale), loaded before (``early_scales``), else they are loaded here."""
     for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
         acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
     rows = fold_rows(acc)
@@ -119,11 +119,11 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
             for w in cutlass.range(warps, unroll=1):
                 total = total + red[tidx, w]
         row = stripe * fmt.TILE_N + tidx
-        if cutlass.const_expr(early):
-            store_out(mOut.iterator.toint(), Int64(row), total, x_scale, w_scale, raw)
-        else:
+        if cutlass.const_expr(scales is None):
             store_out(mOut.iterator.toint(), Int64(row), total, Float32(mXScale[0]),
                       segment_scale(mWScale, row, e1, e2, e3), raw)
+        else:
+            store_out(mOut.iterator.toint(), Int64(row), total, scales[0], scales[1], raw)
 
 
 # --------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class BitnetGemv:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.pin = cfg.pin and cfg.pdl
-        self.early_scales = cfg.early_scales and cfg.pdl and not cfg.raw
+        self.early_scales = cfg.early_scales and not cfg.raw  # (raw sums take no scale)
 
     @cute.jit
     def __call__(
@@ -272,8 +272,8 @@ class BitnetGemv:
         # and its activation words are zeroed, so it adds nothing to either sum.
         mine = (groups - warp + warps - 1) // warps
         batches = (mine + self.unroll - 1) // self.unroll
-        x_scale = Float32(0.0)
-        w_scale = Float32(0.0)
+        if cutlass.const_expr(self.early_scales):  # (set in the first batch, after the wait)
+            x_scale, w_scale = Float32(0.0), Float32(0.0)
         for it in cutlass.range(batches, unroll=1):
             wv = []
             xv = []
@@ -301,7 +301,7 @@ class BitnetGemv:
                 accumulate_words(wv[u], x, acc)
 
         store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw,
-                     self.early_scales, x_scale, w_scale)
+                     (x_scale, w_scale) if cutlass.const_expr(self.early_scales) else None)
 
 
 def compile_gemv(cfg: GemvConfig, options: str):

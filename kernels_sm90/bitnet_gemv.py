@@ -49,7 +49,7 @@ longer than one more wave.
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Int32, Int64
 
 from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv, early_scales,
                                         launch_size, store_stripe, warps_for)
@@ -241,7 +241,7 @@ class BitnetGemvBulk:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.stage_x = cfg.stage_x
-        self.early_scales = cfg.early_scales and not cfg.raw
+        self.early_scales = cfg.early_scales and not cfg.raw  # (raw sums take no scale)
         self.k = k
         self.groups = k // fmt.GROUP_K
         self.warps = bulk_warps(k)
@@ -283,10 +283,9 @@ class BitnetGemvBulk:
             ptx90.bulk_g2s(sW, mW.iterator + Int64(stripe) * Int64(self.stripe_bytes), self.stripe_bytes, mbar)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # x (and out) may be the previous kernel's
-        x_scale = Float32(0.0)
-        w_scale = Float32(0.0)
+        scales = None
         if cutlass.const_expr(self.early_scales):
-            x_scale, w_scale = early_scales(tidx, stripe, mXScale, mWScale, e1, e2, e3)
+            scales = early_scales(tidx, stripe, mXScale, mWScale, e1, e2, e3)
         sX = None
         if cutlass.const_expr(self.stage_x):
             # after the wait: the async proxy reads what the previous grid wrote and flushed
@@ -306,7 +305,7 @@ class BitnetGemvBulk:
         else:
             xsum = self.batched_products(mbar, w_lane, mX.iterator.toint() + Int64(x_offset), warp, acc)
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
-                     self.raw, self.early_scales, x_scale, w_scale)
+                     self.raw, scales)
 
     @cute.jit
     def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:
