@@ -128,6 +128,21 @@ def gemv_variants(device) -> Dict[str, tuple]:
     return out
 
 
+def gemv_forms() -> Dict[str, object]:
+    """The Hopper GEMV configurations by short name, for A/B runs beside the host's pick:
+    ``u4`` .. ``u10pin`` (the register kernel's PDL candidates), ``bulk`` / ``bulk_x`` (the
+    stripe kernels as shipped), ``bulk_es`` (BULK with its scales early) and ``bulk_x_late``
+    (BULK_X with its scales late)."""
+    import dataclasses
+
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    forms = {f"u{c.unroll}" + ("pin" if c.pin else ""): c for c in v90.CANDIDATES}
+    forms.update(bulk=v90.BULK, bulk_x=v90.BULK_X, bulk_es=dataclasses.replace(v90.BULK, early_scales=True),
+                 bulk_x_late=dataclasses.replace(v90.BULK_X, early_scales=False))
+    return forms
+
+
 def gemv_call(cfg) -> Callable:
     """``call(x, w, xs, ws) -> out``: the GEMV run with configuration ``cfg`` (one segment)."""
     def call(x, w, xs, ws):

@@ -21,12 +21,7 @@ import time
 from pathlib import Path
 
 
-def forms():
-    from bitdecode.kernels_sm90 import bitnet_gemv as v90
-
-    late_x = dataclasses.replace(v90.BULK_X, early_scales=False)
-    early = dataclasses.replace(v90.BULK, early_scales=True)
-    return {"bulk": v90.BULK, "bulk_es": early, "bulk_x_late": late_x, "bulk_x_es": dataclasses.replace(late_x, early_scales=True)}
+SCALE_FORMS = ("bulk", "bulk_es", "bulk_x_late", "bulk_x")  # (``bench_bitnet.gemv_forms``)
 
 
 def main(argv=None) -> int:
@@ -40,7 +35,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemv_scales needs a CUDA GPU", file=sys.stderr)
         return 2
-    from bench_bitnet import copies_for, gemv_bytes, gemv_call, graph_time_us, measure_roofline
+    from bench_bitnet import copies_for, gemv_bytes, gemv_call, gemv_forms, graph_time_us, measure_roofline
 
     from bitdecode import bitnet as bn
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
@@ -52,6 +47,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     roof = measure_roofline(dev, args.replays)["bytes_per_s"]
+    forms = gemv_forms()
     rows = []
     for n, k in bn.MODEL_SHAPES:
         gen = torch.Generator(device=dev).manual_seed(n + k)
@@ -62,7 +58,7 @@ def main(argv=None) -> int:
         ws = torch.rand(3, device=dev) + 0.5
         seg = [n // 4, n // 2, n]
         host = bn.gemv_config_for(dev, n, k)
-        mine = {name: cfg for name, cfg in forms().items() if v90.bulk_fits(k, cfg.stage_x)}
+        mine = {name: forms[name] for name in SCALE_FORMS if v90.bulk_fits(k, forms[name].stage_x)}
         if not host.bulk:  # the register kernel the host picks, with its scales early
             mine["host_es"] = dataclasses.replace(host, early_scales=True)
         ok = True

@@ -17,24 +17,10 @@ first entry).  What it answers: where a call's time goes once the weight bytes a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
-
-RECORDS = 1 << 17  # the patch's ring of records (8 words each)
-
-
-def gemv_forms():
-    """Named GEMV configurations: the host's pick and the PDL candidates / stripe kernels."""
-    from bitdecode.kernels_sm90 import bitnet_gemv as v90
-
-    forms = {f"u{c.unroll}" + ("pin" if c.pin else ""): c for c in v90.CANDIDATES}
-    forms.update(bulk=v90.BULK, bulk_x=v90.BULK_X, bulk_es=dataclasses.replace(v90.BULK, early_scales=True),
-                 bulk_x_late=dataclasses.replace(v90.BULK_X, early_scales=False))
-    return forms
-
 
 def summarize(rec, waddrs):
     """Records (rows of 8 words) -> (one row per call, ordered as ``waddrs``; one call's CTAs)."""
@@ -65,7 +51,7 @@ def summarize(rec, waddrs):
     return rows, {"call": mid, "ctas": detail}
 
 
-def trace(buf, calls, waddrs, replays: int):
+def trace(buf, calls, waddrs, replays: int, records: int):
     import torch
     from bench_bitnet import captured, graph_time_us
 
@@ -77,8 +63,8 @@ def trace(buf, calls, waddrs, replays: int):
     graph.replay()
     torch.cuda.synchronize()
     n = int(buf[0].item())
-    if n >= RECORDS:
-        raise RuntimeError(f"{n} records: more than the patch's ring of {RECORDS}")
+    if n >= records:
+        raise RuntimeError(f"{n} records: more than the patch's ring of {records}")
     return us, summarize(buf[8:8 + 8 * n].view(n, 8).cpu().tolist(), waddrs)
 
 
@@ -103,6 +89,12 @@ def main(argv=None) -> int:
     gemvs, gemms = shapes["gemv"], shapes["gemm"]
     if not gemvs and not gemms:
         p.error("give --gemv and / or --gemm shapes")
+    from bench_bitnet import gemv_forms
+
+    forms = gemv_forms()
+    unknown = [f for f in args.forms.split(",") if f != "host" and f not in forms]
+    if unknown:
+        p.error(f"--forms: unknown {unknown}; known: host, {', '.join(forms)}")
     os.environ["BITDECODE_NO_DISK_CACHE"] = "1"  # the buffer's address is compiled in
     import torch
 
@@ -115,16 +107,12 @@ def main(argv=None) -> int:
         print("trace_bitnet needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
-    buf = torch.zeros(8 + 8 * RECORDS, dtype=torch.int64, device=dev)
+    buf = torch.zeros(8 + 8 * ptx.TRACE_RECORDS, dtype=torch.int64, device=dev)
     ptx.TRACE[0] = buf.data_ptr()
     from bench_bitnet import copies_for, gemv_call
 
     from bitdecode import bitnet as bn
 
-    forms = gemv_forms()
-    unknown = [f for f in args.forms.split(",") if f != "host" and f not in forms]
-    if unknown:
-        p.error(f"--forms: unknown {unknown}; known: host, {', '.join(forms)}")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     out = {"command": "python3 profiles/trace_bitnet.py " + " ".join(argv or sys.argv[1:]), "gpu": torch.cuda.get_device_name(),
            "method": __doc__, "runs": []}
@@ -142,7 +130,7 @@ def main(argv=None) -> int:
             cfg = bn.gemv_config_for(dev, n, k) if name == "host" else forms[name]
             call = gemv_call(cfg)
             us, (rows, detail) = trace(buf, [(lambda q=q: call(x, q, xs, ws)) for q in packs],
-                                       [q.data_ptr() for q in packs], args.replays)
+                                       [q.data_ptr() for q in packs], args.replays, ptx.TRACE_RECORDS)
             out["runs"].append({"kind": "gemv", "n": n, "k": k, "form": name, "config": repr(cfg), "us_per_call": us,
                                 "calls": rows, "detail": detail})
             print(f"gemv {n}x{k} {name}: {us:.2f} us a call (stamps on)", flush=True)
@@ -150,7 +138,7 @@ def main(argv=None) -> int:
     for n, k in gemms:
         packs, x, xs, ws = operands(n, k, args.m)
         us, (rows, detail) = trace(buf, [(lambda q=q: bn.gemm(x, q, xs, ws, kernel="wgmma")) for q in packs],
-                                   [q.data_ptr() for q in packs], args.replays)
+                                   [q.data_ptr() for q in packs], args.replays, ptx.TRACE_RECORDS)
         out["runs"].append({"kind": "gemm", "m": args.m, "n": n, "k": k, "us_per_call": us, "calls": rows,
                             "detail": detail})
         print(f"gemm M={args.m} {n}x{k}: {us:.2f} us a call (stamps on)", flush=True)
