@@ -615,9 +615,10 @@ def test_sm90_gemv_compiles(unroll, pin, tmp_path):
 def test_gemm_early_scales_ptx(tmp_path):
     """``WgmmaConfig(early_scales=True)``, the default: the two rows' segment scales the
     epilogue applies are loaded into registers between the PDL wait and the first wgmma,
-    where the late build loads them after its last wgmma; no spill.  (The GEMV's form,
-    scales copied into shared memory at the start, measured slower on every model shape
-    and was dropped: profiles/probes/pinned/gemv_early_scales_*.patch.)"""
+    where the late build loads them after its last wgmma; no spill.  (The GEMV's
+    ``early_scales`` loads them into registers after the PDL wait:
+    ``test_sm90_gemv_early_scales_ptx``; its first form, copied into shared memory by
+    cp.async, measured slower and was dropped: profiles/probes/pinned/gemv_early_scales_*.patch.)"""
     from bitdecode.kernels_sm90 import bitnet_gemm as g90
 
     base = dataclasses.replace(g90.MEDIUM_96, pdl=True)
@@ -1103,10 +1104,11 @@ def test_gpu_gemv_every_config(n, k):
 @pytest.mark.parametrize("n,k", [(4096 + 16, 2560), (3200, 10240), (272, 40960)])
 def test_gpu_gemv_early_scales(n, k):
     """The GEMVs that load their scales right after the PDL wait (``BULK_X``, and ``BULK``
-    and two register kernels with ``early_scales``): bf16 outputs over three segments bit-equal to the plain
-    register kernel's, which loads them at its end; and behind the activation quantizer in a
-    CUDA graph whose input (so x's scale, the quantizer's output) changes between replays,
-    with the output poisoned before each: the scale is read after the wait, not before."""
+    and two register kernels with ``early_scales``): bf16 outputs over three segments
+    bit-equal to the plain register kernel's, which loads them at its end; and behind the
+    activation quantizer's kernel, which writes x's scale, the scale read only once that
+    kernel is done (``_check_chain``: eager, then graph replays with the scale and the output
+    poisoned)."""
     from bitdecode.kernels_sm80 import bitnet_gemv as v80
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
@@ -1115,34 +1117,20 @@ def test_gpu_gemv_early_scales(n, k):
     _, wp = _weights(n, k)
     ws = torch.tensor([0.5, 1.25, 3.0], device="cuda")
     seg = [n // 64 * 16, n // 32 * 16, n]
-    plain = v80.GemvConfig(unroll=4)
-    src = torch.randn(1, k, device="cuda") * 3
-
-    def want_of(x_in):
-        x, xs = bn.quantize_activation(x_in)
-        return bn._gemv_launch(x, wp, xs, ws, seg, False, plain)
-
+    src = (torch.randn(1, k, device="cuda") * 3).to(torch.bfloat16)
+    x, xs = bn.quantize_activation(src, backend="kernel")
+    want = bn._gemv_launch(x, wp, xs, ws, seg, False, v80.GemvConfig(unroll=4))
     register = [dataclasses.replace(c, early_scales=True) for c in v90.CANDIDATES if (c.unroll, c.pin) in
                 ((8, False), (5, True))]
     for cfg in [v90.BULK_X, dataclasses.replace(v90.BULK, early_scales=True)] + register:
         assert cfg.early_scales
-        x, xs = bn.quantize_activation(src)
-        assert torch.equal(bn._gemv_launch(x, wp, xs, ws, seg, False, cfg), want_of(src)), cfg
+        assert torch.equal(bn._gemv_launch(x, wp, xs, ws, seg, False, cfg), want), cfg
 
         def step(cfg=cfg):
-            xq, s = bn.quantize_activation(src)
-            return bn._gemv_launch(xq, wp, s, ws, seg, False, cfg)
+            xq, scale = bn.quantize_activation(src, backend="kernel")
+            return scale, bn._gemv_launch(xq, wp, scale, ws, seg, False, cfg)
 
-        step()  # (eager first: compiled, and the allocator warm, as ``_check_chain`` does)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        for scale in (1.0, 7.0, 0.125):
-            src.mul_(scale)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want_of(src)), (cfg, scale)
+        _check_chain(step, xs, want, cfg)
 
 
 @pytest.mark.gpu
