@@ -146,7 +146,7 @@ def measure(args, device: str, n: int, backend: str):
     dense_bytes = 2 * bsz * n * KV_HEADS * HEAD_DIM * k.element_size()
     base = (f"16-bit (torch SDPA, {sdpa_backend(qs, ks, vs)})", rel_error(sdpa().transpose(1, 2), ref),
             dense_bytes, cuda_time_ms(sdpa) if on_gpu else None)
-    del ks, vs
+    ks = vs = None  # (free the 16-bit copies; rebinding, not del: sdpa names them)
 
     rows, used = [], []
     for bits in args.bits:
@@ -160,7 +160,7 @@ def measure(args, device: str, n: int, backend: str):
         out = cache.decode(q)
         ms = cuda_time_ms(lambda: cache.decode(q)) if on_gpu else None
         rows.append((fmt, rel_error(out, ref), cache.memory_bytes(), ms))
-        del cache
+        cache = None
     return base, rows, used
 
 

@@ -93,10 +93,10 @@ def measure_roofline(device, replays: int) -> Dict[str, float]:
     dst = torch.empty_like(src)
     src.fill_(1)
     t_copy = graph_time_us([lambda: dst.copy_(src)] * 4, replays)
-    del dst
+    dst = None  # (free it; rebinding, not del: the lambda above names it)
     as_f32 = src.view(torch.float32)
     t_sum = graph_time_us([lambda: as_f32.sum()] * 4, replays)
-    del src, as_f32
+    src = as_f32 = None
     torch.cuda.empty_cache()
     copy_bw = 2 * (1 << 30) / (t_copy * 1e-6)
     read_bw = (1 << 30) / (t_sum * 1e-6)

@@ -64,7 +64,7 @@ def measure_roofline(timer: Timer, device) -> Dict[str, float]:
     t_read = timer(lambda: x.sum(dtype=torch.float32), iters=10, warmup=2, flush=False)
     copy_bw = 2 * x.numel() * 2 / (t_copy * 1e-6)
     read_bw = x.numel() * 2 / (t_read * 1e-6)
-    del x, y
+    x = y = None  # (free them; rebinding, not del: the lambdas above name them)
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "best_bytes_per_s": max(copy_bw, read_bw)}
 
@@ -141,7 +141,7 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
             timed = n >= 8192
             t_pre = timer(lambda: cache.prefill(k, v), iters=5, warmup=1, flush=True) if timed else float("nan")
             pre_bytes = 2 * b * n * hkv * d * 2 + cache_bytes(fmt, [n] * b, hkv, d)
-            del k, v
+            k = v = None
             t = _graph_time(timer, lambda: bd.decode(q, cache))
             row[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache))
             nbytes = cache_bytes(fmt, cache.lengths, hkv, d)
@@ -155,7 +155,7 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
                 row[f"bd{bits}_{name}_bw"] = nbytes / (tb * 1e-6)
             row[f"bd{bits}_prefill_bw"] = pre_bytes / (t_pre * 1e-6) if t_pre == t_pre else None
             row[f"bd{bits}_first_prefill_s"] = first_prefill_s
-            del cache
+            cache = None
             torch.cuda.empty_cache()
         rows.append(row)
         if progress is not None:

@@ -40,7 +40,7 @@ def run(out_dir: Path) -> dict:
                                              iters=5, warmup=1))
             rows.append(row)
             print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-        del cache
+        cache = None  # (rebinding, not del: the lambdas above name it)
         torch.cuda.empty_cache()
     result = {"command": f"python3 profiles/bench_multi_token.py --out {out_dir}",
               "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
