@@ -70,6 +70,17 @@ def integer(name: str, value) -> int:
     return value
 
 
+def axis(name: str, value, tensor_name: str, t: torch.Tensor) -> int:
+    """A dimension of ``t`` (negative counts from the end), as its index >= 0."""
+    integer(name, value)
+    if t.dim() == 0:
+        raise ValueError(f"{tensor_name} must have at least one dimension, got a 0-dim tensor")
+    if not -t.dim() <= value < t.dim():
+        raise ValueError(f"{name} must lie in [{-t.dim()}, {t.dim() - 1}] for {tensor_name} of {t.dim()} dims, "
+                         f"got {value}")
+    return value % t.dim()
+
+
 def nonnegative_int(name: str, value) -> int:
     """An int >= 0 (bools refused), else a ValueError naming ``name`` and the value."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -76,6 +76,10 @@ class KVCache:
         self._fuse_room: Optional[int] = None  # ``_append_room``'s answer, until lengths change
         # (backend name, whether its decode kernel can append: ``_kernel_appends``)
         self._appends = (None, False)
+        self._query_checked = None  # ``_check_query_once``'s key of the last q and options it passed
+        # allocated under torch.inference_mode(): torch's in-place ops on these tensors then
+        # raise outside it, after some have run (``_check_inference_writes``)
+        self._inference_tensors = seqlens.is_inference()
         # (the block table's version counter, per-sequence lengths) it was last verified for:
         # a prefill within them, the table unchanged in place since, needs no check (a sync)
         self._table_verified: Optional[Tuple[int, Tuple[int, ...]]] = None
@@ -200,6 +204,7 @@ class KVCache:
         self._host_base, self._host_added = list(lens), 0
         self._host_max = max(self._host_base, default=0)
         self._fuse_room = None
+        self._fast = None  # (its multi-token query was checked against longer sequences)
 
     def _append_room(self) -> int:
         """Steps of one new token each that an appending decode kernel can take in place:
@@ -235,11 +240,22 @@ class KVCache:
         if max_tokens is not None and k.shape[1] > max_tokens:
             raise ValueError(f"{what}: {names[0]} has {k.shape[1]} tokens, more than max_seqlen={max_tokens}")
 
+    def _check_inference_writes(self, what: str) -> None:
+        """Refuse a write that torch would refuse part-way: the cache's tensors are inference
+        tensors (allocated under ``torch.inference_mode()``) and inference mode is off."""
+        if self._inference_tensors and not torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                f"{what}: this cache was allocated under torch.inference_mode(), so torch refuses "
+                "in-place updates of its tensors outside it; call it inside inference_mode (nothing "
+                "was written)"
+            )
+
     # ---- writes ------------------------------------------------------------------------
     def prefill(self, k: torch.Tensor, v: torch.Tensor, seqlens: Optional[Sequence[int]] = None) -> None:
         """Replace the cache content with ``k``, ``v`` ``[B, N, Hkv, D]`` (the first
         ``seqlens[b]`` tokens of each sequence; all ``N`` by default)."""
         self._check_kv(k, v, "prefill", self.max_seqlen)
+        self._check_inference_writes("prefill")
         n = k.shape[1]
         if seqlens is None:
             lens = [n] * self.batch
@@ -293,6 +309,7 @@ class KVCache:
             )
         if t == 0:
             return
+        self._check_inference_writes("append")
         k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
         if self.backend == "reference":
             if self.device.type == "cpu":  # the table is visible without a sync: check it
@@ -321,6 +338,10 @@ class KVCache:
             raise ValueError(f"tokens={tokens} is more than sequence {short[0]} holds ({lens[short[0]]} tokens)")
         if tokens == 0:
             return
+        self._check_inference_writes("truncate")
+        # the blocks it may unpack are read through the block table (a caller may have edited
+        # it): checked before anything is written, as prefill and append do
+        attention.check_block_table(self._tensors, torch.tensor(lens, dtype=torch.int32, device=self.device))
         c, nr, sinks = self._tensors, self.fmt.residual_block, self.fmt.sink_tokens
         for b, n in enumerate(lens):
             rest_old, rest_new = max(0, n - sinks), max(0, n - tokens - sinks)
@@ -335,8 +356,47 @@ class KVCache:
         self.seqlens.sub_(tokens)
         self._host_lens = [n - tokens for n in lens]
 
+    def reorder(self, indices) -> None:
+        """Make sequence ``i`` a copy of sequence ``indices[i]`` for every ``i`` (beam search's
+        reordering): its packed blocks, residual block, sink tokens, length and overflow flag.
+        Each sequence keeps its own pages (the blocks are copied through the block table, so
+        no page is shared and later appends stay apart).  Torch ops on the cache's device
+        (a copy of the blocks in use, one sync); any backend."""
+        src = _validate.int_list("indices", indices)
+        if len(src) != self.batch:
+            raise ValueError(f"indices must have {self.batch} entries (one per sequence), got {len(src)}")
+        bad = next((j for j in src if not 0 <= j < self.batch), None)
+        if bad is not None:
+            raise ValueError(f"indices must lie in [0, {self.batch}), got {bad}")
+        if src == list(range(self.batch)):
+            return
+        self._check_inference_writes("reorder")
+        lens = self._host_lens
+        new_lens = [lens[j] for j in src]
+        c, nr, sinks = self._tensors, self.fmt.residual_block, self.fmt.sink_tokens
+        for checked in (lens, new_lens):  # the pages read, then the pages written (a caller's table)
+            attention.check_block_table(c, torch.tensor(checked, dtype=torch.int32, device=self.device))
+        table = self.block_table.tolist()
+        dst_pages, src_pages = [], []
+        for i, j in enumerate(src):
+            if i != j:
+                used = -(-(max(0, lens[j] - sinks) // nr * nr) // self.page_size)
+                dst_pages += table[i][:used]
+                src_pages += table[j][:used]
+        if dst_pages:  # (indexing copies the sources before any page is written)
+            dst = torch.tensor(dst_pages, dtype=torch.long, device=self.device)
+            srcp = torch.tensor(src_pages, dtype=torch.long, device=self.device)
+            for t in (self.k_pack, self.k_params, self.v_pack, self.v_params):
+                t[dst] = t[srcp]
+        idx = torch.tensor(src, dtype=torch.long, device=self.device)
+        for t in (self.k_res, self.v_res, self.seqlens, self.overflow, self.k_sink, self.v_sink):
+            if t is not None:
+                t.copy_(t[idx])
+        self._host_lens = new_lens
+
     def reset(self) -> None:
         """Empty every sequence and clear the overflow flags."""
+        self._check_inference_writes("reset")
         self.seqlens.zero_()
         self.overflow.zero_()
         self._host_lens = [0] * self.batch
@@ -365,6 +425,7 @@ class KVCache:
             backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
         cache = self._tensors
         attention.check_query(q, cache, backend)
+        self._check_query_tokens(q.shape[1])
         q = reference.rotate(q, self.fmt)  # KVFormat.hadamard: Q meets the rotated K
         if backend == "reference" and self.device.type == "cpu":  # the table is visible without a sync
             attention.check_block_table(cache, self.seqlens)
@@ -374,6 +435,20 @@ class KVCache:
 
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                              return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
+
+    def _check_query_tokens(self, t: int) -> None:
+        """``t`` > 1 query tokens are the newest ``t`` of each sequence (already appended):
+        a sequence that holds fewer is a caller's mistake (its first query rows would see no
+        key).  Checked on the host's lengths; the fast path skips it, so shortening the
+        lengths (``_host_lens``) drops the fast path."""
+        if t > 1:
+            lens = self._host_lens
+            short = next((b for b, n in enumerate(lens) if n < t), None)
+            if short is not None:
+                raise ValueError(
+                    f"q has {t} query tokens per sequence, the newest {t} of each (append them first), "
+                    f"but sequence {short} holds {lens[short]} tokens"
+                )
 
     def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int, k_new=None, v_new=None) -> tuple:
         """What a kernel decode's plan depends on in a call: q's shape, strides, dtype and
@@ -407,8 +482,9 @@ class KVCache:
             appends = self._appends = (self.backend, self._kernel_appends(self.backend))
         if (backend == "auto" and not appends[1]) or (  # (no key to build: two calls)
                 self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()):
+            self._check_query_once(q, softmax_scale, num_splits, backend)  # before the append writes
             self._append(k_new, v_new, NEW_NAMES)
-            return self.decode(q, softmax_scale, num_splits, return_lse=return_lse)
+            return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         try:
             key = self._call_key(q, softmax_scale, num_splits, backend, self._host_max + 1, k_new, v_new)
         except AttributeError:  # (not tensors: ``_append_decode_plan`` says which)
@@ -429,6 +505,23 @@ class KVCache:
         self._host_max += 1
         return plan(q if fast[3] else q.contiguous(), fast[2], return_lse,
                     (k_new if fast[4] else k_new.contiguous(), v_new if fast[5] else v_new.contiguous()))
+
+    def _check_query_once(self, q, softmax_scale, num_splits, backend) -> None:
+        """``decode``'s checks of q and the options, for an appending decode that runs as two
+        calls: run before the append, so that a call refused for its q writes nothing.  Once
+        per new (q layout, options): the two calls' eager steps pay one tuple compare."""
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        key = (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
+               type(num_splits), backend)
+        if key == self._query_checked:
+            return
+        name = self.backend if backend == "auto" else dispatch.resolve(
+            backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
+        attention.check_query(q, self._tensors, name)
+        attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
+        attention.check_splits(num_splits, name)
+        self._query_checked = key
 
     def _append_decode_plan(self, key, q, k_new, v_new, softmax_scale, num_splits, backend):
         """The fast-path entry of ``_append_decode`` for these arguments (validated): (key,
@@ -458,6 +551,11 @@ class KVCache:
         to the model's basis under ``KVFormat.hadamard`` (for inspection; synchronizes, and
         raises like ``check()``).  K in the model's dtype, or ``k_dtype`` (float32: the exact
         values ``code * scale + zero``, before the one rounding to 16 bits)."""
+        b = _validate.integer("b", b)
+        if not 0 <= b < self.batch:
+            raise ValueError(f"b must be a sequence index in [0, {self.batch}), got {b}")
+        if k_dtype is not None and not (isinstance(k_dtype, torch.dtype) and k_dtype.is_floating_point):
+            raise TypeError(f"k_dtype must be a floating-point torch.dtype or None, got {k_dtype!r}")
         self.check()
         c = self.tensors()
         k, v = reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,

@@ -98,16 +98,11 @@ def quantize(
     shrunk by ``group_size``).
     """
     _validate.tensor("x", x, dtypes=_validate.FLOAT16_DTYPES)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension, got a 0-dim tensor")
     _validate.positive_int("group_size", group_size)
     _validate.integer("bits", bits)
     if bits not in packing.SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {packing.SUPPORTED_BITS}, got {bits!r}")
-    _validate.integer("dim", dim)
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must lie in [{-x.dim()}, {x.dim() - 1}] for x of {x.dim()} dims, got {dim}")
-    dim = dim % x.dim()
+    dim = _validate.axis("dim", dim, "x", x)
     if x.shape[dim] % group_size:
         raise ValueError(
             f"x has {x.shape[dim]} values along dim {dim}, not a multiple of group_size={group_size}"
@@ -140,7 +135,7 @@ def dequantize(
 ) -> torch.Tensor:
     """``to16(q * scale + zero)`` with a single rounding, in the dtype of ``scale`` (or
     ``out_dtype``: float32 keeps it exact)."""
-    dim = dim % codes.dim()
+    dim = _validate.axis("dim", dim, "codes", codes)
     s = scale.double().repeat_interleave(group_size, dim=dim)
     z = zero.double().repeat_interleave(group_size, dim=dim)
     return (codes.double() * s + z).to(out_dtype or scale.dtype)
@@ -182,7 +177,7 @@ def quantize_fp4(x: torch.Tensor, fp4: str, dim: int = -1, check_finite: bool = 
     if fp4 not in sm100.FP4_FORMATS:
         raise ValueError(f"fp4 must be one of {sm100.FP4_FORMATS}, got {fp4!r}")
     vec = sm100.SF_VEC[fp4]
-    dim = dim % x.dim()
+    dim = _validate.axis("dim", dim, "x", x)
     if x.shape[dim] % vec:
         raise ValueError(f"x has {x.shape[dim]} values along dim {dim}, not a multiple of {fp4}'s block of {vec}")
     if check_finite:
