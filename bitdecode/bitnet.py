@@ -35,6 +35,7 @@ capture them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from typing import List, Optional, Sequence, Tuple
@@ -928,7 +929,9 @@ class BitLinear(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have {self.in_features} features in its last dimension, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         if x.numel() == 0:
@@ -1172,11 +1175,9 @@ def _fuse_norms(model: nn.Module, backend: str) -> None:
                 setattr(parent, name, RMSNormQuant(norm.weight, norm.variance_epsilon, backend))
 
 
-def _install_fused(parent: nn.Module, members, fused_name: str, sources, names, in_features: int, device,
-                   backend: str) -> None:
-    """One fused ``BitLinear`` of ``sources`` registered on ``parent`` as ``fused_name``,
-    with ``FusedSlice`` views of it under the member names."""
-    fused = _build(sources, names, in_features, device, backend)
+def _install_fused(parent: nn.Module, members, fused_name: str, fused: BitLinear) -> None:
+    """The fused ``BitLinear`` ``fused`` registered on ``parent`` as ``fused_name``, with
+    ``FusedSlice`` views of it under the member names."""
     parent.add_module(fused_name, fused)
     memo: dict = {}
     for i, m in enumerate(members):
@@ -1241,14 +1242,20 @@ def convert(
             "model is not a BitNet model (config.model_type 'bitnet', a BitNet quantization_config, or "
             "transformers' BitLinear layers): ternary weights would destroy a full-precision model"
         )
-    skipped = set(skip)
+    skipped = _names("skip", skip)
+    names = {id(m): name for name, m in model.named_modules()}
+    unknown = sorted(skipped - set(names.values()))
+    if unknown:
+        raise ValueError(f"skip names modules the model does not have: {unknown}")
     get_out = getattr(model, "get_output_embeddings", None)
     lm_head = get_out() if callable(get_out) else None
-    names = {id(m): name for name, m in model.named_modules()}
 
     def wanted(module) -> bool:
         return _convertible(module) and module is not lm_head and names.get(id(module)) not in skipped
 
+    # every layer is built (and a shape the kernels cannot take refused) before any is
+    # swapped in: a refused conversion leaves the model as it was
+    swaps, fused_members = [], set()
     for parent in list(model.modules()):
         if fuse:
             for members, fused_name in FUSED_GROUPS:
@@ -1260,19 +1267,36 @@ def convert(
                 sources = [_source(m, names[id(m)]) for m in mods]
                 if any(norm is not None for *_, norm in sources):
                     continue  # per-projection RMSNorms: the inputs differ, convert one by one
-                _install_fused(parent, members, fused_name, sources, [names[id(m)] for m in mods],
-                               mods[0].in_features, mods[0].weight.device, backend)
+                fused = _build(sources, [names[id(m)] for m in mods], mods[0].in_features, mods[0].weight.device,
+                               backend)
+                swaps.append(functools.partial(_install_fused, parent, members, fused_name, fused))
+                fused_members.update(id(m) for m in mods)
         for child_name, child in list(parent.named_children()):
-            if not wanted(child):
+            if not wanted(child) or id(child) in fused_members:
                 continue
             name = names[id(child)]
             src = _source(child, name)
             layer = _build([src], [name], child.in_features, child.weight.device, backend)
             norm = src[3]
-            setattr(parent, child_name, layer if norm is None else nn.Sequential(norm, layer))
+            swaps.append(functools.partial(setattr, parent, child_name,
+                                           layer if norm is None else nn.Sequential(norm, layer)))
+    for swap in swaps:
+        swap()
     if fuse_norms:
         _fuse_norms(model, backend)
     return model
+
+
+def _names(name: str, value) -> set:
+    """A collection of qualified module names (a lone str is refused: it is not a set of
+    its characters), as a set."""
+    try:
+        items = None if isinstance(value, str) else list(value)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(x, str) for x in items):
+        raise TypeError(f"{name} must be a collection of qualified module names (str), got {value!r}")
+    return set(items)
 
 
 # --------------------------------------------------------------------------------------
@@ -1340,25 +1364,43 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
             "o_proj": config.hidden_size, "gate_proj": config.intermediate_size,
             "up_proj": config.intermediate_size, "down_proj": config.hidden_size}
     rope_heads = {"q_proj": heads, "k_proj": kv_heads}
+    # every tensor is checked and every layer built before the model is touched: a
+    # checkpoint refused part-way leaves the model as it was
+    copies, swaps = [], []
+
+    def copy_into(param: torch.Tensor, key: str) -> None:
+        src = get(key)
+        if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(param.shape):
+            raise ValueError(f"state[{key!r}] must have shape {tuple(param.shape)} (this model's), got "
+                             f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__}")
+        copies.append((param, src))
+
     params = dict(model.named_parameters())
     for ms_key, hf_key in _MS_GLOBALS:
         if hf_key in params:
-            params[hf_key].copy_(get(ms_key).to(params[hf_key].dtype))
+            copy_into(params[hf_key], ms_key)
     for i, layer in enumerate(model.model.layers):
         for ms_name, hf_name in _MS_NORMS:
-            norm = layer.get_submodule(hf_name)
-            norm.weight.copy_(get(f"layers.{i}.{ms_name}.weight").to(norm.weight.dtype))
+            copy_into(layer.get_submodule(hf_name).weight, f"layers.{i}.{ms_name}.weight")
         for ms_name, parent_name, members in _MS_LINEARS:
             fused_name = dict(FUSED_GROUPS).get(members)
             parent = layer.get_submodule(parent_name)
-            packed = get(f"layers.{i}.{ms_name}.weight")
-            scales = get(f"layers.{i}.{ms_name}.weight_scale").float()
+            key = f"layers.{i}.{ms_name}"
+            packed, scales = get(f"{key}.weight"), get(f"{key}.weight_scale")
+            k = getattr(getattr(parent, members[0], None), "in_features", config.hidden_size)
+            _validate.tensor(f"state[{key + '.weight'!r}]", packed, ndim=2)
+            _validate.tensor(f"state[{key + '.weight_scale'!r}]", scales, ndim=1)
+            want = sum(rows[m] for m in members)
+            if tuple(packed.shape) != (want, k // 4):
+                raise ValueError(f"state[{key + '.weight'!r}] must have shape ({want}, {k // 4}) (this model's "
+                                 f"{'/'.join(members)}: {want} rows, K = {k} packed 4 a byte), got "
+                                 f"{tuple(packed.shape)}")
+            if scales.shape[0] < len(members):
+                raise ValueError(f"state[{key + '.weight_scale'!r}] must hold one scale per projection "
+                                 f"({len(members)}: {'/'.join(members)}), got {scales.shape[0]}")
             device = next(parent.parameters()).device
             t = unpack_weight(packed.to(torch.int8).to(device))
-            want = sum(rows[m] for m in members)
-            if t.shape[0] != want:
-                raise ValueError(f"layers.{i}.{ms_name}.weight has {t.shape[0]} rows; this model's "
-                                 f"{'/'.join(members)} have {want}")
+            scales = scales.float()
             sources, start = [], 0
             for j, m in enumerate(members):
                 part = t[start:start + rows[m]]
@@ -1368,10 +1410,16 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
                 sources.append((part, scales[j:j + 1].to(device), None, None))
             names = [f"model.layers.{i}.{parent_name}.{m}" for m in members]
             if fuse and fused_name is not None:
-                _install_fused(parent, members, fused_name, sources, names, t.shape[1], device, backend)
+                fused = _build(sources, names, t.shape[1], device, backend)
+                swaps.append(functools.partial(_install_fused, parent, members, fused_name, fused))
             else:
                 for src, m, name in zip(sources, members, names):
-                    setattr(parent, m, _build([src], [name], t.shape[1], device, backend))
+                    swaps.append(functools.partial(setattr, parent, m, _build([src], [name], t.shape[1], device,
+                                                                            backend)))
+    for param, src in copies:
+        param.copy_(src.to(param.dtype))
+    for swap in swaps:
+        swap()
     if fuse_norms:
         _fuse_norms(model, backend)
     return model

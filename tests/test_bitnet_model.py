@@ -456,6 +456,28 @@ def test_convert_refuses_a_full_precision_model():
         bn.convert(_float_model(hidden_size=96, num_attention_heads=1, intermediate_size=128))
 
 
+def test_convert_refuses_before_it_swaps():
+    """A layer the kernels cannot take, past layers they can (the down projection's K of
+    200 after the attention and gate / up of every layer), is refused with the model left
+    as it was; ``skip`` must name modules the model has, as a collection of names."""
+    m = _float_model(intermediate_size=200)
+    before = _snapshot(m)
+    with pytest.raises(ValueError, match=r"cannot convert model.layers.0.mlp.down_proj \(128 x 200\)"):
+        bn.convert(m, backend="reference")
+    assert _unchanged(m, *before)
+    with pytest.raises(TypeError, match="skip must be a collection of qualified module names"):
+        bn.convert(m, backend="reference", skip="model.layers.0.mlp.down_proj")
+    with pytest.raises(TypeError, match="skip must be a collection"):
+        bn.convert(m, backend="reference", skip=None)
+    with pytest.raises(ValueError, match=r"skip names modules the model does not have: \['model.layers.0.mlp.dwn'\]"):
+        bn.convert(m, backend="reference", skip=["model.layers.0.mlp.dwn"])
+    assert _unchanged(m, *before)
+    skipped = [f"model.layers.{i}.mlp.down_proj" for i in range(LAYERS)]
+    got = bn.convert(m, backend="reference", skip=(x for x in skipped))  # any iterable of names
+    assert all(type(layer.mlp.down_proj) is torch.nn.Linear for layer in got.model.layers)
+    assert isinstance(got.model.layers[0].self_attn.qkv_proj, bn.BitLinear)
+
+
 # --------------------------------------------------------------------------------------
 # GPU: the kernels
 # --------------------------------------------------------------------------------------
@@ -606,14 +628,41 @@ def test_load_microsoft_int2_checkpoint(fuse, tmp_path):
     assert torch.equal(again(ids).logits, loaded(ids).logits)
 
 
+def _unchanged(model, state, kinds) -> bool:
+    """Whether ``model`` still has the ``state`` and the module classes ``kinds`` it had."""
+    now = model.state_dict()
+    return (now.keys() == state.keys() and all(torch.equal(now[k], state[k]) for k in state)
+            and [type(m) for m in model.modules()] == kinds)
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
+
+
 def test_load_int2_checkpoint_errors():
+    """A checkpoint that does not fit the model is refused by name, and the model is left as
+    it was (every tensor checked before the first is written)."""
     fl = _float_model(seed=3)
     ckpt, _ = _ms_int2_checkpoint(fl)
-    with pytest.raises(ValueError, match="'layers.1.attention.wo.weight'"):
-        bn.load_int2_checkpoint(_float_model(), {k: v for k, v in ckpt.items() if k != "layers.1.attention.wo.weight"},
+    target = _float_model()
+    before = _snapshot(target)
+    with pytest.raises(ValueError, match="'layers.1.attention.wo.weight'"):  # a key of the last layer missing
+        bn.load_int2_checkpoint(target, {k: v for k, v in ckpt.items() if k != "layers.1.attention.wo.weight"},
                                 backend="reference")
-    with pytest.raises(ValueError, match="layers.0.attention.wqkv.weight has 256 rows; this model's q_proj/k_proj/v_proj"
-                                         " have 384"):
+    assert _unchanged(target, *before)
+    with pytest.raises(ValueError, match=r"'layers.1.attention.wqkv.weight_scale'\] must hold one scale per "
+                                         r"projection \(3"):
+        bn.load_int2_checkpoint(target, ckpt | {"layers.1.attention.wqkv.weight_scale": torch.ones(1)},
+                                backend="reference")
+    with pytest.raises(ValueError, match=r"'layers.1.ffn_norm.weight'\] must have shape \(128,\)"):
+        bn.load_int2_checkpoint(target, ckpt | {"layers.1.ffn_norm.weight": torch.ones(1)}, backend="reference")
+    wo = ckpt["layers.1.attention.wo.weight"]
+    with pytest.raises(ValueError, match=r"'layers.1.attention.wo.weight'\] must have shape \(128, 32\)"):
+        bn.load_int2_checkpoint(target, ckpt | {"layers.1.attention.wo.weight": torch.cat([wo, wo], 1)},
+                                backend="reference")
+    assert _unchanged(target, *before)
+    with pytest.raises(ValueError, match=r"'layers.0.attention.wqkv.weight'\] must have shape \(384, 32\) \(this "
+                                         r"model's q_proj/k_proj/v_proj: 384 rows"):
         bn.load_int2_checkpoint(_float_model(num_key_value_heads=2), ckpt, backend="reference")
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128,
                                                                    intermediate_size=256, num_hidden_layers=1,
