@@ -15,13 +15,19 @@ What runs where:
 * decode (one new token per sequence): the token is appended in place and attention runs
   over the packed cache through ``bitdecode.decode``;
 * a later multi-token chunk (a second chat turn, a verification block): the chunk is
-  appended, the packed cache dequantized to 16 bits for that call and attended with SDPA
-  (fp32) and a causal mask over the chunk;
+  appended and attended through ``bitdecode.decode`` with a causal mask over the chunk (a
+  chunk with masked, padded positions is refused: the cache appends the same tokens to
+  every sequence);
 * rejected drafts of assisted generation: ``crop`` truncates every layer's cache
-  (``KVCache.truncate``).
+  (``KVCache.truncate``); beam search reorders it (``reorder_cache``).
 
-The cache binds itself to the model's attention modules when it is made (that is how the
-attention function finds it), so one model runs one ``BitDecodingCache`` at a time.
+The attention function finds the cache through the model's attention modules: the cache
+that a forward's ``update`` calls reach binds itself to them, so several caches can serve
+one model by turns, and a forward without one (``use_cache=False``, another ``Cache``)
+runs transformers' SDPA.  (Under ``torch.compile`` the binding is the last one made
+eagerly.)  Not supported, refused with an error: attention-logit soft-capping (Gemma 2),
+attention sinks (GPT-OSS), and sequences longer than a sliding window (the cache keeps
+every token; within the window the results are the model's).
 Importing this module imports transformers (it is not a dependency of ``bitdecode``).
 
 Tensor parallelism is transformers' own (``from_pretrained(..., tp_plan="auto")``, or
@@ -46,7 +52,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import _validate, bitnet, dense, ops, rope
+from . import _validate, bitnet, dense, dispatch, ops, rope
 from .bitnet import RMS_NORM_CLASSES
 from .cache import KVCache, decode
 from .formats import KVFormat
@@ -84,11 +90,17 @@ class BitDecodingLayer(CacheLayerMixin):
         self.fmt, self.max_seqlen, self.page_size, self.backend = fmt, max_seqlen, page_size, backend
         self._kv: Optional[KVCache] = None
         self.seen = 0  # positions transformers has fed (pads included): its view of the length
+        # ``seen`` less the longest sequence's length: the prompt's pads (left padding drops
+        # them from the shorter sequences only); constant while both advance together
+        self.pad_offset = 0
+        # the key ``update`` returned, until the attention call takes it: whether this
+        # forward's attention is this cache's (``bitdecode_attention``)
+        self.returned: Optional[torch.Tensor] = None
         self.prompt_pending = False  # a first call's K / V await packing (its mask shows the pads)
-        # an eager decode step's new token ([B, 1, Hkv, D] K and V), held from ``update`` to
-        # the attention call, which appends it with the decode (``decode(k_new=, v_new=)``:
-        # one launch on the sm80 and sm90 kernels); anything else that reads the cache
-        # appends it first (``kv``)
+        # an eager step's new tokens ([B, T, Hkv, D] K and V), held from ``update`` to the
+        # attention call, which checks the chunk's mask and appends them with the decode
+        # (``decode(k_new=, v_new=)``: one launch on the sm80 and sm90 kernels for one
+        # token); anything else that reads the cache appends them first (``kv``)
         self._pending: Optional[tuple] = None
 
     @property
@@ -130,11 +142,11 @@ class BitDecodingLayer(CacheLayerMixin):
         elif torch.compiler.is_compiling():  # one op node; capacity checked on the device
             ops.append_cache(key_states.transpose(1, 2).contiguous(), value_states.transpose(1, 2).contiguous(),
                              self.kv)
-        elif key_states.shape[2] == 1:  # a decode step: the attention call appends it (``_pending``)
+        else:  # the attention call appends them (``_pending``)
             self.flush()
+            if self.seen - self._kv._host_max != self.pad_offset:
+                self._kv.check()  # compiled steps appended on the device only: the host's lengths catch up
             self._pending = (key_states.transpose(1, 2), value_states.transpose(1, 2))
-        else:
-            self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
         self.seen += key_states.shape[2]
         return key_states, value_states
 
@@ -152,6 +164,7 @@ class BitDecodingLayer(CacheLayerMixin):
             k = torch.take_along_dim(k, idx[:, :, None, None], dim=1)
             v = torch.take_along_dim(v, idx[:, :, None, None], dim=1)
         self.kv.prefill(k.contiguous(), v.contiguous(), seqlens=lens)
+        self.pad_offset = t - max(lens, default=0)
         self.prompt_pending = False
 
     def dequantized(self):
@@ -170,18 +183,27 @@ class BitDecodingLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest tokens (assisted generation's rejected drafts): ``-n`` removes n,
         a positive value is the length to keep (transformers' older convention)."""
-        tokens_to_remove = int(tokens_to_remove)  # older transformers pass a 0-d tensor
+        if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0:
+            tokens_to_remove = tokens_to_remove.item()  # older transformers pass a 0-d tensor
+        tokens_to_remove = _validate.integer("tokens_to_remove", tokens_to_remove)
         remove = self.seen - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
         if remove <= 0 or self.kv is None:
             return
         self.kv.truncate(remove)
         self.seen -= remove
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: sequence ``i`` becomes a copy of sequence ``beam_idx[i]``."""
+        if self._kv is not None:
+            self.kv.reorder(beam_idx)
+
     def reset(self) -> None:
         self._pending = None
         if self._kv is not None:
             self._kv.reset()
         self.seen = 0
+        self.pad_offset = 0
+        self.returned = None
         self.prompt_pending = False
 
 
@@ -198,23 +220,55 @@ class BitDecodingCache(Cache):
                  page_size: Optional[int] = None, backend: str = "auto"):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
+        # what ``KVCache.allocate`` would refuse at the first forward, refused here
+        _validate.positive_int("max_seqlen", max_seqlen)
+        if page_size is not None:
+            _validate.positive_int("page_size", page_size)
+            if page_size % fmt.residual_block:
+                raise ValueError(f"page_size must be a multiple of the residual block ({fmt.residual_block} "
+                                 f"tokens for this format), got {page_size}")
+        if backend not in dispatch.BACKENDS:
+            raise ValueError(f"backend must be one of {dispatch.BACKENDS}, got {backend!r}")
         config = getattr(model, "config", None)
         if config is None or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             raise ValueError(
                 "model must be loaded with attn_implementation='bitdecode' (import bitdecode.hf first), got "
                 f"{getattr(config, '_attn_implementation', None)!r}"
             )
+        _check_supported(config)
         layer = functools.partial(BitDecodingLayer, fmt, max_seqlen, page_size, backend)
         super().__init__(layer_class_to_replicate=layer)
         self.fmt = fmt
         self._prompt_lens = None  # (weakref to a prefill's mask, its length, version, prompt lengths)
-        bound = 0
+        self._windows = _sliding_windows(config)  # layer index -> its sliding window (tokens)
+        self._ref = weakref.ref(self)
+        self._attention_modules: dict = {}  # layer index -> the model's attention modules of it
         for module in model.modules():  # the attention modules find their layer through this
             if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
-                setattr(module, _CACHE_ATTR, weakref.ref(self))
-                bound += 1
-        if bound == 0:
+                setattr(module, _CACHE_ATTR, self._ref)
+                self._attention_modules.setdefault(module.layer_idx, []).append(module)
+        if not self._attention_modules:
             raise ValueError("found no attention module (with layer_idx and q_proj) in the model")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``; binds this cache to the layer's attention modules
+        (the forward that calls it attends over this cache, whichever cache was made last)."""
+        window = self._windows.get(layer_idx)
+        if window is not None:
+            seen = self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
+            if seen + key_states.shape[2] > window:
+                raise ValueError(
+                    f"layer {layer_idx} attends over a sliding window of {window} tokens and this step would "
+                    f"make the sequence {seen + key_states.shape[2]} tokens long: BitDecodingCache keeps every "
+                    "token, so past the window its attention would not be the model's (a longer window, "
+                    "config.sliding_window, or a cache that evicts)"
+                )
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if not torch.compiler.is_compiling():
+            for module in self._attention_modules.get(layer_idx, ()):
+                setattr(module, _CACHE_ATTR, self._ref)
+            self.layers[layer_idx].returned = keys
+        return keys, values
 
     def memory_bytes(self) -> int:
         return sum(layer.kv.memory_bytes() for layer in self.layers if layer.kv is not None)
@@ -225,9 +279,39 @@ class BitDecodingCache(Cache):
         bring each layer's host-side lengths (and ``get_seq_length``) up to the device's."""
         for layer in self.layers:
             if layer.kv is not None:
-                before = max(layer.kv.lengths, default=0)
                 layer.kv.check()
-                layer.seen += max(layer.kv.lengths, default=0) - before
+                # (what the device holds: a graph replay advanced neither count on the host, a
+                # compiled step only ``seen``)
+                layer.seen = max(layer.kv.lengths, default=0) + layer.pad_offset
+
+
+def _check_supported(config) -> None:
+    """Refuse the attention variants the cache's attention does not compute."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"the model soft-caps its attention logits (config.attn_logit_softcapping={softcap}), "
+                         "which attn_implementation='bitdecode' does not compute")
+    if getattr(config, "model_type", None) == "gpt_oss":
+        raise ValueError("the model's attention has learned sinks (GPT-OSS's s_aux), which "
+                         "attn_implementation='bitdecode' does not compute")
+
+
+def _sliding_windows(config) -> dict:
+    """{layer index: window} of the layers that attend over a sliding window: every layer
+    where the config has a ``sliding_window`` (and no ``use_sliding_window=False``), or the
+    ``"sliding_attention"`` ones of its ``layer_types``."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return {}
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return {i: window for i, kind in enumerate(types) if kind == "sliding_attention"}
+    if getattr(config, "use_sliding_window", True) is False:
+        return {}
+    return {i: window for i in range(getattr(config, "num_hidden_layers", 0))}
+
+
+_UNSUPPORTED_KWARGS = ("s_aux", "softcap")  # attention sinks (GPT-OSS), logit soft-capping (Gemma 2)
 
 
 def _valid_tokens(attention_mask: Optional[torch.Tensor], t: int) -> Optional[torch.Tensor]:
@@ -258,16 +342,28 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
     """transformers attention function: query [B, Hq, Tq, D]; returns ([B, Tq, Hq, D], None)."""
     ref = getattr(module, _CACHE_ATTR, None)
     cache = ref() if ref is not None else None
-    if cache is None or module.layer_idx >= len(cache.layers):
-        # no bitdecode cache in use (use_cache=False, or a forward without one): plain SDPA
+    layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
+    if layer is not None and not torch.compiler.is_compiling():
+        returned, layer.returned = layer.returned, None
+        if returned is None:  # the cache was not updated for this call: another cache's, or none
+            layer = None
+    if layer is None:
+        # no bitdecode cache in use (use_cache=False, or a forward with another Cache): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    layer = cache.layers[module.layer_idx]
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation='bitdecode' does not compute the model's {name!r} "
+                             "(attention sinks, soft-capping)")
     bsz, hq, tq, d = query.shape
     if layer.prompt_pending:  # prefill: 16-bit attention, then pack without the pads
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)
-        layer.store_prompt(key, value, *_prompt_lengths(cache, attention_mask, key.shape[2]))
+        try:
+            layer.store_prompt(key, value, *_prompt_lengths(cache, attention_mask, key.shape[2]))
+        except BaseException:  # refused before anything was written: the layer holds no prompt
+            layer.seen -= key.shape[2]
+            raise
         return out
     if tq == 1:  # decode over the packed cache
         q = query.transpose(1, 2)
@@ -275,10 +371,35 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
             scale = scaling if scaling is not None else d ** -0.5
             return ops.decode_cache(q.contiguous(), layer.kv, scale), None
         k_new, v_new = layer.take_pending() or (None, None)
-        return decode(q, layer.kv, softmax_scale=scaling, k_new=k_new, v_new=v_new), None
-    # several new tokens (assisted generation's drafts, a later chunk of a prompt), already
-    # appended: causal over the cache, in the kernels when they fit one tile
-    return decode(query.transpose(1, 2).contiguous(), layer.kv, softmax_scale=scaling), None
+        kv = layer.kv
+        added = kv._host_added
+        try:
+            return decode(q, kv, softmax_scale=scaling, k_new=k_new, v_new=v_new), None
+        except BaseException:  # refused: ``update`` counted a token that the cache never took
+            if k_new is not None and kv._host_added == added:
+                layer.seen -= k_new.shape[1]
+            raise
+    # several new tokens (assisted generation's drafts, a later chunk of a prompt): appended
+    # (the same tokens to every sequence, so none may be masked), then causal over the cache,
+    # in the kernels when they fit one tile
+    k_new, v_new = layer.take_pending() or (None, None)
+    kv = layer.kv
+    added = kv._host_added
+    try:
+        if k_new is not None and not (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            valid = _valid_tokens(attention_mask, tq)
+            if valid is not None and not bool(valid.all()):
+                raise ValueError(
+                    "a chunk of several new tokens has masked (padding) positions: BitDecodingCache appends "
+                    "the same tokens to every sequence after the first call, so pad only the first call's "
+                    "prompt (left padding) or run the sequences one at a time"
+                )
+        return decode(query.transpose(1, 2).contiguous(), kv, softmax_scale=scaling, k_new=k_new,
+                      v_new=v_new), None
+    except BaseException:  # refused: ``update`` counted tokens that the cache never took
+        if k_new is not None and kv._host_added == added:
+            layer.seen -= k_new.shape[1]
+        raise
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -375,6 +496,8 @@ def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
     a BitNet model ``bd.bitnet.convert`` fuses its norms with the activation quantizer."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if backend not in bitnet.BACKENDS:  # (checked here: the norms would only refuse it at their first call)
+        raise ValueError(f"backend must be one of {bitnet.BACKENDS}, got {backend!r}")
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -690,20 +813,33 @@ def fused(model: torch.nn.Module, norms: bool = True, rotary: bool = True, proje
     """``fuse_norms`` / ``fuse_rope`` / ``fuse_projections`` (``projections``: its backend,
     None to skip) on ``model`` for a ``with`` block, undone after (the rotary embedding of
     only the modeling modules this call patched).  ``backend``: the norms' and the rotary
-    embedding's.  Yields ``{"norms": n, "rope": modules, "projection_groups": n}``."""
+    embedding's.  Yields ``{"norms": n, "rope": modules, "projection_groups": n}``.  The
+    arguments are checked before anything is fused, and what was fused is undone if a
+    later step raises."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for used, choices in ((norms, bitnet.BACKENDS), (rotary, rope.BACKENDS)):
+        if used and backend not in choices:
+            raise ValueError(f"backend must be one of {choices}, got {backend!r}")
+    if projections not in (None, "auto", "reference"):
+        raise ValueError(f"projections must be 'auto', 'reference' or None, got {projections!r}")
     before = set(_ROPE_ORIGINALS)
-    done = {"norms": fuse_norms(model, backend) if norms else 0,
-            "rope": fuse_rope(model, backend) if rotary else [],
-            "projection_groups": fuse_projections(model, projections) if projections else 0}
+    done = {"norms": 0, "rope": [], "projection_groups": 0}
+    ran = []
     try:
+        if norms:
+            ran.append(unfuse_norms)
+            done["norms"] = fuse_norms(model, backend)
+        if rotary:
+            ran.append(lambda _: restore_rope(set(done["rope"]) - before))
+            done["rope"] = fuse_rope(model, backend)
+        if projections:
+            ran.append(unfuse_projections)
+            done["projection_groups"] = fuse_projections(model, projections)
         yield done
     finally:
-        if projections:
-            unfuse_projections(model)
-        if rotary:
-            restore_rope(set(done["rope"]) - before)
-        if norms:
-            unfuse_norms(model)
+        for undo in reversed(ran):
+            undo(model)
 
 
 def unfuse_projections(model: torch.nn.Module) -> int:
