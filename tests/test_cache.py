@@ -465,3 +465,127 @@ def test_appending_decode_takes_two_calls_past_the_merge_splits(monkeypatch):
     assert len(fused) == 1
     c.decode(q, 0.125, limit + 1, k_new=kv, v_new=kv)
     assert len(fused) == 1 and c.lengths == [5, 129]
+
+
+def _state(c):
+    """Everything a KVCache holds, host and device, to compare before / after a refused call."""
+    tensors = {n: getattr(c, n).clone() for n in ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res",
+                                                 "seqlens", "overflow", "block_table")}
+    return tensors, c.lengths
+
+
+def _unchanged(c, state) -> bool:
+    tensors, lens = state
+    return c.lengths == lens and all(torch.equal(getattr(c, n), t) for n, t in tensors.items())
+
+
+def test_appending_decode_refused_for_its_q_writes_nothing(gen):
+    """``decode(q, cache, k_new=, v_new=)`` as two calls (the reference backend, auto): a q
+    or an option the decode refuses is refused before the append writes the new token."""
+    c = allocate(4)
+    k, v = kvdata.kv(gen, 2, 12, HKV, D)
+    c.prefill(k[:, :10], v[:, :10], [10, 4])
+    before = _state(c)
+    q = kvdata.randn(gen, 2, 1, HQ, D)
+    for bad_q, kw, err, msg in ((q.float(), {}, TypeError, "^q must have dtype"),
+                                (q[:, :0], {}, ValueError, "at least one query token"),
+                                (q[:, :, :3], {}, ValueError, "not a multiple of the cache's 2 KV heads"),
+                                ([1.0], {}, TypeError, "q must be a torch.Tensor"),
+                                (q, {"softmax_scale": "x"}, TypeError, "softmax_scale"),
+                                (q, {"num_splits": -1}, ValueError, "num_splits")):
+        with pytest.raises(err, match=msg):
+            bd.decode(bad_q, c, k_new=k[:, 10:11], v_new=v[:, 10:11], **kw)
+        assert _unchanged(c, before), msg
+    bd.decode(q, c, k_new=k[:, 10:11], v_new=v[:, 10:11])
+    assert c.lengths == [11, 5]
+
+
+def test_multi_token_query_longer_than_a_sequence_is_refused(gen):
+    """T > 1 query tokens are each sequence's newest T, already appended: a sequence that
+    holds fewer is refused, also after a truncate shortened it under a query that passed."""
+    c = allocate(4)
+    k, v = kvdata.kv(gen, 2, 12, HKV, D)
+    c.prefill(k, v, [12, 5])
+    q = kvdata.randn(gen, 2, 5, HQ, D)
+    assert bd.decode(q, c).shape == q.shape  # (the shorter sequence holds exactly 5)
+    c.truncate(2)
+    with pytest.raises(ValueError, match="q has 5 query tokens per sequence.*sequence 1 holds 3 tokens"):
+        bd.decode(q, c)
+    assert bd.decode(q[:, :3], c).shape == (2, 3, HQ, D)
+
+
+def test_truncate_checks_the_block_table_before_it_writes(gen):
+    """A block table edited out of range (or to a page another sequence uses) is refused
+    by truncate before it unpacks anything, as prefill and append refuse it."""
+    c = allocate(4, max_seqlen=600, page_size=128)
+    k, v = kvdata.kv(gen, 2, 300, HKV, D)
+    c.prefill(k, v)
+    for page, msg in ((99, r"must lie in \[0, 10\)"), (-1, r"must lie in \[0, 10\)"), (0, "distinct pages")):
+        table = c.block_table.clone()
+        c.block_table[1, 0] = page
+        before = _state(c)
+        with pytest.raises(ValueError, match=msg):
+            c.truncate(200)
+        assert _unchanged(c, before)
+        c.block_table.copy_(table)
+    c.truncate(200)
+    assert c.lengths == [100, 100]
+
+
+def test_inference_mode_cache_refuses_writes_outside_it(gen):
+    """torch refuses in-place updates of inference tensors outside inference_mode, after
+    some have run: the cache refuses first, naming the call, and holds what it held."""
+    with torch.inference_mode():
+        c = allocate(4)
+        k, v = kvdata.kv(gen, 2, 140, HKV, D)
+        c.prefill(k[:, :130], v[:, :130])
+    before = _state(c)
+    for call in (lambda: c.append(k[:, 130:131], v[:, 130:131]), lambda: c.prefill(k, v), lambda: c.truncate(5),
+                 c.reset, lambda: c.reorder([1, 0])):
+        with pytest.raises(RuntimeError, match="allocated under torch.inference_mode"):
+            call()
+        assert _unchanged(c, before)
+    with torch.inference_mode():
+        c.append(k[:, 130:131], v[:, 130:131])
+    assert c.lengths == [131, 131]
+
+
+@pytest.mark.parametrize("page_size", [None, 256])
+@pytest.mark.parametrize("fmt", [bd.KVFormat(bits=4, group_size=32), bd.KVFormat(bits=2, group_size=64, sink_tokens=4)],
+                         ids=["4bit", "2bit-sinks"])
+def test_reorder_copies_sequences_and_keeps_them_apart(fmt, page_size, gen):
+    """Beam search's reordering: sequence i becomes sequence order[i] (one source copied to
+    two, one dropped), byte for byte as a cache prefilled in that order, and appends after
+    it stay apart (no page shared)."""
+    order = [2, 0, 0]
+    lens = [250, 130, 7]
+    k, v = kvdata.kv(gen, 3, 320, HKV, D)
+    c, want = (bd.KVCache.allocate(3, HKV, D, 400, fmt, device="cpu", page_size=page_size, backend="reference")
+               for _ in range(2))
+    c.prefill(k[:, :250], v[:, :250], lens)
+    c.reorder(torch.tensor(order))
+    want.prefill(k[order, :250], v[order, :250], [lens[j] for j in order])
+    c.append(k[:, 250:], v[:, 250:])
+    want.append(k[:, 250:], v[:, 250:])
+    assert c.lengths == want.lengths == [77, 320, 320]
+    for b in range(3):
+        assert all(torch.equal(x, y) for x, y in zip(c.dequantized(b), want.dequantized(b))), b
+    q = kvdata.randn(gen, 3, 1, HQ, D)
+    assert torch.equal(bd.decode(q, c), bd.decode(q, want))
+
+
+def test_reorder_and_dequantized_refuse_bad_arguments():
+    c = allocate(4)
+    c.prefill(torch.zeros(2, 5, HKV, D, dtype=torch.float16), torch.zeros(2, 5, HKV, D, dtype=torch.float16))
+    for bad, err, msg in (([0], ValueError, "indices must have 2 entries"), ([0, 2], ValueError, r"in \[0, 2\)"),
+                          ([0, -1], ValueError, r"in \[0, 2\)"), ([0.0, 1.0], TypeError, "indices must hold ints"),
+                          ("01", TypeError, "indices must be a sequence of ints")):
+        with pytest.raises(err, match=msg):
+            c.reorder(bad)
+    for b, err in ((2, ValueError), (-1, ValueError), (True, TypeError), ("0", TypeError)):
+        with pytest.raises(err, match="^b must be"):
+            c.dequantized(b)
+    for k_dtype in (torch.int32, "float32"):
+        with pytest.raises(TypeError, match="k_dtype must be a floating-point torch.dtype"):
+            c.dequantized(0, k_dtype)
+    assert c.dequantized(1, torch.float32)[0].dtype == torch.float32

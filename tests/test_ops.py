@@ -180,3 +180,29 @@ def test_ops_carry_fp4(gen, fp4, hadamard):
     torch.library.opcheck(torch.ops.bitdecode.append.default,
                           (k[:, :2].contiguous(), v[:, :2].contiguous()) + ops._write_args(a),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_write_ops_check_k_and_v(gen):
+    """The write ops are public: a K / V torch would broadcast or cast (one head for two, a
+    batch of one, fp32), or lengths past what was given, are refused by name and nothing
+    is written (the reference backend, which reads the lengths on the host anyway)."""
+    c = _cache(gen, [20, 9])
+    before = {n: getattr(c, n).clone() for n in ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res",
+                                                 "seqlens")}
+    k, v = kvdata.kv(gen, 2, 3, 2, 64, dtype=torch.float16, device="cpu")
+    for bad_k, bad_v, err, msg in ((k[:, :, :1], v[:, :, :1], ValueError, r"^k must have shape \(2, \*, 2, 64\)"),
+                                   (k[:1], v[:1], ValueError, "^k must have shape"),
+                                   (k.float(), v, TypeError, "^k must have dtype torch.float16"),
+                                   (k, v[:, :1], ValueError, r"^v must have shape \(2, 3, 2, 64\)")):
+        with pytest.raises(err, match=msg):
+            ops.append_cache(bad_k, bad_v, c)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"seqlens must lie in \[0, 3\].*got 4"):
+        ops.prefill_cache(k, v, torch.tensor([4, 2], dtype=torch.int32), c)
+    with pytest.raises(ValueError, match=r"seqlens must lie in \[0, 3\].*got -1"):
+        ops.prefill_cache(k, v, torch.tensor([-1, 2], dtype=torch.int32), c)
+    with pytest.raises(TypeError, match="^seqlens must have dtype torch.int32"):
+        ops.prefill_cache(k, v, lens.long(), c)
+    assert all(torch.equal(getattr(c, n), t) for n, t in before.items())
+    ops.prefill_cache(k, v, lens, c)
+    assert c.seqlens.tolist() == [3, 2]

@@ -169,6 +169,23 @@ def test_quantize_argument_errors(kwargs, exc, msg):
         reference.quantize(args["x"], args["bits"], args["group_size"])
 
 
+@pytest.mark.parametrize("dim,exc,msg", [(2, ValueError, r"dim must lie in \[-2, 1\] for (x|codes) of 2 dims, got 2"),
+                                         (-3, ValueError, "dim must lie in .* got -3"),
+                                         (True, TypeError, "dim must be an int"), (1.0, TypeError, "dim must be an int")])
+def test_every_quantizer_checks_its_dim(dim, exc, msg):
+    """quantize, dequantize and quantize_fp4 refuse a dim outside the tensor (indexing
+    would wrap it to another dim silently) and a 0-dim tensor."""
+    x = torch.zeros(2, 64, dtype=torch.float16)
+    codes, scale, zero = reference.quantize(x, 4, 32)
+    for call in (lambda: reference.quantize(x, 4, 32, dim=dim), lambda: reference.quantize_fp4(x, "nvfp4", dim=dim),
+                 lambda: reference.dequantize(codes, scale, zero, 32, dim=dim)):
+        with pytest.raises(exc, match=msg):
+            call()
+    for call in (lambda: reference.quantize(x[0, 0], 4, 32), lambda: reference.quantize_fp4(x[0, 0], "nvfp4")):
+        with pytest.raises(ValueError, match="x must have at least one dimension"):
+            call()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("dim", [0, -1])
