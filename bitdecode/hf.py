@@ -5,7 +5,7 @@ attention function registered as ``attn_implementation="bitdecode"``.
     from bitdecode.hf import BitDecodingCache
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="bitdecode")
     cache = BitDecodingCache(model, bd.KVFormat(bits=4), max_seqlen=32768)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # (before 5.2x: past_key_values=)
 
 What runs where:
 
