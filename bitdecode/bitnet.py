@@ -950,6 +950,18 @@ class BitLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)
 
+    def _apply(self, fn, recurse=True):
+        """A model's ``.half()`` / ``.to(dtype)`` casts every floating buffer; the scales and
+        the bias stay the fp32 the kernels take (the values held before, not a round trip
+        through the new dtype), and only follow the device."""
+        fp32 = {n: t for n, t in (("weight_scale", self.weight_scale), ("bias", self.bias)) if t is not None}
+        super()._apply(fn, recurse)
+        for name, before in fp32.items():
+            now = self._buffers[name]
+            if now.dtype != before.dtype:
+                self._buffers[name] = before.to(now.device)
+        return self
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -1229,9 +1241,8 @@ def convert(
     and the final norm stay as they are.  ``backend`` goes to every ``BitLinear`` and
     ``RMSNormQuant`` ("auto": kernels on CUDA, the torch
     reference on the CPU).  The result is for inference; its state dict holds bitdecode's
-    buffers (``weight_packed``, ``weight_scale``), not a transformers checkpoint.  Convert
-    after placing the model (``.to(device)`` later is fine; a later ``.to(dtype)`` would cast
-    the fp32 scales, which the matmuls refuse).
+    buffers (``weight_packed``, ``weight_scale``), not a transformers checkpoint.  A later
+    ``.to(device)`` or ``.to(dtype)`` is fine (``BitLinear`` keeps its scales and bias fp32).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -362,6 +362,10 @@ def pack_k(k: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     _check_fmt(fmt)
     if fmt.fp4:  # per 128-token tile: rows = tokens, scales along the channels
         nr = sm100.SF_ATOM_ROWS
+        _validate.tensor("k", k, dtypes=_validate.FLOAT16_DTYPES)
+        if k.dim() < 2 or k.shape[-2] % nr:
+            raise ValueError(f"k must hold a multiple of {nr} tokens (dim -2) for {fmt.fp4}, got shape "
+                             f"{tuple(k.shape)}")
         tiles = k.reshape(*k.shape[:-2], k.shape[-2] // nr, nr, k.shape[-1])
         words, chunks = _pack_fp4_rows(tiles, fmt, check_finite)
         return words.reshape(*k.shape[:-1], -1), chunks.squeeze(-3)  # a tile is one chunk of rows

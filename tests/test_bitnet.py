@@ -311,6 +311,19 @@ def test_bitlinear_reference(gen):
     assert "segments=(64, 32)" in repr(layer)
     with pytest.raises(ValueError, match="256 features"):
         layer(torch.randn(3, 128))
+    with pytest.raises(ValueError, match="256 features"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        layer([1.0] * 256)
+    # a model's .half() / .to(bf16) keeps the fp32 scales and bias as they were (the
+    # kernels take fp32; a round trip through 16 bits would change them)
+    scale, bias = layer.weight_scale.clone(), layer.bias.clone()
+    for cast in (torch.nn.Module.half, lambda m: m.to(torch.bfloat16), lambda m: m.to("cpu", torch.float16)):
+        cast(layer)
+        assert torch.equal(layer.weight_scale, scale) and torch.equal(layer.bias, bias)
+        assert "weight_scale" in dict(layer.named_buffers())
+    fresh = bn.BitLinear.from_float(lin, segments=(64, 32))
+    assert torch.equal(layer(x.half()), fresh(x.half()))
 
 
 def test_torch_library_ops_have_fake_impls():
