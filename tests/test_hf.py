@@ -520,3 +520,300 @@ def test_fuse_rope_on_the_model_families(family, module):
         assert torch.equal(base(ids).logits, want)
     finally:
         hf.restore_rope()
+
+
+def _pair(model_cls, config):
+    """(16-bit SDPA model, the same weights with the bitdecode attention) of ``config``."""
+    torch.manual_seed(0)
+    cls = getattr(transformers, model_cls)
+    base = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa").to(torch.bfloat16).eval()
+    packed = cls._from_config(copy.deepcopy(config), attn_implementation=hf.ATTN_IMPLEMENTATION)
+    packed = packed.to(torch.bfloat16).eval()
+    packed.load_state_dict(base.state_dict())
+    return base, packed
+
+
+def _state(cache):
+    """What a refused call must leave as it was: transformers' length, each layer's lengths."""
+    return cache.get_seq_length(), [layer.kv.lengths for layer in cache.layers]
+
+
+@torch.no_grad()
+def test_the_attention_follows_the_cache_the_forward_updates(models):
+    """Two caches alive for one model (a server keeping one per conversation), used by
+    turns: each forward attends over the cache it updates, not the one made last, so the
+    older cache's logits equal those of a cache used alone.  A forward without a bitdecode
+    cache beside a filled one (``use_cache=False``, a ``DynamicCache``) is plain SDPA:
+    the 16-bit model's logits, bit for bit."""
+    base, packed = models
+    gen = torch.Generator().manual_seed(12)
+    prompt, other = torch.randint(0, VOCAB, (2, 40), generator=gen), torch.randint(0, VOCAB, (2, 24), generator=gen)
+    steps = torch.randint(0, VOCAB, (2, 3), generator=gen).split(1, dim=1)
+    alone = _cache(packed, 4)
+    want = [packed(x, past_key_values=alone, use_cache=True).logits for x in [prompt, *steps]]
+    older, newer = _cache(packed, 4), _cache(packed, 4)
+    got = [packed(prompt, past_key_values=older, use_cache=True).logits]
+    packed(other, past_key_values=newer, use_cache=True)  # (turns: the newer cache between the older's steps)
+    for x in steps:
+        got.append(packed(x, past_key_values=older, use_cache=True).logits)
+        packed(x, past_key_values=newer, use_cache=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert older.get_seq_length() == 43 and newer.get_seq_length() == 27
+    assert [layer.kv.lengths for layer in older.layers] == [[43, 43]] * 2
+    # beside the live caches: no cache, then a DynamicCache over a prompt and a step
+    assert torch.equal(packed(other, use_cache=False).logits, base(other, use_cache=False).logits)
+    before = _state(newer)
+    for a, b in _feed(base, packed, transformers.DynamicCache(config=base.config),
+                      transformers.DynamicCache(config=packed.config), [other, steps[0]]):
+        assert torch.equal(a, b)
+    assert _state(newer) == before  # the bitdecode caches were not touched
+
+
+@torch.no_grad()
+def test_beam_search_reorders_the_packed_cache(models):
+    """Beam search calls ``reorder_cache`` after each step: greedy beam search (3 beams,
+    all returned) on the bitdecode cache picks the same sequences as on transformers'
+    ``DynamicCache``, with beam scores within the 4-bit format's error."""
+    base, packed = models
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3, num_return_sequences=3,
+              do_sample=False, return_dict_in_generate=True, output_scores=True)
+    want = base.generate(ids, **kw)
+    got = packed.generate(ids, past_key_values=_cache(packed, 4), **kw)
+    assert got.sequences.shape == want.sequences.shape == (6, 46)
+    agree = (got.sequences[:, 40:] == want.sequences[:, 40:]).float().mean().item()
+    assert agree >= 0.9, agree
+    assert _rel(got.sequences_scores, want.sequences_scores) < 1e-3
+
+
+@torch.no_grad()
+def test_reorder_cache_copies_the_source_sequences(models):
+    """``reorder_cache(beam_idx)``: sequence ``i`` of every layer becomes a copy of sequence
+    ``beam_idx[i]`` (packed blocks, residual tokens and length: the sequences here differ in
+    length by their left pads), and later appends keep the copies apart."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(13)
+    ids = torch.randint(1, VOCAB, (3, 150), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :20], mask[2, :7] = 0, 0
+    cache = _cache(packed, 4)
+    packed(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    packed(torch.randint(0, VOCAB, (3, 1), generator=gen), attention_mask=mask, past_key_values=cache, use_cache=True)
+    before = [[layer.kv.dequantized(b) for b in range(3)] for layer in cache.layers]
+    assert cache.layers[0].kv.lengths == [151, 131, 144]
+    beam_idx = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beam_idx)
+    assert cache.get_seq_length() == 151
+    for layer, old in zip(cache.layers, before):
+        assert layer.kv.lengths == [144, 151, 151]
+        for b, src in enumerate(beam_idx.tolist()):
+            k, v = layer.kv.dequantized(b)
+            assert torch.equal(k, old[src][0]) and torch.equal(v, old[src][1])
+    mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    packed(torch.tensor([[5], [6], [7]]), attention_mask=mask, past_key_values=cache, use_cache=True)
+    (k1, _), (k2, _) = cache.layers[0].kv.dequantized(1), cache.layers[0].kv.dequantized(2)
+    assert torch.equal(k1[:151], k2[:151]) and not torch.equal(k1[151], k2[151])
+
+
+@torch.no_grad()
+def test_a_chunk_with_masked_positions_is_refused_and_changes_nothing(models):
+    """After the first call the cache appends the same tokens to every sequence, so a
+    later chunk whose mask hides some of its positions (a padded second turn, a chunked
+    prefill of a left-padded batch) is refused before anything is stored: the length and
+    every layer's lengths stay, and the next valid chunk computes what it would have."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(14)
+    prompt, chunk = torch.randint(1, VOCAB, (2, 30), generator=gen), torch.randint(1, VOCAB, (2, 5), generator=gen)
+    ref = _cache(packed, 4)
+    packed(prompt, past_key_values=ref, use_cache=True)
+    want = packed(chunk, past_key_values=ref, use_cache=True).logits
+    cache = _cache(packed, 4)
+    packed(prompt, past_key_values=cache, use_cache=True)
+    before = _state(cache)
+    mask = torch.ones(2, 35, dtype=torch.long)
+    mask[1, 30:32] = 0  # sequence 1's turn is shorter: pads where it joins
+    with pytest.raises(ValueError, match=r"masked \(padding\) positions"):
+        packed(chunk, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert _state(cache) == before == (30, [[30, 30]] * 2)
+    assert torch.equal(packed(chunk, past_key_values=cache, use_cache=True).logits, want)
+    # generate's chunked prefill of a left-padded batch: the second chunk has pads in sequence 1
+    ids = torch.randint(1, VOCAB, (2, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, :20], mask[1, :20] = 0, 0
+    cache = _cache(packed, 4)
+    with pytest.raises(ValueError, match=r"masked \(padding\) positions"):
+        packed.generate(ids, attention_mask=mask, past_key_values=cache, prefill_chunk_size=16, max_new_tokens=2,
+                        do_sample=False, pad_token_id=0)
+    assert _state(cache) == (16, [[16, 0]] * 2)
+
+
+@torch.no_grad()
+def test_a_refused_step_leaves_the_cache_as_it_was(models):
+    """A decode step the cache refuses (past ``max_seqlen``; a batch that is not the
+    cache's) raises without advancing the position transformers reads
+    (``get_seq_length``: the next step's RoPE position), so the next valid step's logits
+    equal those of a cache that never saw the refused call."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(15)
+    prompt, steps = torch.randint(0, VOCAB, (2, 40), generator=gen), torch.randint(0, VOCAB, (2, 2), generator=gen)
+    full = hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=64), max_seqlen=40, backend="reference")
+    packed(prompt, past_key_values=full, use_cache=True)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        packed(steps[:, :1], past_key_values=full, use_cache=True)
+    assert _state(full) == (40, [[40, 40]] * 2)
+    ref, cache = _cache(packed, 4), _cache(packed, 4)
+    want = [packed(x, past_key_values=ref, use_cache=True).logits for x in [prompt, steps[:, :1], steps[:, 1:]]]
+    packed(prompt, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="shape"):
+        packed(steps[:1, :1], past_key_values=cache, use_cache=True)  # one sequence of the two
+    assert _state(cache) == (40, [[40, 40]] * 2)
+    got = [packed(x, past_key_values=cache, use_cache=True).logits for x in [steps[:, :1], steps[:, 1:]]]
+    assert torch.equal(got[0], want[1]) and torch.equal(got[1], want[2])
+
+
+def _sliding_config(config_cls, **kw):
+    return getattr(transformers, config_cls)(**(dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=4096) | kw))
+
+
+@torch.no_grad()
+def test_sequences_past_a_sliding_window_are_refused():
+    """The cache keeps every token, so a layer attending over a sliding window computes
+    the model's attention only within the window: a Mistral model with a 32-token window
+    runs (prefill logits equal SDPA's) up to 32 tokens and refuses the step past it;
+    with ``sliding_window=None`` it runs on.  Where ``layer_types`` mixes full and sliding
+    layers (Qwen2, ``max_window_layers``), only the sliding layers count."""
+    base, packed = _pair("MistralForCausalLM", _sliding_config("MistralConfig", sliding_window=32))
+    gen = torch.Generator().manual_seed(16)
+    prompt, steps = torch.randint(0, VOCAB, (1, 30), generator=gen), torch.randint(0, VOCAB, (1, 3), generator=gen)
+    cache = _cache(packed, 4)
+    assert torch.equal(packed(prompt, past_key_values=cache, use_cache=True).logits, base(prompt).logits)
+    packed(steps[:, :1], past_key_values=cache, use_cache=True)
+    packed(steps[:, 1:2], past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="sliding window of 32 tokens"):
+        packed(steps[:, 2:], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 32
+    _, unwindowed = _pair("MistralForCausalLM", _sliding_config("MistralConfig", sliding_window=None))
+    cache = _cache(unwindowed, 4)
+    unwindowed(torch.cat([prompt, prompt], 1), past_key_values=cache, use_cache=True)
+    unwindowed(steps[:, :1], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 61
+    # Qwen2 with use_sliding_window: layer 0 full, layer 1 sliding (max_window_layers=1)
+    mixed = _sliding_config("Qwen2Config", use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    assert mixed.layer_types == ["full_attention", "sliding_attention"]
+    _, packed = _pair("Qwen2ForCausalLM", mixed)
+    with pytest.raises(ValueError, match="layer 1 attends over a sliding window"):
+        packed(torch.cat([prompt, prompt], 1), past_key_values=_cache(packed, 4), use_cache=True)
+    full = _sliding_config("Qwen2Config", use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    assert full.layer_types == ["full_attention"] * 2  # a window in the config, but no layer slides
+    _, packed = _pair("Qwen2ForCausalLM", full)
+    cache = _cache(packed, 4)
+    packed(torch.cat([prompt, prompt], 1), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 60
+
+
+def test_the_cache_refuses_what_it_cannot_compute_or_hold(models):
+    """Refused when the cache is made, not at the first forward (or never): a model that
+    soft-caps its attention logits (Gemma 2) or has attention sinks (GPT-OSS), whose
+    attention the bitdecode function does not compute, and a ``max_seqlen``,
+    ``page_size`` or ``backend`` that the layers' caches would refuse, each error naming
+    its argument."""
+    small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64)
+    fmt = bd.KVFormat(bits=4, group_size=64)
+    gemma2 = transformers.Gemma2Config(**small)
+    assert gemma2.attn_logit_softcapping is not None
+    model = transformers.Gemma2ForCausalLM._from_config(gemma2, attn_implementation=hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="soft-caps its attention logits"):
+        hf.BitDecodingCache(model, fmt, backend="reference")
+    model.config.attn_logit_softcapping = None  # the same model without soft-capping is served
+    hf.BitDecodingCache(model, fmt, backend="reference")
+    if hasattr(transformers, "GptOssConfig"):
+        config = transformers.GptOssConfig(**small, num_local_experts=2, num_experts_per_tok=1)
+        model = transformers.GptOssForCausalLM._from_config(config, attn_implementation=hf.ATTN_IMPLEMENTATION)
+        with pytest.raises(ValueError, match="sinks"):
+            hf.BitDecodingCache(model, fmt, backend="reference")
+    _, packed = models
+    for value, error in ((0, ValueError), (-5, ValueError), ("10", TypeError), (10.0, TypeError)):
+        with pytest.raises(error, match="max_seqlen"):
+            hf.BitDecodingCache(packed, fmt, max_seqlen=value, backend="reference")
+    for value, error in ((fmt.residual_block + 64, ValueError), (0, ValueError), ("128", TypeError)):
+        with pytest.raises(error, match="page_size"):
+            hf.BitDecodingCache(packed, fmt, page_size=value, backend="reference")
+    with pytest.raises(ValueError, match="backend"):
+        hf.BitDecodingCache(packed, fmt, backend="bogus")
+    hf.BitDecodingCache(packed, fmt, max_seqlen=512, page_size=2 * fmt.residual_block, backend="reference")
+
+
+@torch.no_grad()
+def test_crop_takes_an_int_only(models):
+    """``crop``'s count is an int (or a 0-d tensor, as older transformers pass it): a
+    float or a str is a TypeError naming it (``int()`` truncated 1.5 to 1, keeping one
+    token), and the cache is left as it was."""
+    _, packed = models
+    cache = _cache(packed, 4)
+    packed(torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(17)), past_key_values=cache,
+           use_cache=True)
+    for bad in (1.5, "x", True):
+        with pytest.raises(TypeError, match="tokens_to_remove"):
+            cache.crop(bad)
+        assert _state(cache) == (20, [[20, 20]] * 2)
+    cache.crop(torch.tensor(-3))
+    assert _state(cache) == (17, [[17, 17]] * 2)
+
+
+def test_fused_checks_its_arguments_before_fusing(models):
+    """``fused`` (and ``fuse_norms``) refuse a bad backend or projections argument before
+    anything is fused: no FusedRMSNorm or merged projection in the model afterwards, and
+    no modeling module's rotary embedding patched."""
+    from transformers.models.llama import modeling_llama
+
+    model = copy.deepcopy(models[0])
+    rope_before, rope_fn = dict(hf._ROPE_ORIGINALS), modeling_llama.apply_rotary_pos_emb
+    try:
+        for kw, match in ((dict(projections="kernel"), "projections"), (dict(backend="bogus"), "backend")):
+            with pytest.raises(ValueError, match=match):
+                with hf.fused(model, **kw):
+                    pass
+            assert not any(isinstance(m, (hf.FusedRMSNorm, hf.ProjectionSlice, hf.Projection))
+                           for m in model.modules()), kw
+            assert not any("forward" in vars(m) for m in model.modules()), kw
+            assert hf._ROPE_ORIGINALS == rope_before and modeling_llama.apply_rotary_pos_emb is rope_fn, kw
+        with pytest.raises(ValueError, match="backend"):
+            hf.fuse_norms(model, backend="bogus")
+        assert not any(isinstance(m, hf.FusedRMSNorm) for m in model.modules())
+    finally:  # (nothing to undo where the checks hold)
+        hf.restore_rope(set(hf._ROPE_ORIGINALS) - set(rope_before))
+
+
+@pytest.mark.parametrize("check", [True, False])
+@torch.no_grad()
+def test_compiled_decode_steps_then_an_eager_step(models, check):
+    """Decode steps through ``torch.compile`` (aot_eager: the cache's custom ops, no
+    CUDA) append on the device only; ``check()`` then sets each layer's position from the
+    device's lengths (not the growth added on top of what the compiled steps counted), so
+    ``get_seq_length`` is the true length; with or without ``check()`` a following eager
+    step (which catches the host's lengths up first) computes an all-eager run's logits."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(18)
+    prompt, steps = torch.randint(0, VOCAB, (2, 30), generator=gen), torch.randint(0, VOCAB, (2, 3), generator=gen)
+    blocks = [prompt, *steps.split(1, dim=1)]
+    ref = _cache(packed, 4)
+    want = [packed(x, past_key_values=ref, use_cache=True).logits for x in blocks]
+    cache = _cache(packed, 4)
+    packed(prompt, past_key_values=cache, use_cache=True)  # eager prefill (binds the cache)
+    torch._dynamo.reset()
+    try:
+        forward = torch.compile(packed.forward, backend="aot_eager")
+        for i in (1, 2):
+            assert _rel(forward(blocks[i], past_key_values=cache, use_cache=True).logits, want[i]) < 1e-3
+    finally:
+        torch._dynamo.reset()
+    if check:
+        cache.check()
+        assert _state(cache) == (32, [[32, 32]] * 2)
+    assert cache.get_seq_length() == 32
+    assert torch.equal(packed(blocks[3], past_key_values=cache, use_cache=True).logits, want[3])
+    assert _state(cache) == (33, [[33, 33]] * 2)
