@@ -204,7 +204,6 @@ class KVCache:
         self._host_base, self._host_added = list(lens), 0
         self._host_max = max(self._host_base, default=0)
         self._fuse_room = None
-        self._fast = None  # (its multi-token query was checked against longer sequences)
 
     def _append_room(self) -> int:
         """Steps of one new token each that an appending decode kernel can take in place:
@@ -425,7 +424,6 @@ class KVCache:
             backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
         cache = self._tensors
         attention.check_query(q, cache, backend)
-        self._check_query_tokens(q.shape[1])
         q = reference.rotate(q, self.fmt)  # KVFormat.hadamard: Q meets the rotated K
         if backend == "reference" and self.device.type == "cpu":  # the table is visible without a sync
             attention.check_block_table(cache, self.seqlens)
@@ -435,20 +433,6 @@ class KVCache:
 
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                              return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
-
-    def _check_query_tokens(self, t: int) -> None:
-        """``t`` > 1 query tokens are the newest ``t`` of each sequence (already appended):
-        a sequence that holds fewer is a caller's mistake (its first query rows would see no
-        key).  Checked on the host's lengths; the fast path skips it, so shortening the
-        lengths (``_host_lens``) drops the fast path."""
-        if t > 1:
-            lens = self._host_lens
-            short = next((b for b, n in enumerate(lens) if n < t), None)
-            if short is not None:
-                raise ValueError(
-                    f"q has {t} query tokens per sequence, the newest {t} of each (append them first), "
-                    f"but sequence {short} holds {lens[short]} tokens"
-                )
 
     def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int, k_new=None, v_new=None) -> tuple:
         """What a kernel decode's plan depends on in a call: q's shape, strides, dtype and
@@ -589,7 +573,8 @@ def decode(
     ``T`` = 1: the usual decode step.  ``T`` > 1 (speculative verification, a chunk of a
     prompt): the queries are each sequence's newest ``T`` tokens, appended to the cache
     before the call, and query ``j`` attends to the first ``len - T + 1 + j`` tokens
-    (causal).  The kernels take up to 16 query rows per KV head (``T`` x query heads per
+    (causal); a query that sees no token (an empty sequence, or ``len - T + 1 + j <= 0``)
+    gets a zero output and an LSE of -inf, on every backend.  The kernels take up to 16 query rows per KV head (``T`` x query heads per
     KV head: 4 tokens at GQA 4, 2 at GQA 8, 16 at MHA) in one launch, CUDA-graph safe;
     more run the cache dequantized to 16 bits + SDPA (``attention.chunk_decode``).
 

@@ -500,18 +500,20 @@ def test_appending_decode_refused_for_its_q_writes_nothing(gen):
     assert c.lengths == [11, 5]
 
 
-def test_multi_token_query_longer_than_a_sequence_is_refused(gen):
-    """T > 1 query tokens are each sequence's newest T, already appended: a sequence that
-    holds fewer is refused, also after a truncate shortened it under a query that passed."""
+def test_query_rows_that_see_no_token_give_zero_and_minus_inf(gen):
+    """T query tokens are each sequence's newest T: a sequence that holds fewer (or none)
+    leaves its first query rows with no token to see; they give 0 and an LSE of -inf (the
+    kernels' rule, which ``bitdecode selfcheck`` checks), and the other rows attend as
+    usual (the same as a query of just those rows)."""
     c = allocate(4)
     k, v = kvdata.kv(gen, 2, 12, HKV, D)
-    c.prefill(k, v, [12, 5])
+    c.prefill(k, v, [12, 3])
     q = kvdata.randn(gen, 2, 5, HQ, D)
-    assert bd.decode(q, c).shape == q.shape  # (the shorter sequence holds exactly 5)
-    c.truncate(2)
-    with pytest.raises(ValueError, match="q has 5 query tokens per sequence.*sequence 1 holds 3 tokens"):
-        bd.decode(q, c)
-    assert bd.decode(q[:, :3], c).shape == (2, 3, HQ, D)
+    out, lse = bd.decode(q, c, return_lse=True)
+    assert (out[1, :2] == 0).all() and torch.isneginf(lse[1, :2]).all()
+    assert torch.isfinite(lse[1, 2:]).all() and torch.isfinite(lse[0]).all()
+    part, part_lse = bd.decode(q[:, 2:], c, return_lse=True)
+    assert torch.equal(out[1, 2:], part[1]) and torch.equal(lse[1, 2:], part_lse[1])
 
 
 def test_truncate_checks_the_block_table_before_it_writes(gen):
