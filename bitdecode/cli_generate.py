@@ -151,6 +151,13 @@ def random_llama(size: str, device, dtype: torch.dtype, attn_implementation: str
     return model.eval()
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether MODEL can only be a folder, never a Hugging Face id (``owner/name``, at most
+    one ``/``, no leading ``.``): it starts with ``/``, ``.`` or ``~``, or has a backslash
+    or more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or Path(name).is_absolute()
+
+
 def load_model(args, device: torch.device, dtype: torch.dtype):
     """(model on ``device`` with the bitdecode attention, tokenizer or None, description)."""
     import transformers
@@ -187,10 +194,16 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         model = random_llama(args.random_llama, device, dtype, hf.ATTN_IMPLEMENTATION, args.seed)
         n = sum(p.numel() for p in model.parameters())
         return model, None, f"random-weight Llama ({args.random_llama}, {n / 1e6:,.1f} M parameters)"
-    name, gguf = args.model, args.gguf_file
+    name, gguf = args.model or None, args.gguf_file
     if name is None and gguf is None:
-        raise ValueError("give a MODEL (folder or cached Hugging Face id), --gguf-file, --random-llama SIZE "
-                         "or --random-bitnet SIZE")
+        raise ValueError("give a MODEL (folder or cached Hugging Face id), --gguf-file FILE, --random-llama SIZE, "
+                         "--random-bitnet SIZE or --bitnet-int2 FILE")
+    if name is not None and looks_like_path(name):
+        folder = Path(name).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"cannot load {name!r}: no such folder" if not folder.exists() else
+                             f"cannot load {name!r}: not a folder (a GGUF file goes to --gguf-file)")
+        name = str(folder)
     if gguf is not None and (name is None or Path(gguf).is_absolute() or Path(gguf).exists()):
         path = Path(gguf)
         if not path.is_file():
@@ -203,7 +216,8 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, attn_implementation=hf.ATTN_IMPLEMENTATION, **kw)
     except Exception as exc:  # noqa: BLE001 - missing files, no gguf package, an unsupported checkpoint
-        raise ValueError(f"cannot load {name!r}{f' ({gguf})' if gguf else ''} offline: {exc}") from exc
+        why = " ".join(str(exc).split())  # (one line: transformers' messages span several)
+        raise ValueError(f"cannot load {name!r}{f' ({gguf})' if gguf else ''} offline: {why}") from exc
     model = model.to(device).eval()
     if getattr(model.config, "model_type", None) == "bitnet":  # ternary linears onto the W2A8 kernels
         bitnet.convert(model, backend=args.backend)
@@ -279,17 +293,18 @@ def prepare_run(console, args, command: str):
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
+        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)", soft_wrap=True)
         return None
     try:
         backend = dispatch.resolve(args.backend, device, what="KV cache")
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return None
     try:
         import transformers
     except ImportError:
-        console.print(f"[red]error:[/] bitdecode {command} needs transformers: pip install -e \".[hf]\"")
+        console.print(f"[red]error:[/] bitdecode {command} needs transformers: pip install -e \".[hf]\"",
+                      soft_wrap=True)
         return None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -313,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, what = load_model(args, device, dtype)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
     t_load = time.perf_counter() - t_load
     if not args.fuse:
@@ -350,7 +365,7 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
         for f in fmts:
             f.check_head_dim(head_dim)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
 
     if tokenizer is not None:

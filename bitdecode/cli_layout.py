@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
+from .cli import output_file
 from .layouts import sm80
 
 ARCHS = ("sm80", "sm90", "sm100")
@@ -708,7 +709,8 @@ def add_parser(subparsers, name: str, help_text: str):
         p.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128, help="D (default 128)")
         p.add_argument("--format", choices=FORMATS, default="int",
                        help="int (4/2-bit codes, every arch) or nvfp4 / mxfp4 (sm100)")
-        p.add_argument("--svg", metavar="FILE", help="also write the picture as an SVG file")
+        p.add_argument("--svg", metavar="FILE", type=output_file,
+                       help="also write the picture as an SVG file (its folder must exist)")
     return parser
 
 
@@ -727,8 +729,16 @@ def run(args) -> int:
         return 2
     render_rich(fig, console)
     if args.svg:
-        with open(args.svg, "w", encoding="utf-8") as fh:
-            fh.write(render_svg(fig))
+        try:
+            with open(args.svg, "w", encoding="utf-8") as fh:
+                fh.write(render_svg(fig))
+        except OSError as exc:
+            from rich.markup import escape as markup
+
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]bitdecode layout {args.view}:[/] --svg "
+                                                       f"{markup(args.svg)}: cannot write it "
+                                                       f"({markup(exc.strerror or str(exc))})")
+            return 2
         console.print(f"wrote {args.svg}")
     return 0
 

@@ -18,7 +18,9 @@ import json
 import torch
 
 from . import reference
-from .formats import KVFormat
+from .backend import REGISTRY
+from .cli import DTYPE_NAMES, torch_dtype
+from .formats import BITS, FP4_FORMATS, HEAD_DIMS, KVFormat
 from .selfcheck import DTYPES
 
 GQA = 4  # query heads per KV head (the Llama family's usual ratio)
@@ -33,15 +35,54 @@ SPEC_REL_L2 = 0.03
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", required=True, help="a kernel backend: sm80, sm90, sm100")
+    p.add_argument("--backend", required=True, choices=tuple(REGISTRY),
+                   help=f"a kernel backend: {', '.join(REGISTRY)}")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
-    p.add_argument("--bits", type=int, default=4, choices=(4, 2), help="KVFormat.bits (default 4)")
-    p.add_argument("--fp4", choices=("nvfp4", "mxfp4"), help="an FP4 format instead of integer codes")
-    p.add_argument("--format-json", help="every KVFormat field as JSON (instead of --bits / --fp4)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float16", help="model dtype (default float16)")
+    p.add_argument("--bits", type=int, default=None, choices=BITS,
+                   help=f"KVFormat.bits, one of {', '.join(map(str, BITS))} (default 4)")
+    p.add_argument("--fp4", choices=FP4_FORMATS, help="an FP4 format instead of integer codes")
+    p.add_argument("--format-json", type=_format_json, metavar="JSON",
+                   help="every KVFormat field as a JSON object, e.g. '{\"bits\": 4, \"v_bits\": 2}' "
+                        "(what auto's check passes; instead of --bits / --fp4, which it refuses)")
+    p.add_argument("--head-dim", type=int, default=128, choices=HEAD_DIMS,
+                   help=f"head dim, one of {', '.join(map(str, HEAD_DIMS))} (default 128)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES + tuple(n for n in DTYPES if n not in DTYPE_NAMES), default="fp16",
+                   metavar="{" + ",".join(DTYPE_NAMES) + "}",
+                   help=f"model dtype (default fp16; {' / '.join(DTYPES)} are taken too)")
     p.add_argument("--json", action="store_true", help="print the verdict as one JSON line (what auto reads)")
     return p
+
+
+def _format_json(text: str) -> KVFormat:
+    """argparse type of ``--format-json``: the ``KVFormat`` its JSON object gives."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of KVFormat fields, got {text!r}")
+    try:
+        return KVFormat(**fields)
+    except TypeError as exc:  # a field KVFormat does not have
+        raise argparse.ArgumentTypeError(f"not a KVFormat: {exc}") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_args(args):
+    """What is wrong with the combination of options (``cli.main`` refuses it), or None."""
+    if args.format_json is not None:
+        given = [opt for opt, value in (("--bits", args.bits), ("--fp4", args.fp4)) if value is not None]
+        if given:
+            return f"--format-json gives every KVFormat field: give no {' / '.join(given)} with it"
+    elif args.fp4 is not None and args.bits not in (None, 4):
+        return f"--fp4 {args.fp4} stores 4-bit codes: --bits must be 4 or left out, got {args.bits}"
+    return None
+
+
+def _dtype(name: str) -> torch.dtype:
+    """A ``--dtype`` value (``DTYPE_NAMES`` or ``selfcheck.DTYPES``' names) as the torch dtype."""
+    return DTYPES[name] if name in DTYPES else torch_dtype(name)
 
 
 def decode_mismatch(q: torch.Tensor, cache, backend: str, num_splits: int = 0) -> str:
@@ -133,12 +174,18 @@ def run_check(backend: str, device: torch.device, fmt: KVFormat, head_dim: int, 
 
 
 def run(args) -> int:
-    fmt = KVFormat(**json.loads(args.format_json)) if args.format_json else KVFormat(bits=args.bits, fp4=args.fp4)
+    problem = check_args(args)  # (main checks it first; this is for callers of run alone)
+    if problem:
+        raise SystemExit(f"bitdecode selfcheck: {problem}")
+    if args.format_json is not None:
+        fmt = args.format_json
+    else:
+        fmt = KVFormat(bits=4 if args.bits is None else args.bits, fp4=args.fp4)
     if not torch.cuda.is_available():
         raise SystemExit("bitdecode selfcheck: needs a CUDA GPU (the check runs the backend's kernels)")
     device = torch.device("cuda", args.device)
     try:
-        detail = run_check(args.backend, device, fmt, args.head_dim, DTYPES[args.dtype])
+        detail = run_check(args.backend, device, fmt, args.head_dim, _dtype(args.dtype))
     except Exception as exc:  # noqa: BLE001 - a kernel's failure (or a refusal) is the verdict
         detail = f"{type(exc).__name__}: {exc}"
     ok = not detail

@@ -105,6 +105,253 @@ def test_demo_cuda_without_gpu(capsys):
     assert "no CUDA GPU is available" in capsys.readouterr().out
 
 
+# --------------------------------------------------------------------------------------
+# Bad input: an argparse error naming the argument (exit status 2, one line, no traceback)
+# for a bad option value, a one-line message and a non-zero status for a runtime problem
+# --------------------------------------------------------------------------------------
+
+
+def _parser_error(argv, capsys) -> str:
+    """``main(argv)`` exits through argparse (status 2); its one error line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _one_line_error(argv, capsys, monkeypatch) -> str:
+    """``main(argv)`` returns 2 after printing one error line (no exception)."""
+    monkeypatch.setenv("COLUMNS", "80")  # long messages must not wrap either
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["layout", "packed", "--svg", "/nonexistent/dir/a.svg"], "argument --svg: no such folder"),
+    (["compile", "--out", "OUT", "--bits", "3"], "argument --bits: invalid choice: 3"),
+    (["eval", "--random-llama", "tiny", "--text", "/nonexistent/text.txt"],
+     "--text /nonexistent/text.txt: no such file"),
+    (["selfcheck", "--backend", "sm90", "--format-json", "{bad"], "argument --format-json: not valid JSON"),
+    (["generate", "--device", "cpu", "/nonexistent_model_dir"], "'/nonexistent_model_dir': no such folder"),
+])
+def test_bad_input_is_one_line_without_a_traceback(argv, message, tmp_path):
+    """As a user runs them: a non-zero status, the message, no traceback."""
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    env = dict(os.environ, COLUMNS="80", NO_COLOR="1", TERM="dumb")
+    proc = subprocess.run([sys.executable, "-m", "bitdecode.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text and message in text, text
+    assert len([line for line in text.splitlines() if "error" in line]) == 1, text
+    assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_eval_without_a_model_lists_its_own_sources(capsys, monkeypatch):
+    line = _one_line_error(["eval", "--device", "cpu"], capsys, monkeypatch)
+    for source in ("MODEL", "--gguf-file", "--random-llama", "--smollm2"):
+        assert source in line, source
+    assert "--random-bitnet" not in line  # generate's, not eval's
+
+
+def test_eval_text_file_missing(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "missing.txt"
+    line = _one_line_error(["eval", "--random-llama", "tiny", "--device", "cpu", "--text", str(missing)], capsys,
+                           monkeypatch)
+    assert f"--text {missing}: no such file" in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--formats", "3c64"], "--formats 3c64: KVFormat.bits must be one of"),
+    (["--formats", "4c48"], "--formats 4c48: KVFormat.group_size must be one of"),
+    (["--formats", "4c64v3"], "--formats 4c64v3: KVFormat.v_bits must be one of"),
+    (["--formats", "quanto3"], "--formats quanto3: quanto takes 2 or 4 bits"),
+    (["--formats", "4q64"], "--formats: cannot read the method spec '4q64'"),
+    (["--formats", ""], "--formats '': no method spec"),
+    (["--formats", " , "], "no method spec"),
+    (["--needle-formats", "2t64s"], "--needle-formats: cannot read the method spec"),
+])
+def test_eval_refuses_bad_format_specs_before_loading(argv, message, capsys, monkeypatch):
+    """Specs of no form of the grammar, formats KVFormat refuses and an empty list are
+    refused before the model loads (--gguf-file of a missing file would fail there)."""
+    line = _one_line_error(["eval", "--gguf-file", "/nonexistent/model.gguf", "--device", "cpu", *argv], capsys,
+                           monkeypatch)
+    assert message in line
+
+
+def test_eval_takes_every_spec_form():
+    """What eval's help lists is what it takes (before a model's head dim is known)."""
+    import argparse
+
+    from bitdecode import cli_eval
+
+    args = argparse.Namespace(smollm2=False, model=None, gguf_file=None, random_llama="tiny", text=None,
+                              formats="16,4c64,2t32v4s16h,4C64s8v2,nvfp4,mxfp4s16h,quanto4,quanto2,bf16",
+                              needle_formats="16")
+    assert cli_eval.check_inputs(args) is None
+
+
+def test_eval_help_states_the_spec_grammar(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = capsys.readouterr().out
+    for text in ("<bits><c|t><group>[v<bits>][s<n>][h]", "nvfp4[s<n>][h]", "mxfp4[s<n>][h]", "quanto4", "quanto2",
+                 "16 (also 16-bit", "refused"):
+        assert text in out, text
+
+
+@pytest.mark.parametrize("svg, message", [
+    ("/nonexistent/dir/a.svg", "argument --svg: no such folder: /nonexistent/dir"),
+    (".", "argument --svg: . is a folder"),
+])
+def test_layout_svg_where_it_cannot_be_written(svg, message, capsys):
+    assert message in _parser_error(["layout", "packed", "--svg", svg], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bits", "3"], "argument --bits: invalid choice: 3 (choose from 4, 2)"),
+    (["--bits", "4,x"], "argument --bits: expected a comma-separated list of integers"),
+    (["--k-mode", "foo"], "argument --k-mode: invalid choice: 'foo'"),
+    (["--group-size", "16"], "argument --group-size: invalid choice: 16"),
+    (["--fp4", "fp8"], "argument --fp4: invalid choice: 'fp8'"),
+    (["--dtype", "fp32"], "argument --dtype: invalid choice: 'fp32'"),
+    (["--head-dim", "-5"], "argument --head-dim: invalid choice: -5"),
+    (["--head-dim", "96"], "argument --head-dim: invalid choice: 96 (choose from 64, 128, 256)"),
+    (["--head-dim", ""], "argument --head-dim: expected a non-empty"),
+    (["--kernels", "decode,gemm"], "argument --kernels: invalid choice: 'gemm'"),
+    (["--jobs", "0"], "argument --jobs: must be a positive integer"),
+    (["--jobs", "-3"], "argument --jobs: must be a positive integer"),
+    (["--bits", ""], "no KV format for the decode / pack kernels: --bits empty and no --fp4"),
+    (["--warm-cache"], "--warm-cache fills the JIT disk cache and writes no PTX: give no --out"),
+])
+def test_compile_refuses_bad_options(argv, message, tmp_path, capsys):
+    """Refused by the parser, before any compile (and before --out is made)."""
+    assert message in _parser_error(["compile", "--out", str(tmp_path / "ptx"), *argv], capsys)
+    assert not (tmp_path / "ptx").exists()
+
+
+def test_compile_out_must_be_a_folder(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert "argument --out: " in _parser_error(["compile", "--out", str(tmp_path / "file")], capsys)
+    assert "--out DIR is required" in _parser_error(["compile"], capsys)
+
+
+def test_compile_only_combine_when_no_format_fits(tmp_path, capsys, monkeypatch):
+    """Group 128 at head dim 64 leaves no decode variant: refused, not a run of the combine
+    kernel alone."""
+    line = _one_line_error(["compile", "--out", str(tmp_path / "ptx"), "--head-dim", "64", "--group-size", "128",
+                            "--kernels", "decode,combine"], capsys, monkeypatch)
+    assert "no decode variant" in line and not (tmp_path / "ptx").exists()
+
+
+def test_compile_warm_cache_without_gpu(capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    line = _one_line_error(["compile", "--warm-cache"], capsys, monkeypatch)
+    assert "--warm-cache" in line and "no CUDA GPU is available" in line
+
+
+def test_compile_help_states_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--bits LIST integer formats' widths, comma list of 4,2 (default 4,2",
+                 "--k-mode LIST integer formats' K modes, comma list of channel,token (default channel,token)",
+                 "--group-size LIST integer formats' group sizes, comma list of 32,64,128 (default 32,64,128",
+                 "--head-dim LIST head dims, comma list of 64,128,256 (default 64,128,256)",
+                 "--dtype LIST 16-bit types, comma list of fp16,bf16 (default fp16,bf16)",
+                 f"(default: the CPU count, {os.cpu_count()} here)"):
+        assert text in out, text
+
+
+def test_compile_counts_each_copy_kind_apart():
+    """The table's copy columns: cp.async.ca / .cg copies, not their commit / wait groups;
+    bulk and TMA copies, not bulk prefetches or bulk commit / wait groups."""
+    from bitdecode import cli_compile
+
+    ptx = "\n".join([
+        "cp.async.cg.shared.global [%r1], [%rd1], 16;", "cp.async.cg.shared.global [%r2], [%rd2], 16;",
+        "cp.async.ca.shared.global [%r3], [%rd3], 4;", "cp.async.commit_group;", "cp.async.wait_group 0;",
+        "cp.async.wait_all;",
+        "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r4], [%rd4, {%r5}], [%r6];",
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r7], [%rd5], 512, [%r8];",
+        "cp.async.bulk.global.shared::cta.bulk_group [%rd6], [%r9], 256;", "cp.async.bulk.commit_group;",
+        "cp.async.bulk.wait_group.read 0;", "cp.async.bulk.prefetch.L2.global [%rd7], 128;",
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};",
+        "lop3.b32 %r1, %r2, %r3, %r4, 0xea;",
+    ])
+    counts = cli_compile.count_instructions(ptx)
+    assert counts["cp.async.ca|cg"] == 3 and counts["cp.async.bulk[.tensor]"] == 3
+    assert counts["mma.sync"] == 1 and counts["lop3"] == 1 and counts["wgmma"] == counts["ldmatrix"] == 0
+
+
+def test_compile_combine_table(tmp_path, monkeypatch):
+    """One small real compile (the combine kernel, about a second): its PTX file and the
+    table's precisely named columns."""
+    monkeypatch.setenv("BITDECODE_NO_DISK_CACHE", "1")
+    out = bitdecode("compile", "--kernels", "combine", "--head-dim", "64", "--dtype", "fp16", "--jobs", "1",
+                    "--out", str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["combine_fp16_d64.sm_80.ptx"]
+    assert "cp.async.ca|cg" in out and "cp.async.bulk[.tensor]" in out and "wrote 1 variants" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--format-json", "{bad"], "argument --format-json: not valid JSON"),
+    (["--format-json", '{"bits": 3}'], "argument --format-json: KVFormat.bits must be one of (4, 2), got 3"),
+    (["--format-json", '{"bitz": 4}'], "argument --format-json: not a KVFormat"),
+    (["--format-json", "[4]"], "argument --format-json: expected a JSON object"),
+    (["--format-json", '{"bits": 2}', "--bits", "4"], "--format-json gives every KVFormat field: give no --bits"),
+    (["--format-json", '{"bits": 4}', "--fp4", "nvfp4"], "give no --fp4"),
+    (["--fp4", "nvfp4", "--bits", "2"], "--bits must be 4 or left out"),
+    (["--dtype", "fp32"], "argument --dtype: invalid choice: 'fp32'"),
+    (["--head-dim", "96"], "argument --head-dim: invalid choice: 96"),
+])
+def test_selfcheck_refuses_bad_options(argv, message, capsys):
+    assert message in _parser_error(["selfcheck", "--backend", "sm90", *argv], capsys)
+
+
+def test_selfcheck_backend_and_dtype_choices(capsys):
+    from bitdecode import backend as backends
+    from bitdecode.cli import build_parser
+
+    assert "argument --backend: invalid choice: 'sm70'" in _parser_error(["selfcheck", "--backend", "sm70"], capsys)
+    parser = build_parser(["selfcheck"])
+    for name in backends.REGISTRY:
+        assert parser.parse_args(["selfcheck", "--backend", name]).backend == name
+    args = parser.parse_args(["selfcheck", "--backend", "sm80"])
+    assert args.dtype == "fp16" and args.format_json is None
+    for name in ("fp16", "bf16", "float16", "bfloat16"):  # (the child auto starts names torch's spelling)
+        assert parser.parse_args(["selfcheck", "--backend", "sm80", "--dtype", name]).dtype == name
+    args = parser.parse_args(["selfcheck", "--backend", "sm80", "--format-json", '{"bits": 4, "v_bits": 2}'])
+    assert args.format_json.v_bits == 2
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="selfcheck: needs a CUDA GPU"):
+            main(["selfcheck", "--backend", "sm80", "--dtype", "bf16"])
+
+
+@pytest.mark.parametrize("name, path", [("/nonexistent_model_dir", True), ("./model", True), ("~/model", True),
+                                        ("a/b/c", True), ("org/model-1.5B", False), ("model", False)])
+def test_generate_model_argument_that_is_a_path(name, path):
+    from bitdecode.cli_generate import looks_like_path
+
+    assert looks_like_path(name) == path
+
+
+def test_generate_model_folder_missing(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "missing-model"
+    line = _one_line_error(["generate", "--device", "cpu", str(missing)], capsys, monkeypatch)
+    assert line == f"error: cannot load '{missing}': no such folder"
+
+
 def _profile_script(name: str):
     """profiles/<name>.py, loaded by path (profiles/ is not a package)."""
     import importlib.util
