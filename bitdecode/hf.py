@@ -370,32 +370,31 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
         if torch.compiler.is_compiling():  # one opaque op node instead of the Python dispatch
             scale = scaling if scaling is not None else d ** -0.5
             return ops.decode_cache(q.contiguous(), layer.kv, scale), None
-        k_new, v_new = layer.take_pending() or (None, None)
-        kv = layer.kv
-        added = kv._host_added
-        try:
-            return decode(q, kv, softmax_scale=scaling, k_new=k_new, v_new=v_new), None
-        except BaseException:  # refused: ``update`` counted a token that the cache never took
-            if k_new is not None and kv._host_added == added:
-                layer.seen -= k_new.shape[1]
-            raise
+        return _decode_pending(layer, q, scaling), None
     # several new tokens (assisted generation's drafts, a later chunk of a prompt): appended
     # (the same tokens to every sequence, so none may be masked), then causal over the cache,
     # in the kernels when they fit one tile
+    return _decode_pending(layer, query.transpose(1, 2).contiguous(), scaling, attention_mask), None
+
+
+def _decode_pending(layer: BitDecodingLayer, q: torch.Tensor, scaling, attention_mask=None) -> torch.Tensor:
+    """``decode`` of ``q`` [B, T, Hq, D] over the layer's cache with the tokens ``update``
+    held appended first (with ``attention_mask``: a chunk of several, refused if the mask
+    hides any of them); a refused call takes back the position ``update`` counted for them."""
     k_new, v_new = layer.take_pending() or (None, None)
     kv = layer.kv
     added = kv._host_added
     try:
-        if k_new is not None and not (query.is_cuda and torch.cuda.is_current_stream_capturing()):
-            valid = _valid_tokens(attention_mask, tq)
+        if attention_mask is not None and k_new is not None and not (q.is_cuda and
+                                                                     torch.cuda.is_current_stream_capturing()):
+            valid = _valid_tokens(attention_mask, q.shape[1])
             if valid is not None and not bool(valid.all()):
                 raise ValueError(
                     "a chunk of several new tokens has masked (padding) positions: BitDecodingCache appends "
                     "the same tokens to every sequence after the first call, so pad only the first call's "
                     "prompt (left padding) or run the sequences one at a time"
                 )
-        return decode(query.transpose(1, 2).contiguous(), kv, softmax_scale=scaling, k_new=k_new,
-                      v_new=v_new), None
+        return decode(q, kv, softmax_scale=scaling, k_new=k_new, v_new=v_new)
     except BaseException:  # refused: ``update`` counted tokens that the cache never took
         if k_new is not None and kv._host_added == added:
             layer.seen -= k_new.shape[1]
