@@ -54,6 +54,15 @@ def tensor(
     return t
 
 
+def new_tokens(k, v, like: torch.Tensor, names=("k", "v")) -> None:
+    """K and V ``[B, T, Hkv, D]`` for a cache whose residual block is ``like`` ``[B, Nr,
+    Hkv, D]``: its dtype and device, contiguous rows, the same shape (``names``: the
+    caller's names of k and v)."""
+    shape = (like.shape[0], None, like.shape[2], like.shape[3])
+    tensor(names[0], k, dtypes=[like.dtype], shape=shape, device=like.device, last_contiguous=True)
+    tensor(names[1], v, dtypes=[like.dtype], shape=k.shape, device=like.device, last_contiguous=True)
+
+
 def same_device(**tensors) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     first_name, first = next(iter(devices.items()))

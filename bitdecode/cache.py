@@ -233,9 +233,7 @@ class KVCache:
     # ---- input checks ------------------------------------------------------------------
     def _check_kv(self, k, v, what: str, max_tokens: Optional[int] = None, names=("k", "v")):
         """``names``: the caller's names of k and v (``decode``'s ``k_new`` / ``v_new``)."""
-        shape = (self.batch, None, self.num_kv_heads, self.head_dim)
-        _validate.tensor(names[0], k, dtypes=[self.dtype], shape=shape, device=self.device, last_contiguous=True)
-        _validate.tensor(names[1], v, dtypes=[self.dtype], shape=k.shape, device=self.device, last_contiguous=True)
+        _validate.new_tokens(k, v, self.k_res, names)
         if max_tokens is not None and k.shape[1] > max_tokens:
             raise ValueError(f"{what}: {names[0]} has {k.shape[1]} tokens, more than max_seqlen={max_tokens}")
 
@@ -574,8 +572,9 @@ def decode(
     prompt): the queries are each sequence's newest ``T`` tokens, appended to the cache
     before the call, and query ``j`` attends to the first ``len - T + 1 + j`` tokens
     (causal); a query that sees no token (an empty sequence, or ``len - T + 1 + j <= 0``)
-    gets a zero output and an LSE of -inf, on every backend.  The kernels take up to 16 query rows per KV head (``T`` x query heads per
-    KV head: 4 tokens at GQA 4, 2 at GQA 8, 16 at MHA) in one launch, CUDA-graph safe;
+    gets a zero output and an LSE of -inf, on every backend.  The kernels take up to 16
+    query rows per KV head (``T`` x query heads per KV head: 4 tokens at GQA 4, 2 at GQA 8,
+    16 at MHA) in one launch, CUDA-graph safe;
     more run the cache dequantized to 16 bits + SDPA (``attention.chunk_decode``).
 
     With a kernel backend the output is a view into a buffer allocated for several calls'

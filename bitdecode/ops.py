@@ -80,15 +80,6 @@ def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqle
                         sinks=(k_sink, v_sink) if sink_tokens else None)
 
 
-def _check_new_tokens(k, v, k_res: torch.Tensor) -> None:
-    """The write ops' ``k``, ``v`` ``[B, T, Hkv, D]`` in the cache's dtype and on its device
-    (``KVCache._check_kv``'s checks: the ops are public too, and a shape torch would
-    broadcast must not reach the cache)."""
-    shape = (k_res.shape[0], None, k_res.shape[2], k_res.shape[3])
-    _validate.tensor("k", k, dtypes=[k_res.dtype], shape=shape, device=k_res.device, last_contiguous=True)
-    _validate.tensor("v", v, dtypes=[k_res.dtype], shape=k.shape, device=k_res.device, last_contiguous=True)
-
-
 @torch.library.custom_op("bitdecode::append", mutates_args=_WRITES)
 def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack: torch.Tensor,
            v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -99,7 +90,7 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
     capacity checked on the device (no host sync)."""
     from .cache import reference_append
 
-    _check_new_tokens(k, v, k_res)
+    _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
     c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
                        commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity)
     if backend == "reference":
@@ -126,7 +117,7 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
     host anyway, they are)."""
     from .cache import reference_prefill
 
-    _check_new_tokens(k, v, k_res)
+    _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
     _validate.tensor("seqlens", seqlens, dtypes=[torch.int32], shape=(k.shape[0],), device=k_res.device)
     if k.shape[1] > capacity:
         raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
