@@ -744,6 +744,10 @@ def test_the_cache_refuses_what_it_cannot_compute_or_hold(models):
             hf.BitDecodingCache(packed, fmt, page_size=value, backend="reference")
     with pytest.raises(ValueError, match="backend"):
         hf.BitDecodingCache(packed, fmt, backend="bogus")
+    # the format's groups wider than the model's head dim (KVFormat's default g128 on a
+    # head dim of 64, as SmolLM2's): refused here, not inside the first generate
+    with pytest.raises(ValueError, match="group_size=128 .* must not exceed the model's head_dim=64"):
+        hf.BitDecodingCache(packed, bd.KVFormat(bits=4), backend="reference")
     hf.BitDecodingCache(packed, fmt, max_seqlen=512, page_size=2 * fmt.residual_block, backend="reference")
 
 
