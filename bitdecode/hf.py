@@ -144,7 +144,8 @@ class BitDecodingLayer(CacheLayerMixin):
                              self.kv)
         else:  # the attention call appends them (``_pending``)
             self.flush()
-            if self.seen - self._kv._host_max != self.pad_offset:
+            if self.seen - self._kv._host_max != self.pad_offset and not (
+                    key_states.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self._kv.check()  # compiled steps appended on the device only: the host's lengths catch up
             self._pending = (key_states.transpose(1, 2), value_states.transpose(1, 2))
         self.seen += key_states.shape[2]
