@@ -890,6 +890,8 @@ class BitLinear(nn.Module):
         super().__init__()
         _validate.positive_int("in_features", in_features)
         _validate.positive_int("out_features", out_features)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
         layout.check_shape(out_features, in_features, k_multiple=layout.K_MULTIPLE, name="BitLinear")
         self.in_features = in_features
         self.out_features = out_features

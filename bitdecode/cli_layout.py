@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
-from .cli import output_file
+from .cli import DTYPE_NAMES, output_file
+from .formats import BITS, HEAD_DIMS, K_MODES
 from .layouts import sm80
 
 ARCHS = ("sm80", "sm90", "sm100")
@@ -699,14 +700,14 @@ def add_parser(subparsers, name: str, help_text: str):
     for view, text in VIEWS.items():
         p = views.add_parser(view, help=text, description=text)
         p.add_argument("--arch", choices=ARCHS, default="sm80", help="instruction configuration (default sm80)")
-        p.add_argument("--bits", type=int, choices=(4, 2), default=4,
+        p.add_argument("--bits", type=int, choices=BITS, default=4,
                        help="code width of the operand (default 4); a K4V2 cache packs K as --operand k "
                             "--bits 4 and V as --operand v --bits 2 (its 256-token V tile is 2-bit V's own)")
         p.add_argument("--operand", choices=OPERANDS, default="k", help="q, k, p or v (default k)")
-        p.add_argument("--k-mode", choices=("channel", "token"), default="channel",
+        p.add_argument("--k-mode", choices=K_MODES, default="channel",
                        help="K params per channel or per token (default channel)")
-        p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="16-bit type (default fp16)")
-        p.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128, help="D (default 128)")
+        p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp16", help="16-bit type (default fp16)")
+        p.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="D (default 128)")
         p.add_argument("--format", choices=FORMATS, default="int",
                        help="int (4/2-bit codes, every arch) or nvfp4 / mxfp4 (sm100)")
         p.add_argument("--svg", metavar="FILE", type=output_file,

@@ -315,6 +315,8 @@ def test_bitlinear_reference(gen):
         layer(torch.tensor(1.0))
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
         layer([1.0] * 256)
+    with pytest.raises(TypeError, match="bias must be a bool, got str"):
+        bn.BitLinear(256, 96, bias="yes")
     # a model's .half() / .to(bf16) keeps the fp32 scales and bias as they were (the
     # kernels take fp32; a round trip through 16 bits would change them)
     scale, bias = layer.weight_scale.clone(), layer.bias.clone()
