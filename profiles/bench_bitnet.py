@@ -69,7 +69,11 @@ def captured(calls: List[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
 
 def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int = 3) -> float:
     """Median GPU time per call of ``calls`` captured back to back in one CUDA graph."""
-    graph = captured(calls)
+    return replay_time_us(captured(calls), len(calls), replays, warmup)
+
+
+def replay_time_us(graph: "torch.cuda.CUDAGraph", calls: int, replays: int, warmup: int = 3) -> float:
+    """Median GPU time per call of a captured ``graph`` of ``calls`` calls."""
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
@@ -80,8 +84,7 @@ def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int =
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
 
