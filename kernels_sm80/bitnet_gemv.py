@@ -162,6 +162,11 @@ class GemvConfig:
         if self.early_scales and not self.pdl:
             raise ValueError("GemvConfig: early_scales loads the scales after the PDL wait (pdl=True) only")
 
+    @property
+    def scales_early(self) -> bool:
+        """Whether the kernels load the scales after the PDL wait (raw sums take none)."""
+        return self.early_scales and not self.raw
+
 
 # A100: 4 loads of 16 bytes per lane (2 KB per warp) in flight cover the ~1.5 TB/s x
 # ~600 ns latency product with the ~30 warps per SM that 48 registers allow.
@@ -198,7 +203,7 @@ class BitnetGemv:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.pin = cfg.pin and cfg.pdl
-        self.early_scales = cfg.early_scales and not cfg.raw  # (raw sums take no scale)
+        self.early_scales = cfg.scales_early
 
     @cute.jit
     def __call__(
