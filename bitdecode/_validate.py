@@ -63,6 +63,13 @@ def new_tokens(k, v, like: torch.Tensor, names=("k", "v")) -> None:
     tensor(names[1], v, dtypes=[like.dtype], shape=k.shape, device=like.device, last_contiguous=True)
 
 
+def prompt_lengths(name: str, lens: Sequence[int], tokens: int) -> None:
+    """A prefill's per-sequence lengths: each in ``[0, tokens]`` (the tokens given)."""
+    bad = next((n for n in lens if not 0 <= n <= tokens), None)
+    if bad is not None:
+        raise ValueError(f"{name} must lie in [0, {tokens}] (tokens given), got {bad}")
+
+
 def same_device(**tensors) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     first_name, first = next(iter(devices.items()))

@@ -260,9 +260,7 @@ class KVCache:
             lens = _validate.int_list("seqlens", seqlens)
             if len(lens) != self.batch:
                 raise ValueError(f"seqlens must have {self.batch} entries, got {len(lens)}")
-            bad = [x for x in lens if not 0 <= x <= n]
-            if bad:
-                raise ValueError(f"seqlens must lie in [0, {n}] (tokens given), got {bad[0]}")
+            _validate.prompt_lengths("seqlens", lens, n)
         lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # the pages the prompt will be packed into (a block table edited by the caller):
         # checked (one device sync) unless unchanged since verified for lengths >= these

@@ -125,10 +125,7 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
                        commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity)
     if backend == "reference":
         lens = seqlens.tolist()
-        top = min(k.shape[1], capacity)
-        bad = next((n for n in lens if not 0 <= n <= top), None)
-        if bad is not None:
-            raise ValueError(f"seqlens must lie in [0, {top}] (the tokens given, at most the capacity), got {bad}")
+        _validate.prompt_lengths("seqlens", lens, k.shape[1])  # (k.shape[1] <= capacity: checked above)
         reference_prefill(c, k, v, lens)
     else:
         backends.get(backend).prefill(c, k, v, seqlens)
