@@ -486,35 +486,32 @@ class KVCache:
         return plan(q if fast[3] else q.contiguous(), fast[2], return_lse,
                     (k_new if fast[4] else k_new.contiguous(), v_new if fast[5] else v_new.contiguous()))
 
-    def _check_query_once(self, q, softmax_scale, num_splits, backend) -> None:
-        """``decode``'s checks of q and the options, for an appending decode that runs as two
-        calls: run before the append, so that a call refused for its q writes nothing.  Once
-        per new (q layout, options): the two calls' eager steps pay one tuple compare."""
+    def _check_call(self, q, softmax_scale, num_splits, backend):
+        """``decode``'s checks of q and the options, before an appending decode writes
+        anything: (the backend's name, the softmax scale, the split count asked for)."""
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        key = (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
-               type(num_splits), backend)
-        if key == self._query_checked:
-            return
         name = self.backend if backend == "auto" else dispatch.resolve(
             backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
         attention.check_query(q, self._tensors, name)
-        attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
-        attention.check_splits(num_splits, name)
-        self._query_checked = key
+        return (name, attention.softmax_scale_or_default(softmax_scale, q.shape[-1]),
+                attention.check_splits(num_splits, name))
+
+    def _check_query_once(self, q, softmax_scale, num_splits, backend) -> None:
+        """``_check_call`` for an appending decode that runs as two calls, once per new (q
+        layout, options): the two calls' eager steps pay one tuple compare."""
+        key = (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
+               type(num_splits), backend) if isinstance(q, torch.Tensor) else None
+        if key is None or key != self._query_checked:
+            self._check_call(q, softmax_scale, num_splits, backend)
+            self._query_checked = key
 
     def _append_decode_plan(self, key, q, k_new, v_new, softmax_scale, num_splits, backend):
         """The fast-path entry of ``_append_decode`` for these arguments (validated): (key,
         plan or None where the kernel cannot append them, scale_log2, q dense, k laid out, v
         laid out)."""
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        name, scale, splits = self._check_call(q, softmax_scale, num_splits, backend)
         self._check_kv(k_new, v_new, "append", names=NEW_NAMES)
-        name = self.backend if backend == "auto" else dispatch.resolve(
-            backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
-        attention.check_query(q, self._tensors, name)
-        scale = attention.softmax_scale_or_default(softmax_scale, q.shape[-1])
-        splits = attention.check_splits(num_splits, name)
         if (not self._kernel_appends(name) or q.shape[1] != 1 or k_new.shape[1] != 1
                 or not attention.fits_kernel_tile(q, self._tensors, name)):
             return (key, None)
