@@ -1404,10 +1404,11 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
             _validate.tensor(f"state[{key + '.weight'!r}]", packed, ndim=2)
             _validate.tensor(f"state[{key + '.weight_scale'!r}]", scales, ndim=1)
             want = sum(rows[m] for m in members)
-            if tuple(packed.shape) != (want, k // 4):
-                raise ValueError(f"state[{key + '.weight'!r}] must have shape ({want}, {k // 4}) (this model's "
-                                 f"{'/'.join(members)}: {want} rows, K = {k} packed 4 a byte), got "
-                                 f"{tuple(packed.shape)}")
+            kb = k // layout.CODES_PER_BYTE
+            if tuple(packed.shape) != (want, kb):
+                raise ValueError(f"state[{key + '.weight'!r}] must have shape ({want}, {kb}) (this model's "
+                                 f"{'/'.join(members)}: {want} rows, K = {k} packed {layout.CODES_PER_BYTE} a "
+                                 f"byte), got {tuple(packed.shape)}")
             if scales.shape[0] < len(members):
                 raise ValueError(f"state[{key + '.weight_scale'!r}] must hold one scale per projection "
                                  f"({len(members)}: {'/'.join(members)}), got {scales.shape[0]}")
