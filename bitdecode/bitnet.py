@@ -45,6 +45,7 @@ from torch import nn
 
 from . import _validate, dispatch, jit
 from .backend import num_sms
+from .formats import model_head_dim
 from .reference import _to_int32
 from .layouts import bitnet as layout
 
@@ -1372,7 +1373,7 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
         return state[key]
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = model_head_dim(config)
     rows = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim,
             "o_proj": config.hidden_size, "gate_proj": config.intermediate_size,
             "up_proj": config.intermediate_size, "down_proj": config.hidden_size}

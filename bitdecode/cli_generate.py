@@ -27,7 +27,7 @@ import torch
 
 from . import dispatch
 from .cli import DTYPE_NAMES, nonnegative_int, positive_int, torch_dtype
-from .formats import FP4_FORMATS, GROUP_SIZES, K_MODES
+from .formats import FP4_FORMATS, GROUP_SIZES, K_MODES, model_head_dim
 
 
 # Llama shapes for --random-llama (and profiles/bench_e2e.py): LlamaConfig keyword arguments
@@ -354,7 +354,7 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
 
     dtype = torch_dtype(args.dtype)
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = model_head_dim(cfg)
     group = args.group_size or min(128, head_dim)
     try:
         if args.fp4:

@@ -63,7 +63,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .formats import FP4_FORMATS, KVFormat
+from .formats import FP4_FORMATS, KVFormat, model_head_dim
 
 BASELINE = "16"
 BASELINE_ALIASES = ("16", "16-bit", "16bit", "bf16", "fp16", "baseline")
@@ -345,7 +345,7 @@ def _summary(m: Dict[str, torch.Tensor], base_nll: torch.Tensor) -> dict:
 
 def _model_facts(model) -> dict:
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = model_head_dim(cfg)
     return {"model_type": getattr(cfg, "model_type", None), "layers": cfg.num_hidden_layers,
             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),

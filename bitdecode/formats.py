@@ -197,3 +197,15 @@ class KVFormat:
         return (f"{width}, K per {self.k_mode} (groups of {self.group_size} "
                 f"{'tokens' if self.k_mode == 'channel' else 'channels'}), V per token "
                 f"(groups of {self.group_size} channels), residual block {self.residual_block}{sinks}")
+
+
+def model_head_dim(config) -> Optional[int]:
+    """The attention head dim a transformers model config states: ``head_dim``, else
+    ``hidden_size / num_attention_heads``; None where it states neither."""
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+        return head_dim
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None

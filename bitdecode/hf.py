@@ -55,7 +55,7 @@ from transformers.modeling_utils import AttentionInterface
 from . import _validate, bitnet, dense, dispatch, ops, rope
 from .bitnet import RMS_NORM_CLASSES
 from .cache import KVCache, decode
-from .formats import KVFormat
+from .formats import KVFormat, model_head_dim
 
 ATTN_IMPLEMENTATION = "bitdecode"
 _CACHE_ATTR = "_bitdecode_cache"
@@ -237,7 +237,7 @@ class BitDecodingCache(Cache):
                 f"{getattr(config, '_attn_implementation', None)!r}"
             )
         _check_supported(config)
-        head_dim = _head_dim(config)
+        head_dim = model_head_dim(config)
         if head_dim is not None:  # (else the first update's K says it)
             fmt.check_head_dim(head_dim, name="the model's head_dim")
         layer = functools.partial(BitDecodingLayer, fmt, max_seqlen, page_size, backend)
@@ -298,18 +298,6 @@ def _check_supported(config) -> None:
     if getattr(config, "model_type", None) == "gpt_oss":
         raise ValueError("the model's attention has learned sinks (GPT-OSS's s_aux), which "
                          "attn_implementation='bitdecode' does not compute")
-
-
-def _head_dim(config) -> Optional[int]:
-    """The attention's head dim as the config states it (``head_dim``, else hidden size /
-    heads), None where it says neither."""
-    head_dim = getattr(config, "head_dim", None)
-    if isinstance(head_dim, int) and not isinstance(head_dim, bool):
-        return head_dim
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
-        return hidden // heads
-    return None
 
 
 def _sliding_windows(config) -> dict:

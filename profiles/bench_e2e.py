@@ -78,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import bitdecode as bd  # noqa: E402
 from bitdecode import cli_generate, hf  # noqa: E402
+from bitdecode.formats import model_head_dim  # noqa: E402
 
 GiB = 1 << 30
 # (role, B, N): the roles name the points the targets refer to
@@ -173,7 +174,7 @@ def configurations(args, device) -> List[dict]:
 
 def model_shape(model) -> dict:
     c = model.config
-    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    d = model_head_dim(c)
     return dict(layers=c.num_hidden_layers, hq=c.num_attention_heads, hkv=c.num_key_value_heads, d=d,
                 vocab=c.vocab_size, hidden=c.hidden_size)
 
