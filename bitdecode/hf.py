@@ -355,15 +355,15 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
         # no bitdecode cache in use (use_cache=False, or a forward with another Cache): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation='bitdecode' does not compute the model's {name!r} "
-                             "(attention sinks, soft-capping)")
     bsz, hq, tq, d = query.shape
     if layer.prompt_pending:  # prefill: 16-bit attention, then pack without the pads
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                     scaling=scaling, **kwargs)
         try:
+            for name in _UNSUPPORTED_KWARGS:  # (a model passes the same ones at every call: checked once)
+                if kwargs.get(name) is not None:
+                    raise ValueError(f"attn_implementation='bitdecode' does not compute the model's {name!r} "
+                                     "(attention sinks, soft-capping)")
+            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, **kwargs)
             layer.store_prompt(key, value, *_prompt_lengths(cache, attention_mask, key.shape[2]))
         except BaseException:  # refused before anything was written: the layer holds no prompt
             layer.seen -= key.shape[2]
