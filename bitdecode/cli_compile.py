@@ -136,11 +136,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    console = Console()
-    problem = check_args(args)  # (main checks it first; this is for callers of run alone)
-    if problem:
-        console.print(f"[red]error:[/] {escape(problem)}", soft_wrap=True)
-        return 2
+    console = Console()  # (the options' combination: ``check_args``, which ``cli.main`` ran)
     if args.warm_cache:
         import torch
 

@@ -174,9 +174,7 @@ def run_check(backend: str, device: torch.device, fmt: KVFormat, head_dim: int, 
 
 
 def run(args) -> int:
-    problem = check_args(args)  # (main checks it first; this is for callers of run alone)
-    if problem:
-        raise SystemExit(f"bitdecode selfcheck: {problem}")
+    # (the options' combination: ``check_args``, which ``cli.main`` ran)
     if args.format_json is not None:
         fmt = args.format_json
     else:
