@@ -134,7 +134,8 @@ class Backend(Protocol):
              device: torch.device, splits: int, append: bool = False, max_len: int = 0) -> DecodeFn: ...
 
     # whether its decode kernel can append the step's new token itself: ``plan(append=True)``
-    # then gives a plan called with ``new=(k_new, v_new)`` (``KVCache.decode``)
+    # then gives a plan with ``append_step(q, k_new, v_new, scale_log2, return_lse, stream)``
+    # (``KVCache.decode``)
     appends: bool
     # the most splits an appending decode takes (its last CTA merges them; more take append
     # + decode and the combine kernel)

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _validate, attention, backend as backends, dispatch, reference
+from . import _validate, attention, backend as backends, dispatch, jit, reference
 from .backend import CacheTensors
 from .formats import KVFormat
 
@@ -69,6 +69,8 @@ class KVCache:
                                      commits=torch.zeros_like(seqlens),
                                      sinks=(k_sink, v_sink) if k_sink is not None else None)
         self._plans: dict = {}
+        # the device's kind and index, fixed for the cache's lifetime (read on every step)
+        self._on_cuda, self._device_index = k_res.is_cuda, k_res.get_device()
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
         # ... of the last appending decode (``decode(k_new=, v_new=)``), with whether its k / v
         # are laid out as the kernel takes them
@@ -430,18 +432,14 @@ class KVCache:
         return attention.run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                              return_lse=return_lse, max_len=max_len, plans=self._plans, on_plan=remember)
 
-    def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int, k_new=None, v_new=None) -> tuple:
+    def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int) -> tuple:
         """What a kernel decode's plan depends on in a call: q's shape, strides, dtype and
         device, the options and their types, and the tiles of ``max_len`` tokens (what
-        ``choose_splits`` counts); appending, the same of ``k_new`` and ``v_new`` (one flat
-        tuple: building and comparing it is the fast path's main host cost)."""
-        tiles = self.fmt.tiles(max_len)
-        if k_new is None:
-            return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
-                    type(num_splits), backend, tiles)
+        ``choose_splits`` counts); one flat tuple (building and comparing it is the fast
+        path's main host cost).  An appending decode's key adds k_new's and v_new's
+        (``_append_decode``)."""
         return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
-                type(num_splits), backend, tiles, k_new.shape, v_new.shape, k_new.stride(), v_new.stride(),
-                k_new.dtype, v_new.dtype, k_new.device, v_new.device)
+                type(num_splits), backend, self.fmt.tiles(max_len))
 
     def _kernel_appends(self, name: str) -> bool:
         """Whether backend ``name``'s decode kernel can append this cache's new tokens (no
@@ -460,13 +458,20 @@ class KVCache:
         appends = self._appends
         if appends[0] != self.backend:
             appends = self._appends = (self.backend, self._kernel_appends(self.backend))
-        if (backend == "auto" and not appends[1]) or (  # (no key to build: two calls)
-                self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()):
+        # the stream the step runs on; None while a graph is captured, whose appends take the
+        # two calls (the append kernel checks capacity on the device at every replay)
+        stream = jit.current_stream(self._device_index) if self._on_cuda else 0
+        if (backend == "auto" and not appends[1]) or stream is None:  # (no key to build: two calls)
             self._check_query_once(q, softmax_scale, num_splits, backend)  # before the append writes
             self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
+        # ``_call_key``'s items and k_new's and v_new's, written out: this is the eager step's
+        # hot path, where a call to build it costs as much as a tuple's items (the devices as
+        # indices: ints compare faster than devices)
         try:
-            key = self._call_key(q, softmax_scale, num_splits, backend, self._host_max + 1, k_new, v_new)
+            key = (q.shape, q.stride(), k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), q.dtype,
+                   k_new.dtype, v_new.dtype, q.get_device(), k_new.get_device(), v_new.get_device(), softmax_scale,
+                   type(softmax_scale), num_splits, type(num_splits), backend, self.fmt.tiles(self._host_max + 1))
         except AttributeError:  # (not tensors: ``_append_decode_plan`` says which)
             key = None
         fast = self._fast_append
@@ -477,14 +482,14 @@ class KVCache:
         room = self._fuse_room
         if room is None:
             room = self._append_room()
-        if plan is None or room <= 0 or q.data_ptr() % 16 or k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
+        if plan is None or room <= 0 or (q.data_ptr() | k_new.data_ptr() | v_new.data_ptr()) % 16:
             self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         self._fuse_room = room - 1
         self._host_added += 1
         self._host_max += 1
-        return plan(q if fast[3] else q.contiguous(), fast[2], return_lse,
-                    (k_new if fast[4] else k_new.contiguous(), v_new if fast[5] else v_new.contiguous()))
+        return plan.append_step(q if fast[3] else q.contiguous(), k_new if fast[4] else k_new.contiguous(),
+                                v_new if fast[5] else v_new.contiguous(), fast[2], return_lse, stream)
 
     def _check_call(self, q, softmax_scale, num_splits, backend):
         """``decode``'s checks of q and the options, before an appending decode writes

@@ -20,6 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
+import torch
+
 ENV_CACHE_DIR = "BITDECODE_CACHE_DIR"
 ENV_DISABLE_DISK = "BITDECODE_NO_DISK_CACHE"
 _EXPORT_NAME = "bitdecode_kernel"
@@ -64,15 +66,11 @@ def cache_dir() -> Path:
 
 def target_arch(device_index: Optional[int] = None) -> str:
     """CuTe DSL target for the current GPU: sm_80 / sm_86 / sm_89 / sm_90a / sm_100a ..."""
-    import torch
-
     return _target_arch(torch.cuda.current_device() if device_index is None else device_index)
 
 
 @functools.lru_cache(maxsize=None)
 def _target_arch(device_index: int) -> str:
-    import torch
-
     major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
@@ -180,8 +178,6 @@ def bound_arguments(args: Tuple[Any, ...], *fns) -> Tuple[Any, ...]:
 
     if not all(isinstance(fn, tvm_ffi.Function) for fn in fns):
         return tuple(args)
-    import torch
-
     return tuple(tvm_ffi.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
@@ -213,9 +209,8 @@ class PerStream:
 
 
 def current_stream(device_index: int):
-    """The current raw CUDA stream of ``device_index``, or None while it captures a graph."""
-    import torch
-
+    """The current raw CUDA stream of ``device_index``, or None while it captures a graph
+    (on every eager decode's path: torch is imported once, not in here)."""
     if torch._C._cuda_isCurrentStreamCapturing():
         return None
     return torch._C._cuda_getCurrentRawStream(device_index)

@@ -345,6 +345,9 @@ class DecodePlan:
                 (cache.commits, torch.empty(self.q_shape, dtype=q_dtype, device=device)), *self.fns)
         self.workspaces = jit.PerStream(self.MAX_STREAMS)  # (o_part, l_part), converted as ``static``
         self.outputs = jit.PerStream(self.MAX_STREAMS)  # outputs not handed out yet (views of a chunk)
+        # the last stream's (outputs, workspace), so that a call on the stream of the call
+        # before it (an eager decode loop) skips both per-stream lookups
+        self._last = (None, None, None)
 
     def workspace(self, stream):
         """The split-KV partials' buffers for ``stream`` (None while capturing: fresh ones)."""
@@ -360,6 +363,18 @@ class DecodePlan:
             return torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
         return self.outputs.get(stream, self._new_outputs, keep=bool).pop()
 
+    def _take(self, stream):
+        """An output and the split workspace (None unsplit) for a call on ``stream``."""
+        last_stream, outs, work = self._last
+        if stream is None or stream != last_stream or not outs:
+            split = self.splits > 1
+            if stream is None:
+                return self.output(None), self.workspace(None) if split else None
+            outs = self.outputs.get(stream, self._new_outputs, keep=bool)
+            work = self.workspace(stream) if split else None
+            self._last = (stream, outs, work)
+        return outs.pop(), work
+
     def _new_workspace(self):
         parts = (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
                  torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
@@ -374,27 +389,32 @@ class DecodePlan:
         chunk = torch.empty((self.OUT_CHUNK, *self.q_shape), dtype=self.dtype, device=self.device)
         return list(reversed(chunk.unbind(0)))
 
-    def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool, new=()):
-        """``new``: an appending plan's (k_new, v_new), passed after q."""
+    def __call__(self, q: torch.Tensor, scale_log2: float, return_lse: bool):
         # q is on the cache's device (attention.check_query), the device the plan was built for
-        stream = jit.current_stream(self.device_index)
-        out = self.output(stream)
+        out, work = self._take(jit.current_stream(self.device_index))
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
-        if self.append:  # one launch: unsplit, the merge's arguments are not read
-            k_new, v_new = new
-            if self.splits == 1:
-                self.decode_fn(q, k_new, v_new, self.commits, *self.static, out, lse, self.unused_out,
-                               self.unused_lse, self.commits, scale_log2, sm80.TAIL_UNIT)
-            else:
-                o_part, l_part, arrivals = self.workspace(stream)
-                self.decode_fn(q, k_new, v_new, self.commits, *self.static, o_part, l_part, out, lse, arrivals,
-                               scale_log2, self.tail_weight)
-        elif self.splits == 1:
+        if work is None:
             self.decode_fn(q, *self.static, out, lse, scale_log2, sm80.TAIL_UNIT)
         else:
-            o_part, l_part = self.workspace(stream)
+            o_part, l_part = work
             self.decode_fn(q, *self.static, o_part, l_part, scale_log2, self.tail_weight)
             self.combine_fn(o_part, l_part, out, lse)
+        return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
+
+    def append_step(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale_log2: float,
+                    return_lse: bool, stream):
+        """An appending plan's call (one launch): the new K / V token stored, then q's
+        attention; ``stream``: the current one (``jit.current_stream``, never None: a capture
+        takes append + decode).  Unsplit, the merge's arguments are not read."""
+        out, work = self._take(stream)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
+        if work is None:
+            self.decode_fn(q, k_new, v_new, self.commits, *self.static, out, lse, self.unused_out,
+                           self.unused_lse, self.commits, scale_log2, sm80.TAIL_UNIT)
+        else:
+            o_part, l_part, arrivals = work
+            self.decode_fn(q, k_new, v_new, self.commits, *self.static, o_part, l_part, out, lse, arrivals,
+                           scale_log2, self.tail_weight)
         return (out, lse.view(q.shape[0], 1, q.shape[2])) if return_lse else out
 
 

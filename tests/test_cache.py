@@ -400,8 +400,13 @@ def _stand_in_appending_cache(monkeypatch, max_seqlen: int = 140):
     class Plan:
         decode_fn = None
 
-        def __call__(self, q, scale_log2, return_lse, new=()):
-            (fused if new else plain).append(len(new))
+        def __call__(self, q, scale_log2, return_lse):
+            plain.append(0)
+            dense.append(q.is_contiguous())
+            return q
+
+        def append_step(self, q, k_new, v_new, scale_log2, return_lse, stream):
+            fused.append(len((k_new, v_new)))
             dense.append(q.is_contiguous())
             return q
 

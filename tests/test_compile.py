@@ -1360,7 +1360,7 @@ def test_plan_passes_what_the_kernel_was_compiled_for(monkeypatch, split, append
                               lambda *args: calls.append(args), lambda *args: None, append=append, tail_weight=70)
     q = torch.zeros(2, 1, 8, d, dtype=torch.bfloat16)
     new = torch.zeros(2, 1, 2, d, dtype=torch.bfloat16)
-    out = plan(q, 0.5, False, (new, new.clone())) if append else plan(q, 0.5, False)
+    out = plan.append_step(q, new, new.clone(), 0.5, False, 0) if append else plan(q, 0.5, False)
     args, = calls
     fakes = (kernels.append_decode_args if append else kernels.decode_args)(fmt, cutlass.BFloat16, d, split)
     assert len(args) == len(fakes) + 2 and isinstance(args[-2], float)
@@ -1372,3 +1372,43 @@ def test_plan_passes_what_the_kernel_was_compiled_for(monkeypatch, split, append
         assert args[3] is cache.tensors().commits
     if append and not split:  # out, its LSE, then the merge's: a dummy output, the unused LSE, any counters
         assert args[-7] is out and args[-5] is not out and args[-5].shape == out.shape
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["decode", "append"])
+def test_plan_keeps_outputs_and_workspaces_per_stream(monkeypatch, append):
+    """A plan's calls on one stream reuse that stream's split workspace and take outputs
+    from its chunks (never one output twice, a new chunk when one is used up); a call on
+    another stream gets that stream's own, and coming back finds the first stream's again;
+    a call while a graph is captured (no stream) gets fresh ones, kept by nobody."""
+    import torch
+
+    import bitdecode as bd
+    from bitdecode import jit
+
+    d = 64
+    cache = bd.KVCache.allocate(2, 2, d, 512, KVFormat(bits=4, group_size=64), device="cpu", backend="reference")
+    works = []
+    stream = ["A"]
+    monkeypatch.setattr(jit, "current_stream", lambda index: stream[0])
+    plan = kernels.DecodePlan(cache.tensors(), (2, 1, 4, d), torch.float16, torch.device("cpu"), 3,
+                              lambda *args: works.append(args[-7 if append else -4]), lambda *args: None,  # o_part
+                              append=append)
+    q = torch.zeros(2, 1, 4, d, dtype=torch.float16)
+    new = torch.zeros(2, 1, 2, d, dtype=torch.float16)
+
+    def call():
+        if append:
+            return plan.append_step(q, new, new, 0.5, False, stream[0])
+        return plan(q, 0.5, False)
+
+    outs = {}
+    for name, calls in (("A", plan.OUT_CHUNK + 3), ("B", 2), ("A", 2), (None, 2)):
+        stream[0] = name
+        outs.setdefault(name, []).extend(call() for _ in range(calls))
+    everyone = [o for group in outs.values() for o in group]
+    assert len({o.data_ptr() for o in everyone}) == len(everyone)  # every output its own memory
+    a, b, a_again, captured = works[:plan.OUT_CHUNK + 3], works[-6:-4], works[-4:-2], works[-2:]
+    assert all(w is a[0] for w in a + a_again) and all(w is b[0] for w in b)
+    assert b[0] is not a[0] and b[0].data_ptr() != a[0].data_ptr()
+    ws = {w.data_ptr() for w in captured}
+    assert len(ws) == 2 and not ws & {a[0].data_ptr(), b[0].data_ptr()}
