@@ -579,3 +579,25 @@ def test_bench_gemm_variants_arguments(capsys):
     if not torch.cuda.is_available():
         assert bg.main(["--variant", "a="]) == 2
         assert "needs a Hopper GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_host_python_measures_the_one_call_path(tmp_path, capsys, splits):
+    """profiles/host_python.py (the eager step's Python on a CPU, launches stubbed) runs the
+    appending decode's one-call path on every step it times (a step that left it raises),
+    writes its row, and puts back what it stubbed."""
+    import json
+
+    import torch
+
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+
+    script = _profile_script("host_python")
+    plan, capturing = sm80_backend.Sm80Backend.plan, torch._C._cuda_isCurrentStreamCapturing
+    assert script.main(["--layers", "2", "--rounds", "2", "--steps", "3", "--splits", str(splits),
+                        "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "host_python.json").read_text())["row"]
+    assert 0 < row["plan_us_per_layer"] < row["one_call_us_per_layer"] and row["splits"] == splits
+    assert "one call" in capsys.readouterr().out
+    assert sm80_backend.Sm80Backend.plan is plan and torch._C._cuda_isCurrentStreamCapturing is capturing
+    _refused(script.main, ["--layers", "0"], "must be positive", capsys)
