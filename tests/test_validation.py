@@ -1,6 +1,8 @@
 """Every argument check: the error type, a message that names the argument, and nothing
 written to the cache."""
 
+import math
+
 import pytest
 import torch
 
@@ -59,6 +61,8 @@ FMT = bd.KVFormat(bits=4, group_size=32)
         (dict(num_kv_heads=-1), ValueError, "num_kv_heads must be positive, got -1"),
         (dict(num_kv_heads=True), TypeError, "num_kv_heads must be an int, got bool"),
         (dict(max_seqlen=0), ValueError, "max_seqlen must be positive, got 0"),
+        (dict(max_seqlen=2**31), ValueError, r"max_seqlen must be at most 2147418112 \(lengths are int32 on the "
+                                             r"device\), got 2147483648"),
         (dict(head_dim=80), ValueError, r"head_dim must be one of \(64, 128, 256\), got 80"),
         (dict(fmt=bd.KVFormat(group_size=128)), ValueError, "group_size=128 .* must not exceed head_dim=64"),
         (dict(dtype=torch.float32), TypeError, "dtype must be torch.float16 or torch.bfloat16, got torch.float32"),
@@ -74,6 +78,35 @@ def test_allocate_errors(kwargs, exc, msg):
     args = dict(batch=B, num_kv_heads=HKV, head_dim=D, max_seqlen=N, fmt=FMT, device="cpu") | kwargs
     with pytest.raises(exc, match=msg):
         bd.KVCache.allocate(**args)
+
+
+def test_allocate_too_large_says_what_it_asked_for(monkeypatch):
+    """A cache the device cannot hold: the allocator's failure (stood in for: a real one
+    would need the memory) comes back as torch.OutOfMemoryError naming the arguments and
+    the bytes, which are what the allocated cache's ``memory_bytes`` counts."""
+    from bitdecode import cache as cache_module
+
+    fmt = bd.KVFormat(bits=2, k_mode="token", group_size=32, sink_tokens=4)
+    small = bd.KVCache.allocate(3, HKV, D, 1000, fmt, device="cpu", page_size=256)
+    pages, per_seq = small.k_pack.shape[0], small.block_table.shape[1]
+    shapes = cache_module._storage_shapes(fmt, torch.float16, (pages, HKV, 256, D), 3, per_seq)
+    assert sum(math.prod(shape) * dt.itemsize for shape, dt in shapes) == small.memory_bytes()
+    assert small.block_table.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+    zeros = torch.zeros
+
+    def refuse_large(*shape, **kw):
+        if math.prod(shape[0] if isinstance(shape[0], (tuple, list, torch.Size)) else shape) > 2**30:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes.")
+        return zeros(*shape, **kw)
+
+    monkeypatch.setattr(torch, "zeros", refuse_large)
+    shapes = cache_module._storage_shapes(FMT, torch.float16, (64, HKV, 10**8, D), 64, 1)  # a page a sequence
+    gib = f"{sum(math.prod(shape) * dt.itemsize for shape, dt in shapes) / 2**30:.2f}"
+    with pytest.raises(torch.OutOfMemoryError, match=rf"^KVCache.allocate\(batch=64, num_kv_heads=2, head_dim=64, "
+                                                     rf"max_seqlen=100000000, fmt=.*\): the cache needs {gib} GiB "
+                                                     r"on cpu, which could not be allocated \(DefaultCPUAllocator"):
+        bd.KVCache.allocate(64, HKV, D, 10**8, FMT, device="cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
