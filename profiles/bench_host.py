@@ -33,6 +33,7 @@ import torch
 
 import bitdecode as bd
 from bitdecode import backend as backends, dispatch
+from bitdecode.cli import csv_list
 
 TARGET_US = 15.0
 # ~5 ms at the H200's ~1.8 GHz: longer than any host loop timed here (32 layers x ~30 us)
@@ -155,15 +156,22 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="back-to-back steps of the GPU / loop timing")
     p.add_argument("--repeats", type=int, default=21, help="host-timed steps (median)")
     p.add_argument("--context", type=int, default=1024, help="tokens per sequence in each layer's cache")
+    p.add_argument("--backends", type=csv_list(str, backends.shipped()), default=None,
+                   help="comma-separated kernel backends (default: every one this GPU runs)")
+    p.add_argument("--bits", type=csv_list(int, (4, 2)), default=[4, 2], help="comma-separated, of 4 and 2")
+    p.add_argument("--batches", type=csv_list(int), default=[1, 16], help="comma-separated batch sizes")
     args = p.parse_args(argv)
+    if any(b < 1 for b in args.batches):
+        p.error(f"--batches takes positive sizes, got {args.batches}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_host needs a CUDA GPU")
     dev = torch.device("cuda")
-    names = [n for n in reversed(backends.shipped()) if dispatch.runnable(n, dev)]
+    names = [n for n in reversed(backends.shipped()) if dispatch.runnable(n, dev)
+             and (args.backends is None or n in args.backends)]
     reference = {"before": host_reference()}
     tokens = 2 * (3 + args.repeats + 5 * args.steps) + 16  # what the timings append
     configs = [build(name, bits, batch, args.layers, args.context, tokens)
-               for name in names for bits in (4, 2) for batch in (1, 16)]
+               for name in names for bits in args.bits for batch in args.batches]
     rows = measure_all(configs, args.layers, args.steps, args.repeats)
     reference["after"] = host_reference()
     add = statistics.mean(r["torch_add_launch_us"] for r in reference.values())
