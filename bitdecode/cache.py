@@ -541,7 +541,7 @@ class KVCache:
 MAX_SEQLEN = 2**31 - 2**16
 
 
-TABLE = 7  # the block table's place among a cache's tensors (``_storage_shapes``)
+_TABLE_AT = 7  # the block table's place among a cache's tensors (``_storage_shapes``)
 
 
 def _storage_shapes(fmt: KVFormat, dtype: torch.dtype, args, batch: int, per_seq: int):
@@ -564,7 +564,7 @@ def _allocate_storage(fmt: KVFormat, dtype: torch.dtype, device: torch.device, a
     asked for."""
     shapes = _storage_shapes(fmt, dtype, args, batch, per_seq)
     try:
-        made = [torch.arange(batch * per_seq, dtype=dt, device=device).view(shape) if i == TABLE
+        made = [torch.arange(batch * per_seq, dtype=dt, device=device).view(shape) if i == _TABLE_AT
                 else torch.zeros(shape, dtype=dt, device=device) for i, (shape, dt) in enumerate(shapes)]
     except RuntimeError as e:  # (torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator)
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
@@ -573,7 +573,7 @@ def _allocate_storage(fmt: KVFormat, dtype: torch.dtype, device: torch.device, a
         raise torch.OutOfMemoryError(
             f"KVCache.allocate({what}, fmt={fmt}): the cache needs {need / 2**30:.2f} GiB on {device}, "
             f"which could not be allocated ({str(e).splitlines()[0]})") from e
-    return made + [None, None] if len(made) == TABLE + 1 else made
+    return made + [None, None] if len(made) == _TABLE_AT + 1 else made
 
 
 def decode(
