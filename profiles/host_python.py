@@ -5,9 +5,10 @@ k_new=, v_new=)`` plus one TVM-FFI call and one driver launch a layer.  The laun
 is the driver's (~5 us on the H200 hosts, profiles/NOTES.md); the Python's share can be cut,
 and this script measures it where no GPU is: the same call on ``L`` CPU caches whose
 backend is made to say it appends, through the real ``DecodePlan`` with no-op kernel
-functions, the CUDA stream and capture queries stubbed (as cheap as torch's own are not:
-the numbers are a floor of the GPU host's).  A CPU torch ``add_`` is timed beside it as
-this host's yardstick.  Rows alternate (one sample of each per round), median of rounds.
+functions, the CUDA stream and capture queries stubbed (cheaper than torch's own, so the
+numbers are a floor of what the same Python costs beside a GPU).  A CPU torch ``add_`` is
+timed beside it as this host's yardstick.  Rows alternate (one sample of each per round),
+median of rounds.
 
     python3 profiles/host_python.py --out profiles/cpu
 """
