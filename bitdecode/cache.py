@@ -447,6 +447,8 @@ class KVCache:
         results, same cache contents either way."""
         if k_new is None or v_new is None:
             raise ValueError("k_new and v_new are appended together: pass both or neither")
+        if self._inference_tensors:  # (the kernel's writes would pass; the cache's rule is one for every path)
+            self._check_inference_writes("decode(k_new=, v_new=)")
         appends = self._appends
         if appends[0] != self.backend:
             appends = self._appends = (self.backend, self._kernel_appends(self.backend))

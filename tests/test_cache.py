@@ -383,17 +383,19 @@ def test_appending_decode_on_the_reference_is_append_then_decode(gen):
     assert a.lengths == [140, 80]
 
 
-def _stand_in_appending_cache(monkeypatch, max_seqlen: int = 140):
+def _stand_in_appending_cache(monkeypatch, max_seqlen: int = 140, inference: bool = False):
     """A CPU cache whose backend says it appends, with a stand-in plan that records its
     calls: (cache, fused calls' ``new`` lengths, plain calls and appends, whether each q
-    was dense, the split count ``choose_splits`` gives)."""
+    was dense, the split count ``choose_splits`` gives); ``inference``: made under
+    ``torch.inference_mode()``."""
     from bitdecode import attention
     from bitdecode.kernels_sm80 import backend as sm80_backend
 
     fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=2)
-    c = bd.KVCache.allocate(2, 1, 64, max_seqlen, fmt, device="cpu", backend="reference")
-    z = torch.zeros(2, 130, 1, 64, dtype=torch.float16)
-    c.prefill(z, z, [1, 125])
+    with torch.inference_mode(inference):
+        c = bd.KVCache.allocate(2, 1, 64, max_seqlen, fmt, device="cpu", backend="reference")
+        z = torch.zeros(2, 130, 1, 64, dtype=torch.float16)
+        c.prefill(z, z, [1, 125])
     c.backend = "sm80"
     fused, plain, dense, splits = [], [], [], [2]
 
@@ -451,6 +453,23 @@ def test_appending_decode_takes_the_kernel_while_no_block_completes(monkeypatch)
     with pytest.raises(TypeError, match="^k_new must be a torch.Tensor"):
         c.decode(q, k_new="k", v_new=kv)
     assert len(fused) == 12 and c.lengths == [15, 139]
+
+
+def test_appending_decode_of_an_inference_mode_cache_outside_it_is_refused(monkeypatch):
+    """The cache's rule for inference-mode caches holds on the one-launch path too (whose
+    kernel writes would pass torch): outside inference_mode the call is refused before any
+    write, the first step and a step on the fast path alike; inside it runs."""
+    c, fused, plain, _, _ = _stand_in_appending_cache(monkeypatch, inference=True)
+    q = torch.ones(2, 1, 2, 64, dtype=torch.float16)
+    kv = torch.zeros(2, 1, 1, 64, dtype=torch.float16)
+    with torch.inference_mode():
+        c.decode(q, k_new=kv, v_new=kv)  # (sinks filled: the next steps take the kernel)
+        c.decode(q, k_new=kv, v_new=kv)
+    assert len(fused) == 1 and c.lengths == [3, 127]
+    with pytest.raises(RuntimeError, match=r"^decode\(k_new=, v_new=\): this cache was allocated under "
+                                           "torch.inference_mode"):
+        c.decode(q, k_new=kv, v_new=kv)
+    assert len(fused) == 1 and c.lengths == [3, 127] and c._host_max == 127
 
 
 def test_appending_decode_takes_two_calls_past_the_merge_splits(monkeypatch):
