@@ -594,7 +594,7 @@ def test_host_python_measures_the_one_call_path(tmp_path, capsys, splits):
 
     script = _profile_script("host_python")
     plan, capturing = sm80_backend.Sm80Backend.plan, torch._C._cuda_isCurrentStreamCapturing
-    assert script.main(["--layers", "2", "--rounds", "2", "--steps", "3", "--splits", str(splits),
+    assert script.main(["--layers", "2", "--rounds", "5", "--steps", "5", "--splits", str(splits),
                         "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "host_python.json").read_text())["row"]
     assert 0 < row["plan_us_per_layer"] < row["one_call_us_per_layer"] and row["splits"] == splits
