@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -128,11 +127,32 @@ class KVCache:
             raise ValueError(f"max_seqlen must be at most {MAX_SEQLEN} (lengths are int32 on the device), "
                              f"got {max_seqlen}")
         pages = batch * per_seq
+        i32 = dict(dtype=torch.int32, device=device)
         args = (pages, num_kv_heads, page, head_dim)
-        storage = _allocate_storage(fmt, dtype, device, args, batch, per_seq,
-                                    f"batch={batch}, num_kv_heads={num_kv_heads}, head_dim={head_dim}, "
-                                    f"max_seqlen={max_seqlen}")
-        cache = cls(fmt, dtype, max_seqlen, backend, *storage[:8], k_sink=storage[8], v_sink=storage[9])
+        sink = (batch, fmt.sink_tokens, num_kv_heads, head_dim)
+        try:
+            sinks = {} if not fmt.sink_tokens else dict(k_sink=torch.zeros(sink, dtype=dtype, device=device),
+                                                        v_sink=torch.zeros(sink, dtype=dtype, device=device))
+            cache = cls(
+                fmt, dtype, max_seqlen, backend,
+                torch.zeros(fmt.k_pack_shape(*args), **i32),
+                torch.zeros(fmt.k_params_shape(*args), **i32),
+                torch.zeros(fmt.v_pack_shape(*args), **i32),
+                torch.zeros(fmt.v_params_shape(*args), **i32),
+                torch.zeros(batch, nr, num_kv_heads, head_dim, dtype=dtype, device=device),
+                torch.zeros(batch, nr, num_kv_heads, head_dim, dtype=dtype, device=device),
+                torch.zeros(batch, **i32),
+                torch.arange(pages, **i32).view(batch, per_seq),
+                **sinks,
+            )
+        except RuntimeError as e:  # (torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator)
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            gib = pages * page * num_kv_heads * fmt.bytes_per_token(head_dim) / 2**30
+            raise torch.OutOfMemoryError(
+                f"KVCache.allocate(batch={batch}, num_kv_heads={num_kv_heads}, head_dim={head_dim}, "
+                f"max_seqlen={max_seqlen}, fmt={fmt}): its packed pages need {gib:.2f} GiB on {device}, which "
+                f"could not be allocated ({str(e).splitlines()[0]})") from e
         # distinct, in-range pages by construction, for every length the cache can hold
         version = _validate.version_counter(cache.block_table)
         cache._table_verified = None if version is None else (version, (max_seqlen,) * batch)
@@ -538,43 +558,9 @@ class KVCache:
         return reference.rotate(k, self.fmt), v
 
 
-# the longest a sequence may grow: lengths (and the kernels' token counts) are int32
+# the longest a sequence may grow: lengths (and the kernels' token counts) are int32; the
+# largest multiple of every residual block below 2**31, so that the rounded capacity fits too
 MAX_SEQLEN = 2**31 - 2**16
-
-
-_TABLE_AT = 7  # the block table's place among a cache's tensors (``_storage_shapes``)
-
-
-def _storage_shapes(fmt: KVFormat, dtype: torch.dtype, args, batch: int, per_seq: int):
-    """(shape, dtype) of a new cache's tensors, in ``KVCache.__init__``'s order, the sinks
-    last (none without sink tokens); ``args``: (pages, Hkv, page, D)."""
-    nr, hkv, d = fmt.residual_block, args[1], args[3]
-    i32 = torch.int32
-    shapes = [(fmt.k_pack_shape(*args), i32), (fmt.k_params_shape(*args), i32), (fmt.v_pack_shape(*args), i32),
-              (fmt.v_params_shape(*args), i32), ((batch, nr, hkv, d), dtype), ((batch, nr, hkv, d), dtype),
-              ((batch,), i32), ((batch, per_seq), i32)]
-    if fmt.sink_tokens:
-        shapes += [((batch, fmt.sink_tokens, hkv, d), dtype)] * 2
-    return shapes
-
-
-def _allocate_storage(fmt: KVFormat, dtype: torch.dtype, device: torch.device, args, batch: int, per_seq: int,
-                      what: str):
-    """A new cache's tensors (``_storage_shapes``; the sinks None without sink tokens),
-    zeroed, the block table the identity; an allocation that does not fit says what it
-    asked for."""
-    shapes = _storage_shapes(fmt, dtype, args, batch, per_seq)
-    try:
-        made = [torch.arange(batch * per_seq, dtype=dt, device=device).view(shape) if i == _TABLE_AT
-                else torch.zeros(shape, dtype=dt, device=device) for i, (shape, dt) in enumerate(shapes)]
-    except RuntimeError as e:  # (torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator)
-        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
-            raise
-        need = sum(math.prod(shape) * dt.itemsize for shape, dt in shapes)
-        raise torch.OutOfMemoryError(
-            f"KVCache.allocate({what}, fmt={fmt}): the cache needs {need / 2**30:.2f} GiB on {device}, "
-            f"which could not be allocated ({str(e).splitlines()[0]})") from e
-    return made + [None, None] if len(made) == _TABLE_AT + 1 else made
 
 
 def decode(

@@ -83,15 +83,14 @@ def test_allocate_errors(kwargs, exc, msg):
 def test_allocate_too_large_says_what_it_asked_for(monkeypatch):
     """A cache the device cannot hold: the allocator's failure (stood in for: a real one
     would need the memory) comes back as torch.OutOfMemoryError naming the arguments and
-    the bytes, which are what the allocated cache's ``memory_bytes`` counts."""
-    from bitdecode import cache as cache_module
-
+    the GiB its packed pages need (``KVFormat.bytes_per_token``), nothing else changed:
+    a cache that fits keeps its identity block table."""
     fmt = bd.KVFormat(bits=2, k_mode="token", group_size=32, sink_tokens=4)
     small = bd.KVCache.allocate(3, HKV, D, 1000, fmt, device="cpu", page_size=256)
-    pages, per_seq = small.k_pack.shape[0], small.block_table.shape[1]
-    shapes = cache_module._storage_shapes(fmt, torch.float16, (pages, HKV, 256, D), 3, per_seq)
-    assert sum(math.prod(shape) * dt.itemsize for shape, dt in shapes) == small.memory_bytes()
     assert small.block_table.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    packed = small.memory_bytes() - sum(t.numel() * t.element_size() for t in (
+        small.k_res, small.v_res, small.seqlens, small.block_table, small.k_sink, small.v_sink))
+    assert packed == 3 * 1024 * HKV * fmt.bytes_per_token(D)  # (what the message counts)
 
     zeros = torch.zeros
 
@@ -101,11 +100,10 @@ def test_allocate_too_large_says_what_it_asked_for(monkeypatch):
         return zeros(*shape, **kw)
 
     monkeypatch.setattr(torch, "zeros", refuse_large)
-    shapes = cache_module._storage_shapes(FMT, torch.float16, (64, HKV, 10**8, D), 64, 1)  # a page a sequence
-    gib = f"{sum(math.prod(shape) * dt.itemsize for shape, dt in shapes) / 2**30:.2f}"
+    gib = f"{64 * 10**8 * HKV * FMT.bytes_per_token(D) / 2**30:.2f}"  # (a page a sequence of 10**8 tokens)
     with pytest.raises(torch.OutOfMemoryError, match=rf"^KVCache.allocate\(batch=64, num_kv_heads=2, head_dim=64, "
-                                                     rf"max_seqlen=100000000, fmt=.*\): the cache needs {gib} GiB "
-                                                     r"on cpu, which could not be allocated \(DefaultCPUAllocator"):
+                                                     rf"max_seqlen=100000000, fmt=.*\): its packed pages need {gib} "
+                                                     r"GiB on cpu, which could not be allocated \(DefaultCPUAllocator"):
         bd.KVCache.allocate(64, HKV, D, 10**8, FMT, device="cpu")
 
 
