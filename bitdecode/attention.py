@@ -83,12 +83,13 @@ def check_cache(
         _validate.same_device(k_res=k_res, k_sink=sinks[0], v_sink=sinks[1])
     cache = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, fmt,
                          sinks=tuple(sinks) if fmt.sink_tokens else None)
-    if check_values and not _capturing(k_pack.device):
+    if check_values and not capturing(k_pack.device):
         _check_values(cache)
     return cache
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph now."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 

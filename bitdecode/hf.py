@@ -54,6 +54,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from . import _validate, bitnet, dense, dispatch, ops, rope
 from .bitnet import RMS_NORM_CLASSES
+from .attention import capturing
 from .cache import KVCache, decode
 from .formats import KVFormat, model_head_dim
 
@@ -144,8 +145,7 @@ class BitDecodingLayer(CacheLayerMixin):
                              self.kv)
         else:  # the attention call appends them (``_pending``)
             self.flush()
-            if self.seen - self._kv._host_max != self.pad_offset and not (
-                    key_states.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if self.seen - self._kv._host_max != self.pad_offset and not capturing(key_states.device):
                 self._kv.check()  # compiled steps appended on the device only: the host's lengths catch up
             self._pending = (key_states.transpose(1, 2), value_states.transpose(1, 2))
         self.seen += key_states.shape[2]
@@ -389,8 +389,7 @@ def _decode_pending(layer: BitDecodingLayer, q: torch.Tensor, scaling, attention
     kv = layer.kv
     added = kv._host_added
     try:
-        if attention_mask is not None and k_new is not None and not (q.is_cuda and
-                                                                     torch.cuda.is_current_stream_capturing()):
+        if attention_mask is not None and k_new is not None and not capturing(q.device):
             valid = _valid_tokens(attention_mask, q.shape[1])
             if valid is not None and not bool(valid.all()):
                 raise ValueError(
