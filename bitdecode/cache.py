@@ -446,11 +446,11 @@ class KVCache:
 
     def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int) -> tuple:
         """What a kernel decode's plan depends on in a call: q's shape, strides, dtype and
-        device (its index: ints compare faster than devices), the options and their types,
-        and the tiles of ``max_len`` tokens (what ``choose_splits`` counts); one flat tuple
-        (building and comparing it is the fast path's main host cost).  An appending
-        decode's key adds k_new's and v_new's (``_append_decode``)."""
-        return (q.shape, q.stride(), q.dtype, q.get_device(), softmax_scale, type(softmax_scale), num_splits,
+        device, the options and their types, and the tiles of ``max_len`` tokens (what
+        ``choose_splits`` counts); one flat tuple (building and comparing it is the fast
+        path's main host cost).  An appending decode's key adds k_new's and v_new's
+        (``_append_decode``)."""
+        return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
                 type(num_splits), backend, self.fmt.tiles(max_len))
 
     def _kernel_appends(self, name: str) -> bool:
@@ -480,7 +480,9 @@ class KVCache:
             self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         # ``_call_key``'s items and k_new's and v_new's, written out: this is the eager step's
-        # hot path, where a call to build it costs as much as a tuple's items
+        # hot path, where a call to build it costs as much as a tuple's items (the devices as
+        # indices, which compare faster: only a CUDA cache's kernel plan gets an entry, and a
+        # tensor on any other device has another index than its device's)
         try:
             key = (q.shape, q.stride(), k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), q.dtype,
                    k_new.dtype, v_new.dtype, q.get_device(), k_new.get_device(), v_new.get_device(), softmax_scale,
@@ -518,8 +520,7 @@ class KVCache:
     def _check_query_once(self, q, softmax_scale, num_splits, backend) -> None:
         """``_check_call`` for an appending decode that runs as two calls, once per new (q
         layout, options): the two calls' eager steps pay one tuple compare."""
-        key = (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
-               type(num_splits), backend) if isinstance(q, torch.Tensor) else None
+        key = self._call_key(q, softmax_scale, num_splits, backend, 0) if isinstance(q, torch.Tensor) else None
         if key is None or key != self._query_checked:
             self._check_call(q, softmax_scale, num_splits, backend)
             self._query_checked = key
