@@ -77,6 +77,14 @@ def csv_list(kind, choices=None, allow_empty: bool = False):
     return parse
 
 
+def print_error(console, message: str) -> None:
+    """One ``error:`` line on ``console`` (a rich Console): the message as plain text (no
+    markup read from it) and never wrapped, as every command's refusals are printed."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+
+
 def output_file(text: str) -> str:
     """argparse type of a file the command writes: its folder must exist, and it must not
     be a folder."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .backend import Variant
-from .cli import DTYPE_NAMES, csv_list, positive_int
+from .cli import DTYPE_NAMES, csv_list, positive_int, print_error
 from .formats import BITS, FP4_FORMATS, GROUP_SIZES, HEAD_DIMS, K_MODES
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
@@ -132,7 +132,6 @@ def _compile_one(v: Variant, arch: str, out: str, warm: bool) -> Tuple[str, floa
 
 def run(args) -> int:
     from rich.console import Console
-    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -143,23 +142,22 @@ def run(args) -> int:
         from . import jit
 
         if not torch.cuda.is_available():
-            console.print("[red]error:[/] --warm-cache compiles for this machine's GPU, but no CUDA GPU is available "
-                          "(to compile without one: --arch ARCH --out DIR)", soft_wrap=True)
+            print_error(console, "--warm-cache compiles for this machine's GPU, but no CUDA GPU is available "
+                                 "(to compile without one: --arch ARCH --out DIR)")
             return 2
         args.arch = jit.target_arch()
     pending = variants(args)
     wanted = set(args.kernels) - {"combine"}  # the kinds that take a KV format
     if wanted and not any(v.kind in wanted for v in pending):  # (KVFormat.check_head_dim skips them all)
-        console.print(f"[red]error:[/] no {' / '.join(sorted(wanted))} variant: every format's group size exceeds "
-                      f"every --head-dim ({_list(args.head_dim)})", soft_wrap=True)
+        print_error(console, f"no {' / '.join(sorted(wanted))} variant: every format's group size exceeds "
+                             f"every --head-dim ({_list(args.head_dim)})")
         return 2
     out = ""
     if not args.warm_cache:
         try:
             args.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            console.print(f"[red]error:[/] --out {escape(str(args.out))}: cannot make the folder "
-                          f"({escape(exc.strerror or str(exc))})", soft_wrap=True)
+            print_error(console, f"--out {args.out}: cannot make the folder ({exc.strerror or exc})")
             return 2
         out = str(args.out)
     results = []

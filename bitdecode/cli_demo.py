@@ -18,7 +18,7 @@ import torch
 
 from . import dispatch, reference
 from .cache import KVCache
-from .cli import DTYPE_NAMES, positive_int, torch_dtype
+from .cli import DTYPE_NAMES, positive_int, print_error, torch_dtype
 from .formats import GROUP_SIZES, K_MODES, KVFormat
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
@@ -172,12 +172,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)")
+        print_error(console, "--device cuda, but no CUDA GPU is available (use --device cpu)")
         return 2
     try:  # before any work: a backend this device or build does not have
         dispatch.resolve(args.backend, torch.device(device), what="KV cache")
     except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        print_error(console, str(exc))
         return 2
     on_gpu = device == "cuda"
     n = args.seqlen or (32768 if on_gpu else 4096)

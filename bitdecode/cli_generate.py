@@ -26,7 +26,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import DTYPE_NAMES, nonnegative_int, positive_int, torch_dtype
+from .cli import DTYPE_NAMES, nonnegative_int, positive_int, print_error, torch_dtype
 from .formats import FP4_FORMATS, GROUP_SIZES, K_MODES, model_head_dim
 
 
@@ -289,22 +289,20 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> str:
 def prepare_run(console, args, command: str):
     """(device, backend) of a model-running subcommand (``generate``, ``eval``), with
     transformers imported and quiet; None after printing the error."""
-    from rich.markup import escape
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        console.print("[red]error:[/] --device cuda, but no CUDA GPU is available (use --device cpu)", soft_wrap=True)
+        print_error(console, "--device cuda, but no CUDA GPU is available (use --device cpu)")
         return None
     try:
         backend = dispatch.resolve(args.backend, device, what="KV cache")
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        print_error(console, str(exc))
         return None
     try:
         import transformers
     except ImportError:
-        console.print(f"[red]error:[/] bitdecode {command} needs transformers: pip install -e \".[hf]\"",
-                      soft_wrap=True)
+        print_error(console, f"bitdecode {command} needs transformers: pip install -e \".[hf]\"")
         return None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -313,7 +311,6 @@ def prepare_run(console, args, command: str):
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.markup import escape
 
     console = Console()
     ready = prepare_run(console, args, "generate")
@@ -328,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, what = load_model(args, device, dtype)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        print_error(console, str(exc))
         return 2
     t_load = time.perf_counter() - t_load
     if not args.fuse:
@@ -365,7 +362,7 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
         for f in fmts:
             f.check_head_dim(head_dim)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        print_error(console, str(exc))
         return 2
 
     if tokenizer is not None:
@@ -379,8 +376,8 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
     prompt_len = ids.shape[1]
     max_seqlen = args.max_seqlen or prompt_len + args.max_new_tokens
     if max_seqlen < prompt_len + args.max_new_tokens:
-        console.print(f"[red]error:[/] --max-seqlen {max_seqlen} is less than the prompt ({prompt_len}) plus "
-                      f"--max-new-tokens ({args.max_new_tokens})")
+        print_error(console, f"--max-seqlen {max_seqlen} is less than the prompt ({prompt_len}) plus "
+                             f"--max-new-tokens ({args.max_new_tokens})")
         return 2
 
     def show(tokens: torch.Tensor) -> str:
