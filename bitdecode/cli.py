@@ -98,6 +98,17 @@ def output_file(text: str) -> str:
     return str(path)
 
 
+def output_folder(text: str):
+    """argparse type of a folder the command writes into (made if missing): refused where
+    the path is a file, before any work is done."""
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    return path
+
+
 def build_parser(full: Optional[Iterable[str]] = None) -> argparse.ArgumentParser:
     """The parser; only the commands in ``full`` (default: all) get their own options."""
     full = set(COMMANDS if full is None else full)

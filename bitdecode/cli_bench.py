@@ -12,6 +12,8 @@ import argparse
 import importlib.util
 from pathlib import Path
 
+from .cli import output_folder
+
 SUITES = {"decode": "bench_decode.py", "bitnet": "bench_bitnet.py"}
 
 
@@ -23,7 +25,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=sorted(SUITES), help="which benchmark")
-    p.add_argument("--out", type=Path, default=None, help="output dir (default profiles/<gpu>)")
+    p.add_argument("--out", type=output_folder, default=None, help="output dir (default profiles/<gpu>)")
     p.add_argument("--quick", action="store_true",
                    help="a few points only; decode: B=1 and 16 at 4K/32K/128K, every backend side by side, "
                         "written to decode_backends.json instead of decode.json")

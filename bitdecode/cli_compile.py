@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .backend import Variant
-from .cli import DTYPE_NAMES, csv_list, positive_int, print_error
+from .cli import DTYPE_NAMES, csv_list, output_folder, positive_int, print_error
 from .formats import BITS, FP4_FORMATS, GROUP_SIZES, HEAD_DIMS, K_MODES
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
@@ -44,14 +44,6 @@ def count_instructions(ptx: str) -> Dict[str, int]:
     return {col: len(regex.findall(ptx)) for col, regex in _COUNTED_RE.items()}
 
 
-def _out_dir(text: str) -> Path:
-    """argparse type of ``--out``: a folder, or a path where one can be made."""
-    path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
-    return path
-
-
 def _list(values) -> str:
     return ",".join(str(v) for v in values)
 
@@ -60,7 +52,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="sm_80", choices=ARCHS, help="target GPU arch (default sm_80)")
-    p.add_argument("--out", type=_out_dir, metavar="DIR",
+    p.add_argument("--out", type=output_folder, metavar="DIR",
                    help="folder for the PTX files (created; required unless --warm-cache)")
     p.add_argument("--kernels", type=csv_list(str, KINDS), default=list(KINDS), metavar="LIST",
                    help=f"comma list of {_list(KINDS)} (default all)")

@@ -163,8 +163,9 @@ class GemvConfig:
             raise ValueError("GemvConfig: early_scales loads the scales after the PDL wait (pdl=True) only")
 
     @property
-    def scales_early(self) -> bool:
-        """Whether the kernels load the scales after the PDL wait (raw sums take none)."""
+    def loads_scales_early(self) -> bool:
+        """Whether the kernel loads the scales after the PDL wait: ``early_scales`` asked for and
+        scales applied (raw sums take none)."""
         return self.early_scales and not self.raw
 
 
@@ -203,7 +204,7 @@ class BitnetGemv:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.pin = cfg.pin and cfg.pdl
-        self.early_scales = cfg.scales_early
+        self.early_scales = cfg.loads_scales_early
 
     @cute.jit
     def __call__(

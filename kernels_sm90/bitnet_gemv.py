@@ -241,7 +241,7 @@ class BitnetGemvBulk:
         self.raw = cfg.raw
         self.pdl = cfg.pdl
         self.stage_x = cfg.stage_x
-        self.early_scales = cfg.scales_early
+        self.early_scales = cfg.loads_scales_early
         self.k = k
         self.groups = k // fmt.GROUP_K
         self.warps = bulk_warps(k)

@@ -235,9 +235,12 @@ def test_compile_refuses_bad_options(argv, message, tmp_path, capsys):
     assert not (tmp_path / "ptx").exists()
 
 
-def test_compile_out_must_be_a_folder(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["compile"], ["bench", "decode"]])
+def test_out_must_be_a_folder(command, tmp_path, capsys):
+    """A file given as --out is refused by the parser, before any compile or benchmark run."""
     (tmp_path / "file").write_text("")
-    assert "argument --out: " in _parser_error(["compile", "--out", str(tmp_path / "file")], capsys)
+    message = _parser_error([*command, "--out", str(tmp_path / "file")], capsys)
+    assert f"argument --out: {tmp_path / 'file'} exists and is not a folder" in message
     assert "--out DIR is required" in _parser_error(["compile"], capsys)
 
 
