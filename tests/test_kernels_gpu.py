@@ -1139,15 +1139,18 @@ def check_appending_steps(backend, fmt, gq, lens, page, dtype):
     if appends:  # count the appending kernel's launches
         real = fused._append_decode_plan
 
+        class Counted:  # the plan, its appending launches counted
+            def __init__(self, plan):
+                self.plan = plan
+
+            def append_step(self, *args):
+                launches.append(1)
+                return self.plan.append_step(*args)
+
         def spy(*a, **kw):
             entry = real(*a, **kw)
             if entry[1] is not None:
-                plan = entry[1]
-
-                def counted(*args):
-                    launches.append(1)
-                    return plan(*args)
-                entry = (entry[0], counted, *entry[2:])
+                entry = (entry[0], Counted(entry[1]), *entry[2:])
             return entry
         fused._append_decode_plan = spy
     for step in range(steps):
