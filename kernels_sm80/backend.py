@@ -349,29 +349,19 @@ class DecodePlan:
         # before it (an eager decode loop) skips both per-stream lookups
         self._last = (None, None, None)
 
-    def workspace(self, stream):
-        """The split-KV partials' buffers for ``stream`` (None while capturing: fresh ones)."""
-        if stream is None:
-            return self._new_workspace()
-        return self.workspaces.get(stream, self._new_bound_workspace)
-
-    def output(self, stream):
-        """A fresh output (``q_shape``) for ``stream`` (None while capturing: allocated from
-        the graph's pool, as every capture-time tensor must be).  Chunks are per stream so
-        that the caching allocator ties each one to the stream its kernels write it on."""
-        if stream is None:
-            return torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
-        return self.outputs.get(stream, self._new_outputs, keep=bool).pop()
-
     def _take(self, stream):
-        """An output and the split workspace (None unsplit) for a call on ``stream``."""
+        """An output (``q_shape``) and the split-KV partials' buffers (None unsplit) for a
+        call on ``stream``.  While a graph is captured (``stream`` None) both are fresh, from
+        the graph's pool as every capture-time tensor must be, and kept by nobody; else
+        the stream's own (outputs from its chunks, so that the caching allocator ties each
+        to the stream its kernels write it on), the last stream's without a lookup."""
+        if stream is None:
+            out = torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+            return out, self._new_workspace() if self.splits > 1 else None
         last_stream, outs, work = self._last
-        if stream is None or stream != last_stream or not outs:
-            split = self.splits > 1
-            if stream is None:
-                return self.output(None), self.workspace(None) if split else None
+        if stream != last_stream or not outs:
             outs = self.outputs.get(stream, self._new_outputs, keep=bool)
-            work = self.workspace(stream) if split else None
+            work = self.workspaces.get(stream, self._new_bound_workspace) if self.splits > 1 else None
             self._last = (stream, outs, work)
         return outs.pop(), work
 
