@@ -190,6 +190,13 @@ def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
 # 2.38, 3200 x 10240 (1.5) 4.51 / 4.20.
 BULK_MIN_STRIPES_PER_SM = 4
 
+# ... except for long stripes: from this K (a 16-row stripe of 32 KB or more) one bulk copy
+# of x-staged light CTAs beats the register kernel's loads at fewer stripes an SM too.  3200 x
+# 10240 (1.5 stripes an SM), us, BULK_X / the register kernel the host picked: H200 3.81 /
+# 4.23 (bitnet.json) and 3.84 / 4.19 (gemv_sweep_math.json), forty-sixth session; H100 3.78 -
+# 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912 3.22 / 2.70.
+BULK_X_MIN_K = 8192
+
 
 # A stripe kernel's wave should leave this share of its CTA slots free: the next GEMV's CTAs
 # then start beside it and fetch their stripes while it drains.  H200
@@ -203,7 +210,8 @@ BULK_FREE_SLOTS = 0.25
 
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM, or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
+    stripes an SM (fewer: ``BULK_X`` from ``BULK_X_MIN_K`` where it holds them in one wave),
+    or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
     rolled: 38 - 41 registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of
     its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
     stripes, 396 / 528 slots; us, BULK 7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else
@@ -211,7 +219,7 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     13824 x 6912, 2 against 3; 8.92 - 9.02 against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
-        return None
+        return BULK_X if k >= BULK_X_MIN_K and stripe_waves(BULK_X, n, k, sms) == 1 else None
     one_wave = [cfg for cfg in (BULK, BULK_X) if stripe_waves(cfg, n, k, sms) == 1]
     for cfg in one_wave:
         if stripes <= (1 - BULK_FREE_SLOTS) * bulk_ctas_per_sm(k, cfg.stage_x) * sms:
@@ -359,7 +367,7 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BitnetGemv", "BitnetGemvBulk",
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BULK_X_MIN_K", "BitnetGemv", "BitnetGemvBulk",
            "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers",
            "bulk_smem_bytes", "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size",
            "stripe_config", "stripe_waves", "warps_for"]
