@@ -48,8 +48,8 @@ def build(backend: str, layers: int, context: int):
     return caches
 
 
-def pieces(caches) -> dict:
-    """name -> a function running that piece once per layer."""
+def pieces(caches):
+    """(the decode plan's split count, {name: a function running that piece once per layer})."""
     import tvm_ffi
 
     from bitdecode.layouts.sm80 import TAIL_UNIT
@@ -76,8 +76,7 @@ def pieces(caches) -> dict:
         return run
 
     ffi_q, ffi_outs = tvm_ffi.from_dlpack(q), [tvm_ffi.from_dlpack(o) for o in outs]
-    return {
-        "splits": plans[0].splits,
+    return plans[0].splits, {
         "torch_add": lambda: [x.add_(1.0) for _ in caches],
         "torch_empty": lambda: [torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda") for _ in caches],
         "raw_kernels_torch_args": raw(q, outs),
@@ -136,8 +135,7 @@ def main(argv=None) -> int:
              and (args.backends is None or n in args.backends)]
     rows = []
     for name in names:
-        fns = pieces(build(name, args.layers, args.context))
-        splits = fns.pop("splits")
+        splits, fns = pieces(build(name, args.layers, args.context))
         row = {"backend": name, "splits": splits, "pieces": measure(fns, args.layers, args.repeats, args.loops)}
         rows.append(row)
         for k, v in row["pieces"].items():
