@@ -32,7 +32,7 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave (``stripe_config``; where that wave would leave the next GEMV no room,
+holds in one wave, and fewer where the stripes are long (``BULK_X_MIN_K``) (``stripe_config``; where that wave would leave the next GEMV no room,
 the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
 still: 20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at
 once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
