@@ -32,7 +32,8 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave, and fewer where the stripes are long (``BULK_X_MIN_K``) (``stripe_config``; where that wave would leave the next GEMV no room,
+holds in one wave, and fewer where the stripes are long (``BULK_X_MIN_STRIPE_BYTES``)
+(``stripe_config``; where that wave would leave the next GEMV no room,
 the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
 still: 20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at
 once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
@@ -190,12 +191,13 @@ def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
 # 2.38, 3200 x 10240 (1.5) 4.51 / 4.20.
 BULK_MIN_STRIPES_PER_SM = 4
 
-# ... except for long stripes: from this K (a 16-row stripe of 32 KB or more) one bulk copy
-# of x-staged light CTAs beats the register kernel's loads at fewer stripes an SM too.  3200 x
+# ... except for long stripes: from this many bytes a stripe (``fmt.stripe_bytes``: K = 8192)
+# one bulk copy of x-staged light CTAs beats the register kernel's loads at fewer stripes an
+# SM too.  3200 x
 # 10240 (1.5 stripes an SM), us, BULK_X / the register kernel the host picked: H200 3.81 /
 # 4.23 (bitnet.json) and 3.84 / 4.19 (gemv_sweep_math.json), forty-sixth session; H100 3.78 -
 # 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912 3.22 / 2.70.
-BULK_X_MIN_K = 8192
+BULK_X_MIN_STRIPE_BYTES = 32 * 1024
 
 
 # A stripe kernel's wave should leave this share of its CTA slots free: the next GEMV's CTAs
@@ -210,7 +212,8 @@ BULK_FREE_SLOTS = 0.25
 
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM (fewer: ``BULK_X`` from ``BULK_X_MIN_K`` where it holds them in one wave),
+    stripes an SM (fewer: ``BULK_X`` from ``BULK_X_MIN_STRIPE_BYTES`` where it holds them in
+    one wave),
     or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
     rolled: 38 - 41 registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of
     its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
@@ -219,7 +222,8 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     13824 x 6912, 2 against 3; 8.92 - 9.02 against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
-        return BULK_X if k >= BULK_X_MIN_K and stripe_waves(BULK_X, n, k, sms) == 1 else None
+        long = fmt.stripe_bytes(k) >= BULK_X_MIN_STRIPE_BYTES
+        return BULK_X if long and stripe_waves(BULK_X, n, k, sms) == 1 else None
     one_wave = [cfg for cfg in (BULK, BULK_X) if stripe_waves(cfg, n, k, sms) == 1]
     for cfg in one_wave:
         if stripes <= (1 - BULK_FREE_SLOTS) * bulk_ctas_per_sm(k, cfg.stage_x) * sms:
@@ -367,7 +371,7 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BULK_X_MIN_K", "BitnetGemv", "BitnetGemvBulk",
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BULK_X_MIN_STRIPE_BYTES", "BitnetGemv", "BitnetGemvBulk",
            "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers",
            "bulk_smem_bytes", "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size",
            "stripe_config", "stripe_waves", "warps_for"]

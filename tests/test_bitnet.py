@@ -725,7 +725,9 @@ def test_sm90_gemv_config():
     assert pick(2560, 2560) == (4, True)  # one wave either way: the most warps, no padding, pinned
     assert pick(2560, 6912) == (5, True)  # 11-warp CTAs, 2 an SM (unroll 4: 14 warps, 1 an SM, two waves)
     assert pick(3200, 3200) == (5, True)
-    # 1.5 stripes an SM, but 40 KB stripes (BULK_X_MIN_K): the stripe kernel, x staged
+    # 1.5 stripes an SM, but 40 KB stripes (BULK_X_MIN_STRIPE_BYTES: K = 8192): the stripe
+    # kernel, x staged
+    assert v90.BULK_X_MIN_STRIPE_BYTES == L.stripe_bytes(8192)
     assert pick(3200, 10240) == "bulk_x" and v90.stripe_config(3200, 8064, 132, 1) is None
     # ... in one wave only (2 CTAs an SM at K = 20480: 264 slots)
     assert v90.stripe_config(264 * 16, 20480, 132, 2) == v90.BULK_X and v90.stripe_config(400 * 16, 20480, 132, 2) is None
