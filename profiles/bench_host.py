@@ -63,23 +63,29 @@ def host_reference(calls: int = 200) -> dict:
 
 
 FORMS = ("", "fused_")  # append + decode; decode(k_new=, v_new=)
+HKV, HQ, D = 8, 32, 128  # a Llama-3-8B layer's attention
+
+
+def make_caches(backend: str, bits: int, batch: int, layers: int, context: int, tokens: int) -> list:
+    """``layers`` bf16 caches of ``context`` random tokens a sequence with room for
+    ``tokens`` more."""
+    caches = []
+    for _ in range(layers):
+        c = bd.KVCache.allocate(batch, HKV, D, context + tokens, bd.KVFormat(bits=bits), dtype=torch.bfloat16,
+                                device="cuda", backend=backend)
+        k = torch.randn(batch, context, HKV, D, device="cuda", dtype=torch.bfloat16)
+        c.prefill(k, k)
+        caches.append(c)
+    return caches
 
 
 def build(backend: str, bits: int, batch: int, layers: int, context: int, tokens: int) -> dict:
     """``layers`` caches of ``context`` tokens with room for ``tokens`` more, and the two
     forms of one eager step over them: ``cache.append`` + ``bd.decode`` (two calls), and
     ``bd.decode(q, cache, k_new=, v_new=)`` (one call)."""
-    fmt = bd.KVFormat(bits=bits)
-    hkv, hq, d = 8, 32, 128
-    caches = []
-    for _ in range(layers):
-        c = bd.KVCache.allocate(batch, hkv, d, context + tokens, fmt, dtype=torch.bfloat16, device="cuda",
-                                backend=backend)
-        k = torch.randn(batch, context, hkv, d, device="cuda", dtype=torch.bfloat16)
-        c.prefill(k, k)
-        caches.append(c)
-    q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(batch, 1, hkv, d, device="cuda", dtype=torch.bfloat16)
+    caches = make_caches(backend, bits, batch, layers, context, tokens)
+    q = torch.randn(batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(batch, 1, HKV, D, device="cuda", dtype=torch.bfloat16)
 
     def two_calls():
         for c in caches:

@@ -31,21 +31,10 @@ from bitdecode import backend as backends
 from bitdecode.cli import csv_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_host import SPIN_CYCLES  # noqa: E402
+from bench_host import HKV, HQ, D, host_once, make_caches  # noqa: E402
 
 ROOM = 8192  # tokens each cache can still take: what the appending pieces add, with margin
 APPENDING = ("append", "decode_kv")
-
-
-def build(backend: str, layers: int, context: int):
-    caches = []
-    for _ in range(layers):
-        c = bd.KVCache.allocate(1, 8, 128, context + ROOM, bd.KVFormat(bits=4), dtype=torch.bfloat16,
-                                device="cuda", backend=backend)
-        k = torch.randn(1, context, 8, 128, device="cuda", dtype=torch.bfloat16)
-        c.prefill(k, k)
-        caches.append(c)
-    return caches
 
 
 def pieces(caches):
@@ -54,8 +43,8 @@ def pieces(caches):
 
     from bitdecode.layouts.sm80 import TAIL_UNIT
 
-    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 1, HKV, D, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros(1024, device="cuda")
     for c in caches:
         bd.decode(q, c)  # builds each cache's decode plan
@@ -78,7 +67,7 @@ def pieces(caches):
     ffi_q, ffi_outs = tvm_ffi.from_dlpack(q), [tvm_ffi.from_dlpack(o) for o in outs]
     return plans[0].splits, {
         "torch_add": lambda: [x.add_(1.0) for _ in caches],
-        "torch_empty": lambda: [torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda") for _ in caches],
+        "torch_empty": lambda: [torch.empty(1, 1, HQ, D, dtype=torch.bfloat16, device="cuda") for _ in caches],
         "raw_kernels_torch_args": raw(q, outs),
         "raw_kernels_ffi_args": raw(ffi_q, ffi_outs),
         "plan_call": lambda: [p(q, scale_log2, False) for p in plans],
@@ -98,11 +87,7 @@ def measure(fns: dict, layers: int, repeats: int, loops: int) -> dict:
     spin = {k: [] for k in fns}
     for _ in range(repeats):
         for k, f in fns.items():
-            torch.cuda._sleep(SPIN_CYCLES)
-            t0 = time.perf_counter()
-            f()
-            spin[k].append((time.perf_counter() - t0) * 1e6 / layers)
-            torch.cuda.synchronize()
+            spin[k].append(host_once(f, layers))
     loop = {k: [] for k in fns}
     for _ in range(loops):
         for k, f in fns.items():
@@ -135,7 +120,7 @@ def main(argv=None) -> int:
              and (args.backends is None or n in args.backends)]
     rows = []
     for name in names:
-        splits, fns = pieces(build(name, args.layers, args.context))
+        splits, fns = pieces(make_caches(name, 4, 1, args.layers, args.context, ROOM))
         row = {"backend": name, "splits": splits, "pieces": measure(fns, args.layers, args.repeats, args.loops)}
         rows.append(row)
         for k, v in row["pieces"].items():
