@@ -289,7 +289,6 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> str:
 def prepare_run(console, args, command: str):
     """(device, backend) of a model-running subcommand (``generate``, ``eval``), with
     transformers imported and quiet; None after printing the error."""
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print_error(console, "--device cuda, but no CUDA GPU is available (use --device cpu)")
