@@ -5,10 +5,15 @@ beside the host's pick (and, where that is a register kernel, the same with earl
 
     python3 profiles/bench_gemv_scales.py --out profiles/h200
 
+Any other forms of ``bench_bitnet.gemv_forms`` (e.g. the stripe kernels with their stripe in
+pieces, ``bulk_x_p2``) and shapes A/B the same way: ``--forms bulk_x,bulk_x_p2 --shapes
+3200x10240 --tag pieces`` writes ``gemv_scales_pieces.json``.
+
 First each form's bf16 outputs over three segments (and its raw int32 sums) are checked
 bit-equal to the host's kernel; then each is timed as ``bench_bitnet`` times a GEMV (CUDA-graph
 replay of back-to-back calls over weight copies >= 4 x L2, median of 30) in two rounds, the
-second in the reverse order, so drift between them shows.  Writes ``<out>/gemv_scales.json``.
+second in the reverse order, so drift between them shows.  Writes ``<out>/gemv_scales.json``
+(``gemv_scales_<tag>.json``).
 """
 
 from __future__ import annotations
@@ -29,16 +34,32 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="folder for gemv_scales.json")
     p.add_argument("--replays", type=int, default=30, help="graph replays per form and round (default 30)")
+    p.add_argument("--forms", default=",".join(SCALE_FORMS),
+                   help=f"comma-separated forms of bench_bitnet.gemv_forms (default {','.join(SCALE_FORMS)})")
+    p.add_argument("--shapes", default=None, help="NxK,... (default: the eight BitNet model shapes)")
+    p.add_argument("--tag", default="", help="file name suffix (a Python identifier)")
     args = p.parse_args(argv)
+    if args.tag and not args.tag.isidentifier():
+        p.error(f"--tag must be a Python identifier, got {args.tag!r}")
+    from bench_bitnet import gemv_forms
+    from bench_gemm_variants import parse_shapes
+
+    known = gemv_forms()
+    names = [f for f in args.forms.split(",") if f]
+    if not names or any(f not in known for f in names):
+        p.error(f"--forms takes names of {sorted(known)}, got {args.forms!r}")
+    try:
+        shapes = parse_shapes(args.shapes) if args.shapes else None
+    except ValueError as e:
+        p.error(str(e))
     import torch
 
     if not torch.cuda.is_available():
         print("bench_gemv_scales needs a CUDA GPU", file=sys.stderr)
         return 2
-    from bench_bitnet import copies_for, gemv_bytes, gemv_call, gemv_forms, graph_time_us, measure_roofline
+    from bench_bitnet import copies_for, gemv_bytes, gemv_call, graph_time_us, measure_roofline
 
     from bitdecode import bitnet as bn
-    from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if bn._arch(dev) != "sm_90a":
@@ -47,9 +68,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     roof = measure_roofline(dev, args.replays)["bytes_per_s"]
-    forms = gemv_forms()
+    forms = known
     rows = []
-    for n, k in bn.MODEL_SHAPES:
+    for n, k in shapes or bn.MODEL_SHAPES:
         gen = torch.Generator(device=dev).manual_seed(n + k)
         packed = bn.pack_weight(torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=dev))
         copies = copies_for(packed.numel(), l2)
@@ -58,7 +79,7 @@ def main(argv=None) -> int:
         ws = torch.rand(3, device=dev) + 0.5
         seg = [n // 4, n // 2, n]
         host = bn.gemv_config_for(dev, n, k)
-        mine = {name: forms[name] for name in SCALE_FORMS if v90.bulk_fits(k, forms[name].stage_x)}
+        mine = {name: forms[name] for name in names if runs(forms[name], k)}
         if not host.bulk:  # the register kernel the host picks, with its scales early
             mine["host_es"] = dataclasses.replace(host, early_scales=True)
         ok = True
@@ -83,8 +104,22 @@ def main(argv=None) -> int:
            "gpu": torch.cuda.get_device_name(dev), "method": __doc__, "roofline_bytes_per_s": roof, "rows": rows,
            "seconds": time.perf_counter() - started}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gemv_scales.json").write_text(json.dumps(res, indent=1))
+    (args.out / f"gemv_scales{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(res, indent=1))
     return 0 if all(r["bit_equal"] for r in rows) else 1
+
+
+def runs(cfg, k: int) -> bool:
+    """Whether the form ``cfg`` runs at K columns (a stripe kernel's stripe fits shared
+    memory and takes that many pieces)."""
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    if not cfg.bulk:
+        return True
+    try:
+        v90.bulk_piece_rounds(k, cfg.pieces)
+    except ValueError:
+        return False
+    return v90.bulk_fits(k, cfg.stage_x)
 
 
 if __name__ == "__main__":
