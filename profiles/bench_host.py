@@ -8,8 +8,10 @@ queued first (``torch.cuda._sleep``), so the host never waits for the GPU and wh
 is the host's own work (the step's launches stay far below the launch queue's depth).  The
 host behind a lent GPU changes speed between calls and within one, so the host samples of
 every configuration and form are taken in interleaved rounds (one step of each per round)
-and each row reports their median and quartiles; a torch add's launch is timed before and
-after as the host's yardstick.  Beside it, the GPU time of the same steps run back to back
+and each row reports their median and quartiles.  The host's yardstick is a torch add's
+launch (one a layer) timed the same way in the same rounds (``host_in_torch_adds`` divides by
+it: both in the state of a host that has just waited), and in a loop before and after
+(``host_reference``).  Beside it, the GPU time of the same steps run back to back
 (CUDA events) and the wall time of that back-to-back loop per layer: when the GPU time is
 the larger, an eager step at this context is GPU-bound and the host time is hidden.  Each
 step is timed two ways: ``append`` + ``decode`` (two calls), and ``decode(q, cache,
@@ -128,16 +130,25 @@ def device_times(step, layers: int, steps: int):
     return statistics.median(gpu), statistics.median(loop)
 
 
-def measure_all(configs: list, layers: int, steps: int, repeats: int) -> list:
+def measure_all(configs: list, layers: int, steps: int, repeats: int):
     """One row per configuration: the host time of both forms from ``repeats`` interleaved
-    rounds (median and quartiles), then their GPU and loop times."""
+    rounds (median and quartiles), then their GPU and loop times; and the yardstick's
+    samples from the same rounds (``layers`` torch adds, each one launch)."""
+    x = torch.zeros(1024, device="cuda")
+
+    def adds():
+        for _ in range(layers):
+            x.add_(1.0)
+
     for cfg in configs:
         for step in cfg["steps"].values():
             for _ in range(3):  # compile / plan / fast-path warm-up
                 step()
     torch.cuda.synchronize()
     samples = {(i, form): [] for i in range(len(configs)) for form in FORMS}
+    yardstick = []
     for _ in range(repeats):
+        yardstick.append(host_once(adds, layers))
         for i, cfg in enumerate(configs):
             for form, step in cfg["steps"].items():
                 samples[i, form].append(host_once(step, layers))
@@ -152,7 +163,7 @@ def measure_all(configs: list, layers: int, steps: int, repeats: int) -> list:
                         f"{form}gpu_us_per_layer": gpu, f"{form}loop_us_per_layer": loop,
                         f"{form}meets_target": host <= TARGET_US})
         rows.append(row)
-    return rows
+    return rows, yardstick
 
 
 def main(argv=None) -> int:
@@ -178,9 +189,9 @@ def main(argv=None) -> int:
     tokens = 2 * (3 + args.repeats + 5 * args.steps) + 16  # what the timings append
     configs = [build(name, bits, batch, args.layers, args.context, tokens)
                for name in names for bits in args.bits for batch in args.batches]
-    rows = measure_all(configs, args.layers, args.steps, args.repeats)
+    rows, yardstick = measure_all(configs, args.layers, args.steps, args.repeats)
     reference["after"] = host_reference()
-    add = statistics.mean(r["torch_add_launch_us"] for r in reference.values())
+    q1, add, q3 = statistics.quantiles(yardstick, n=4)
     for row in rows:
         for form in FORMS:
             row[f"{form}host_in_torch_adds"] = row[f"{form}host_us_per_layer"] / add
@@ -190,9 +201,10 @@ def main(argv=None) -> int:
               f"decode(k_new=, v_new=): host {row['fused_host_us_per_layer']:.1f} "
               f"({row['fused_host_quartiles_us'][0]:.1f}-{row['fused_host_quartiles_us'][1]:.1f}), "
               f"GPU {row['fused_gpu_us_per_layer']:.1f}, loop {row['fused_loop_us_per_layer']:.1f}")
-    for when, ref in reference.items():
-        print(f"this host, {when}: " + ", ".join(f"{k} {v:.1f}" for k, v in ref.items()))
+    print(f"this host: a torch add's launch {add:.1f} us after a spin (quartiles {q1:.1f}-{q3:.1f}); in a loop "
+          + ", ".join(f"{when}: " + ", ".join(f"{k} {v:.1f}" for k, v in ref.items()) for when, ref in reference.items()))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_reference": reference,
+              "torch_add_after_spin_us": add, "torch_add_after_spin_quartiles_us": [q1, q3],
               "command": " ".join(["python3 profiles/bench_host.py", *(sys.argv[1:] if argv is None else argv)]),
               "method": __doc__.strip().split("\n\n")[1].replace("\n", " "), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
