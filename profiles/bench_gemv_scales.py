@@ -115,10 +115,11 @@ def runs(cfg, k: int) -> bool:
 
     if not cfg.bulk:
         return True
-    try:
-        v90.bulk_piece_rounds(k, cfg.pieces)
-    except ValueError:
-        return False
+    if getattr(cfg, "pieces", 1) > 1:  # (profiles/probes/gemv_bulk_pieces.patch)
+        try:
+            v90.bulk_piece_rounds(k, cfg.pieces)
+        except ValueError:
+            return False
     return v90.bulk_fits(k, cfg.stage_x)
 
 
