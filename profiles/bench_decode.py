@@ -1,8 +1,7 @@
 """Decode benchmark: bitdecode vs torch SDPA (16-bit) vs the measured bandwidth roofline.
 
 Everything is measured in one run on one GPU: CUDA events around each call, warm-up,
-median of many, the L2 flushed (a 2x-L2 memset) before every timed call and the GPU held
-by a short spin kernel while the host enqueues it (``Timer``).  The roofline
+median of many, the L2 flushed (a 2x-L2 memset) before every timed call.  The roofline
 is the best streaming bandwidth measured in the same run.  Results go to
 ``<out_dir>/decode.json`` (+ ``decode.png``), or with ``--quick`` (three context lengths,
 B = 1 and 16, every backend side by side) to ``decode_backends.json`` (+ ``.png``);
@@ -33,23 +32,12 @@ FORMATS = {"4": bd.KVFormat(bits=4, k_mode="channel", group_size=128),
 LABELS = {"4": "4-bit", "2": "2-bit", "4v2": "K4V2", "nvfp4": "NVFP4"}
 
 
-# GPU cycles (~50 us at Hopper's clocks) a spin kernel holds the GPU between the L2 flush and
-# the start event: the host's time to enqueue the start event and the timed call.  Without
-# it, a host slower to submit the call than the flush runs leaves the GPU idle inside the
-# timed span (H100 host, forty-seventh session: a B=1 N=4K decode's graph replay 12.3 us in
-# one section of a run and 29.5 in another; profiles/timer_slack.py measures both timers).
-SLACK_CYCLES = 100_000
-
-
 class Timer:
-    """Median time of ``fn`` with the L2 flushed before each call (CUDA events); between
-    the flush and the start event a spin kernel of ``slack_cycles`` keeps the GPU busy while
-    the host enqueues the call, so what is timed is the GPU's time, not the host's."""
+    """Median time of ``fn`` with the L2 flushed before each call (CUDA events)."""
 
-    def __init__(self, device, slack_cycles: int = SLACK_CYCLES):
+    def __init__(self, device):
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         self.flush_buf = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device=device)
-        self.slack_cycles = slack_cycles
 
     def __call__(self, fn: Callable, iters: int = 30, warmup: int = 5, flush: bool = True) -> float:
         for _ in range(warmup):
@@ -58,8 +46,6 @@ class Timer:
         for _ in range(iters):
             if flush:
                 self.flush_buf.zero_()
-            if self.slack_cycles:
-                torch.cuda._sleep(self.slack_cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
