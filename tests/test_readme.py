@@ -50,3 +50,33 @@ def test_readme_bitnet_example_runs():
     assert y.shape == (1, 3840) and x.shape == (1, 2560) and torch.isfinite(y.float()).all()
     # the layer and the functional path compute the same W2A8 product
     assert torch.allclose(scope["layer"](x).float(), y.float(), rtol=2e-2, atol=2e-2)
+
+
+def readme_commands() -> list:
+    """The ``bitdecode ...`` command lines of README's bash blocks (continuations joined,
+    comments dropped), as argument lists."""
+    import shlex
+
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", README.read_text(), re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["bitdecode"]:
+                out.append(words[1:])
+    return out
+
+
+def test_readme_commands_parse():
+    """Every ``bitdecode`` command README shows parses with the CLI as it is: each flag
+    exists and each value is one its option takes (nothing is run)."""
+    from bitdecode import cli
+
+    commands = readme_commands()
+    assert len(commands) >= 10 and {c[0] for c in commands} >= {"demo", "info", "generate", "eval"}
+    for argv in commands:
+        parser = cli.build_parser(argv[:1] if argv and argv[0] in cli.COMMANDS else ())
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:
+            raise AssertionError(f"README: `bitdecode {' '.join(argv)}` does not parse") from e
+        assert args.command == argv[0], argv
