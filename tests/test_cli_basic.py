@@ -431,6 +431,24 @@ def test_bench_gemv_sweep_arguments(capsys, monkeypatch):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_gemv_scales_arguments(capsys, monkeypatch):
+    """profiles/bench_gemv_scales.py: forms of ``bench_bitnet.gemv_forms``, NxK shapes, a tag
+    that is an identifier, refused by name before any GPU work; on a machine without a GPU
+    it says so instead of timing anything."""
+    import torch
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "profiles"))
+    scales = _profile_script("bench_gemv_scales")
+    _refused(scales.main, ["--out", "x", "--forms", "bulk,nope"], "--forms takes names of", capsys)
+    _refused(scales.main, ["--out", "x", "--forms", ","], "--forms takes names of", capsys)
+    _refused(scales.main, ["--out", "x", "--shapes", "100x128"], "N % 16 == 0", capsys)
+    _refused(scales.main, ["--out", "x", "--tag", "a-b"], "Python identifier", capsys)
+    if not torch.cuda.is_available():
+        assert scales.main(["--out", "x", "--forms", "bulk,bulk_x", "--shapes", "3200x10240"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_bench_splits_arguments(capsys):
     """profiles/bench_splits.py: a known format, model dtype and backends, else it refuses; on a
     machine without a GPU it says so instead of timing anything."""
