@@ -193,10 +193,10 @@ BULK_MIN_STRIPES_PER_SM = 4
 
 # ... except for long stripes: from this many bytes a stripe (``fmt.stripe_bytes``: K = 8192)
 # one bulk copy of x-staged light CTAs beats the register kernel's loads at fewer stripes an
-# SM too.  3200 x
-# 10240 (1.5 stripes an SM), us, BULK_X / the register kernel the host picked: H200 3.81 /
-# 4.23 (bitnet.json) and 3.84 / 4.19 (gemv_sweep_math.json), forty-sixth session; H100 3.78 -
-# 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912 3.22 / 2.70.
+# SM too.  3200 x 10240 (1.5 stripes an SM), us, BULK_X / the register kernel the host picked:
+# H200 3.81 / 4.23 (bitnet.json) and 3.84 / 4.19 (gemv_sweep_math.json), forty-sixth session;
+# H100 3.78 - 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912
+# 3.22 / 2.70.
 BULK_X_MIN_STRIPE_BYTES = 32 * 1024
 
 
@@ -213,8 +213,7 @@ BULK_FREE_SLOTS = 0.25
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
     stripes an SM (fewer: ``BULK_X`` from ``BULK_X_MIN_STRIPE_BYTES`` where it holds them in
-    one wave),
-    or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
+    one wave), or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
     rolled: 38 - 41 registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of
     its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
     stripes, 396 / 528 slots; us, BULK 7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else

@@ -68,7 +68,6 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     roof = measure_roofline(dev, args.replays)["bytes_per_s"]
-    forms = known
     rows = []
     for n, k in shapes or bn.MODEL_SHAPES:
         gen = torch.Generator(device=dev).manual_seed(n + k)
@@ -79,7 +78,7 @@ def main(argv=None) -> int:
         ws = torch.rand(3, device=dev) + 0.5
         seg = [n // 4, n // 2, n]
         host = bn.gemv_config_for(dev, n, k)
-        mine = {name: forms[name] for name in names if runs(forms[name], k)}
+        mine = {name: known[name] for name in names if runs(known[name], k)}
         if not host.bulk:  # the register kernel the host picks, with its scales early
             mine["host_es"] = dataclasses.replace(host, early_scales=True)
         ok = True
@@ -110,17 +109,10 @@ def main(argv=None) -> int:
 
 def runs(cfg, k: int) -> bool:
     """Whether the form ``cfg`` runs at K columns (a stripe kernel's stripe fits shared
-    memory and takes that many pieces)."""
+    memory)."""
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
-    if not cfg.bulk:
-        return True
-    if getattr(cfg, "pieces", 1) > 1:  # (profiles/probes/gemv_bulk_pieces.patch)
-        try:
-            v90.bulk_piece_rounds(k, cfg.pieces)
-        except ValueError:
-            return False
-    return v90.bulk_fits(k, cfg.stage_x)
+    return not cfg.bulk or v90.bulk_fits(k, cfg.stage_x)
 
 
 if __name__ == "__main__":

@@ -42,14 +42,31 @@ TARGET_US = 15.0
 SPIN_CYCLES = 10_000_000
 
 
+def torch_adds(n: int):
+    """A function launching ``n`` small in-place torch adds (one launch each): the host's
+    yardstick, timed beside the step's host time."""
+    x = torch.zeros(1024, device="cuda")
+
+    def adds():
+        for _ in range(n):
+            x.add_(1.0)
+
+    return adds
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the timed caches every host script shares: layers and context."""
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--context", type=int, default=1024, help="tokens per sequence in each layer's cache")
+
+
 def host_reference(calls: int = 200) -> dict:
     """Host time per call of two torch operations on this host (no sync in the timed loop,
     median of 7): an allocation and a small in-place add (one launch).  The host behind a
     lent GPU changes between sessions (an allocation took 2.4 us on one, 8.7 on another),
     so the per-layer numbers compare across runs only relative to these."""
-    x = torch.zeros(1024, device="cuda")
     ops = {"torch_empty_us": lambda: torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda"),
-           "torch_add_launch_us": lambda: x.add_(1.0)}
+           "torch_add_launch_us": torch_adds(1)}
     out = {}
     for name, op in ops.items():
         times = []
@@ -134,12 +151,7 @@ def measure_all(configs: list, layers: int, steps: int, repeats: int):
     """One row per configuration: the host time of both forms from ``repeats`` interleaved
     rounds (median and quartiles), then their GPU and loop times; and the yardstick's
     samples from the same rounds (``layers`` torch adds, each one launch)."""
-    x = torch.zeros(1024, device="cuda")
-
-    def adds():
-        for _ in range(layers):
-            x.add_(1.0)
-
+    adds = torch_adds(layers)
     for cfg in configs:
         for step in cfg["steps"].values():
             for _ in range(3):  # compile / plan / fast-path warm-up
@@ -169,10 +181,9 @@ def measure_all(configs: list, layers: int, steps: int, repeats: int):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("profiles/h200"), help="output folder (host_overhead.json)")
-    p.add_argument("--layers", type=int, default=32)
+    add_cache_arguments(p)
     p.add_argument("--steps", type=int, default=8, help="back-to-back steps of the GPU / loop timing")
     p.add_argument("--repeats", type=int, default=21, help="host-timed steps (median)")
-    p.add_argument("--context", type=int, default=1024, help="tokens per sequence in each layer's cache")
     p.add_argument("--backends", type=csv_list(str, backends.shipped()), default=None,
                    help="comma-separated kernel backends (default: every one this GPU runs)")
     p.add_argument("--bits", type=csv_list(int, (4, 2)), default=[4, 2], help="comma-separated, of 4 and 2")

@@ -31,7 +31,7 @@ from bitdecode import backend as backends
 from bitdecode.cli import csv_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_host import HKV, HQ, D, host_once, make_caches  # noqa: E402
+from bench_host import HKV, HQ, D, add_cache_arguments, host_once, make_caches, torch_adds  # noqa: E402
 
 ROOM = 8192  # tokens each cache can still take: what the appending pieces add, with margin
 APPENDING = ("append", "decode_kv")
@@ -45,7 +45,6 @@ def pieces(caches):
 
     q = torch.randn(1, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, 1, HKV, D, device="cuda", dtype=torch.bfloat16)
-    x = torch.zeros(1024, device="cuda")
     for c in caches:
         bd.decode(q, c)  # builds each cache's decode plan
     plans = [next(p for key, p in c._plans.items() if "append" not in key) for c in caches]
@@ -66,7 +65,7 @@ def pieces(caches):
 
     ffi_q, ffi_outs = tvm_ffi.from_dlpack(q), [tvm_ffi.from_dlpack(o) for o in outs]
     return plans[0].splits, {
-        "torch_add": lambda: [x.add_(1.0) for _ in caches],
+        "torch_add": torch_adds(len(caches)),
         "torch_empty": lambda: [torch.empty(1, 1, HQ, D, dtype=torch.bfloat16, device="cuda") for _ in caches],
         "raw_kernels_torch_args": raw(q, outs),
         "raw_kernels_ffi_args": raw(ffi_q, ffi_outs),
@@ -104,8 +103,7 @@ def measure(fns: dict, layers: int, repeats: int, loops: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="output folder (host_parts.json)")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--context", type=int, default=1024, help="tokens per sequence in each layer's cache")
+    add_cache_arguments(p)
     p.add_argument("--repeats", type=int, default=41, help="single runs after a spin (median)")
     p.add_argument("--loops", type=int, default=9, help="runs of eight back to back (median)")
     p.add_argument("--backends", type=csv_list(str, backends.shipped()), default=None,
