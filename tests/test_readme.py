@@ -13,12 +13,13 @@ import torch
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def python_blocks() -> list:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S)
+def code_blocks(language: str) -> list:
+    """The bodies of README's fenced blocks of ``language``."""
+    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), re.M | re.S)
 
 
 def block_with(text: str) -> str:
-    found = [b for b in python_blocks() if text in b]
+    found = [b for b in code_blocks("python") if text in b]
     assert len(found) == 1, f"README: {len(found)} python blocks contain {text!r}"
     return found[0]
 
@@ -58,7 +59,7 @@ def readme_commands() -> list:
     import shlex
 
     out = []
-    for block in re.findall(r"^```bash\n(.*?)^```", README.read_text(), re.M | re.S):
+    for block in code_blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words[:1] == ["bitdecode"]:
@@ -73,8 +74,8 @@ def test_readme_commands_parse():
 
     commands = readme_commands()
     assert len(commands) >= 10 and {c[0] for c in commands} >= {"demo", "info", "generate", "eval"}
+    parser = cli.build_parser()  # every command with its options
     for argv in commands:
-        parser = cli.build_parser(argv[:1] if argv and argv[0] in cli.COMMANDS else ())
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:
