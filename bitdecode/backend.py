@@ -108,9 +108,36 @@ class Variant(NamedTuple):
 DecodeFn = Callable[..., object]  # (q, scale_log2, return_lse[, new]) -> out | (out, lse)
 
 
+class BitnetKernels(Protocol):
+    """The BitNet W2A8 GEMV / GEMM of a backend (``bitdecode.bitnet`` launches them)."""
+
+    gemm_kernels: Tuple[str, ...]  # what ``bitnet.gemm(kernel=...)`` may name besides "auto"
+    stripe_gemv: bool  # whether it runs the bulk-copy stripe GEMV (``GemvConfig.bulk``)
+
+    def gemv_config(self, n: int, k: int, sms: int): ...
+
+    def gemv_configs(self) -> list: ...
+
+    def gemv_key(self, cfg, k: int) -> tuple:
+        """What one GEMV compilation serves (refuses a configuration it cannot build)."""
+
+    def compile_gemv(self, cfg, k: int, options: str): ...
+
+    def gemv_launch_size(self, cfg, n: int, k: int, sms: int) -> int: ...
+
+    def default_gemm_kernel(self, m: int, n: Optional[int] = None, k: Optional[int] = None) -> str: ...
+
+    def gemm_plan(self, kernel: str, m: int, n: int, k: int, sms: int, raw: bool, pdl: bool) -> tuple:
+        """(configuration, launch arguments after the segment ends, split-K workspace
+        ``(values, tiles)`` or None)."""
+
+    def compile_gemm(self, kernel: str, cfg, options: str): ...
+
+
 class Backend(Protocol):
     name: str
     limits: Limits
+    bitnet: BitnetKernels
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 

@@ -25,8 +25,9 @@ Segments are the row counts of the fused projections (q, k, v or w1, w3), so eac
 scale is applied at the true row boundaries (BitNet's own kernel splits N in equal
 parts instead).  ``None`` means one segment.
 
-On CUDA tensors gemv / gemm run the CuTe DSL kernels (``kernels_sm80`` on sm_80+;
-``kernels_sm90`` on Hopper), elsewhere the torch reference; ``backend="reference"``
+On CUDA tensors gemv / gemm run the CuTe DSL kernels of the GPU's backend
+(``kernels_for``: ``kernels_sm80`` on sm_80+, ``kernels_sm90`` on Hopper), elsewhere
+the torch reference; ``backend="reference"``
 forces the reference.  The kernel calls are torch.library ops, so torch.compile
 traces around them, and they allocate nothing but their output, so CUDA graphs can
 capture them.
@@ -555,12 +556,12 @@ def _compile(key, build):
         return jit.KERNELS.get(key, build)
 
 
-def _gemv_module(arch: str):
-    if arch == "sm_90a":
-        from .kernels_sm90 import bitnet_gemv as mod
-    else:
-        from .kernels_sm80 import bitnet_gemv as mod
-    return mod
+def kernels_for(device: torch.device):
+    """The BitNet kernels of ``device``'s backend (``backend.Backend.bitnet``: its GEMV
+    configurations and GEMMs; the arch decides, as for ``bitdecode compile --arch``)."""
+    from . import backend
+
+    return backend.get(backend.for_arch(_arch(torch.device(device)))).bitnet
 
 
 # Programmatic dependent launch on Hopper (the kernels read the weights before the
@@ -590,14 +591,13 @@ def _with_pdl(cfg, arch: str):
 def gemv_config_for(device: torch.device, n: int, k: int):
     """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights."""
     device = torch.device(device)
-    arch = _arch(device)
-    return _with_pdl(_gemv_module(arch).config_for(n, k, num_sms(device)), arch)
+    return _with_pdl(kernels_for(device).gemv_config(n, k, num_sms(device)), _arch(device))
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None, k: Optional[int] = None) -> str:
     """The GEMM kernel ``gemm(kernel="auto")`` runs for M tokens (and N weight rows, K
     inputs, if given; the choice may depend on them) on ``device``."""
-    return _default_gemm_kernel(_arch(torch.device(device)), m, n, k)
+    return kernels_for(device).default_gemm_kernel(m, n, k)
 
 
 def _out(m: int, n: int, raw: bool, device) -> torch.Tensor:
@@ -613,14 +613,7 @@ def gemv_configs(device: torch.device) -> list:
     """Every GEMV configuration ``device`` can run (benchmarks and tests time / check them
     side by side): unroll 4 and 8 plain, and on Hopper the PDL candidates the host picks from
     and the stripe kernels (``kernels_sm90.bitnet_gemv.BULK``, ``BULK_X``, picked by ``stripe_config``)."""
-    from .kernels_sm80 import bitnet_gemv as v80
-
-    configs = [v80.GemvConfig(unroll=u) for u in (4, 8)]
-    if _arch(torch.device(device)) == "sm_90a":
-        from .kernels_sm90 import bitnet_gemv as v90
-
-        configs += list(v90.CANDIDATES) + [v90.BULK, v90.BULK_X]
-    return configs
+    return kernels_for(device).gemv_configs()
 
 
 def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
@@ -628,22 +621,11 @@ def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
     key = ("gemv", device.index, raw, n, k, pdl_enabled() if cfg is None else cfg)
     hit = _LAUNCHERS.get(key)
     if hit is None:
-        from . import jit
-        from .kernels_sm80 import bitnet_gemv as mod  # every register-kernel configuration
-
-        arch = _arch(device)
+        arch, kernels = _arch(device), kernels_for(device)
         cfg = dataclasses.replace(cfg or gemv_config_for(device, n, k), raw=raw)
-        if cfg.bulk:  # the stripe kernel, compiled per K
-            from .kernels_sm90 import bitnet_gemv as v90
-
-            if arch != "sm_90a" or not v90.bulk_fits(k, cfg.stage_x):
-                raise ValueError(f"the bulk-copy GEMV runs on sm_90a with a stripe that fits in shared memory, "
-                                 f"got {arch} and K={k}")
-            fn = _compile(("bitnet_gemv_bulk", arch, cfg, k), lambda: v90.compile_bulk(cfg, k, jit.compile_options(arch)))
-            hit = _LAUNCHERS[key] = (fn, v90.bulk_warps(k))
-        else:
-            fn = _compile(("bitnet_gemv", arch, cfg), lambda: mod.compile_gemv(cfg, jit.compile_options(arch)))
-            hit = _LAUNCHERS[key] = (fn, mod.launch_size(cfg, n, k, num_sms(device)))
+        fn = _compile(("bitnet_gemv", arch, *kernels.gemv_key(cfg, k)),
+                      lambda: kernels.compile_gemv(cfg, k, jit.compile_options(arch)))
+        hit = _LAUNCHERS[key] = (fn, kernels.gemv_launch_size(cfg, n, k, num_sms(device)))
     return hit
 
 
@@ -664,37 +646,12 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
     key = ("gemm", device.index, m, n, k, kernel, raw, pdl_enabled())
     hit = _LAUNCHERS.get(key)
     if hit is None:
-        from . import jit
-
-        arch = _arch(device)
+        arch, kernels = _arch(device), kernels_for(device)
         if kernel == "auto":
-            kernel = _default_gemm_kernel(arch, m, n, k)
-        if kernel == "wgmma":
-            from .kernels_sm90 import bitnet_gemm as mod
-        else:
-            from .kernels_sm80 import bitnet_gemm as mod
-        sms = num_sms(device)
-        cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
-        if kernel == "mma":
-            cfg = _with_pdl(cfg, arch)
-            # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
-            extra, split_work = (mod.split_for(cfg, m, n, k, sms),), None
-        else:
-            # the wgmma kernel splits the tiles of a partial last wave along K (its workspace:
-            # the tail tiles' int32 partial sums and arrival counts; none without a tail)
-            # (or, where its tiles leave half the CTA slots idle, along K over a cluster's CTAs)
-            # (or, with more tiles than CTA slots, a persistent grid: ``persistent_plan``)
-            persistent = mod.persistent_plan(cfg, m, n, k, sms)
-            cluster_k = 1 if persistent else mod.cluster_plan(cfg, m, n, k, sms)
-            if cluster_k > 1 or persistent:
-                full, splits, tails = mod.tile_count(cfg, m, n), 1, 0
-            else:
-                full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
-            # (only what the plan needs; PDL where it pays: ``pdl_plan``)
-            cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k, persistent=persistent,
-                                      pdl=mod.pdl_plan(m) and _pdl(arch))
-            extra, split_work = (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
-        fn = _compile(("bitnet_gemm", kernel, arch, cfg), lambda: mod.compile_gemm(cfg, jit.compile_options(arch)))
+            kernel = kernels.default_gemm_kernel(m, n, k)
+        cfg, extra, split_work = kernels.gemm_plan(kernel, m, n, k, num_sms(device), raw, _pdl(arch))
+        fn = _compile(("bitnet_gemm", kernel, arch, cfg),
+                      lambda: kernels.compile_gemm(kernel, cfg, jit.compile_options(arch)))
         hit = _LAUNCHERS[key] = (fn, extra, split_work)
     return hit
 
@@ -736,33 +693,6 @@ def _gemm_launch(x, w, x_scale, w_scales, ends: List[int], kernel: str, raw: boo
 
 
 GEMM_KERNELS = ("auto", "mma", "wgmma")
-
-
-# Hopper: the wgmma kernel (pipelined s8 x s8 wgmma, the token tile staged once per CTA,
-# K split over a cluster where its tiles leave the GPU half idle) beats the mma.sync kernel
-# above 48 tokens on every BitNet shape, above 32 on all but the smallest matrix, and from
-# 17 on the widest (more weight rows than the mma.sync kernel's CTA columns re-reading the
-# activations can stream); up to 16 tokens mma.sync always wins (H200, profiles/NOTES.md,
-# nineteenth session: 2560 x 2560 at 48 tokens 5.6 vs 6.1 us, at 64 6.6 vs 6.2; 3200 x
-# 10240 at 32 12.7 vs 13.9, at 48 16.6 vs 11.6; 13824 x 2560 at 24 17.0 vs 11.0).
-WGMMA_SMALL_M = 16  # up to this many tokens: mma.sync
-WGMMA_ALL_M = 48  # above: wgmma
-WGMMA_MOST_M = 32  # above: wgmma unless the matrix is at most WGMMA_SMALL_MATRIX
-WGMMA_SMALL_MATRIX = 2560 * 2560
-WGMMA_MIN_N = 13824  # from WGMMA_SMALL_M + 1 tokens: wgmma from this many weight rows
-
-
-def _default_gemm_kernel(arch: str, m: int, n: Optional[int] = None, k: Optional[int] = None) -> str:
-    """mma.sync (split-K, streaming the weights) on every GPU, except on Hopper above
-    ``WGMMA_ALL_M`` tokens, above ``WGMMA_MOST_M`` but for the smallest matrices, and above
-    ``WGMMA_SMALL_M`` for at least ``WGMMA_MIN_N`` weight rows (measured on the H200)."""
-    if arch != "sm_90a" or m <= WGMMA_SMALL_M:
-        return "mma"
-    if m > WGMMA_ALL_M:
-        return "wgmma"
-    if m > WGMMA_MOST_M:
-        return "mma" if n is not None and k is not None and n * k <= WGMMA_SMALL_MATRIX else "wgmma"
-    return "wgmma" if n is not None and n >= WGMMA_MIN_N else "mma"
 
 
 @torch.library.custom_op("bitdecode::bitnet_gemv", mutates_args=())
@@ -857,8 +787,8 @@ def gemm(
         raise ValueError(f"kernel must be one of {GEMM_KERNELS}, got {kernel!r}")
     if not _use_kernel(backend, x.device, "gemm"):
         return reference_gemm(x, w_packed, x_scale, w_scales, segs, out_dtype)
-    if kernel == "wgmma" and _arch(x.device) != "sm_90a":
-        raise ValueError(f"kernel='wgmma' needs a Hopper GPU (sm_90a), this one is {_arch(x.device)}")
+    if kernel != "auto" and kernel not in kernels_for(x.device).gemm_kernels:
+        raise ValueError(f"kernel={kernel!r} needs a Hopper GPU (sm_90a), this one is {_arch(x.device)}")
     ends = list(_segment_ends(segs, n))
     raw = out_dtype == torch.int32
     if torch.compiler.is_compiling():

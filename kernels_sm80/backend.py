@@ -9,9 +9,10 @@ they can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -451,6 +452,69 @@ def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
          cache.overflow, cache.commits, cache.capacity)
 
 
+class BitnetKernels:
+    """The host glue of the BitNet W2A8 kernels, which ``bitdecode.bitnet`` asks the device's
+    backend for: the register-streaming GEMV (``bitnet_gemv``) and the mma.sync GEMM
+    (``bitnet_gemm``); both run on every GPU from sm_80 up."""
+
+    gemm_kernels = ("mma",)  # what ``gemm(kernel=...)`` may name besides "auto"
+    stripe_gemv = False  # the bulk-copy stripe GEMV (``GemvConfig.bulk``): sm_90a only
+
+    def gemv_config(self, n: int, k: int, sms: int):
+        """The GEMV configuration for N x K weights (the caller decides on PDL)."""
+        from . import bitnet_gemv
+
+        return bitnet_gemv.config_for(n, k, sms)
+
+    def gemv_configs(self) -> list:
+        """Every GEMV configuration it runs (benchmarks and tests check them side by side)."""
+        from . import bitnet_gemv
+
+        return [bitnet_gemv.GemvConfig(unroll=u) for u in (4, 8)]
+
+    def gemv_key(self, cfg, k: int) -> tuple:
+        """What one GEMV compilation serves: the register kernels every K."""
+        if cfg.bulk:
+            raise ValueError("the bulk-copy GEMV (GemvConfig.bulk) runs on sm_90a only (the sm90 backend)")
+        return (cfg,)
+
+    def compile_gemv(self, cfg, k: int, options: str):
+        from . import bitnet_gemv
+
+        self.gemv_key(cfg, k)  # (refuses what it cannot build)
+        return bitnet_gemv.compile_gemv(cfg, options)
+
+    def gemv_launch_size(self, cfg, n: int, k: int, sms: int) -> int:
+        from . import bitnet_gemv
+
+        return bitnet_gemv.launch_size(cfg, n, k, sms)
+
+    def default_gemm_kernel(self, m: int, n: Optional[int] = None, k: Optional[int] = None) -> str:
+        """The GEMM ``kernel="auto"`` runs for M tokens (N weight rows, K inputs if known)."""
+        return "mma"
+
+    def gemm_plan(self, kernel: str, m: int, n: int, k: int, sms: int, raw: bool, pdl: bool):
+        """(configuration, launch arguments after the segment ends, split-K workspace
+        ``(values, tiles)`` or None) of GEMM ``kernel`` for this shape; ``pdl``: whether
+        programmatic dependent launch is allowed."""
+        from . import bitnet_gemm
+
+        self._check_gemm_kernel(kernel)
+        cfg = dataclasses.replace(bitnet_gemm.config_for(m, n, sms), raw=raw, pdl=pdl)
+        # the mma.sync kernel takes its split-K warp count at launch (one compilation per tile)
+        return cfg, (bitnet_gemm.split_for(cfg, m, n, k, sms),), None
+
+    def compile_gemm(self, kernel: str, cfg, options: str):
+        from . import bitnet_gemm
+
+        self._check_gemm_kernel(kernel)
+        return bitnet_gemm.compile_gemm(cfg, options)
+
+    def _check_gemm_kernel(self, kernel: str) -> None:
+        if kernel not in self.gemm_kernels:
+            raise ValueError(f"kernel={kernel!r} is not one of this backend's GEMMs {self.gemm_kernels}")
+
+
 class Sm80Backend:
     """cp.async + ldmatrix + mma.sync kernels; they run on every GPU from sm_80 up."""
 
@@ -459,6 +523,7 @@ class Sm80Backend:
     whole_waves = False  # split rounding (choose_splits)
     # whether ``auto`` may choose this backend: only kernels that have run on their GPU
     hardware_validated = True
+    bitnet = BitnetKernels()  # the BitNet GEMV / GEMM (``bitdecode.bitnet``)
 
     def fp4_operands(self, fmt: KVFormat, head_dim: int) -> bool:
         return False  # Q and P stay 16-bit (the FP4 caches are dequantized in registers)

@@ -7,6 +7,7 @@ kernels, and split-KV partials are merged by the sm80 combine kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import List, Optional, Tuple
 
@@ -265,6 +266,105 @@ def short_tiles(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> int:
     return SHORT_TILES[fmt.bits]
 
 
+# Hopper's GEMM choice: the wgmma kernel (pipelined s8 x s8 wgmma, the token tile staged
+# once per CTA, K split over a cluster where its tiles leave the GPU half idle) beats the
+# mma.sync kernel above 48 tokens on every BitNet shape, above 32 on all but the smallest
+# matrix, and from 17 on the widest (more weight rows than the mma.sync kernel's CTA
+# columns re-reading the activations can stream); up to 16 tokens mma.sync always wins
+# (H200, profiles/NOTES.md, nineteenth session: 2560 x 2560 at 48 tokens 5.6 vs 6.1 us, at
+# 64 6.6 vs 6.2; 3200 x 10240 at 32 12.7 vs 13.9, at 48 16.6 vs 11.6; 13824 x 2560 at 24
+# 17.0 vs 11.0).
+WGMMA_SMALL_M = 16  # up to this many tokens: mma.sync
+WGMMA_ALL_M = 48  # above: wgmma
+WGMMA_MOST_M = 32  # above: wgmma unless the matrix is at most WGMMA_SMALL_MATRIX
+WGMMA_SMALL_MATRIX = 2560 * 2560
+WGMMA_MIN_N = 13824  # from WGMMA_SMALL_M + 1 tokens: wgmma from this many weight rows
+
+
+class BitnetKernels(sm80_backend.BitnetKernels):
+    """sm80's BitNet kernels, plus Hopper's: the stripe GEMV (a CTA's weights through one
+    bulk copy, ``bitnet_gemv.BULK`` / ``BULK_X``), the register GEMV's PDL configurations
+    the host picks from, and the wgmma GEMM (``bitnet_gemm``)."""
+
+    gemm_kernels = ("mma", "wgmma")
+    stripe_gemv = True
+
+    def gemv_config(self, n: int, k: int, sms: int):
+        from . import bitnet_gemv
+
+        return bitnet_gemv.config_for(n, k, sms)
+
+    def gemv_configs(self) -> list:
+        from . import bitnet_gemv
+
+        return super().gemv_configs() + list(bitnet_gemv.CANDIDATES) + [bitnet_gemv.BULK, bitnet_gemv.BULK_X]
+
+    def gemv_key(self, cfg, k: int) -> tuple:
+        """The stripe kernel is compiled per K (its stripe is sized to fit shared memory)."""
+        if not cfg.bulk:
+            return super().gemv_key(cfg, k)
+        from . import bitnet_gemv
+
+        if not bitnet_gemv.bulk_fits(k, cfg.stage_x):
+            raise ValueError(f"the bulk-copy GEMV's stripe of K={k} does not fit in shared memory")
+        return ("bulk", cfg, k)
+
+    def compile_gemv(self, cfg, k: int, options: str):
+        if not cfg.bulk:
+            return super().compile_gemv(cfg, k, options)
+        from . import bitnet_gemv
+
+        self.gemv_key(cfg, k)
+        return bitnet_gemv.compile_bulk(cfg, k, options)
+
+    def gemv_launch_size(self, cfg, n: int, k: int, sms: int) -> int:
+        if not cfg.bulk:
+            return super().gemv_launch_size(cfg, n, k, sms)
+        from . import bitnet_gemv
+
+        return bitnet_gemv.bulk_warps(k)
+
+    def default_gemm_kernel(self, m: int, n: Optional[int] = None, k: Optional[int] = None) -> str:
+        """mma.sync (split-K, streaming the weights) up to ``WGMMA_SMALL_M`` tokens; wgmma
+        above ``WGMMA_ALL_M``, above ``WGMMA_MOST_M`` but for the smallest matrices, and above
+        ``WGMMA_SMALL_M`` for at least ``WGMMA_MIN_N`` weight rows (measured on the H200)."""
+        if m <= WGMMA_SMALL_M:
+            return "mma"
+        if m > WGMMA_ALL_M:
+            return "wgmma"
+        if m > WGMMA_MOST_M:
+            return "mma" if n is not None and k is not None and n * k <= WGMMA_SMALL_MATRIX else "wgmma"
+        return "wgmma" if n is not None and n >= WGMMA_MIN_N else "mma"
+
+    def gemm_plan(self, kernel: str, m: int, n: int, k: int, sms: int, raw: bool, pdl: bool):
+        if kernel != "wgmma":
+            return super().gemm_plan(kernel, m, n, k, sms, raw, pdl)
+        from . import bitnet_gemm as mod
+
+        cfg = dataclasses.replace(mod.config_for(m, n, sms), raw=raw)
+        # the tiles of a partial last wave split along K (its workspace: the tail tiles'
+        # int32 partial sums and arrival counts; none without a tail); or, where its tiles
+        # leave half the CTA slots idle, K split over a cluster's CTAs; or, with more tiles
+        # than CTA slots, a persistent grid (``persistent_plan``)
+        persistent = mod.persistent_plan(cfg, m, n, k, sms)
+        cluster_k = 1 if persistent else mod.cluster_plan(cfg, m, n, k, sms)
+        if cluster_k > 1 or persistent:
+            full, splits, tails = mod.tile_count(cfg, m, n), 1, 0
+        else:
+            full, splits, tails = mod.split_plan(cfg, m, n, k, sms)
+        # (only what the plan needs; PDL where it pays: ``pdl_plan``)
+        cfg = dataclasses.replace(cfg, split_k=tails > 0, cluster_k=cluster_k, persistent=persistent,
+                                  pdl=mod.pdl_plan(m) and pdl)
+        return cfg, (full, splits), (tails * splits * cfg.block_m * cfg.block_n, tails)
+
+    def compile_gemm(self, kernel: str, cfg, options: str):
+        if kernel != "wgmma":
+            return super().compile_gemm(kernel, cfg, options)
+        from . import bitnet_gemm
+
+        return bitnet_gemm.compile_gemm(cfg, options)
+
+
 class Sm90Backend(sm80_backend.Sm80Backend):
     """Hopper only (sm_90a code); the decode plan, writes and limits of sm80 otherwise."""
 
@@ -273,6 +373,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     tails = True  # weighted tails (``tail_weight``; False: even splits, for A/B timing)
 
     decode_tiles = (HALF_TILE,) + sm80.HEADS_TILES
+    bitnet = BitnetKernels()
 
     def supports(self, capability: Tuple[int, int]) -> bool:
         return capability[0] == 9

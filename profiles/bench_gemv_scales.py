@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from bitdecode import bitnet as bn
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    if bn._arch(dev) != "sm_90a":
+    if not bn.kernels_for(dev).stripe_gemv:
         print("bench_gemv_scales: the stripe kernels run on sm_90a", file=sys.stderr)
         return 2
     started = time.perf_counter()

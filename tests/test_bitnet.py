@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 
+from bitdecode import backend as backends
 from bitdecode import bitnet as bn
 from bitdecode import jit
 from bitdecode.layouts import bitnet as L
@@ -565,13 +566,48 @@ def test_kernel_configs():
     assert g90.config_for(256, 13824, 132) == g90.MEDIUM  # 5 x 96 rows against 4 x 128: too little gain
     assert g90.config_for(4096, 2560, 132) == g90.LARGE  # 4 x 192 = 3 x 256
     # the H200 sweep's picks: mma.sync up to 16 tokens, wgmma above 48, between by N and K
-    pick = bn._default_gemm_kernel
-    assert [pick("sm_90a", m, 2560, 2560) for m in (1, 16, 17, 48, 49, 64, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 4
-    assert [pick("sm_90a", m, 20480) for m in (16, 17, 64)] == ["mma", "wgmma", "wgmma"]
-    assert [pick("sm_90a", m, n, k) for m, n, k in ((40, 2560, 2560), (40, 3200, 3200), (24, 3200, 10240),
-                                                    (24, 13824, 2560), (64, 2560, 2560))] == [
+    pick = backends.get("sm90").bitnet.default_gemm_kernel
+    assert [pick(m, 2560, 2560) for m in (1, 16, 17, 48, 49, 64, 256, 4096)] == ["mma"] * 4 + ["wgmma"] * 4
+    assert [pick(m, 20480) for m in (16, 17, 64)] == ["mma", "wgmma", "wgmma"]
+    assert [pick(m, n, k) for m, n, k in ((40, 2560, 2560), (40, 3200, 3200), (24, 3200, 10240),
+                                          (24, 13824, 2560), (64, 2560, 2560))] == [
         "mma", "wgmma", "mma", "wgmma", "wgmma"]
-    assert {pick(arch, 4096, 20480) for arch in ("sm_80", "sm_100a")} == {"mma"}
+    assert {backends.get(backends.for_arch(arch)).bitnet.default_gemm_kernel(4096, 20480)
+            for arch in ("sm_80", "sm_100a")} == {"mma"}
+
+
+def test_bitnet_kernels_come_from_the_backends():
+    """``bitnet`` chooses its GEMV / GEMM through the arch's backend (``Backend.bitnet``), as
+    decode does: sm80's kernels on sm_80 and (shared) on sm_100a, Hopper's stripe GEMV and
+    wgmma GEMM only in the sm90 backend; each refuses what it cannot build, by name."""
+    from bitdecode.kernels_sm80 import bitnet_gemv as v80
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    k80, k90, k100 = (backends.get(backends.for_arch(a)).bitnet for a in ("sm_80", "sm_90a", "sm_100a"))
+    assert k100 is k80 and k90 is not k80
+    assert (k80.gemm_kernels, k80.stripe_gemv) == (("mma",), False)
+    assert (k90.gemm_kernels, k90.stripe_gemv) == (("mma", "wgmma"), True)
+    assert k80.gemv_configs() == [v80.GemvConfig(unroll=4), v80.GemvConfig(unroll=8)]
+    assert k90.gemv_configs()[:2] == k80.gemv_configs() and k90.gemv_configs()[-2:] == [v90.BULK, v90.BULK_X]
+    assert k80.gemv_config(3200, 10240, 132) == v80.config_for(3200, 10240, 132)
+    assert k90.gemv_config(3200, 10240, 132) == v90.config_for(3200, 10240, 132)
+    # the stripe kernel: compiled per K on sm90, refused on the others
+    assert k90.gemv_key(v90.BULK, 10240) == ("bulk", v90.BULK, 10240)
+    assert k90.gemv_key(v80.SM80, 10240) == k80.gemv_key(v80.SM80, 2560) == (v80.SM80,)
+    assert k90.gemv_launch_size(v90.BULK, 3200, 10240, 132) == v90.bulk_warps(10240)
+    with pytest.raises(ValueError, match="sm_90a only"):
+        k80.gemv_key(v90.BULK, 2560)
+    with pytest.raises(ValueError, match="K=1048576 does not fit"):
+        k90.gemv_key(v90.BULK, 1 << 20)
+    # GEMM plans: mma.sync's split-K warps at launch, no workspace; wgmma's (full, splits)
+    # and its split-K workspace
+    cfg, extra, work = k90.gemm_plan("mma", 16, 2560, 2560, 132, raw=False, pdl=True)
+    assert cfg.pdl and len(extra) == 1 and work is None
+    assert k80.gemm_plan("mma", 16, 2560, 2560, 132, raw=True, pdl=False)[0].raw
+    cfg, extra, work = k90.gemm_plan("wgmma", 64, 3200, 10240, 132, raw=False, pdl=True)
+    assert (cfg.cluster_k, cfg.split_k, extra, work) == (4, False, (50, 1), (0, 0))  # K over 4 CTAs, no tail
+    with pytest.raises(ValueError, match="kernel='wgmma' is not one of"):
+        k80.gemm_plan("wgmma", 64, 2560, 2560, 132, raw=False, pdl=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -1132,7 +1168,7 @@ def test_gpu_gemv_early_scales(n, k):
     from bitdecode.kernels_sm80 import bitnet_gemv as v80
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
 
-    if not v90.bulk_fits(k, True) or bn._arch(torch.device("cuda")) != "sm_90a":
+    if not v90.bulk_fits(k, True) or not bn.kernels_for("cuda").stripe_gemv:
         pytest.skip("the stripe kernels run on sm_90a")
     _, wp = _weights(n, k)
     ws = torch.tensor([0.5, 1.25, 3.0], device="cuda")
