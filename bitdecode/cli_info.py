@@ -1,4 +1,4 @@
-"""``bitdecode info``: versions, GPUs and their arch, usable backends, compile cache dir."""
+"""``bitdecode info``: versions, GPUs and their arch, usable backends (decode and BitNet), compile cache dir."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def _auto_pick(device, fmt, head_dim, dtype) -> str:
     return f"{pick} ({waiting[0]} after its first-use check)" if waiting else pick
 
 
+def _bitnet_kernels(device) -> str:
+    """What ``bitnet.gemv`` / ``gemm`` run on ``device``: its backend's BitNet kernels."""
+    if device.type != "cuda" or not dispatch.capability_at_least(device, 8):
+        return "torch reference (the kernels need a CUDA GPU of sm_80 or newer)"
+    from . import bitnet
+
+    kernels = bitnet.kernels_for(device)
+    gemv = "dp4a register kernel" + (" + bulk-copy stripe kernel" if kernels.stripe_gemv else "")
+    return f"GEMV: {gemv}; GEMM: {' / '.join(kernels.gemm_kernels)}"
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -67,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         picks = {(name, d, dt): _auto_pick(device, fmt, d, torch_dtype(dt))
                  for name, fmt in formats.items() for d in (128, 256) for dt in DTYPE_NAMES}
         table.add_row("  auto picks", ", ".join(f"{name} D{d} {dt}: {b}" for (name, d, dt), b in picks.items()))
+        table.add_row("  BitNet W2A8", _bitnet_kernels(device))
     path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
     env = jit.ENV_CACHE_DIR
     source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"

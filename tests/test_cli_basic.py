@@ -38,6 +38,11 @@ def test_info():
     assert torch.__version__ in out and cutlass.__version__ in out
     if not torch.cuda.is_available():
         assert "no GPU" in out and "reference" in out
+        assert re.search(r"BitNet W2A8 +│ torch reference", out)
+    else:  # the device's backend's kernels: mma.sync everywhere, Hopper's stripe GEMV and wgmma there
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        assert re.search(r"GEMM: mma / wgmma\s+│" if hopper else r"GEMM: mma\s+│", out)
+        assert ("bulk-copy stripe" in out) == hopper
 
 
 def test_info_cache_dir_from_env(tmp_path, monkeypatch):
