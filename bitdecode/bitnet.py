@@ -185,17 +185,10 @@ def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple
 
 
 def _act_quant_launch(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    from . import jit
-
     bf16 = x.dtype == torch.bfloat16
-    arch = _arch(x.device)
-
-    def build():
-        from .kernels_sm80 import act_quant
-
-        return act_quant.compile_act_quant(bf16, ACT_EPS, jit.compile_options(arch))
-
-    fn = _compile(("bitnet_act_quant", arch, bf16), build)
+    arch, kernels = _arch(x.device), kernels_for(x.device)
+    fn = _compile(("bitnet_act_quant", arch, bf16),
+                  lambda: kernels.compile_act_quant(bf16, ACT_EPS, jit.compile_options(arch)))
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     fn(x, q, s)
@@ -317,14 +310,13 @@ NORM_PREFETCH = True
 def _norm_fn(x: torch.Tensor, eps: float, gated: bool = False, quantize: bool = True, residual: bool = False):
     """The norm kernel for ``x``'s dtype and device with these constexprs (compiled once)."""
     bf16 = x.dtype == torch.bfloat16
-    arch = _arch(x.device)
+    arch, kernels = _arch(x.device), kernels_for(x.device)
     prefetch = NORM_PREFETCH
 
     def build():
-        from .kernels_sm80 import act_quant
-
-        return act_quant.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated, quantize,
-                                            pdl=jit.has_pdl(arch), residual=residual, prefetch_weight=prefetch)
+        return kernels.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated=gated,
+                                          quantize=quantize, pdl=jit.has_pdl(arch), residual=residual,
+                                          prefetch_weight=prefetch)
 
     return _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize, residual, prefetch), build)
 

@@ -460,6 +460,18 @@ class BitnetKernels:
     gemm_kernels = ("mma",)  # what ``gemm(kernel=...)`` may name besides "auto"
     stripe_gemv = False  # the bulk-copy stripe GEMV (``GemvConfig.bulk``): sm_90a only
 
+    def compile_act_quant(self, bf16: bool, eps: float, options: str):
+        """The per-row activation quantizer (``act_quant.ActQuantSm80``; every arch)."""
+        from . import act_quant
+
+        return act_quant.compile_act_quant(bf16, eps, options)
+
+    def compile_norm_quant(self, bf16: bool, eps: float, norm_eps: float, options: str, **flags):
+        """The RMSNorm (+ quantizer) kernel (``act_quant.RmsNormQuantSm80``; every arch)."""
+        from . import act_quant
+
+        return act_quant.compile_norm_quant(bf16, eps, norm_eps, options, **flags)
+
     def gemv_config(self, n: int, k: int, sms: int):
         """The GEMV configuration for N x K weights (the caller decides on PDL)."""
         from . import bitnet_gemv

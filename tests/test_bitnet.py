@@ -928,11 +928,11 @@ def test_scale_out_rcp_is_correctly_rounded():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100a"])
 def test_act_quant_compiles(arch):
-    """One kernel: 16-byte loads, round-to-nearest-even, int8 clamp and byte packing."""
-    from bitdecode.kernels_sm80 import act_quant
-
+    """One kernel: 16-byte loads, round-to-nearest-even, int8 clamp and byte packing (built
+    through the arch's backend, as ``bitnet.quantize_activation`` builds it)."""
+    kernels = backends.get(backends.for_arch(arch)).bitnet
     for bf16 in (True, False):
-        ptx = _ptx(act_quant.compile_act_quant(bf16, bn.ACT_EPS, jit.compile_options(arch, keep_ptx=True)))
+        ptx = _ptx(kernels.compile_act_quant(bf16, bn.ACT_EPS, jit.compile_options(arch, keep_ptx=True)))
         for instr in ("ld.global.v4.u32", "cvt.rni.s32.f32", "mul.rn.f32", "rcp.rn.f32", "prmt.b32",
                       "st.global.v2.b32", "shfl.sync.bfly"):
             assert instr in ptx, f"{instr} missing ({arch}, bf16={bf16})"
@@ -946,9 +946,10 @@ def test_norm_quant_compiles(arch):
     quantizer's round-to-nearest-even and byte packing; no local memory."""
     from bitdecode.kernels_sm80 import act_quant
 
+    kernels = backends.get(backends.for_arch(arch)).bitnet  # (as ``bitnet.rms_norm_quantize`` builds it)
     for bf16, gated in ((True, False), (False, False), (True, True)):
-        ptx = _ptx(act_quant.compile_norm_quant(bf16, bn.ACT_EPS, 1e-6, jit.compile_options(arch, keep_ptx=True),
-                                                gated))
+        ptx = _ptx(kernels.compile_norm_quant(bf16, bn.ACT_EPS, 1e-6, jit.compile_options(arch, keep_ptx=True),
+                                              gated=gated))
         kind = "bf16x2" if bf16 else "f16x2"
         for instr in ("ld.global.v4.u32", "st.global.v4.b32", "rsqrt.approx.f32", f"cvt.rn.{kind}.f32",
                       "rcp.rn.f32", "cvt.rni.s32.f32", "st.global.v2.b32", "shfl.sync.bfly"):
