@@ -17,9 +17,9 @@ PACKAGES = {  # folder -> installed package name (pyproject's package-dir)
 }
 KERNEL_API_ALLOWED = {"bitdecode.backend", "bitdecode.jit", "bitdecode.formats"}
 # API modules that still reach kernel packages directly: jit hashes their sources for the
-# compile-cache key; bitnet dispatches its GEMV / GEMM kernels itself (not yet a backend),
-# and rope / dense their small kernels (sm80 code on every arch, no backend choice to make)
-API_TO_KERNELS_ALLOWED = {"bitdecode.jit", "bitdecode.bitnet", "bitdecode.rope", "bitdecode.dense"}
+# compile-cache key; rope / dense launch their small kernels (sm80 code on every arch, no
+# backend choice to make).  bitnet asks the arch's backend (``Backend.bitnet``).
+API_TO_KERNELS_ALLOWED = {"bitdecode.jit", "bitdecode.rope", "bitdecode.dense"}
 
 
 def _modules():
@@ -88,6 +88,19 @@ def test_dependencies_point_one_way():
                       if not m.startswith(("bitdecode.layouts", "bitdecode.kernels_sm"))
                       and m not in API_TO_KERNELS_ALLOWED}
     assert not any(api_to_kernels.values()), f"the API imports kernel modules directly: {api_to_kernels}"
+
+
+def test_the_api_names_no_arch():
+    """The API chooses kernels through the backends (``backend.for_arch`` / ``dispatch``),
+    never by comparing arch strings itself; only ``bitdecode compile``'s list of targets
+    names them."""
+    import re
+
+    for path in sorted((ROOT / "bitdecode").glob("*.py")):
+        if path.name == "cli_compile.py":
+            continue
+        found = re.findall(r"[\"']sm_\d+a?[\"']", path.read_text())
+        assert not found, f"{path.name} compares arch strings {found}"
 
 
 def test_import_does_not_load_cutlass():
