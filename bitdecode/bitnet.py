@@ -61,6 +61,7 @@ __all__ = [
     "gemv",
     "gemm",
     "reference_gemm",
+    "kernels_for",
     "gemm_kernel_for",
     "gemv_config_for",
     "gemv_configs",
