@@ -198,6 +198,15 @@ BULK_MIN_STRIPES_PER_SM = 4
 # H100 3.78 - 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912
 # 3.22 / 2.70.
 BULK_X_MIN_STRIPE_BYTES = 32 * 1024
+# ... but the plain stripe kernel where its slots hold this GEMV's stripes and the next one's
+# beside them (2 x stripes <= BULK's slots: the next GEMV's CTAs all start and fetch while
+# this one runs), as on the short stripes.  Two alternating runs each, us, BULK / BULK_X
+# (profiles/h200/gemv_scales_long_stripes.json, profiles/h100/ of the forty-seventh session):
+# 2560 x 10240 (320 of 396 slots) H200 3.23 / 3.50, 3.17 / 3.52, H100 3.45 / 3.71, 3.45 /
+# 3.72; 3200 x 8192 (400 of 528) H200 3.19 / 3.39, 3.16 / 3.41, H100 3.39 / 3.58, 3.37 /
+# 3.58; 1600 x 16384 (200 of 264) H100 3.58 / 3.66, 3.62 / 3.71.  Where they do not fit,
+# BULK_X: 3200 x 10240 (400 of 396) H200 4.47 / 3.72, 4.46 / 3.72; 6400 x 10240 (two
+# waves of BULK) 7.45 / 4.96.
 
 
 # A stripe kernel's wave should leave this share of its CTA slots free: the next GEMV's CTAs
@@ -212,8 +221,8 @@ BULK_FREE_SLOTS = 0.25
 
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM (fewer: ``BULK_X`` from ``BULK_X_MIN_STRIPE_BYTES`` where it holds them in
-    one wave), or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
+    stripes an SM (fewer, from ``BULK_X_MIN_STRIPE_BYTES``: ``BULK`` where its slots hold two
+    GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
     rolled: 38 - 41 registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of
     its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
     stripes, 396 / 528 slots; us, BULK 7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else
@@ -221,8 +230,11 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     13824 x 6912, 2 against 3; 8.92 - 9.02 against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
-        long = fmt.stripe_bytes(k) >= BULK_X_MIN_STRIPE_BYTES
-        return BULK_X if long and stripe_waves(BULK_X, n, k, sms) == 1 else None
+        if fmt.stripe_bytes(k) < BULK_X_MIN_STRIPE_BYTES:
+            return None
+        if bulk_fits(k) and 2 * stripes <= bulk_ctas_per_sm(k) * sms:
+            return BULK
+        return BULK_X if stripe_waves(BULK_X, n, k, sms) == 1 else None
     one_wave = [cfg for cfg in (BULK, BULK_X) if stripe_waves(cfg, n, k, sms) == 1]
     for cfg in one_wave:
         if stripes <= (1 - BULK_FREE_SLOTS) * bulk_ctas_per_sm(k, cfg.stage_x) * sms:

@@ -765,6 +765,12 @@ def test_sm90_gemv_config():
     # kernel, x staged
     assert v90.BULK_X_MIN_STRIPE_BYTES == L.stripe_bytes(8192)
     assert pick(3200, 10240) == "bulk_x" and v90.stripe_config(3200, 8064, 132, 1) is None
+    # ... plain where its slots hold the next GEMV's stripes too (3200 x 10240: 2 x 200 stripes
+    # against 396 BULK slots, so x staged; 2560 x 10240 320, 3200 x 8192 400 of 528, 1600 x
+    # 16384 200 of 264: BULK)
+    assert v90.bulk_ctas_per_sm(10240) * 132 == 396 and v90.bulk_ctas_per_sm(8192) * 132 == 528
+    assert [pick(n, k) for n, k in ((2560, 10240), (3200, 8192), (1600, 16384), (6400, 10240))] == [
+        "bulk", "bulk", "bulk", "bulk_x"]
     # ... in one wave only (2 CTAs an SM at K = 20480: 264 slots)
     assert v90.stripe_config(264 * 16, 20480, 132, 2) == v90.BULK_X and v90.stripe_config(400 * 16, 20480, 132, 2) is None
     # the stripe kernel from 4 stripes an SM, all resident at once (stripe_config)
