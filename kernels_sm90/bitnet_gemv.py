@@ -224,10 +224,11 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     stripes an SM (fewer, from ``BULK_X_MIN_STRIPE_BYTES``: ``BULK`` where its slots hold two
     GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or None: the first of
     ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 38 - 41 registers, more CTAs an
-    SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
-    stripes, 396 / 528 slots; us, BULK 7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else
-    ``BULK`` where it takes fewer waves than the register kernel (``register_waves``:
-    13824 x 6912, 2 against 3; 8.92 - 9.02 against 12.04)."""
+    SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that
+    holds every stripe in one wave (8448 x 10240: 528 stripes, 396 / 528 slots; us, BULK
+    7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else ``BULK`` where it takes fewer waves
+    than the register kernel (``register_waves``: 13824 x 6912, 2 against 3; 8.92 - 9.02
+    against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
         if fmt.stripe_bytes(k) < BULK_X_MIN_STRIPE_BYTES:
