@@ -187,9 +187,10 @@ def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple
 
 def _act_quant_launch(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     bf16 = x.dtype == torch.bfloat16
-    arch, kernels = _arch(x.device), kernels_for(x.device)
+    arch = _arch(x.device)
+    # (the backend is looked up only when the kernel is first built: this runs every layer)
     fn = _compile(("bitnet_act_quant", arch, bf16),
-                  lambda: kernels.compile_act_quant(bf16, ACT_EPS, jit.compile_options(arch)))
+                  lambda: kernels_for(x.device).compile_act_quant(bf16, ACT_EPS, jit.compile_options(arch)))
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     fn(x, q, s)
@@ -311,13 +312,13 @@ NORM_PREFETCH = True
 def _norm_fn(x: torch.Tensor, eps: float, gated: bool = False, quantize: bool = True, residual: bool = False):
     """The norm kernel for ``x``'s dtype and device with these constexprs (compiled once)."""
     bf16 = x.dtype == torch.bfloat16
-    arch, kernels = _arch(x.device), kernels_for(x.device)
+    arch = _arch(x.device)
     prefetch = NORM_PREFETCH
 
-    def build():
-        return kernels.compile_norm_quant(bf16, ACT_EPS, eps, jit.compile_options(arch), gated=gated,
-                                          quantize=quantize, pdl=jit.has_pdl(arch), residual=residual,
-                                          prefetch_weight=prefetch)
+    def build():  # (the backend looked up here, once: this function runs every layer)
+        return kernels_for(x.device).compile_norm_quant(
+            bf16, ACT_EPS, eps, jit.compile_options(arch), gated=gated, quantize=quantize, pdl=jit.has_pdl(arch),
+            residual=residual, prefetch_weight=prefetch)
 
     return _compile(("bitnet_norm_quant", arch, bf16, eps, gated, quantize, residual, prefetch), build)
 
@@ -780,8 +781,6 @@ def gemm(
         raise ValueError(f"kernel must be one of {GEMM_KERNELS}, got {kernel!r}")
     if not _use_kernel(backend, x.device, "gemm"):
         return reference_gemm(x, w_packed, x_scale, w_scales, segs, out_dtype)
-    if kernel != "auto" and kernel not in kernels_for(x.device).gemm_kernels:
-        raise ValueError(f"kernel={kernel!r} needs a Hopper GPU (sm_90a), this one is {_arch(x.device)}")
     ends = list(_segment_ends(segs, n))
     raw = out_dtype == torch.int32
     if torch.compiler.is_compiling():

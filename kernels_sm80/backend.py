@@ -524,7 +524,8 @@ class BitnetKernels:
 
     def _check_gemm_kernel(self, kernel: str) -> None:
         if kernel not in self.gemm_kernels:
-            raise ValueError(f"kernel={kernel!r} is not one of this backend's GEMMs {self.gemm_kernels}")
+            raise ValueError(f"kernel={kernel!r} is not one of this backend's GEMMs {self.gemm_kernels} "
+                             "('wgmma' needs a Hopper GPU, sm_90a)")
 
 
 class Sm80Backend:
