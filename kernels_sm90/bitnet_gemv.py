@@ -32,7 +32,7 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave, and fewer where the stripes are long (``BULK_X_MIN_STRIPE_BYTES``)
+holds in one wave, and fewer where the stripes are long (``LONG_STRIPE_BYTES``)
 (``stripe_config``; where that wave would leave the next GEMV no room,
 the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
 still: 20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at
@@ -192,12 +192,12 @@ def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
 BULK_MIN_STRIPES_PER_SM = 4
 
 # ... except for long stripes: from this many bytes a stripe (``fmt.stripe_bytes``: K = 8192)
-# one bulk copy of x-staged light CTAs beats the register kernel's loads at fewer stripes an
-# SM too.  3200 x 10240 (1.5 stripes an SM), us, BULK_X / the register kernel the host picked:
+# a stripe kernel's one bulk copy a CTA beats the register kernel's loads at fewer stripes an
+# SM too (which form: ``stripe_config``).  3200 x 10240 (1.5 stripes an SM), us, BULK_X / the register kernel the host picked:
 # H200 3.81 / 4.23 (bitnet.json) and 3.84 / 4.19 (gemv_sweep_math.json), forty-sixth session;
 # H100 3.78 - 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912
 # 3.22 / 2.70.
-BULK_X_MIN_STRIPE_BYTES = 32 * 1024
+LONG_STRIPE_BYTES = 32 * 1024
 # ... but the plain stripe kernel where its slots hold this GEMV's stripes and the next one's
 # beside them (2 x stripes <= BULK's slots: the next GEMV's CTAs all start and fetch while
 # this one runs), as on the short stripes.  Two alternating runs each, us, BULK / BULK_X
@@ -221,7 +221,7 @@ BULK_FREE_SLOTS = 0.25
 
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM (fewer, from ``BULK_X_MIN_STRIPE_BYTES``: ``BULK`` where its slots hold two
+    stripes an SM (fewer, from ``LONG_STRIPE_BYTES``: ``BULK`` where its slots hold two
     GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or None: the first of
     ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 38 - 41 registers, more CTAs an
     SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that
@@ -231,7 +231,7 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
-        if fmt.stripe_bytes(k) < BULK_X_MIN_STRIPE_BYTES:
+        if fmt.stripe_bytes(k) < LONG_STRIPE_BYTES:
             return None
         if bulk_fits(k) and 2 * stripes <= bulk_ctas_per_sm(k) * sms:
             return BULK
@@ -383,7 +383,7 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "BULK_X_MIN_STRIPE_BYTES", "BitnetGemv", "BitnetGemvBulk",
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "LONG_STRIPE_BYTES", "BitnetGemv", "BitnetGemvBulk",
            "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers",
            "bulk_smem_bytes", "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size",
            "stripe_config", "stripe_waves", "warps_for"]

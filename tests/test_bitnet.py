@@ -761,9 +761,9 @@ def test_sm90_gemv_config():
     assert pick(2560, 2560) == (4, True)  # one wave either way: the most warps, no padding, pinned
     assert pick(2560, 6912) == (5, True)  # 11-warp CTAs, 2 an SM (unroll 4: 14 warps, 1 an SM, two waves)
     assert pick(3200, 3200) == (5, True)
-    # 1.5 stripes an SM, but 40 KB stripes (BULK_X_MIN_STRIPE_BYTES: K = 8192): the stripe
+    # 1.5 stripes an SM, but 40 KB stripes (LONG_STRIPE_BYTES: K = 8192): the stripe
     # kernel, x staged
-    assert v90.BULK_X_MIN_STRIPE_BYTES == L.stripe_bytes(8192)
+    assert v90.LONG_STRIPE_BYTES == L.stripe_bytes(8192)
     assert pick(3200, 10240) == "bulk_x" and v90.stripe_config(3200, 8064, 132, 1) is None
     # ... plain where its slots hold the next GEMV's stripes too (3200 x 10240: 2 x 200 stripes
     # against 396 BULK slots, so x staged; 2560 x 10240 320, 3200 x 8192 400 of 528, 1600 x
