@@ -138,10 +138,31 @@ class BitnetKernels(Protocol):
     def compile_gemm(self, kernel: str, cfg, options: str): ...
 
 
+class DenseKernels(Protocol):
+    """A backend's 16-bit kernels of a model's decode step (``bitdecode.dense`` and
+    ``bitdecode.rope`` launch them): the few-token GEMV, the small-M GEMM, SwiGLU and the
+    rotary embedding."""
+
+    def compile_gemv(self, bf16: bool, k: int, tokens: int, has_bias: bool, options: str, *, pdl: bool,
+                     has_residual: bool, residual_ahead: bool): ...
+
+    def gemv_rows_per_warp(self, n: int, k: int, sms: int) -> int:
+        """Output rows each warp of the GEMV streams for N x K weights on ``sms`` SMs."""
+
+    def compile_gemm_small_m(self, bf16: bool, k: int, tokens: int, options: str, *, pdl: bool,
+                             has_residual: bool, residual_ahead: bool, **config):
+        """``config``: tile settings other than the kernel's defaults (benchmarks time them)."""
+
+    def compile_silu_mul(self, bf16: bool, options: str, *, pdl: bool): ...
+
+    def compile_rope(self, bf16: bool, head_dim: int, options: str): ...
+
+
 class Backend(Protocol):
     name: str
     limits: Limits
     bitnet: BitnetKernels
+    dense: DenseKernels
 
     def supports(self, capability: Tuple[int, int]) -> bool: ...
 
@@ -228,6 +249,14 @@ def get(name: str) -> Backend:
     if name not in shipped():
         raise ValueError(f"backend {name!r} is not available in this build; shipped: {shipped()}")
     return importlib.import_module(_module_name(name)).BACKEND
+
+
+def of_arch(arch: str) -> Backend:
+    """The backend object of ``for_arch(arch)``: whose kernels a CuTe DSL target takes."""
+    name = for_arch(arch)
+    if name is None:
+        raise ValueError(f"no kernel backend builds for {arch!r}: the kernels need sm_80 or newer")
+    return get(name)
 
 
 def for_arch(arch: str) -> Optional[str]:

@@ -555,7 +555,7 @@ def kernels_for(device: torch.device):
     configurations and GEMMs; the arch decides, as for ``bitdecode compile --arch``)."""
     from . import backend
 
-    return backend.get(backend.for_arch(_arch(torch.device(device)))).bitnet
+    return backend.of_arch(_arch(torch.device(device))).bitnet
 
 
 # Programmatic dependent launch on Hopper (the kernels read the weights before the

@@ -2,8 +2,9 @@
 few tokens and SwiGLU's ``silu(gate) * up``.
 
 ``linear(x, weight, bias)`` is ``torch.nn.functional.linear``: for at most ``GEMV_MAX_TOKENS``
-rows of ``x`` it runs ``kernels_sm80.dense.GemvSm80`` (each warp streams a few weight rows
-once; on sm_90+ it starts fetching them while the previous kernel finishes), otherwise
+rows of ``x`` it runs the backend's GEMV (``Backend.dense``; every backend's is sm80's
+``kernels_sm80.dense.GemvSm80``: each warp streams a few weight rows
+once, and on sm_90+ starts fetching them while the previous kernel finishes), otherwise
 cuBLAS through torch.  Its sums run in another order than cuBLAS's, so outputs agree to the
 16-bit rounding, not bit for bit.  ``backend="kernel"`` with ``GEMV_MAX_TOKENS`` to
 ``SMALL_M_MAX_TOKENS`` rows runs ``kernels_sm80.dense.GemmSmallMSm80`` (mma.sync, the weights
@@ -186,23 +187,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 _GEMV_PLANS: dict = {}
 
 
+def kernels_for(arch: str):
+    """The dense kernels of ``arch``'s backend (``backend.Backend.dense``: the arch decides,
+    as for ``bitdecode compile --arch``)."""
+    from . import backend
+
+    return backend.of_arch(arch).dense
+
+
 def _gemv_plan(device: torch.device, dtype: torch.dtype, n: int, k: int, tokens: int, has_bias: bool,
                has_residual: bool = False):
     from . import jit
     from .backend import num_sms
-    from .kernels_sm80.dense import compile_gemv, rows_per_warp
 
     arch = jit.target_arch(device.index)
+    kernels = kernels_for(arch)
     bf16 = dtype == torch.bfloat16
 
     ahead = has_residual and RESIDUAL_AHEAD
 
     def build():
-        return compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch),
-                            has_residual=has_residual, residual_ahead=ahead)
+        return kernels.compile_gemv(bf16, k, tokens, has_bias, jit.compile_options(arch), pdl=jit.has_pdl(arch),
+                                    has_residual=has_residual, residual_ahead=ahead)
 
     key = ("gemv", arch, bf16, k, tokens, has_bias, has_residual, ahead)
-    return jit.KERNELS.get(key, build), rows_per_warp(n, k, num_sms(device))
+    return jit.KERNELS.get(key, build), kernels.gemv_rows_per_warp(n, k, num_sms(device))
 
 
 def _gemv(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -234,7 +243,6 @@ def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, bias: None = None,
     ``config``: (warps, batch, row blocks a CTA) other than the kernel's defaults
     (``profiles/bench_dense.py --small-m`` times them)."""
     from . import jit
-    from .kernels_sm80.dense import compile_gemm_small_m
 
     assert bias is None, "the small-M GEMM takes no bias"
     arch = jit.target_arch(x2.device.index)
@@ -244,8 +252,9 @@ def _gemm_small_m(x2: torch.Tensor, weight: torch.Tensor, bias: None = None,
     ahead = has_residual and RESIDUAL_AHEAD
 
     def build():
-        return compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch), pdl=jit.has_pdl(arch),
-                                    has_residual=has_residual, residual_ahead=ahead, **extra)
+        return kernels_for(arch).compile_gemm_small_m(bf16, k, tokens, jit.compile_options(arch),
+                                                      pdl=jit.has_pdl(arch), has_residual=has_residual,
+                                                      residual_ahead=ahead, **extra)
 
     fn = jit.KERNELS.get(("gemm_small_m", arch, bf16, k, tokens, has_residual, config, ahead), build)
     y = torch.empty(tokens, weight.shape[0], dtype=x2.dtype, device=x2.device)
@@ -306,9 +315,7 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     bf16 = gate_up.dtype == torch.bfloat16
 
     def build():
-        from .kernels_sm80.dense import compile_silu_mul
-
-        return compile_silu_mul(bf16, jit.compile_options(arch), pdl=jit.has_pdl(arch))
+        return kernels_for(arch).compile_silu_mul(bf16, jit.compile_options(arch), pdl=jit.has_pdl(arch))
 
     fn = jit.KERNELS.get(("silu_mul", arch, bf16), build)
     y = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)

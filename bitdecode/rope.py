@@ -3,7 +3,8 @@
 ``apply_rotary(q, k, cos, sin)`` returns ``(q * cos + rotate_half(q) * sin, k * cos +
 rotate_half(k) * sin)`` with ``cos`` / ``sin`` broadcast over the heads (transformers'
 ``unsqueeze_dim=1`` layout: q / k ``(B, H, T, D)``, cos / sin ``(B, T, D)``), bit for bit
-what transformers' ten torch kernels return, in one launch of ``kernels_sm80.rope``.
+what transformers' ten torch kernels return, in one launch of the backend's kernel
+(``Backend.dense.compile_rope``: sm80's ``kernels_sm80.rope`` on every arch).
 ``bitdecode.hf.fuse_rope(model)`` installs it in a model's attention layers.
 """
 
@@ -88,9 +89,9 @@ def _launch(q, k, cos, sin):
     d = q.shape[-1]
 
     def build():
-        from .kernels_sm80.rope import compile_rope
+        from . import backend  # (the arch's backend: ``Backend.dense``)
 
-        return compile_rope(bf16, d, jit.compile_options(arch))
+        return backend.of_arch(arch).dense.compile_rope(bf16, d, jit.compile_options(arch))
 
     fn = jit.KERNELS.get(("rope", arch, bf16, d), build)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -452,6 +452,41 @@ def _pack_call(cache: CacheTensors, mode: str, src_k, src_v, lengths):
          cache.overflow, cache.commits, cache.capacity)
 
 
+class DenseKernels:
+    """The 16-bit kernels of a model's decode step, which ``bitdecode.dense`` and
+    ``bitdecode.rope`` ask the device's backend for: the GEMV and the small-M GEMM
+    (``dense``), SwiGLU, the rotary embedding (``rope``); all run on every GPU from sm_80 up."""
+
+    def compile_gemv(self, bf16: bool, k: int, tokens: int, has_bias: bool, options: str, *, pdl: bool,
+                     has_residual: bool, residual_ahead: bool):
+        from . import dense
+
+        return dense.compile_gemv(bf16, k, tokens, has_bias, options, pdl=pdl, has_residual=has_residual,
+                                  residual_ahead=residual_ahead)
+
+    def gemv_rows_per_warp(self, n: int, k: int, sms: int) -> int:
+        from . import dense
+
+        return dense.rows_per_warp(n, k, sms)
+
+    def compile_gemm_small_m(self, bf16: bool, k: int, tokens: int, options: str, *, pdl: bool,
+                             has_residual: bool, residual_ahead: bool, **config):
+        from . import dense
+
+        return dense.compile_gemm_small_m(bf16, k, tokens, options, pdl=pdl, has_residual=has_residual,
+                                          residual_ahead=residual_ahead, **config)
+
+    def compile_silu_mul(self, bf16: bool, options: str, *, pdl: bool):
+        from . import dense
+
+        return dense.compile_silu_mul(bf16, options, pdl=pdl)
+
+    def compile_rope(self, bf16: bool, head_dim: int, options: str):
+        from . import rope
+
+        return rope.compile_rope(bf16, head_dim, options)
+
+
 class BitnetKernels:
     """The host glue of the BitNet W2A8 kernels, which ``bitdecode.bitnet`` asks the device's
     backend for: the register-streaming GEMV (``bitnet_gemv``) and the mma.sync GEMM
@@ -537,6 +572,7 @@ class Sm80Backend:
     # whether ``auto`` may choose this backend: only kernels that have run on their GPU
     hardware_validated = True
     bitnet = BitnetKernels()  # the BitNet GEMV / GEMM (``bitdecode.bitnet``)
+    dense = DenseKernels()  # a model step's 16-bit GEMV, SwiGLU, RoPE (``bitdecode.dense`` / ``rope``)
 
     def fp4_operands(self, fmt: KVFormat, head_dim: int) -> bool:
         return False  # Q and P stay 16-bit (the FP4 caches are dequantized in registers)

@@ -52,6 +52,49 @@ def test_residual_is_torchs_add_after_the_product():
         dense.linear(x, w, residual=r.float())
 
 
+def test_dense_kernels_come_from_the_backends(monkeypatch):
+    """``dense`` and ``rope`` build their kernels through the arch's backend
+    (``Backend.dense``), as decode and bitnet do: sm80's kernels on every arch (sm90 and
+    sm100 inherit them), looked up when a kernel is built, never per call."""
+    from bitdecode import backend as backends, jit, rope
+    from bitdecode.kernels_sm80 import dense as d80
+
+    k80, k90, k100 = (dense.kernels_for(a) for a in ("sm_80", "sm_90a", "sm_100a"))
+    assert (k80, k90, k100) == tuple(backends.get(n).dense for n in ("sm80", "sm90", "sm100"))
+    assert k90 is k80 and k100 is k80
+    assert k90.gemv_rows_per_warp(3200, 4096, 132) == d80.rows_per_warp(3200, 4096, 132)
+    assert k90.gemv_rows_per_warp(128, 16384, 132) == d80.rows_per_warp(128, 16384, 132) == 1
+    with pytest.raises(ValueError, match="no kernel backend builds for 'sm_75'"):
+        backends.of_arch("sm_75")
+
+    calls = []
+
+    def recorder(name):
+        def build(self, *args, **kw):
+            calls.append((name, args, kw))
+            return lambda *a: None
+        return build
+
+    for name in ("compile_gemv", "compile_gemm_small_m", "compile_silu_mul", "compile_rope"):
+        monkeypatch.setattr(type(k90), name, recorder(name))
+    monkeypatch.setattr(jit, "target_arch", lambda index=None: "sm_90a")
+    monkeypatch.setattr(backends, "num_sms", lambda device: 132)
+    fresh_jit(monkeypatch)
+    opts = jit.compile_options("sm_90a")
+    fn, rows = dense._gemv_plan(torch.device("cuda", 0), torch.bfloat16, 3200, 4096, 2, True)
+    assert rows == d80.rows_per_warp(3200, 4096, 132)
+    assert calls.pop() == ("compile_gemv", (True, 4096, 2, True, opts),
+                           dict(pdl=True, has_residual=False, residual_ahead=False))
+    x, w = torch.empty(5, 4096, dtype=torch.float16), torch.empty(64, 4096, dtype=torch.float16)
+    dense._gemm_small_m(x, w, config=(8, 2, 1))
+    assert calls.pop() == ("compile_gemm_small_m", (False, 4096, 5, opts),
+                           dict(pdl=True, has_residual=False, residual_ahead=False, warps=8, batch=2, row_blocks=1))
+    dense._gemm_small_m(x, w, config=(8, 2, 1))  # (built once: the next call finds it)
+    q = torch.empty(1, 2, 3, 64, dtype=torch.bfloat16)
+    rope._launch(q, q, torch.empty(1, 3, 64, dtype=torch.bfloat16), torch.empty(1, 3, 64, dtype=torch.bfloat16))
+    assert calls == [("compile_rope", (True, 64, opts), {})]
+
+
 def test_auto_takes_the_kernel_that_measured_faster(monkeypatch):
     """"auto" runs 3-16 tokens of a projection up to q/k/v's size on the small-M GEMM, 1-2
     tokens (3 on larger weights) on the GEMV except for large tall weights (gate/up, where

@@ -16,10 +16,10 @@ PACKAGES = {  # folder -> installed package name (pyproject's package-dir)
     "kernels_sm90": "bitdecode.kernels_sm90", "kernels_sm100": "bitdecode.kernels_sm100",
 }
 KERNEL_API_ALLOWED = {"bitdecode.backend", "bitdecode.jit", "bitdecode.formats"}
-# API modules that still reach kernel packages directly: jit hashes their sources for the
-# compile-cache key; rope / dense launch their small kernels (sm80 code on every arch, no
-# backend choice to make).  bitnet asks the arch's backend (``Backend.bitnet``).
-API_TO_KERNELS_ALLOWED = {"bitdecode.jit", "bitdecode.rope", "bitdecode.dense"}
+# The one API module that reaches kernel packages directly: jit hashes their sources for the
+# compile-cache key.  bitnet, dense and rope ask the arch's backend (``Backend.bitnet``,
+# ``Backend.dense``), as decode does.
+API_TO_KERNELS_ALLOWED = {"bitdecode.jit"}
 
 
 def _modules():
