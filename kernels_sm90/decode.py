@@ -16,7 +16,9 @@ One CTA = (split, KV head, sequence), warpgroups with fixed roles:
 
   With K per channel in groups of at least 64 tokens (``fold_k``, fp16) K holds its exact
   (centered) codes and Q carries K's scale: the producer warpgroup writes Q o s and the
-  per-head bias Q . (zero + center s) of each K group into the stage (``scale_stage``).
+  per-head bias Q . (zero + center s) of each K group into the stage (``scale_stage``):
+  all four warps, warp 0 between its TMA issues (``produce_and_scale``), or with
+  ``free_issue`` warps 1-3 while warp 0 only issues (``produce_apart``).
   With V groups of at least 64 channels (``fold_v``) V^T holds V's exact (centered)
   codes and P^T carries V's per-token scale, one P^T copy per V group, while V's zero
   points reach O through per-head sums of P times zero: V costs one lop3 and one exact fma
@@ -197,7 +199,7 @@ class DecodeSm90(PackedDecodeConfig):
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
                  v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False,
-                 early_residual: bool = False):
+                 early_residual: bool = False, free_issue: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -375,6 +377,18 @@ class DecodeSm90(PackedDecodeConfig):
         # 314 / 389, 2c128 B=1 N=128K 45.9 / 74.1 (profiles/h200/variants_vss_*.json).
         self.v_slots = v_slots
         self.vt_bytes = head_dim * self.step * sm90.ELEM_BYTES if v_slots else 0
+        # With K's scale in Q the producer warpgroup's warp 0 issues tile ``it``, then all four
+        # warps wait for tile ``it - lag`` to land and scale it (``produce_and_scale``): the
+        # issue waits on the landing, so only about ``lag + 1`` tiles are in flight a CTA
+        # (three at B=16's four stages and one consumer: ~51 KB of 4-bit tiles, ~102 KB an SM
+        # at two CTAs, which covers ~3.1 us of latency at the H200's 32.6 GB/s an SM).
+        # ``free_issue``: warp 0 only issues, as far ahead as the free stages let it, and
+        # warps 1-3 scale each tile once it has landed (``produce_apart``).  No effect without
+        # ``fold_k``, whose producer is warp 0 alone already (``produce``).
+        if free_issue and v_slots:
+            raise ValueError("free_issue takes no v_slots: warps 1-3 would both scale and decode V^T")
+        self.free_issue = free_issue and self.fold_k
+        self.scaler_threads = WG - resources.WARP if free_issue else WG
         # the A-fragment register of each dequantized (row half, column half) pair that
         # ``stage_v`` hands to stmatrix (a traced table: read here, before the kernel's trace)
         self.vt_registers = {(h, ch): sm90.a_pair_value(h, ch) // 2 for h in range(2) for ch in range(2)} \
@@ -552,7 +566,7 @@ class DecodeSm90(PackedDecodeConfig):
             qready = pipeline.PipelineAsync.create(
                 barrier_storage=storage.qbar.data_ptr(),
                 num_stages=self.num_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.scaler_threads),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPS),
                 defer_sync=True,  # the ring's create below syncs the CTA for both
             )
@@ -604,9 +618,14 @@ class DecodeSm90(PackedDecodeConfig):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if const_expr(self.fold_k):
                 sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-                self.produce_and_scale(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
+                if const_expr(self.free_issue):
+                    self.produce_apart(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
                                        mBlockTable, batch, head_kv, tile_begin, packed_end,
-                                       mQ.shape[1] // mKr.shape[2], tid, vt, first)
+                                       mQ.shape[1] // mKr.shape[2], tid, first)
+                else:
+                    self.produce_and_scale(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
+                                           mBlockTable, batch, head_kv, tile_begin, packed_end,
+                                           mQ.shape[1] // mKr.shape[2], tid, vt, first)
             else:
                 if warp_idx == 0:
                     self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
@@ -689,7 +708,7 @@ class DecodeSm90(PackedDecodeConfig):
         # consumers, so tile j is scaled while the consumers work on the tiles before it (one
         # consumer with stages - 1 waited for j - 1: the scaling sat on its critical path)
         lag = max(1, self.num_stages - 1 - self.consumers)
-        qready, sQs, sBias, sShift = fold
+        qready = fold[0]
         start = tile_begin  # the loop's first iteration
         if const_expr(self.early_tiles):
             # the loop's first ``lag`` iterations only issue tiles: run them before the barrier
@@ -699,13 +718,7 @@ class DecodeSm90(PackedDecodeConfig):
                 for it in cutlass.range(tile_begin, cutlass.min(start, packed_end), unroll=1):
                     self.issue_tile(ring, seq_state(it - tile_begin, self.num_stages, True), it, views, tma_k, mKt,
                                     mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch, head_kv, first)
-        # padding heads' Q o s rows and biases stay zero (scale_stage skips them): their scores
-        # are then exactly 0, never shared memory left by an earlier CTA (``lazy_softmax``
-        # decides over every head column of the tile)
-        zero_shared(sQs, tid, WG)
-        zero_shared(sBias, tid, WG)
-        if const_expr(self.k_shift):
-            zero_shared(sShift, tid, WG)
+        self.zero_scales(fold, tid)
         # the consumers put Q in smem
         cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
         for it in cutlass.range(start, packed_end + lag, unroll=1):
@@ -732,35 +745,95 @@ class DecodeSm90(PackedDecodeConfig):
                             vtiles.producer_commit(vstate)
 
     @cute.jit
+    def produce_apart(self, ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
+                      batch, head_kv, tile_begin, packed_end, gq, tid, first=None):
+        """``free_issue``: the whole producer warpgroup (``tid`` < 128).  Warp 0 only loads the
+        split's tiles, each as soon as its stage is free (the consumers' release: the ring
+        runs ``num_stages`` tiles ahead of them); warps 1-3 wait for each tile to land, scale
+        it and commit it.  Scaling tile j after it landed is safe: its stage was acquired,
+        so the consumers are done with tile j - stages, Q o s and bias included (they
+        release a stage after its last scores)."""
+        warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
+        if warp == 0:
+            views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            begin = tile_begin
+            if const_expr(self.early_tiles):  # a ring's worth of tiles before Q's barrier: they need no Q
+                begin = cutlass.min(tile_begin + self.num_stages, packed_end)
+                for it in cutlass.range(tile_begin, begin, unroll=1):
+                    self.issue_tile(ring, state, it, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable,
+                                    batch, head_kv, first)
+                    state.advance()
+            self.zero_scales(fold, tid)
+            cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
+            for it in cutlass.range(begin, packed_end, unroll=1):
+                self.issue_tile(ring, state, it, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
+                                head_kv, first)
+                state.advance()
+        else:
+            qready = fold[0]
+            self.zero_scales(fold, tid)
+            cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
+            for it in cutlass.range(tile_begin, packed_end, unroll=1):
+                landed = seq_state(it - tile_begin, self.num_stages, False)
+                ring.consumer_wait(landed)  # waits only: the consumer warps release the stage
+                self.scale_stage(fold, sQ, sKs, landed.index, gq, tid - cute.arch.WARP_SIZE)
+                cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
+                qready.producer_commit(landed)
+
+    @cute.jit
+    def zero_scales(self, fold, tid):
+        """The producer warpgroup's zero fills of every stage's Q o s rows and biases: padding
+        heads' stay zero (``scale_stage`` skips them), so their scores are exactly 0, never
+        shared memory left by an earlier CTA (``lazy_softmax`` decides over every head
+        column of the tile)."""
+        _, sQs, sBias, sShift = fold
+        zero_shared(sQs, tid, WG)
+        zero_shared(sBias, tid, WG)
+        if const_expr(self.k_shift):
+            zero_shared(sShift, tid, WG)
+
+    @cute.jit
     def scale_stage(self, fold, sQ, sKs, stage, gq, tid):
         """Q o s_g and sum_d q_d (zero_d + center s_d) of every K group ``g`` of the tile in
         ``stage`` (``raw_k``: the B tile is Q o s_g / mult and the bias takes minus its
-        values times their code offsets, magic + center mult).  Thread ``tid``: quad lane
+        values times their code offsets, magic + center mult).  Scaler thread ``tid`` (of
+        ``scaler_threads``): quad lane
         ``c`` of k-block ``kt`` of one head, i.e. the four fragment-order (scale, zero) words
         ``16 kt + 4 c ..`` (channels ``16 kt + 2 c, + 1, + 8, + 9``) and those channels of
         Q; a head's threads are adjacent lanes of one warp (two heads a warp at head dim 64,
         two k-blocks a thread at 256), reduced with butterfly shuffles.  Rows of padding
         heads (>= gq) are skipped a warp at a time: their Q o s rows and biases stay zero."""
+        per_pass = self.scaler_threads // self.scale_lanes[0]  # heads a pass of the scaler threads
+        if const_expr(self.scaler_threads == WG):  # the whole warpgroup: the passes unrolled
+            for ps in cutlass.range_constexpr(self.nh // per_pass):
+                self.scale_heads(fold, sQ, sKs, stage, gq, tid, ps * per_pass)
+        else:  # three warps (``free_issue``): a loop, whose last pass may reach past the tile
+            for ps in cutlass.range(-(-self.nh // per_pass), unroll=1):
+                self.scale_heads(fold, sQ, sKs, stage, gq, tid, ps * per_pass)
+
+    @cute.jit
+    def scale_heads(self, fold, sQ, sKs, stage, gq, tid, head0):
+        """One pass of ``scale_stage``: the scaler threads' heads from ``head0`` on."""
         _, sQs, sBias, sShift = fold
         lane = tid % cute.arch.WARP_SIZE
-        for ps in cutlass.range_constexpr(self.nh // (WG // self.scale_lanes[0])):
-            head = ps * (WG // self.scale_lanes[0]) + tid // self.scale_lanes[0]
-            # the first head of this warp: padding heads are skipped a whole warp at a time
-            first = ps * (WG // self.scale_lanes[0]) + (tid // cute.arch.WARP_SIZE) * (
-                cute.arch.WARP_SIZE // self.scale_lanes[0])
-            if first < gq:
-                for g in cutlass.range_constexpr(self.q_copies):
-                    row = sQs[None, None, stage * self.q_copies + g]
-                    pairs = self.row_pairs(sQ, sKs, stage, g, head, lane, tid)
+        head = head0 + tid // self.scale_lanes[0]
+        # the first head of this warp: padding heads (and heads past the tile) are skipped a
+        # whole warp at a time
+        first = head0 + (tid // cute.arch.WARP_SIZE) * (cute.arch.WARP_SIZE // self.scale_lanes[0])
+        if first < gq:
+            for g in cutlass.range_constexpr(self.q_copies):
+                row = sQs[None, None, stage * self.q_copies + g]
+                pairs = self.row_pairs(sQ, sKs, stage, g, head, lane, tid)
+                if const_expr(self.k_shift):
+                    bias, up = self.scale_row_shifted(pairs, row, head)
+                else:
+                    bias = self.scale_row(pairs, row, head)
+                bias = across_lanes(bias, self.scale_lanes[0], operator.add)
+                if tid % self.scale_lanes[0] == 0:
+                    sBias[head, g, stage] = bias
                     if const_expr(self.k_shift):
-                        bias, up = self.scale_row_shifted(pairs, row, head)
-                    else:
-                        bias = self.scale_row(pairs, row, head)
-                    bias = across_lanes(bias, self.scale_lanes[0], operator.add)
-                    if tid % self.scale_lanes[0] == 0:
-                        sBias[head, g, stage] = bias
-                        if const_expr(self.k_shift):
-                            sShift[head, g, stage] = up
+                        sShift[head, g, stage] = up
 
     @cute.jit
     def stage_v(self, sVp, sVt, stage, st: cutlass.Constexpr[int], decoder, lane):
