@@ -524,7 +524,7 @@ def test_rope_ptx(arch):
 def test_sm100_decode_fits_one_sm():
     """The largest sm100 configurations (head dim 256, 16 query columns, both formats) fit a
     Blackwell SM: shared memory within the per-CTA capacity, tensor memory within 512 columns."""
-    import cutlass.utils as utils
+    import cutlass.memory
 
     from bitdecode.kernels_sm100.decode import DecodeSm100
     from bitdecode.layouts._trace import evaluate
@@ -538,7 +538,7 @@ def test_sm100_decode_fits_one_sm():
             out[fp4, d, nh] = (k._shared_storage(lay).size_in_bytes(), k.tmem_columns(mma, lay), k.num_stages)
         return out
 
-    capacity = utils.get_smem_capacity_in_bytes("sm_100")
+    capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
     for cfg, (smem, cols, stages) in evaluate(build, arch="sm_100a").items():
         assert smem <= capacity, f"{cfg}: {smem} bytes of shared memory, an SM gives a CTA {capacity}"
         assert cols <= 512 and stages >= 2, (cfg, cols, stages)
@@ -762,7 +762,7 @@ def test_sm90_free_issue_ptx(bits, group, head_dim, heads, tmp_path, monkeypatch
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
     if heads == 4:
         plain = DecodeSm90(cutlass.Float16, bits, "channel", group, head_dim, 8, True, fold_k=False, free_issue=True)
-        assert not plain.free_issue  # (its producer is warp 0 alone already)
+        assert (plain.free_issue, plain.scaler_threads) == (False, 128)  # (its producer is warp 0 alone already)
         with pytest.raises(ValueError, match="free_issue takes no v_slots"):
             DecodeSm90(cutlass.Float16, bits, "channel", group, head_dim, 8, True, free_issue=True, v_slots=2)
 
