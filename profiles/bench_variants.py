@@ -15,7 +15,9 @@ file only.  Keywords: any ``DecodeSm90.__init__`` argument after the format's (`
 ``CombineSm80.__init__``'s (``hoist_loads``: the split combine's).  Where the
 backend builds a grid variant (``Sm90Backend.grid_variant``: small grids, and one split of
 short sequences whose pairs fill the SMs; ``kernels_sm90.backend`` says which formats), the
-variant's keywords apply on top of that kernel's.
+variant's keywords apply on top of that kernel's.  A variant that does not finish (a launch
+the GPU refuses, a hang past ``--variant-timeout``) is reported and its rows so far kept
+beside every other variant's; the JSON lists it under ``failed`` and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
@@ -84,10 +86,12 @@ def variants_of(p: argparse.ArgumentParser, args, words: Tuple[str, ...] = ()) -
     return variants
 
 
-def write_result(args, stem: str, options: str, variants, method: str, rows: List[dict]) -> None:
+def write_result(args, stem: str, options: str, variants, method: str, rows: List[dict],
+                 failed: Optional[List[dict]] = None) -> None:
     """The run to ``<out>/<stem>[_<tag>].json`` when ``--out`` was given: the command that
     reproduces it (``profiles/bench_<stem>.py``, its ``--variant`` list, the script's own
-    ``options``, ``--out``, ``--tag``), the GPU and torch, the variants, ``method`` and ``rows``."""
+    ``options``, ``--out``, ``--tag``), the GPU and torch, the variants, ``method`` and ``rows``
+    (and ``failed``: the variants that did not finish, and why)."""
     if args.out is None:
         return
     import torch
@@ -96,6 +100,8 @@ def write_result(args, stem: str, options: str, variants, method: str, rows: Lis
                         f"--out {args.out}", *([f"--tag {args.tag}"] if args.tag else [])])
     result = {"command": command, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "variants": dict(variants), "method": method, "rows": rows}
+    if failed:
+        result["failed"] = failed
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{stem}_{args.tag}.json" if args.tag else f"{stem}.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
@@ -144,6 +150,21 @@ def known_keywords(backend: str) -> set:
 def with_keywords(self, init, keywords, *args, **kw):
     """``init`` (a kernel class's own ``__init__``) with ``keywords`` over the caller's."""
     init(self, *args, **{**kw, **keywords})
+
+
+def run_variant(cmd: List[str], env: Dict[str, str], timeout: float) -> Tuple[List[dict], str]:
+    """One variant's worker process: (the rows it printed, "" or why it did not finish: its
+    exit status and last lines, or the timeout).  A variant that cannot launch (too much
+    shared memory) or hangs loses its own rows only, not the run's."""
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        out, why = done.stdout, ""
+        if done.returncode != 0:
+            why = f"exit status {done.returncode}: " + " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        why = f"timed out after {timeout:g} s"
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")], why
 
 
 def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backend: str = "sm90") -> List[dict]:
@@ -195,9 +216,14 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"BxN,... (default {DEFAULT_SHAPES})")
     p.add_argument("--formats", default="4c128", help=f"comma-separated, of {', '.join(FORMATS)} (default 4c128)")
     p.add_argument("--dtypes", default="fp16", help="comma-separated, of fp16, bf16 (default fp16)")
+    p.add_argument("--variant-timeout", type=float, default=600, metavar="S",
+                   help="seconds one variant's process may take (its compiles and every shape); past "
+                        "them it is stopped, reported, and the run goes on (default 600)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     variants = variants_of(p, args)
+    if args.variant_timeout <= 0:
+        p.error(f"--variant-timeout must be positive, got {args.variant_timeout:g}")
     shapes = parse_shapes(args.shapes)
     formats = [f for f in args.formats.split(",") if f]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -224,27 +250,30 @@ def main(argv=None) -> int:
     env = dict(os.environ, BITDECODE_NO_DISK_CACHE="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
     rows: List[dict] = []
-    for text in args.variant:
+    failed: List[dict] = []
+    for (name, _), text in zip(variants, args.variant):
         cmd = [sys.executable, __file__, "--worker", "--variant", text, "--shapes", args.shapes,
                "--formats", args.formats, "--dtypes", args.dtypes, "--backend", args.backend]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(done.stdout + done.stderr, file=sys.stderr)
-            return done.returncode
-        rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        got, why = run_variant(cmd, env, args.variant_timeout)
+        rows += got
+        if why:
+            print(f"variant {name} did not finish: {why}", file=sys.stderr)
+            failed.append({"variant": name, "why": why})
     base = {(r["format"], r["dtype"], r["B"], r["N"]): r["us"] for r in rows if r["variant"] == variants[0][0]}
     for r in rows:
-        r["over_first"] = r["us"] / base[(r["format"], r["dtype"], r["B"], r["N"])]
+        first = base.get((r["format"], r["dtype"], r["B"], r["N"]))
+        r["over_first"] = r["us"] / first if first else None
     for r in rows:
         err = f"  err {r['rel_err']:.2e}" if "rel_err" in r else ""
+        ratio = f"x{r['over_first']:.3f}" if r["over_first"] else "(no baseline)"
         print(f"{r['variant']:>12} {r['format']} {r['dtype']} B={r['B']:<3} N={r['N']:<7} "
-              f"{r['us']:8.2f} us  x{r['over_first']:.3f}{err}")
+              f"{r['us']:8.2f} us  {ratio}{err}")
     write_result(args, "variants", f"--shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes}"
                  + (f" --backend {args.backend}" if args.backend != "sm90" else ""),
                  variants, f"{args.backend} decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, "
                            "median of 30 after 5 warm-ups, L2 flushed before each call; one process per variant",
-                 rows)
-    return 0
+                 rows, failed)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -538,6 +538,33 @@ def test_bench_variants_write_result(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["gemm_variants_short.json"]  # no --out: nothing written
 
 
+def test_bench_variants_goes_on_past_a_failed_variant(tmp_path, monkeypatch):
+    """A variant's worker that exits with an error or hangs loses its own rows only: the
+    rows it printed are kept, the reason comes back, and the JSON lists it under
+    ``failed`` (a refused launch ended a whole device run before)."""
+    import argparse
+    import sys
+
+    import torch
+
+    bv = _bench_variants()
+    row = '{"variant": "a", "us": 1.5}'
+    rows, why = bv.run_variant([sys.executable, "-c", f"print({row!r}); import sys; sys.stderr.write('refused\\n'); "
+                                                      "sys.exit(3)"], dict(os.environ), 60)
+    assert rows == [{"variant": "a", "us": 1.5}] and why.startswith("exit status 3:") and "refused" in why
+    rows, why = bv.run_variant([sys.executable, "-c", f"print({row!r}, flush=True); import time; time.sleep(60)"],
+                               dict(os.environ), 3)
+    assert rows == [{"variant": "a", "us": 1.5}] and why == "timed out after 3 s"
+    assert bv.run_variant([sys.executable, "-c", f"print({row!r})"], dict(os.environ), 60) == (
+        [{"variant": "a", "us": 1.5}], "")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "H200-like")
+    args = argparse.Namespace(variant=["a=", "b=num_stages=9"], out=tmp_path, tag="")
+    bv.write_result(args, "variants", "", [("a", {}), ("b", {"num_stages": 9})], "m", [],
+                    [{"variant": "b", "why": "exit status 1: launch refused"}])
+    assert json.loads((tmp_path / "variants.json").read_text())["failed"] == [
+        {"variant": "b", "why": "exit status 1: launch refused"}]
+
+
 def test_bench_gemm_variants_arguments(capsys):
     """profiles/bench_gemm_variants.py: the variant keys (tile, WgmmaConfig fields, cluster
     CTAs, workspace splits, PDL, a persistent grid, kernel) become the tile and plans the
