@@ -765,6 +765,9 @@ class DecodeSm90(PackedDecodeConfig):
                                     batch, head_kv, first)
                     state.advance()
             self.zero_scales(fold, tid)
+            # (its share of the zero rows is read by the scores' wgmma too: warps 1-3 fence
+            # theirs with every tile they scale, warp 0 scales none)
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
             for it in cutlass.range(begin, packed_end, unroll=1):
                 self.issue_tile(ring, state, it, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
