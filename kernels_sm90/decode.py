@@ -679,11 +679,19 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def produce(self, ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
-                batch, head_kv, tile_begin, packed_end, first=None):
-        """Warp 0 of the producer warpgroup: the split's tiles into the ring."""
+                batch, head_kv, tile_begin, packed_end, first=None, end=None, start=None):
+        """Warp 0 of the producer warpgroup: the split's tiles into the ring; ``start`` /
+        ``end`` (default: the split's first tile / ``packed_end``): a run of them, the ring's
+        uses counted from ``tile_begin``."""
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
+        if const_expr(start is None):
+            start = tile_begin
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        else:
+            state = seq_state(start - tile_begin, self.num_stages, True)
+        if const_expr(end is None):
+            end = packed_end
+        for tile in cutlass.range(start, end, unroll=1):
             self.issue_tile(ring, state, tile, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
                             head_kv, first)
             state.advance()
@@ -754,25 +762,19 @@ class DecodeSm90(PackedDecodeConfig):
         so the consumers are done with tile j - stages, Q o s and bias included (they
         release a stage after its last scores)."""
         warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
+        tiles = (ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable, batch, head_kv, tile_begin,
+                 packed_end, first)
         if warp == 0:
-            views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             begin = tile_begin
             if const_expr(self.early_tiles):  # a ring's worth of tiles before Q's barrier: they need no Q
                 begin = cutlass.min(tile_begin + self.num_stages, packed_end)
-                for it in cutlass.range(tile_begin, begin, unroll=1):
-                    self.issue_tile(ring, state, it, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable,
-                                    batch, head_kv, first)
-                    state.advance()
+                self.produce(*tiles, end=begin)
             self.zero_scales(fold, tid)
             # (its share of the zero rows is read by the scores' wgmma too: warps 1-3 fence
             # theirs with every tile they scale, warp 0 scales none)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
-            for it in cutlass.range(begin, packed_end, unroll=1):
-                self.issue_tile(ring, state, it, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
-                                head_kv, first)
-                state.advance()
+            self.produce(*tiles, start=begin)
         else:
             qready = fold[0]
             self.zero_scales(fold, tid)
