@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     from bitdecode import bitnet as bn
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    if not bn.kernels_for(dev).stripe_gemv:
+    kernels = bn.kernels_for(dev)
+    if not kernels.stripe_gemv:
         print("bench_gemv_scales: the stripe kernels run on sm_90a", file=sys.stderr)
         return 2
     started = time.perf_counter()
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         ws = torch.rand(3, device=dev) + 0.5
         seg = [n // 4, n // 2, n]
         host = bn.gemv_config_for(dev, n, k)
-        mine = {name: known[name] for name in names if runs(known[name], k)}
+        mine = {name: known[name] for name in names if runs(kernels, known[name], k)}
         if not host.bulk:  # the register kernel the host picks, with its scales early
             mine["host_es"] = dataclasses.replace(host, early_scales=True)
         ok = True
@@ -107,12 +108,14 @@ def main(argv=None) -> int:
     return 0 if all(r["bit_equal"] for r in rows) else 1
 
 
-def runs(cfg, k: int) -> bool:
-    """Whether the form ``cfg`` runs at K columns (a stripe kernel's stripe fits shared
-    memory)."""
-    from bitdecode.kernels_sm90 import bitnet_gemv as v90
-
-    return not cfg.bulk or v90.bulk_fits(k, cfg.stage_x)
+def runs(kernels, cfg, k: int) -> bool:
+    """Whether ``kernels`` (a backend's ``bitnet``) build the form ``cfg`` at K columns:
+    ``gemv_key`` refuses what they cannot (a stripe that does not fit shared memory)."""
+    try:
+        kernels.gemv_key(cfg, k)
+    except ValueError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
