@@ -89,9 +89,9 @@ def _launch(q, k, cos, sin):
     d = q.shape[-1]
 
     def build():
-        from . import backend  # (the arch's backend: ``Backend.dense``)
+        from .dense import kernels_for  # (the arch's backend: ``Backend.dense``)
 
-        return backend.of_arch(arch).dense.compile_rope(bf16, d, jit.compile_options(arch))
+        return kernels_for(arch).compile_rope(bf16, d, jit.compile_options(arch))
 
     fn = jit.KERNELS.get(("rope", arch, bf16, d), build)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
