@@ -387,8 +387,8 @@ class DecodeSm90(PackedDecodeConfig):
         # ``fold_k``, whose producer is warp 0 alone already (``produce``).
         if free_issue and v_slots:
             raise ValueError("free_issue takes no v_slots: warps 1-3 would both scale and decode V^T")
-        self.free_issue = free_issue and self.fold_k
-        self.scaler_threads = WG - resources.WARP if self.free_issue else WG
+        self.free_issue = free_issue
+        self.scaler_threads = WG - resources.WARP if free_issue and self.fold_k else WG
         # the A-fragment register of each dequantized (row half, column half) pair that
         # ``stage_v`` hands to stmatrix (a traced table: read here, before the kernel's trace)
         self.vt_registers = {(h, ch): sm90.a_pair_value(h, ch) // 2 for h in range(2) for ch in range(2)} \

@@ -762,7 +762,7 @@ def test_sm90_free_issue_ptx(bits, group, head_dim, heads, tmp_path, monkeypatch
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
     if heads == 4:
         plain = DecodeSm90(cutlass.Float16, bits, "channel", group, head_dim, 8, True, fold_k=False, free_issue=True)
-        assert (plain.free_issue, plain.scaler_threads) == (False, 128)  # (its producer is warp 0 alone already)
+        assert plain.scaler_threads == 128  # (no effect: its producer is warp 0 alone already)
         with pytest.raises(ValueError, match="free_issue takes no v_slots"):
             DecodeSm90(cutlass.Float16, bits, "channel", group, head_dim, 8, True, free_issue=True, v_slots=2)
 

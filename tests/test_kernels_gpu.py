@@ -541,42 +541,20 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt, dtype", [(bd.KVFormat(4, "channel", 128), torch.float16),
                                         (bd.KVFormat(2, "channel", 128), torch.float16),
                                         (bd.KVFormat(2, "channel", 128), torch.bfloat16),
-                                        (bd.KVFormat(4, "channel", 64), torch.float16),
-                                        (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
-def test_sm90_free_issue_matches_reference(fmt, dtype, monkeypatch):
-    """``DecodeSm90(free_issue=True)``: the producer's warp 0 only issues the TMA loads, as
-    far ahead as the free stages let it, and warps 1-3 scale each landed tile (Q o s, in
-    passes that may reach past the tile's heads).  On every grid's kernel that scales (the
-    default and 2-bit's small grid, which also issues a ring's worth of tiles before Q's
-    barrier): ragged lengths with residuals, paged and shuffled, 1 / 3 / automatic splits,
-    the small grid's B <= 2, the appending kernels, against the reference."""
-    with sm90_default_kernel_with(monkeypatch, {"free_issue": True}, "free_issue", every_variant=True) as built:
-        check_ragged(fmt, dtype, 8, seed=5)
-        for lens in ([4096], [3077, 190]):  # B <= 2: the small grid
-            q = torch.randn(len(lens), 1, 32, 128, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEV)
-            cache, _, _ = make_cache(fmt, lens, 8, 128, dtype, backend="sm90")
-            for splits in (3, 0):
-                check_decode(q, cache, "sm90", num_splits=splits)
-        if dtype == torch.float16:
-            check_appending_steps("sm90", fmt, 4, [700, 1530], None, dtype)
-        assert True in built, built  # (the 4-bit small grid keeps K's scale out of Q: no scalers there)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt, dtype", [(bd.KVFormat(4, "channel", 128), torch.float16),
-                                        (bd.KVFormat(2, "channel", 128), torch.float16),
-                                        (bd.KVFormat(2, "channel", 128), torch.bfloat16),
                                         (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
 @pytest.mark.parametrize("keywords", [{"early_tiles": True}, {"early_loads": True},
-                                      {"early_loads": True, "early_tiles": True, "early_residual": True}],
-                         ids=["tiles", "loads", "all"])
+                                      {"early_loads": True, "early_tiles": True, "early_residual": True},
+                                      {"free_issue": True}],
+                         ids=["tiles", "loads", "all", "free"])
 def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     """``DecodeSm90(early_tiles=True)``: with K's scale in Q the producer issues its first
     ``lag`` tiles before the barrier that publishes Q; ``early_loads=True``: Q's copy and the
     sequence's first block-table entry are issued beside the sequence length's load, and the
     tile loop reads the table only past the first page; ``early_residual=True`` (where it
     fits: the small grids' kernels): the residual block's first sub-tile copied into a
-    buffer of its own at the start.  On every grid's kernel (the default and the small
+    buffer of its own at the start; ``free_issue=True`` (with K's scale in Q): the
+    producer's warp 0 only issues the TMA loads, as far ahead as the free stages let it,
+    while warps 1-3 scale each landed tile.  On every grid's kernel (the default and the small
     grid's, splits with fewer tiles than ``lag`` among them): ragged lengths with residuals
     of one to four sub-tiles, paged and shuffled (tiles on the first page and past it), 1 / 3
     / automatic splits, against the reference."""
