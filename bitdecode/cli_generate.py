@@ -254,10 +254,10 @@ def generate(model, ids: torch.Tensor, cache, max_new_tokens: int, pad_token_id:
     """Greedy generation; (new tokens [B, T], prefill seconds, decode tokens/s, the cache)."""
     import transformers
 
-    from .hf import cache_kwarg
+    from .hf import cache_kwargs
 
     clock = StepClock(ids.device)
-    kw = {} if cache is None else {cache_kwarg(model): cache}
+    kw = {} if cache is None else cache_kwargs(model, cache)
     if ids.device.type == "cuda":
         torch.cuda.synchronize(ids.device)
     t0 = time.perf_counter()

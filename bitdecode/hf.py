@@ -68,6 +68,12 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def cache_kwargs(model, cache) -> dict:
+    """``cache`` under ``model``'s keyword (``cache_kwarg``), for ``model(..., **cache_kwargs(
+    model, cache))`` or ``generate`` in code that runs on either side of transformers 5.2x."""
+    return {cache_kwarg(model): cache}
+
+
 def use_attention(model, name: str) -> None:
     """Switch the model's attention implementation (transformers' ``set_attn_implementation``,
     or the config field where that method refuses a registered custom name)."""

@@ -49,12 +49,6 @@ PROJ_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_
                ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
 
 
-def cache_arg(model, cache) -> dict:
-    """``model``'s keyword for the cache (``hf.cache_kwarg``): ``cache`` from transformers
-    5.2x on, ``past_key_values`` before (deprecated in 5.2x; 5.25 says it goes in 5.40)."""
-    return {hf.cache_kwarg(model): cache}
-
-
 @pytest.fixture(autouse=True)
 def _eager_transformers_bitnet():
     with torch._dynamo.config.patch(disable=True):
@@ -369,12 +363,12 @@ def test_generate_with_the_bitdecode_cache(monkeypatch):
     ids = _ids(6, batch=2, length=20)
     steps = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(6))
     c16, cbd = transformers.DynamicCache(config=conv.config), cache()
-    assert torch.equal(packed(ids, **cache_arg(packed, cbd), use_cache=True).logits,
-                       conv(ids, **cache_arg(conv, c16), use_cache=True).logits)
+    assert torch.equal(packed(ids, **hf.cache_kwargs(packed, cbd), use_cache=True).logits,
+                       conv(ids, **hf.cache_kwargs(conv, c16), use_cache=True).logits)
     agree = []
     for t in range(steps.shape[1]):
-        a = conv(steps[:, t : t + 1], **cache_arg(conv, c16), use_cache=True).logits
-        b = packed(steps[:, t : t + 1], **cache_arg(packed, cbd), use_cache=True).logits
+        a = conv(steps[:, t : t + 1], **hf.cache_kwargs(conv, c16), use_cache=True).logits
+        b = packed(steps[:, t : t + 1], **hf.cache_kwargs(packed, cbd), use_cache=True).logits
         assert _rel(b, a) < 0.06, (t, _rel(b, a))
         agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
     assert sum(agree) / len(agree) >= 0.75, agree
@@ -382,13 +376,13 @@ def test_generate_with_the_bitdecode_cache(monkeypatch):
 
     # greedy generate, two sequences: tokens agree with the 16-bit cache
     ref = conv.generate(ids, max_new_tokens=6, do_sample=False)
-    mine = packed.generate(ids, **cache_arg(packed, cache()), max_new_tokens=6, do_sample=False)
+    mine = packed.generate(ids, **hf.cache_kwargs(packed, cache()), max_new_tokens=6, do_sample=False)
     assert (mine[:, 20:] == ref[:, 20:]).float().mean().item() >= 0.75
 
     # one sequence: the prompt runs the GEMM (M = 20 tokens), each decode step the GEMV
     calls = _count_matmuls(monkeypatch)
     c = cache()
-    out = packed.generate(ids[:1], **cache_arg(packed, c), max_new_tokens=6, do_sample=False)
+    out = packed.generate(ids[:1], **hf.cache_kwargs(packed, c), max_new_tokens=6, do_sample=False)
     per_forward = 4 * LAYERS  # qkv, o, gate_up, down
     assert calls == [("gemm", 20)] * per_forward + [("gemv", 1)] * per_forward * 5
     assert c.layers[0].kv.lengths == [25]
@@ -520,7 +514,7 @@ def test_gpu_converted_model_on_the_kernels(monkeypatch):
     fmt = bd.KVFormat(bits=4, group_size=64)
     calls = _count_matmuls(monkeypatch)
     cache = hf.BitDecodingCache(packed, fmt, max_seqlen=512)
-    out = packed.generate(ids[:1], **cache_arg(packed, cache), max_new_tokens=8, do_sample=False)
+    out = packed.generate(ids[:1], **hf.cache_kwargs(packed, cache), max_new_tokens=8, do_sample=False)
     per_forward = 4 * LAYERS
     assert calls == [("gemm", 40)] * per_forward + [("gemv", 1)] * per_forward * 7
     monkeypatch.undo()

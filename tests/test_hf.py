@@ -40,12 +40,6 @@ def models():
     return _models()
 
 
-def cache_arg(model, cache) -> dict:
-    """``model``'s keyword for the cache (``hf.cache_kwarg``): ``cache`` from transformers
-    5.2x on, ``past_key_values`` before (deprecated in 5.2x; 5.25 says it goes in 5.40)."""
-    return {hf.cache_kwarg(model): cache}
-
-
 def _cache(model, bits, **kw):
     return hf.BitDecodingCache(model, bd.KVFormat(bits=bits, group_size=64), max_seqlen=1024,
                                backend="reference", **kw)
@@ -58,8 +52,8 @@ def _rel(a, b):
 def _feed(base, packed, c16, cbd, blocks):
     """Each token block through both models, the 16-bit cache beside the packed one:
     their logits, (16-bit, packed) per block."""
-    return [(base(x, **cache_arg(base, c16), use_cache=True).logits,
-             packed(x, **cache_arg(packed, cbd), use_cache=True).logits) for x in blocks]
+    return [(base(x, **hf.cache_kwargs(base, c16), use_cache=True).logits,
+             packed(x, **hf.cache_kwargs(packed, cbd), use_cache=True).logits) for x in blocks]
 
 
 @torch.no_grad()
@@ -98,12 +92,12 @@ def test_decode_steps_append_in_the_attention_call(models, monkeypatch):
 
     monkeypatch.setattr(hf, "decode", spy)
     cbd = _cache(packed, 4)
-    out = [packed(x, **cache_arg(packed, cbd), use_cache=True).logits for x in [ids, *steps.split(1, dim=1)]]
+    out = [packed(x, **hf.cache_kwargs(packed, cbd), use_cache=True).logits for x in [ids, *steps.split(1, dim=1)]]
     assert calls == [True] * 6 and all(layer._pending is None for layer in cbd.layers)
     monkeypatch.setattr(hf, "decode", real)
     monkeypatch.setattr(hf.BitDecodingLayer, "take_pending", lambda self: self.flush())  # the two calls
     ref = _cache(packed, 4)  # (the model's attention modules follow the newest cache)
-    want = [packed(x, **cache_arg(packed, ref), use_cache=True).logits for x in [ids, *steps.split(1, dim=1)]]
+    want = [packed(x, **hf.cache_kwargs(packed, ref), use_cache=True).logits for x in [ids, *steps.split(1, dim=1)]]
     assert all(torch.equal(a, b) for a, b in zip(out, want))
     monkeypatch.undo()
     _cache(packed, 4)  # (unbinds ``ref``: ``cbd``'s layers are driven by hand below)
@@ -127,10 +121,10 @@ def test_left_padded_sequence_decodes_like_itself_alone(models):
     mask = torch.ones_like(ids)
     mask[0, :pad] = 0
     cache = _cache(packed, 4)
-    batched = packed.generate(ids, attention_mask=mask, **cache_arg(packed, cache), max_new_tokens=4, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
+    batched = packed.generate(ids, attention_mask=mask, **hf.cache_kwargs(packed, cache), max_new_tokens=4,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert cache.layers[0].kv.lengths == [137 + 3, 200 + 3]  # pads were never stored
-    alone = packed.generate(short, **cache_arg(packed, _cache(packed, 4)), max_new_tokens=4, do_sample=False,
+    alone = packed.generate(short, **hf.cache_kwargs(packed, _cache(packed, 4)), max_new_tokens=4, do_sample=False,
                             output_logits=True, return_dict_in_generate=True)
     for a, b in zip(batched.logits, alone.logits):
         assert _rel(a[0], b[0]) < 2e-2
@@ -142,7 +136,7 @@ def test_generate_agrees_with_the_16bit_cache(models):
     base, packed = models
     ids = torch.randint(0, VOCAB, (2, 160), generator=torch.Generator().manual_seed(3))
     g16 = base.generate(ids, max_new_tokens=8, do_sample=False)
-    gbd = packed.generate(ids, **cache_arg(packed, _cache(packed, 4)), max_new_tokens=8, do_sample=False)
+    gbd = packed.generate(ids, **hf.cache_kwargs(packed, _cache(packed, 4)), max_new_tokens=8, do_sample=False)
     agree = (g16[:, 160:] == gbd[:, 160:]).float().mean().item()
     assert agree >= 0.75, agree
 
@@ -292,9 +286,9 @@ def _generates_like(fused, packed, n: int = 300):
     ids = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(6)).cuda()
     assert _rel(fused(ids).logits, packed(ids).logits) < 2e-2
     fmt = bd.KVFormat(bits=4, group_size=64)
-    out_f = fused.generate(ids, **cache_arg(fused, hf.BitDecodingCache(fused, fmt, max_seqlen=1024)),
+    out_f = fused.generate(ids, **hf.cache_kwargs(fused, hf.BitDecodingCache(fused, fmt, max_seqlen=1024)),
                            max_new_tokens=8, do_sample=False)
-    out_p = packed.generate(ids, **cache_arg(packed, hf.BitDecodingCache(packed, fmt, max_seqlen=1024)),
+    out_p = packed.generate(ids, **hf.cache_kwargs(packed, hf.BitDecodingCache(packed, fmt, max_seqlen=1024)),
                             max_new_tokens=8, do_sample=False)
     assert (out_f[:, n:] == out_p[:, n:]).float().mean().item() >= 0.75
 
@@ -348,8 +342,8 @@ def test_chunk_attention_equals_a_float64_model(models, return_lse):
     _, packed = models
     gen = torch.Generator().manual_seed(6)
     cbd = _cache(packed, 2)
-    packed(torch.randint(0, VOCAB, (2, 150), generator=gen), **cache_arg(packed, cbd), use_cache=True)
-    packed(torch.randint(0, VOCAB, (2, 7), generator=gen), **cache_arg(packed, cbd), use_cache=True)
+    packed(torch.randint(0, VOCAB, (2, 150), generator=gen), **hf.cache_kwargs(packed, cbd), use_cache=True)
+    packed(torch.randint(0, VOCAB, (2, 7), generator=gen), **hf.cache_kwargs(packed, cbd), use_cache=True)
     layer = cbd.layers[1]
     query = torch.randn(2, 8, 7, 64, generator=gen).to(torch.bfloat16)
     q = query.transpose(1, 2).contiguous()  # [B, Tq, Hq, D]
@@ -378,9 +372,9 @@ def test_assisted_generation_crops_the_packed_cache(models):
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     assistant = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     ids = torch.randint(0, VOCAB, (1, 140), generator=torch.Generator().manual_seed(7))
-    plain = packed.generate(ids, **cache_arg(packed, _cache(packed, 4)), max_new_tokens=12, do_sample=False)
+    plain = packed.generate(ids, **hf.cache_kwargs(packed, _cache(packed, 4)), max_new_tokens=12, do_sample=False)
     cache = _cache(packed, 4)
-    assisted = packed.generate(ids, **cache_arg(packed, cache), assistant_model=assistant, max_new_tokens=12,
+    assisted = packed.generate(ids, **hf.cache_kwargs(packed, cache), assistant_model=assistant, max_new_tokens=12,
                                do_sample=False)
     assert assisted.shape == plain.shape
     agree = (assisted[:, 140:] == plain[:, 140:]).float().mean().item()
@@ -432,7 +426,7 @@ def test_model_families_prefill_exact_and_decode_within_the_format_error(family)
     agree = torch.stack([(x[:, -1].argmax(-1) == y[:, -1].argmax(-1)) for x, y in decoded]).float().mean().item()
     assert agree >= 0.75, agree
     assert cbd.get_seq_length() == 208
-    out = packed.generate(ids, **cache_arg(packed, hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=32),
+    out = packed.generate(ids, **hf.cache_kwargs(packed, hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=32),
                                                                    max_seqlen=512, backend="reference")),
                           max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 204) and torch.equal(out[:, 200], base(ids).logits[:, -1].argmax(-1))
@@ -556,13 +550,14 @@ def test_the_attention_follows_the_cache_the_forward_updates(models):
     prompt, other = torch.randint(0, VOCAB, (2, 40), generator=gen), torch.randint(0, VOCAB, (2, 24), generator=gen)
     steps = torch.randint(0, VOCAB, (2, 3), generator=gen).split(1, dim=1)
     alone = _cache(packed, 4)
-    want = [packed(x, **cache_arg(packed, alone), use_cache=True).logits for x in [prompt, *steps]]
+    want = [packed(x, **hf.cache_kwargs(packed, alone), use_cache=True).logits for x in [prompt, *steps]]
     older, newer = _cache(packed, 4), _cache(packed, 4)
-    got = [packed(prompt, **cache_arg(packed, older), use_cache=True).logits]
-    packed(other, **cache_arg(packed, newer), use_cache=True)  # (turns: the newer cache between the older's steps)
+    got = [packed(prompt, **hf.cache_kwargs(packed, older), use_cache=True).logits]
+    # (turns: the newer cache between the older's steps)
+    packed(other, **hf.cache_kwargs(packed, newer), use_cache=True)
     for x in steps:
-        got.append(packed(x, **cache_arg(packed, older), use_cache=True).logits)
-        packed(x, **cache_arg(packed, newer), use_cache=True)
+        got.append(packed(x, **hf.cache_kwargs(packed, older), use_cache=True).logits)
+        packed(x, **hf.cache_kwargs(packed, newer), use_cache=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert older.get_seq_length() == 43 and newer.get_seq_length() == 27
     assert [layer.kv.lengths for layer in older.layers] == [[43, 43]] * 2
@@ -585,7 +580,7 @@ def test_beam_search_reorders_the_packed_cache(models):
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3, num_return_sequences=3,
               do_sample=False, return_dict_in_generate=True, output_scores=True)
     want = base.generate(ids, **kw)
-    got = packed.generate(ids, **cache_arg(packed, _cache(packed, 4)), **kw)
+    got = packed.generate(ids, **hf.cache_kwargs(packed, _cache(packed, 4)), **kw)
     assert got.sequences.shape == want.sequences.shape == (6, 46)
     agree = (got.sequences[:, 40:] == want.sequences[:, 40:]).float().mean().item()
     assert agree >= 0.9, agree
@@ -603,9 +598,10 @@ def test_reorder_cache_copies_the_source_sequences(models):
     mask = torch.ones_like(ids)
     mask[1, :20], mask[2, :7] = 0, 0
     cache = _cache(packed, 4)
-    packed(ids, attention_mask=mask, **cache_arg(packed, cache), use_cache=True)
+    packed(ids, attention_mask=mask, **hf.cache_kwargs(packed, cache), use_cache=True)
     mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
-    packed(torch.randint(0, VOCAB, (3, 1), generator=gen), attention_mask=mask, **cache_arg(packed, cache), use_cache=True)
+    packed(torch.randint(0, VOCAB, (3, 1), generator=gen), attention_mask=mask, **hf.cache_kwargs(packed, cache),
+           use_cache=True)
     before = [[layer.kv.dequantized(b) for b in range(3)] for layer in cache.layers]
     assert cache.layers[0].kv.lengths == [151, 131, 144]
     beam_idx = torch.tensor([2, 0, 0])
@@ -617,7 +613,7 @@ def test_reorder_cache_copies_the_source_sequences(models):
             k, v = layer.kv.dequantized(b)
             assert torch.equal(k, old[src][0]) and torch.equal(v, old[src][1])
     mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
-    packed(torch.tensor([[5], [6], [7]]), attention_mask=mask, **cache_arg(packed, cache), use_cache=True)
+    packed(torch.tensor([[5], [6], [7]]), attention_mask=mask, **hf.cache_kwargs(packed, cache), use_cache=True)
     (k1, _), (k2, _) = cache.layers[0].kv.dequantized(1), cache.layers[0].kv.dequantized(2)
     assert torch.equal(k1[:151], k2[:151]) and not torch.equal(k1[151], k2[151])
 
@@ -632,25 +628,25 @@ def test_a_chunk_with_masked_positions_is_refused_and_changes_nothing(models):
     gen = torch.Generator().manual_seed(14)
     prompt, chunk = torch.randint(1, VOCAB, (2, 30), generator=gen), torch.randint(1, VOCAB, (2, 5), generator=gen)
     ref = _cache(packed, 4)
-    packed(prompt, **cache_arg(packed, ref), use_cache=True)
-    want = packed(chunk, **cache_arg(packed, ref), use_cache=True).logits
+    packed(prompt, **hf.cache_kwargs(packed, ref), use_cache=True)
+    want = packed(chunk, **hf.cache_kwargs(packed, ref), use_cache=True).logits
     cache = _cache(packed, 4)
-    packed(prompt, **cache_arg(packed, cache), use_cache=True)
+    packed(prompt, **hf.cache_kwargs(packed, cache), use_cache=True)
     before = _state(cache)
     mask = torch.ones(2, 35, dtype=torch.long)
     mask[1, 30:32] = 0  # sequence 1's turn is shorter: pads where it joins
     with pytest.raises(ValueError, match=r"masked \(padding\) positions"):
-        packed(chunk, attention_mask=mask, **cache_arg(packed, cache), use_cache=True)
+        packed(chunk, attention_mask=mask, **hf.cache_kwargs(packed, cache), use_cache=True)
     assert _state(cache) == before == (30, [[30, 30]] * 2)
-    assert torch.equal(packed(chunk, **cache_arg(packed, cache), use_cache=True).logits, want)
+    assert torch.equal(packed(chunk, **hf.cache_kwargs(packed, cache), use_cache=True).logits, want)
     # generate's chunked prefill of a left-padded batch: the second chunk has pads in sequence 1
     ids = torch.randint(1, VOCAB, (2, 40), generator=gen)
     mask = torch.ones_like(ids)
     ids[1, :20], mask[1, :20] = 0, 0
     cache = _cache(packed, 4)
     with pytest.raises(ValueError, match=r"masked \(padding\) positions"):
-        packed.generate(ids, attention_mask=mask, **cache_arg(packed, cache), prefill_chunk_size=16, max_new_tokens=2,
-                        do_sample=False, pad_token_id=0)
+        packed.generate(ids, attention_mask=mask, **hf.cache_kwargs(packed, cache), prefill_chunk_size=16,
+                        max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert _state(cache) == (16, [[16, 0]] * 2)
 
 
@@ -664,17 +660,18 @@ def test_a_refused_step_leaves_the_cache_as_it_was(models):
     gen = torch.Generator().manual_seed(15)
     prompt, steps = torch.randint(0, VOCAB, (2, 40), generator=gen), torch.randint(0, VOCAB, (2, 2), generator=gen)
     full = hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=64), max_seqlen=40, backend="reference")
-    packed(prompt, **cache_arg(packed, full), use_cache=True)
+    packed(prompt, **hf.cache_kwargs(packed, full), use_cache=True)
     with pytest.raises(ValueError, match="max_seqlen"):
-        packed(steps[:, :1], **cache_arg(packed, full), use_cache=True)
+        packed(steps[:, :1], **hf.cache_kwargs(packed, full), use_cache=True)
     assert _state(full) == (40, [[40, 40]] * 2)
     ref, cache = _cache(packed, 4), _cache(packed, 4)
-    want = [packed(x, **cache_arg(packed, ref), use_cache=True).logits for x in [prompt, steps[:, :1], steps[:, 1:]]]
-    packed(prompt, **cache_arg(packed, cache), use_cache=True)
+    want = [packed(x, **hf.cache_kwargs(packed, ref), use_cache=True).logits
+            for x in [prompt, steps[:, :1], steps[:, 1:]]]
+    packed(prompt, **hf.cache_kwargs(packed, cache), use_cache=True)
     with pytest.raises(ValueError, match="shape"):
-        packed(steps[:1, :1], **cache_arg(packed, cache), use_cache=True)  # one sequence of the two
+        packed(steps[:1, :1], **hf.cache_kwargs(packed, cache), use_cache=True)  # one sequence of the two
     assert _state(cache) == (40, [[40, 40]] * 2)
-    got = [packed(x, **cache_arg(packed, cache), use_cache=True).logits for x in [steps[:, :1], steps[:, 1:]]]
+    got = [packed(x, **hf.cache_kwargs(packed, cache), use_cache=True).logits for x in [steps[:, :1], steps[:, 1:]]]
     assert torch.equal(got[0], want[1]) and torch.equal(got[1], want[2])
 
 
@@ -695,28 +692,28 @@ def test_sequences_past_a_sliding_window_are_refused():
     gen = torch.Generator().manual_seed(16)
     prompt, steps = torch.randint(0, VOCAB, (1, 30), generator=gen), torch.randint(0, VOCAB, (1, 3), generator=gen)
     cache = _cache(packed, 4)
-    assert torch.equal(packed(prompt, **cache_arg(packed, cache), use_cache=True).logits, base(prompt).logits)
-    packed(steps[:, :1], **cache_arg(packed, cache), use_cache=True)
-    packed(steps[:, 1:2], **cache_arg(packed, cache), use_cache=True)
+    assert torch.equal(packed(prompt, **hf.cache_kwargs(packed, cache), use_cache=True).logits, base(prompt).logits)
+    packed(steps[:, :1], **hf.cache_kwargs(packed, cache), use_cache=True)
+    packed(steps[:, 1:2], **hf.cache_kwargs(packed, cache), use_cache=True)
     with pytest.raises(ValueError, match="sliding window of 32 tokens"):
-        packed(steps[:, 2:], **cache_arg(packed, cache), use_cache=True)
+        packed(steps[:, 2:], **hf.cache_kwargs(packed, cache), use_cache=True)
     assert cache.get_seq_length() == 32
     _, unwindowed = _pair("MistralForCausalLM", _sliding_config("MistralConfig", sliding_window=None))
     cache = _cache(unwindowed, 4)
-    unwindowed(torch.cat([prompt, prompt], 1), **cache_arg(unwindowed, cache), use_cache=True)
-    unwindowed(steps[:, :1], **cache_arg(unwindowed, cache), use_cache=True)
+    unwindowed(torch.cat([prompt, prompt], 1), **hf.cache_kwargs(unwindowed, cache), use_cache=True)
+    unwindowed(steps[:, :1], **hf.cache_kwargs(unwindowed, cache), use_cache=True)
     assert cache.get_seq_length() == 61
     # Qwen2 with use_sliding_window: layer 0 full, layer 1 sliding (max_window_layers=1)
     mixed = _sliding_config("Qwen2Config", use_sliding_window=True, sliding_window=32, max_window_layers=1)
     assert mixed.layer_types == ["full_attention", "sliding_attention"]
     _, packed = _pair("Qwen2ForCausalLM", mixed)
     with pytest.raises(ValueError, match="layer 1 attends over a sliding window"):
-        packed(torch.cat([prompt, prompt], 1), **cache_arg(packed, _cache(packed, 4)), use_cache=True)
+        packed(torch.cat([prompt, prompt], 1), **hf.cache_kwargs(packed, _cache(packed, 4)), use_cache=True)
     full = _sliding_config("Qwen2Config", use_sliding_window=True, sliding_window=32, max_window_layers=2)
     assert full.layer_types == ["full_attention"] * 2  # a window in the config, but no layer slides
     _, packed = _pair("Qwen2ForCausalLM", full)
     cache = _cache(packed, 4)
-    packed(torch.cat([prompt, prompt], 1), **cache_arg(packed, cache), use_cache=True)
+    packed(torch.cat([prompt, prompt], 1), **hf.cache_kwargs(packed, cache), use_cache=True)
     assert cache.get_seq_length() == 60
 
 
@@ -764,8 +761,8 @@ def test_crop_takes_an_int_only(models):
     token), and the cache is left as it was."""
     _, packed = models
     cache = _cache(packed, 4)
-    packed(torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(17)), **cache_arg(packed, cache),
-           use_cache=True)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(17))
+    packed(ids, **hf.cache_kwargs(packed, cache), use_cache=True)
     for bad in (1.5, "x", True):
         with pytest.raises(TypeError, match="tokens_to_remove"):
             cache.crop(bad)
@@ -811,19 +808,19 @@ def test_compiled_decode_steps_then_an_eager_step(models, check):
     prompt, steps = torch.randint(0, VOCAB, (2, 30), generator=gen), torch.randint(0, VOCAB, (2, 3), generator=gen)
     blocks = [prompt, *steps.split(1, dim=1)]
     ref = _cache(packed, 4)
-    want = [packed(x, **cache_arg(packed, ref), use_cache=True).logits for x in blocks]
+    want = [packed(x, **hf.cache_kwargs(packed, ref), use_cache=True).logits for x in blocks]
     cache = _cache(packed, 4)
-    packed(prompt, **cache_arg(packed, cache), use_cache=True)  # eager prefill (binds the cache)
+    packed(prompt, **hf.cache_kwargs(packed, cache), use_cache=True)  # eager prefill (binds the cache)
     torch._dynamo.reset()
     try:
         forward = torch.compile(packed.forward, backend="aot_eager")
         for i in (1, 2):
-            assert _rel(forward(blocks[i], **cache_arg(packed, cache), use_cache=True).logits, want[i]) < 1e-3
+            assert _rel(forward(blocks[i], **hf.cache_kwargs(packed, cache), use_cache=True).logits, want[i]) < 1e-3
     finally:
         torch._dynamo.reset()
     if check:
         cache.check()
         assert _state(cache) == (32, [[32, 32]] * 2)
     assert cache.get_seq_length() == 32
-    assert torch.equal(packed(blocks[3], **cache_arg(packed, cache), use_cache=True).logits, want[3])
+    assert torch.equal(packed(blocks[3], **hf.cache_kwargs(packed, cache), use_cache=True).logits, want[3])
     assert _state(cache) == (33, [[33, 33]] * 2)
