@@ -208,6 +208,33 @@ def test_dequant_probe_sm90_ptx(cfg):
         assert instr in ptx, f"{instr} missing from the sm90 dequant probe PTX"
 
 
+@pytest.mark.parametrize("cfg", [(16384, 4, 1, 4), (8192, 6, 4, 2)], ids=lambda c: f"{c[0] // 1024}k-s{c[1]}-x{c[2]}")
+def test_ring_probe_sm90_ptx(cfg, tmp_path):
+    """profiles/bench_ring.py's kernel: the producer's ``copies`` bulk copies a tile on the
+    stage's transaction barrier, the consumers' 16-byte shared loads (a tile's worth over
+    their threads), waits on mbarriers, no spill (sm_90a only)."""
+    tile_bytes, stages, copies, warps = cfg
+    from bitdecode.kernels_sm90.ring_probe import RingProbeSm90
+
+    ptx = RingProbeSm90.compile("sm_90a", tile_bytes, stages, copies, warps, keep_ptx=True).artifacts.PTX
+    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == copies
+    assert ptx.count("mbarrier.arrive.expect_tx") == 1 and "mbarrier.try_wait" in ptx
+    assert ptx.count("ld.shared.v4") == tile_bytes // 16 // (32 * warps)
+    assert ptxas.spill_bytes(ptxas.report(ptx, "sm_90a", tmp_path)) == 0
+
+
+def test_ring_probe_refuses_bad_sizes():
+    from bitdecode.kernels_sm90.ring_probe import RingProbeSm90
+
+    for kwargs, message in ((dict(tile_bytes=16384, stages=1), "stages must be at least 2"),
+                            (dict(tile_bytes=16384, stages=4, consumer_warps=9), "consumer_warps must be 1 to 8"),
+                            (dict(tile_bytes=16384, stages=4, copies=3), "copies must be 1 to 64"),
+                            (dict(tile_bytes=16384, stages=4, copies=65), "copies must be 1 to 64"),
+                            (dict(tile_bytes=3072, stages=4), "tile_bytes \\(3072\\) must be a multiple of 2048")):
+        with pytest.raises(ValueError, match=message):
+            RingProbeSm90(**kwargs)
+
+
 # (bits, k_mode, group, dtype, head_dim, heads per tile, split): the sm90 decode kernel
 SM90_DECODE = [
     (4, "channel", 128, "fp16", 128, 8, True),

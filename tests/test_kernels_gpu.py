@@ -572,6 +572,31 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_bytes, stages, copies, warps", [(16384, 4, 1, 4), (8192, 6, 4, 2), (4096, 2, 2, 1),
+                                                               (32768, 3, 16, 8)])
+def test_ring_probe_reads_every_byte(tile_bytes, stages, copies, warps):
+    """``RingProbeSm90`` (profiles/bench_ring.py's kernel) over runs of tiles that wrap the
+    ring many times, an odd count of CTAs and tiles: each consumer thread's sum (mod 2^32)
+    equals its words' sum in torch, so the ring hands every tile over once, whole, in its
+    stage, and no time the benchmark reports comes from wrong bytes."""
+    from bitdecode import jit
+    from bitdecode.kernels_sm90.ring_probe import RingProbeSm90
+
+    if jit.target_arch() != "sm_90a":
+        pytest.skip("cp.async.bulk on mbarriers: Hopper only")
+    fn = RingProbeSm90.compile("sm_90a", tile_bytes, stages, copies, warps)
+    threads, ctas, tiles = 32 * warps, 7, 4 * stages + 3
+    gen = torch.Generator(device=DEV).manual_seed(tile_bytes + stages)
+    src = torch.randint(-(2**31), 2**31 - 1, (ctas, tiles, tile_bytes // 4), dtype=torch.int32, device=DEV,
+                        generator=gen)
+    out = torch.full((ctas, threads), 12345, dtype=torch.int32, device=DEV)
+    fn(src, out)
+    # thread t: words 4t .. 4t+3 of each (4 x threads)-word chunk of every tile
+    want = src.view(ctas, tiles, -1, threads, 4).to(torch.int64).sum(dim=(1, 2, 4)) & 0xFFFFFFFF
+    assert torch.equal(out.to(torch.int64) & 0xFFFFFFFF, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt, dtype", [(bd.KVFormat(4, "channel", 128), torch.float16),
                                         (bd.KVFormat(2, "token", 64), torch.bfloat16),
                                         (bd.KVFormat(4, fp4="nvfp4", sink_tokens=5), torch.float16)])

@@ -1,0 +1,183 @@
+"""What a bare TMA ring streams on this GPU (``kernels_sm90.ring_probe``), against the HBM
+read rate measured in the same run: how many bytes in flight an SM needs to read at
+the rate, with nothing of the decode around the ring.
+
+The sm90 decode's ring alone reads 4-bit B=16 N=64K (16.5 KB tiles, four stages, two
+CTAs an SM) at 0.98 of the H100's read rate and 0.88 of the H200's, 2-bit (8.6 KB tiles,
+six stages) at 0.77-0.79 on both (profiles/NOTES.md).  This sweep says whether a plain
+ring of those sizes does the same: if it does, the decode needs more bytes in flight an
+SM; if it reads at the rate, the loss is in the decode's ring itself.
+
+Each configuration (tile bytes, bulk copies a tile, stages, CTAs an SM) is one launch of
+one wave (CTAs = CTAs an SM x SMs, each streaming its own contiguous run of tiles) over
+``--gib`` GiB (well above L2, so nothing is served from it), timed between CUDA events,
+median of ``--replays`` after a warm-up; each configuration's consumer sums are checked
+against torch's once, so no time comes from a ring that read the wrong bytes.  The read
+rate is ``measure_roofline``'s (a 1 GiB fp32 sum, and the best of it and a copy).
+
+    python3 profiles/bench_ring.py --out profiles/h200
+
+writes ``<out>/ring_probe.json`` (``ring_probe_<tag>.json`` with ``--tag``) and a PNG of
+the fraction of the read rate against the bytes in flight an SM, if matplotlib imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_bitnet import measure_roofline  # noqa: E402
+
+SMEM_PER_SM = 228 * 1024  # Hopper's shared memory an SM
+SMEM_RESERVED = 1024  # of it, what the system takes a CTA
+SMEM_PER_CTA = 227 * 1024  # the most one CTA may ask for
+
+
+def int_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def fits(smem_bytes: int, ctas_per_sm: int) -> bool:
+    """Whether ``ctas_per_sm`` CTAs of ``smem_bytes`` of shared memory share an SM."""
+    return smem_bytes <= SMEM_PER_CTA and ctas_per_sm * (smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
+
+
+def expected_sums(src: torch.Tensor, threads: int) -> torch.Tensor:
+    """What ``RingProbeSm90``'s consumer thread ``t`` of each CTA adds up, mod 2^32:
+    words ``4 t .. 4 t + 3`` of every ``4 x threads``-word chunk of every tile of ``src``
+    (ctas, tiles, words)."""
+    ctas, tiles, words = src.shape
+    parts = src.view(ctas, tiles, words // (4 * threads), threads, 4).to(torch.int64)
+    return parts.sum(dim=(1, 2, 4)) & 0xFFFFFFFF
+
+
+def run_config(fn, src: torch.Tensor, threads: int, replays: int) -> float:
+    """us per launch of the compiled probe ``fn`` over ``src``; raises if its sums are wrong."""
+    out = torch.zeros(src.shape[0], threads, dtype=torch.int32, device=src.device)
+    fn(src, out)
+    torch.cuda.synchronize()
+    if not torch.equal(out.to(torch.int64) & 0xFFFFFFFF, expected_sums(src, threads)):
+        raise RuntimeError("the ring probe's sums differ from torch's: it read the wrong bytes")
+    fn(src, out)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(src, out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output folder, e.g. profiles/h200")
+    p.add_argument("--tag", default="", help="suffix of the file name (an identifier)")
+    p.add_argument("--tile-kb", type=int_list, default=[8, 16, 32], help="tile sizes, KiB")
+    p.add_argument("--stages", type=int_list, default=[2, 3, 4, 6, 8])
+    p.add_argument("--ctas-per-sm", type=int_list, default=[1, 2])
+    p.add_argument("--copies", type=int_list, default=[1, 4], help="bulk copies a tile")
+    p.add_argument("--consumer-warps", type=int, default=4)
+    p.add_argument("--gib", type=float, default=1.0, help="bytes each launch reads, GiB")
+    p.add_argument("--replays", type=int, default=15)
+    args = p.parse_args(argv)
+    if args.tag and not args.tag.isidentifier():
+        p.error(f"--tag must be an identifier, got {args.tag!r}")
+    if args.gib <= 0 or args.replays < 1:
+        p.error("--gib and --replays must be positive")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_ring needs a CUDA GPU")
+    from bitdecode import jit
+    from bitdecode.kernels_sm90.ring_probe import RingProbeSm90
+
+    arch = jit.target_arch()
+    if arch != "sm_90a":
+        raise SystemExit(f"the ring probe is a Hopper kernel (cp.async.bulk on mbarriers); this GPU is {arch}")
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    roof = measure_roofline(dev, 10)
+    words = int(args.gib * (1 << 30)) // 4
+    pool = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=dev)
+    rows: List[Dict] = []
+    skipped: List[Dict] = []
+    for tile_kb in args.tile_kb:
+        for copies in args.copies:
+            for stages in args.stages:
+                probe = RingProbeSm90(tile_kb * 1024, stages, copies, args.consumer_warps)
+                shape = {"tile_bytes": probe.tile_bytes, "copies": copies, "stages": stages}
+                runnable = [c for c in args.ctas_per_sm if fits(probe.smem_bytes(), c)]
+                for c in sorted(set(args.ctas_per_sm) - set(runnable)):
+                    skipped.append({**shape, "ctas_per_sm": c, "why": f"{probe.smem_bytes()} bytes of shared "
+                                                                      f"memory a CTA do not fit {c} an SM"})
+                if not runnable:
+                    continue
+                fn = RingProbeSm90.compile(arch, probe.tile_bytes, stages, copies, args.consumer_warps)
+                for cps in runnable:
+                    ctas = cps * sms
+                    tiles = words // (ctas * probe.tile_words)
+                    src = pool[: ctas * tiles * probe.tile_words].view(ctas, tiles, probe.tile_words)
+                    us = run_config(fn, src, probe.threads, args.replays)
+                    nbytes = src.numel() * 4
+                    row = {**shape, "ctas_per_sm": cps, "in_flight_per_sm": cps * stages * probe.tile_bytes,
+                           "bytes": nbytes, "us": us, "bytes_per_s": nbytes / (us * 1e-6),
+                           "read_rate_frac": nbytes / (us * 1e-6) / roof["read_bytes_per_s"]}
+                    rows.append(row)
+                    print(f"tile {tile_kb:3d} KB x{copies:<2d} stages {stages} CTAs/SM {cps}: "
+                          f"{row['in_flight_per_sm'] / 1024:6.0f} KB in flight, {us:8.2f} us, "
+                          f"{row['bytes_per_s'] / 1e12:.2f} TB/s = {row['read_rate_frac']:.3f} of the read rate")
+    name = f"ring_probe_{args.tag}" if args.tag else "ring_probe"
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sms": sms,
+              "command": " ".join(["python3 profiles/bench_ring.py", *(sys.argv[1:] if argv is None else argv)]),
+              "method": __doc__.strip().split("\n\n")[0].replace("\n", " "), "roofline": roof,
+              "consumer_warps": args.consumer_warps, "rows": rows, "skipped": skipped}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out / f"{name}.png")
+    return 0
+
+
+def plot(result: Dict, path: Path) -> Optional[Path]:
+    """Fraction of the read rate against KiB in flight an SM, a line per (tile, copies)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: Dict[tuple, List[Dict]] = {}
+    for row in result["rows"]:
+        series.setdefault((row["tile_bytes"], row["copies"]), []).append(row)
+    for (tile, copies), rows in sorted(series.items()):
+        rows = sorted(rows, key=lambda r: r["in_flight_per_sm"])
+        ax.plot([r["in_flight_per_sm"] / 1024 for r in rows], [r["read_rate_frac"] for r in rows], marker="o",
+                label=f"{tile // 1024} KB tiles, {copies} cop{'y' if copies == 1 else 'ies'}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes in flight an SM (stages x tile x CTAs an SM), KiB")
+    ax.set_ylabel("fraction of the read rate")
+    ax.set_title(f"A bare TMA ring, {result['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
