@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--tile-kb", type=int_list, default=[8, 16, 32], help="tile sizes, KiB")
     p.add_argument("--stages", type=int_list, default=[2, 3, 4, 6, 8])
     p.add_argument("--ctas-per-sm", type=int_list, default=[1, 2])
-    p.add_argument("--copies", type=int_list, default=[1, 4], help="bulk copies a tile")
+    p.add_argument("--copies", type=int_list, default=[1, 4, 16],
+                   help="bulk copies a tile (the decode issues four a stage: K's box, V's, their params)")
     p.add_argument("--consumer-warps", type=int, default=4)
     p.add_argument("--gib", type=float, default=1.0, help="bytes each launch reads, GiB")
     p.add_argument("--replays", type=int, default=15)
