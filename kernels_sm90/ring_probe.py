@@ -54,8 +54,9 @@ class RingProbeSm90:
         self.copy_words = self.tile_words // copies
 
     def smem_bytes(self) -> int:
-        """Shared memory a CTA takes: the stages and their two mbarriers each."""
-        return self.stages * self.tile_bytes + 16 * self.stages
+        """Shared memory a CTA takes: the stages, after their two mbarriers each (the tiles
+        start 128-byte aligned)."""
+        return -(-16 * self.stages // 128) * 128 + self.stages * self.tile_bytes
 
     @staticmethod
     def compile(arch: str, tile_bytes: int, stages: int, copies: int = 1, consumer_warps: int = 4,

@@ -115,6 +115,13 @@ def main(argv=None) -> int:
     pool = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=dev)
     rows: List[Dict] = []
     skipped: List[Dict] = []
+    name = f"ring_probe_{args.tag}" if args.tag else "ring_probe"
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sms": sms,
+              "command": " ".join(["python3 profiles/bench_ring.py", *(sys.argv[1:] if argv is None else argv)]),
+              "method": __doc__.strip().split("\n\n")[0].replace("\n", " "), "roofline": roof,
+              "consumer_warps": args.consumer_warps, "rows": rows, "skipped": skipped}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{name}.json"
     for tile_kb in args.tile_kb:
         for copies in args.copies:
             for stages in args.stages:
@@ -140,13 +147,9 @@ def main(argv=None) -> int:
                     print(f"tile {tile_kb:3d} KB x{copies:<2d} stages {stages} CTAs/SM {cps}: "
                           f"{row['in_flight_per_sm'] / 1024:6.0f} KB in flight, {us:8.2f} us, "
                           f"{row['bytes_per_s'] / 1e12:.2f} TB/s = {row['read_rate_frac']:.3f} of the read rate")
-    name = f"ring_probe_{args.tag}" if args.tag else "ring_probe"
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sms": sms,
-              "command": " ".join(["python3 profiles/bench_ring.py", *(sys.argv[1:] if argv is None else argv)]),
-              "method": __doc__.strip().split("\n\n")[0].replace("\n", " "), "roofline": roof,
-              "consumer_warps": args.consumer_warps, "rows": rows, "skipped": skipped}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+                    # (written after every row: a configuration that ends the process keeps the others')
+                    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out / f"{name}.png")
     return 0
 
