@@ -875,4 +875,4 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 __all__ = ["BitDecodingCache", "BitDecodingLayer", "bitdecode_attention", "ATTN_IMPLEMENTATION", "FusedRMSNorm",
            "fuse_norms", "unfuse_norms", "RMS_NORM_CLASSES", "fuse_rope", "restore_rope", "fuse_projections", "unfuse_projections", "fused", "ProjectionSlice",
-           "Projection", "PROJECTION_GROUPS", "SINGLE_PROJECTIONS"]
+           "Projection", "PROJECTION_GROUPS", "SINGLE_PROJECTIONS", "cache_kwarg", "cache_kwargs"]
