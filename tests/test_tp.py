@@ -84,7 +84,6 @@ def _scenario(model, device, backend: str) -> dict:
     from bitdecode import hf
 
     ids, steps, mask = _inputs(device)
-    kw = hf.cache_kwarg(model)  # (``cache`` from transformers 5.2x on, ``past_key_values`` before)
     out = {}
     for name in ("16", "4", "2"):
         if name == "16":
@@ -92,8 +91,8 @@ def _scenario(model, device, backend: str) -> dict:
         else:
             cache = hf.BitDecodingCache(model, bd.KVFormat(bits=int(name), group_size=64), max_seqlen=1024,
                                         backend=backend)
-        logits = [model(ids, **{kw: cache}, use_cache=True).logits[:, -1]]
-        logits += [model(steps[:, i:i + 1], **{kw: cache}, use_cache=True).logits[:, -1]
+        logits = [model(ids, **hf.cache_kwargs(model, cache), use_cache=True).logits[:, -1]]
+        logits += [model(steps[:, i:i + 1], **hf.cache_kwargs(model, cache), use_cache=True).logits[:, -1]
                    for i in range(STEPS)]
         out[f"logits{name}"] = torch.stack(logits, 1).float().cpu()  # [B, 1 + STEPS, V]
         if name != "16":
@@ -102,8 +101,8 @@ def _scenario(model, device, backend: str) -> dict:
             out[f"bytes{name}"] = cache.memory_bytes()
         del cache
     cache = hf.BitDecodingCache(model, bd.KVFormat(bits=4, group_size=64), max_seqlen=1024, backend=backend)
-    res = model.generate(ids, attention_mask=mask, **{kw: cache}, max_new_tokens=GEN, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True)
+    res = model.generate(ids, attention_mask=mask, **hf.cache_kwargs(model, cache), max_new_tokens=GEN,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
     out["gen_tokens"] = res.sequences[:, PROMPT:].cpu()
     out["gen_logits"] = torch.stack(res.logits, 1).float().cpu()
     out["gen_lengths"] = cache.layers[0].kv.lengths
