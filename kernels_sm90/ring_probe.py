@@ -25,7 +25,7 @@ from cutlass import Int32
 
 from .. import jit
 from ..kernels_sm80.host import fake_tensor, stream
-from ..layouts import sm80
+from ..layouts import resources, sm80
 from . import ptx90
 
 WARP = cute.arch.WARP_SIZE
@@ -57,6 +57,21 @@ class RingProbeSm90:
         """Shared memory a CTA takes: the stages, after their two mbarriers each (the tiles
         start 128-byte aligned)."""
         return -(-16 * self.stages // 128) * 128 + self.stages * self.tile_bytes
+
+    def ctas_per_sm(self) -> int:
+        """How many of these CTAs an SM holds by shared memory (0: one does not fit)."""
+        smem = self.smem_bytes()
+        return resources.smem_ctas_per_sm(smem) if smem <= resources.HOPPER_CTA_SMEM_BYTES else 0
+
+    def expected_sums(self, src):
+        """What the consumers store for ``src`` (torch int32, ``(ctas, tiles, tile_bytes //
+        4)``): thread ``t``'s sum, mod 2^32, of words ``4 t .. 4 t + 3`` of every ``4 x
+        threads``-word chunk of every tile, as int64 ``(ctas, threads)``."""
+        import torch
+
+        ctas, tiles, _ = src.shape
+        parts = src.view(ctas, tiles, -1, self.threads, VEC).to(torch.int64)
+        return parts.sum(dim=(1, 2, 4)) & 0xFFFFFFFF
 
     @staticmethod
     def compile(arch: str, tile_bytes: int, stages: int, copies: int = 1, consumer_warps: int = 4,

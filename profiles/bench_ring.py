@@ -35,10 +35,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bitnet import measure_roofline  # noqa: E402
 
-SMEM_PER_SM = 228 * 1024  # Hopper's shared memory an SM
-SMEM_RESERVED = 1024  # of it, what the system takes a CTA
-SMEM_PER_CTA = 227 * 1024  # the most one CTA may ask for
-
 
 def int_list(text: str) -> List[int]:
     try:
@@ -50,26 +46,12 @@ def int_list(text: str) -> List[int]:
     return values
 
 
-def fits(smem_bytes: int, ctas_per_sm: int) -> bool:
-    """Whether ``ctas_per_sm`` CTAs of ``smem_bytes`` of shared memory share an SM."""
-    return smem_bytes <= SMEM_PER_CTA and ctas_per_sm * (smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
-
-
-def expected_sums(src: torch.Tensor, threads: int) -> torch.Tensor:
-    """What ``RingProbeSm90``'s consumer thread ``t`` of each CTA adds up, mod 2^32:
-    words ``4 t .. 4 t + 3`` of every ``4 x threads``-word chunk of every tile of ``src``
-    (ctas, tiles, words)."""
-    ctas, tiles, words = src.shape
-    parts = src.view(ctas, tiles, words // (4 * threads), threads, 4).to(torch.int64)
-    return parts.sum(dim=(1, 2, 4)) & 0xFFFFFFFF
-
-
-def run_config(fn, src: torch.Tensor, threads: int, replays: int) -> float:
-    """us per launch of the compiled probe ``fn`` over ``src``; raises if its sums are wrong."""
-    out = torch.zeros(src.shape[0], threads, dtype=torch.int32, device=src.device)
+def run_config(probe, fn, src: torch.Tensor, replays: int) -> float:
+    """us per launch of ``probe`` compiled (``fn``) over ``src``; raises if its sums are wrong."""
+    out = torch.zeros(src.shape[0], probe.threads, dtype=torch.int32, device=src.device)
     fn(src, out)
     torch.cuda.synchronize()
-    if not torch.equal(out.to(torch.int64) & 0xFFFFFFFF, expected_sums(src, threads)):
+    if not torch.equal(out.to(torch.int64) & 0xFFFFFFFF, probe.expected_sums(src)):
         raise RuntimeError("the ring probe's sums differ from torch's: it read the wrong bytes")
     fn(src, out)
     times = []
@@ -127,7 +109,7 @@ def main(argv=None) -> int:
             for stages in args.stages:
                 probe = RingProbeSm90(tile_kb * 1024, stages, copies, args.consumer_warps)
                 shape = {"tile_bytes": probe.tile_bytes, "copies": copies, "stages": stages}
-                runnable = [c for c in args.ctas_per_sm if fits(probe.smem_bytes(), c)]
+                runnable = [c for c in args.ctas_per_sm if c <= probe.ctas_per_sm()]
                 for c in sorted(set(args.ctas_per_sm) - set(runnable)):
                     skipped.append({**shape, "ctas_per_sm": c, "why": f"{probe.smem_bytes()} bytes of shared "
                                                                       f"memory a CTA do not fit {c} an SM"})
@@ -138,7 +120,7 @@ def main(argv=None) -> int:
                     ctas = cps * sms
                     tiles = words // (ctas * probe.tile_words)
                     src = pool[: ctas * tiles * probe.tile_words].view(ctas, tiles, probe.tile_words)
-                    us = run_config(fn, src, probe.threads, args.replays)
+                    us = run_config(probe, fn, src, args.replays)
                     nbytes = src.numel() * 4
                     row = {**shape, "ctas_per_sm": cps, "in_flight_per_sm": cps * stages * probe.tile_bytes,
                            "bytes": nbytes, "us": us, "bytes_per_s": nbytes / (us * 1e-6),

@@ -517,11 +517,8 @@ def test_bench_variants_arguments(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_bench_ring_arguments_and_sums(capsys):
-    """profiles/bench_ring.py: refusals naming the argument, which ring sizes share an SM,
-    and the consumer sums it checks every configuration against, written out here as the
-    probe's docstring states them (thread t: words 4t .. 4t+3 of every 4 x threads-word
-    chunk of every tile, mod 2^32)."""
+def test_bench_ring_arguments(capsys):
+    """profiles/bench_ring.py: refusals naming the argument; without a GPU it says so."""
     import torch
 
     br = _profile_script("bench_ring")
@@ -529,19 +526,6 @@ def test_bench_ring_arguments_and_sums(capsys):
     _refused(br.main, ["--out", "x", "--tile-kb", "8,a"], "expected comma-separated integers", capsys)
     _refused(br.main, ["--out", "x", "--tag", "a-b"], "--tag must be an identifier", capsys)
     _refused(br.main, ["--out", "x", "--gib", "0"], "--gib and --replays must be positive", capsys)
-    assert br.fits(4 * 16384 + 64, 2) and br.fits(6 * 32768 + 96, 1)
-    assert not br.fits(6 * 32768 + 96, 2) and not br.fits(8 * 32768 + 128, 1)
-    gen = torch.Generator().manual_seed(3)
-    src = torch.randint(-(2**31), 2**31 - 1, (2, 3, 64), dtype=torch.int32, generator=gen)
-    threads = 4
-    want = torch.zeros(2, threads, dtype=torch.int64)
-    for c in range(2):
-        for t in range(threads):
-            for tile in range(3):
-                for chunk in range(64 // (4 * threads)):
-                    base = chunk * 4 * threads + 4 * t
-                    want[c, t] += int(src[c, tile, base:base + 4].to(torch.int64).sum())
-    assert torch.equal(br.expected_sums(src, threads), want & 0xFFFFFFFF)
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             br.main(["--out", "x"])

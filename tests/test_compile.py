@@ -235,6 +235,29 @@ def test_ring_probe_refuses_bad_sizes():
             RingProbeSm90(**kwargs)
 
 
+def test_ring_probe_sums_and_fit():
+    """``RingProbeSm90.expected_sums`` (what the GPU test and profiles/bench_ring.py hold the
+    kernel to) against the rule written out as loops: thread t adds words 4t .. 4t+3 of
+    every (4 x threads)-word chunk of every tile, mod 2^32; and which rings share an SM."""
+    import torch
+
+    from bitdecode.kernels_sm90.ring_probe import RingProbeSm90
+
+    probe = RingProbeSm90(tile_bytes=1024, stages=2, consumer_warps=1)
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(-(2**31), 2**31 - 1, (2, 3, 256), dtype=torch.int32, generator=gen)
+    want = torch.zeros(2, 32, dtype=torch.int64)
+    for c in range(2):
+        for t in range(32):
+            for tile in range(3):
+                for chunk in range(256 // 128):
+                    base = chunk * 128 + 4 * t
+                    want[c, t] += int(src[c, tile, base:base + 4].to(torch.int64).sum())
+    assert torch.equal(probe.expected_sums(src), want & 0xFFFFFFFF)
+    # (16 KB x 4: three an SM; 32 KB x 6: one; 32 KB x 8: none, over the 227 KB a CTA may take)
+    assert [RingProbeSm90(k * 1024, s).ctas_per_sm() for k, s in ((16, 4), (32, 6), (32, 8))] == [3, 1, 0]
+
+
 # (bits, k_mode, group, dtype, head_dim, heads per tile, split): the sm90 decode kernel
 SM90_DECODE = [
     (4, "channel", 128, "fp16", 128, 8, True),
