@@ -104,6 +104,8 @@ BULK_BATCH = 8
 # slower elsewhere, e.g. 13824 x 3200 5.47 against 4.24 - 4.51 us; full unrolling hoists
 # every group's shared loads: 47 registers)
 BULK_X_UNROLL = 2
+# bytes of x a thread sums with one shared load (``staged_x_sum``)
+X_VECTOR = 16
 BULK = GemvConfig(pdl=True, bulk=True)
 # The staged form loads the scales its stores apply right after the PDL wait
 # (``early_scales``), not after the warps' reduction: faster on seven model shapes, level on
@@ -162,7 +164,7 @@ def bulk_fits(k: int, stage_x: bool = False) -> bool:
 def bulk_registers(k: int, stage_x: bool = False) -> int:
     """ptxas's register count of the stripe kernel for sm_90a at K columns, rounded up: with
     the activations in registers 48 - 56 to 7 warps a CTA, 62 - 64 past that; staged in
-    shared memory (the loop rolled) 38 - 39, 41 at K = 10240 where shared memory limits the
+    shared memory (the loop rolled) 37 - 40, 42 at K = 10240 where shared memory limits the
     CTAs an SM anyway (tests/test_bitnet.py checks that the residency holds)."""
     if stage_x:
         return 40
@@ -223,7 +225,7 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
     stripes an SM (fewer, from ``LONG_STRIPE_BYTES``: ``BULK`` where its slots hold two
     GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or None: the first of
-    ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 38 - 41 registers, more CTAs an
+    ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 37 - 42 registers, more CTAs an
     SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that
     holds every stripe in one wave (8448 x 10240: 528 stripes, 396 / 528 slots; us, BULK
     7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else ``BULK`` where it takes fewer waves
@@ -256,7 +258,7 @@ class BitnetGemvBulk:
     (the register kernel holds its loads in registers and runs the large shapes in two
     waves); their shared memory leaves room for the next GEMV's first CTAs to start and ask
     for theirs while this one drains.  ``stage_x`` (``BULK_X``): x too comes by one bulk copy
-    (after the wait) and the group loop runs rolled, so a CTA holds 38-41 registers and more
+    (after the wait) and the group loop runs rolled, so a CTA holds 37-42 registers and more
     of them fit an SM.  Compiled per K: the stripe's size and the warps' batches are
     static."""
 
@@ -325,7 +327,7 @@ class BitnetGemvBulk:
         acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
         acc.fill(0)
         if cutlass.const_expr(self.stage_x):
-            xsum = self.staged_products(mbar, w_lane, sX.toint() + x_offset, warp, acc)
+            xsum = self.staged_products(mbar, w_lane, sX.toint(), x_offset, tidx, warp, acc)
         else:
             xsum = self.batched_products(mbar, w_lane, mX.iterator.toint() + Int64(x_offset), warp, acc)
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
@@ -335,46 +337,81 @@ class BitnetGemvBulk:
     def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:
         """x from registers: each batch's activation words are loaded (coherent loads, after
         the wait) before any is used, the first batch's while the stripe lands; then the
-        batch's groups from shared memory into ``acc``.  Returns the lane's activation sum."""
+        batch's groups from shared memory into ``acc``.  Only a warp's last group can be past
+        the stripe (``groups % warps`` > 0): it alone is clamped and masked.  Returns the lane's
+        activation sum."""
         xsum = Int32(0)
+        full = self.groups // self.warps  # groups every warp has
         for b0 in cutlass.range_constexpr(0, self.per_warp, BULK_BATCH):
             grps = []
             keep = []
             xv = []
             for j in cutlass.range_constexpr(b0, min(b0 + BULK_BATCH, self.per_warp)):
                 g = warp + j * self.warps
-                grps.append(cutlass.min(g, self.groups - 1))
-                keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
+                if cutlass.const_expr(j < full):
+                    grps.append(g)
+                    keep.append(None)
+                else:
+                    grps.append(cutlass.min(g, self.groups - 1))
+                    keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
                 xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
             if cutlass.const_expr(b0 == 0):
                 cute.arch.mbarrier_wait(mbar, 0)
             for u in cutlass.range_constexpr(len(grps)):
                 wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
-                x = tuple(xv[u][i] & keep[u] for i in range(4))
+                x = xv[u]
+                if cutlass.const_expr(keep[u] is not None):
+                    x = tuple(x[i] & keep[u] for i in range(4))
                 for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
                     xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
                 accumulate_words(wv, x, acc)
         return xsum
 
     @cute.jit
-    def staged_products(self, mbar, w_lane: Int32, x_lane: Int32, warp: Int32, acc: cute.Tensor) -> Int32:
-        """x staged: once the stripe and x have landed, the group loop rolled (two groups an
-        iteration), each group's weight and x words read from shared memory only while it is
-        used: 38-41 registers, two more CTAs an SM than unrolled (47; H200, 20480 x 3200: 5.47
-        against 6.25 us, profiles/NOTES.md).  Returns the lane's activation sum."""
-        cute.arch.mbarrier_wait(mbar, 0)
+    def staged_products(self, mbar, w_lane: Int32, sx: Int32, x_offset: Int32, tidx: Int32, warp: Int32,
+                        acc: cute.Tensor) -> Int32:
+        """x staged: x's sum first (``staged_x_sum``, while the stripe may still be landing),
+        then the group loop rolled (two groups an iteration), each group's weight and x words
+        read from shared memory only while it is used: 37-42 registers, two more CTAs an SM
+        than unrolled (47; H200, 20480 x 3200: 5.47 against 6.25 us, profiles/NOTES.md).  The
+        loop runs the warp's own count of groups (a static count, and one more group in the
+        first ``groups % warps`` warps), so no group is padded and no activation word masked:
+        16 lop3 and 16 dp4a a group, where the padded loop with a sum in every
+        lane spent 4 selp and 4 more dp4a.  Returns the lane's share of x's sum."""
         cute.arch.mbarrier_wait(mbar + 1, 0)
+        xsum = self.staged_x_sum(sx, tidx)
+        cute.arch.mbarrier_wait(mbar, 0)
+        w_warp = w_lane + warp * fmt.GROUP_BYTES
+        x_warp = sx + x_offset + warp * fmt.GROUP_K
+        # every warp takes groups // warps groups, the first groups % warps one more
+        full, extra = divmod(self.groups, self.warps)
+        if cutlass.const_expr(extra > 0):
+            if warp < extra:
+                self.staged_group(w_warp, x_warp, full, acc)
+        for j in cutlass.range(full, unroll=BULK_X_UNROLL):
+            self.staged_group(w_warp, x_warp, j, acc)
+        return xsum
+
+    @cute.jit
+    def staged_group(self, w_warp: Int32, x_warp: Int32, j, acc: cute.Tensor):
+        """The warp's ``j``-th group (group ``warp + j * warps``) from shared memory into ``acc``."""
+        wv = lds_v4(w_warp + j * (self.warps * fmt.GROUP_BYTES))
+        xw = lds_v4(x_warp + j * (self.warps * fmt.GROUP_K))
+        accumulate_words(wv, xw, acc)
+
+    @cute.jit
+    def staged_x_sum(self, sx: Int32, tidx: Int32) -> Int32:
+        """x's sum, each thread taking the 16-byte vectors ``tidx, tidx + threads, ..`` of the
+        staged x, then added over lanes ``l^1`` and ``l^4``: the fold (``store_stripe``) adds
+        lanes ``l^2, l^8, l^16`` and then the warps, so every thread's share is counted once
+        for every row."""
         xsum = Int32(0)
-        for j in cutlass.range(self.per_warp, unroll=BULK_X_UNROLL):
-            g = warp + j * self.warps
-            grp = cutlass.min(g, self.groups - 1)
-            keep = cutlass.select_(g < self.groups, Int32(-1), Int32(0))
-            wv = lds_v4(w_lane + grp * fmt.GROUP_BYTES)
-            xw = lds_v4(x_lane + grp * fmt.GROUP_K)
-            x = tuple(xw[i] & keep for i in range(4))
+        for v in cutlass.range(tidx, self.k // X_VECTOR, self.warps * WARP, unroll=1):
+            xw = lds_v4(sx + v * X_VECTOR)
             for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-                xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
-            accumulate_words(wv, x, acc)
+                xsum = dp4a_ss(xw[i], Int32(0x01010101), xsum)
+        for offset in cutlass.range_constexpr(2):
+            xsum = xsum + cute.arch.shuffle_sync_bfly(xsum, offset=(1, 4)[offset])
         return xsum
 
 
