@@ -7,7 +7,8 @@ beside the host's pick (and, where that is a register kernel, the same with earl
 
 Any other forms of ``bench_bitnet.gemv_forms`` and shapes A/B the same way: ``--forms
 bulk,bulk_x --shapes 3200x10240 --tag long_stripes`` writes ``gemv_scales_long_stripes.json``
-(with ``profiles/probes/gemv_bulk_pieces.patch`` applied, the forms ``bulk_x_p2`` etc. too).
+(with ``profiles/probes/pinned/gemv_bulk_pieces_d7762cf.patch`` applied to commit d7762cf,
+the forms ``bulk_x_p2`` etc. too).
 
 First each form's bf16 outputs over three segments (and its raw int32 sums) are checked
 bit-equal to the host's kernel; then each is timed as ``bench_bitnet`` times a GEMV (CUDA-graph
