@@ -104,7 +104,7 @@ BULK_BATCH = 8
 # slower elsewhere, e.g. 13824 x 3200 5.47 against 4.24 - 4.51 us; full unrolling hoists
 # every group's shared loads: 47 registers)
 BULK_X_UNROLL = 2
-# bytes of x a thread sums with one load (``BitnetGemvBulk.x_sum``)
+# bytes of x a thread sums with one shared load (``staged_x_sum``)
 X_VECTOR = 16
 BULK = GemvConfig(pdl=True, bulk=True)
 # The staged form loads the scales its stores apply right after the PDL wait
@@ -329,20 +329,18 @@ class BitnetGemvBulk:
         if cutlass.const_expr(self.stage_x):
             xsum = self.staged_products(mbar, w_lane, sX.toint(), x_offset, tidx, warp, acc)
         else:
-            xsum = self.batched_products(mbar, w_lane, mX.iterator.toint(), Int64(x_offset), tidx, warp, acc)
+            xsum = self.batched_products(mbar, w_lane, mX.iterator.toint() + Int64(x_offset), warp, acc)
         store_stripe(acc, xsum, red, warp, self.warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3,
                      self.raw, scales)
 
     @cute.jit
-    def batched_products(self, mbar, w_lane: Int32, x_base: Int64, x_offset: Int64, tidx: Int32, warp: Int32,
-                         acc: cute.Tensor) -> Int32:
+    def batched_products(self, mbar, w_lane: Int32, x_lane: Int64, warp: Int32, acc: cute.Tensor) -> Int32:
         """x from registers: each batch's activation words are loaded (coherent loads, after
         the wait) before any is used, the first batch's while the stripe lands; then the
         batch's groups from shared memory into ``acc``.  Only a warp's last group can be past
-        the stripe (``groups % warps`` > 0): it alone is clamped and masked.  x's sum is
-        taken once (``x_sum``) while the stripe lands.  Returns the lane's share of it."""
-        x_lane = x_base + x_offset
-        xsum = None
+        the stripe (``groups % warps`` > 0): it alone is clamped and masked.  Returns the lane's
+        activation sum."""
+        xsum = Int32(0)
         full = self.groups // self.warps  # groups every warp has
         for b0 in cutlass.range_constexpr(0, self.per_warp, BULK_BATCH):
             grps = []
@@ -358,20 +356,21 @@ class BitnetGemvBulk:
                     keep.append(cutlass.select_(g < self.groups, Int32(-1), Int32(0)))
                 xv.append(load_v4(x_lane + Int64(grps[-1]) * fmt.GROUP_K, False, self.pdl))
             if cutlass.const_expr(b0 == 0):
-                xsum = self.x_sum(x_base, tidx, False)
                 cute.arch.mbarrier_wait(mbar, 0)
             for u in cutlass.range_constexpr(len(grps)):
                 wv = lds_v4(w_lane + grps[u] * fmt.GROUP_BYTES)
                 x = xv[u]
                 if cutlass.const_expr(keep[u] is not None):
                     x = tuple(x[i] & keep[u] for i in range(4))
+                for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+                    xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
                 accumulate_words(wv, x, acc)
         return xsum
 
     @cute.jit
     def staged_products(self, mbar, w_lane: Int32, sx: Int32, x_offset: Int32, tidx: Int32, warp: Int32,
                         acc: cute.Tensor) -> Int32:
-        """x staged: x's sum first (``x_sum``, while the stripe may still be landing),
+        """x staged: x's sum first (``staged_x_sum``, while the stripe may still be landing),
         then the group loop rolled (two groups an iteration), each group's weight and x words
         read from shared memory only while it is used: 37-42 registers, two more CTAs an SM
         than unrolled (47; H200, 20480 x 3200: 5.47 against 6.25 us, profiles/NOTES.md).  The
@@ -380,7 +379,7 @@ class BitnetGemvBulk:
         16 lop3 and 16 dp4a a group, where the padded loop with a sum in every
         lane spent 4 selp and 4 more dp4a.  Returns the lane's share of x's sum."""
         cute.arch.mbarrier_wait(mbar + 1, 0)
-        xsum = self.x_sum(sx, tidx, True)
+        xsum = self.staged_x_sum(sx, tidx)
         cute.arch.mbarrier_wait(mbar, 0)
         w_warp = w_lane + warp * fmt.GROUP_BYTES
         x_warp = sx + x_offset + warp * fmt.GROUP_K
@@ -401,19 +400,14 @@ class BitnetGemvBulk:
         accumulate_words(wv, xw, acc)
 
     @cute.jit
-    def x_sum(self, x, tidx: Int32, staged: cutlass.Constexpr) -> Int32:
-        """x's sum, each thread taking the 16-byte vectors ``tidx, tidx + threads, ..`` of x
-        (``staged``: shared memory, else global memory by coherent loads after the wait), then
-        added over lanes ``l^1`` and ``l^4``: the fold (``store_stripe``) adds lanes ``l^2,
-        l^8, l^16`` and then the warps, so every thread's share is counted once for every
-        row.  Once a CTA: the lanes' own sums of their x words counted each chunk four times
-        (4 dp4a a group and lane)."""
+    def staged_x_sum(self, sx: Int32, tidx: Int32) -> Int32:
+        """x's sum, each thread taking the 16-byte vectors ``tidx, tidx + threads, ..`` of the
+        staged x, then added over lanes ``l^1`` and ``l^4``: the fold (``store_stripe``) adds
+        lanes ``l^2, l^8, l^16`` and then the warps, so every thread's share is counted once
+        for every row."""
         xsum = Int32(0)
         for v in cutlass.range(tidx, self.k // X_VECTOR, self.warps * WARP, unroll=1):
-            if cutlass.const_expr(staged):
-                xw = lds_v4(x + v * X_VECTOR)
-            else:
-                xw = load_v4(x + Int64(v * X_VECTOR), False, self.pdl)
+            xw = lds_v4(sx + v * X_VECTOR)
             for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
                 xsum = dp4a_ss(xw[i], Int32(0x01010101), xsum)
         for offset in cutlass.range_constexpr(2):

@@ -702,14 +702,13 @@ def test_sm90_gemv_bulk_compiles(k, stage_x, tmp_path):
     groups = k // L.GROUP_K
     per_warp = -(-groups // v90.bulk_warps(k))  # a warp's groups, unrolled
     if stage_x:  # no activation load from global: a shared load beside each weight load, the
-        # loop rolled (two groups an iteration, and a remainder), x's sum once before it
+        # loop rolled (two groups an iteration, and a remainder), x's sum once before it (one
+        # vector's four dp4a in its loop), not in every lane of every group
         assert "ld.global.v4" not in ptx and 4 <= ptx.count("ld.shared.v4.b32") <= 9 < 2 * per_warp + 4
-        assert ptx.count("dp4a.u32.s32") <= 48
+        assert ptx.count("dp4a.s32.s32") == 4 and ptx.count("dp4a.u32.s32") <= 48
     else:
         assert "ld.global.v4.u32" in ptx[wait:] and "ld.global.v4.u32" not in ptx[:wait]
         assert ptx.count("ld.shared.v4.b32") == per_warp
-    # x's sum once a CTA (one vector's four dp4a in its loop), not in every lane of every group
-    assert ptx.count("dp4a.s32.s32") == 4
     assert ptx.count("lop3.b32") >= 16 and "dp4a.u32.s32" in ptx
     rep = ptxas.report(ptx, "sm_90a", tmp_path)
     # (bulk_registers: the count the host's residency rule, stripe_config, assumes)
