@@ -320,8 +320,9 @@ class BitnetGemvBulk:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, self.k)
                 ptx90.bulk_g2s(sX, mX.iterator, self.k, mbar + 1)
 
-        # Groups warp, warp + W, ..; groups past the stripe read its last one again with
-        # zeroed activations, adding nothing to either sum.
+        # Groups warp, warp + W, ..; in the plain form a warp's last group may be past the
+        # stripe: it reads the stripe's last one again with zeroed activations, adding
+        # nothing to either sum (the staged form runs each warp's exact count).
         x_offset = tile * fmt.TILE_K + fmt.chunk_khalf(q) * fmt.CHUNK_K  # the lane's x words in a group
         w_lane = sW.toint() + lane * fmt.CHUNK_BYTES
         acc = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK * fmt.DECODE_STEPS,), Int32)
@@ -376,8 +377,8 @@ class BitnetGemvBulk:
         than unrolled (47; H200, 20480 x 3200: 5.47 against 6.25 us, profiles/NOTES.md).  The
         loop runs the warp's own count of groups (a static count, and one more group in the
         first ``groups % warps`` warps), so no group is padded and no activation word masked:
-        16 lop3 and 16 dp4a a group, where the padded loop with a sum in every
-        lane spent 4 selp and 4 more dp4a.  Returns the lane's share of x's sum."""
+        16 lop3 and 16 dp4a a group, where the padded loop with a sum in every lane spent 4
+        selp and 4 more dp4a.  Returns the lane's share of x's sum."""
         cute.arch.mbarrier_wait(mbar + 1, 0)
         xsum = self.staged_x_sum(sx, tidx)
         cute.arch.mbarrier_wait(mbar, 0)
