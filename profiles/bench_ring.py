@@ -25,44 +25,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
+from bitdecode.cli import positive_int_list as int_list
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bitnet import measure_roofline  # noqa: E402
+from bench_decode import Timer  # noqa: E402
 
 
-def int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def run_config(probe, fn, src: torch.Tensor, replays: int) -> float:
-    """us per launch of ``probe`` compiled (``fn``) over ``src``; raises if its sums are wrong."""
+def run_config(timer: Timer, probe, fn, src: torch.Tensor, replays: int) -> float:
+    """us per launch of ``probe`` compiled (``fn``) over ``src`` (median of ``replays`` after
+    one warm-up; no L2 flush: ``src`` is far larger than L2); raises if its sums are wrong."""
     out = torch.zeros(src.shape[0], probe.threads, dtype=torch.int32, device=src.device)
     fn(src, out)
     torch.cuda.synchronize()
     if not torch.equal(out.to(torch.int64) & 0xFFFFFFFF, probe.expected_sums(src)):
         raise RuntimeError("the ring probe's sums differ from torch's: it read the wrong bytes")
-    fn(src, out)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(src, out)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return timer(lambda: fn(src, out), iters=replays, warmup=1, flush=False)
 
 
 def main(argv=None) -> int:
@@ -93,6 +77,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     roof = measure_roofline(dev, 10)
+    timer = Timer(dev)
     words = int(args.gib * (1 << 30)) // 4
     pool = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=dev)
     rows: List[Dict] = []
@@ -120,7 +105,7 @@ def main(argv=None) -> int:
                     ctas = cps * sms
                     tiles = words // (ctas * probe.tile_words)
                     src = pool[: ctas * tiles * probe.tile_words].view(ctas, tiles, probe.tile_words)
-                    us = run_config(probe, fn, src, args.replays)
+                    us = run_config(timer, probe, fn, src, args.replays)
                     nbytes = src.numel() * 4
                     row = {**shape, "ctas_per_sm": cps, "in_flight_per_sm": cps * stages * probe.tile_bytes,
                            "bytes": nbytes, "us": us, "bytes_per_s": nbytes / (us * 1e-6),
