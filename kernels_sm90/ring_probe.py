@@ -53,10 +53,21 @@ class RingProbeSm90:
         self.tile_words = tile_bytes // 4
         self.copy_words = self.tile_words // copies
 
+    def storage(self):
+        """The CTA's shared memory: two mbarriers a stage (full, empty), then the stages'
+        tiles, 128-byte aligned (a plain Python struct, so the host can size it too)."""
+        stages, tile_words = self.stages, self.tile_words
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]  # full, empty
+            tiles: cute.struct.Align[cute.struct.MemRange[Int32, stages * tile_words], 128]
+
+        return Storage
+
     def smem_bytes(self) -> int:
-        """Shared memory a CTA takes: the stages, after their two mbarriers each (the tiles
-        start 128-byte aligned)."""
-        return -(-16 * self.stages // 128) * 128 + self.stages * self.tile_bytes
+        """Shared memory a CTA takes (``storage``'s size)."""
+        return self.storage().size_in_bytes()
 
     def ctas_per_sm(self) -> int:
         """How many of these CTAs an SM holds by shared memory (0: one does not fit)."""
@@ -83,14 +94,7 @@ class RingProbeSm90:
 
     @cute.jit
     def __call__(self, mSrc: cute.Tensor, mOut: cute.Tensor, stream):
-        stages, tile_words = self.stages, self.tile_words
-
-        @cute.struct
-        class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]  # full, empty
-            tiles: cute.struct.Align[cute.struct.MemRange[Int32, stages * tile_words], 128]
-
-        self.kernel(mSrc, mOut, Storage).launch(grid=(mSrc.shape[0], 1, 1),
+        self.kernel(mSrc, mOut, self.storage()).launch(grid=(mSrc.shape[0], 1, 1),
                                                 block=[WARP + self.threads, 1, 1], stream=stream)
 
     @cute.kernel
