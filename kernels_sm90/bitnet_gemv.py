@@ -104,8 +104,6 @@ BULK_BATCH = 8
 # slower elsewhere, e.g. 13824 x 3200 5.47 against 4.24 - 4.51 us; full unrolling hoists
 # every group's shared loads: 47 registers)
 BULK_X_UNROLL = 2
-# bytes of x a thread sums with one shared load (``staged_x_sum``)
-X_VECTOR = 16
 BULK = GemvConfig(pdl=True, bulk=True)
 # The staged form loads the scales its stores apply right after the PDL wait
 # (``early_scales``), not after the warps' reduction: faster on seven model shapes, level on
@@ -402,13 +400,13 @@ class BitnetGemvBulk:
 
     @cute.jit
     def staged_x_sum(self, sx: Int32, tidx: Int32) -> Int32:
-        """x's sum, each thread taking the 16-byte vectors ``tidx, tidx + threads, ..`` of the
+        """x's sum, each thread taking the 16-byte chunks ``tidx, tidx + threads, ..`` of the
         staged x, then added over lanes ``l^1`` and ``l^4``: the fold (``store_stripe``) adds
         lanes ``l^2, l^8, l^16`` and then the warps, so every thread's share is counted once
         for every row."""
         xsum = Int32(0)
-        for v in cutlass.range(tidx, self.k // X_VECTOR, self.warps * WARP, unroll=1):
-            xw = lds_v4(sx + v * X_VECTOR)
+        for v in cutlass.range(tidx, self.k // fmt.CHUNK_BYTES, self.warps * WARP, unroll=1):
+            xw = lds_v4(sx + v * fmt.CHUNK_BYTES)  # (a 16-byte chunk: one shared load)
             for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
                 xsum = dp4a_ss(xw[i], Int32(0x01010101), xsum)
         for offset in cutlass.range_constexpr(2):
