@@ -32,8 +32,8 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave, and fewer where the stripes are long (``LONG_STRIPE_BYTES``)
-(``stripe_config``; where that wave would leave the next GEMV no room,
+holds in one wave, and fewer where the stripes are long (``LONG_STRIPE_BYTES``, or
+``MID_STRIPE_BYTES`` at 1.5 stripes an SM) (``stripe_config``; where that wave would leave the next GEMV no room,
 the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
 still: 20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at
 once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
@@ -198,6 +198,17 @@ BULK_MIN_STRIPES_PER_SM = 4
 # H100 3.78 - 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912
 # 3.22 / 2.70.
 LONG_STRIPE_BYTES = 32 * 1024
+# ... and from this many bytes (K = 6144) where the stripes are at least
+# ``MID_MIN_STRIPES_PER_SM`` an SM: there the register kernel's heavy CTAs (7-11 warps
+# holding a batch of loads each) fall behind one bulk copy a CTA.  K = 6912 (27.6 KB), H100,
+# two rounds, us, BULK / BULK_X / the register kernel the host picked / the best register
+# configuration (profiles/h100/gemv_sweep_s52_mid_k_*.json): 4800 x 6912 (2.3 stripes an SM)
+# 3.90, 3.88 / 4.27, 4.31 / 6.28, 6.30 / 5.61; 3200 x 6912 (1.52) 3.44, 3.45 / 3.30, 3.29 /
+# 3.81, 3.80 / 3.33.  Fewer stripes keep the register kernel: 2560 x 6912 (1.2) 3.01, 3.03 /
+# 2.72, 2.59 / 2.81, 2.80 (H100) and BULK 3.11 - 3.20 against 2.68 - 2.76 (H200,
+# profiles/h200/gemv_scales.json).
+MID_STRIPE_BYTES = 24 * 1024
+MID_MIN_STRIPES_PER_SM = 1.5
 # ... but the plain stripe kernel where its slots hold this GEMV's stripes and the next one's
 # beside them (2 x stripes <= BULK's slots: the next GEMV's CTAs all start and fetch while
 # this one runs), as on the short stripes.  Two alternating runs each, us, BULK / BULK_X
@@ -221,8 +232,9 @@ BULK_FREE_SLOTS = 0.25
 
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM (fewer, from ``LONG_STRIPE_BYTES``: ``BULK`` where its slots hold two
-    GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or None: the first of
+    stripes an SM (fewer, from ``LONG_STRIPE_BYTES``, or from ``MID_STRIPE_BYTES`` at
+    ``MID_MIN_STRIPES_PER_SM`` stripes an SM: ``BULK`` where its slots hold two GEMVs'
+    stripes, else ``BULK_X`` where it holds them in one wave), or None: the first of
     ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 37 - 42 registers, more CTAs an
     SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that
     holds every stripe in one wave (8448 x 10240: 528 stripes, 396 / 528 slots; us, BULK
@@ -231,7 +243,8 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
-        if fmt.stripe_bytes(k) < LONG_STRIPE_BYTES:
+        size = fmt.stripe_bytes(k)
+        if size < MID_STRIPE_BYTES or (size < LONG_STRIPE_BYTES and stripes < MID_MIN_STRIPES_PER_SM * sms):
             return None
         if bulk_fits(k) and 2 * stripes <= bulk_ctas_per_sm(k) * sms:
             return BULK
@@ -419,7 +432,8 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "LONG_STRIPE_BYTES", "BitnetGemv", "BitnetGemvBulk",
+__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "LONG_STRIPE_BYTES", "MID_MIN_STRIPES_PER_SM",
+           "MID_STRIPE_BYTES", "BitnetGemv", "BitnetGemvBulk",
            "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers",
            "bulk_smem_bytes", "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size",
            "stripe_config", "stripe_waves", "warps_for"]

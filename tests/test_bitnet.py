@@ -766,7 +766,14 @@ def test_sm90_gemv_config():
     # 1.5 stripes an SM, but 40 KB stripes (LONG_STRIPE_BYTES: K = 8192): the stripe
     # kernel, x staged
     assert v90.LONG_STRIPE_BYTES == L.stripe_bytes(8192)
-    assert pick(3200, 10240) == "bulk_x" and v90.stripe_config(3200, 8064, 132, 1) is None
+    assert pick(3200, 10240) == "bulk_x" and v90.stripe_config(2560, 8064, 132, 1) is None
+    # ... and from 24 KB stripes (MID_STRIPE_BYTES: K = 6144) at 1.5 stripes an SM and more
+    # (H100: 4800 x 6912 3.9 against the register kernel's 6.3 us, 3200 x 6912 3.4 against 3.8);
+    # fewer keep the register kernel (2560 x 6912: 160 stripes, 1.2 an SM)
+    assert v90.MID_STRIPE_BYTES == L.stripe_bytes(6144)
+    assert pick(4800, 6912) == "bulk" and pick(3200, 6912) == "bulk" and pick(2560, 6912) == (5, True)
+    assert v90.stripe_config(3168, 6144, 132, 1) == v90.BULK and v90.stripe_config(3152, 6144, 132, 1) is None
+    assert v90.stripe_config(3200, 6016, 132, 1) is None and v90.stripe_config(4800, 3200, 132, 1) is None
     # ... plain where its slots hold the next GEMV's stripes too (3200 x 10240: 2 x 200 stripes
     # against 396 BULK slots, so x staged; 2560 x 10240 320, 3200 x 8192 400 of 528, 1600 x
     # 16384 200 of 264: BULK)
@@ -1152,7 +1159,7 @@ def _check(y_kernel, y_ref, raw_kernel, raw_ref):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("n,k", [(48, 384), (4096 + 16, 2560), (3200, 3200), (272, 40960)])
+@pytest.mark.parametrize("n,k", [(48, 384), (4096 + 16, 2560), (3200, 3200), (3200 + 16, 6912), (272, 40960)])
 def test_gpu_gemv_every_config(n, k):
     """Each compiled GEMV configuration (not only the one the host picks for this shape):
     exact int32 sums, including padded last batches and several batches per warp."""
