@@ -68,4 +68,7 @@ def run(args) -> int:
     if hasattr(mod, "print_summary"):
         mod.print_summary(result)
     console.print(f"results in {out}")
+    if result.get("wrong_outputs"):  # (a kernel the run timed gave a wrong result: the run fails)
+        console.print(f"[red]wrong outputs: {', '.join(result['wrong_outputs'])}[/red]")
+        return 1
     return 0

@@ -155,7 +155,26 @@ def gemv_call(cfg) -> Callable:
     return call
 
 
+def wrong_gemv_outputs(x, packed, xs, ws, variants, default) -> List[str]:
+    """The timed configurations whose outputs are wrong, so that a sweep checks every kernel
+    it times on its own shapes: the host's (``us``) where its bf16 output is more than one
+    bf16 ulp from ``bn.reference_gemm`` (the same fp32 maths rounded once), any other where
+    it is not bit-equal to the host's (every configuration sums exactly and shares the
+    epilogue)."""
+    host = bn.gemv(x, packed, xs, ws).float().reshape(-1)
+    ref = bn.reference_gemm(x, packed, xs, ws).float().reshape(-1)
+    ulp = ref.abs().clamp_min(1e-30) * 2.0**-7
+    wrong = [] if bool(((host - ref).abs() <= ulp).all()) else ["us"]
+    for name, (cfg, call) in (variants or {}).items():
+        if cfg != default and not torch.equal(call(x, packed, xs, ws).float().reshape(-1), host):
+            wrong.append(name)
+    return wrong
+
+
 def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, variants=None) -> Dict[str, float]:
+    """One GEMV shape: the host's configuration and every other of ``variants`` timed, bf16
+    cuBLAS beside them, and ``wrong_outputs``: the configurations whose output was wrong
+    (``wrong_gemv_outputs``; empty when all are right)."""
     gen = torch.Generator(device=device).manual_seed(n + k)
     w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device)
     packed = bn.pack_weight(w)
@@ -172,6 +191,7 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, v
             continue
         calls = [(lambda p=packs[i % copies], call=call: call(x, p, xs, ws)) for i in range(max(copies, MIN_CALLS))]
         others[name] = graph_time_us(calls, replays)
+    wrong = wrong_gemv_outputs(x, packed, xs, ws, variants, default)
     del packs, calls
     # bf16: the same GEMV through cuBLAS, weights rotated the same way
     w16 = w.to(torch.bfloat16)
@@ -196,6 +216,7 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, v
         "roofline_frac": moved / (t * 1e-6) / roofline,
         "bf16_bytes_per_s": moved16 / (t16 * 1e-6),
         "bf16_roofline_frac": moved16 / (t16 * 1e-6) / roofline,
+        "wrong_outputs": wrong,
         **others,
     }
 
@@ -356,6 +377,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "gemv": gemv,
         "gemm": gemm,
         "summary": check_targets(gemv, gemm),
+        "wrong_outputs": [f"gemv {r['n']}x{r['k']} {name}" for r in gemv for name in r["wrong_outputs"]],
         "seconds": time.perf_counter() - started,
     }
     (out_dir / "bitnet.json").write_text(json.dumps(results, indent=1))
@@ -377,6 +399,8 @@ def print_summary(res: dict) -> None:
             f"bf16 {r['bf16_us']:8.2f} us  x{r['speedup']:5.2f}  {r['tops']:6.1f} TOPS"
         )
     print(json.dumps(res["summary"], indent=1))
+    for wrong in res["wrong_outputs"]:
+        print(f"WRONG OUTPUT: {wrong}")
 
 
 if __name__ == "__main__":  # pragma: no cover

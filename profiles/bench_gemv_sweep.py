@@ -7,8 +7,10 @@ the register kernel the host picks), in one run::
 writes ``<out>/gemv_sweep.json`` (``gemv_sweep_<tag>.json`` with ``--tag``): per shape the
 host's configuration and its time, every other configuration's time (the columns of
 ``bench_bitnet``'s GEMV rows: CUDA-graph replay of back-to-back calls, weights rotated over
->= 4x L2, median), bf16 cuBLAS and the HBM roofline measured in the same run, and the
-shape's stripes (16-row CTAs) per SM.
+>= 4x L2, median), bf16 cuBLAS and the HBM roofline measured in the same run, the
+shape's stripes (16-row CTAs) per SM, and ``wrong_outputs``: the configurations whose output
+was wrong (the host's against the reference, every other against the host's, bit for bit;
+``bench_bitnet.wrong_gemv_outputs``).  A wrong output is printed and the run exits 1.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main(argv=None) -> int:
               f"best other {best[0]} {best[1] if best[1] is None else round(best[1], 2)}  "
               f"bulk {row.get('pdl_bulk_us', float('nan')):6.2f}  bulk_x {row.get('pdl_bulk_x_us', float('nan')):6.2f}",
               flush=True)
+        for name in row["wrong_outputs"]:
+            print(f"WRONG OUTPUT: {n} x {k} {name}", file=sys.stderr, flush=True)
         rows.append(row)
     name = f"gemv_sweep_{args.tag}.json" if args.tag else "gemv_sweep.json"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     }
     (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"results in {args.out / name}")
-    return 0
+    return 1 if any(row["wrong_outputs"] for row in rows) else 0
 
 
 if __name__ == "__main__":

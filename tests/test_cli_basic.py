@@ -436,6 +436,39 @@ def test_bench_gemv_sweep_arguments(capsys, monkeypatch):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_gemv_checks_every_timed_output(monkeypatch):
+    """``bench_bitnet.wrong_gemv_outputs`` (what the GEMV sweeps record as ``wrong_outputs``):
+    nothing for outputs equal to the host's that are within a bf16 rounding of the
+    reference; the name of a configuration that differs from the host's by one bf16 ulp; the
+    host itself once it is off the reference.  Run on the CPU: the host's GEMV is the
+    reference backend there, the configurations stand-ins."""
+    import torch
+    from pathlib import Path
+
+    from bitdecode import bitnet as bn
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "profiles"))
+    bench = _profile_script("bench_bitnet")
+    gen = torch.Generator().manual_seed(3)
+    packed = bn.pack_weight(torch.randint(-1, 2, (64, 256), generator=gen, dtype=torch.int8))
+    x, xs = bn.quantize_activation(torch.randn(1, 256, generator=gen))
+    ws = torch.tensor([0.75])
+    right = bn.gemv(x, packed, xs, ws)
+
+    def off_by_one_ulp(x, w, xs, ws):
+        out = right.clone()
+        out.view(torch.int16)[0, 5] += 1
+        return out
+
+    host = object()
+    variants = {"same_us": ("a", lambda *args: right.clone()), "off_us": ("b", off_by_one_ulp),
+                "host_us": (host, off_by_one_ulp)}
+    assert bench.wrong_gemv_outputs(x, packed, xs, ws, variants, host) == ["off_us"]
+    assert bench.wrong_gemv_outputs(x, packed, xs, ws, {"same_us": variants["same_us"]}, host) == []
+    monkeypatch.setattr(bn, "gemv", lambda *args: right * 1.5)
+    assert bench.wrong_gemv_outputs(x, packed, xs, ws, {}, host) == ["us"]
+
+
 def test_bench_gemv_scales_arguments(capsys, monkeypatch):
     """profiles/bench_gemv_scales.py: forms of ``bench_bitnet.gemv_forms``, NxK shapes, a tag
     that is an identifier, refused by name before any GPU work; on a machine without a GPU
