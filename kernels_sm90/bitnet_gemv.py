@@ -33,8 +33,8 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
 holds in one wave, and fewer where the stripes are long (``LONG_STRIPE_BYTES``, or
-``MID_STRIPE_BYTES`` at 1.5 stripes an SM) (``stripe_config``; where that wave would leave the next GEMV no room,
-the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
+``MID_STRIPE_BYTES`` at 1.5 stripes an SM) (``stripe_config``; where that wave would leave
+the next GEMV no room, the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
 still: 20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at
 once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
 us against 3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any
@@ -199,14 +199,15 @@ BULK_MIN_STRIPES_PER_SM = 4
 # 3.22 / 2.70.
 LONG_STRIPE_BYTES = 32 * 1024
 # ... and from this many bytes (K = 6144) where the stripes are at least
-# ``MID_MIN_STRIPES_PER_SM`` an SM: there the register kernel's heavy CTAs (7-11 warps
-# holding a batch of loads each) fall behind one bulk copy a CTA.  K = 6912 (27.6 KB), H100,
-# two rounds, us, BULK / BULK_X / the register kernel the host picked / the best register
-# configuration (profiles/h100/gemv_sweep_s52_mid_k_*.json): 4800 x 6912 (2.3 stripes an SM)
-# 3.90, 3.88 / 4.27, 4.31 / 6.28, 6.30 / 5.61; 3200 x 6912 (1.52) 3.44, 3.45 / 3.30, 3.29 /
-# 3.81, 3.80 / 3.33.  Fewer stripes keep the register kernel: 2560 x 6912 (1.2) 3.01, 3.03 /
-# 2.72, 2.59 / 2.81, 2.80 (H100) and BULK 3.11 - 3.20 against 2.68 - 2.76 (H200,
-# profiles/h200/gemv_scales.json).
+# ``MID_MIN_STRIPES_PER_SM`` an SM, where every register configuration measured slower than
+# one bulk copy a CTA (why is not measured: at 4800 x 6912 the occupancy model counts one
+# wave for its pick).  K = 6912 (27.6 KB), H100, two rounds, us, BULK / BULK_X / the
+# register kernel the host picked / the best register configuration
+# (profiles/h100/gemv_sweep_s52_mid_k_*.json): 4800 x 6912 (2.3 stripes an SM) 3.90, 3.88 /
+# 4.27, 4.31 / 6.28, 6.30 / 5.61; 3200 x 6912 (1.52) 3.44, 3.45 / 3.30, 3.29 / 3.81, 3.80 /
+# 3.33 (the rule below gives it BULK).  Fewer stripes keep the register kernel: 2560 x 6912
+# (1.2) 3.01, 3.03 / 2.72, 2.59 / 2.81, 2.80 (H100) and BULK 3.11 - 3.20 against 2.68 - 2.76
+# (H200, profiles/h200/gemv_scales.json).  Not yet timed on an H200.
 MID_STRIPE_BYTES = 24 * 1024
 MID_MIN_STRIPES_PER_SM = 1.5
 # ... but the plain stripe kernel where its slots hold this GEMV's stripes and the next one's
