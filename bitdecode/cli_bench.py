@@ -2,8 +2,9 @@
 
 ``bitdecode bench decode`` times decode (4 and 2 bits) against torch SDPA on the 16-bit
 cache and the measured bandwidth roofline, plus prefill packing, append latency and a
-CUDA-graph run; ``bitdecode bench bitnet`` times the W2A8 GEMV/GEMM against bf16.
-Results go to ``profiles/<gpu>/<name>.json`` and ``.png``.
+CUDA-graph run; ``bitdecode bench bitnet`` times the W2A8 GEMV/GEMM against bf16 and
+checks every GEMV configuration it times against the reference (a wrong output is listed
+and the command exits 1).  Results go to ``profiles/<gpu>/<name>.json`` and ``.png``.
 """
 
 from __future__ import annotations
