@@ -155,26 +155,49 @@ def gemv_call(cfg) -> Callable:
     return call
 
 
-def wrong_gemv_outputs(x, packed, xs, ws, variants, default) -> List[str]:
-    """The timed configurations whose outputs are wrong, so that a sweep checks every kernel
-    it times on its own shapes: the host's (``us``) where its bf16 output is more than one
-    bf16 ulp from ``bn.reference_gemm`` (the same fp32 maths rounded once), any other where
-    it is not bit-equal to the host's (every configuration sums exactly and shares the
-    epilogue)."""
-    host = bn.gemv(x, packed, xs, ws).float().reshape(-1)
-    ref = bn.reference_gemm(x, packed, xs, ws).float().reshape(-1)
-    ulp = ref.abs().clamp_min(1e-30) * 2.0**-7
-    wrong = [] if bool(((host - ref).abs() <= ulp).all()) else ["us"]
-    for name, (cfg, call) in (variants or {}).items():
-        if cfg != default and not torch.equal(call(x, packed, xs, ws).float().reshape(-1), host):
-            wrong.append(name)
-    return wrong
+def check_segments(n: int) -> tuple:
+    """Row counts of three fused segments over ``n`` rows (whole 16-row tiles; one segment
+    where ``n`` has fewer than three tiles), for the output checks."""
+    tiles = n // 16
+    if tiles < 3:
+        return (n,)
+    a = max(1, tiles // 4) * 16
+    return (a, a, n - 2 * a)
+
+
+def wrong_gemv_outputs(x, packed, xs, configs: Dict[str, object]) -> List[str]:
+    """The names of the GEMV configurations (``configs``, name -> configuration) whose
+    outputs are wrong, and ``host`` for the host's own pick: checked over three fused
+    segments with their own scales, the bf16 output and the raw int32 sums.  The host's sums
+    must equal ``bn.reference_gemm``'s and its bf16 values lie within one bf16 ulp of it (the
+    same fp32 maths rounded once); every other configuration must be bit-equal to the host's
+    (they all sum exactly and share the epilogue).  A sweep thus checks each kernel it times
+    at its own shapes."""
+    n = packed.shape[0]
+    segs = check_segments(n)
+    ws = torch.tensor((0.75, 1.25, 1.5)[:len(segs)], device=x.device)
+    ends = list(bn._segment_ends(segs, n))
+    wrong = []
+    for raw in (False, True):
+        host = bn._gemv_launch(x, packed, xs, ws, ends, raw, None)
+        ref = bn.reference_gemm(x, packed, xs, ws, segs, torch.int32 if raw else torch.bfloat16)
+        if raw:
+            right = torch.equal(host, ref)
+        else:
+            ref = ref.float()
+            right = bool(((host.float() - ref).abs() <= ref.abs().clamp_min(1e-30) * 2.0**-7).all())
+        if not right:
+            wrong.append("host")
+        wrong += [name for name, cfg in configs.items()
+                  if not torch.equal(bn._gemv_launch(x, packed, xs, ws, ends, raw, cfg), host)]
+    return list(dict.fromkeys(wrong))
 
 
 def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, variants=None) -> Dict[str, float]:
     """One GEMV shape: the host's configuration and every other of ``variants`` timed, bf16
     cuBLAS beside them, and ``wrong_outputs``: the configurations whose output was wrong
-    (``wrong_gemv_outputs``; empty when all are right)."""
+    (``wrong_gemv_outputs``: the variants' column names, ``host`` for the host's pick; empty
+    when all are right)."""
     gen = torch.Generator(device=device).manual_seed(n + k)
     w = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device)
     packed = bn.pack_weight(w)
@@ -191,7 +214,8 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, v
             continue
         calls = [(lambda p=packs[i % copies], call=call: call(x, p, xs, ws)) for i in range(max(copies, MIN_CALLS))]
         others[name] = graph_time_us(calls, replays)
-    wrong = wrong_gemv_outputs(x, packed, xs, ws, variants, default)
+    wrong = wrong_gemv_outputs(x, packed, xs, {name: cfg for name, (cfg, _) in (variants or {}).items()
+                                               if cfg != default})
     del packs, calls
     # bf16: the same GEMV through cuBLAS, weights rotated the same way
     w16 = w.to(torch.bfloat16)

@@ -437,11 +437,11 @@ def test_bench_gemv_sweep_arguments(capsys, monkeypatch):
 
 
 def test_bench_gemv_checks_every_timed_output(monkeypatch):
-    """``bench_bitnet.wrong_gemv_outputs`` (what the GEMV sweeps record as ``wrong_outputs``):
-    nothing for outputs equal to the host's that are within a bf16 rounding of the
-    reference; the name of a configuration that differs from the host's by one bf16 ulp; the
-    host itself once it is off the reference.  Run on the CPU: the host's GEMV is the
-    reference backend there, the configurations stand-ins."""
+    """``bench_bitnet.wrong_gemv_outputs`` (what the GEMV sweeps record as ``wrong_outputs``
+    and ``bench_gemv_scales`` as ``bit_equal``): nothing where every configuration's output
+    equals the host's and the host's is the reference's; the name of a configuration whose
+    bf16 output is one ulp off, or whose raw sums are; ``host`` once the host's are off the
+    reference.  Run on the CPU: the launches are stand-ins over the torch reference."""
     import torch
     from pathlib import Path
 
@@ -449,24 +449,29 @@ def test_bench_gemv_checks_every_timed_output(monkeypatch):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "profiles"))
     bench = _profile_script("bench_bitnet")
+    assert bench.check_segments(16) == (16,) and bench.check_segments(3216) == (800, 800, 1616)
     gen = torch.Generator().manual_seed(3)
     packed = bn.pack_weight(torch.randint(-1, 2, (64, 256), generator=gen, dtype=torch.int8))
     x, xs = bn.quantize_activation(torch.randn(1, 256, generator=gen))
-    ws = torch.tensor([0.75])
-    right = bn.gemv(x, packed, xs, ws)
+    seen = []
 
-    def off_by_one_ulp(x, w, xs, ws):
-        out = right.clone()
-        out.view(torch.int16)[0, 5] += 1
+    def launch(x, w, xs, ws, ends, raw, cfg):
+        seen.append((tuple(ends), tuple(ws.tolist())))
+        segs = tuple(b - a for a, b in zip([0] + ends, ends) if b > a)
+        out = bn.reference_gemm(x, w, xs, ws, segs, torch.int32 if raw else torch.bfloat16)
+        if cfg == "bf16_off" and not raw:
+            out.view(torch.int16)[0, 5] += 1
+        if (cfg == "raw_off" or (cfg is None and host_off)) and raw:
+            out[0, 5] += 1
         return out
 
-    host = object()
-    variants = {"same_us": ("a", lambda *args: right.clone()), "off_us": ("b", off_by_one_ulp),
-                "host_us": (host, off_by_one_ulp)}
-    assert bench.wrong_gemv_outputs(x, packed, xs, ws, variants, host) == ["off_us"]
-    assert bench.wrong_gemv_outputs(x, packed, xs, ws, {"same_us": variants["same_us"]}, host) == []
-    monkeypatch.setattr(bn, "gemv", lambda *args: right * 1.5)
-    assert bench.wrong_gemv_outputs(x, packed, xs, ws, {}, host) == ["us"]
+    monkeypatch.setattr(bn, "_gemv_launch", launch)
+    host_off = False
+    assert bench.wrong_gemv_outputs(x, packed, xs, {"a": "same", "b": "bf16_off", "c": "raw_off"}) == ["b", "c"]
+    assert seen[0] == ((16, 32, 64), (0.75, 1.25, 1.5))  # three fused segments, their own scales
+    assert bench.wrong_gemv_outputs(x, packed, xs, {"a": "same"}) == []
+    host_off = True
+    assert bench.wrong_gemv_outputs(x, packed, xs, {"a": "same"}) == ["host", "a"]
 
 
 def test_bench_gemv_scales_arguments(capsys, monkeypatch):
