@@ -32,11 +32,10 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave, and fewer where the stripes are long (``LONG_STRIPE_BYTES``, or
-``MID_STRIPE_BYTES`` at 1.5 stripes an SM) (``stripe_config``; where that wave would leave
-the next GEMV no room, the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter
-still: 20480 x 3200 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at
-once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
+holds in one wave, and fewer the longer the stripes (``fewest_stripes_per_sm``)
+(``stripe_config``; where that wave would leave the next GEMV no room, the form with x
+staged in shared memory too and its loop rolled, ``BULK_X``, lighter still: 20480 x 3200
+5.5 us against 6.2 - 6.7): there all of the matrix is asked for at once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
 us against 3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any
 arithmetic and it loses up to 25 %). A bulk-copy ring with persistent CTAs was measured
 and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
@@ -231,21 +230,29 @@ MID_MIN_STRIPES_PER_SM = 1.5
 BULK_FREE_SLOTS = 0.25
 
 
+def fewest_stripes_per_sm(k: int) -> float:
+    """Stripes an SM from which a stripe kernel runs a K-column GEMV: fewer the longer a
+    stripe (``fmt.stripe_bytes``): any number from ``LONG_STRIPE_BYTES``,
+    ``MID_MIN_STRIPES_PER_SM`` from ``MID_STRIPE_BYTES``, else ``BULK_MIN_STRIPES_PER_SM``."""
+    size = fmt.stripe_bytes(k)
+    if size >= LONG_STRIPE_BYTES:
+        return 0
+    return MID_MIN_STRIPES_PER_SM if size >= MID_STRIPE_BYTES else BULK_MIN_STRIPES_PER_SM
+
+
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM (fewer, from ``LONG_STRIPE_BYTES``, or from ``MID_STRIPE_BYTES`` at
-    ``MID_MIN_STRIPES_PER_SM`` stripes an SM: ``BULK`` where its slots hold two GEMVs'
-    stripes, else ``BULK_X`` where it holds them in one wave), or None: the first of
-    ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 37 - 42 registers, more CTAs an
-    SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that
+    stripes an SM (fewer for long stripes, ``fewest_stripes_per_sm``: ``BULK`` where its
+    slots hold two GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or
+    None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 37 - 42
+    registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that
     holds every stripe in one wave (8448 x 10240: 528 stripes, 396 / 528 slots; us, BULK
     7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else ``BULK`` where it takes fewer waves
     than the register kernel (``register_waves``: 13824 x 6912, 2 against 3; 8.92 - 9.02
     against 12.04)."""
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
-        size = fmt.stripe_bytes(k)
-        if size < MID_STRIPE_BYTES or (size < LONG_STRIPE_BYTES and stripes < MID_MIN_STRIPES_PER_SM * sms):
+        if stripes < fewest_stripes_per_sm(k) * sms:
             return None
         if bulk_fits(k) and 2 * stripes <= bulk_ctas_per_sm(k) * sms:
             return BULK
@@ -433,8 +440,8 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
     return cute.compile(BitnetGemvBulk(cfg, k), *matmul_fake_args(cfg.raw, tokens=1), options=options)
 
 
-__all__ = ["BULK", "BULK_MIN_STRIPES_PER_SM", "BULK_FREE_SLOTS", "BULK_X", "LONG_STRIPE_BYTES", "MID_MIN_STRIPES_PER_SM",
-           "MID_STRIPE_BYTES", "BitnetGemv", "BitnetGemvBulk",
-           "CANDIDATES", "GemvConfig", "MAX_WARPS", "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers",
-           "bulk_smem_bytes", "bulk_warps", "compile_bulk", "compile_gemv", "config_for", "cost", "launch_size",
+__all__ = ["BULK", "BULK_FREE_SLOTS", "BULK_MIN_STRIPES_PER_SM", "BULK_X", "BitnetGemv", "BitnetGemvBulk",
+           "CANDIDATES", "GemvConfig", "LONG_STRIPE_BYTES", "MAX_WARPS", "MID_MIN_STRIPES_PER_SM", "MID_STRIPE_BYTES",
+           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers", "bulk_smem_bytes", "bulk_warps",
+           "compile_bulk", "compile_gemv", "config_for", "cost", "fewest_stripes_per_sm", "launch_size",
            "stripe_config", "stripe_waves", "warps_for"]

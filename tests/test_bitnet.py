@@ -771,6 +771,8 @@ def test_sm90_gemv_config():
     # (H100: 4800 x 6912 3.9 against the register kernel's 6.3 us, 3200 x 6912 3.4 against 3.8);
     # fewer keep the register kernel (2560 x 6912: 160 stripes, 1.2 an SM)
     assert v90.MID_STRIPE_BYTES == L.stripe_bytes(6144)
+    assert [v90.fewest_stripes_per_sm(k) for k in (3200, 6016, 6144, 6912, 8064, 8192, 10240)] == [4, 4, 1.5, 1.5,
+                                                                                              1.5, 0, 0]
     assert pick(4800, 6912) == "bulk" and pick(3200, 6912) == "bulk" and pick(2560, 6912) == (5, True)
     assert v90.stripe_config(3168, 6144, 132, 1) == v90.BULK and v90.stripe_config(3152, 6144, 132, 1) is None
     assert v90.stripe_config(3200, 6016, 132, 1) is None and v90.stripe_config(4800, 3200, 132, 1) is None
