@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from bitdecode.cli import positive_int_list as int_list
+from bitdecode.cli import positive_int_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bitnet import measure_roofline  # noqa: E402
@@ -53,10 +53,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="output folder, e.g. profiles/h200")
     p.add_argument("--tag", default="", help="suffix of the file name (an identifier)")
-    p.add_argument("--tile-kb", type=int_list, default=[8, 16, 32], help="tile sizes, KiB")
-    p.add_argument("--stages", type=int_list, default=[2, 3, 4, 6, 8])
-    p.add_argument("--ctas-per-sm", type=int_list, default=[1, 2])
-    p.add_argument("--copies", type=int_list, default=[1, 4, 16],
+    p.add_argument("--tile-kb", type=positive_int_list, default=[8, 16, 32], help="tile sizes, KiB")
+    p.add_argument("--stages", type=positive_int_list, default=[2, 3, 4, 6, 8])
+    p.add_argument("--ctas-per-sm", type=positive_int_list, default=[1, 2])
+    p.add_argument("--copies", type=positive_int_list, default=[1, 4, 16],
                    help="bulk copies a tile (the decode issues four a stage: K's box, V's, their params)")
     p.add_argument("--consumer-warps", type=int, default=4)
     p.add_argument("--gib", type=float, default=1.0, help="bytes each launch reads, GiB")
