@@ -64,6 +64,15 @@ def accumulate_words(w: tuple, x: tuple, acc: cute.Tensor):
 
 
 @cute.jit
+def add_byte_sums(x: tuple, total: Int32) -> Int32:
+    """``total`` plus the sum of the signed bytes of the activation words ``x`` (one dp4a
+    by ones a word): the x sum that turns the codes' products into the ternary weights'."""
+    for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
+        total = dp4a_ss(x[i], Int32(0x01010101), total)
+    return total
+
+
+@cute.jit
 def fold_rows(acc: cute.Tensor) -> cute.Tensor:
     """Per row of this lane: undo the 4**i scaling of accumulator i (exact, accumulator i
     is a multiple of 4**i), then add lanes l, l^2 (other column half), l^8, l^16 (other
@@ -302,8 +311,7 @@ class BitnetGemv:
                 xv.append(load_v4(x_lane + Int64(grps[u]) * fmt.GROUP_K, False, self.pdl))
             for u in cutlass.range_constexpr(self.unroll):
                 x = tuple(xv[u][i] & keep[u] for i in range(4))
-                for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-                    xsum[0] = dp4a_ss(x[i], Int32(0x01010101), xsum[0])
+                xsum[0] = add_byte_sums(x, xsum[0])
                 accumulate_words(wv[u], x, acc)
 
         store_stripe(acc, xsum[0], red, warp, warps, lane, tidx, stripe, mXScale, mWScale, mOut, e1, e2, e3, self.raw,

@@ -51,9 +51,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, compile_gemv, early_scales,
-                                        launch_size, store_stripe, warps_for)
-from ..kernels_sm80.bitnet_ptx import WARP, dp4a_ss, lds_v4, load_v4, matmul_fake_args
+from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, add_byte_sums, compile_gemv,
+                                        early_scales, launch_size, store_stripe, warps_for)
+from ..kernels_sm80.bitnet_ptx import WARP, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
 from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm, smem_ctas_per_sm
 from . import ptx90
@@ -382,8 +382,7 @@ class BitnetGemvBulk:
                 x = xv[u]
                 if cutlass.const_expr(keep[u] is not None):
                     x = tuple(x[i] & keep[u] for i in range(4))
-                for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-                    xsum = dp4a_ss(x[i], Int32(0x01010101), xsum)
+                xsum = add_byte_sums(x, xsum)
                 accumulate_words(wv, x, acc)
         return xsum
 
@@ -427,9 +426,7 @@ class BitnetGemvBulk:
         for every row."""
         xsum = Int32(0)
         for v in cutlass.range(tidx, self.k // fmt.CHUNK_BYTES, self.warps * WARP, unroll=1):
-            xw = lds_v4(sx + v * fmt.CHUNK_BYTES)  # (a 16-byte chunk: one shared load)
-            for i in cutlass.range_constexpr(fmt.DECODE_STEPS):
-                xsum = dp4a_ss(xw[i], Int32(0x01010101), xsum)
+            xsum = add_byte_sums(lds_v4(sx + v * fmt.CHUNK_BYTES), xsum)  # (a 16-byte chunk: one shared load)
         for offset in cutlass.range_constexpr(2):
             xsum = xsum + cute.arch.shuffle_sync_bfly(xsum, offset=(1, 4)[offset])
         return xsum
