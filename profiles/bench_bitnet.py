@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from bitdecode import bitnet as bn
+from bitdecode.layouts.bitnet import TILE_N
 
 SHAPES = bn.MODEL_SHAPES
 GEMM_M = (16, 64, 256, 1024, 4096)
@@ -156,12 +157,12 @@ def gemv_call(cfg) -> Callable:
 
 
 def check_segments(n: int) -> tuple:
-    """Row counts of three fused segments over ``n`` rows (whole 16-row tiles; one segment
-    where ``n`` has fewer than three tiles), for the output checks."""
-    tiles = n // 16
+    """Row counts of three fused segments over ``n`` rows (whole ``TILE_N``-row tiles; one
+    segment where ``n`` has fewer than three tiles), for the output checks."""
+    tiles = n // TILE_N
     if tiles < 3:
         return (n,)
-    a = max(1, tiles // 4) * 16
+    a = max(1, tiles // 4) * TILE_N
     return (a, a, n - 2 * a)
 
 
