@@ -81,8 +81,8 @@ def fold_rows(acc: cute.Tensor) -> cute.Tensor:
     rows = cute.make_rmem_tensor((fmt.ROWS_PER_CHUNK,), Int32)
     for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
         s = acc[r * 4] + (acc[r * 4 + 1] >> 2) + (acc[r * 4 + 2] >> 4) + (acc[r * 4 + 3] >> 6)
-        for mask in cutlass.range_constexpr(3):
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=(2, 8, 16)[mask])
+        for i in cutlass.range_constexpr(len(fmt.SAME_ROW_LANE_MASKS)):
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=fmt.SAME_ROW_LANE_MASKS[i])
         rows[r] = s
     return rows
 
@@ -114,7 +114,7 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
     for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
         acc[r * fmt.DECODE_STEPS] = acc[r * fmt.DECODE_STEPS] - fmt.CODE_OFFSET * xsum
     rows = fold_rows(acc)
-    if (lane & 0b11010) == 0:  # lanes 0, 1, 4, 5: chunks 0, 1, 4, 5 = rows 0, 4, 8, 12
+    if (lane & sum(fmt.SAME_ROW_LANE_MASKS)) == 0:  # lanes 0, 1, 4, 5: chunks 0, 1, 4, 5 = rows 0, 4, 8, 12
         base = fmt.chunk_row(lane % fmt.CHUNKS_PER_TILE)
         for r in cutlass.range_constexpr(fmt.ROWS_PER_CHUNK):
             red[base + r, warp] = rows[r]

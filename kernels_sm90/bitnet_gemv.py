@@ -421,14 +421,14 @@ class BitnetGemvBulk:
     @cute.jit
     def staged_x_sum(self, sx: Int32, tidx: Int32) -> Int32:
         """x's sum, each thread taking the 16-byte chunks ``tidx, tidx + threads, ..`` of the
-        staged x, then added over lanes ``l^1`` and ``l^4``: the fold (``store_stripe``) adds
-        lanes ``l^2, l^8, l^16`` and then the warps, so every thread's share is counted once
-        for every row."""
+        staged x, then added over the lanes that hold other rows (``fmt.OTHER_ROW_LANE_MASKS``):
+        the fold (``store_stripe``) adds the lanes that hold the same rows and then the warps,
+        so every thread's share is counted once for every row."""
         xsum = Int32(0)
         for v in cutlass.range(tidx, self.k // fmt.CHUNK_BYTES, self.warps * WARP, unroll=1):
             xsum = add_byte_sums(lds_v4(sx + v * fmt.CHUNK_BYTES), xsum)  # (a 16-byte chunk: one shared load)
-        for offset in cutlass.range_constexpr(2):
-            xsum = xsum + cute.arch.shuffle_sync_bfly(xsum, offset=(1, 4)[offset])
+        for i in cutlass.range_constexpr(len(fmt.OTHER_ROW_LANE_MASKS)):
+            xsum = xsum + cute.arch.shuffle_sync_bfly(xsum, offset=fmt.OTHER_ROW_LANE_MASKS[i])
         return xsum
 
 

@@ -94,6 +94,12 @@ CHUNKS_PER_TILE = TILE_BYTES // CHUNK_BYTES  # 8
 ROWS_PER_CHUNK = CHUNK_BYTES // 4  # 4 words = 4 rows
 CHUNK_K = CODES_PER_WORD  # 16 columns per word / chunk
 ROW_SUM_BYTES = 4  # a GEMV warp's int32 sum of one stripe row
+# A GEMV lane l reads chunk l % 8 of tile l // 8 of a group, so its four rows are
+# chunk_row(l % 8): lane bits 0 and 2 pick them, and lanes l ^ 2 (the other column half),
+# l ^ 8 and l ^ 16 (the other tiles) hold the same rows.  The row fold adds over the first
+# masks, a sum wanted once for every row (x's) over the second.
+SAME_ROW_LANE_MASKS = (2, 8, 16)
+OTHER_ROW_LANE_MASKS = (1, 4)
 
 
 def stripe_bytes(k: int) -> int:

@@ -138,6 +138,14 @@ def test_thread_mappings_match_layouts():
     rows, halves = L.chunk_tables()
     assert rows == (0, 4, 0, 4, 8, 12, 8, 12) and halves == (0, 0, 1, 1, 0, 0, 1, 1)
     assert all(L.chunk_row(q) == rows[q] and L.chunk_khalf(q) == halves[q] for q in range(8))
+    # the GEMV's lane masks: the row fold's keep a lane's rows, the x sum's reach every other
+    # row chunk, and together they are the warp's five butterfly steps
+    same, other = L.SAME_ROW_LANE_MASKS, L.OTHER_ROW_LANE_MASKS
+    assert sorted(same + other) == [1, 2, 4, 8, 16]
+    for lane in range(32):
+        assert all(L.chunk_row((lane ^ m) % 8) == L.chunk_row(lane % 8) for m in same)
+        reach = {lane ^ a ^ b for a in (0, other[0]) for b in (0, other[1])}
+        assert sorted(L.chunk_row(r % 8) for r in reach) == [0, 4, 8, 12]
     table = L.mma_word_offset_table()
     for lane in range(32):
         g, tq = lane // 4, lane % 4
