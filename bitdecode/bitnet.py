@@ -578,8 +578,10 @@ def _pdl(arch: str) -> bool:
 def _with_pdl(cfg, arch: str):
     """``cfg`` with programmatic dependent launch where ``_pdl`` allows it: the GEMV and the
     mma.sync GEMM stream weights while the previous kernel drains (profiles/NOTES.md); the
-    weights must not come from that kernel."""
-    return dataclasses.replace(cfg, pdl=_pdl(arch))
+    weights must not come from that kernel.  Without PDL the scales load where the plain
+    kernel loads them (``early_scales`` places them after the PDL wait, so it goes too)."""
+    pdl = _pdl(arch)
+    return dataclasses.replace(cfg, pdl=pdl, early_scales=cfg.early_scales and pdl)
 
 
 def gemv_config_for(device: torch.device, n: int, k: int):

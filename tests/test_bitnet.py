@@ -645,6 +645,24 @@ def test_pdl_switch(monkeypatch):
     assert bn.pdl_enabled()
 
 
+def test_pdl_off_keeps_every_gemv_config_buildable(monkeypatch):
+    """BITDECODE_PDL=0 turns every configuration the sm90 host may pick into a plain launch:
+    the scales placed after the PDL wait (``early_scales``, BULK_X's) go with it, where
+    ``dataclasses.replace(cfg, pdl=False)`` alone raised."""
+    from bitdecode.kernels_sm90 import bitnet_gemv as v90
+
+    configs = list(v90.CANDIDATES) + [v90.BULK, v90.BULK_X]
+    assert any(c.early_scales for c in configs)
+    monkeypatch.setenv("BITDECODE_PDL", "0")
+    for cfg in configs:
+        off = bn._with_pdl(cfg, "sm_90a")
+        assert not off.pdl and not off.early_scales
+        assert dataclasses.replace(off, pdl=True, early_scales=cfg.early_scales) == cfg
+    monkeypatch.setenv("BITDECODE_PDL", "1")
+    assert all(bn._with_pdl(cfg, "sm_90a") == cfg for cfg in configs)
+    assert not bn._with_pdl(v90.BULK_X, "sm_80").pdl
+
+
 @pytest.mark.parametrize("unroll,pin", [(u, p) for p in (False, True) for u in (4, 5, 8, 10)])
 def test_sm90_gemv_compiles(unroll, pin, tmp_path):
     from bitdecode.kernels_sm90 import bitnet_gemv as v90
@@ -1242,14 +1260,18 @@ def test_gpu_gemv_reads_the_gemv_before():
 def test_gpu_pdl_off(monkeypatch):
     """BITDECODE_PDL=0: plain launches, same exact results."""
     monkeypatch.setenv("BITDECODE_PDL", "0")
-    n, k = 4096 + 16, 2560
-    w, wp = _weights(n, k)
-    assert not bn.gemv_config_for("cuda", n, k).pdl
-    ws = torch.ones(1, device="cuda")
-    for m in (1, 16):
-        x, xs = _acts(m, k, n + m)
-        fn = bn.gemv if m == 1 else bn.gemm
-        assert torch.equal(fn(x, wp, xs, ws, out_dtype=torch.int32), bn.accumulate(x, w))
+    # (the second shape takes a stripe kernel on Hopper, BULK_X with PDL on)
+    for n, k in ((4096 + 16, 2560), (3200, 10240)):
+        w, wp = _weights(n, k)
+        assert not bn.gemv_config_for("cuda", n, k).pdl
+        ws = torch.ones(1, device="cuda")
+        for m in (1, 16):
+            x, xs = _acts(m, k, n + m)
+            fn = bn.gemv if m == 1 else bn.gemm
+            assert torch.equal(fn(x, wp, xs, ws, out_dtype=torch.int32), bn.accumulate(x, w))
+        x, xs = _acts(1, k, n)  # the bf16 output too: BULK_X scales it in its own epilogue
+        _check(bn.gemv(x, wp, xs, ws), bn.reference_gemm(x, wp, xs, ws), bn.gemv(x, wp, xs, ws, out_dtype=torch.int32),
+               bn.accumulate(x, w))
 
 
 @pytest.mark.gpu
