@@ -39,12 +39,12 @@ import dataclasses
 import functools
 import os
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from . import _validate, dispatch, jit
+from . import _validate, bitnet_tune, dispatch, jit
 from .backend import num_sms
 from .formats import model_head_dim
 from .reference import _to_int32
@@ -65,6 +65,7 @@ __all__ = [
     "gemm_kernel_for",
     "gemv_config_for",
     "gemv_configs",
+    "tune_gemv",
     "pdl_enabled",
     "accumulate",
     "OUT_DTYPES",
@@ -585,9 +586,12 @@ def _with_pdl(cfg, arch: str):
 
 
 def gemv_config_for(device: torch.device, n: int, k: int):
-    """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights."""
+    """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights:
+    the one ``tune_gemv`` measured fastest for this GPU and shape (``bitnet_tune``'s
+    table), else the rule's."""
     device = torch.device(device)
-    return _with_pdl(kernels_for(device).gemv_config(n, k, num_sms(device)), _arch(device))
+    cfg = bitnet_tune.lookup(device, n, k) or kernels_for(device).gemv_config(n, k, num_sms(device))
+    return _with_pdl(cfg, _arch(device))
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None, k: Optional[int] = None) -> str:
@@ -614,7 +618,7 @@ def gemv_configs(device: torch.device) -> list:
 
 def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
     """(compiled kernel, launch size) for this shape: the host's configuration, or ``cfg``."""
-    key = ("gemv", device.index, raw, n, k, pdl_enabled() if cfg is None else cfg)
+    key = ("gemv", device.index, raw, n, k, pdl_enabled() if cfg is None else cfg, bitnet_tune.generation)
     hit = _LAUNCHERS.get(key)
     if hit is None:
         arch, kernels = _arch(device), kernels_for(device)
@@ -756,6 +760,93 @@ def gemv(
     if torch.compiler.is_compiling():
         return _gemv_op(x, w_packed, x_scale, w_scales, ends, raw)
     return _gemv_launch(x, w_packed, x_scale, w_scales, ends, raw)
+
+
+def tune_gemv(shapes, device="cuda", *, replays: int = 20, margin: float = 0.02,
+              progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+    """Time every GEMV configuration ``device`` runs at each weight shape (N, K) of ``shapes``
+    and launch the fastest from now on (``bitnet_tune``'s table; ``bitnet_tune.save`` keeps
+    it): the rule's pick stays unless another is faster by more than ``margin``.
+
+    ``shapes``: (N, K) pairs or ``"NxK,NxK"``.  Each configuration's int32 sums are compared
+    with the reference's before it is timed (``RuntimeError`` on any difference: a kernel
+    bug).  Times are ``bitnet_tune``'s method: weights read from HBM, CUDA-graph replays,
+    the median of ``replays``.  Returns a dict a shape: ``gpu``, ``sms``, ``n``, ``k``,
+    ``config`` (the pick's fields) and ``us``, ``default`` (the rule's) and ``default_us``,
+    and ``times`` (every configuration's fields and time).  ``progress(text)`` is called
+    before each shape.  Tune before capturing CUDA graphs that run these GEMVs."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"device: tune_gemv times kernels on a CUDA GPU, got {device}"
+                         + ("" if torch.cuda.is_available() else " (this machine has none)"))
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _check_kernel_device(device, "GEMV")
+    shapes = bitnet_tune.parse_shapes(shapes)
+    if not isinstance(replays, int) or isinstance(replays, bool) or replays < 1:
+        raise ValueError(f"replays must be a positive integer, got {replays!r}")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    rows = []
+    for n, k in shapes:
+        if progress is not None:
+            progress(f"{n} x {k}")
+        rows.append(_tune_shape(n, k, device, l2, replays, margin))
+    return rows
+
+
+def _gemv_candidates(device: torch.device, k: int) -> list:
+    """Every GEMV configuration ``device`` runs at K columns as a call would launch it (PDL
+    as ``$BITDECODE_PDL`` says), less those it cannot build at this K (a stripe too long
+    for shared memory)."""
+    kernels, arch = kernels_for(device), _arch(device)
+    out = []
+    for cfg in kernels.gemv_configs():
+        cfg = _with_pdl(cfg, arch)
+        try:
+            kernels.gemv_key(cfg, k)
+        except ValueError:
+            continue
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _tune_shape(n: int, k: int, device: torch.device, l2: int, replays: int, margin: float) -> dict:
+    """``tune_gemv`` at one shape: check and time every candidate, remember the pick."""
+    gpu = bitnet_tune.gpu_key(device)
+    bitnet_tune.forget(gpu, n, k)  # the rule's pick is the baseline, not an earlier tuning's
+    default = gemv_config_for(device, n, k)
+    configs = _gemv_candidates(device, k)
+    if default not in configs:
+        configs.insert(0, default)
+    gen = torch.Generator(device=device).manual_seed(n * 7 + k)
+    packed = pack_weight(torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device))
+    x, xs = quantize_activation(torch.randn(1, k, generator=gen, device=device), backend="reference")
+    ws = torch.ones(1, device=device)
+    ends = [n, n, n]
+    want = reference_gemm(x, packed, xs, ws, None, torch.int32)
+    copies = bitnet_tune.copies_for(packed.numel(), l2)
+    packs = [packed] + [packed.clone() for _ in range(copies - 1)]
+    times = {}
+    for cfg in configs:
+        got = _gemv_launch(x, packed, xs, ws, ends, True, cfg)
+        if not torch.equal(got, want):
+            raise RuntimeError(f"the GEMV configuration {cfg} summed N={n} x K={k} wrongly "
+                               f"({int((got != want).sum())} of {n} outputs): a kernel bug, please report it")
+        calls = [(lambda p=packs[i % copies], c=cfg: _gemv_launch(x, p, xs, ws, ends, False, c))
+                 for i in range(max(copies, bitnet_tune.MIN_CALLS))]
+        times[cfg] = bitnet_tune.graph_time_us(calls, replays)
+    del packs
+    best = min(times, key=times.get)
+    if times[best] >= times[default] * (1 - margin):
+        best = default
+    bitnet_tune.remember(gpu, n, k, best)
+    fields = bitnet_tune.config_fields
+    return {"gpu": gpu[0], "sms": gpu[1], "n": n, "k": k, "config": fields(best), "us": times[best],
+            "default": fields(default), "default_us": times[default],
+            "times": [{"config": fields(cfg), "us": us} for cfg, us in times.items()]}
 
 
 def gemm(

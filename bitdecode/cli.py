@@ -1,4 +1,4 @@
-"""The ``bitdecode`` command line: info, demo, generate, eval, layout, bench, compile, selfcheck.
+"""The ``bitdecode`` command line: info, demo, generate, eval, layout, bench, compile, selfcheck, tune.
 
 Each subcommand lives in its own module (``bitdecode/cli_<name>.py``) exposing
 ``add_parser(subparsers, name, help_text)`` and ``run(args) -> int``, and optionally
@@ -23,6 +23,7 @@ COMMANDS = {
     "bench": "benchmark sweeps (decode incl. prefill packing, bitnet) written to profiles/<gpu>/",
     "compile": "ahead-of-time compile the kernels for an arch and dump their PTX (no GPU needed)",
     "selfcheck": "run one kernel backend on this GPU against the torch reference (auto's first-use check)",
+    "tune": "measure the BitNet GEMV's fastest kernel configuration for your weight shapes on this GPU",
 }
 
 

@@ -28,7 +28,6 @@ both GEMM kernels (mma.sync and wgmma) at every M; ``default`` marks the one
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -37,56 +36,18 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from bitdecode import bitnet as bn
+from bitdecode.bitnet_tune import MIN_CALLS, config_fields, copies_for, describe, graph_time_us
+from bitdecode.bitnet_tune import captured, replay_time_us  # noqa: F401 (trace_bitnet.py imports them from here)
 from bitdecode.layouts.bitnet import TILE_N
 
 SHAPES = bn.MODEL_SHAPES
 GEMM_M = (16, 64, 256, 1024, 4096)
-MIN_CALLS = 32
 # Targets of the issue (H200): fraction of the roofline and speed-up over bf16 on the three
 # largest GEMVs, the slowest GEMV, the GEMM speed-up at M = 16; the GEMM (default kernel)
 # against bf16 at every M, and its geometric mean over the shapes at M >= 1024.
 TARGETS = {"roofline_frac_largest3": 0.70, "speedup_largest3": 4.0, "max_gemv_us": 6.0, "gemm_m16_speedup": 2.0,
            "gemm_min_speedup": 1.2, "gemm_large_m_geomean": 1.6}
 LARGE_M = 1024
-
-
-def captured(calls: List[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
-    """``calls`` captured back to back in one CUDA graph (compiled and warmed up first)."""
-    for fn in calls[: min(len(calls), 2)]:  # compile / autotune outside the capture
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # allocator warm-up on a side stream, as torch documents
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    return graph
-
-
-def graph_time_us(calls: List[Callable[[], object]], replays: int, warmup: int = 3) -> float:
-    """Median GPU time per call of ``calls`` captured back to back in one CUDA graph."""
-    return replay_time_us(captured(calls), len(calls), replays, warmup)
-
-
-def replay_time_us(graph: "torch.cuda.CUDAGraph", calls: int, replays: int, warmup: int = 3) -> float:
-    """Median GPU time per call of a captured ``graph`` of ``calls`` calls."""
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def measure_roofline(device, replays: int) -> Dict[str, float]:
@@ -115,10 +76,6 @@ def gemv_bytes(n: int, k: int) -> int:
     return n * k // 4 + k + 2 * n
 
 
-def copies_for(nbytes: int, l2_bytes: int) -> int:
-    return max(2, math.ceil(4 * l2_bytes / nbytes))
-
-
 def gemv_variants(device) -> Dict[str, tuple]:
     """Every GEMV configuration this GPU runs (``bitnet.gemv_configs``) by column name:
     ``unrollU_us`` plain, ``pdl_unrollU_us`` with programmatic dependent launch
@@ -127,8 +84,7 @@ def gemv_variants(device) -> Dict[str, tuple]:
     (config, ``call(x, w, xs, ws) -> out`` running it)."""
     out = {}
     for cfg in bn.gemv_configs(device):
-        shape = ("bulk_x" if cfg.stage_x else "bulk") if cfg.bulk else f"unroll{cfg.unroll}" + ("_pin" if cfg.pin else "")
-        out[("pdl_" if cfg.pdl else "") + shape + "_us"] = (cfg, gemv_call(cfg))
+        out[describe(config_fields(cfg)) + "_us"] = (cfg, gemv_call(cfg))
     return out
 
 

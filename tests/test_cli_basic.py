@@ -24,7 +24,7 @@ def bitdecode(*args, timeout=300):
 def test_help_lists_every_command():
     out = bitdecode("--help")
     assert "usage: bitdecode" in out
-    for name in ("info", "demo", "layout", "bench", "compile", "selfcheck"):
+    for name in ("info", "demo", "layout", "bench", "compile", "selfcheck", "tune"):
         assert re.search(rf"^\s+{name}\s+\S", out, re.M), name
 
 

@@ -1,0 +1,87 @@
+"""``bitdecode tune``: measure the BitNet GEMV's kernel configuration for your shapes and GPU.
+
+Times every GEMV configuration this GPU's kernels run at each weight shape N x K (one token
+against N x K ternary weights, read from HBM, in CUDA graphs), checks each one's int32 sums
+against the reference first, prints the rule's pick beside the fastest and writes the
+picks to ``--out`` (entries of other GPUs or shapes already in the file are kept).  Use the
+file with ``bitdecode.bitnet_tune.load(path)`` or ``BITDECODE_GEMV_TUNING=path``;
+``bitnet.gemv`` (and ``BitLinear`` at one token) then launch the measured pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .cli import output_file
+
+
+def _shapes(text: str):
+    """argparse type of ``--shapes``: ``bitnet_tune.parse_shapes``'s (N, K) pairs."""
+    from .bitnet_tune import parse_shapes
+
+    try:
+        return parse_shapes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=help_text, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", type=_shapes, default=None, metavar="NxK,...",
+                   help="weight shapes, N rows x K columns (N a multiple of 16, K of 128), e.g. "
+                        "4096x4096,11008x4096 (default: BitNet b1.58 2B's, bitnet.MODEL_SHAPES)")
+    p.add_argument("--out", type=output_file, required=True, metavar="FILE",
+                   help="JSON file the picks are written to (merged with the entries already there)")
+    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--replays", type=_positive, default=20, help="graph replays a configuration (median; default 20)")
+    return p
+
+
+def run(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import bitnet, bitnet_tune
+
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]bitdecode tune times kernels: it needs a CUDA GPU[/red]")
+        return 2
+    if not 0 <= args.device < torch.cuda.device_count():
+        console.print(f"[red]--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)[/red]")
+        return 2
+    if Path(args.out).exists():  # keep what the file holds; a broken file is refused before any timing
+        try:
+            bitnet_tune.load(args.out)
+        except ValueError as e:
+            console.print(f"[red]--out {args.out}: {e}[/red]")
+            return 2
+    shapes = args.shapes or list(dict.fromkeys(bitnet.MODEL_SHAPES))
+    device = torch.device("cuda", args.device)
+    with console.status("tuning") as status:
+        rows = bitnet_tune.tune_gemv(shapes, device, replays=args.replays,
+                                     progress=lambda text: status.update(f"tuning {text}"))
+    table = Table(title=f"GEMV on {rows[0]['gpu']} ({rows[0]['sms']} SMs), us a call")
+    for column in ("N x K", "rule's pick", "us", "measured pick", "us", "faster"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(f"{row['n']} x {row['k']}", bitnet_tune.describe(row["default"]), f"{row['default_us']:.2f}",
+                      bitnet_tune.describe(row["config"]), f"{row['us']:.2f}",
+                      f"{row['default_us'] / row['us'] - 1:+.0%}")
+    console.print(table)
+    bitnet_tune.save(args.out)
+    console.print(f"picks written to {args.out}; use them with BITDECODE_GEMV_TUNING={args.out}")
+    return 0

@@ -1,0 +1,241 @@
+"""The GEMV tuning table (``bitdecode.bitnet_tune``), ``bitnet.tune_gemv`` and ``bitdecode
+tune``: shapes and files refused with clear errors, entries round-trip through a file and
+are looked up per GPU kind, and on a GPU the measured pick is the one ``gemv`` launches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bitdecode import bitnet as bn
+from bitdecode import bitnet_tune as tune
+from bitdecode.cli import main
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+H100 = ("NVIDIA H100 80GB HBM3", 132)
+H200 = ("NVIDIA H200", 132)
+
+
+@pytest.fixture(autouse=True)
+def empty_table(monkeypatch):
+    """Every test starts and ends with no entries and no tuning file in the environment."""
+    monkeypatch.delenv(tune.ENV_GEMV_TUNING, raising=False)
+    tune.clear()
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    yield
+    tune.clear()
+
+
+def _configs():
+    """The sm90 backend's GEMV configurations (register kernels, BULK, BULK_X)."""
+    from bitdecode.backend import of_arch
+
+    return of_arch("sm_90a").bitnet.gemv_configs()
+
+
+def _file(tmp_path, entries, name="tuning.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"format": tune.FORMAT, "entries": entries}))
+    return path
+
+
+def test_parse_shapes():
+    assert tune.parse_shapes("4096x4096, 11008X4096") == [(4096, 4096), (11008, 4096)]
+    assert tune.parse_shapes([(48, 384), (48, 384), (32, 128)]) == [(48, 384), (32, 128)]
+    for shapes, message in [("4096", "NxK"), ("4096x4096,axb", "NxK"), ("", "no shape"), ([(4096,)], "(N, K)"),
+                            ([(40, 128)], "multiple of 16"), ([(48, 100)], "multiple of 128"),
+                            ([(48.0, 128)], "(N, K) integers"), ([(0, 128)], "positive")]:
+        with pytest.raises(ValueError, match="shapes") as e:
+            tune.parse_shapes(shapes)
+        assert message in str(e.value), (shapes, str(e.value))
+
+
+def test_entries_round_trip_through_a_file(tmp_path, monkeypatch):
+    configs = _configs()
+    start = tune.generation
+    tune.remember(H100, 4096, 4096, configs[-1])
+    tune.remember(H200, 4096, 4096, configs[0])
+    tune.remember(H100, 2048, 2048, dataclasses.replace(configs[-2], raw=True))  # (raw is the call's, not kept)
+    assert tune.generation == start + 3
+    path = tune.save(tmp_path / "t.json")
+    saved = json.loads(path.read_text())
+    assert saved["format"] == tune.FORMAT and len(saved["entries"]) == 3
+    assert all("raw" not in e["config"] for e in saved["entries"])
+    table = dict(tune._TUNED)
+    tune.clear()
+    assert tune.entries() == [] and tune.generation == start + 4
+    assert tune.load(path) == 3
+    assert tune._TUNED == table
+    assert tune._TUNED[(*H100, 2048, 2048)] == dataclasses.replace(configs[-2], raw=False)
+    # looked up per GPU kind: name and SM count
+    for gpu, n, k, want in [(H100, 4096, 4096, configs[-1]), (H200, 4096, 4096, configs[0]),
+                            (("NVIDIA H100 80GB HBM3", 114), 4096, 4096, None), (H100, 4096, 8192, None)]:
+        monkeypatch.setattr(tune, "gpu_key", lambda device, gpu=gpu: gpu)
+        assert tune.lookup("cuda", n, k) == want
+    tune.forget(H100, 4096, 4096)
+    monkeypatch.setattr(tune, "gpu_key", lambda device: H100)
+    assert tune.lookup("cuda", 4096, 4096) is None and len(tune.entries()) == 2
+
+
+def test_a_bad_file_is_refused_and_changes_nothing(tmp_path):
+    good = {"gpu": H100[0], "sms": 132, "n": 4096, "k": 4096, "config": tune.config_fields(_configs()[-1])}
+    tune.remember(H200, 48, 128, _configs()[0])
+    before = dict(tune._TUNED)
+    cases = [
+        ({"entries": []}, "not a GEMV tuning"),
+        ({"format": tune.FORMAT, "entries": {}}, "\"entries\" must be a list"),
+        ({"format": tune.FORMAT, "entries": [good, 7]}, "entries[1] must be an object"),
+        ({"format": tune.FORMAT, "entries": [{**good, "n": 4100}]}, "entries[0]: the weights' rows N"),
+        ({"format": tune.FORMAT, "entries": [{**good, "k": 4000}]}, "entries[0]: the weights' columns K"),
+        ({"format": tune.FORMAT, "entries": [{**good, "sms": True}]}, "sms must be a positive integer"),
+        ({"format": tune.FORMAT, "entries": [{**good, "gpu": ""}]}, "gpu must be the GPU's name"),
+        ({"format": tune.FORMAT, "entries": [{k: v for k, v in good.items() if k != "config"}]}, "lacks config"),
+        ({"format": tune.FORMAT, "entries": [{**good, "config": {"unroll": 4, "warp": 2}}]}, "GemvConfig fields"),
+        ({"format": tune.FORMAT, "entries": [{**good, "config": {"unroll": True}}]}, "its GemvConfig type"),
+        ({"format": tune.FORMAT, "entries": [good, {**good, "config": {"stage_x": True}}]},
+         "entries[1]: config {'stage_x': True}: GemvConfig: stage_x applies to the stripe kernel"),
+    ]
+    for i, (content, message) in enumerate(cases):
+        path = tmp_path / f"bad{i}.json"
+        path.write_text(json.dumps(content))
+        with pytest.raises(ValueError) as e:
+            tune.load(path)
+        assert message in str(e.value) and str(path) in str(e.value), (message, str(e.value))
+        assert tune._TUNED == before  # the good entry before the bad one was not applied either
+    (tmp_path / "not.json").write_text("{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        tune.load(tmp_path / "not.json")
+    with pytest.raises(ValueError, match="cannot read the GEMV tuning file"):
+        tune.load(tmp_path / "missing.json")
+
+
+def test_the_environment_names_a_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "gpu_key", lambda device: H100)
+    cfg = _configs()[-1]
+    path = _file(tmp_path, [{"gpu": H100[0], "sms": 132, "n": 4096, "k": 4096, "config": tune.config_fields(cfg)}])
+    monkeypatch.setenv(tune.ENV_GEMV_TUNING, str(path))
+    assert tune.lookup("cuda", 4096, 4096) == cfg
+    # the file is read before the first change, so it cannot undo one (tune_gemv drops the
+    # shape's entry before it times the rule's pick)
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    tune._TUNED.clear()
+    tune.forget(H100, 4096, 4096)
+    assert tune.lookup("cuda", 4096, 4096) is None
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    tune.remember(H100, 4096, 4096, _configs()[0])
+    assert tune.lookup("cuda", 4096, 4096) == _configs()[0]
+    tune.clear()  # (the file's entries too)
+    assert tune.lookup("cuda", 4096, 4096) is None
+    # a broken file is refused on every lookup, naming the variable, not skipped
+    tune.clear()
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    path.write_text("[]")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape(f"${tune.ENV_GEMV_TUNING}: {path}: not a GEMV tuning")):
+            tune.lookup("cuda", 4096, 4096)
+
+
+def test_config_names_are_the_benchmark_columns():
+    """``describe`` names a configuration as the GEMV benchmarks' columns do."""
+    names = [tune.describe(tune.config_fields(c)) for c in _configs()]
+    assert len(set(names)) == len(names)
+    assert {"unroll4", "unroll8", "pdl_unroll4", "pdl_unroll10_pin", "pdl_bulk", "pdl_bulk_x"} <= set(names)
+
+
+def test_tune_gemv_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="device: tune_gemv times kernels on a CUDA GPU, got cpu"):
+        bn.tune_gemv([(4096, 4096)], "cpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="shapes"):
+            bn.tune_gemv("4096x100")
+        with pytest.raises(ValueError, match="replays must be a positive integer"):
+            bn.tune_gemv([(4096, 4096)], replays=0)
+        with pytest.raises(ValueError, match="margin"):
+            bn.tune_gemv([(4096, 4096)], margin=1.5)
+
+
+def _parser_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune"], "the following arguments are required: --out"),
+    (["tune", "--out", "t.json", "--shapes", "4096x100"], "argument --shapes: shapes: the weights' columns K"),
+    (["tune", "--out", "t.json", "--shapes", "4096"], "argument --shapes: shapes must be NxK pairs"),
+    (["tune", "--out", "t.json", "--replays", "0"], "argument --replays: must be a positive integer"),
+    (["tune", "--out", "/nonexistent/dir/t.json"], "argument --out: no such folder"),
+])
+def test_tune_command_refuses_bad_options(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert message in _parser_error(argv, capsys)
+
+
+def test_tune_command_help_and_no_gpu(tmp_path):
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
+    run = [sys.executable, "-m", "bitdecode.cli", "tune"]
+    out = subprocess.run(run + ["--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "BITDECODE_GEMV_TUNING" in out.stdout and "--shapes" in out.stdout
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run(run + ["--out", str(tmp_path / "t.json")], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_tune_gemv_picks_what_gemv_launches(tmp_path):
+    """Tune two shapes (a register kernel's and a stripe kernel's on Hopper), then: the pick
+    is one of the timed configurations, ``gemv`` launches it and sums exactly, a file
+    round-trips it, and ``clear`` gives the rule back."""
+    shapes = [(4096 + 16, 2560), (3200, 10240)]
+    rule = {s: bn.gemv_config_for("cuda", *s) for s in shapes}
+    rows = bn.tune_gemv(shapes, replays=3)
+    assert [(r["n"], r["k"]) for r in rows] == shapes
+    for row, (n, k) in zip(rows, shapes):
+        timed = {tune.describe(t["config"]): t["us"] for t in row["times"]}
+        assert len(timed) >= 2 and all(0 < us < 1e4 for us in timed.values())
+        assert timed[tune.describe(row["config"])] == row["us"] and row["us"] <= row["default_us"]
+        assert row["default"] == tune.config_fields(rule[(n, k)])
+        picked = bn.gemv_config_for("cuda", n, k)
+        assert tune.config_fields(picked) == row["config"]
+        w = torch.randint(-1, 2, (n, k), dtype=torch.int8, device="cuda")
+        x, xs = bn.quantize_activation(torch.randn(1, k, device="cuda"))
+        ws = torch.ones(1, device="cuda")
+        assert torch.equal(bn.gemv(x, bn.pack_weight(w), xs, ws, out_dtype=torch.int32), bn.accumulate(x, w))
+    path = tune.save(tmp_path / "t.json")
+    picks = {s: bn.gemv_config_for("cuda", *s) for s in shapes}
+    tune.clear()
+    assert {s: bn.gemv_config_for("cuda", *s) for s in shapes} == rule
+    assert tune.load(path) == 2
+    assert {s: bn.gemv_config_for("cuda", *s) for s in shapes} == picks
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_a_changed_entry_reaches_the_next_call():
+    """A launcher built with the rule's pick is not reused once an entry names another."""
+    n, k = 4096 + 16, 2560
+    w = torch.randint(-1, 2, (n, k), dtype=torch.int8, device="cuda")
+    wp = bn.pack_weight(w)
+    x, xs = bn.quantize_activation(torch.randn(1, k, device="cuda"))
+    ws = torch.ones(1, device="cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rule = bn.gemv_config_for(dev, n, k)
+    before = bn._gemv_kernel(dev, True, n, k)[0]
+    other = next(c for c in bn._gemv_candidates(dev, k) if c != rule)
+    tune.remember(tune.gpu_key(dev), n, k, other)
+    assert bn.gemv_config_for(dev, n, k) == other
+    assert bn._gemv_kernel(dev, True, n, k)[0] is not before
+    assert torch.equal(bn.gemv(x, wp, xs, ws, out_dtype=torch.int32), bn.accumulate(x, w))
