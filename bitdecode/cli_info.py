@@ -59,6 +59,24 @@ def _bitnet_kernels(device) -> str:
     return f"GEMV: {gemv}; GEMM: {' / '.join(kernels.gemm_kernels)}"
 
 
+def _gemv_tuning() -> str:
+    """Where measured GEMV configurations come from (``bitnet_tune``): the file named by
+    ``$BITDECODE_GEMV_TUNING`` and how many entries of which GPUs it holds."""
+    from rich.markup import escape
+
+    from . import bitnet_tune
+
+    env = bitnet_tune.ENV_GEMV_TUNING
+    if not os.environ.get(env, "").strip():
+        return f"none (${env} unset; `bitdecode tune` measures them)"
+    try:
+        entries = bitnet_tune.entries()
+    except ValueError as e:
+        return f"[red]{escape(str(e))}[/]"
+    gpus = sorted({f"{e['gpu']} ({e['sms']} SMs)" for e in entries})
+    return f"{len(entries)} shape(s) from ${env} = {escape(os.environ[env])}" + (f": {', '.join(gpus)}" if gpus else "")
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -79,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                  for name, fmt in formats.items() for d in (128, 256) for dt in DTYPE_NAMES}
         table.add_row("  auto picks", ", ".join(f"{name} D{d} {dt}: {b}" for (name, d, dt), b in picks.items()))
         table.add_row("  BitNet W2A8", _bitnet_kernels(device))
+    table.add_row("GEMV tuning", _gemv_tuning())
     path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
     env = jit.ENV_CACHE_DIR
     source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"

@@ -239,3 +239,20 @@ def test_gpu_a_changed_entry_reaches_the_next_call():
     assert bn.gemv_config_for(dev, n, k) == other
     assert bn._gemv_kernel(dev, True, n, k)[0] is not before
     assert torch.equal(bn.gemv(x, wp, xs, ws, out_dtype=torch.int32), bn.accumulate(x, w))
+
+
+def test_info_names_the_tuning_file(tmp_path, monkeypatch):
+    from bitdecode.cli_info import _gemv_tuning
+
+    assert "unset" in _gemv_tuning()
+    fields = tune.config_fields(_configs()[-1])
+    path = _file(tmp_path, [{"gpu": gpu, "sms": sms, "n": 4096, "k": 4096, "config": fields}
+                            for gpu, sms in (H100, H200)])
+    monkeypatch.setenv(tune.ENV_GEMV_TUNING, str(path))
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    text = _gemv_tuning()
+    assert text.startswith("2 shape(s) from $BITDECODE_GEMV_TUNING") and "NVIDIA H200 (132 SMs)" in text
+    tune.clear()
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    path.write_text("{")
+    assert "is not JSON" in _gemv_tuning()

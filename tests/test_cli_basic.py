@@ -33,7 +33,7 @@ def test_info():
     import torch
 
     out = bitdecode("info", timeout=120)
-    for row in ("Python", "torch", "CuTe DSL", "TVM-FFI", "GPU", "backends", "compile cache"):
+    for row in ("Python", "torch", "CuTe DSL", "TVM-FFI", "GPU", "backends", "GEMV tuning", "compile cache"):
         assert row in out, row
     assert torch.__version__ in out and cutlass.__version__ in out
     if not torch.cuda.is_available():
