@@ -590,8 +590,12 @@ def gemv_config_for(device: torch.device, n: int, k: int):
     the one ``tune_gemv`` measured fastest for this GPU and shape (``bitnet_tune``'s
     table), else the rule's."""
     device = torch.device(device)
-    cfg = bitnet_tune.lookup(device, n, k) or kernels_for(device).gemv_config(n, k, num_sms(device))
-    return _with_pdl(cfg, _arch(device))
+    return _with_pdl(bitnet_tune.lookup(device, n, k) or _rule_gemv_config(device, n, k), _arch(device))
+
+
+def _rule_gemv_config(device: torch.device, n: int, k: int):
+    """The backend rule's GEMV configuration for N x K weights (before PDL is applied)."""
+    return kernels_for(device).gemv_config(n, k, num_sms(device))
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None, k: Optional[int] = None) -> str:
@@ -816,8 +820,7 @@ def _gemv_candidates(device: torch.device, k: int) -> list:
 def _tune_shape(n: int, k: int, device: torch.device, l2: int, replays: int, margin: float) -> dict:
     """``tune_gemv`` at one shape: check and time every candidate, remember the pick."""
     gpu = bitnet_tune.gpu_key(device)
-    bitnet_tune.forget(gpu, n, k)  # the rule's pick is the baseline, not an earlier tuning's
-    default = gemv_config_for(device, n, k)
+    default = _with_pdl(_rule_gemv_config(device, n, k), _arch(device))  # (not an earlier tuning's pick)
     configs = _gemv_candidates(device, k)
     if default not in configs:
         configs.insert(0, default)

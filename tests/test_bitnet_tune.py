@@ -122,8 +122,7 @@ def test_the_environment_names_a_file(tmp_path, monkeypatch):
     path = _file(tmp_path, [{"gpu": H100[0], "sms": 132, "n": 4096, "k": 4096, "config": tune.config_fields(cfg)}])
     monkeypatch.setenv(tune.ENV_GEMV_TUNING, str(path))
     assert tune.lookup("cuda", 4096, 4096) == cfg
-    # the file is read before the first change, so it cannot undo one (tune_gemv drops the
-    # shape's entry before it times the rule's pick)
+    # the file is read before the first change, so it cannot undo one
     monkeypatch.setattr(tune, "_ENV_LOADED", False)
     tune._TUNED.clear()
     tune.forget(H100, 4096, 4096)
