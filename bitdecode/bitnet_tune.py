@@ -269,14 +269,14 @@ def parse_shapes(shapes) -> List[Tuple[int, int]]:
             shapes = None
         if shapes is None or any(len(shape) != 2 for shape in shapes):
             raise ValueError(f"shapes must be NxK pairs separated by commas, e.g. 4096x4096,11008x4096; got {text!r}")
+    if not isinstance(shapes, (list, tuple)):
+        raise ValueError(f"shapes must be (N, K) pairs or a string \"NxK,NxK\", got {type(shapes).__name__}")
     out = []
     for shape in shapes:
-        if len(shape) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
+        if (not isinstance(shape, (list, tuple)) or len(shape) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in shape)):
             raise ValueError(f"shapes: each shape must be (N, K) integers, got {shape!r}")
-        try:
-            layout.check_shape(*shape, k_multiple=layout.K_MULTIPLE, name="shapes: the weights'")
-        except ValueError as e:
-            raise ValueError(str(e)) from None
+        layout.check_shape(*shape, k_multiple=layout.K_MULTIPLE, name="shapes: the weights'")
         out.append(tuple(shape))
     if not out:
         raise ValueError("shapes: no shape given")

@@ -51,7 +51,8 @@ def test_parse_shapes():
     assert tune.parse_shapes([(48, 384), (48, 384), (32, 128)]) == [(48, 384), (32, 128)]
     for shapes, message in [("4096", "NxK"), ("4096x4096,axb", "NxK"), ("", "no shape"), ([(4096,)], "(N, K)"),
                             ([(40, 128)], "multiple of 16"), ([(48, 100)], "multiple of 128"),
-                            ([(48.0, 128)], "(N, K) integers"), ([(0, 128)], "positive")]:
+                            ([(48.0, 128)], "(N, K) integers"), ([(0, 128)], "positive"), ([4096], "(N, K) integers"),
+                            (4096, "pairs or a string")]:
         with pytest.raises(ValueError, match="shapes") as e:
             tune.parse_shapes(shapes)
         assert message in str(e.value), (shapes, str(e.value))
