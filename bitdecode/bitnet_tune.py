@@ -69,6 +69,7 @@ def captured(calls: List[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
         fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # allocator warm-up on a side stream, as torch documents
         for fn in calls:
             fn()
