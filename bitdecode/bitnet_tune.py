@@ -35,7 +35,7 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -122,10 +122,11 @@ def lookup(device: torch.device, n: int, k: int):
     return table.get((*gpu_key(device), n, k)) if table else None
 
 
-def entries() -> List[dict]:
-    """Every entry of this process as JSON-ready dicts (what ``save`` writes)."""
-    return [{"gpu": gpu, "sms": sms, "n": n, "k": k, "config": config_fields(cfg)}
-            for (gpu, sms, n, k), cfg in sorted(_table().items())]
+def entries(gpu: Optional[Tuple[str, int]] = None) -> List[dict]:
+    """Every entry of this process as JSON-ready dicts (what ``save`` writes), or only those
+    of GPUs of ``gpu`` (``gpu_key``: what the benchmarks record beside their times)."""
+    return [{"gpu": name, "sms": sms, "n": n, "k": k, "config": config_fields(cfg)}
+            for (name, sms, n, k), cfg in sorted(_table().items()) if gpu is None or (name, sms) == tuple(gpu)]
 
 
 def save(path: Union[str, Path]) -> Path:

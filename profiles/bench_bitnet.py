@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from bitdecode import bitnet as bn
-from bitdecode.bitnet_tune import MIN_CALLS, config_fields, copies_for, describe, graph_time_us
+from bitdecode.bitnet_tune import MIN_CALLS, config_fields, copies_for, describe, entries, gpu_key, graph_time_us
 from bitdecode.bitnet_tune import captured, replay_time_us  # noqa: F401 (trace_bitnet.py imports them from here)
 from bitdecode.layouts.bitnet import TILE_N
 
@@ -354,6 +354,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "torch": torch.__version__,
         "quick": quick,
         "method": "CUDA-graph replay of back-to-back calls, weights rotated over >= 4x L2, median",
+        # measured picks in effect (bitnet_tune; empty: the GEMV's rule chose every config)
+        "gemv_tuning": entries(gpu_key(device)),
         "roofline": roofline,
         "gemv": gemv,
         "gemm": gemm,

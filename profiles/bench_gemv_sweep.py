@@ -24,6 +24,8 @@ from pathlib import Path
 from bench_bitnet import bench_gemv, gemv_variants, measure_roofline
 from bench_gemm_variants import parse_shapes
 
+from bitdecode.bitnet_tune import entries, gpu_key
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
         "sms": props.multi_processor_count,
         "torch": torch.__version__,
         "method": "CUDA-graph replay of back-to-back calls, weights rotated over >= 4x L2, median",
+        "gemv_tuning": entries(gpu_key(device)),  # (measured picks in effect: the host column's; empty: the rule's)
         "roofline": roofline,
         "rows": rows,
         "seconds": time.perf_counter() - started,

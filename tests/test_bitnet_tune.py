@@ -75,6 +75,8 @@ def test_entries_round_trip_through_a_file(tmp_path, monkeypatch):
     assert tune.load(path) == 3
     assert tune._TUNED == table
     assert tune._TUNED[(*H100, 2048, 2048)] == dataclasses.replace(configs[-2], raw=False)
+    assert [(e["n"], e["k"]) for e in tune.entries(H100)] == [(2048, 2048), (4096, 4096)]
+    assert [e["gpu"] for e in tune.entries(H200)] == [H200[0]] and tune.entries(("NVIDIA A100", 108)) == []
     # looked up per GPU kind: name and SM count
     for gpu, n, k, want in [(H100, 4096, 4096, configs[-1]), (H200, 4096, 4096, configs[0]),
                             (("NVIDIA H100 80GB HBM3", 114), 4096, 4096, None), (H100, 4096, 8192, None)]:
