@@ -258,3 +258,21 @@ def test_info_names_the_tuning_file(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "_ENV_LOADED", False)
     path.write_text("{")
     assert "is not JSON" in _gemv_tuning()
+
+
+def test_candidates_are_what_a_call_would_launch(monkeypatch):
+    """``bitnet._gemv_candidates`` on an sm_90a device (arch patched, nothing launched): every
+    configuration the backend runs, PDL as ``$BITDECODE_PDL`` says, none twice, the stripe
+    kernels only where their stripe fits shared memory."""
+    monkeypatch.setattr(bn, "_arch", lambda device: "sm_90a")
+    dev = torch.device("cuda", 0)
+    names = lambda k: [tune.describe(tune.config_fields(c)) for c in bn._gemv_candidates(dev, k)]  # noqa: E731
+    monkeypatch.delenv("BITDECODE_PDL", raising=False)
+    short = names(2560)
+    assert len(short) == len(set(short)) and {"pdl_bulk", "pdl_bulk_x", "pdl_unroll10_pin"} <= set(short)
+    assert all(name.startswith("pdl_") for name in short)  # (the plain unroll 4 / 8 launch with PDL too)
+    long = names(65536)  # (16 rows x 16 KB: a stripe too long for shared memory)
+    assert long and not any("bulk" in name for name in long)
+    monkeypatch.setenv("BITDECODE_PDL", "0")
+    off = bn._gemv_candidates(dev, 2560)
+    assert off and not any(c.pdl or c.early_scales for c in off)
