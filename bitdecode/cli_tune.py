@@ -71,9 +71,13 @@ def run(args) -> int:
             return 2
     shapes = args.shapes or list(dict.fromkeys(bitnet.MODEL_SHAPES))
     device = torch.device("cuda", args.device)
-    with console.status("tuning") as status:
-        rows = bitnet_tune.tune_gemv(shapes, device, replays=args.replays,
-                                     progress=lambda text: status.update(f"tuning {text}"))
+    try:
+        with console.status("tuning") as status:
+            rows = bitnet.tune_gemv(shapes, device, replays=args.replays,
+                                    progress=lambda text: status.update(f"tuning {text}"))
+    except ValueError as e:  # (a GPU the kernels do not run on)
+        console.print(f"[red]--device {args.device}: {e}[/red]")
+        return 2
     table = Table(title=f"GEMV on {rows[0]['gpu']} ({rows[0]['sms']} SMs), us a call")
     for column in ("N x K", "rule's pick", "us", "measured pick", "us", "faster"):
         table.add_column(column, justify="right")

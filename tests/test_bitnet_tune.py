@@ -276,3 +276,40 @@ def test_candidates_are_what_a_call_would_launch(monkeypatch):
     monkeypatch.setenv("BITDECODE_PDL", "0")
     off = bn._gemv_candidates(dev, 2560)
     assert off and not any(c.pdl or c.early_scales for c in off)
+
+
+def test_tune_command_prints_and_merges_the_picks(tmp_path, monkeypatch, capsys):
+    """``bitdecode tune`` as a GPU would run it, with ``bitnet.tune_gemv`` standing in (no
+    kernel runs): the table names the rule's and the measured picks, and the file keeps
+    the entries it held and gains the new ones."""
+    configs = {tune.describe(tune.config_fields(c)): c for c in _configs()}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    calls = []
+
+    def fake_tune(shapes, device, *, replays, progress):
+        calls.append((shapes, device, replays))
+        rows = []
+        for n, k in shapes:
+            progress(f"{n} x {k}")
+            tune.remember(H100, n, k, configs["pdl_bulk_x"])
+            rows.append({"gpu": H100[0], "sms": H100[1], "n": n, "k": k,
+                         "config": tune.config_fields(configs["pdl_bulk_x"]), "us": 2.14,
+                         "default": tune.config_fields(configs["pdl_unroll4_pin"]), "default_us": 2.62, "times": []})
+        return rows
+
+    monkeypatch.setattr(bn, "tune_gemv", fake_tune)
+    out = _file(tmp_path, [{"gpu": H200[0], "sms": 132, "n": 2560, "k": 2560,
+                            "config": tune.config_fields(configs["pdl_unroll10_pin"])}])
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(out), "--replays", "5"]) == 0
+    assert calls == [([(4096, 4096)], torch.device("cuda", 0), 5)]
+    text = capsys.readouterr().out
+    assert "pdl_unroll4_pin" in text and "pdl_bulk_x" in text and "+22%" in text and "BITDECODE_GEMV_TUNING" in text
+    saved = json.loads(out.read_text())["entries"]
+    assert [(e["gpu"], e["n"]) for e in saved] == [(H100[0], 4096), (H200[0], 2560)]
+    # a broken --out file is refused before any timing
+    out.write_text("{")
+    calls.clear()
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(out)]) == 2
+    assert calls == [] and "is not JSON" in capsys.readouterr().out
