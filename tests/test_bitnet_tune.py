@@ -313,3 +313,44 @@ def test_tune_command_prints_and_merges_the_picks(tmp_path, monkeypatch, capsys)
     calls.clear()
     assert main(["tune", "--shapes", "4096x4096", "--out", str(out)]) == 2
     assert calls == [] and "is not JSON" in capsys.readouterr().out
+
+
+def test_tune_shape_picks_by_time_and_refuses_wrong_sums(monkeypatch):
+    """``bitnet._tune_shape`` with the launches and the timer stood in (the reference's sums,
+    a time per configuration): the fastest wins by more than the margin, else the rule's
+    pick stays; a configuration with a wrong sum stops the tuning and keeps the earlier
+    entry."""
+    monkeypatch.setattr(bn, "_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(bn, "num_sms", lambda device: 132)
+    monkeypatch.setattr(tune, "gpu_key", lambda device: H100)
+    launched, wrong = {}, set()
+
+    def launch(x, w, xs, ws, ends, raw, cfg):
+        launched["name"] = tune.describe(tune.config_fields(cfg))
+        out = bn.reference_gemm(x, w, xs, ws, None, torch.int32 if raw else torch.bfloat16)
+        return out + 1 if launched["name"] in wrong else out
+
+    speeds = {}
+
+    def timed(calls, replays):
+        calls[0]()  # (names the configuration the calls launch)
+        return speeds.get(launched["name"], 3.0)
+
+    monkeypatch.setattr(bn, "_gemv_launch", launch)
+    monkeypatch.setattr(tune, "graph_time_us", timed)
+    n, k, dev = 512, 1024, torch.device("cpu")
+    rule = tune.describe(tune.config_fields(bn._with_pdl(bn._rule_gemv_config(dev, n, k), "sm_90a")))
+    fast = "pdl_bulk_x" if rule != "pdl_bulk_x" else "pdl_bulk"
+    speeds[fast] = 2.0
+    row = bn._tune_shape(n, k, dev, 1 << 20, 1, 0.02)
+    assert tune.describe(row["config"]) == fast and row["us"] == 2.0 and row["default_us"] == 3.0
+    assert tune.describe(row["default"]) == rule and len(row["times"]) >= 10
+    assert tune.describe(tune.config_fields(tune.lookup(dev, n, k))) == fast
+    speeds[fast] = 2.95  # within 2 % of the rule's 3.0: the rule's pick stays
+    assert tune.describe(bn._tune_shape(n, k, dev, 1 << 20, 1, 0.02)["config"]) == rule
+    speeds[fast] = 2.0
+    bn._tune_shape(n, k, dev, 1 << 20, 1, 0.02)
+    wrong.add("pdl_unroll8")
+    with pytest.raises(RuntimeError, match=r"summed N=512 x K=1024 wrongly \(512 of 512 outputs\): a kernel bug"):
+        bn._tune_shape(n, k, dev, 1 << 20, 1, 0.02)
+    assert tune.describe(tune.config_fields(tune.lookup(dev, n, k))) == fast
