@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .cli import output_file
+from .cli import output_file, positive_int
 
 
 def _shapes(text: str):
@@ -26,16 +26,6 @@ def _shapes(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_text, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,7 +35,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--out", type=output_file, required=True, metavar="FILE",
                    help="JSON file the picks are written to (merged with the entries already there)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
-    p.add_argument("--replays", type=_positive, default=20, help="graph replays a configuration (median; default 20)")
+    p.add_argument("--replays", type=positive_int, default=20, help="graph replays a configuration (median; default 20)")
     return p
 
 
@@ -69,7 +59,7 @@ def run(args) -> int:
         except ValueError as e:
             console.print(f"[red]--out {args.out}: {e}[/red]")
             return 2
-    shapes = args.shapes or list(dict.fromkeys(bitnet.MODEL_SHAPES))
+    shapes = args.shapes or bitnet.MODEL_SHAPES
     device = torch.device("cuda", args.device)
     try:
         with console.status("tuning") as status:
