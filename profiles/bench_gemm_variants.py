@@ -38,14 +38,16 @@ PLAN_KEYS = ("tile", "cluster_k", "splits", "pdl", "persistent", "kernel")
 
 
 def parse_shapes(text: str) -> List[Tuple[int, int]]:
-    """``NxK,NxK`` -> [(N, K)] (N a multiple of 16, K of 128: the GEMM's contract)."""
-    out = []
-    for item in filter(None, text.split(",")):
-        n, sep, k = item.partition("x")
-        if not sep or not n.isdigit() or not k.isdigit() or int(n) % 16 or int(k) % 128 or not int(n) or not int(k):
-            raise ValueError(f"--shapes must be NxK,... with N % 16 == 0 and K % 128 == 0, got {item!r}")
-        out.append((int(n), int(k)))
-    return out
+    """``NxK,NxK`` -> [(N, K)] (N a multiple of 16, K of 128: the packed format's contract;
+    ``bitnet_tune.parse_shapes``), an empty list where the text names none."""
+    from bitdecode.bitnet_tune import parse_shapes as weight_shapes
+
+    if not any(item.strip() for item in text.split(",")):
+        return []
+    try:
+        return weight_shapes(text)
+    except ValueError as e:
+        raise ValueError(f"--shapes must be NxK,... with N % 16 == 0 and K % 128 == 0 ({e})") from None
 
 
 def check_variant(name: str, kwargs: Dict[str, object]) -> None:
