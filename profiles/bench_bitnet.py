@@ -37,7 +37,6 @@ import torch
 
 from bitdecode import bitnet as bn
 from bitdecode.bitnet_tune import MIN_CALLS, config_fields, copies_for, describe, entries, gpu_key, graph_time_us
-from bitdecode.bitnet_tune import captured, replay_time_us  # noqa: F401 (trace_bitnet.py imports them from here)
 from bitdecode.layouts.bitnet import TILE_N
 
 SHAPES = bn.MODEL_SHAPES

@@ -54,7 +54,7 @@ def summarize(rec, waddrs):
 
 def trace(buf, calls, waddrs, replays: int, records: int):
     import torch
-    from bench_bitnet import captured, replay_time_us
+    from bitdecode.bitnet_tune import captured, replay_time_us
 
     graph = captured(calls)
     us = replay_time_us(graph, len(calls), replays)  # (then the same graph, traced once)
