@@ -97,9 +97,10 @@ ROW_SUM_BYTES = 4  # a GEMV warp's int32 sum of one stripe row
 # A GEMV lane l reads chunk l % 8 of tile l // 8 of a group, so its four rows are
 # chunk_row(l % 8): lane bits 0 and 2 pick them, and lanes l ^ 2 (the other column half),
 # l ^ 8 and l ^ 16 (the other tiles) hold the same rows.  The row fold adds over the first
-# masks, a sum wanted once for every row (x's) over the second.
+# masks, a sum wanted once for every row (x's) over the second: the rest of a 32-lane warp's
+# five butterfly masks.
 SAME_ROW_LANE_MASKS = (2, 8, 16)
-OTHER_ROW_LANE_MASKS = (1, 4)
+OTHER_ROW_LANE_MASKS = tuple(1 << b for b in range(5) if 1 << b not in SAME_ROW_LANE_MASKS)  # (1, 4)
 
 
 def stripe_bytes(k: int) -> int:
