@@ -35,7 +35,8 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--out", type=output_file, required=True, metavar="FILE",
                    help="JSON file the picks are written to (merged with the entries already there)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
-    p.add_argument("--replays", type=positive_int, default=20, help="graph replays a configuration (median; default 20)")
+    p.add_argument("--replays", type=positive_int, default=20,
+                   help="graph replays a configuration (median; default 20)")
     return p
 
 

@@ -35,9 +35,10 @@ memory, no weight in a register) takes the shapes with at least four stripes an 
 holds in one wave, and fewer the longer the stripes (``fewest_stripes_per_sm``)
 (``stripe_config``; where that wave would leave the next GEMV no room, the form with x
 staged in shared memory too and its loop rolled, ``BULK_X``, lighter still: 20480 x 3200
-5.5 us against 6.2 - 6.7): there all of the matrix is asked for at once by light CTAs, where the register kernel's are few and heavy (H200: 13824 x 2560 3.2
-us against 3.7; fewer stripes an SM, its CTAs wait for their whole stripe before any
-arithmetic and it loses up to 25 %). A bulk-copy ring with persistent CTAs was measured
+5.5 us against 6.2 - 6.7): there all of the matrix is asked for at once by light CTAs,
+where the register kernel's are few and heavy (H200: 13824 x 2560 3.2 us against 3.7;
+fewer stripes an SM, its CTAs wait for their whole stripe before any arithmetic and it
+loses up to 25 %). A bulk-copy ring with persistent CTAs was measured
 and dropped: slower on every shape (7.1 - 8.5 us at 20480 x 3200), see profiles/NOTES.md.
 So was a fixed grid of at most half an SM walking the stripes (the next GEMV's CTAs fit
 beside it and bulk-prefetch all their stripes to L2 while it runs; next stripe's loads in
@@ -51,8 +52,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, add_byte_sums, compile_gemv,
-                                        early_scales, launch_size, store_stripe, warps_for)
+from ..kernels_sm80.bitnet_gemv import (MAX_WARPS, BitnetGemv, GemvConfig, accumulate_words, add_byte_sums,
+                                        compile_gemv, early_scales, launch_size, store_stripe, warps_for)
 from ..kernels_sm80.bitnet_ptx import WARP, lds_v4, load_v4, matmul_fake_args
 from ..layouts import bitnet as fmt
 from ..layouts.resources import HOPPER_CTA_SMEM_BYTES, ctas_per_sm, smem_ctas_per_sm
@@ -245,8 +246,8 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     stripes an SM (fewer for long stripes, ``fewest_stripes_per_sm``: ``BULK`` where its
     slots hold two GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or
     None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 37 - 42
-    registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots free, else the first that
-    holds every stripe in one wave (8448 x 10240: 528 stripes, 396 / 528 slots; us, BULK
+    registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots
+    free, else the first that holds every stripe in one wave (8448 x 10240: 528 stripes, 396 / 528 slots; us, BULK
     7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else ``BULK`` where it takes fewer waves
     than the register kernel (``register_waves``: 13824 x 6912, 2 against 3; 8.92 - 9.02
     against 12.04)."""

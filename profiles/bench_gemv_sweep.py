@@ -10,7 +10,8 @@ host's configuration and its time, every other configuration's time (the columns
 >= 4x L2, median), bf16 cuBLAS and the HBM roofline measured in the same run, the
 shape's stripes (16-row CTAs) per SM, and ``wrong_outputs``: the configurations whose output
 was wrong (three fused segments, bf16 and raw sums: the host's against the reference, every
-other against the host's, bit for bit; ``bench_bitnet.wrong_gemv_outputs``).  A wrong output is printed and the run exits 1.
+other against the host's, bit for bit; ``bench_bitnet.wrong_gemv_outputs``).  A wrong
+output is printed and the run exits 1.
 """
 
 from __future__ import annotations
