@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -161,38 +158,6 @@ def test_tune_gemv_refuses_bad_arguments():
             bn.tune_gemv([(4096, 4096)], replays=0)
         with pytest.raises(ValueError, match="margin"):
             bn.tune_gemv([(4096, 4096)], margin=1.5)
-
-
-def _parser_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["tune"], "the following arguments are required: --out"),
-    (["tune", "--out", "t.json", "--shapes", "4096x100"], "argument --shapes: shapes: the weights' columns K"),
-    (["tune", "--out", "t.json", "--shapes", "4096"], "argument --shapes: shapes must be NxK pairs"),
-    (["tune", "--out", "t.json", "--replays", "0"], "argument --replays: must be a positive integer"),
-    (["tune", "--out", "/nonexistent/dir/t.json"], "argument --out: no such folder"),
-])
-def test_tune_command_refuses_bad_options(argv, message, capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert message in _parser_error(argv, capsys)
-
-
-def test_tune_command_help_and_no_gpu(tmp_path):
-    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
-    run = [sys.executable, "-m", "bitdecode.cli", "tune"]
-    out = subprocess.run(run + ["--help"], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0 and "BITDECODE_GEMV_TUNING" in out.stdout and "--shapes" in out.stdout
-    if torch.cuda.is_available():
-        return
-    proc = subprocess.run(run + ["--out", str(tmp_path / "t.json")], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
-    assert not (tmp_path / "t.json").exists()
 
 
 @pytest.mark.gpu

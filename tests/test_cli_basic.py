@@ -325,6 +325,34 @@ def test_selfcheck_refuses_bad_options(argv, message, capsys):
     assert message in _parser_error(["selfcheck", "--backend", "sm90", *argv], capsys)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["tune"], "the following arguments are required: --out"),
+    (["tune", "--out", "t.json", "--shapes", "4096x100"], "argument --shapes: shapes: the weights' columns K"),
+    (["tune", "--out", "t.json", "--shapes", "4096"], "argument --shapes: shapes must be NxK pairs"),
+    (["tune", "--out", "t.json", "--replays", "0"], "argument --replays: must be a positive integer"),
+    (["tune", "--out", "/nonexistent/dir/t.json"], "argument --out: no such folder"),
+])
+def test_tune_command_refuses_bad_options(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert message in _parser_error(argv, capsys)
+
+
+def test_tune_command_help_and_no_gpu(tmp_path):
+    """``bitdecode tune``'s help names the file variable; without a GPU it exits 2 with one
+    line and writes nothing (its run path is tests/test_bitnet_tune.py's)."""
+    import torch
+
+    out = bitdecode("tune", "--help", timeout=120)
+    assert "BITDECODE_GEMV_TUNING" in out and "--shapes" in out
+    if torch.cuda.is_available():
+        return
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
+    proc = subprocess.run([sys.executable, "-m", "bitdecode.cli", "tune", "--out", str(tmp_path / "t.json")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_selfcheck_backend_and_dtype_choices(capsys):
     from bitdecode import backend as backends
     from bitdecode.cli import build_parser
