@@ -821,9 +821,7 @@ def _tune_shape(n: int, k: int, device: torch.device, l2: int, replays: int, mar
     """``tune_gemv`` at one shape: check and time every candidate, remember the pick."""
     gpu = bitnet_tune.gpu_key(device)
     default = _with_pdl(_rule_gemv_config(device, n, k), _arch(device))  # (not an earlier tuning's pick)
-    configs = _gemv_candidates(device, k)
-    if default not in configs:
-        configs.insert(0, default)
+    configs = _gemv_candidates(device, k)  # (the rule's pick is one: test_candidates_are_what_a_call_would_launch)
     gen = torch.Generator(device=device).manual_seed(n * 7 + k)
     packed = pack_weight(torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8, device=device))
     x, xs = quantize_activation(torch.randn(1, k, generator=gen, device=device), backend="reference")

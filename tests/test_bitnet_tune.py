@@ -238,6 +238,11 @@ def test_candidates_are_what_a_call_would_launch(monkeypatch):
     assert all(name.startswith("pdl_") for name in short)  # (the plain unroll 4 / 8 launch with PDL too)
     long = names(65536)  # (16 rows x 16 KB: a stripe too long for shared memory)
     assert long and not any("bulk" in name for name in long)
+    # the rule's pick is always one of them (tune_gemv times it as the baseline)
+    monkeypatch.setattr(bn, "num_sms", lambda device: 132)
+    for n in range(16, 40000, 16 * 37):
+        for k in (128, 2560, 3200, 6912, 10240, 40960, 65536):
+            assert bn.gemv_config_for(dev, n, k) in bn._gemv_candidates(dev, k), (n, k)
     monkeypatch.setenv("BITDECODE_PDL", "0")
     off = bn._gemv_candidates(dev, 2560)
     assert off and not any(c.pdl or c.early_scales for c in off)
