@@ -686,9 +686,7 @@ class DecodeSm90(PackedDecodeConfig):
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
         if const_expr(start is None):
             start = tile_begin
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        else:
-            state = seq_state(start - tile_begin, self.num_stages, True)
+        state = seq_state(start - tile_begin, self.num_stages, True)
         if const_expr(end is None):
             end = packed_end
         for tile in cutlass.range(start, end, unroll=1):
