@@ -143,7 +143,8 @@ class DequantProbeSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             # C[m, n] = B[n, 64 t + m]
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            # (64 values: a traced loop the compiler unrolls, not 64 traced copies of its body)
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
                 m, n = c_coord[i]
                 mOut[n, sm90.WGMMA_M * t + m] = acc[i]
             # every warp's wgmma has read A before the next pass overwrites it
