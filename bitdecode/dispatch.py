@@ -16,7 +16,12 @@ BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
 def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
     if device.type != "cuda":
         return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        # (traced by torch.compile, as in BitLinear's forward: Dynamo traces past an
+        # lru_cache with a UserWarning to the user; the uncached read traces the same)
+        return tuple(torch.cuda.get_device_capability(index))
+    return _capability(index)
 
 
 @functools.lru_cache(maxsize=None)
