@@ -894,7 +894,8 @@ class BitnetGemmSm90:
         coords = thr_mma.partition_C(cute.make_identity_tensor((WG_ROWS, cfg.block_m)))
         row_in_tile0 = (ctid // WG_THREADS) * WG_ROWS
         if const_expr(cfg.raw):
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            # (up to 128 values a thread: a traced loop the compiler unrolls, not as many copies)
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
                 r, c = coords[i]
                 store_i32(s_base + c * cfg.out_row_bytes + (row_in_tile0 + r) * cfg.out_bytes, acc[i], "shared")
         else:
