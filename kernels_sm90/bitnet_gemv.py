@@ -31,9 +31,8 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 (ptxas, sm_90a) are recorded in ``REGISTERS`` and checked by the CPU tests.
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
-memory, no weight in a register) takes the shapes with at least four stripes an SM that it
-holds in one wave, and fewer the longer the stripes (``fewest_stripes_per_sm``)
-(``stripe_config``; where that wave would leave the next GEMV no room, the form with x
+memory, no weight in a register) takes the shapes with at least four stripes an SM, or
+36 KB of weights an SM, or long stripes (``stripes_pay``) (``stripe_config``; where that wave would leave the next GEMV no room, the form with x
 staged in shared memory too and its loop rolled, ``BULK_X``, lighter still: 20480 x 3200
 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at once by light CTAs,
 where the register kernel's are few and heavy (H200: 13824 x 2560 3.2 us against 3.7;
@@ -188,28 +187,32 @@ def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
 # the register kernel the host picked): 4 stripes an SM and more in one wave, 8448 x 2560
 # 2.83 / 3.01, 13824 x 2560 3.21 / 3.74, 20480 x 2560 4.42 / 5.70, 16896 x 3200 4.93 / 5.80,
 # 8448 x 6912 4.96 / 6.84; fewer, 3840 x 2560 (1.8) 2.54 / 2.01, 4800 x 3200 (2.3) 2.83 /
-# 2.38, 3200 x 10240 (1.5) 4.51 / 4.20.
+# 2.38 ...
 BULK_MIN_STRIPES_PER_SM = 4
 
-# ... except for long stripes: from this many bytes a stripe (``fmt.stripe_bytes``: K = 8192)
-# a stripe kernel's one bulk copy a CTA beats the register kernel's loads at fewer stripes an
-# SM too (which form: ``stripe_config``).  3200 x 10240 (1.5 stripes an SM), us, BULK_X / the register kernel the host picked:
-# H200 3.81 / 4.23 (bitnet.json) and 3.84 / 4.19 (gemv_sweep_math.json), forty-sixth session;
-# H100 3.78 - 3.90 / 4.61 - 4.73 in three runs (profiles/h100).  Not at K = 6912: 2560 x 6912
-# 3.22 / 2.70.
+# ... and at fewer stripes an SM from this share of the matrix an SM (its stripes an SM
+# times ``fmt.stripe_bytes``: ``stripe_bytes_per_sm``) up, whatever the stripe's length.
+# H200, us, the register kernel the host picks / BULK / BULK_X, KB an SM
+# (profiles/h200/gemv_sweep*.json; the 16-20 KB stripes: gemv_sweep_s54_general.json):
+#   register:  4800 x 3200 (28.4) 2.34 - 2.41 / 2.71 - 2.81 / 2.90 - 3.15, 4096 x 4096 (31.0)
+#              2.39 / 2.51 / 2.45, 2560 x 6912 (32.7) 2.67 - 2.80 / 2.99 - 3.25 / 3.22 - 3.32;
+#   stripes:   6144 x 4096 (46.5, 2.9 stripes an SM) 3.19 / 2.87 / 3.01, 5120 x 5120 (48.5,
+#              2.4) 3.51 / 2.92 / 3.12, 3200 x 10240 (60.6, 1.5) 4.13 - 4.21 / 4.01 - 4.31 /
+#              3.84 - 4.37.
+# H100 (profiles/h100/gemv_sweep_s5*.json): 6144 x 4096 3.58 / 3.12 / 3.14, 5120 x 5120 3.83
+# / 3.26 / 3.34, 3200 x 6912 (41.0) 3.80 / 3.44 / 3.29, 2560 x 8192 (38.8) 3.31 / 2.95 /
+# 3.10; below, 2560 x 6912 keeps the register kernel in five of seven runs.  The H100
+# differs at 4096 x 4096 (31.0: 2.62 / 2.65 / 2.14), and both GPUs run 2048 x 2048 (7.8 KB
+# an SM, fewer stripes than SMs) faster on stripes (H200 1.75 / 1.56 / 1.48): not ruled on
+# one shape each (``bitdecode tune`` measures a user's shapes).
+STRIPE_MIN_BYTES_PER_SM = 36 * 1024
+
+# ... and for long stripes at any count: from this many bytes a stripe (K = 8192) one bulk
+# copy a CTA beats the register kernel's loads (which form: ``stripe_config``).  3200 x 10240
+# (1.5 stripes an SM), us, BULK_X / the register kernel the host picked: H200 3.81 / 4.23
+# (bitnet.json) and 3.84 / 4.19 (gemv_sweep_math.json), forty-sixth session; H100 3.78 -
+# 3.90 / 4.61 - 4.73 in three runs (profiles/h100).
 LONG_STRIPE_BYTES = 32 * 1024
-# ... and from this many bytes (K = 6144) where the stripes are at least
-# ``MID_MIN_STRIPES_PER_SM`` an SM, where every register configuration measured slower than
-# one bulk copy a CTA (why is not measured: at 4800 x 6912 the occupancy model counts one
-# wave for its pick).  K = 6912 (27.6 KB), H100, two rounds, us, BULK / BULK_X / the
-# register kernel the host picked / the best register configuration
-# (profiles/h100/gemv_sweep_s52_mid_k_*.json): 4800 x 6912 (2.3 stripes an SM) 3.90, 3.88 /
-# 4.27, 4.31 / 6.28, 6.30 / 5.61; 3200 x 6912 (1.52) 3.44, 3.45 / 3.30, 3.29 / 3.81, 3.80 /
-# 3.33 (the rule below gives it BULK).  Fewer stripes keep the register kernel: 2560 x 6912
-# (1.2) 3.01, 3.03 / 2.72, 2.59 / 2.81, 2.80 (H100) and BULK 3.11 - 3.20 against 2.68 - 2.76
-# (H200, profiles/h200/gemv_scales.json).  Not yet timed on an H200.
-MID_STRIPE_BYTES = 24 * 1024
-MID_MIN_STRIPES_PER_SM = 1.5
 # ... but the plain stripe kernel where its slots hold this GEMV's stripes and the next one's
 # beside them (2 x stripes <= BULK's slots: the next GEMV's CTAs all start and fetch while
 # this one runs), as on the short stripes.  Two alternating runs each, us, BULK / BULK_X
@@ -231,30 +234,34 @@ MID_MIN_STRIPES_PER_SM = 1.5
 BULK_FREE_SLOTS = 0.25
 
 
-def fewest_stripes_per_sm(k: int) -> float:
-    """Stripes an SM from which a stripe kernel runs a K-column GEMV: fewer the longer a
-    stripe (``fmt.stripe_bytes``): any number from ``LONG_STRIPE_BYTES``,
-    ``MID_MIN_STRIPES_PER_SM`` from ``MID_STRIPE_BYTES``, else ``BULK_MIN_STRIPES_PER_SM``."""
-    size = fmt.stripe_bytes(k)
-    if size >= LONG_STRIPE_BYTES:
-        return 0
-    return MID_MIN_STRIPES_PER_SM if size >= MID_STRIPE_BYTES else BULK_MIN_STRIPES_PER_SM
+def stripe_bytes_per_sm(n: int, k: int, sms: int) -> float:
+    """An SM's share of an (N, K) GEMV's packed weights (bytes), as the stripe kernel
+    deals them: N / 16 stripes of ``fmt.stripe_bytes(k)`` over ``sms`` SMs."""
+    return n // fmt.TILE_N * fmt.stripe_bytes(k) / sms
+
+
+def stripes_pay(n: int, k: int, sms: int) -> bool:
+    """Whether a stripe kernel beats the register kernel at (N, K): ``BULK_MIN_STRIPES_PER_SM``
+    stripes an SM, ``STRIPE_MIN_BYTES_PER_SM`` an SM, or stripes of ``LONG_STRIPE_BYTES``."""
+    return (n // fmt.TILE_N >= BULK_MIN_STRIPES_PER_SM * sms
+            or stripe_bytes_per_sm(n, k, sms) >= STRIPE_MIN_BYTES_PER_SM
+            or fmt.stripe_bytes(k) >= LONG_STRIPE_BYTES)
 
 
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
-    """The stripe kernel that runs an (N, K) GEMV of at least ``BULK_MIN_STRIPES_PER_SM``
-    stripes an SM (fewer for long stripes, ``fewest_stripes_per_sm``: ``BULK`` where its
-    slots hold two GEMVs' stripes, else ``BULK_X`` where it holds them in one wave), or
-    None: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop rolled: 37 - 42
-    registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of its slots
-    free, else the first that holds every stripe in one wave (8448 x 10240: 528 stripes, 396 / 528 slots; us, BULK
-    7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else ``BULK`` where it takes fewer waves
-    than the register kernel (``register_waves``: 13824 x 6912, 2 against 3; 8.92 - 9.02
-    against 12.04)."""
+    """The stripe kernel that runs an (N, K) GEMV where stripes pay (``stripes_pay``), or
+    None.  Below ``BULK_MIN_STRIPES_PER_SM`` stripes an
+    SM: ``BULK`` where its slots hold two GEMVs' stripes, else ``BULK_X`` where it holds them
+    in one wave.  From there up: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
+    rolled: 37 - 42 registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of
+    its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
+    stripes, 396 / 528 slots; us, BULK 7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else
+    ``BULK`` where it takes fewer waves than the register kernel (``register_waves``: 13824 x
+    6912, 2 against 3; 8.92 - 9.02 against 12.04)."""
+    if not stripes_pay(n, k, sms):
+        return None
     stripes = n // fmt.TILE_N
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
-        if stripes < fewest_stripes_per_sm(k) * sms:
-            return None
         if bulk_fits(k) and 2 * stripes <= bulk_ctas_per_sm(k) * sms:
             return BULK
         return BULK_X if stripe_waves(BULK_X, n, k, sms) == 1 else None
@@ -439,7 +446,7 @@ def compile_bulk(cfg: GemvConfig, k: int, options: str):
 
 
 __all__ = ["BULK", "BULK_FREE_SLOTS", "BULK_MIN_STRIPES_PER_SM", "BULK_X", "BitnetGemv", "BitnetGemvBulk",
-           "CANDIDATES", "GemvConfig", "LONG_STRIPE_BYTES", "MAX_WARPS", "MID_MIN_STRIPES_PER_SM", "MID_STRIPE_BYTES",
-           "REGISTERS", "bulk_ctas_per_sm", "bulk_fits", "bulk_registers", "bulk_smem_bytes", "bulk_warps",
-           "compile_bulk", "compile_gemv", "config_for", "cost", "fewest_stripes_per_sm", "launch_size",
-           "stripe_config", "stripe_waves", "warps_for"]
+           "CANDIDATES", "GemvConfig", "LONG_STRIPE_BYTES", "MAX_WARPS", "REGISTERS", "STRIPE_MIN_BYTES_PER_SM",
+           "bulk_ctas_per_sm", "bulk_fits", "bulk_registers", "bulk_smem_bytes", "bulk_warps", "compile_bulk",
+           "compile_gemv", "config_for", "cost", "launch_size", "stripe_bytes_per_sm", "stripe_config",
+           "stripe_waves", "stripes_pay", "warps_for"]

@@ -791,15 +791,19 @@ def test_sm90_gemv_config():
     assert pick(2560, 6912) == (5, True)  # 11-warp CTAs, 2 an SM (unroll 4: 14 warps, 1 an SM, two waves)
     assert pick(3200, 3200) == (5, True)
     # 1.5 stripes an SM, but 40 KB stripes (LONG_STRIPE_BYTES: K = 8192): the stripe
-    # kernel, x staged
+    # kernel, x staged, at any count of them
     assert v90.LONG_STRIPE_BYTES == L.stripe_bytes(8192)
-    assert pick(3200, 10240) == "bulk_x" and v90.stripe_config(2560, 8064, 132, 1) is None
-    # ... and from 24 KB stripes (MID_STRIPE_BYTES: K = 6144) at 1.5 stripes an SM and more
-    # (H100: 4800 x 6912 3.9 against the register kernel's 6.3 us, 3200 x 6912 3.4 against 3.8);
-    # fewer keep the register kernel (2560 x 6912: 160 stripes, 1.2 an SM)
-    assert v90.MID_STRIPE_BYTES == L.stripe_bytes(6144)
-    assert [v90.fewest_stripes_per_sm(k) for k in (3200, 6016, 6144, 6912, 8064, 8192, 10240)] == [4, 4, 1.5, 1.5,
-                                                                                              1.5, 0, 0]
+    assert pick(3200, 10240) == "bulk_x" and v90.stripe_config(2304, 8192, 132, 1) == v90.BULK
+    # ... and at fewer than 4 stripes an SM from 36 KB of weights an SM (STRIPE_MIN_BYTES_PER_SM:
+    # 24 KB stripes 1.5 an SM), whatever their length: H200, 6144 x 4096 (46.5 KB an SM) and
+    # 5120 x 5120 (48.5) on BULK, 4096 x 4096 (31.0) and 2560 x 6912 (32.7) on the register
+    # kernel; H100 4800 x 6912 3.9 against the register kernel's 6.3 us, 3200 x 6912 3.4
+    # against 3.8
+    assert v90.STRIPE_MIN_BYTES_PER_SM == 1.5 * L.stripe_bytes(6144)
+    assert [v90.stripes_pay(n, k, 132) for n, k in ((6144, 4096), (5120, 5120), (4864, 4096), (2432, 8064),
+                                                    (4096, 4096), (2560, 6912), (4736, 4096), (2048, 8064))] == [
+        True] * 4 + [False] * 4
+    assert pick(6144, 4096) == "bulk" and pick(5120, 5120) == "bulk" and pick(4096, 4096) == (4, True)
     assert pick(4800, 6912) == "bulk" and pick(3200, 6912) == "bulk" and pick(2560, 6912) == (5, True)
     assert v90.stripe_config(3168, 6144, 132, 1) == v90.BULK and v90.stripe_config(3152, 6144, 132, 1) is None
     assert v90.stripe_config(3200, 6016, 132, 1) is None and v90.stripe_config(4800, 3200, 132, 1) is None
