@@ -12,6 +12,11 @@ stage's mbarrier (``cutlass.pipeline.PipelineTmaAsync``), ``consumer_warps`` war
 waiting for each tile, reading it from shared memory (16-byte loads) and releasing it.
 Bytes in flight an SM: at most ``stages x tile_bytes x`` CTAs an SM.
 
+With ``apart``, each of a tile's ``copies`` comes from its own region of the source (copy
+``c`` of every CTA's every tile in the ``c``-th of ``copies`` equal parts), as the decode's
+stage gathers K's codes, V's and both params from four tensors: whether the streams a CTA
+reads at once, not the bytes in flight, cost the decode's ring its rate.
+
 The consumers' sums make the result checkable: thread ``t`` of CTA ``c`` adds (mod 2^32)
 the words ``4 t .. 4 t + 3`` of every ``4 x threads``-word chunk of every tile, so a
 ring that read the wrong bytes (or too few) cannot pass for a fast one.
@@ -21,7 +26,7 @@ ring that read the wrong bytes (or too few) cannot pass for a fast one.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 from .. import jit
 from ..kernels_sm80.host import fake_tensor, stream
@@ -34,10 +39,12 @@ MAX_COPIES = 64  # bulk copies a tile (unrolled in the producer)
 
 
 class RingProbeSm90:
-    """Arguments: ``src`` int32 ``(ctas, tiles, tile_bytes // 4)`` (each CTA's run of
-    tiles), ``out`` int32 ``(ctas, consumer_warps * 32)`` (the consumers' sums)."""
+    """Arguments: ``src`` int32 ``(ctas, tiles, tile_bytes // 4)``, compact (each CTA's run of
+    tiles; with ``apart`` the same memory read as ``(copies, ctas, tiles, tile_bytes // 4 //
+    copies)``), ``out`` int32 ``(ctas, consumer_warps * 32)`` (the consumers' sums)."""
 
-    def __init__(self, tile_bytes: int, stages: int, copies: int = 1, consumer_warps: int = 4):
+    def __init__(self, tile_bytes: int, stages: int, copies: int = 1, consumer_warps: int = 4,
+                 apart: bool = False):
         if stages < 2:
             raise ValueError(f"stages must be at least 2, got {stages}")
         if not 1 <= consumer_warps <= 8:
@@ -50,6 +57,7 @@ class RingProbeSm90:
             raise ValueError(f"tile_bytes ({tile_bytes}) must be a multiple of {self.threads * sm80.CHUNK_BYTES} "
                              f"(a 16-byte load for each of the {self.threads} consumer threads)")
         self.tile_bytes, self.stages, self.copies, self.consumer_warps = tile_bytes, stages, copies, consumer_warps
+        self.apart = apart
         self.tile_words = tile_bytes // 4
         self.copy_words = self.tile_words // copies
 
@@ -81,14 +89,16 @@ class RingProbeSm90:
         import torch
 
         ctas, tiles, _ = src.shape
-        parts = src.view(ctas, tiles, -1, self.threads, VEC).to(torch.int64)
+        if self.apart:  # each copy's part of a tile from its own region (``produce``)
+            src = src.reshape(self.copies, ctas, tiles, self.copy_words).permute(1, 2, 0, 3)
+        parts = src.reshape(ctas, tiles, -1, self.threads, VEC).to(torch.int64)
         return parts.sum(dim=(1, 2, 4)) & 0xFFFFFFFF
 
     @staticmethod
     def compile(arch: str, tile_bytes: int, stages: int, copies: int = 1, consumer_warps: int = 4,
-                keep_ptx: bool = False):
+                keep_ptx: bool = False, apart: bool = False):
         """Compiled against fake tensors (any CTA and tile count; sm_90a only)."""
-        probe = RingProbeSm90(tile_bytes, stages, copies, consumer_warps)
+        probe = RingProbeSm90(tile_bytes, stages, copies, consumer_warps, apart)
         args = [fake_tensor(Int32, (None, None, probe.tile_words)), fake_tensor(Int32, (None, probe.threads))]
         return cute.compile(probe, *args, stream(), options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
@@ -120,16 +130,23 @@ class RingProbeSm90:
     @cute.jit
     def produce(self, ring, mSrc, sTiles, cta, tiles):
         """Warp 0: tile ``t`` of the CTA's run into the next free stage, ``copies`` bulk
-        copies on the stage's barrier (whose transaction count is the whole tile)."""
+        copies on the stage's barrier (whose transaction count is the whole tile); with
+        ``apart`` copy ``c`` from the ``c``-th part of ``src``."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        part = self.copy_words  # words between a tile's copy c and copy c + 1 ...
+        if const_expr(self.apart):  # ... or between the regions of copies c and c + 1
+            part = mSrc.shape[0] * tiles * self.copy_words
         for t in cutlass.range(tiles, unroll=1):
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)
-            src = mSrc[cta, t, None].iterator
+            if const_expr(self.apart):
+                src = mSrc.iterator + (cta * tiles + t) * self.copy_words
+            else:
+                src = mSrc[cta, t, None].iterator
             dst = sTiles[None, state.index].iterator
             with cute.arch.elect_one():
                 for c in cutlass.range_constexpr(self.copies):
-                    ptx90.bulk_g2s(dst + c * self.copy_words, src + c * self.copy_words, 4 * self.copy_words, bar)
+                    ptx90.bulk_g2s(dst + c * self.copy_words, src + c * part, 4 * self.copy_words, bar)
             state.advance()
 
     @cute.jit

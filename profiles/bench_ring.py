@@ -6,7 +6,10 @@ The sm90 decode's ring alone reads 4-bit B=16 N=64K (16.5 KB tiles, four stages,
 CTAs an SM) at 0.98 of the H100's read rate and 0.88 of the H200's, 2-bit (8.6 KB tiles,
 six stages) at 0.77-0.79 on both (profiles/NOTES.md).  This sweep says whether a plain
 ring of those sizes does the same: if it does, the decode needs more bytes in flight an
-SM; if it reads at the rate, the loss is in the decode's ring itself.
+SM; if it reads at the rate, the loss is in the decode's ring itself.  On the H200
+(fifty-fourth session) it reads at 1.03 of the rate from 48 KB in flight an SM, where the
+decode's ring alone reads 4-bit B=16 N=64K at ~0.86: ``--apart`` then takes each tile's
+copies from separate regions, as the decode's stage gathers four tensors.
 
 Each configuration (tile bytes, bulk copies a tile, stages, CTAs an SM) is one launch of
 one wave (CTAs = CTAs an SM x SMs, each streaming its own contiguous run of tiles) over
@@ -24,6 +27,7 @@ the fraction of the read rate against the bytes in flight an SM, if matplotlib i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -58,6 +62,9 @@ def main(argv=None) -> int:
     p.add_argument("--ctas-per-sm", type=positive_int_list, default=[1, 2])
     p.add_argument("--copies", type=positive_int_list, default=[1, 4, 16],
                    help="bulk copies a tile (the decode issues four a stage: K's box, V's, their params)")
+    p.add_argument("--apart", choices=("no", "yes", "both"), default="no",
+                   help="each of a tile's copies from its own region of the source (the decode's stage reads "
+                        "four tensors), from one contiguous run, or both")
     p.add_argument("--consumer-warps", type=int, default=4)
     p.add_argument("--gib", type=float, default=1.0, help="bytes each launch reads, GiB")
     p.add_argument("--replays", type=int, default=15)
@@ -89,33 +96,34 @@ def main(argv=None) -> int:
               "consumer_warps": args.consumer_warps, "rows": rows, "skipped": skipped}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}.json"
-    for tile_kb in args.tile_kb:
-        for copies in args.copies:
-            for stages in args.stages:
-                probe = RingProbeSm90(tile_kb * 1024, stages, copies, args.consumer_warps)
-                shape = {"tile_bytes": probe.tile_bytes, "copies": copies, "stages": stages}
-                runnable = [c for c in args.ctas_per_sm if c <= probe.ctas_per_sm()]
-                for c in sorted(set(args.ctas_per_sm) - set(runnable)):
-                    skipped.append({**shape, "ctas_per_sm": c, "why": f"{probe.smem_bytes()} bytes of shared "
-                                                                      f"memory a CTA do not fit {c} an SM"})
-                if not runnable:
-                    continue
-                fn = RingProbeSm90.compile(arch, probe.tile_bytes, stages, copies, args.consumer_warps)
-                for cps in runnable:
-                    ctas = cps * sms
-                    tiles = words // (ctas * probe.tile_words)
-                    src = pool[: ctas * tiles * probe.tile_words].view(ctas, tiles, probe.tile_words)
-                    us = run_config(timer, probe, fn, src, args.replays)
-                    nbytes = src.numel() * 4
-                    row = {**shape, "ctas_per_sm": cps, "in_flight_per_sm": cps * stages * probe.tile_bytes,
-                           "bytes": nbytes, "us": us, "bytes_per_s": nbytes / (us * 1e-6),
-                           "read_rate_frac": nbytes / (us * 1e-6) / roof["read_bytes_per_s"]}
-                    rows.append(row)
-                    print(f"tile {tile_kb:3d} KB x{copies:<2d} stages {stages} CTAs/SM {cps}: "
-                          f"{row['in_flight_per_sm'] / 1024:6.0f} KB in flight, {us:8.2f} us, "
-                          f"{row['bytes_per_s'] / 1e12:.2f} TB/s = {row['read_rate_frac']:.3f} of the read rate")
-                    # (written after every row: a configuration that ends the process keeps the others')
-                    path.write_text(json.dumps(result, indent=1) + "\n")
+    aparts = {"no": (False,), "yes": (True,), "both": (False, True)}[args.apart]
+    for tile_kb, copies, apart, stages in itertools.product(args.tile_kb, args.copies, aparts, args.stages):
+        if apart and copies == 1:
+            continue  # (one copy a tile reads one region either way)
+        probe = RingProbeSm90(tile_kb * 1024, stages, copies, args.consumer_warps, apart)
+        shape = {"tile_bytes": probe.tile_bytes, "copies": copies, "apart": apart, "stages": stages}
+        runnable = [c for c in args.ctas_per_sm if c <= probe.ctas_per_sm()]
+        for c in sorted(set(args.ctas_per_sm) - set(runnable)):
+            skipped.append({**shape, "ctas_per_sm": c, "why": f"{probe.smem_bytes()} bytes of shared "
+                                                              f"memory a CTA do not fit {c} an SM"})
+        if not runnable:
+            continue
+        fn = RingProbeSm90.compile(arch, probe.tile_bytes, stages, copies, args.consumer_warps, apart=apart)
+        for cps in runnable:
+            ctas = cps * sms
+            tiles = words // (ctas * probe.tile_words)
+            src = pool[: ctas * tiles * probe.tile_words].view(ctas, tiles, probe.tile_words)
+            us = run_config(timer, probe, fn, src, args.replays)
+            nbytes = src.numel() * 4
+            row = {**shape, "ctas_per_sm": cps, "in_flight_per_sm": cps * stages * probe.tile_bytes,
+                   "bytes": nbytes, "us": us, "bytes_per_s": nbytes / (us * 1e-6),
+                   "read_rate_frac": nbytes / (us * 1e-6) / roof["read_bytes_per_s"]}
+            rows.append(row)
+            print(f"tile {tile_kb:3d} KB x{copies:<2d}{' apart' if apart else ''} stages {stages} CTAs/SM {cps}: "
+                  f"{row['in_flight_per_sm'] / 1024:6.0f} KB in flight, {us:8.2f} us, "
+                  f"{row['bytes_per_s'] / 1e12:.2f} TB/s = {row['read_rate_frac']:.3f} of the read rate")
+            # (written after every row: a configuration that ends the process keeps the others')
+            path.write_text(json.dumps(result, indent=1) + "\n")
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out / f"{name}.png")
     return 0
@@ -133,11 +141,12 @@ def plot(result: Dict, path: Path) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     series: Dict[tuple, List[Dict]] = {}
     for row in result["rows"]:
-        series.setdefault((row["tile_bytes"], row["copies"]), []).append(row)
-    for (tile, copies), rows in sorted(series.items()):
+        series.setdefault((row["tile_bytes"], row["copies"], row.get("apart", False)), []).append(row)
+    for (tile, copies, apart), rows in sorted(series.items()):
         rows = sorted(rows, key=lambda r: r["in_flight_per_sm"])
         ax.plot([r["in_flight_per_sm"] / 1024 for r in rows], [r["read_rate_frac"] for r in rows], marker="o",
-                label=f"{tile // 1024} KB tiles, {copies} cop{'y' if copies == 1 else 'ies'}")
+                label=f"{tile // 1024} KB tiles, {copies} cop{'y' if copies == 1 else 'ies'}"
+                      f"{' apart' if apart else ''}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes in flight an SM (stages x tile x CTAs an SM), KiB")

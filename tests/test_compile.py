@@ -208,15 +208,18 @@ def test_dequant_probe_sm90_ptx(cfg):
         assert instr in ptx, f"{instr} missing from the sm90 dequant probe PTX"
 
 
-@pytest.mark.parametrize("cfg", [(16384, 4, 1, 4), (8192, 6, 4, 2)], ids=lambda c: f"{c[0] // 1024}k-s{c[1]}-x{c[2]}")
+@pytest.mark.parametrize("cfg", [(16384, 4, 1, 4, False), (8192, 6, 4, 2, False), (16384, 4, 4, 4, True)],
+                         ids=lambda c: f"{c[0] // 1024}k-s{c[1]}-x{c[2]}{'-apart' if c[4] else ''}")
 def test_ring_probe_sm90_ptx(cfg, tmp_path):
     """profiles/bench_ring.py's kernel: the producer's ``copies`` bulk copies a tile on the
-    stage's transaction barrier, the consumers' 16-byte shared loads (a tile's worth over
-    their threads), waits on mbarriers, no spill (sm_90a only)."""
-    tile_bytes, stages, copies, warps = cfg
+    stage's transaction barrier (from one run or, ``apart``, from their own regions), the
+    consumers' 16-byte shared loads (a tile's worth over their threads), waits on mbarriers,
+    no spill (sm_90a only)."""
+    tile_bytes, stages, copies, warps, apart = cfg
     from bitdecode.kernels_sm90.ring_probe import RingProbeSm90
 
-    ptx = RingProbeSm90.compile("sm_90a", tile_bytes, stages, copies, warps, keep_ptx=True).artifacts.PTX
+    ptx = RingProbeSm90.compile("sm_90a", tile_bytes, stages, copies, warps, keep_ptx=True,
+                                apart=apart).artifacts.PTX
     assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == copies
     assert ptx.count("mbarrier.arrive.expect_tx") == 1 and "mbarrier.try_wait" in ptx
     assert ptx.count("ld.shared.v4") == tile_bytes // 16 // (32 * warps)
@@ -254,6 +257,17 @@ def test_ring_probe_sums_and_fit():
                     base = chunk * 128 + 4 * t
                     want[c, t] += int(src[c, tile, base:base + 4].to(torch.int64).sum())
     assert torch.equal(probe.expected_sums(src), want & 0xFFFFFFFF)
+    # ``apart``: copy p of tile (c, tile) is words p*Q .. of part p of the source, read as
+    # (copies, ctas, tiles, Q) with Q the words a copy (here 2 copies of 128 words)
+    apart = RingProbeSm90(tile_bytes=1024, stages=2, copies=2, consumer_warps=1, apart=True)
+    parts = src.reshape(2, 2, 3, 128)
+    want = torch.zeros(2, 32, dtype=torch.int64)
+    for c in range(2):
+        for t in range(32):
+            for tile in range(3):
+                for p in range(2):
+                    want[c, t] += int(parts[p, c, tile, 4 * t:4 * t + 4].to(torch.int64).sum())
+    assert torch.equal(apart.expected_sums(src), want & 0xFFFFFFFF)
     # (16 KB x 4: three an SM; 32 KB x 6: one; 32 KB x 8: none, over the 227 KB a CTA may take)
     assert [RingProbeSm90(k * 1024, s).ctas_per_sm() for k, s in ((16, 4), (32, 6), (32, 8))] == [3, 1, 0]
 

@@ -572,20 +572,22 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_bytes, stages, copies, warps", [(16384, 4, 1, 4), (8192, 6, 4, 2), (4096, 2, 2, 1),
-                                                               (32768, 3, 16, 8)])
-def test_ring_probe_reads_every_byte(tile_bytes, stages, copies, warps):
+@pytest.mark.parametrize("tile_bytes, stages, copies, warps, apart",
+                         [(16384, 4, 1, 4, False), (8192, 6, 4, 2, False), (4096, 2, 2, 1, False),
+                          (32768, 3, 16, 8, False), (16384, 4, 4, 4, True), (4096, 2, 2, 1, True)])
+def test_ring_probe_reads_every_byte(tile_bytes, stages, copies, warps, apart):
     """``RingProbeSm90`` (profiles/bench_ring.py's kernel) over runs of tiles that wrap the
-    ring many times, an odd count of CTAs and tiles: each consumer thread's sum (mod 2^32)
-    equals its words' sum in torch, so the ring hands every tile over once, whole, in its
-    stage, and no time the benchmark reports comes from wrong bytes."""
+    ring many times, an odd count of CTAs and tiles, a tile's copies from one run or from
+    their own regions (``apart``): each consumer thread's sum (mod 2^32) equals its words'
+    sum in torch, so the ring hands every tile over once, whole, in its stage, and no time
+    the benchmark reports comes from wrong bytes."""
     from bitdecode import jit
     from bitdecode.kernels_sm90.ring_probe import RingProbeSm90
 
     if jit.target_arch() != "sm_90a":
         pytest.skip("cp.async.bulk on mbarriers: Hopper only")
-    probe = RingProbeSm90(tile_bytes, stages, copies, warps)
-    fn = RingProbeSm90.compile("sm_90a", tile_bytes, stages, copies, warps)
+    probe = RingProbeSm90(tile_bytes, stages, copies, warps, apart)
+    fn = RingProbeSm90.compile("sm_90a", tile_bytes, stages, copies, warps, apart=apart)
     threads, ctas, tiles = 32 * warps, 7, 4 * stages + 3
     gen = torch.Generator(device=DEV).manual_seed(tile_bytes + stages)
     src = torch.randint(-(2**31), 2**31 - 1, (ctas, tiles, tile_bytes // 4), dtype=torch.int32, device=DEV,
