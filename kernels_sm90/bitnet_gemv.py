@@ -32,8 +32,8 @@ at unroll 4 (three waves) and 5.8 us at unroll 5 (two waves, no padded loads).
 
 The stripe kernel (``BitnetGemvBulk``: a CTA's whole stripe by one bulk copy into shared
 memory, no weight in a register) takes the shapes with at least four stripes an SM, or
-36 KB of weights an SM, or long stripes (``stripes_pay``) (``stripe_config``; where that wave would leave the next GEMV no room, the form with x
-staged in shared memory too and its loop rolled, ``BULK_X``, lighter still: 20480 x 3200
+36 KB of weights an SM, or long stripes (``stripes_pay``, ``stripe_config``; where that
+wave would leave the next GEMV no room, the form with x staged in shared memory too and its loop rolled, ``BULK_X``, lighter still: 20480 x 3200
 5.5 us against 6.2 - 6.7): there all of the matrix is asked for at once by light CTAs,
 where the register kernel's are few and heavy (H200: 13824 x 2560 3.2 us against 3.7;
 fewer stripes an SM, its CTAs wait for their whole stripe before any arithmetic and it
@@ -201,10 +201,11 @@ BULK_MIN_STRIPES_PER_SM = 4
 #              3.84 - 4.37.
 # H100 (profiles/h100/gemv_sweep_s5*.json): 6144 x 4096 3.58 / 3.12 / 3.14, 5120 x 5120 3.83
 # / 3.26 / 3.34, 3200 x 6912 (41.0) 3.80 / 3.44 / 3.29, 2560 x 8192 (38.8) 3.31 / 2.95 /
-# 3.10; below, 2560 x 6912 keeps the register kernel in five of seven runs.  The H100
-# differs at 4096 x 4096 (31.0: 2.62 / 2.65 / 2.14), and both GPUs run 2048 x 2048 (7.8 KB
-# an SM, fewer stripes than SMs) faster on stripes (H200 1.75 / 1.56 / 1.48): not ruled on
-# one shape each (``bitdecode tune`` measures a user's shapes).
+# 3.10.  Below it the H100 differs: 4096 x 4096 (31.0) 2.62 / 2.65 / 2.14, 2560 x 6912
+# (32.7) 2.80 - 2.83 / 2.93 - 3.03 / 2.35 - 2.72 in four sweeps (this BULK_X) but the
+# register kernel kept by one tuner run; and both GPUs run 2048 x 2048 (7.8 KB an SM,
+# fewer stripes than SMs) faster on stripes (H200 1.75 / 1.56 / 1.48).  The rule follows
+# the H200; ``bitdecode tune`` measures a user's shapes on their GPU.
 STRIPE_MIN_BYTES_PER_SM = 36 * 1024
 
 # ... and for long stripes at any count: from this many bytes a stripe (K = 8192) one bulk
@@ -250,9 +251,8 @@ def stripes_pay(n: int, k: int, sms: int) -> bool:
 
 def stripe_config(n: int, k: int, sms: int, register_waves: int):
     """The stripe kernel that runs an (N, K) GEMV where stripes pay (``stripes_pay``), or
-    None.  Below ``BULK_MIN_STRIPES_PER_SM`` stripes an
-    SM: ``BULK`` where its slots hold two GEMVs' stripes, else ``BULK_X`` where it holds them
-    in one wave.  From there up: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
+    None.  Below ``BULK_MIN_STRIPES_PER_SM`` stripes an SM: ``BULK`` where its slots hold
+    two GEMVs' stripes, else ``BULK_X`` where it holds them in one wave.  From there up: the first of ``BULK`` and ``BULK_X`` (x staged too, the loop
     rolled: 37 - 42 registers, more CTAs an SM) whose one wave leaves ``BULK_FREE_SLOTS`` of
     its slots free, else the first that holds every stripe in one wave (8448 x 10240: 528
     stripes, 396 / 528 slots; us, BULK 7.96 - 8.20, BULK_X 7.5 - 7.7, register 8.92), else
