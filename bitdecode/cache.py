@@ -71,7 +71,6 @@ class KVCache:
         self._plans: dict = {}
         # the device's kind and index, fixed for the cache's lifetime (read on every step)
         self._on_cuda, self._device_index = k_res.is_cuda, k_res.get_device()
-        self._tile_tokens = fmt.residual_block  # (``fmt.tiles``' divisor, read on every appending step)
         self._fast = None  # (validated call key, plan, scale_log2) of the last kernel decode
         # ... of the last appending decode (``decode(k_new=, v_new=)``), with whether its k / v
         # are laid out as the kernel takes them
@@ -475,13 +474,7 @@ class KVCache:
             appends = self._appends = (self.backend, self._kernel_appends(self.backend))
         # the stream the step runs on; None while a graph is captured, whose appends take the
         # two calls (the append kernel checks capacity on the device at every replay)
-        # (``jit.current_stream``, written out: a call frame is a tenth of this path)
-        if not self._on_cuda:
-            stream = 0
-        elif torch._C._cuda_isCurrentStreamCapturing():
-            stream = None
-        else:
-            stream = torch._C._cuda_getCurrentRawStream(self._device_index)
+        stream = jit.current_stream(self._device_index) if self._on_cuda else 0
         if (backend == "auto" and not appends[1]) or stream is None:  # (no key to build: two calls)
             self._check_query_once(q, softmax_scale, num_splits, backend)  # before the append writes
             self._append(k_new, v_new, NEW_NAMES)
@@ -493,8 +486,7 @@ class KVCache:
         try:
             key = (q.shape, q.stride(), k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), q.dtype,
                    k_new.dtype, v_new.dtype, q.get_device(), k_new.get_device(), v_new.get_device(), softmax_scale,
-                   type(softmax_scale), num_splits, type(num_splits), backend,
-                   -(-(self._host_max + 1) // self._tile_tokens))  # (``fmt.tiles``)
+                   type(softmax_scale), num_splits, type(num_splits), backend, self.fmt.tiles(self._host_max + 1))
         except AttributeError:  # (not tensors: ``_append_decode_plan`` says which)
             key = None
         fast = self._fast_append

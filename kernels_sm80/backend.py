@@ -397,11 +397,7 @@ class DecodePlan:
         """An appending plan's call (one launch): the new K / V token stored, then q's
         attention; ``stream``: the current one (``jit.current_stream``, never None: a capture
         takes append + decode).  Unsplit, the merge's arguments are not read."""
-        last_stream, outs, work = self._last
-        if stream == last_stream and outs:  # (``_take``'s common case without its call: an eager loop)
-            out = outs.pop()
-        else:
-            out, work = self._take(stream)
+        out, work = self._take(stream)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
         if work is None:
             self.decode_fn(q, k_new, v_new, self.commits, *self.static, out, lse, self.unused_out,
