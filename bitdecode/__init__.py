@@ -13,7 +13,7 @@ from PyTorch.  Quick start::
 
 from . import layouts, reference
 from . import bitnet  # BitNet W2A8: bd.bitnet.quantize_weight / pack_weight / gemv / gemm / BitLinear
-from . import bitnet_tune  # measured GEMV configurations: bd.bitnet_tune.tune_gemv / load / save
+from . import bitnet_tune  # measured GEMV configurations (bd.bitnet.tune_gemv): bd.bitnet_tune.load / save
 from . import dense, rope  # a decode step's other kernels: bd.dense.linear / silu_mul, bd.rope.apply_rotary
 from .attention import decode_attention
 from .cache import CacheOverflowError, KVCache, decode

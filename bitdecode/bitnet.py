@@ -622,7 +622,8 @@ def gemv_configs(device: torch.device) -> list:
 
 def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
     """(compiled kernel, launch size) for this shape: the host's configuration, or ``cfg``."""
-    key = ("gemv", device.index, raw, n, k, pdl_enabled() if cfg is None else cfg, bitnet_tune.generation)
+    # (the host's pick depends on $BITDECODE_PDL and the tuning table; a given ``cfg`` on neither)
+    key = ("gemv", device.index, raw, n, k, (pdl_enabled(), bitnet_tune.generation) if cfg is None else cfg)
     hit = _LAUNCHERS.get(key)
     if hit is None:
         arch, kernels = _arch(device), kernels_for(device)
