@@ -125,21 +125,27 @@ def lookup(device: torch.device, n: int, k: int):
 def entries(gpu: Optional[Tuple[str, int]] = None) -> List[dict]:
     """Every entry of this process as JSON-ready dicts (what ``save`` writes), or only those
     of GPUs of ``gpu`` (``gpu_key``: what the benchmarks record beside their times)."""
+    return _entries(_table(), gpu)
+
+
+def _entries(table: dict, gpu: Optional[Tuple[str, int]] = None) -> List[dict]:
     return [{"gpu": name, "sms": sms, "n": n, "k": k, "config": config_fields(cfg)}
-            for (name, sms, n, k), cfg in sorted(_table().items()) if gpu is None or (name, sms) == tuple(gpu)]
+            for (name, sms, n, k), cfg in sorted(table.items()) if gpu is None or (name, sms) == tuple(gpu)]
 
 
-def save(path: Union[str, Path]) -> Path:
-    """Write every entry of this process to ``path`` (JSON; ``load`` reads it back)."""
+def save(path: Union[str, Path], table: Optional[dict] = None) -> Path:
+    """Write every entry of this process to ``path`` (JSON; ``load`` reads it back), or those
+    of ``table`` (``read``'s form: ``bitdecode tune --out`` writes the file's entries and its
+    own picks, not those another file put in this process)."""
     path = Path(path).expanduser()
-    path.write_text(json.dumps({"format": FORMAT, "entries": entries()}, indent=1) + "\n")
+    rows = entries() if table is None else _entries(table)
+    path.write_text(json.dumps({"format": FORMAT, "entries": rows}, indent=1) + "\n")
     return path
 
 
-def load(source: Union[str, Path, dict]) -> int:
-    """Add the entries of a file written by ``save`` (or of its parsed dict) to this
-    process's table, replacing entries of the same GPU and shape; returns their number.
-    Every entry is checked before any is applied: a bad file changes nothing."""
+def read(source: Union[str, Path, dict]) -> dict:
+    """The entries of a file written by ``save`` (or of its parsed dict), every one checked,
+    as ``{(gpu, sms, n, k): config}``; this process's table is left as it is."""
     where = "tuning"
     if not isinstance(source, dict):
         where = str(source)
@@ -154,11 +160,18 @@ def load(source: Union[str, Path, dict]) -> int:
     rows = source.get("entries")
     if not isinstance(rows, list):
         raise ValueError(f"{where}: \"entries\" must be a list")
-    parsed = [_parse_entry(row, f"{where}: entries[{i}]") for i, row in enumerate(rows)]
+    return dict(_parse_entry(row, f"{where}: entries[{i}]") for i, row in enumerate(rows))
+
+
+def load(source: Union[str, Path, dict]) -> int:
+    """Add the entries of a file written by ``save`` (or of its parsed dict) to this
+    process's table, replacing entries of the same GPU and shape; returns their number.
+    Every entry is checked before any is applied: a bad file changes nothing."""
+    table = read(source)
     _table()  # (the environment's file first, so that this one's entries win)
-    for (gpu, sms, n, k), cfg in parsed:
+    for (gpu, sms, n, k), cfg in table.items():
         remember((gpu, sms), n, k, cfg)
-    return len(parsed)
+    return len(table)
 
 
 def clear() -> None:

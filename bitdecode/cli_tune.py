@@ -54,9 +54,10 @@ def run(args) -> int:
     if not 0 <= args.device < torch.cuda.device_count():
         console.print(f"[red]--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)[/red]")
         return 2
+    kept = {}
     if Path(args.out).exists():  # keep what the file holds; a broken file is refused before any timing
         try:
-            bitnet_tune.load(args.out)
+            kept = bitnet_tune.read(args.out)
         except ValueError as e:
             console.print(f"[red]--out {args.out}: {e}[/red]")
             return 2
@@ -77,6 +78,10 @@ def run(args) -> int:
                       bitnet_tune.describe(row["config"]), f"{row['us']:.2f}",
                       f"{row['default_us'] / row['us'] - 1:+.0%}")
     console.print(table)
-    bitnet_tune.save(args.out)
+    # the file's entries and this run's picks only: entries that $BITDECODE_GEMV_TUNING's file
+    # put in this process stay in that file
+    picks = bitnet_tune.read({"format": bitnet_tune.FORMAT,
+                              "entries": [{key: row[key] for key in ("gpu", "sms", "n", "k", "config")} for row in rows]})
+    bitnet_tune.save(args.out, {**kept, **picks})
     console.print(f"picks written to {args.out}; use them with BITDECODE_GEMV_TUNING={args.out}")
     return 0

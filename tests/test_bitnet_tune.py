@@ -271,6 +271,13 @@ def test_tune_command_prints_and_merges_the_picks(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(bn, "tune_gemv", fake_tune)
     out = _file(tmp_path, [{"gpu": H200[0], "sms": 132, "n": 2560, "k": 2560,
                             "config": tune.config_fields(configs["pdl_unroll10_pin"])}])
+    # an entry of the environment's tuning file is used by the process, not written into --out
+    env = tmp_path / "env.json"
+    env.write_text(json.dumps({"format": tune.FORMAT, "entries": [
+        {"gpu": H200[0], "sms": 132, "n": 6144, "k": 4096, "config": tune.config_fields(configs["pdl_bulk_x"])}]}))
+    monkeypatch.setenv(tune.ENV_GEMV_TUNING, str(env))
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    assert [e["n"] for e in tune.entries(H200)] == [6144]
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["tune", "--shapes", "4096x4096", "--out", str(out), "--replays", "5"]) == 0
     assert calls == [([(4096, 4096)], torch.device("cuda", 0), 5)]
