@@ -1,7 +1,7 @@
 """Decode benchmark: bitdecode vs torch SDPA (16-bit) vs the measured bandwidth roofline.
 
 Everything is measured in one run on one GPU: CUDA events around each call, warm-up,
-median of many, the L2 flushed (a 2x-L2 memset) before every timed call.  The roofline
+median of many, the L2 flushed before every timed call (a read of a 2x-L2 buffer: ``Timer``).  The roofline
 is the best streaming bandwidth measured in the same run.  Results go to
 ``<out_dir>/decode.json`` (+ ``decode.png``), or with ``--quick`` (three context lengths,
 B = 1 and 16, every backend side by side) to ``decode_backends.json`` (+ ``.png``);
@@ -33,26 +33,51 @@ LABELS = {"4": "4-bit", "2": "2-bit", "4v2": "K4V2", "nvfp4": "NVFP4"}
 
 
 class Timer:
-    """Median time of ``fn`` with the L2 flushed before each call (CUDA events)."""
+    """Median time of ``fn`` (CUDA events) with the L2 flushed before each call.
 
-    def __init__(self, device):
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        self.flush_buf = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device=device)
+    ``flush`` says how: ``"clean"`` (the default) sums a buffer of twice the L2 that nothing
+    writes after its first pass, so the timed call finds L2 full of other data's clean
+    lines; ``"dirty"`` zeroes such a buffer (the benches' flush before the fifty-fifth
+    session, as a memset-based flush does), which leaves L2 full of dirty lines that the
+    timed call's own misses must write back first: up to an L2 of DRAM writes charged to
+    it (H100, ``bench_flush.py``, two runs: +9 to +12 us on a 4-bit decode at B=1 N=128K
+    and at B=16 N=64K and on SDPA there; 0.4 and 6 us at N=4K); ``"none"`` times the call as
+    it comes."""
+
+    FLUSHES = ("clean", "dirty", "none")
+
+    def __init__(self, device, flush: str = "clean"):
+        if flush not in self.FLUSHES:
+            raise ValueError(f"flush must be one of {', '.join(self.FLUSHES)}, got {flush!r}")
+        self.flush = flush
+        words = max(2 * torch.cuda.get_device_properties(device).L2_cache_size, 64 << 20) // 4
+        self._bufs = {"clean": torch.ones(words, dtype=torch.float32, device=device),
+                      "dirty": torch.empty(words, dtype=torch.float32, device=device)}
+        self._sink = torch.empty((), dtype=torch.float32, device=device)
+        self.flush_l2("clean")  # (its own first write leaves dirty lines: read it once now)
+
+    def flush_l2(self, how: Optional[str] = None) -> None:
+        """Flush L2 as ``how`` (default: this timer's ``flush``) says."""
+        how = how or self.flush
+        if how == "clean":
+            torch.sum(self._bufs["clean"], dim=0, out=self._sink)
+        elif how == "dirty":
+            self._bufs["dirty"].zero_()
+
+    def once(self, fn: Callable, how: Optional[str] = None) -> float:
+        """One call of ``fn`` after a flush (``flush_l2``'s ``how``), microseconds."""
+        self.flush_l2(how)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
 
     def __call__(self, fn: Callable, iters: int = 30, warmup: int = 5, flush: bool = True) -> float:
         for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(iters):
-            if flush:
-                self.flush_buf.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)  # microseconds
-        return statistics.median(times)
+        return statistics.median(self.once(fn, None if flush else "none") for _ in range(iters))
 
 
 def measure_roofline(timer: Timer, device) -> Dict[str, float]:
@@ -274,7 +299,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "backends": kernel_backends(device),
         "roofline": roofline,
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
-               "L2 flushed before each call; *_eager_us: the same with plain eager calls"),
+               f"L2 flushed before each call ({timer.flush}: Timer); *_eager_us: the same with plain eager calls"),
+        "flush": timer.flush,
         "format": ("K per channel g128, V per token g128, fp16; bd4 / bd2: one width, bd4v2: K 4-bit / V 2-bit; "
                    "bdnvfp4: NVFP4 (K per token, V per channel, one e4m3 scale per 16 values)"),
         "rows": rows,

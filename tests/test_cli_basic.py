@@ -597,6 +597,23 @@ def test_bench_ring_arguments(capsys):
             br.main(["--out", "x"])
 
 
+def test_bench_flush_arguments(capsys):
+    """profiles/bench_flush.py and the benches' ``Timer``: refusals naming the argument (the
+    flush is one of clean, dirty, none); without a GPU it says so."""
+    import torch
+
+    bf = _profile_script("bench_flush")
+    _refused(bf.main, ["--out", "x", "--tag", "a-b"], "--tag must be an identifier", capsys)
+    _refused(bf.main, ["--out", "x", "--rounds", "0"], "--rounds must be positive", capsys)
+    _refused(bf.main, ["--out", "x", "--shapes", "16"], "--shapes", capsys)
+    assert _profile_script("bench_decode").Timer.FLUSHES == ("clean", "dirty", "none")
+    with pytest.raises(ValueError, match="flush must be one of clean, dirty, none, got 'memset'"):
+        _profile_script("bench_decode").Timer(torch.device("cpu"), flush="memset")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bf.main(["--out", "x"])
+
+
 def test_bench_variants_write_result(tmp_path, monkeypatch):
     """The A/B scripts' JSON: the command that reproduces the run (script, every --variant,
     the script's options, --out, --tag), the GPU, torch, the variants, method and rows."""
