@@ -30,6 +30,10 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a few points only; decode: B=1 and 16 at 4K/32K/128K, every backend side by side, "
                         "written to decode_backends.json instead of decode.json")
+    p.add_argument("--flush", choices=("clean", "dirty"), default="clean",
+                   help="decode: how L2 is flushed before each timed call: clean (default; a read of a "
+                        "2x-L2 buffer) or dirty (a 2x-L2 memset, as records before 2026-12-06 were timed: "
+                        "the call then pays the write-back of the memset's lines)")
 
 
 def _load(suite: str):
@@ -61,11 +65,15 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         console.print("[red]bitdecode bench needs a CUDA GPU[/red]")
         return 2
+    if args.suite != "decode" and args.flush != "clean":
+        console.print(f"[red]--flush: only the decode suite flushes L2 ({args.suite} rotates its operands)[/red]")
+        return 2
     mod = _load(args.suite)
     out = args.out or profiles_dir() / gpu_dirname()
     # no refresh thread: it would take the GIL from the eager timings
     with Progress(console=console, auto_refresh=False) as progress:
-        result = mod.run(out, quick=args.quick, progress=progress)
+        kw = {"flush": args.flush} if args.suite == "decode" else {}
+        result = mod.run(out, quick=args.quick, progress=progress, **kw)
     if hasattr(mod, "print_summary"):
         mod.print_summary(result)
     console.print(f"results in {out}")

@@ -260,10 +260,10 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     return path
 
 
-def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
+def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean") -> dict:
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    timer = Timer(device)
+    timer = Timer(device, flush)
     roofline = measure_roofline(timer, device)
     best = roofline["best_bytes_per_s"]
     seqlens = [4096, 32768, 131072] if quick else [2 ** i for i in range(10, 19)]
@@ -292,7 +292,8 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
     # full sweep's decode.json
     name = "decode_backends" if quick else "decode"
     result = {
-        "command": f"bitdecode bench decode{' --quick' if quick else ''} --out {out_dir}",
+        "command": (f"bitdecode bench decode{' --quick' if quick else ''}"
+                    f"{' --flush ' + flush if flush != 'clean' else ''} --out {out_dir}"),
         "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "sdpa_backend": sdpa_backend(qb, kb, kb),

@@ -249,6 +249,34 @@ def test_out_must_be_a_folder(command, tmp_path, capsys):
     assert "--out DIR is required" in _parser_error(["compile"], capsys)
 
 
+def test_bench_flush_option(capsys, monkeypatch, tmp_path):
+    """``bitdecode bench decode --flush`` reaches the sweep's timer (clean by default); the
+    bitnet suite, which flushes nothing, refuses it by name; a bad value is refused."""
+    import torch
+
+    from bitdecode import cli_bench
+
+    assert "argument --flush: invalid choice" in _parser_error(["bench", "decode", "--flush", "memset"], capsys)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    runs = []
+
+    class Suite:
+        @staticmethod
+        def run(out, quick=False, progress=None, **kw):
+            runs.append(kw)
+            return {}
+
+    monkeypatch.setattr(cli_bench, "_load", lambda suite: Suite)
+    assert main(["bench", "decode", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "decode", "--flush", "dirty", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "bitnet", "--out", str(tmp_path)]) == 0
+    assert runs == [{"flush": "clean"}, {"flush": "dirty"}, {}]
+    capsys.readouterr()
+    assert main(["bench", "bitnet", "--flush", "dirty", "--out", str(tmp_path)]) == 2
+    assert "--flush: only the decode suite flushes L2" in " ".join(capsys.readouterr().out.split())
+    assert len(runs) == 3
+
+
 def test_compile_only_combine_when_no_format_fits(tmp_path, capsys, monkeypatch):
     """Group 128 at head dim 64 leaves no decode variant: refused, not a run of the combine
     kernel alone."""
