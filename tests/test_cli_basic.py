@@ -642,6 +642,20 @@ def test_bench_flush_arguments(capsys):
             bf.main(["--out", "x"])
 
 
+def test_ncu_ring_arguments(capsys):
+    """profiles/ncu_ring.py: a kernel is required, one shape, known formats; without a GPU
+    it says so."""
+    import torch
+
+    nr = _profile_script("ncu_ring")
+    _refused(nr.main, [], "the following arguments are required: kernel", capsys)
+    _refused(nr.main, ["decode", "--shape", "1x4096,2x4096"], "--shape takes one BxN", capsys)
+    _refused(nr.main, ["decode", "--format", "3c128"], "--format: invalid choice", capsys)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            nr.main(["ring"])
+
+
 def test_bench_variants_write_result(tmp_path, monkeypatch):
     """The A/B scripts' JSON: the command that reproduces the run (script, every --variant,
     the script's options, --out, --tag), the GPU, torch, the variants, method and rows."""
