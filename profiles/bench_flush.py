@@ -27,24 +27,10 @@ from bench_decode import Timer, build  # noqa: E402
 from bench_variants import parse_shapes  # noqa: E402
 
 import bitdecode as bd  # noqa: E402
+from bitdecode.bitnet_tune import captured  # noqa: E402  (the library's one graph-capture helper)
 
 FORMATS = {"4c128": bd.KVFormat(4, "channel", 128), "2c128": bd.KVFormat(2, "channel", 128)}
 HQ, HKV, D = 32, 8, 128
-
-
-def captured(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` in a CUDA graph (run once first, then warmed on a side stream)."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def main(argv=None) -> int:
@@ -72,11 +58,11 @@ def main(argv=None) -> int:
             cache, k, v = build(fmt, b, HKV, D, n, dev, gen)
             cache.prefill(k, v)
             del k, v
-            cases[f"bd{key} B={b} N={n}"] = (captured(lambda q=q, c=cache: bd.decode(q, c)), (q, cache))
+            cases[f"bd{key} B={b} N={n}"] = (captured([lambda q=q, c=cache: bd.decode(q, c)]), (q, cache))
         q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.float16, generator=gen)
         k16, v16 = (torch.randn(b, HKV, n, D, device=dev, dtype=torch.float16, generator=gen) for _ in range(2))
         sdpa = lambda q=q, k=k16, v=v16: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-        cases[f"sdpa16 B={b} N={n}"] = (captured(sdpa), (q, k16, v16))
+        cases[f"sdpa16 B={b} N={n}"] = (captured([sdpa]), (q, k16, v16))
         del k16, v16
     times = {(name, how): [] for name in cases for how in Timer.FLUSHES}
     for _ in range(args.rounds):
