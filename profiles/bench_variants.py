@@ -167,16 +167,20 @@ def run_variant(cmd: List[str], env: Dict[str, str], timeout: float) -> Tuple[Li
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")], why
 
 
+def apply_keywords(kwargs: Dict[str, object], backend: str = "sm90") -> None:
+    """Build every decode kernel of ``backend`` this process makes (the split heuristic reads
+    the CTAs per SM a variant is built for from the kernel's config) and every combine
+    kernel with the keywords of ``kwargs`` that it takes."""
+    for target in variant_classes(backend):
+        mine = {k: v for k, v in kwargs.items() if k in target_keywords(target)}
+        target.__init__ = functools.partialmethod(with_keywords, target.__init__, mine)
+
+
 def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backend: str = "sm90") -> List[dict]:
     """One variant, in this process: the rows of every (format, dtype, shape)."""
     import torch
 
-    for target in variant_classes(backend):
-        # every decode kernel of ``backend`` this process builds (the split heuristic reads
-        # the CTAs per SM a variant is built for from the kernel's config) and every combine
-        # kernel, each with the keywords of the variant that it takes
-        mine = {k: v for k, v in kwargs.items() if k in target_keywords(target)}
-        target.__init__ = functools.partialmethod(with_keywords, target.__init__, mine)
+    apply_keywords(kwargs, backend)
 
     import bitdecode as bd
     from bench_decode import Timer, _graph_time, build

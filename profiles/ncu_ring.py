@@ -40,10 +40,7 @@ def ring_call(args, dev):
 
 
 def decode_call(args, dev):
-    _, kwargs = bv.parse_variant("v=" + args.variant)
-    for target in bv.variant_classes("sm90"):
-        mine = {k: v for k, v in kwargs.items() if k in bv.target_keywords(target)}
-        target.__init__ = functools.partialmethod(bv.with_keywords, target.__init__, mine)
+    bv.apply_keywords(bv.parse_variant("v=" + args.variant)[1])
     import bitdecode as bd
     from bench_decode import build
 
