@@ -24,13 +24,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import Timer, build  # noqa: E402
-from bench_variants import parse_shapes  # noqa: E402
+from bench_variants import D, FORMATS, HKV, HQ, parse_shapes  # noqa: E402
 
 import bitdecode as bd  # noqa: E402
 from bitdecode.bitnet_tune import captured  # noqa: E402  (the library's one graph-capture helper)
 
-FORMATS = {"4c128": bd.KVFormat(4, "channel", 128), "2c128": bd.KVFormat(2, "channel", 128)}
-HQ, HKV, D = 32, 8, 128
+TIMED = ("4c128", "2c128")  # (FORMATS' keys)
 
 
 def main(argv=None) -> int:
@@ -53,7 +52,8 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     cases = {}  # name -> (graph, the tensors it reads)
     for b, n in args.shapes:
-        for key, fmt in FORMATS.items():
+        for key in TIMED:
+            fmt = bd.KVFormat(*FORMATS[key])
             q = torch.randn(b, 1, HQ, D, device=dev, dtype=torch.float16, generator=gen)
             cache, k, v = build(fmt, b, HKV, D, n, dev, gen)
             cache.prefill(k, v)
