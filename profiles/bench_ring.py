@@ -42,6 +42,13 @@ from bench_bitnet import measure_roofline  # noqa: E402
 from bench_decode import Timer  # noqa: E402
 
 
+def ring_source(pool: torch.Tensor, probe, ctas: int) -> torch.Tensor:
+    """The probe's ``src`` for ``ctas`` CTAs out of ``pool`` (int32 words): as many whole
+    tiles each as the pool holds, ``(ctas, tiles, tile words)``."""
+    tiles = pool.numel() // (ctas * probe.tile_words)
+    return pool[: ctas * tiles * probe.tile_words].view(ctas, tiles, probe.tile_words)
+
+
 def run_config(timer: Timer, probe, fn, src: torch.Tensor, replays: int) -> float:
     """us per launch of ``probe`` compiled (``fn``) over ``src`` (median of ``replays`` after
     one warm-up; no L2 flush: ``src`` is far larger than L2); raises if its sums are wrong."""
@@ -110,9 +117,7 @@ def main(argv=None) -> int:
             continue
         fn = RingProbeSm90.compile(arch, probe.tile_bytes, stages, copies, args.consumer_warps, apart=apart)
         for cps in runnable:
-            ctas = cps * sms
-            tiles = words // (ctas * probe.tile_words)
-            src = pool[: ctas * tiles * probe.tile_words].view(ctas, tiles, probe.tile_words)
+            src = ring_source(pool, probe, cps * sms)
             us = run_config(timer, probe, fn, src, args.replays)
             nbytes = src.numel() * 4
             row = {**shape, "ctas_per_sm": cps, "in_flight_per_sm": cps * stages * probe.tile_bytes,

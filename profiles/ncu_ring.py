@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_variants as bv  # noqa: E402
+from bench_ring import ring_source  # noqa: E402
 
 
 def ring_call(args, dev):
@@ -32,10 +33,9 @@ def ring_call(args, dev):
 
     probe = RingProbeSm90(args.tile_kb * 1024, args.stages, args.copies, 4, args.apart)
     fn = RingProbeSm90.compile("sm_90a", probe.tile_bytes, args.stages, args.copies, 4, apart=args.apart)
-    ctas = args.ctas_per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
-    tiles = (1 << 30) // 4 // (ctas * probe.tile_words)
-    src = torch.randint(-(2**31), 2**31 - 1, (ctas, tiles, probe.tile_words), dtype=torch.int32, device=dev)
-    out = torch.zeros(ctas, probe.threads, dtype=torch.int32, device=dev)
+    pool = torch.randint(-(2**31), 2**31 - 1, ((1 << 30) // 4,), dtype=torch.int32, device=dev)
+    src = ring_source(pool, probe, args.ctas_per_sm * torch.cuda.get_device_properties(dev).multi_processor_count)
+    out = torch.zeros(src.shape[0], probe.threads, dtype=torch.int32, device=dev)
     return lambda: fn(src, out)
 
 
