@@ -231,7 +231,7 @@ class BitnetGemv:
     ):
         n = mW.shape[0]
         self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3, warps).launch(
-            grid=[n // fmt.TILE_N, 1, 1],
+            grid=[fmt.stripes(n), 1, 1],
             block=[warps * WARP, 1, 1],
             # the block size is a launch argument: bound it so ptxas may use up to 128
             # registers (it assumes 1024 threads, i.e. 64 registers, otherwise, and then

@@ -79,7 +79,7 @@ def cost(cfg: GemvConfig, n: int, k: int, sms: int) -> tuple:
     warps = warps_for(k, cfg.unroll)
     batches = -(-groups // (warps * cfg.unroll))
     slots = sms * ctas_per_sm(REGISTERS[cfg.unroll, cfg.pin], warps)
-    stripes = n // fmt.TILE_N
+    stripes = fmt.stripes(n)
     waves = -(-stripes // slots)
     pays = stripes <= (1 - PIN_FREE_SLOTS) * slots
     return waves, cfg.pin != pays, batches, warps * cfg.unroll * batches - groups, -warps
@@ -179,7 +179,7 @@ def stripe_waves(cfg: GemvConfig, n: int, k: int, sms: int) -> int:
     its shared memory does not fit)."""
     if not bulk_fits(k, cfg.stage_x):
         return 0
-    return -(-(n // fmt.TILE_N) // (bulk_ctas_per_sm(k, cfg.stage_x) * sms))
+    return -(-fmt.stripes(n) // (bulk_ctas_per_sm(k, cfg.stage_x) * sms))
 
 
 # The stripe kernel pays from this many stripes an SM up.  H200, back to back in a CUDA
@@ -238,13 +238,13 @@ BULK_FREE_SLOTS = 0.25
 def stripe_bytes_per_sm(n: int, k: int, sms: int) -> float:
     """An SM's share of an (N, K) GEMV's packed weights (bytes), as the stripe kernel
     deals them: N / 16 stripes of ``fmt.stripe_bytes(k)`` over ``sms`` SMs."""
-    return n // fmt.TILE_N * fmt.stripe_bytes(k) / sms
+    return fmt.stripes(n) * fmt.stripe_bytes(k) / sms
 
 
 def stripes_pay(n: int, k: int, sms: int) -> bool:
     """Whether a stripe kernel beats the register kernel at (N, K): ``BULK_MIN_STRIPES_PER_SM``
     stripes an SM, ``STRIPE_MIN_BYTES_PER_SM`` an SM, or stripes of ``LONG_STRIPE_BYTES``."""
-    return (n // fmt.TILE_N >= BULK_MIN_STRIPES_PER_SM * sms
+    return (fmt.stripes(n) >= BULK_MIN_STRIPES_PER_SM * sms
             or stripe_bytes_per_sm(n, k, sms) >= STRIPE_MIN_BYTES_PER_SM
             or fmt.stripe_bytes(k) >= LONG_STRIPE_BYTES)
 
@@ -260,7 +260,7 @@ def stripe_config(n: int, k: int, sms: int, register_waves: int):
     6912, 2 against 3; 8.92 - 9.02 against 12.04)."""
     if not stripes_pay(n, k, sms):
         return None
-    stripes = n // fmt.TILE_N
+    stripes = fmt.stripes(n)
     if stripes < BULK_MIN_STRIPES_PER_SM * sms:
         if bulk_fits(k) and 2 * stripes <= bulk_ctas_per_sm(k) * sms:
             return BULK
@@ -307,7 +307,7 @@ class BitnetGemvBulk:
         """``warps``: the register kernel's launch argument, unused (the block is static)."""
         n = mW.shape[0]
         self.kernel(mX, mW, mXScale, mWScale, mOut, e1, e2, e3).launch(
-            grid=[n // fmt.TILE_N, 1, 1], block=[self.warps * WARP, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[fmt.stripes(n), 1, 1], block=[self.warps * WARP, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mXScale: cute.Tensor, mWScale: cute.Tensor,

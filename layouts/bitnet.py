@@ -103,6 +103,11 @@ SAME_ROW_LANE_MASKS = (2, 8, 16)
 OTHER_ROW_LANE_MASKS = tuple(1 << b for b in range(5) if 1 << b not in SAME_ROW_LANE_MASKS)  # (1, 4)
 
 
+def stripes(n: int) -> int:
+    """16-row stripes (one GEMV CTA each) of a packed [N, K] matrix."""
+    return n // TILE_N
+
+
 def stripe_bytes(k: int) -> int:
     """Bytes of one 16-row stripe of a packed [N, K] matrix (one contiguous run of K / 128
     groups of GROUP_BYTES)."""
