@@ -199,7 +199,7 @@ class DecodeSm90(PackedDecodeConfig):
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
                  v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False,
-                 early_residual: bool = False, free_issue: bool = False):
+                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
@@ -388,6 +388,20 @@ class DecodeSm90(PackedDecodeConfig):
         if free_issue and v_slots:
             raise ValueError("free_issue takes no v_slots: warps 1-3 would both scale and decode V^T")
         self.free_issue = free_issue
+        # ``wide_boxes``: a packed tile's TMA box takes its rows folded into 128-byte ones
+        # (``sm90.packed_fold``: two 64-byte rows of 4-bit K at head dim 128 or of a 4-bit V
+        # tile, four 32-byte rows of 2-bit K) with the 128-byte swizzle on the ring, so a
+        # stage's codes reach L2 as 128-byte requests instead of 64- or 32-byte ones.  With
+        # the narrow boxes the decode's ring asked L2 for 57 % more requests than a bare ring
+        # of the same bytes (H100 ncu, fifty-fifth session: tag requests 52 % of peak against
+        # 36 %), and on the H200 it streams at 0.86 of the read rate against the bare ring's
+        # 1.03 (profiles/NOTES.md, fifty-fourth session).  ldmatrix reads the folded rows
+        # conflict-free (``sm90.make_packed_smem_layout``).
+        self.wide_boxes = wide_boxes
+        self.k_fold = sm90.packed_fold(self.nr, 4 * self.wk) if wide_boxes else 1
+        self.v_fold = sm90.packed_fold(head_dim, 4 * self.wv) if wide_boxes else 1
+        self.k_box = (self.nr // self.k_fold, 2 * self.wk * self.k_fold)
+        self.v_box = (head_dim // self.v_fold, 2 * self.wv * self.v_fold)
         self.scaler_threads = WG - resources.WARP if free_issue and self.fold_k else WG
         # the A-fragment register of each dequantized (row half, column half) pair that
         # ``stage_v`` hands to stmatrix (a traced table: read here, before the kernel's trace)
@@ -441,13 +455,19 @@ class DecodeSm90(PackedDecodeConfig):
     # ---------------------------------------------------------------------------------
     def _layouts(self):
         """Shared-memory layouts (call in a trace): Q and P^T (K-major wgmma B operands; P^T
-        one copy per V group with ``fold_v``) and the packed K / V rings (TMA swizzle atoms, a
-        stage mode last)."""
+        one copy per V group with ``fold_v``) and the packed K / V rings as ldmatrix reads
+        them (TMA swizzle atoms, a stage mode last)."""
         return (sm90.make_operand_smem_layout(self.dtype, self.nh, self.d),
                 sm90.make_operand_smem_layout(self.dtype, self.nh, self.step, self.p_copies * self.consumers),
-                sm90.make_packed_smem_layout(self.nr, 4 * self.wk, self.num_stages),
+                sm90.make_packed_smem_layout(self.nr, 4 * self.wk, self.num_stages, self.wide_boxes),
                 # V: one slot per V tile of a stage (two 4-bit tiles per 2-bit K tile in K2V4)
-                sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles))
+                sm90.make_packed_smem_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles, self.wide_boxes))
+
+    def _tma_layouts(self):
+        """The packed K / V rings as the TMA writes them (``wide_boxes``: rows folded into
+        128-byte ones; the same memory as ``_layouts``' rings)."""
+        return (sm90.make_packed_tma_layout(self.nr, 4 * self.wk, self.num_stages, self.wide_boxes),
+                sm90.make_packed_tma_layout(self.d, 4 * self.wv, self.num_stages * self.v_tiles, self.wide_boxes))
 
     def _qs_layout(self):
         """``fold_k``: Q o s, one K-major wgmma B tile per (stage, K group of the tile)."""
@@ -525,15 +545,18 @@ class DecodeSm90(PackedDecodeConfig):
         ``call_append``)"""
         mQ, mO = query_views(mQ, mO, self.split)
         Storage = self._shared_storage()
-        _, _, kp_layout, vp_layout = self._layouts()
+        kt_layout, vt_layout = self._tma_layouts()
         # TMA views with the tile's two modes first: K (page rows, words, Hkv, P) and
-        # V (channels, words, blocks, Hkv, P); each tile is one box of the swizzled stage
-        k_view = cute.make_tensor(mKp.iterator, cute.select(mKp.layout, mode=[2, 3, 1, 0]))
-        v_view = cute.make_tensor(mVp.iterator, cute.select(mVp.layout, mode=[3, 4, 2, 1, 0]))
+        # V (channels, words, blocks, Hkv, P), rows folded with ``wide_boxes``; each tile
+        # is one box of the swizzled stage
+        k_view = sm90.fold_packed_rows(cute.make_tensor(mKp.iterator, cute.select(mKp.layout, mode=[2, 3, 1, 0])),
+                                       self.k_fold)
+        v_view = sm90.fold_packed_rows(cute.make_tensor(mVp.iterator, cute.select(mVp.layout, mode=[3, 4, 2, 1, 0])),
+                                       self.v_fold)
         tma_k, tma_tk = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), k_view, cute.select(kp_layout, mode=[0, 1]), (self.nr, 2 * self.wk))
+            cpasync.CopyBulkTensorTileG2SOp(), k_view, cute.select(kt_layout, mode=[0, 1]), self.k_box)
         tma_v, tma_tv = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), v_view, cute.select(vp_layout, mode=[0, 1]), (self.d, 2 * self.wv))
+            cpasync.CopyBulkTensorTileG2SOp(), v_view, cute.select(vt_layout, mode=[0, 1]), self.v_box)
         num_splits = mO.shape[0] if const_expr(self.split) else 1
         grid = (num_splits, mKr.shape[2], mKr.shape[0])
         # the register cap at entry (from the CTAs per SM) is what setmaxnreg redistributes
@@ -642,11 +665,14 @@ class DecodeSm90(PackedDecodeConfig):
     def tma_views(self, tma_k, mKt, sKp, tma_v, mVt, sVp):
         """(smem, gmem) TMA partitions: (TMA values, stage) and (TMA values, row block, Hkv,
         P) for K, (TMA values, block, Hkv, P) for V."""
-        gK = cute.flat_divide(mKt, (self.nr, 2 * self.wk))[None, None, None, 0, None, None]
-        gV = cute.flat_divide(mVt, (self.d, 2 * self.wv))[None, None, 0, 0, None, None, None]
-        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sKp, 0, 2),
+        gK = cute.flat_divide(mKt, self.k_box)[None, None, None, 0, None, None]
+        gV = cute.flat_divide(mVt, self.v_box)[None, None, 0, 0, None, None, None]
+        kt_layout, vt_layout = self._tma_layouts()  # (the rings' memory as the boxes fill it)
+        sKt = cute.make_tensor(sKp.iterator, kt_layout.outer)
+        sVt = cute.make_tensor(sVp.iterator, vt_layout.outer)
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sKt, 0, 2),
                                          cute.group_modes(gK, 0, 2))
-        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sVp, 0, 2),
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sVt, 0, 2),
                                          cute.group_modes(gV, 0, 2))
         return tKs, tKg, tVs, tVg
 
@@ -656,7 +682,7 @@ class DecodeSm90(PackedDecodeConfig):
         into it (a TMA box of K rows, one per V tile, bulk copies of both params);
         ``first``: the sequence's first block-table entry, loaded already (``early_loads``)."""
         tKs, tKg, tVs, tVg = views
-        page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0], mKs.shape[0], first)
+        page, off = page_of(mBlockTable, batch, tile * self.nr, mKt.shape[0] * self.k_fold, mKs.shape[0], first)
         blk = off // self.nr
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)

@@ -71,6 +71,8 @@ ELEM_BYTES = 2
 CHUNK_BYTES = sm80.CHUNK_BYTES
 LDSM_BLOCK_ROWS = 4 * sm80.LDSM_ROWS  # rows of one packed ldmatrix x4 (four 8-row blocks)
 OPERANDS = ("k", "v")
+TMA_SWIZZLE_ROW_BYTES = 128  # the widest row a TMA box's swizzle takes (SWIZZLE_128B)
+SW128_ROWS = 8  # rows of 128 bytes before the 128-byte swizzle's pattern repeats
 
 
 _traced = traced_for(TRACE_ARCH)
@@ -170,12 +172,51 @@ def make_kv_smem_layout(dtype, bits: int, operand: str, head_dim: int, stages: i
     return make_operand_smem_layout(dtype, rows, cols, stages)
 
 
-def make_packed_smem_layout(rows: int, row_bytes: int, stages: int = 0):
-    """Packed-word tile (viewed as 16-bit, as ldmatrix reads it) in a TMA swizzle atom."""
+def packed_fold(rows: int, row_bytes: int) -> int:
+    """Packed rows that one row of a wide TMA box holds: ``128 // row_bytes`` (1 for rows of
+    128 bytes or more, or a tile too short for the 128-byte swizzle's 8-row period).
+
+    A tile's packed rows are contiguous in global memory (``formats``: K's page rows, V's
+    channels of one V tile), so a box of ``rows // fold`` rows of 128 bytes brings the same
+    bytes as one of ``rows`` narrower rows, in 128-byte pieces instead of 32- or 64-byte
+    ones (the L2 requests a tile costs; profiles/NOTES.md, fifty-fifth session)."""
+    fold = max(1, TMA_SWIZZLE_ROW_BYTES // row_bytes)
+    return fold if rows % (SW128_ROWS * fold) == 0 else 1
+
+
+def make_packed_tma_layout(rows: int, row_bytes: int, stages: int = 0, wide: bool = False):
+    """The TMA's view of a packed-word tile (16-bit): ``rows x row_bytes`` in the widest
+    swizzle atom the row fits, or with ``wide`` its rows folded by ``packed_fold`` into
+    128-byte rows (128-byte swizzle)."""
     import cutlass
 
     sm80.swizzle_params(row_bytes)  # validates the row width
-    return make_operand_smem_layout(cutlass.Float16, rows, row_bytes // ELEM_BYTES, stages)
+    fold = packed_fold(rows, row_bytes) if wide else 1
+    return make_operand_smem_layout(cutlass.Float16, rows // fold, fold * row_bytes // ELEM_BYTES, stages)
+
+
+def make_packed_smem_layout(rows: int, row_bytes: int, stages: int = 0, wide: bool = False):
+    """Packed-word tile ``(rows, row_bytes / 2[, stages])`` viewed as 16-bit, as ldmatrix
+    reads it: ``make_packed_tma_layout``'s memory, row ``r`` of the tile being row
+    ``r // fold`` of the wide box at column ``(r % fold) * row_bytes / 2``.
+
+    The 128-byte swizzle keeps ldmatrix conflict-free on the folded rows: the eight rows of
+    a phase sit in four (or two, one) wide rows whose XOR patterns differ in the bits
+    above the fold's (``tests/test_layouts_sm90.py`` checks every phase)."""
+    import cutlass.cute as cute
+
+    tma = make_packed_tma_layout(rows, row_bytes, stages, wide)
+    fold = packed_fold(rows, row_bytes) if wide else 1
+    if fold == 1:
+        return tma
+    cols, wide_rows = row_bytes // ELEM_BYTES, rows // fold
+    # (row % fold, row // fold, col[, stage]) as a colexicographic index of the wide tile's
+    # (rows // fold, fold * cols[, stages])
+    shape, stride = ((fold, wide_rows), cols), ((wide_rows * cols, 1), wide_rows)
+    if stages:
+        shape, stride = shape + (stages,), stride + (wide_rows * fold * cols,)
+    view = cute.composition(tma.outer, cute.make_layout(shape, stride=stride))
+    return cute.make_composed_layout(tma.inner, 0, view)
 
 
 def make_dequant_stsm_copy(dtype):
@@ -185,6 +226,22 @@ def make_dequant_stsm_copy(dtype):
 
     atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     return cute.make_tiled_copy_A(atom, sm80.make_mma(dtype))
+
+
+def fold_packed_rows(tensor, fold: int):
+    """A packed global view ``(rows, values, ...)`` (16-bit values; rows contiguous, as every
+    packed tile's are) seen as ``(rows // fold, fold * values, ...)``: the global side of
+    ``make_packed_tma_layout(..., wide=True)``'s box."""
+    import cutlass.cute as cute
+
+    if fold == 1:
+        return tensor
+    shape, stride = tensor.shape, tensor.layout.stride
+    values = shape[1]
+    assert stride[1] == 1 and (not isinstance(stride[0], int) or stride[0] == values), "rows must be contiguous"
+    layout = cute.make_layout((shape[0] // fold, fold * values) + tuple(shape[2:]),
+                              stride=(fold * values, 1) + tuple(stride[2:]))
+    return cute.make_tensor(tensor.iterator, layout)
 
 
 make_packed_ldmatrix_copy = sm80.make_packed_ldmatrix_copy
@@ -419,9 +476,18 @@ def operand_smem_offsets(rows: int, cols: int) -> Tuple[Tuple[int, ...], ...]:
 
 
 @_traced
-def packed_smem_offsets(rows: int, row_bytes: int) -> Tuple[Tuple[int, ...], ...]:
+def packed_smem_offsets(rows: int, row_bytes: int, wide: bool = False) -> Tuple[Tuple[int, ...], ...]:
     """Physical 16-bit offset of each (row, col) of a packed tile (TMA swizzle atom)."""
-    return pointer_swizzled_offsets(make_packed_smem_layout(rows, row_bytes), rows, row_bytes // ELEM_BYTES, 16)
+    return pointer_swizzled_offsets(make_packed_smem_layout(rows, row_bytes, wide=wide), rows,
+                                    row_bytes // ELEM_BYTES, 16)
+
+
+@_traced
+def packed_tma_offsets(rows: int, row_bytes: int, wide: bool = False) -> Tuple[Tuple[int, ...], ...]:
+    """Physical 16-bit offset of each (row, col) of ``make_packed_tma_layout``'s box."""
+    fold = packed_fold(rows, row_bytes) if wide else 1
+    return pointer_swizzled_offsets(make_packed_tma_layout(rows, row_bytes, wide=wide), rows // fold,
+                                    fold * row_bytes // ELEM_BYTES, 16)
 
 
 @_traced

@@ -831,6 +831,38 @@ def test_sm90_free_issue_ptx(bits, group, head_dim, heads, tmp_path, monkeypatch
             DecodeSm90(cutlass.Float16, bits, "channel", group, head_dim, 8, True, free_issue=True, v_slots=2)
 
 
+@pytest.mark.parametrize("bits, group, head_dim, heads, bf16", [(4, 128, 128, 8, False), (2, 128, 128, 4, False),
+                                                                (4, 64, 64, 8, True), (4, 128, 256, 8, False)])
+def test_sm90_wide_boxes_ptx(bits, group, head_dim, heads, bf16, tmp_path, monkeypatch):
+    """``wide_boxes``: each packed tile's TMA box takes its rows folded into 128-byte ones
+    (4-bit K and V at head dim 128: two rows, 2-bit K four, head dim 64 four; 256's 4-bit K
+    rows are 128 bytes already and stay one), ldmatrix reads the same tile through the
+    folded view: the same TMA issues, wgmmas, lop3s and ldmatrix loads as the narrow boxes'
+    kernel, spill-free."""
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    fmt, dtype = KVFormat(bits, "channel", group), cutlass.BFloat16 if bf16 else cutlass.Float16
+    keywords = sm90.grid_keywords
+    ptx, kernels = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(sm90, "grid_keywords", lambda *a, on=on: {**keywords(*a), "wide_boxes": on})
+        kernels[on] = sm90.BACKEND.make_decode("sm_90a", fmt, dtype, head_dim, heads, True)
+        ptx[on] = sm90.BACKEND.compile_decode("sm_90a", fmt, dtype, head_dim, heads, True,
+                                              keep_ptx=True).artifacts.PTX
+    narrow, wide = kernels[False], kernels[True]
+    k_row, v_row = 4 * narrow.wk, 4 * narrow.wv  # bytes of a packed K row (a token), of a V row
+    assert (narrow.k_box, narrow.v_box) == ((narrow.nr, k_row // 2), (head_dim, v_row // 2))
+    k_fold, v_fold = max(1, 128 // k_row), max(1, 128 // v_row)
+    assert (wide.k_fold, wide.v_fold) == (k_fold, v_fold)
+    assert wide.k_box == (narrow.nr // k_fold, k_fold * k_row // 2)
+    assert wide.v_box == (head_dim // v_fold, v_fold * v_row // 2)
+    assert wide.tx_bytes == narrow.tx_bytes
+    for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix", "cp.async.bulk.tensor"):
+        assert ptx[True].count(instr) == ptx[False].count(instr), instr
+    report = ptxas.report(ptx[True], "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 @pytest.mark.parametrize("bits, keywords", [
     (2, {"half_cols": True, "consumers": 1}),  # K's scale in Q (the scalers wait for Q), GQA 4
     (4, {"consumers": 2, "fold_k": False}),  # the 4-bit small grid's kernel

@@ -544,8 +544,8 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
                                         (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
 @pytest.mark.parametrize("keywords", [{"early_tiles": True}, {"early_loads": True},
                                       {"early_loads": True, "early_tiles": True, "early_residual": True},
-                                      {"free_issue": True}],
-                         ids=["tiles", "loads", "all", "free"])
+                                      {"free_issue": True}, {"wide_boxes": True}],
+                         ids=["tiles", "loads", "all", "free", "wide"])
 def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     """``DecodeSm90(early_tiles=True)``: with K's scale in Q the producer issues its first
     ``lag`` tiles before the barrier that publishes Q; ``early_loads=True``: Q's copy and the
@@ -554,7 +554,8 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     fits: the small grids' kernels): the residual block's first sub-tile copied into a
     buffer of its own at the start; ``free_issue=True`` (with K's scale in Q): the
     producer's warp 0 only issues the TMA loads, as far ahead as the free stages let it,
-    while warps 1-3 scale each landed tile.  On every grid's kernel (the default and the small
+    while warps 1-3 scale each landed tile; ``wide_boxes=True``: the packed tiles' TMA boxes
+    with their rows folded into 128-byte ones.  On every grid's kernel (the default and the small
     grid's, splits with fewer tiles than ``lag`` among them): ragged lengths with residuals
     of one to four sub-tiles, paged and shuffled (tiles on the first page and past it), 1 / 3
     / automatic splits, against the reference."""
@@ -568,6 +569,30 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
                 check_decode(q, cache, "sm90", num_splits=splits)
         if fmt.v_bits == 2 and dtype == torch.float16:  # the appending kernels (one launch a step) too
             check_appending_steps("sm90", fmt, 4, [700, 1530], None, dtype)
+        assert built and all(built), built
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, head_dim", [(bd.KVFormat(4, "channel", 64), 64), (bd.KVFormat(2, "token", 32), 64),
+                                           (bd.KVFormat(4, "channel", 128), 256),
+                                           (bd.KVFormat(4, "token", 64, v_bits=2), 256)])
+def test_sm90_wide_boxes_head_dims(fmt, head_dim, monkeypatch):
+    """``DecodeSm90(wide_boxes=True)`` where the fold differs from head dim 128's two rows:
+    head dim 64 (4-bit K rows of 32 bytes, four to a box row; 2-bit's 16, eight), 256 (4-bit
+    K rows of 128 bytes, not folded, beside V's folded 64-byte rows), on every grid's
+    kernel: ragged lengths with residuals, paged and shuffled, 1 / 3 / automatic splits."""
+    with sm90_default_kernel_with(monkeypatch, {"wide_boxes": True}, "wide_boxes", every_variant=True) as built:
+        lens = [5000, 700, 64, 4097, 1]
+        for page_size, shuffle in ((None, False), (256, True)):
+            cache, _, _ = make_cache(fmt, lens, 2, head_dim, torch.float16, page_size=page_size, shuffle=shuffle,
+                                     backend="sm90")
+            q = torch.randn(len(lens), 1, 8, head_dim, generator=torch.Generator().manual_seed(head_dim))
+            for splits in (1, 3, 0):
+                check_decode(q.half().to(DEV), cache, "sm90", num_splits=splits)
+        for lens in ([4096], [3077, 190]):  # the small grid
+            cache, _, _ = make_cache(fmt, lens, 2, head_dim, torch.float16, backend="sm90")
+            q = torch.randn(len(lens), 1, 8, head_dim, generator=torch.Generator().manual_seed(5)).half().to(DEV)
+            check_decode(q, cache, "sm90", num_splits=0)
         assert built and all(built), built
 
 

@@ -480,6 +480,35 @@ def test_sm90_packed_tiles_equal_sm80(row_bytes):
     assert sm90.packed_smem_offsets(SWIZZLE_ROWS, row_bytes) == sm80.smem_offsets(SWIZZLE_ROWS, row_bytes)
 
 
+@pytest.mark.parametrize("row_bytes", ALL_ROW_BYTES)
+def test_sm90_wide_packed_tiles(row_bytes):
+    """The packed tile seen through a wide (128-byte-row) TMA box: each (row, col) is where
+    the box puts that row's bytes (row // fold, (row % fold) * cols + col of the box), the
+    box is the 128-byte swizzle of its rows, and ldmatrix stays conflict-free."""
+    rows, cols = 128, row_bytes // 2
+    fold = sm90.packed_fold(rows, row_bytes)
+    assert fold == max(1, 128 // row_bytes) and fold * row_bytes >= 128
+    view = sm90.packed_smem_offsets(rows, row_bytes, True)
+    box = sm90.packed_tma_offsets(rows, row_bytes, True)
+    assert len(box) == rows // fold and all(len(line) == fold * cols for line in box)
+    for r in range(rows):
+        assert view[r] == box[r // fold][(r % fold) * cols:(r % fold + 1) * cols]
+    wide_bytes = fold * row_bytes
+    for w in range(rows // fold):
+        for c in range(fold * cols):
+            assert box[w][c] == canonical_kmajor(w, c, rows // fold, wide_bytes, 16)
+    if fold == 1:  # nothing to fold: the narrow box
+        assert view == sm90.packed_smem_offsets(rows, row_bytes)
+    assert all(bank_wavefronts(p) == 0 for p in ldmatrix_phases(chunk_addrs(view)))
+    assert sorted(flat(view)) == list(range(rows * cols)), "the view covers the tile once"
+
+
+def test_sm90_packed_fold_needs_whole_periods():
+    assert sm90.packed_fold(128, 64) == 2 and sm90.packed_fold(128, 32) == 4 and sm90.packed_fold(128, 16) == 8
+    assert sm90.packed_fold(32, 16) == 1  # 4 wide rows: less than the 128-byte swizzle's 8
+    assert sm90.packed_fold(128, 128) == sm90.packed_fold(128, 256) == 1
+
+
 @pytest.mark.parametrize("cols", [64, 128, 256])
 def test_sm90_operand_tiles(cols):
     rows = 32
