@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Tuple
 
 import torch
 
-from . import _validate
+from . import _validate, jit
 from . import backend as backends, selfcheck
 
 BACKENDS = ("auto", "reference", "sm80", "sm90", "sm100")
@@ -21,12 +20,7 @@ def device_capability(device: torch.device) -> Optional[Tuple[int, int]]:
         # (traced by torch.compile, as in BitLinear's forward: Dynamo traces past an
         # lru_cache with a UserWarning to the user; the uncached read traces the same)
         return tuple(torch.cuda.get_device_capability(index))
-    return _capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> Tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
+    return jit.capability(index)
 
 
 def capability_at_least(device: torch.device, major: int) -> bool:

@@ -71,8 +71,14 @@ def target_arch(device_index: Optional[int] = None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _target_arch(device_index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = capability(device_index)
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device_index: int) -> Tuple[int, int]:
+    """(major, minor) compute capability of CUDA device ``device_index``, read once."""
+    return tuple(torch.cuda.get_device_capability(device_index))
 
 
 def has_pdl(arch: str) -> bool:

@@ -49,7 +49,7 @@ class Timer:
     def __init__(self, device, flush: str = "clean"):
         if flush not in self.FLUSHES:
             raise ValueError(f"flush must be one of {', '.join(self.FLUSHES)}, got {flush!r}")
-        self.flush = flush
+        self.how = flush  # (the flush method; ``__call__``'s ``flush`` switches it off)
         words = max(2 * torch.cuda.get_device_properties(device).L2_cache_size, 64 << 20) // 4
         self._bufs = {"clean": torch.ones(words, dtype=torch.float32, device=device),
                       "dirty": torch.empty(words, dtype=torch.float32, device=device)}
@@ -57,8 +57,8 @@ class Timer:
         self.flush_l2("clean")  # (its own first write leaves dirty lines: read it once now)
 
     def flush_l2(self, how: Optional[str] = None) -> None:
-        """Flush L2 as ``how`` (default: this timer's ``flush``) says."""
-        how = how or self.flush
+        """Flush L2 as ``how`` (default: this timer's ``how``) says."""
+        how = how or self.how
         if how == "clean":
             torch.sum(self._bufs["clean"], dim=0, out=self._sink)
         elif how == "dirty":
@@ -300,8 +300,8 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
         "backends": kernel_backends(device),
         "roofline": roofline,
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
-               f"L2 flushed before each call ({timer.flush}: Timer); *_eager_us: the same with plain eager calls"),
-        "flush": timer.flush,
+               f"L2 flushed before each call ({timer.how}: Timer); *_eager_us: the same with plain eager calls"),
+        "flush": timer.how,
         "format": ("K per channel g128, V per token g128, fp16; bd4 / bd2: one width, bd4v2: K 4-bit / V 2-bit; "
                    "bdnvfp4: NVFP4 (K per token, V per channel, one e4m3 scale per 16 values)"),
         "rows": rows,
