@@ -275,7 +275,8 @@ def main(argv=None) -> int:
     write_result(args, "variants", f"--shapes {args.shapes} --formats {args.formats} --dtypes {args.dtypes}"
                  + (f" --backend {args.backend}" if args.backend != "sm90" else ""),
                  variants, f"{args.backend} decode, Hq/Hkv 32/8, D 128; CUDA-graph replay between CUDA events, "
-                           "median of 30 after 5 warm-ups, L2 flushed before each call; one process per variant",
+                           "median of 30 after 5 warm-ups, L2 flushed before each call (Timer's clean flush: a "
+                           "read of 2 x L2); one process per variant",
                  rows, failed)
     return 1 if failed else 0
 
