@@ -393,13 +393,16 @@ class DecodeSm90(PackedDecodeConfig):
         # tile, four 32-byte rows of 2-bit K) with the 128-byte swizzle on the ring, so a
         # stage's codes reach L2 as 128-byte requests instead of 64- or 32-byte ones.  With
         # the narrow boxes the decode's ring asked L2 for 57 % more requests than a bare ring
-        # of the same bytes (H100 ncu, fifty-fifth session: tag requests 52 % of peak against
-        # 36 %), and on the H200 it streams at 0.86 of the read rate against the bare ring's
-        # 1.03 (profiles/NOTES.md, fifty-fourth session).  ldmatrix reads the folded rows
-        # conflict-free (``sm90.make_packed_smem_layout``).
+        # of the same bytes (H100 ncu, fifty-fifth session), and on the H200 it streams at
+        # 0.86 of the read rate against the bare ring's 1.03 (fifty-fourth session).  ldmatrix
+        # reads the folded rows conflict-free (``sm90.make_packed_smem_layout``).  H100, 4c128
+        # / 2c128 B=16 N=64K (ncu, fifty-sixth session): L2 requests 26.4 M -> 17.9 M and
+        # 17.8 M -> 9.4 M, the time unchanged (370.6 / 370.6, 263.2 / 265.0 us), B=1 and N=4K
+        # within +-1.4 % (profiles/h100/variants_wide_boxes_h100.json).  Off until an H200,
+        # where L2 sees 1.4x the requests a microsecond, says whether it pays.
         self.wide_boxes = wide_boxes
-        self.k_fold = sm90.packed_fold(self.nr, 4 * self.wk) if wide_boxes else 1
-        self.v_fold = sm90.packed_fold(head_dim, 4 * self.wv) if wide_boxes else 1
+        self.k_fold = sm90.packed_fold(self.nr, 4 * self.wk, wide_boxes)
+        self.v_fold = sm90.packed_fold(head_dim, 4 * self.wv, wide_boxes)
         self.k_box = (self.nr // self.k_fold, 2 * self.wk * self.k_fold)
         self.v_box = (head_dim // self.v_fold, 2 * self.wv * self.v_fold)
         self.scaler_threads = WG - resources.WARP if free_issue and self.fold_k else WG

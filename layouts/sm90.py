@@ -46,7 +46,9 @@ fragment of warp ``w`` is the m16n8k16 A fragment of rows ``16*w .. 16*w + 15``
 
 Shared-memory tiles of packed words, written by TMA and read by ldmatrix, use the same
 swizzle atoms (``K_INTER`` / ``K_SW32`` / ``K_SW64`` / ``K_SW128`` by row width); their
-physical placement equals sm80's ``smem_offsets``.
+physical placement equals sm80's ``smem_offsets``.  With wide boxes (``packed_fold``) rows
+narrower than 128 bytes are folded into 128-byte box rows under the 128-byte swizzle
+instead.
 """
 
 from __future__ import annotations
@@ -172,15 +174,16 @@ def make_kv_smem_layout(dtype, bits: int, operand: str, head_dim: int, stages: i
     return make_operand_smem_layout(dtype, rows, cols, stages)
 
 
-def packed_fold(rows: int, row_bytes: int) -> int:
+def packed_fold(rows: int, row_bytes: int, wide: bool = True) -> int:
     """Packed rows that one row of a wide TMA box holds: ``128 // row_bytes`` (1 for rows of
-    128 bytes or more, or a tile too short for the 128-byte swizzle's 8-row period).
+    128 bytes or more, a tile too short for the 128-byte swizzle's 8-row period, or narrow
+    boxes: ``wide`` false).
 
     A tile's packed rows are contiguous in global memory (``formats``: K's page rows, V's
     channels of one V tile), so a box of ``rows // fold`` rows of 128 bytes brings the same
     bytes as one of ``rows`` narrower rows, in 128-byte pieces instead of 32- or 64-byte
     ones (the L2 requests a tile costs; profiles/NOTES.md, fifty-fifth session)."""
-    fold = max(1, TMA_SWIZZLE_ROW_BYTES // row_bytes)
+    fold = max(1, TMA_SWIZZLE_ROW_BYTES // row_bytes) if wide else 1
     return fold if rows % (SW128_ROWS * fold) == 0 else 1
 
 
@@ -191,7 +194,7 @@ def make_packed_tma_layout(rows: int, row_bytes: int, stages: int = 0, wide: boo
     import cutlass
 
     sm80.swizzle_params(row_bytes)  # validates the row width
-    fold = packed_fold(rows, row_bytes) if wide else 1
+    fold = packed_fold(rows, row_bytes, wide)
     return make_operand_smem_layout(cutlass.Float16, rows // fold, fold * row_bytes // ELEM_BYTES, stages)
 
 
@@ -202,11 +205,12 @@ def make_packed_smem_layout(rows: int, row_bytes: int, stages: int = 0, wide: bo
 
     The 128-byte swizzle keeps ldmatrix conflict-free on the folded rows: the eight rows of
     a phase sit in four (or two, one) wide rows whose XOR patterns differ in the bits
-    above the fold's (``tests/test_layouts_sm90.py`` checks every phase)."""
+    above the fold's (``tests/test_layouts.py::test_sm90_wide_packed_tiles`` checks every
+    phase)."""
     import cutlass.cute as cute
 
     tma = make_packed_tma_layout(rows, row_bytes, stages, wide)
-    fold = packed_fold(rows, row_bytes) if wide else 1
+    fold = packed_fold(rows, row_bytes, wide)
     if fold == 1:
         return tma
     cols, wide_rows = row_bytes // ELEM_BYTES, rows // fold
@@ -485,7 +489,7 @@ def packed_smem_offsets(rows: int, row_bytes: int, wide: bool = False) -> Tuple[
 @_traced
 def packed_tma_offsets(rows: int, row_bytes: int, wide: bool = False) -> Tuple[Tuple[int, ...], ...]:
     """Physical 16-bit offset of each (row, col) of ``make_packed_tma_layout``'s box."""
-    fold = packed_fold(rows, row_bytes) if wide else 1
+    fold = packed_fold(rows, row_bytes, wide)
     return pointer_swizzled_offsets(make_packed_tma_layout(rows, row_bytes, wide=wide), rows // fold,
                                     fold * row_bytes // ELEM_BYTES, 16)
 

@@ -507,6 +507,7 @@ def test_sm90_packed_fold_needs_whole_periods():
     assert sm90.packed_fold(128, 64) == 2 and sm90.packed_fold(128, 32) == 4 and sm90.packed_fold(128, 16) == 8
     assert sm90.packed_fold(32, 16) == 1  # 4 wide rows: less than the 128-byte swizzle's 8
     assert sm90.packed_fold(128, 128) == sm90.packed_fold(128, 256) == 1
+    assert sm90.packed_fold(128, 64, False) == 1  # narrow boxes
 
 
 @pytest.mark.parametrize("cols", [64, 128, 256])
