@@ -68,6 +68,22 @@ def decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     return args
 
 
+def merged_output_args(dtype, head_dim: int):
+    """Fake arguments of a kernel's in-kernel split merge: the merged output ``[B, 1, Hq,
+    D]``, its LSE ``[B, Hq]`` and the splits' arrival counters ``[B * Hkv]``."""
+    import cutlass
+
+    return [fake_tensor(dtype, (None, 1, None, head_dim)), fake_vector(cutlass.Float32, 2),
+            fake_vector(cutlass.Int32, 1)]
+
+
+def merged_decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
+    """Fake arguments of a split decode that merges its splits (``call_merged``):
+    ``decode_args``' then ``merged_output_args``."""
+    assert split, "only a split decode has splits to merge"
+    return decode_args(fmt, dtype, head_dim, True) + merged_output_args(dtype, head_dim)
+
+
 def append_decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
     """Fake arguments of an appending decode (``call_append`` of DecodeSm80 / DecodeSm90):
     q, the new K and V ``[B, 1, Hkv, D]``, the cache's commit counters, then
@@ -77,9 +93,7 @@ def append_decode_args(fmt: KVFormat, dtype, head_dim: int, split: bool):
 
     args = decode_args(fmt, dtype, head_dim, split)
     new = [fake_tensor(dtype, (None, 1, None, head_dim)) for _ in range(2)]
-    merged = [fake_tensor(dtype, (None, 1, None, head_dim)), fake_vector(cutlass.Float32, 2),
-              fake_vector(cutlass.Int32, 1)]
-    return args[:1] + new + [fake_vector(cutlass.Int32, 1)] + args[1:] + merged
+    return args[:1] + new + [fake_vector(cutlass.Int32, 1)] + args[1:] + merged_output_args(dtype, head_dim)
 
 
 def compile_decode(arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool,
@@ -319,7 +333,7 @@ class DecodePlan:
     OUT_CHUNK = 32  # outputs allocated at once
 
     def __init__(self, cache: CacheTensors, q_shape, q_dtype, device, splits: int, decode_fn, combine_fn,
-                 append: bool = False, tail_weight: int = sm80.TAIL_UNIT):
+                 append: bool = False, tail_weight: int = sm80.TAIL_UNIT, merged: bool = False):
         bsz, _, hq, d = q_shape
         self.q_shape = tuple(q_shape)  # the queries' and the outputs'
         self.part_shape = (splits, bsz, hq, d)
@@ -335,10 +349,12 @@ class DecodePlan:
         self.decode_fn = decode_fn
         self.combine_fn = combine_fn
         self.fns = tuple(f for f in (decode_fn, combine_fn) if f)  # what bound arguments go to
-        # an appending kernel (``call_append``) merges its splits in the last CTA of each
-        # (sequence, KV head), counted on ``arrivals`` in the workspace: no combine launch
+        # an appending kernel (``call_append``) and a merging one (``merged``: ``call_merged``)
+        # merge their splits in the last CTA of each (sequence, KV head), counted on
+        # ``arrivals`` in the workspace: no combine launch
         self.append = append
-        self.arrivals = bsz * cache.k_res.shape[2] if append else 0
+        self.merged = merged and splits > 1
+        self.arrivals = bsz * cache.k_res.shape[2] if append or self.merged else 0
         self.unused_lse, = jit.bound_arguments(
             (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), *self.fns)
         if append:  # the cache's commit counters, and what an unsplit call's unread merge arguments get
@@ -369,7 +385,7 @@ class DecodePlan:
     def _new_workspace(self):
         parts = (torch.empty(self.part_shape, dtype=torch.float32, device=self.device),
                  torch.empty(self.part_shape[:3], dtype=torch.float32, device=self.device))
-        if self.append:  # (zero, and left so by the kernel)
+        if self.arrivals:  # (zero, and left so by the kernel)
             return parts + (torch.zeros(self.arrivals, dtype=torch.int32, device=self.device),)
         return parts
 
@@ -386,6 +402,9 @@ class DecodePlan:
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.unused_lse
         if work is None:
             self.decode_fn(q, *self.static, out, lse, scale_log2, sm80.TAIL_UNIT)
+        elif self.merged:
+            o_part, l_part, arrivals = work
+            self.decode_fn(q, *self.static, o_part, l_part, out, lse, arrivals, scale_log2, self.tail_weight)
         else:
             o_part, l_part = work
             self.decode_fn(q, *self.static, o_part, l_part, scale_log2, self.tail_weight)
@@ -645,7 +664,12 @@ class Sm80Backend:
         import cutlass.cute as cute
 
         kernel = self.make_decode(arch, fmt, dtype, head_dim, nh, split, tq, variant, append)
-        entry, args = (kernel.call_append, append_decode_args) if append else (kernel, decode_args)
+        if append:
+            entry, args = kernel.call_append, append_decode_args
+        elif kernel.merges:  # (the backend's kernel merges its splits: ``merges_splits``)
+            entry, args = kernel.call_merged, merged_decode_args
+        else:
+            entry, args = kernel, decode_args
         scalars = (cutlass.Float32(1.0), cutlass.Int32(sm80.TAIL_UNIT))  # softmax scale, tail weight
         return cute.compile(entry, *args(fmt, dtype, head_dim, split), *scalars, _stream(),
                             options=jit.compile_options(arch, keep_ptx=keep_ptx))
@@ -654,9 +678,17 @@ class Sm80Backend:
                       variant: str = "", append: bool = False):
         """``compile_decode`` through the JIT cache (memory, then disk)."""
         key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split) + ((tq,) if tq > 1 else ()) \
-            + ((variant,) if variant else ()) + (("append",) if append else ())
+            + ((variant,) if variant else ()) + (("append",) if append else ()) \
+            + (("merged",) if not append and self.merges_splits(arch, fmt, dtype, head_dim, nh, split, tq, variant)
+               else ())
         return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split, tq=tq,
                                                                 variant=variant, append=append))
+
+    def merges_splits(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
+                      variant: str = "") -> bool:
+        """Whether this backend's split decode kernel for these arguments merges its splits
+        itself (``call_merged``), so that no combine launch follows.  sm80: never."""
+        return False
 
     def unsplit(self, fmt: KVFormat, dtype, head_dim: int, nh: int, batch: int, kv_heads: int, tq: int,
                 max_len: int, device) -> bool:
@@ -695,10 +727,11 @@ class Sm80Backend:
         nh = self.heads_tile(rows, tq)
         variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device, splits)
         decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant, append)
-        combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 and not append else None
+        merged = not append and self.merges_splits(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant)
+        combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 and not (append or merged) else None
         weight = self.tail_weight(cache, q_shape, splits, max_len, device) if splits > 1 else sm80.TAIL_UNIT
         plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn, append,
-                          weight)
+                          weight, merged)
         return plan if tq == 1 else MultiTokenPlan(plan, hkv)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------

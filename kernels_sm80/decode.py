@@ -77,7 +77,8 @@ class PackedDecodeConfig:
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0,
-                 v_bits: int = 0, tq: int = 1, fp4: Optional[str] = None, append: bool = False):
+                 v_bits: int = 0, tq: int = 1, fp4: Optional[str] = None, append: bool = False,
+                 merge_splits: bool = False):
         assert dtype in (cutlass.Float16, cutlass.BFloat16)
         assert heads_tile in sm80.HEADS_TILES
         self.dtype = dtype
@@ -135,8 +136,10 @@ class PackedDecodeConfig:
             raise ValueError(f"the appending decode takes one query token of an integer format, got tq={tq}, "
                              f"fp4={fp4!r}")
         self.append = append
-        # appending with splits, the last CTA of a (sequence, KV head) merges them
-        # (``merge_if_last``, the combine kernel's ``SplitMerge``): the step is one launch
+        # appending with splits, or split with ``merge_splits`` (``call_merged``), the last CTA
+        # of a (sequence, KV head) merges the splits (``merge_if_last``, the combine kernel's
+        # ``SplitMerge``: the same bits): the step is one launch, no combine after it
+        self.merges = split and (append or merge_splits)
         self.merger = SplitMerge(dtype, head_dim)
         self.merge_smem_bytes = self.merger.smem_bytes + 16  # + the "last" flag
 
@@ -182,15 +185,29 @@ class PackedDecodeConfig:
                     softmax_scale_log2, tail_weight, stream, (mKnew, mVnew, mCommits, mOut, mLout, mArrivals))
 
     @cute.jit
+    def call_merged(self, mQ: cute.Tensor, mKp: cute.Tensor, mKs: cute.Tensor, mVp: cute.Tensor, mVs: cute.Tensor,
+                    mKr: cute.Tensor, mVr: cute.Tensor, mKsink: cute.Tensor, mVsink: cute.Tensor,
+                    mSeqlens: cute.Tensor, mBlockTable: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                    mOut: cute.Tensor, mLout: cute.Tensor, mArrivals: cute.Tensor, softmax_scale_log2: Float32,
+                    tail_weight: Int32, stream):
+        """The split decode (``merge_splits``) with its splits merged in the kernel: the last
+        CTA of each (sequence, KV head) merges the partials (mO, mLSE) into ``mOut`` ``[B,
+        1, Hq, D]`` and ``mLout`` ``[B, Hq]``, counted on ``mArrivals`` ``[B * Hkv]`` (zero,
+        and left so), as ``call_append``'s; the rest as ``__call__``'s."""
+        self.launch(mQ, mKp, mKs, mVp, mVs, mKr, mVr, mKsink, mVsink, mSeqlens, mBlockTable, mO, mLSE,
+                    softmax_scale_log2, tail_weight, stream, (mOut, mLout, mArrivals))
+
+    @cute.jit
     def merge_if_last(self, mO, mLSE, new, batch, head_kv, gq, smem_ptr, tid, sync=cute.arch.sync_threads):
-        """``append`` and ``split``, after this CTA wrote its partials (mO, mLSE): its 128
-        threads (``tid`` 0-127, ``sync`` their barrier) fence them at GPU scope and count the
-        CTA in on the (sequence, KV head)'s arrival counter (``new[5]``); the last CTA to
-        arrive resets it and merges every split of the KV head's ``gq`` query rows into the
-        output ``new[3]`` and its LSE ``new[4]``, as the combine kernel would (the same bits).
-        ``smem_ptr``: ``merge_smem_bytes`` of shared memory no one else uses by then."""
-        if const_expr(self.append and self.split):
-            mOut, mLout, mArrivals = one_token(new[3]), new[4], new[5]
+        """``merges`` (``append`` or ``merge_splits``, and ``split``), after this CTA wrote its
+        partials (mO, mLSE): its 128 threads (``tid`` 0-127, ``sync`` their barrier) fence
+        them at GPU scope and count the CTA in on the (sequence, KV head)'s arrival counter
+        (``new[-1]``); the last CTA to arrive resets it and merges every split of the KV
+        head's ``gq`` query rows into the output ``new[-3]`` and its LSE ``new[-2]``, as the
+        combine kernel would (the same bits).  ``smem_ptr``: ``merge_smem_bytes`` of shared
+        memory no one else uses by then."""
+        if const_expr(self.merges):
+            mOut, mLout, mArrivals = one_token(new[-3]), new[-2], new[-1]
             num_splits, heads, _ = cute.arch.grid_dim()
             smem_ptr = cute.recast_ptr(smem_ptr, dtype=cutlass.Uint8)
             s_last = cute.make_tensor(cute.recast_ptr(smem_ptr + self.merger.smem_bytes, dtype=cutlass.Int32),

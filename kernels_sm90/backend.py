@@ -551,6 +551,11 @@ class Sm90Backend(sm80_backend.Sm80Backend):
             sm80_backend.variant_format(v), v.dtype == "fp16", v.head_dim, sm80_backend.decode_variant_args(v)[0])
             is not None]
 
+    def merges_splits(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
+        """Whether the split kernel merges its splits in its last CTAs (``DecodeSm90``'s
+        ``merge_splits``, off in every shipped kernel: ``grid_keywords`` does not set it)."""
+        return split and self.make_decode(arch, fmt, dtype, head_dim, nh, True, tq, variant).merges
+
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):
         import cutlass
 

@@ -199,9 +199,10 @@ class DecodeSm90(PackedDecodeConfig):
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
                  v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False,
-                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = False):
+                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = False,
+                 merge_splits: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
-                         append)
+                         append, merge_splits)
         # V's per-token (scale, zero) folded into P (``store_p``): the P V product takes V's
         # exact codes, so V^T costs no scale fma and no param loads in fragment order.  Needs
         # each 64-channel M-block of O^T inside one V group (groups of >= 64 channels): P^T

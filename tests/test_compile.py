@@ -863,6 +863,34 @@ def test_sm90_wide_boxes_ptx(bits, group, head_dim, heads, bf16, tmp_path, monke
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
+@pytest.mark.parametrize("bits, variant", [(4, ""), (4, "small"), (2, "")])
+def test_sm90_merge_splits_ptx(bits, variant, tmp_path, monkeypatch):
+    """``merge_splits``: the split kernel compiles through ``call_merged`` (three more
+    arguments: the merged output, its LSE, the arrival counters) with the last-CTA merge's
+    GPU-scope atomic and fences, and the backend says it merges (so its plans launch no
+    combine); the products' code is the plain split kernel's; spill-free."""
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    fmt = KVFormat(bits, "channel", 128)
+    keywords = sm90.grid_keywords
+    ptx = {}
+    for on in (False, True):
+        monkeypatch.setattr(sm90, "grid_keywords", lambda *a, on=on: {**keywords(*a), "merge_splits": on})
+        assert sm90.BACKEND.merges_splits("sm_90a", fmt, cutlass.Float16, 128, 4, True, 1, variant) is on
+        assert not sm90.BACKEND.merges_splits("sm_90a", fmt, cutlass.Float16, 128, 4, False, 1, variant)
+        ptx[on] = sm90.BACKEND.compile_decode("sm_90a", fmt, cutlass.Float16, 128, 4, True, keep_ptx=True,
+                                              variant=variant).artifacts.PTX
+    params = {on: len(re.findall(r"\.param\s", p.split("{", 1)[0])) for on, p in ptx.items()}
+    assert params[True] > params[False]
+    arrive = re.compile(r"atom\.global\.acq_rel\.add")  # (the count-in: ``merge_if_last``)
+    assert not arrive.search(ptx[False]) and len(arrive.findall(ptx[True])) == 1
+    assert ptx[True].count("fence.acq_rel.gpu") == ptx[False].count("fence.acq_rel.gpu") + 2
+    for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix", "cp.async.bulk.tensor"):
+        assert ptx[True].count(instr) == ptx[False].count(instr), instr
+    report = ptxas.report(ptx[True], "sm_90a", tmp_path)
+    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
 @pytest.mark.parametrize("bits, keywords", [
     (2, {"half_cols": True, "consumers": 1}),  # K's scale in Q (the scalers wait for Q), GQA 4
     (4, {"consumers": 2, "fold_k": False}),  # the 4-bit small grid's kernel

@@ -573,6 +573,50 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt, dtype", [(bd.KVFormat(4, "channel", 128), torch.float16),
+                                        (bd.KVFormat(2, "channel", 128), torch.bfloat16),
+                                        (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
+def test_sm90_merge_splits_equals_the_combine(fmt, dtype, monkeypatch):
+    """``DecodeSm90(merge_splits=True)``: the split decode's last CTA of each (sequence, KV
+    head) merges the partials itself (``call_merged``) and no combine kernel runs; its
+    outputs and LSEs are the combine path's bit for bit (the same ``SplitMerge`` over the
+    same partials), on every grid's kernel: ragged lengths with residuals and an empty
+    sequence, paged and shuffled, 3 / automatic splits, each call twice (the arrival
+    counters reset), and a CUDA-graph replay of a merging decode."""
+    cases = [([9000, 700, 3000, 64, 4097, 0, 1500, 2049], None, False),
+             ([9000, 700, 3000, 64, 4097, 0, 1500, 2049], 256, True), ([4096], None, False), ([3077, 190], None, False)]
+
+    def calls():
+        for i, (lens, page, shuffle) in enumerate(cases):
+            cache, _, _ = make_cache(fmt, lens, 2, 128, dtype, page_size=page, shuffle=shuffle, backend="sm90")
+            q = torch.randn(len(lens), 1, 8, 128, generator=torch.Generator().manual_seed(i)).to(dtype).to(DEV)
+            for splits in (3, 0):
+                yield (i, splits), cache, q
+
+    want = {key: bd.decode(q, cache, num_splits=key[1], return_lse=True) for key, cache, q in calls()}
+    with sm90_default_kernel_with(monkeypatch, {"merge_splits": True}, "merges", every_variant=True) as built:
+        for key, cache, q in calls():
+            for _ in range(2):
+                out, lse = bd.decode(q, cache, num_splits=key[1], return_lse=True)
+                assert torch.equal(out, want[key][0]) and torch.equal(lse, want[key][1]), key
+            if key[1] == 3:
+                assert any(getattr(plan, "merged", False) for plan in cache._plans.values()), key
+            check_decode(q, cache, "sm90", num_splits=key[1])
+        assert True in built, built
+        (key, cache, q), = [c for c in calls() if c[0] == (0, 3)]
+        q_in = q.clone()
+        bd.decode(q_in, cache, num_splits=3)  # (compiled and planned outside the capture)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = bd.decode(q_in, cache, num_splits=3)
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out_g, want[key][0])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt, head_dim", [(bd.KVFormat(4, "channel", 64), 64), (bd.KVFormat(2, "token", 32), 64),
                                            (bd.KVFormat(4, "channel", 128), 256),
                                            (bd.KVFormat(4, "token", 64, v_bits=2), 256)])
