@@ -138,7 +138,11 @@ class PackedDecodeConfig:
         self.append = append
         # appending with splits, or split with ``merge_splits`` (``call_merged``), the last CTA
         # of a (sequence, KV head) merges the splits (``merge_if_last``, the combine kernel's
-        # ``SplitMerge``: the same bits): the step is one launch, no combine after it
+        # ``SplitMerge``: the same bits): the step is one launch, no combine after it.  Not in
+        # any shipped plain decode: the merge takes the KV head's query rows one after the
+        # other, two round trips each, and cost more than the combine launch it saves (H100,
+        # sm90 fp16 GQA 4, us, combine / merged, profiles/h100/variants_merge_splits_h100.json:
+        # 4c128 B=1 N=4K 11.14 / 17.17, N=128K 56.78 / 62.91, B=16 N=64K 382.0 / 381.5)
         self.merges = split and (append or merge_splits)
         self.merger = SplitMerge(dtype, head_dim)
         self.merge_smem_bytes = self.merger.smem_bytes + 16  # + the "last" flag
