@@ -731,7 +731,7 @@ class Sm80Backend:
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 and not (append or merged) else None
         weight = self.tail_weight(cache, q_shape, splits, max_len, device) if splits > 1 else sm80.TAIL_UNIT
         plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn, append,
-                          weight, merged)
+                          weight, merged=merged)
         return plan if tq == 1 else MultiTokenPlan(plan, hkv)
 
     # ---- writes (the packed format is the same bytes on every arch) ---------------------

@@ -1368,7 +1368,7 @@ def test_sm90_weighted_tail(monkeypatch, h200_sms):
     # the plan takes it (and an unsplit plan has none)
     cache = _cache_stand_in(KVFormat(4, "channel", 128))
     made = []
-    monkeypatch.setattr(sm80_backend, "DecodePlan", lambda *args: made.append(args[-1]))
+    monkeypatch.setattr(sm80_backend, "DecodePlan", lambda *args, **kw: made.append(args[-1]))
     monkeypatch.setattr(be, "decode_kernel", lambda *args, **kw: None)
     monkeypatch.setattr(sm80_backend, "_combine_kernel", lambda *args: None)
     monkeypatch.setattr(sm80_backend.jit, "target_arch", lambda index: "sm_90a")
