@@ -404,8 +404,8 @@ class DecodeSm90(PackedDecodeConfig):
         self.wide_boxes = wide_boxes
         self.k_fold = sm90.packed_fold(self.nr, 4 * self.wk, wide_boxes)
         self.v_fold = sm90.packed_fold(head_dim, 4 * self.wv, wide_boxes)
-        self.k_box = (self.nr // self.k_fold, 2 * self.wk * self.k_fold)
-        self.v_box = (head_dim // self.v_fold, 2 * self.wv * self.v_fold)
+        self.k_box = sm90.packed_box(self.nr, 4 * self.wk, wide_boxes)
+        self.v_box = sm90.packed_box(head_dim, 4 * self.wv, wide_boxes)
         self.scaler_threads = WG - resources.WARP if free_issue and self.fold_k else WG
         # the A-fragment register of each dequantized (row half, column half) pair that
         # ``stage_v`` hands to stmatrix (a traced table: read here, before the kernel's trace)

@@ -187,15 +187,20 @@ def packed_fold(rows: int, row_bytes: int, wide: bool = True) -> int:
     return fold if rows % (SW128_ROWS * fold) == 0 else 1
 
 
+def packed_box(rows: int, row_bytes: int, wide: bool = False) -> Tuple[int, int]:
+    """(rows, 16-bit values a row) of the TMA box that brings a packed tile of ``rows`` rows
+    of ``row_bytes``: the tile itself, or with ``wide`` its rows folded by ``packed_fold``."""
+    fold = packed_fold(rows, row_bytes, wide)
+    return rows // fold, fold * row_bytes // ELEM_BYTES
+
+
 def make_packed_tma_layout(rows: int, row_bytes: int, stages: int = 0, wide: bool = False):
-    """The TMA's view of a packed-word tile (16-bit): ``rows x row_bytes`` in the widest
-    swizzle atom the row fits, or with ``wide`` its rows folded by ``packed_fold`` into
-    128-byte rows (128-byte swizzle)."""
+    """The TMA's view of a packed-word tile (16-bit): ``packed_box`` in the widest swizzle
+    atom its row fits (with ``wide``, 128-byte rows: the 128-byte swizzle)."""
     import cutlass
 
     sm80.swizzle_params(row_bytes)  # validates the row width
-    fold = packed_fold(rows, row_bytes, wide)
-    return make_operand_smem_layout(cutlass.Float16, rows // fold, fold * row_bytes // ELEM_BYTES, stages)
+    return make_operand_smem_layout(cutlass.Float16, *packed_box(rows, row_bytes, wide), stages)
 
 
 def make_packed_smem_layout(rows: int, row_bytes: int, stages: int = 0, wide: bool = False):
@@ -489,9 +494,8 @@ def packed_smem_offsets(rows: int, row_bytes: int, wide: bool = False) -> Tuple[
 @_traced
 def packed_tma_offsets(rows: int, row_bytes: int, wide: bool = False) -> Tuple[Tuple[int, ...], ...]:
     """Physical 16-bit offset of each (row, col) of ``make_packed_tma_layout``'s box."""
-    fold = packed_fold(rows, row_bytes, wide)
-    return pointer_swizzled_offsets(make_packed_tma_layout(rows, row_bytes, wide=wide), rows // fold,
-                                    fold * row_bytes // ELEM_BYTES, 16)
+    return pointer_swizzled_offsets(make_packed_tma_layout(rows, row_bytes, wide=wide),
+                                    *packed_box(rows, row_bytes, wide), 16)
 
 
 @_traced
