@@ -353,8 +353,8 @@ class DecodePlan:
         # merge their splits in the last CTA of each (sequence, KV head), counted on
         # ``arrivals`` in the workspace: no combine launch
         self.append = append
-        self.merged = merged and splits > 1
-        self.arrivals = bsz * cache.k_res.shape[2] if append or self.merged else 0
+        self.merged = merged  # (only a split kernel merges: ``merges_splits``)
+        self.arrivals = bsz * cache.k_res.shape[2] if append or merged else 0
         self.unused_lse, = jit.bound_arguments(
             (torch.empty(self.lse_shape, dtype=torch.float32, device=device),), *self.fns)
         if append:  # the cache's commit counters, and what an unsplit call's unread merge arguments get
@@ -675,12 +675,13 @@ class Sm80Backend:
                             options=jit.compile_options(arch, keep_ptx=keep_ptx))
 
     def decode_kernel(self, arch: str, fmt: KVFormat, dtype, head_dim: int, nh: int, split: bool, tq: int = 1,
-                      variant: str = "", append: bool = False):
-        """``compile_decode`` through the JIT cache (memory, then disk)."""
+                      variant: str = "", append: bool = False, merged: Optional[bool] = None):
+        """``compile_decode`` through the JIT cache (memory, then disk); ``merged``: whether
+        the kernel merges its splits (``merges_splits``, asked here when not given)."""
+        if merged is None:
+            merged = not append and self.merges_splits(arch, fmt, dtype, head_dim, nh, split, tq, variant)
         key = (f"decode_{self.name}", arch, str(dtype), _fmt_key(fmt), head_dim, nh, split) + ((tq,) if tq > 1 else ()) \
-            + ((variant,) if variant else ()) + (("append",) if append else ()) \
-            + (("merged",) if not append and self.merges_splits(arch, fmt, dtype, head_dim, nh, split, tq, variant)
-               else ())
+            + ((variant,) if variant else ()) + (("append",) if append else ()) + (("merged",) if merged else ())
         return jit.KERNELS.get(key, lambda: self.compile_decode(arch, fmt, dtype, head_dim, nh, split, tq=tq,
                                                                 variant=variant, append=append))
 
@@ -726,8 +727,8 @@ class Sm80Backend:
         rows = query_rows(tq, hq, hkv)
         nh = self.heads_tile(rows, tq)
         variant = self.grid_variant(cache.fmt, q_dtype, d, nh, bsz, hkv, tq, device, splits)
-        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant, append)
         merged = not append and self.merges_splits(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant)
+        decode_fn = self.decode_kernel(arch, cache.fmt, dtype, d, nh, splits > 1, tq, variant, append, merged)
         combine_fn = _combine_kernel(arch, dtype, d) if splits > 1 and not (append or merged) else None
         weight = self.tail_weight(cache, q_shape, splits, max_len, device) if splits > 1 else sm80.TAIL_UNIT
         plan = DecodePlan(cache, (bsz, 1, hkv * rows, d), q_dtype, device, splits, decode_fn, combine_fn, append,
