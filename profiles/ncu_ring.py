@@ -11,7 +11,7 @@ L2 requests a sector) with nothing else in the profiled range:
 ``decode``'s ``--variant`` takes ``DecodeSm90`` keywords as ``bench_variants.py`` does
 (``probe_*`` ones need ``profiles/probes/sm90_decode_ablation.patch`` applied).  The ring
 reads 1 GiB; the decode is fp16, Hq/Hkv 32/8, D 128.  Each prints its eager time a call
-(10 back to back, no flush) before the profiled launch.
+(``bench_decode.Timer``, no flush: median of 10 after 3 warm-ups) before the profiled launch.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_variants as bv  # noqa: E402
+from bench_decode import Timer  # noqa: E402
 from bench_ring import ring_source  # noqa: E402
 
 
@@ -73,17 +74,8 @@ def main(argv=None) -> int:
         raise SystemExit("ncu_ring needs a CUDA GPU")
     dev = torch.device("cuda")
     call = ring_call(args, dev) if args.kernel == "ring" else decode_call(args, dev)
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        call()
-    end.record()
-    end.synchronize()
-    print(f"{' '.join(sys.argv[1:] if argv is None else argv)}: {start.elapsed_time(end) * 100:.1f} us a call "
-          "(eager, back to back, no flush)")
+    us = Timer(dev, "none")(call, iters=10, warmup=3)
+    print(f"{' '.join(sys.argv[1:] if argv is None else argv)}: {us:.1f} us a call (eager, median of 10, no flush)")
     torch.cuda.profiler.start()
     call()
     torch.cuda.synchronize()
