@@ -139,6 +139,77 @@ class SplitMerge:
                 mL[b, h] = lse
 
 
+MERGE_AHEAD = 8  # splits a thread of ``HeadMerge`` loads at once (8 x 16 bytes and 8 LSEs in flight)
+
+
+class HeadMerge:
+    """The merge of the splits of all query rows of one (sequence, KV head) at once by 128
+    threads (``NUM_THREADS``), as a split decode's last CTA runs it (``merge_if_last``) in
+    place of the combine launch.  ``SplitMerge`` takes one row at a time with two dependent
+    round trips to L2 and four barriers each, which made the in-kernel merge slower than the
+    launch it saves; here a thread takes a (row, channel vector) and streams every split's
+    vector and LSE, ``MERGE_AHEAD`` of each in flight, weighing them against a running
+    maximum (the merge as online softmax): ceil(S / MERGE_AHEAD) round trips for all the
+    rows, no barrier, no shared memory.  The sums run in another order than the combine
+    kernel's (fp32 rounding apart)."""
+
+    def __init__(self, dtype, head_dim: int, ahead: int = MERGE_AHEAD):
+        self.dtype = dtype
+        self.vecs = head_dim // VEC  # threads per row
+        self.ahead = ahead
+
+    @cute.jit
+    def merge(self, mOp, mLp, mO, mL, b, h0, rows, tid):
+        """Rows ``h0 .. h0 + rows - 1`` of sequence ``b``: mOp (S, B, Hq, D) f32 and mLp (S,
+        B, Hq) f32 -> mO (B, Hq, D) dtype and mL (B, Hq) f32; ``tid`` 0-127.  A row with no
+        tokens in any split gives 0 and -inf, as the combine kernel's."""
+        num_splits = mOp.shape[0]
+        ahead = self.ahead
+        for item in cutlass.range(tid, rows * self.vecs, NUM_THREADS, unroll=1):
+            r = item // self.vecs
+            vec, h = item - r * self.vecs, h0 + r
+            m, total = -Float32.inf, Float32(0.0)
+            acc = cute.make_rmem_tensor((VEC,), Float32)
+            acc.fill(0.0)
+            lse = cute.make_rmem_tensor((ahead,), Float32)
+            part = cute.make_rmem_tensor((VEC, ahead), Float32)
+            for s0 in cutlass.range(0, num_splits, ahead, unroll=1):
+                # a batch's loads all issue before any use; past the last split they reload
+                # it (no branch around a load) and weigh nothing
+                for i in cutlass.range_constexpr(ahead):
+                    s = cutlass.min(s0 + i, num_splits - 1)
+                    lse[i] = mLp[s, b, h]
+                    cute.autovec_copy(cute.local_tile(mOp[s, b, h, None], (VEC,), (vec,)), part[None, i])
+                m_new = m
+                for i in cutlass.range_constexpr(ahead):
+                    if s0 + i >= num_splits:
+                        lse[i] = -Float32.inf
+                    m_new = cute.arch.fmax(m_new, lse[i])
+                # all weights so far against m_new; while every LSE is -inf the reference is
+                # 0 (no -inf - -inf), and the old sums, all 0, scale by exp2(-inf) = 0
+                m_use = m_new if m_new != -Float32.inf else Float32(0.0)
+                rescale = cute.math.exp2((m - m_use) * LOG2_E, fastmath=True)
+                total = total * rescale
+                for j in cutlass.range_constexpr(VEC):
+                    acc[j] = acc[j] * rescale
+                for i in cutlass.range_constexpr(ahead):
+                    w = cute.math.exp2((lse[i] - m_use) * LOG2_E, fastmath=True)
+                    total += w
+                    for j in cutlass.range_constexpr(VEC):
+                        acc[j] = acc[j] + w * part[j, i]
+                m = m_new
+            inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
+            out = cute.make_rmem_tensor((VEC,), self.dtype)
+            for j in cutlass.range_constexpr(VEC):
+                out[j] = self.dtype(acc[j] * inv)
+            cute.autovec_copy(out, cute.local_tile(mO[b, h, None], (VEC,), (vec,)))
+            if vec == 0:
+                row_lse = -Float32.inf
+                if total > Float32(0.0):
+                    row_lse = m + cute.math.log2(total, fastmath=True) * LN_2
+                mL[b, h] = row_lse
+
+
 class CombineSm80:
     def __init__(self, dtype, head_dim: int, pdl: bool = False, hoist_loads: bool = True):
         self.dtype = dtype

@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import warp
 from ..layouts import resources, sm80, sm100
 from ..layouts.packing import LN_2
 from . import ptx
-from .combine import SplitMerge
+from .combine import HeadMerge
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from .reduce import across_rows
@@ -137,15 +137,15 @@ class PackedDecodeConfig:
                              f"fp4={fp4!r}")
         self.append = append
         # appending with splits, or split with ``merge_splits`` (``call_merged``), the last CTA
-        # of a (sequence, KV head) merges the splits (``merge_if_last``, the combine kernel's
-        # ``SplitMerge``: the same bits): the step is one launch, no combine after it.  Not in
-        # any shipped plain decode: the merge takes the KV head's query rows one after the
-        # other, two round trips each, and cost more than the combine launch it saves (H100,
-        # sm90 fp16 GQA 4, us, combine / merged, profiles/h100/variants_merge_splits_h100.json:
-        # 4c128 B=1 N=4K 11.14 / 17.17, N=128K 56.78 / 62.91, B=16 N=64K 382.0 / 381.5)
+        # of a (sequence, KV head) merges the splits (``merge_if_last``, ``HeadMerge``: every
+        # query row of the KV head at once): the step is one launch, no combine after it.  Not
+        # in any shipped plain decode: merged one row after another (``SplitMerge``, two round
+        # trips each) it cost more than the combine launch it saves (H100, sm90 fp16 GQA 4, us,
+        # combine / merged, profiles/h100/variants_merge_splits_h100.json: 4c128 B=1 N=4K 11.14
+        # / 17.17, N=128K 56.78 / 62.91, B=16 N=64K 382.0 / 381.5)
         self.merges = split and (append or merge_splits)
-        self.merger = SplitMerge(dtype, head_dim)
-        self.merge_smem_bytes = self.merger.smem_bytes + 16  # + the "last" flag
+        self.merger = HeadMerge(dtype, head_dim)
+        self.merge_smem_bytes = 16  # the "last" flag
 
     # ---- entry points: one calling convention for every packed decode kernel, so the
     # backends share one ``DecodePlan``; each kernel class traces its ``launch`` ----------
@@ -207,15 +207,13 @@ class PackedDecodeConfig:
         partials (mO, mLSE): its 128 threads (``tid`` 0-127, ``sync`` their barrier) fence
         them at GPU scope and count the CTA in on the (sequence, KV head)'s arrival counter
         (``new[-1]``); the last CTA to arrive resets it and merges every split of the KV
-        head's ``gq`` query rows into the output ``new[-3]`` and its LSE ``new[-2]``, as the
-        combine kernel would (the same bits).  ``smem_ptr``: ``merge_smem_bytes`` of shared
-        memory no one else uses by then."""
+        head's ``gq`` query rows into the output ``new[-3]`` and its LSE ``new[-2]``
+        (``HeadMerge``).  ``smem_ptr``: ``merge_smem_bytes`` of shared memory no one else
+        uses by then."""
         if const_expr(self.merges):
             mOut, mLout, mArrivals = one_token(new[-3]), new[-2], new[-1]
             num_splits, heads, _ = cute.arch.grid_dim()
-            smem_ptr = cute.recast_ptr(smem_ptr, dtype=cutlass.Uint8)
-            s_last = cute.make_tensor(cute.recast_ptr(smem_ptr + self.merger.smem_bytes, dtype=cutlass.Int32),
-                                      cute.make_layout(1))
+            s_last = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=cutlass.Int32), cute.make_layout(1))
             cute.arch.fence_acq_rel_gpu()  # this thread's partials, before the CTA counts in
             sync()
             if tid == 0:
@@ -229,10 +227,7 @@ class PackedDecodeConfig:
             sync()
             if s_last[0] != 0:
                 cute.arch.fence_acq_rel_gpu()  # every other split's partials, before reading them
-                smem = self.merger.smem_tensors(smem_ptr)
-                for r in cutlass.range(0, gq, unroll=1):
-                    self.merger.merge(mO, mLSE, mOut, mLout, batch, head_kv * gq + r, smem, tid, sync)
-                    sync()  # the shared memory is free for the next row
+                self.merger.merge(mO, mLSE, mOut, mLout, batch, head_kv * gq, gq, tid)
 
     @cute.jit
     def sequence_length(self, mSeqlens, new, batch, num_splits, tid):
