@@ -148,9 +148,9 @@ class HeadMerge:
     place of the combine launch.  ``SplitMerge`` takes one row at a time with two dependent
     round trips to L2 and four barriers each, which made the in-kernel merge slower than the
     launch it saves; here a thread takes a (row, channel vector) and streams every split's
-    vector and LSE, ``MERGE_AHEAD`` of each in flight, weighing them against a running
-    maximum (the merge as online softmax): ceil(S / MERGE_AHEAD) round trips for all the
-    rows, no barrier, no shared memory.  The sums run in another order than the combine
+    vector and LSE, ``ahead`` of each in flight (``MERGE_AHEAD`` unless the kernel's
+    registers allow more), weighing them against a running maximum (the merge as online
+    softmax): ceil(S / ahead) round trips for all the rows, no barrier, no shared memory.  The sums run in another order than the combine
     kernel's (fp32 rounding apart)."""
 
     def __init__(self, dtype, head_dim: int, ahead: int = MERGE_AHEAD):

@@ -75,6 +75,10 @@ class PackedDecodeConfig:
     the packed tile (``Nr`` tokens) and the bytes its K / V words and params take.  The
     sm80 and sm90 decode kernels both start from it."""
 
+    # splits a thread of the in-kernel merge loads at once (``HeadMerge``): 16 spill in
+    # the sm80 kernel's register budget (64 bytes, the appending 4-bit split decode)
+    merge_ahead = 8
+
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0,
                  v_bits: int = 0, tq: int = 1, fp4: Optional[str] = None, append: bool = False,
@@ -144,7 +148,7 @@ class PackedDecodeConfig:
         # combine / merged, profiles/h100/variants_merge_splits_h100.json: 4c128 B=1 N=4K 11.14
         # / 17.17, N=128K 56.78 / 62.91, B=16 N=64K 382.0 / 381.5)
         self.merges = split and (append or merge_splits)
-        self.merger = HeadMerge(dtype, head_dim)
+        self.merger = HeadMerge(dtype, head_dim, self.merge_ahead)
         self.merge_smem_bytes = 16  # the "last" flag
 
     # ---- entry points: one calling convention for every packed decode kernel, so the
@@ -204,8 +208,8 @@ class PackedDecodeConfig:
     @cute.jit
     def merge_if_last(self, mO, mLSE, new, batch, head_kv, gq, smem_ptr, tid, sync=cute.arch.sync_threads):
         """``merges`` (``append`` or ``merge_splits``, and ``split``), after this CTA wrote its
-        partials (mO, mLSE): its 128 threads (``tid`` 0-127, ``sync`` their barrier) fence
-        them at GPU scope and count the CTA in on the (sequence, KV head)'s arrival counter
+        partials (mO, mLSE): its 128 threads (``tid`` 0-127, ``sync`` their barrier) count
+        the CTA in on the (sequence, KV head)'s arrival counter
         (``new[-1]``); the last CTA to arrive resets it and merges every split of the KV
         head's ``gq`` query rows into the output ``new[-3]`` and its LSE ``new[-2]``
         (``HeadMerge``).  ``smem_ptr``: ``merge_smem_bytes`` of shared memory no one else
@@ -214,7 +218,11 @@ class PackedDecodeConfig:
             mOut, mLout, mArrivals = one_token(new[-3]), new[-2], new[-1]
             num_splits, heads, _ = cute.arch.grid_dim()
             s_last = cute.make_tensor(cute.recast_ptr(smem_ptr, dtype=cutlass.Int32), cute.make_layout(1))
-            cute.arch.fence_acq_rel_gpu()  # this thread's partials, before the CTA counts in
+            # The barrier orders every thread's partials before thread 0's count-in, whose
+            # release (acq_rel at GPU scope) publishes them with it; the last CTA's acquire in
+            # the same atomic and the barrier after it order its threads' loads after every
+            # split's stores (causality is transitive: one fence, not one a thread, as
+            # CUTLASS's split-K semaphore)
             sync()
             if tid == 0:
                 slot = batch * heads + head_kv
@@ -226,7 +234,6 @@ class PackedDecodeConfig:
                     s_last[0] = cutlass.Int32(1)
             sync()
             if s_last[0] != 0:
-                cute.arch.fence_acq_rel_gpu()  # every other split's partials, before reading them
                 self.merger.merge(mO, mLSE, mOut, mLout, batch, head_kv * gq, gq, tid)
 
     @cute.jit

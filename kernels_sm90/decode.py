@@ -192,6 +192,8 @@ def default_ctas_per_sm(head_dim: int) -> int:
 class DecodeSm90(PackedDecodeConfig):
     """Packed-cache decode attention, warp-specialized TMA + wgmma; constexpr config here."""
 
+    merge_ahead = 16  # (the merging consumer warpgroup holds 240 registers: one round trip for 16 splits)
+
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, num_stages: int = 0, step: int = 0,
                  ctas_per_sm: int = 0, pdl: bool = False, sinks: int = 0, v_bits: int = 0, tq: int = 1,
