@@ -5,10 +5,10 @@ its last CTA of each (sequence, KV head) merges the splits).  The merge is seria
 one CTA per KV head, so its cost grows with the splits; this is what
 ``append_max_splits`` (kernels_sm80/backend.py) was set from (before the limit; past it the
 one call now takes the two calls, so its column matches theirs there).  B=1, 4-bit
-(``--bits``), bf16 (``--dtype``), GQA 4 (32 / 8 heads, head dim 128), every kernel backend
-this GPU runs that appends; CUDA events around 60 back-to-back steps (the cache truncated
-back after each round), median of five rounds.  At 32K tokens the packed cache (~33 MB)
-fits the H200's L2; at 128K it does not.
+(``--bits``), bf16 (``--dtype``), GQA 4 (32 / 8 heads, ``--kv-heads``; head dim 128), every
+kernel backend this GPU runs that appends; CUDA events around 60 back-to-back steps (the
+cache truncated back after each round), median of five rounds.  At 32K tokens the packed
+cache (~33 MB) fits the H200's L2; at 128K it does not.
 
     python3 profiles/bench_append_step.py --out profiles/h200
 """
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("profiles/h200"), help="output folder (append_step_gpu.json)")
     p.add_argument("--bits", type=int, choices=(4, 2), default=4, help="the cache's K and V bits (default 4)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="q's and the cache's dtype (default bf16)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads, four query heads each (default 8)")
     p.add_argument("--tag", default="", help="write append_step_gpu_<tag>.json instead (an identifier)")
     p.add_argument("--append-max-splits", type=int, metavar="S",
                    help="every appending backend's append_max_splits for this run (the one call merges up to S "
@@ -81,15 +82,16 @@ def main(argv=None) -> int:
             backends.get(name).append_max_splits = args.append_max_splits
     dtype = torch_dtype(args.dtype)
     out["format"], out["dtype"] = str(bd.KVFormat(bits=args.bits)), args.dtype
+    hkv = out["kv_heads"] = args.kv_heads
     for backend in names:
         for n in (32768, 131072):
-            c = bd.KVCache.allocate(1, 8, 128, n + 256, bd.KVFormat(bits=args.bits), dtype=dtype, device="cuda",
+            c = bd.KVCache.allocate(1, hkv, 128, n + 256, bd.KVFormat(bits=args.bits), dtype=dtype, device="cuda",
                                     backend=backend)
-            k = torch.randn(1, n, 8, 128, device="cuda", dtype=dtype)
+            k = torch.randn(1, n, hkv, 128, device="cuda", dtype=dtype)
             c.prefill(k, k)
             del k
-            q = torch.randn(1, 1, 32, 128, device="cuda", dtype=dtype)
-            kv = torch.randn(1, 1, 8, 128, device="cuda", dtype=dtype)
+            q = torch.randn(1, 1, 4 * hkv, 128, device="cuda", dtype=dtype)
+            kv = torch.randn(1, 1, hkv, 128, device="cuda", dtype=dtype)
             res = time_forms(c, q, kv)
             kernels = backends.get(backend)
             res["splits"] = kernels.choose_splits(c.tensors(), tuple(q.shape), n, q.device)
