@@ -628,11 +628,15 @@ class Sm80Backend:
     # DecodeSm80.call_append
     appends = True
     # Split, the appending kernel's last CTA of a (sequence, KV head) merges every split of
-    # its query rows alone: one launch less on the host, GPU time that grows with splits x
-    # rows.  H200, B=1, 4-bit, GQA 4, GPU us a step (append + decode / one call;
-    # profiles/NOTES.md, twenty-eighth session): sm90 at 16 splits 24.5 / 24.1 at 32K, 56.5 / 58.5
-    # at 128K; sm80 at 66 splits 25.2 / 36.1 and 58.5 / 72.6.  So more than 16 splits take
-    # the two calls (at such lengths a step is GPU-bound anyway).
+    # its query rows alone (``HeadMerge``): one launch less on the host, GPU time that grows
+    # with splits x rows.  With the merge one row at a time (``SplitMerge``) more than 16
+    # splits cost more than the two calls (H200, twenty-eighth session).  With ``HeadMerge``
+    # (H100, B=1, GQA 4, GPU us a step, append + decode / one call, profiles/h100/
+    # append_step_gpu_nolimit*_h100.json): 4-bit bf16, sm80 at 66 splits 26.32 / 23.21 (32K),
+    # 64.87 / 62.60 (128K); 2 KV heads, 128 / 256 splits 20.67 / 19.46, 36.75 / 35.97; 1 KV
+    # head 23.59 / 17.59, 29.41 / 28.92.  But sm80's 2-bit fp16 appending kernel at 49 splits
+    # took 65.30 against 54.66 at 128K (26.51 / 26.28 at 32K: the same merge, so the
+    # appending kernel's loop, not the merge; not pursued), so sm80 keeps 16.
     append_max_splits = 16
 
     def takes_rows(self, t: torch.Tensor) -> bool:

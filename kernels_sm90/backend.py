@@ -371,6 +371,13 @@ class Sm90Backend(sm80_backend.Sm80Backend):
     name = "sm90"
     whole_waves = True  # two (or one) CTAs per SM: a partial second wave costs a full one
     tails = True  # weighted tails (``tail_weight``; False: even splits, for A/B timing)
+    # The appending decode merges any split count in its last CTA (``HeadMerge``): the one
+    # call beat append + decode at every count measured (H100, B=1, GQA 4, GPU us a step,
+    # two calls / one, profiles/h100/append_step_gpu_nolimit*_h100.json): 4-bit bf16 at 16
+    # splits 21.71 / 18.52 (32K), 60.60 / 58.10 (128K); 2 KV heads, 66 splits 19.95 / 11.93,
+    # 23.63 / 20.25; 1 KV head, 128 / 132 splits 20.45 / 13.27, 20.19 / 16.68; 2-bit fp16 at
+    # 16 splits 21.64 / 18.44, 47.42 / 44.24
+    append_max_splits = sm80.MAX_SPLITS
 
     decode_tiles = (HALF_TILE,) + sm80.HEADS_TILES
     bitnet = BitnetKernels()
