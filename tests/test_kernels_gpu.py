@@ -1219,7 +1219,7 @@ def test_fp4_append_token_by_token_equals_prefill(cfg):
     (bd.KVFormat(bits=2), 4, [700, 1530], None, torch.float16),
     (bd.KVFormat(bits=4, v_bits=2, sink_tokens=5), 8, [3, 260], None, torch.float16),  # sinks filling first
     (bd.KVFormat(bits=4), 8, [9080] * 16, None, torch.bfloat16),  # the grid fills the SMs: one split
-    (bd.KVFormat(bits=4), 4, [9000], None, torch.float16),  # ~35 splits: sm90 merges them in batches, sm80 two calls
+    (bd.KVFormat(bits=4), 4, [9080], None, torch.float16),  # ~35 splits: sm90 merges them in batches, sm80 two calls
 ], ids=["b1", "ragged-paged", "2bit", "k4v2-sinks", "b16", "many-splits"])
 def test_appending_decode_equals_append_then_decode(backend, fmt, gq, lens, page, dtype):
     """``decode(q, cache, k_new=, v_new=)`` (on the sm80 and sm90 kernels one launch while
