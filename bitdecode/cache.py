@@ -585,7 +585,8 @@ def decode(
     decode take two or three; where that does not apply (the reference backend, a step
     that completes a packed block, graph capture, more than the backend's
     ``append_max_splits`` splits, Hadamard or FP4 formats, several tokens) it is the two
-    calls, with the same results and cache contents.
+    calls.  The cache contents are the same either way; so are the results, to fp32
+    rounding where the kernel merged (the same partials summed in another order).
 
     ``T`` = 1: the usual decode step.  ``T`` > 1 (speculative verification, a chunk of a
     prompt): the queries are each sequence's newest ``T`` tokens, appended to the cache
