@@ -160,6 +160,12 @@ def read(source: Union[str, Path, dict]) -> dict:
     rows = source.get("entries")
     if not isinstance(rows, list):
         raise ValueError(f"{where}: \"entries\" must be a list")
+    return parse_entries(rows, where)
+
+
+def parse_entries(rows: list, where: str = "tuning") -> dict:
+    """Entries as ``save`` writes them (``gpu``, ``sms``, ``n``, ``k``, ``config``), every one
+    checked, as ``{(gpu, sms, n, k): config}``."""
     return dict(_parse_entry(row, f"{where}: entries[{i}]") for i, row in enumerate(rows))
 
 

@@ -80,8 +80,7 @@ def run(args) -> int:
     console.print(table)
     # the file's entries and this run's picks only: entries that $BITDECODE_GEMV_TUNING's file
     # put in this process stay in that file
-    picks = bitnet_tune.read({"format": bitnet_tune.FORMAT,
-                              "entries": [{key: row[key] for key in ("gpu", "sms", "n", "k", "config")} for row in rows]})
+    picks = bitnet_tune.parse_entries([{key: row[key] for key in ("gpu", "sms", "n", "k", "config")} for row in rows])
     bitnet_tune.save(args.out, {**kept, **picks})
     console.print(f"picks written to {args.out}; use them with BITDECODE_GEMV_TUNING={args.out}")
     return 0

@@ -905,13 +905,16 @@ def test_compute_sanitizer_clean(tmp_path, backend, tool_name):
         "c.append(k[:, :3], v[:, :3])\n"
         "q = torch.randn(2, 1, 8, 128, device='cuda').half()\n"
         "o = bd.decode(q, c, num_splits=3); torch.cuda.synchronize(); print('ok', float(o.float().abs().sum()))\n"
+        # the appending decode: the kernel stores the token, and its last CTA merges the splits
+        "o = bd.decode(q, c, num_splits=3, k_new=k[:, 3:4], v_new=v[:, 3:4]); torch.cuda.synchronize()\n"
+        "print('ok', float(o.float().abs().sum()), c.lengths)\n"
     )
     env = dict(os.environ)
     res = subprocess.run([tool, "--tool", tool_name, "--report-api-errors", "no", "--error-exitcode", "3",
                           sys.executable, str(script)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "ok" in res.stdout
+    assert "ok" in res.stdout and "[604, 261]" in res.stdout, res.stdout[-3000:]
 
 
 def test_one_cache_decoded_on_two_streams_equals_serial(backend):
