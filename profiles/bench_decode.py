@@ -50,19 +50,29 @@ class Timer:
         if flush not in self.FLUSHES:
             raise ValueError(f"flush must be one of {', '.join(self.FLUSHES)}, got {flush!r}")
         self.how = flush  # (the flush method; ``__call__``'s ``flush`` switches it off)
-        words = max(2 * torch.cuda.get_device_properties(device).L2_cache_size, 64 << 20) // 4
-        self._bufs = {"clean": torch.ones(words, dtype=torch.float32, device=device),
-                      "dirty": torch.empty(words, dtype=torch.float32, device=device)}
+        self._device = device
+        self._words = max(2 * torch.cuda.get_device_properties(device).L2_cache_size, 64 << 20) // 4
+        self._bufs: Dict[str, torch.Tensor] = {}  # a flush's buffer, made on its first use
         self._sink = torch.empty((), dtype=torch.float32, device=device)
-        self.flush_l2("clean")  # (its own first write leaves dirty lines: read it once now)
+        if flush != "none":
+            self._buffer(flush)
+
+    def _buffer(self, how: str) -> torch.Tensor:
+        buf = self._bufs.get(how)
+        if buf is None:
+            make = torch.ones if how == "clean" else torch.empty
+            buf = self._bufs[how] = make(self._words, dtype=torch.float32, device=self._device)
+            if how == "clean":  # (its own first write leaves dirty lines: read it once now)
+                torch.sum(buf, dim=0, out=self._sink)
+        return buf
 
     def flush_l2(self, how: Optional[str] = None) -> None:
         """Flush L2 as ``how`` (default: this timer's ``how``) says."""
         how = how or self.how
         if how == "clean":
-            torch.sum(self._bufs["clean"], dim=0, out=self._sink)
+            torch.sum(self._buffer("clean"), dim=0, out=self._sink)
         elif how == "dirty":
-            self._bufs["dirty"].zero_()
+            self._buffer("dirty").zero_()
 
     def once(self, fn: Callable, how: Optional[str] = None) -> float:
         """One call of ``fn`` after a flush (``flush_l2``'s ``how``), microseconds."""
