@@ -142,11 +142,13 @@ class PackedDecodeConfig:
         self.append = append
         # appending with splits, or split with ``merge_splits`` (``call_merged``), the last CTA
         # of a (sequence, KV head) merges the splits (``merge_if_last``, ``HeadMerge``: every
-        # query row of the KV head at once): the step is one launch, no combine after it.  Not
-        # in any shipped plain decode: merged one row after another (``SplitMerge``, two round
-        # trips each) it cost more than the combine launch it saves (H100, sm90 fp16 GQA 4, us,
-        # combine / merged, profiles/h100/variants_merge_splits_h100.json: 4c128 B=1 N=4K 11.14
-        # / 17.17, N=128K 56.78 / 62.91, B=16 N=64K 382.0 / 381.5)
+        # query row of the KV head at once): the step is one launch, no combine after it.
+        # sm90's integer 4-bit kernels merge so (``kernels_sm90.backend.merges_in_kernel``:
+        # the combine's GPU time, one launch less); merged one row after another
+        # (``SplitMerge``, two round trips each) it had cost more than the combine launch
+        # (H100, sm90 fp16 GQA 4, us, combine / merged,
+        # profiles/h100/variants_merge_splits_h100.json: 4c128 B=1 N=4K 11.14 / 17.17, N=128K
+        # 56.78 / 62.91)
         self.merges = split and (append or merge_splits)
         self.merger = HeadMerge(dtype, head_dim, self.merge_ahead)
         self.merge_smem_bytes = 16  # the "last" flag

@@ -236,9 +236,25 @@ def grid_keywords(fmt: KVFormat, fp16: bool, head_dim: int, nh: int, variant: st
     the SMs (H200, one run, 2c128 fp16 GQA 4, us, two / one consumers,
     profiles/h200/variants_consumers_2bit.json: B=8 N=64K 143.7 / 141.5, B=16 272.4 / 267.9,
     but B=1 N=128K 45.8 / 47.1, so its "small" kernel keeps two)."""
-    if variant == "small":
-        return small_grid(fmt, fp16, head_dim, nh)
-    return {"consumers": 1} if one_consumer(fmt, head_dim, nh) else {}
+    keywords = small_grid(fmt, fp16, head_dim, nh) if variant == "small" else (
+        {"consumers": 1} if one_consumer(fmt, head_dim, nh) else {})
+    return keywords if keywords is None or not merges_in_kernel(fmt) else {**keywords, "merge_splits": True}
+
+
+def merges_in_kernel(fmt: KVFormat) -> bool:
+    """Whether the split decode merges its splits in its last CTAs (``DecodeSm90``'s
+    ``merge_splits``, ``HeadMerge``) instead of launching the combine kernel: integer 4-bit
+    K and V.  Its GPU time is the combine's (H100, CUDA-graph replay, one run, us, combine
+    / merged, profiles/h100/variants_headmerge_4bit_h100.json, variants_headmerge2_h100.json:
+    fp16 B=1 N=4K 11.25 / 11.07, 16K 15.62 / 15.46, 64K 33.33 / 33.92, 128K 58.88 / 59.42,
+    B=2 N=32K 36.10 / 34.21, B=4 59.81 / 59.34, B=8 N=64K 198.1 / 196.8; bf16 11.65 / 12.06,
+    16.16 / 16.46, 33.74 / 34.02, 35.33 / 33.86, 59.31 / 60.46, 199.6 / 197.7) and an eager
+    call makes one launch, not two: 12.2 / 8.2 and 11.8 / 8.3 us of host time a layer (bf16
+    B=1 N=1K, 4 splits, the GPU held busy, two runs: profiles/host_merge.py,
+    profiles/h100/host_merge_h100.json).  2-bit's small grid lost 1.3-2.6 us merged at B=1
+    (fp16 N=4K 12.26 / 14.82, 32K 20.06 / 21.36, 128K 45.42 / 47.04; not explained: the
+    loop's SASS is the same), so it keeps the combine; K4V2 and FP4 were not measured."""
+    return fmt.bits == fmt.v_bits == 4 and not fmt.fp4
 
 
 def one_consumer(fmt: KVFormat, head_dim: int, nh: int) -> bool:
@@ -560,7 +576,7 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
     def merges_splits(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
         """Whether the split kernel merges its splits in its last CTAs (``DecodeSm90``'s
-        ``merge_splits``, off in every shipped kernel: ``grid_keywords`` does not set it)."""
+        ``merge_splits``, which ``grid_keywords`` sets where ``merges_in_kernel``)."""
         return split and self.make_decode(arch, fmt, dtype, head_dim, nh, True, tq, variant).merges
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):

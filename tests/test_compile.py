@@ -347,7 +347,9 @@ def test_appending_decode_ptx(arch, bits, nh, split, tmp_path, monkeypatch):
     plain = be.compile_decode(arch, fmt, cutlass.BFloat16, 128, nh, split, keep_ptx=True).artifacts.PTX
     for instr in ("atom.global.acq_rel.add", "fence.acq_rel.cta", mma, "cp.async"):
         assert instr in ptx, f"{instr} missing from the appending decode's PTX"
-    assert "atom.global" not in plain and _count(ptx, "st.global") > _count(plain, "st.global")
+    # (the plain split kernel's count-in where it merges its splits itself: sm90's 4-bit)
+    merges = be.merges_splits(arch, fmt, cutlass.BFloat16, 128, nh, split)
+    assert _count(plain, "atom.global") == merges and _count(ptx, "st.global") > _count(plain, "st.global")
     # split: the last CTA of a (sequence, KV head) merges the partials (no combine launch),
     # counted in on a second acq_rel counter at GPU scope (its release and acquire: no fence)
     assert _count(ptx, "atom.global.acq_rel.add") == 1 + split
@@ -861,6 +863,28 @@ def test_sm90_wide_boxes_ptx(bits, group, head_dim, heads, bf16, tmp_path, monke
         assert ptx[True].count(instr) == ptx[False].count(instr), instr
     report = ptxas.report(ptx[True], "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
+
+
+def test_sm90_integer_4bit_split_decodes_merge_in_the_kernel():
+    """``merges_in_kernel``: sm90's integer 4-bit split decodes (K per channel or token, both
+    dtypes, the default and small grids' kernels) merge their splits in their last CTA, so
+    their plans launch no combine; 2-bit, K4V2 and FP4 keep the combine kernel; an unsplit
+    kernel never merges."""
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    cases = ((KVFormat(4, "channel", 128), True), (KVFormat(4, "token", 64), True),
+             (KVFormat(2, "channel", 128), False), (KVFormat(4, "channel", 128, v_bits=2), False),
+             (KVFormat(fp4="nvfp4"), False))
+    seen = set()
+    for fmt, want in cases:
+        for dtype in (cutlass.Float16, cutlass.BFloat16):
+            for variant in ("", "small"):
+                if sm90.grid_keywords(fmt, dtype is cutlass.Float16, 128, 4, variant) is None:
+                    continue
+                assert sm90.BACKEND.merges_splits("sm_90a", fmt, dtype, 128, 4, True, 1, variant) is want, (fmt, variant)
+                assert not sm90.BACKEND.merges_splits("sm_90a", fmt, dtype, 128, 4, False, 1, variant)
+                seen.add((want, variant))
+    assert seen == {(True, ""), (True, "small"), (False, ""), (False, "small")}
 
 
 @pytest.mark.parametrize("bits, variant", [(4, ""), (4, "small"), (2, "")])

@@ -577,7 +577,8 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
                                         (bd.KVFormat(2, "channel", 128), torch.bfloat16),
                                         (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
 def test_sm90_merge_splits_equals_the_combine(fmt, dtype, monkeypatch):
-    """``DecodeSm90(merge_splits=True)``: the split decode's last CTA of each (sequence, KV
+    """``DecodeSm90(merge_splits=True)`` (integer 4-bit's default: ``merges_in_kernel``)
+    against ``merge_splits=False``: the split decode's last CTA of each (sequence, KV
     head) merges the partials itself (``call_merged``, ``HeadMerge``) and no combine kernel
     runs; its outputs and LSEs are the combine path's to fp32 rounding (the same partials
     summed in another order: one unit in the last place of the output's dtype at most, an
@@ -595,7 +596,9 @@ def test_sm90_merge_splits_equals_the_combine(fmt, dtype, monkeypatch):
             for splits in (3, 0):
                 yield (i, splits), cache, q
 
-    want = {key: bd.decode(q, cache, num_splits=key[1], return_lse=True) for key, cache, q in calls()}
+    with sm90_default_kernel_with(monkeypatch, {"merge_splits": False}, "merges", every_variant=True) as built:
+        want = {key: bd.decode(q, cache, num_splits=key[1], return_lse=True) for key, cache, q in calls()}
+        assert built and not any(built), built  # (the combine kernel's results, whatever the default)
     ulp = torch.finfo(dtype).eps
     merged = {}
     with sm90_default_kernel_with(monkeypatch, {"merge_splits": True}, "merges", every_variant=True) as built:
