@@ -708,6 +708,12 @@ def test_combine_hoist_loads_is_bit_equal(head_dim, splits, backend, monkeypatch
     from bitdecode.kernels_sm80 import combine
 
     fmt = bd.KVFormat(4, "channel", 64)
+    if backend == "sm90":  # (its integer 4-bit kernels merge their splits themselves: ``merges_in_kernel``)
+        from bitdecode.kernels_sm90 import backend as sm90
+
+        keywords = sm90.grid_keywords
+        monkeypatch.setattr(sm90, "grid_keywords",
+                            lambda *a: None if keywords(*a) is None else {**keywords(*a), "merge_splits": False})
     q = torch.randn(3, 1, 8, head_dim, generator=torch.Generator().manual_seed(8)).half().to(DEV)
 
     def run():  # (a fresh cache each time: the same bytes)
