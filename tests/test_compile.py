@@ -1209,7 +1209,7 @@ def test_sm90_small_grid_variant(monkeypatch, tmp_path, h200_sms):
     monkeypatch.setattr(jit.KERNELS, "get", lambda key, make: built.append(key))
     be.decode_kernel("sm_90a", fmt, cutlass.Float16, 128, 8, True)
     be.decode_kernel("sm_90a", fmt, cutlass.Float16, 128, 8, True, variant="small")
-    assert built[0] != built[1] and built[1][-1] == "small"
+    assert built[0] != built[1] and built[1][-2:] == ("small", "merged")  # (4-bit: ``merges_in_kernel``)
     listed = be.variants(("decode",), [fmt, KVFormat(2, "channel", 128)], [128], ["fp16", "bf16"])
     assert [v.name for v in listed if v.extra[-1] == "small"] == [
         f"decode_fp16_d128_4bit_channel_g128_h{nh}_{split}_small" for nh in (4, 8) for split in ("direct", "split")] + [
