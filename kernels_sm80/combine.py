@@ -29,13 +29,29 @@ LSES_PER_THREAD = -(-MAX_SPLITS // NUM_THREADS)  # (``hoist_loads`` keeps them i
 PREFETCH_PARTS = 4  # partial-output vectors a thread loads ahead with ``hoist_loads``
 
 
+@cute.jit
+def store_row(acc, total, m, mO, mL, b, h, vec):
+    """The end of a merge: channel vector ``vec`` of row ``(b, h)`` is ``acc / total`` (fp32
+    sums weighted against the maximum LSE ``m``) in mO's dtype, and thread ``vec`` 0 stores
+    the row's LSE ``m + ln(total)``; ``total`` 0 (no token in any split) gives 0 and -inf."""
+    inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
+    out = cute.make_rmem_tensor((VEC,), mO.element_type)
+    for j in cutlass.range_constexpr(VEC):
+        out[j] = mO.element_type(acc[j] * inv)
+    cute.autovec_copy(out, cute.local_tile(mO[b, h, None], (VEC,), (vec,)))
+    if vec == 0:
+        lse = -Float32.inf
+        if total > Float32(0.0):
+            lse = m + cute.math.log2(total, fastmath=True) * LN_2
+        mL[b, h] = lse
+
+
 class SplitMerge:
     """The merge of one (batch, head) row's splits by 128 threads (``NUM_THREADS``), as the
     combine kernel runs it and as a decode kernel's last split CTA runs it in place of the
     combine launch (the appending decode): one definition, so both give the same bits."""
 
-    def __init__(self, dtype, head_dim: int, hoist_loads: bool = False):
-        self.dtype = dtype
+    def __init__(self, head_dim: int, hoist_loads: bool = False):
         self.d = head_dim
         self.vecs = head_dim // VEC  # threads per split row
         self.groups = NUM_THREADS // self.vecs  # split groups working in parallel
@@ -106,7 +122,6 @@ class SplitMerge:
             for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
                 total += self.weigh(mLp[s, b, h], m_use, s_w, s)
         total = block_reduce(total, s_red, tid, NUM_WARPS, False, sync)
-        inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
         # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
         acc = cute.make_rmem_tensor((VEC,), Float32)
         acc.fill(0.0)
@@ -125,18 +140,13 @@ class SplitMerge:
             s_acc[i, vec, grp] = acc[i]
         sync()
         if grp == 0:
-            out = cute.make_rmem_tensor((VEC,), self.dtype)
+            row = cute.make_rmem_tensor((VEC,), Float32)
             for i in cutlass.range_constexpr(VEC):
                 x = s_acc[i, vec, 0]
                 for g in cutlass.range_constexpr(1, self.groups):
                     x += s_acc[i, vec, g]
-                out[i] = self.dtype(x * inv)
-            cute.autovec_copy(out, cute.local_tile(mO[b, h, None], (VEC,), (vec,)))
-            if vec == 0:
-                lse = -Float32.inf
-                if total > Float32(0.0):
-                    lse = m + cute.math.log2(total, fastmath=True) * LN_2
-                mL[b, h] = lse
+                row[i] = x
+            store_row(row, total, m, mO, mL, b, h, vec)
 
 
 MERGE_AHEAD = 8  # splits a thread of ``HeadMerge`` loads at once (8 x 16 bytes and 8 LSEs in flight)
@@ -153,8 +163,7 @@ class HeadMerge:
     softmax): ceil(S / ahead) round trips for all the rows, no barrier, no shared memory.  The sums run in another order than the combine
     kernel's (fp32 rounding apart)."""
 
-    def __init__(self, dtype, head_dim: int, ahead: int = MERGE_AHEAD):
-        self.dtype = dtype
+    def __init__(self, head_dim: int, ahead: int = MERGE_AHEAD):
         self.vecs = head_dim // VEC  # threads per row
         self.ahead = ahead
 
@@ -198,16 +207,7 @@ class HeadMerge:
                     for j in cutlass.range_constexpr(VEC):
                         acc[j] = acc[j] + w * part[j, i]
                 m = m_new
-            inv = Float32(0.0) if total == Float32(0.0) else 1.0 / total
-            out = cute.make_rmem_tensor((VEC,), self.dtype)
-            for j in cutlass.range_constexpr(VEC):
-                out[j] = self.dtype(acc[j] * inv)
-            cute.autovec_copy(out, cute.local_tile(mO[b, h, None], (VEC,), (vec,)))
-            if vec == 0:
-                row_lse = -Float32.inf
-                if total > Float32(0.0):
-                    row_lse = m + cute.math.log2(total, fastmath=True) * LN_2
-                mL[b, h] = row_lse
+            store_row(acc, total, m, mO, mL, b, h, vec)
 
 
 class CombineSm80:
@@ -217,7 +217,7 @@ class CombineSm80:
         # drains and wait for its partials (tensors.wait_for_previous_kernel)
         self.pdl = pdl
         self.d = head_dim
-        self.merger = SplitMerge(dtype, head_dim, hoist_loads)
+        self.merger = SplitMerge(head_dim, hoist_loads)
 
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, stream):

@@ -150,7 +150,7 @@ class PackedDecodeConfig:
         # profiles/h100/variants_merge_splits_h100.json: 4c128 B=1 N=4K 11.14 / 17.17, N=128K
         # 56.78 / 62.91)
         self.merges = split and (append or merge_splits)
-        self.merger = HeadMerge(dtype, head_dim, self.merge_ahead)
+        self.merger = HeadMerge(head_dim, self.merge_ahead)
         self.merge_smem_bytes = 16  # the "last" flag
 
     # ---- entry points: one calling convention for every packed decode kernel, so the

@@ -54,8 +54,9 @@ V^T registers are rewritten only after the P·V that reads them has landed.
 The 16-bit residual block (``len % Nr`` tokens) is the last tile, in 64-token sub-tiles
 read from the (by then idle) stage buffers; a format's 16-bit sink tokens (the first
 ``sinks`` of the sequence) are more such sub-tiles, attended by split 0.  The output of a
-split is the fp32 partial O and its LSE, merged by the combine kernel; one split writes O
-in the model dtype.
+split is the fp32 partial O and its LSE, merged by the combine kernel or, with
+``merge_splits`` (integer 4-bit's kernels: ``backend.merges_in_kernel``), by the last CTA of
+the (sequence, KV head) to finish (``merge_if_last``); one split writes O in the model dtype.
 """
 
 # no `from __future__ import annotations`: @cute.struct reads its field annotations as objects
