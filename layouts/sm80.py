@@ -324,6 +324,8 @@ def fragment_order(length: int) -> Tuple[int, ...]:
 ELEM_BYTES = 2  # smem tiles are addressed as 16-bit matrices (what ldmatrix moves)
 _SW_BASE = 3  # 8 16-bit elements = one 16-byte chunk
 _SW_SHIFT = 3
+SWIZZLE_ROW_BYTES = 128  # the widest swizzled row (8 chunks: the 32 banks once; TMA's SWIZZLE_128B)
+SWIZZLE_ATOM_ROWS = 8  # rows of that widest swizzle before its XOR pattern repeats
 
 
 def swizzle_params(row_bytes: int) -> Tuple[int, int, int, int]:
@@ -337,8 +339,8 @@ def swizzle_params(row_bytes: int) -> Tuple[int, int, int, int]:
     """
     if row_bytes % CHUNK_BYTES or row_bytes <= 0:
         raise ValueError(f"smem rows must be a positive multiple of 16 bytes, got {row_bytes}")
-    chunks = min(row_bytes // CHUNK_BYTES, 8)
-    return int(math.log2(chunks)), _SW_BASE, _SW_SHIFT, 8 if row_bytes >= 128 else 0
+    chunks = min(row_bytes, SWIZZLE_ROW_BYTES) // CHUNK_BYTES
+    return int(math.log2(chunks)), _SW_BASE, _SW_SHIFT, SWIZZLE_ATOM_ROWS if row_bytes >= SWIZZLE_ROW_BYTES else 0
 
 
 def make_smem_layout(rows: int, row_bytes: int):

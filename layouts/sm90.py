@@ -73,8 +73,6 @@ ELEM_BYTES = 2
 CHUNK_BYTES = sm80.CHUNK_BYTES
 LDSM_BLOCK_ROWS = 4 * sm80.LDSM_ROWS  # rows of one packed ldmatrix x4 (four 8-row blocks)
 OPERANDS = ("k", "v")
-TMA_SWIZZLE_ROW_BYTES = 128  # the widest row a TMA box's swizzle takes (SWIZZLE_128B)
-SW128_ROWS = 8  # rows of 128 bytes before the 128-byte swizzle's pattern repeats
 
 
 _traced = traced_for(TRACE_ARCH)
@@ -183,8 +181,8 @@ def packed_fold(rows: int, row_bytes: int, wide: bool = True) -> int:
     channels of one V tile), so a box of ``rows // fold`` rows of 128 bytes brings the same
     bytes as one of ``rows`` narrower rows, in 128-byte pieces instead of 32- or 64-byte
     ones (the L2 requests a tile costs; profiles/NOTES.md, fifty-fifth session)."""
-    fold = max(1, TMA_SWIZZLE_ROW_BYTES // row_bytes) if wide else 1
-    return fold if rows % (SW128_ROWS * fold) == 0 else 1
+    fold = max(1, sm80.SWIZZLE_ROW_BYTES // row_bytes) if wide else 1
+    return fold if rows % (sm80.SWIZZLE_ATOM_ROWS * fold) == 0 else 1
 
 
 def packed_box(rows: int, row_bytes: int, wide: bool = False) -> Tuple[int, int]:
