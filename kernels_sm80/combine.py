@@ -47,9 +47,10 @@ def store_row(acc, total, m, mO, mL, b, h, vec):
 
 
 class SplitMerge:
-    """The merge of one (batch, head) row's splits by 128 threads (``NUM_THREADS``), as the
-    combine kernel runs it and as a decode kernel's last split CTA runs it in place of the
-    combine launch (the appending decode): one definition, so both give the same bits."""
+    """The combine kernel's merge of one (batch, head) row's splits by the CTA's 128 threads
+    (``NUM_THREADS``): all splits at once, the LSEs reduced across the CTA.  A decode
+    kernel that merges its own splits takes all the rows of a KV head at once instead
+    (``HeadMerge``)."""
 
     def __init__(self, head_dim: int, hoist_loads: bool = False):
         self.d = head_dim
@@ -86,10 +87,9 @@ class SplitMerge:
         return w
 
     @cute.jit
-    def merge(self, mOp, mLp, mO, mL, b, h, smem, tid, sync=cute.arch.sync_threads):
+    def merge(self, mOp, mLp, mO, mL, b, h, smem, tid):
         """Row ``(b, h)``: mOp (S, B, Hq, D) f32 and mLp (S, B, Hq) f32 -> mO (B, Hq, D)
-        dtype and mL (B, Hq) f32; ``smem`` from ``smem_tensors``, ``tid`` 0-127, ``sync``
-        the barrier of those threads (a next row on the same shared memory syncs first)."""
+        dtype and mL (B, Hq) f32; ``smem`` from ``smem_tensors``, ``tid`` 0-127."""
         s_w, s_red, s_acc = smem
         num_splits = mOp.shape[0]
         vec, grp = tid % self.vecs, tid // self.vecs  # step 2's thread: (channel vector, split group)
@@ -111,7 +111,7 @@ class SplitMerge:
         else:
             for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
                 m = cute.arch.fmax(m, mLp[s, b, h])
-        m = block_reduce(m, s_red, tid, NUM_WARPS, True, sync)
+        m = block_reduce(m, s_red, tid, NUM_WARPS, True)
         m_use = m if m != -Float32.inf else Float32(0.0)
         total = Float32(0.0)
         if const_expr(ahead):
@@ -121,7 +121,7 @@ class SplitMerge:
         else:
             for s in cutlass.range(tid, num_splits, NUM_THREADS, unroll=1):
                 total += self.weigh(mLp[s, b, h], m_use, s_w, s)
-        total = block_reduce(total, s_red, tid, NUM_WARPS, False, sync)
+        total = block_reduce(total, s_red, tid, NUM_WARPS, False)
         # 2. weighted sum of the partial outputs: thread = (channel vector, split group)
         acc = cute.make_rmem_tensor((VEC,), Float32)
         acc.fill(0.0)
@@ -138,7 +138,7 @@ class SplitMerge:
                 acc[i] = acc[i] + w * part[i]
         for i in cutlass.range_constexpr(VEC):
             s_acc[i, vec, grp] = acc[i]
-        sync()
+        cute.arch.sync_threads()
         if grp == 0:
             row = cute.make_rmem_tensor((VEC,), Float32)
             for i in cutlass.range_constexpr(VEC):
@@ -160,8 +160,8 @@ class HeadMerge:
     launch it saves; here a thread takes a (row, channel vector) and streams every split's
     vector and LSE, ``ahead`` of each in flight (``MERGE_AHEAD`` unless the kernel's
     registers allow more), weighing them against a running maximum (the merge as online
-    softmax): ceil(S / ahead) round trips for all the rows, no barrier, no shared memory.  The sums run in another order than the combine
-    kernel's (fp32 rounding apart)."""
+    softmax): ceil(S / ahead) round trips for all the rows, no barrier, no shared memory.
+    The sums run in another order than the combine kernel's (fp32 rounding apart)."""
 
     def __init__(self, head_dim: int, ahead: int = MERGE_AHEAD):
         self.vecs = head_dim // VEC  # threads per row

@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import warp
 from ..layouts import resources, sm80, sm100
 from ..layouts.packing import LN_2
 from . import ptx
-from .combine import HeadMerge
+from .combine import MERGE_AHEAD, HeadMerge
 from .copy import copy_rows, load_a_fragments, load_packed_words, wait_all
 from .dequant import E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, split_params
 from .reduce import across_rows
@@ -77,7 +77,7 @@ class PackedDecodeConfig:
 
     # splits a thread of the in-kernel merge loads at once (``HeadMerge``): 16 spill in
     # the sm80 kernel's register budget (64 bytes, the appending 4-bit split decode)
-    merge_ahead = 8
+    merge_ahead = MERGE_AHEAD
 
     def __init__(self, dtype: Type[cutlass.Numeric], bits: int, k_mode: str, group_size: int,
                  head_dim: int, heads_tile: int, split: bool, pdl: bool = False, sinks: int = 0,
