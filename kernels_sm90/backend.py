@@ -576,8 +576,12 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
     def merges_splits(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
         """Whether the split kernel merges its splits in its last CTAs (``DecodeSm90``'s
-        ``merge_splits``, which ``grid_keywords`` sets where ``merges_in_kernel``)."""
-        return split and self.make_decode(arch, fmt, dtype, head_dim, nh, True, tq, variant).merges
+        ``merge_splits``, which ``grid_keywords`` sets where ``merges_in_kernel``): read from
+        the keywords ``make_decode`` builds the kernel with, not from a kernel object."""
+        import cutlass
+
+        keywords = grid_keywords(fmt, dtype is cutlass.Float16, head_dim, nh, variant)
+        return split and bool(keywords and keywords.get("merge_splits"))
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):
         import cutlass
