@@ -708,25 +708,24 @@ def test_combine_hoist_loads_is_bit_equal(head_dim, splits, backend, monkeypatch
     from bitdecode.kernels_sm80 import combine
 
     fmt = bd.KVFormat(4, "channel", 64)
-    if backend == "sm90":  # (its integer 4-bit kernels merge their splits themselves: ``merges_in_kernel``)
-        from bitdecode.kernels_sm90 import backend as sm90
-
-        keywords = sm90.grid_keywords
-        monkeypatch.setattr(sm90, "grid_keywords",
-                            lambda *a: None if keywords(*a) is None else {**keywords(*a), "merge_splits": False})
     q = torch.randn(3, 1, 8, head_dim, generator=torch.Generator().manual_seed(8)).half().to(DEV)
 
     def run():  # (a fresh cache each time: the same bytes)
         cache, _, _ = make_cache(fmt, [splits * 128 + 77, 0, 300], 2, head_dim, torch.float16, backend=backend)
         return bd.decode(q, cache, num_splits=splits, return_lse=True)
 
-    with monkeypatch.context() as m:
-        late_built = built_with(m, combine.CombineSm80, {"hoist_loads": False}, lambda kernel: kernel.merger.ahead)
-        fresh_jit(m)
-        late = run()
-    built = built_with(monkeypatch, combine.CombineSm80, {}, lambda kernel: kernel.merger.ahead)
-    fresh_jit(monkeypatch)  # (the late combine is not in this cache)
-    hoist = run()
+    # (sm90's integer 4-bit kernels merge their splits themselves, ``merges_in_kernel``:
+    # built without it here, so that the combine kernel runs)
+    with (sm90_default_kernel_with(monkeypatch, {"merge_splits": False}, "merges", every_variant=True)
+          if backend == "sm90" else contextlib.nullcontext()):
+        with monkeypatch.context() as m:
+            late_built = built_with(m, combine.CombineSm80, {"hoist_loads": False},
+                                    lambda kernel: kernel.merger.ahead)
+            fresh_jit(m)
+            late = run()
+        built = built_with(monkeypatch, combine.CombineSm80, {}, lambda kernel: kernel.merger.ahead)
+        fresh_jit(monkeypatch)  # (the late combine is not in this cache)
+        hoist = run()
     assert late_built and not any(late_built), late_built
     assert built and all(built), built
     for a, b in zip(late, hoist):
