@@ -250,7 +250,9 @@ class BitDecodingCache(Cache):
         super().__init__(layer_class_to_replicate=layer)
         self.fmt = fmt
         self._prompt_lens = None  # (weakref to a prefill's mask, its length, version, prompt lengths)
-        self._windows = _sliding_windows(config)  # layer index -> its sliding window (tokens)
+        windows = _sliding_windows(config)  # layer index -> its sliding window (tokens)
+        # (the narrowest window, its first layer) or None: what every layer's update checks
+        self._window = min((w, i) for i, w in windows.items()) if windows else None
         self._ref = weakref.ref(self)
         self._attention_modules: dict = {}  # layer index -> the model's attention modules of it
         for module in model.modules():  # the attention modules find their layer through this
@@ -263,12 +265,15 @@ class BitDecodingCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' ``Cache.update``; binds this cache to the layer's attention modules
         (the forward that calls it attends over this cache, whichever cache was made last)."""
-        window = self._windows.get(layer_idx)
-        if window is not None:
+        if self._window is not None:
+            # checked at every layer against the narrowest window, so that the step is refused
+            # at its first layer, before any layer (a full-attention one below the sliding
+            # ones, say) stores it: the layers never disagree about the sequence's length
+            window, windowed = self._window
             seen = self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
             if seen + key_states.shape[2] > window:
                 raise ValueError(
-                    f"layer {layer_idx} attends over a sliding window of {window} tokens and this step would "
+                    f"layer {windowed} attends over a sliding window of {window} tokens and this step would "
                     f"make the sequence {seen + key_states.shape[2]} tokens long: BitDecodingCache keeps every "
                     "token, so past the window its attention would not be the model's (a longer window, "
                     "config.sliding_window, or a cache that evicts)"

@@ -707,8 +707,17 @@ def test_sequences_past_a_sliding_window_are_refused():
     mixed = _sliding_config("Qwen2Config", use_sliding_window=True, sliding_window=32, max_window_layers=1)
     assert mixed.layer_types == ["full_attention", "sliding_attention"]
     _, packed = _pair("Qwen2ForCausalLM", mixed)
+    cache = _cache(packed, 4)
     with pytest.raises(ValueError, match="layer 1 attends over a sliding window"):
-        packed(torch.cat([prompt, prompt], 1), **hf.cache_kwargs(packed, _cache(packed, 4)), use_cache=True)
+        packed(torch.cat([prompt, prompt], 1), **hf.cache_kwargs(packed, cache), use_cache=True)
+    # refused at layer 0 (full attention), before it stored the prompt: no layer holds it
+    assert cache.get_seq_length() == 0 and all(layer.kv is None or layer.kv.lengths == [0] for layer in cache.layers)
+    packed(prompt, **hf.cache_kwargs(packed, cache), use_cache=True)
+    packed(steps[:, :2], **hf.cache_kwargs(packed, cache), use_cache=True)
+    before = _state(cache)
+    with pytest.raises(ValueError, match="layer 1 attends over a sliding window"):
+        packed(steps[:, 2:], **hf.cache_kwargs(packed, cache), use_cache=True)
+    assert _state(cache) == before == (32, [[32], [32]])  # the step refused by every layer alike
     full = _sliding_config("Qwen2Config", use_sliding_window=True, sliding_window=32, max_window_layers=2)
     assert full.layer_types == ["full_attention"] * 2  # a window in the config, but no layer slides
     _, packed = _pair("Qwen2ForCausalLM", full)
