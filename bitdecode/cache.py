@@ -482,7 +482,8 @@ class KVCache:
         # ``_call_key``'s items and k_new's and v_new's, written out: this is the eager step's
         # hot path, where a call to build it costs as much as a tuple's items (the devices as
         # indices, which compare faster: only a CUDA cache's kernel plan gets an entry, and a
-        # tensor on any other device has another index than its device's)
+        # tensor on any other device has another index than its device's; the two calls below
+        # check q by its device)
         try:
             key = (q.shape, q.stride(), k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), q.dtype,
                    k_new.dtype, v_new.dtype, q.get_device(), k_new.get_device(), v_new.get_device(), softmax_scale,
@@ -498,6 +499,9 @@ class KVCache:
         if room is None:
             room = self._append_room()
         if plan is None or room <= 0 or (q.data_ptr() | k_new.data_ptr() | v_new.data_ptr()) % 16:
+            # (q checked by its whole device before the append writes: the key's indices tell a
+            # CUDA cache's device from any other, but not a CPU cache's from "meta", both -1)
+            self._check_query_once(q, softmax_scale, num_splits, backend)
             self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         self._fuse_room = room - 1

@@ -507,7 +507,7 @@ def test_appending_decode_refused_for_its_q_writes_nothing(gen):
     """``decode(q, cache, k_new=, v_new=)`` as two calls (the reference backend, auto): a q
     or an option the decode refuses is refused before the append writes the new token."""
     c = allocate(4)
-    k, v = kvdata.kv(gen, 2, 12, HKV, D)
+    k, v = kvdata.kv(gen, 2, 13, HKV, D)
     c.prefill(k[:, :10], v[:, :10], [10, 4])
     before = _state(c)
     q = kvdata.randn(gen, 2, 1, HQ, D)
@@ -522,6 +522,15 @@ def test_appending_decode_refused_for_its_q_writes_nothing(gen):
         assert _unchanged(c, before), msg
     bd.decode(q, c, k_new=k[:, 10:11], v_new=v[:, 10:11])
     assert c.lengths == [11, 5]
+    # the same q on "meta", after a call of its layout was checked (and remembered): "meta"
+    # and the CPU share a device index (-1), so the check must not pass it on that
+    for t, backend in ((11, "reference"), (12, "auto")):
+        bd.decode(q, c, k_new=k[:, t:t + 1], v_new=v[:, t:t + 1], backend=backend)
+        before = _state(c)
+        with pytest.raises(ValueError, match="q is on meta"):
+            bd.decode(q.to("meta"), c, k_new=k[:, t:t + 1], v_new=v[:, t:t + 1], backend=backend)
+        assert _unchanged(c, before), backend
+    assert c.lengths == [13, 7]
 
 
 def test_query_rows_that_see_no_token_give_zero_and_minus_inf(gen):
