@@ -90,25 +90,23 @@ def rotate(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, bits: int, group_size: int, dim: int = -1, check_finite: bool = True
+    x: torch.Tensor, bits: int, group_size: int, dim: int = -1, check_finite: bool = True, *, name: str = "x"
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` in groups of ``group_size`` along ``dim``.
 
     Returns ``codes`` (uint8, shape of x), ``scale`` and ``zero`` (x.dtype, with ``dim``
-    shrunk by ``group_size``).
+    shrunk by ``group_size``).  ``name``: what errors call ``x`` (``pack_k``'s "k").
     """
-    _validate.tensor("x", x, dtypes=_validate.FLOAT16_DTYPES)
+    _validate.tensor(name, x, dtypes=_validate.FLOAT16_DTYPES)
     _validate.positive_int("group_size", group_size)
-    _validate.integer("bits", bits)
-    if bits not in packing.SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {packing.SUPPORTED_BITS}, got {bits!r}")
-    dim = _validate.axis("dim", dim, "x", x)
+    _check_bits(bits)
+    dim = _validate.axis("dim", dim, name, x)
     if x.shape[dim] % group_size:
         raise ValueError(
-            f"x has {x.shape[dim]} values along dim {dim}, not a multiple of group_size={group_size}"
+            f"{name} has {x.shape[dim]} values along dim {dim}, not a multiple of group_size={group_size}"
         )
     if check_finite:
-        _validate.finite("x", x)
+        _validate.finite(name, x)
     xs = x.movedim(dim, -1)
     grouped = xs.float().reshape(*xs.shape[:-1], xs.shape[-1] // group_size, group_size)
     mn = grouped.amin(dim=-1)
@@ -135,7 +133,15 @@ def dequantize(
 ) -> torch.Tensor:
     """``to16(q * scale + zero)`` with a single rounding, in the dtype of ``scale`` (or
     ``out_dtype``: float32 keeps it exact)."""
+    _validate.tensor("codes", codes, dtypes=(torch.uint8,))
+    for name, t in (("scale", scale), ("zero", zero)):
+        _validate.tensor(name, t, dtypes=_validate.FLOAT16_DTYPES + (torch.float32,))
+    _validate.positive_int("group_size", group_size)
     dim = _validate.axis("dim", dim, "codes", codes)
+    want = (*codes.shape[:dim], codes.shape[dim] // group_size, *codes.shape[dim + 1:])
+    if codes.shape[dim] % group_size or scale.shape != want or zero.shape != scale.shape:
+        raise ValueError(f"scale and zero must have shape {want} (codes {tuple(codes.shape)} in groups of "
+                         f"{group_size} along dim {dim}), got {tuple(scale.shape)} and {tuple(zero.shape)}")
     s = scale.double().repeat_interleave(group_size, dim=dim)
     z = zero.double().repeat_interleave(group_size, dim=dim)
     return (codes.double() * s + z).to(out_dtype or scale.dtype)
@@ -298,7 +304,25 @@ def _to_int32(words64: torch.Tensor) -> torch.Tensor:
 
 
 def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes ``[..., L]`` (uint8) -> packed rows ``[..., L*bits/32]`` (int32)."""
+    """Codes ``[..., L]`` (uint8, each below ``2**bits``) -> packed rows ``[..., L*bits/32]``
+    (int32).  Checks the codes' range (on a GPU, one sync)."""
+    _validate.tensor("codes", codes, dtypes=(torch.uint8,))
+    _check_bits(bits)
+    if codes.dim() == 0:
+        raise ValueError("codes must have at least one dimension, got a 0-dim tensor")
+    if codes.numel() and int(codes.max()) >> bits:
+        raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for bits={bits}, got {int(codes.max())}")
+    return _pack_rows(codes, bits)
+
+
+def _check_bits(bits) -> None:
+    _validate.integer("bits", bits)
+    if bits not in packing.SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {packing.SUPPORTED_BITS}, got {bits!r}")
+
+
+def _pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``pack_rows`` unchecked (codes that ``quantize`` made)."""
     length = codes.shape[-1]
     n_words = sm80.words_per_row(bits, length)
     word, shift = _row_tables(bits, length, str(codes.device))
@@ -317,6 +341,8 @@ def unpack_rows(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
 
 def pack_params(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """(scale, zero) -> one int32 word: scale in the low 16 bits, zero in the high."""
+    _validate.tensor("scale", scale, dtypes=_validate.FLOAT16_DTYPES)
+    _validate.tensor("zero", zero, dtypes=(scale.dtype,), shape=scale.shape)
     s = scale.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     z = zero.contiguous().view(torch.int16).to(torch.int32)
     return (s << packing.PARAM_SCALE_SHIFT) | (z << packing.PARAM_ZERO_SHIFT)
@@ -360,34 +386,46 @@ def pack_k(k: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     token mode ``[..., N, D/G]``.
     """
     _check_fmt(fmt)
+    _check_tokens("k", k)
     if fmt.fp4:  # per 128-token tile: rows = tokens, scales along the channels
         nr = sm100.SF_ATOM_ROWS
-        _validate.tensor("k", k, dtypes=_validate.FLOAT16_DTYPES)
-        if k.dim() < 2 or k.shape[-2] % nr:
+        if k.shape[-2] % nr:
             raise ValueError(f"k must hold a multiple of {nr} tokens (dim -2) for {fmt.fp4}, got shape "
                              f"{tuple(k.shape)}")
         tiles = k.reshape(*k.shape[:-2], k.shape[-2] // nr, nr, k.shape[-1])
         words, chunks = _pack_fp4_rows(tiles, fmt, check_finite)
         return words.reshape(*k.shape[:-1], -1), chunks.squeeze(-3)  # a tile is one chunk of rows
     if fmt.k_mode == "channel":
-        codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-2, check_finite=check_finite)
+        codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-2, check_finite=check_finite, name="k")
         params = _to_fragment_order(pack_params(scale, zero), dim=-1)
     else:
-        codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-1, check_finite=check_finite)
+        codes, scale, zero = quantize(k, fmt.bits, fmt.group_size, dim=-1, check_finite=check_finite, name="k")
         params = pack_params(scale, zero)
-    return pack_rows(codes, fmt.bits), params
+    return _pack_rows(codes, fmt.bits), params
+
+
+def _check_tokens(name: str, t) -> None:
+    """K or V ``[..., N, D]`` as ``pack_k`` / ``pack_v`` take it."""
+    _validate.tensor(name, t, dtypes=_validate.FLOAT16_DTYPES)
+    if t.dim() < 2:
+        raise ValueError(f"{name} must have shape [..., N, D] (at least 2 dims), got {tuple(t.shape)}")
 
 
 def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype,
              out_dtype: Optional[torch.dtype] = None):
     """Dequantized K of packed pages; ``dtype`` is the model's (the params' words), the
     values rounded once to ``out_dtype`` (default ``dtype``)."""
+    _check_unpack("k_pack", k_pack, 2, fmt, dtype)
     head_dim = k_pack.shape[-1] * 32 // fmt.bits
     if fmt.fp4:
         nr = sm100.SF_ATOM_ROWS
         tiles = k_pack.reshape(*k_pack.shape[:-2], k_pack.shape[-2] // nr, nr, k_pack.shape[-1])
         return _unpack_fp4_rows(tiles, k_params.unsqueeze(-3), nr, fmt,
                                 out_dtype or dtype).reshape(*k_pack.shape[:-1], head_dim)
+    n, g = k_pack.shape[-2], fmt.group_size
+    lead = tuple(k_pack.shape[:-2])
+    _check_params("k_params", k_params, (*lead, n // g, head_dim) if fmt.k_mode == "channel" else
+                  (*lead, n, head_dim // g), "k_pack", k_pack, fmt, n % g == 0 or fmt.k_mode != "channel")
     codes = unpack_rows(k_pack, fmt.bits, head_dim)
     if fmt.k_mode == "channel":
         scale, zero = unpack_params(_from_fragment_order(k_params, dim=-1), dtype)
@@ -396,19 +434,39 @@ def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype:
     return dequantize(codes, scale, zero, fmt.group_size, dim=-1, out_dtype=out_dtype)
 
 
+def _check_unpack(name: str, pack, dims: int, fmt, dtype) -> None:
+    """``unpack_k`` / ``unpack_v``'s packed words, format and dtype."""
+    _check_fmt(fmt)
+    _validate.tensor(name, pack, dtypes=(torch.int32,))
+    if pack.dim() < dims:
+        raise ValueError(f"{name} must have at least {dims} dims, got shape {tuple(pack.shape)}")
+    if dtype not in _validate.FLOAT16_DTYPES:
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the model's), got {dtype!r}")
+
+
+def _check_params(name: str, params, want, pack_name: str, pack, fmt, fits: bool = True) -> None:
+    """Integer formats' params words: int32 of shape ``want`` (what ``pack``, packed in
+    ``fmt``, needs; ``fits``: ``pack``'s own shape agrees with ``fmt``)."""
+    _validate.tensor(name, params, dtypes=(torch.int32,))
+    if not fits or tuple(params.shape) != tuple(want):
+        raise ValueError(f"{name} {tuple(params.shape)} and {pack_name} {tuple(pack.shape)} are not one packing of "
+                         f"{fmt} (for that {pack_name}, {name} would be {tuple(want)})")
+
+
 def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
     """V ``[..., N, D]`` (N a multiple of ``fmt.v_tile``) -> (v_pack ``[..., N/Nv, D,
     Nv*v_bits/32]``, v_params ``[..., N/16, D/G, 16]`` with tokens in fragment order)."""
     _check_fmt(fmt)
+    _check_tokens("v", v)
     nr, n = fmt.v_tile, v.shape[-2]
     if n % nr:
         raise ValueError(f"V blocks are packed {nr} tokens at a time, got {n} tokens")
     lead = v.shape[:-2]
     if fmt.fp4:  # V^T per tile: rows = channels, scales along the tokens
         return _pack_fp4_rows(v.reshape(*lead, n // nr, nr, v.shape[-1]).transpose(-1, -2), fmt, check_finite)
-    codes, scale, zero = quantize(v, fmt.v_bits, fmt.group_size, dim=-1, check_finite=check_finite)
+    codes, scale, zero = quantize(v, fmt.v_bits, fmt.group_size, dim=-1, check_finite=check_finite, name="v")
     blocks = codes.reshape(*lead, n // nr, nr, v.shape[-1]).transpose(-1, -2)
-    v_pack = pack_rows(blocks, fmt.v_bits)
+    v_pack = _pack_rows(blocks, fmt.v_bits)
     words = pack_params(scale, zero)  # [..., N, D/G]
     k = sm80.MMA_SHAPE[2]
     words = words.reshape(*lead, n // k, k, words.shape[-1])
@@ -417,10 +475,15 @@ def pack_v(v: torch.Tensor, fmt: KVFormat, check_finite: bool = True):
 
 
 def unpack_v(v_pack: torch.Tensor, v_params: torch.Tensor, fmt: KVFormat, dtype: torch.dtype):
+    """Dequantized V ``[..., N, D]`` of ``pack_v``'s pages, in ``dtype`` (the model's)."""
+    _check_unpack("v_pack", v_pack, 3, fmt, dtype)
     nr = fmt.v_tile
     if fmt.fp4:
         v = _unpack_fp4_rows(v_pack, v_params, v_pack.shape[-2], fmt, dtype).transpose(-1, -2)  # [..., tiles, Nv, D]
         return v.reshape(*v.shape[:-3], -1, v.shape[-1])
+    blocks, d, k = v_pack.shape[-3], v_pack.shape[-2], sm80.MMA_SHAPE[2]
+    _check_params("v_params", v_params, (*v_pack.shape[:-3], blocks * nr // k, d // fmt.group_size, k), "v_pack",
+                  v_pack, fmt, v_pack.shape[-1] == sm80.words_per_row(fmt.v_bits, nr))
     codes = unpack_rows(v_pack, fmt.v_bits, nr).transpose(-1, -2)  # [..., blocks, Nv, D]
     lead = codes.shape[:-3]
     codes = codes.reshape(*lead, -1, codes.shape[-1])

@@ -297,3 +297,60 @@ def test_decode_attention_accepts_the_cache_tensors(cache):
     # unused block-table entries may hold anything: only the pages in use are checked
     args = _args(cache) | dict(block_table=torch.tensor([[0, -7], [1, 99]], dtype=torch.int32))
     assert torch.equal(bd.decode_attention(query, **args, backend="reference"), out)
+
+
+def _packed(fmt, n=128):
+    """(k, k_pack, k_params, v_pack, v_params) of ``n`` tokens, one head of D channels."""
+    k = torch.randn(1, n, D, generator=torch.Generator().manual_seed(3)).half()
+    return (k, *bd.reference.pack_k(k, fmt), *bd.reference.pack_v(k, fmt))
+
+
+F4, F2 = bd.KVFormat(bits=4, group_size=32), bd.KVFormat(bits=2, group_size=32)
+CODES = torch.zeros(4, 32, dtype=torch.uint8)
+SCALE = torch.ones(4, 1, dtype=FP16)
+REF_ERRORS = {  # name: (call on _packed(F4)'s tensors, error, message)
+    "pack_k 1-d": (lambda p: bd.reference.pack_k(p[0][0, 0], F4), ValueError, r"^k must have shape \[\.\.\., N, D\]"),
+    "pack_k list": (lambda p: bd.reference.pack_k([1.0, 2.0], F4), TypeError, "^k must be a torch.Tensor"),
+    "pack_k groups": (lambda p: bd.reference.pack_k(p[0][:, :100], F4), ValueError, "^k has 100 values along"),
+    "pack_v 1-d": (lambda p: bd.reference.pack_v(p[0][0, 0], F4), ValueError, r"^v must have shape \[\.\.\., N, D\]"),
+    "pack_v list": (lambda p: bd.reference.pack_v([1.0, 2.0], F4), TypeError, "^v must be a torch.Tensor"),
+    "pack_v float32": (lambda p: bd.reference.pack_v(p[0].float(), F4), TypeError, "^v must have dtype"),
+    "unpack_k other bits": (lambda p: bd.reference.unpack_k(p[1], p[2], F2, FP16), ValueError,
+                            "^k_params .* and k_pack .* are not one packing of"),
+    "unpack_k float params": (lambda p: bd.reference.unpack_k(p[1], p[2].float(), F4, FP16), TypeError,
+                              "^k_params must have dtype torch.int32"),
+    "unpack_k dtype": (lambda p: bd.reference.unpack_k(p[1], p[2], F4, torch.float32), TypeError, "^dtype must be"),
+    "unpack_k fmt": (lambda p: bd.reference.unpack_k(p[1], p[2], 4, FP16), TypeError, "^fmt must be"),
+    "unpack_v other bits": (lambda p: bd.reference.unpack_v(p[3], p[4], F2, FP16), ValueError,
+                            "^v_params .* and v_pack .* are not one packing of"),
+    "unpack_v params": (lambda p: bd.reference.unpack_v(p[3], p[4][..., :8], F4, FP16), ValueError, "^v_params"),
+    "pack_rows range": (lambda p: bd.reference.pack_rows(CODES + 16, 4), ValueError, r"^codes must lie in \[0, 15\]"),
+    "pack_rows float": (lambda p: bd.reference.pack_rows(CODES.float(), 4), TypeError, "^codes must have dtype"),
+    "pack_rows bits": (lambda p: bd.reference.pack_rows(CODES, 3), ValueError, "^bits must be one of"),
+    "pack_params float32": (lambda p: bd.reference.pack_params(SCALE.float(), SCALE.float()), TypeError,
+                            "^scale must have dtype"),
+    "pack_params shapes": (lambda p: bd.reference.pack_params(SCALE, SCALE[:2]), ValueError, "^zero must have shape"),
+    "dequantize group 0": (lambda p: bd.reference.dequantize(CODES, SCALE, SCALE, 0), ValueError, "^group_size"),
+    "dequantize float group": (lambda p: bd.reference.dequantize(CODES, SCALE, SCALE, 32.0), TypeError, "^group_size"),
+    "dequantize shapes": (lambda p: bd.reference.dequantize(CODES, SCALE, SCALE, 16), ValueError,
+                          r"^scale and zero must have shape \(4, 2\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REF_ERRORS))
+def test_reference_helpers_name_what_they_refuse(case):
+    """``bd.reference``'s packing helpers refuse what they cannot pack or unpack with an
+    error naming the argument (not torch's own IndexError / RuntimeError from inside), and
+    take what ``pack_k`` / ``pack_v`` made back exactly."""
+    call, exc, msg = REF_ERRORS[case]
+    with pytest.raises(exc, match=msg):
+        call(_packed(F4))
+
+
+def test_reference_helpers_round_trip_what_they_check():
+    k, kp, ks, vp, vs = _packed(F4)
+    assert torch.equal(bd.reference.unpack_k(kp, ks, F4, FP16), bd.reference.dequantize(
+        *bd.reference.quantize(k, 4, 32, dim=-2), 32, dim=-2))
+    assert torch.equal(bd.reference.unpack_v(vp, vs, F4, FP16), bd.reference.dequantize(
+        *bd.reference.quantize(k, 4, 32, dim=-1), 32, dim=-1))
+    assert torch.equal(bd.reference.unpack_rows(bd.reference.pack_rows(CODES + 15, 4), 4, 32), CODES + 15)
