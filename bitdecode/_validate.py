@@ -86,6 +86,14 @@ def integer(name: str, value) -> int:
     return value
 
 
+def flag(name: str, value) -> bool:
+    """A bool, else a TypeError naming ``name`` (a truthy string or tensor is not taken for
+    True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def axis(name: str, value, tensor_name: str, t: torch.Tensor) -> int:
     """A dimension of ``t`` (negative counts from the end), as its index >= 0."""
     integer(name, value)

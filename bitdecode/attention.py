@@ -283,6 +283,8 @@ def decode_attention(
     lengths and block-table range (one device sync; skipped under CUDA graph capture).
     Returns ``out`` ``[B, 1, Hq, D]`` (and ``lse`` ``[B, 1, Hq]`` fp32, natural log).
     """
+    _validate.flag("return_lse", return_lse)
+    _validate.flag("check_values", check_values)
     cache = check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
                         block_table, check_values=check_values)
     return decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,

@@ -213,6 +213,7 @@ def _check_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps, gated: bool) -
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
     _validate.tensor("weight", weight, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    _validate.flag("gated", gated)
     if gated and x.shape[-1] % 2:
         raise ValueError(f"gated: x's last dimension must be even (gate then up), got {x.shape[-1]}")
     k = x.shape[-1] // 2 if gated else x.shape[-1]
@@ -908,8 +909,7 @@ class BitLinear(nn.Module):
         super().__init__()
         _validate.positive_int("in_features", in_features)
         _validate.positive_int("out_features", out_features)
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
+        _validate.flag("bias", bias)
         layout.check_shape(out_features, in_features, k_multiple=layout.K_MULTIPLE, name="BitLinear")
         self.in_features = in_features
         self.out_features = out_features

@@ -416,6 +416,8 @@ class KVCache:
                v_new: Optional[torch.Tensor] = None):
         """Attention of ``q`` ``[B, T, Hq, D]`` over the cache (see ``bitdecode.decode``);
         with ``k_new`` / ``v_new`` appended first."""
+        if return_lse is not False and return_lse is not True:
+            _validate.flag("return_lse", return_lse)
         if k_new is not None or v_new is not None:
             return self._append_decode(q, k_new, v_new, softmax_scale, num_splits, backend, return_lse)
         max_len = self._host_max
@@ -607,6 +609,8 @@ def decode(
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     if k_new is not None or v_new is not None:  # (straight to it: an eager step's hot path)
+        if return_lse is not False and return_lse is not True:
+            _validate.flag("return_lse", return_lse)
         return cache._append_decode(q, k_new, v_new, softmax_scale, num_splits, backend, return_lse)
     return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                         return_lse=return_lse)

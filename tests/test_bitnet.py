@@ -1067,6 +1067,8 @@ def test_rms_norm_reference_and_errors():
         bn.rms_norm(x, w[:8], 1e-5)
     with pytest.raises(ValueError, match="backend"):
         bn.rms_norm(x, w, 1e-5, backend="fast")
+    with pytest.raises(TypeError, match="gated must be a bool, got str"):
+        bn.rms_norm_quantize(x, w, 1e-5, gated="yes")
 
 
 def test_add_rms_norm_reference_and_errors():

@@ -201,6 +201,9 @@ def test_capacity(cache):
         (q, dict(num_splits=1.5), ValueError, r"num_splits must be an int in \[0, 256\]"),
         (q, dict(num_splits=257), ValueError, r"num_splits must be an int in \[0, 256\] .*got 257"),
         (q, dict(backend="triton"), ValueError, "backend must be one of"),
+        (q, dict(return_lse="no"), TypeError, "return_lse must be a bool, got str"),
+        (q, dict(return_lse=1, k_new=torch.zeros(B, 1, HKV, D, dtype=FP16), v_new=torch.zeros(B, 1, HKV, D, dtype=FP16)),
+         TypeError, "return_lse must be a bool, got int"),
         (q, dict(backend="sm80"), ValueError, "backend 'sm80' runs CUDA kernels, but the tensors are on cpu"),
     ],
 )
@@ -276,6 +279,8 @@ _functional_cases = [
     ("table shared page", lambda a: dict(block_table=torch.tensor([[1], [1]], dtype=torch.int32)), ValueError,
      r"block_table entries in use must be distinct pages: page 1 is used more than once \(sequences \[0, 1\]\)"),
     ("device", lambda a: dict(v_params=a["v_params"].to("meta")), ValueError, "v_params is on meta but k_res is on cpu"),
+    ("return_lse", lambda a: dict(return_lse="yes"), TypeError, "return_lse must be a bool, got str"),
+    ("check_values", lambda a: dict(check_values=None), TypeError, "check_values must be a bool, got NoneType"),
 ]
 
 
