@@ -144,8 +144,8 @@ def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
     if q.shape[1] == 0:
         raise ValueError("q must hold at least one query token per sequence (q.shape[1] >= 1), got 0")
     hq, hkv = q.shape[2], cache.k_res.shape[2]
-    if hq % hkv:
-        raise ValueError(f"q has {hq} heads, not a multiple of the cache's {hkv} KV heads")
+    if hq % hkv or hq == 0:
+        raise ValueError(f"q has {hq} heads, not a positive multiple of the cache's {hkv} KV heads")
     if backend == "reference":
         return
     max_gqa = backends.get(backend).limits.max_gqa

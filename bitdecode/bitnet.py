@@ -147,6 +147,8 @@ def _row_scales(w_scales: torch.Tensor, segs: Tuple[int, ...]) -> torch.Tensor:
 def quantize_weight(w: torch.Tensor, segments: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Ternary weights: (int8 [N, K] in {-1, 0, 1}, fp32 [S] scales ``mean|W|`` per segment)."""
     _validate.tensor("w", w, dtypes=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+    if w.numel() == 0:  # (its scale, the mean of no values, would be NaN)
+        raise ValueError(f"w must hold at least one weight, got shape {tuple(w.shape)}")
     n = w.shape[0]
     segs = _segments(segments, n)
     _validate.finite("w", w)

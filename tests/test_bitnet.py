@@ -209,6 +209,8 @@ def test_quantize_weight_zero_and_errors():
         bn.quantize_weight(torch.zeros(32, 32, dtype=torch.int32))
     with pytest.raises(ValueError, match="NaN"):
         bn.quantize_weight(torch.full((16, 32), float("nan")))
+    with pytest.raises(ValueError, match=r"w must hold at least one weight, got shape \(0, 128\)"):
+        bn.quantize_weight(torch.zeros(0, 128))
 
 
 def test_quantize_activation_rules():

@@ -513,7 +513,7 @@ def test_appending_decode_refused_for_its_q_writes_nothing(gen):
     q = kvdata.randn(gen, 2, 1, HQ, D)
     for bad_q, kw, err, msg in ((q.float(), {}, TypeError, "^q must have dtype"),
                                 (q[:, :0], {}, ValueError, "at least one query token"),
-                                (q[:, :, :3], {}, ValueError, "not a multiple of the cache's 2 KV heads"),
+                                (q[:, :, :3], {}, ValueError, "not a positive multiple of the cache's 2 KV heads"),
                                 ([1.0], {}, TypeError, "q must be a torch.Tensor"),
                                 (q, {"softmax_scale": "x"}, TypeError, "softmax_scale"),
                                 (q, {"num_splits": -1}, ValueError, "num_splits")):
