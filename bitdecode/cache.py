@@ -149,10 +149,13 @@ class KVCache:
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
             gib = pages * page * num_kv_heads * fmt.bytes_per_token(head_dim) / 2**30
+            # the 16-bit buffers: the residual blocks and the sink tokens (K and V each)
+            gib16 = 2 * batch * (nr + fmt.sink_tokens) * num_kv_heads * head_dim * 2 / 2**30
             raise torch.OutOfMemoryError(
                 f"KVCache.allocate(batch={batch}, num_kv_heads={num_kv_heads}, head_dim={head_dim}, "
-                f"max_seqlen={max_seqlen}, fmt={fmt}): its packed pages need {gib:.2f} GiB on {device}, which "
-                f"could not be allocated ({str(e).splitlines()[0]})") from e
+                f"max_seqlen={max_seqlen}, fmt={fmt}): its packed pages need {gib:.2f} GiB and its 16-bit "
+                f"residual and sink buffers {gib16:.2f} GiB on {device}, which could not be allocated "
+                f"({str(e).splitlines()[0]})") from e
         # distinct, in-range pages by construction, for every length the cache can hold
         version = _validate.version_counter(cache.block_table)
         cache._table_verified = None if version is None else (version, (max_seqlen,) * batch)

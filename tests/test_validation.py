@@ -1,6 +1,7 @@
 """Every argument check: the error type, a message that names the argument, and nothing
 written to the cache."""
 
+import dataclasses
 import math
 
 import pytest
@@ -101,10 +102,17 @@ def test_allocate_too_large_says_what_it_asked_for(monkeypatch):
 
     monkeypatch.setattr(torch, "zeros", refuse_large)
     gib = f"{64 * 10**8 * HKV * FMT.bytes_per_token(D) / 2**30:.2f}"  # (a page a sequence of 10**8 tokens)
+    gib16 = f"{2 * 64 * 128 * HKV * D * 2 / 2**30:.2f}"  # (the residual blocks)
     with pytest.raises(torch.OutOfMemoryError, match=rf"^KVCache.allocate\(batch=64, num_kv_heads=2, head_dim=64, "
                                                      rf"max_seqlen=100000000, fmt=.*\): its packed pages need {gib} "
-                                                     r"GiB on cpu, which could not be allocated \(DefaultCPUAllocator"):
+                                                     rf"GiB and its 16-bit residual and sink buffers {gib16} GiB on "
+                                                     r"cpu, which could not be allocated \(DefaultCPUAllocator"):
         bd.KVCache.allocate(64, HKV, D, 10**8, FMT, device="cpu")
+    # sink buffers too large to allocate while the pages are small: the message counts them
+    sinks = dataclasses.replace(FMT, sink_tokens=10**9)
+    with pytest.raises(torch.OutOfMemoryError, match=r"its packed pages need 0.00 GiB and its 16-bit residual and "
+                                                     r"sink buffers 953.67 GiB on cpu"):
+        bd.KVCache.allocate(2, HKV, D, 100, sinks, device="cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
