@@ -1078,7 +1078,10 @@ class FusedSlice(nn.Module):
     forward still calls ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``; the first call on an
     input runs the fused layer (activations quantized once, one GEMV / GEMM for all
     segments) and keeps its output until every other slice has read its rows of it for the
-    same input tensor (the same object; a different input runs the fused layer again)."""
+    same input tensor (the same object, unchanged in place since: a different input, or the
+    same one written to, runs the fused layer again).  Under ``torch.inference_mode`` a
+    tensor has no version counter, so an in-place write between the slices' calls (which
+    no model's attention or MLP forward makes) cannot be seen there."""
 
     def __init__(self, fused: BitLinear, index: int, memo: dict):
         super().__init__()
@@ -1091,7 +1094,7 @@ class FusedSlice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         memo = self._memo
-        if memo.get("x") is x and self.index in memo["pending"]:
+        if memo.get("x") is x and self.index in memo["pending"] and memo["version"] == _validate.version_counter(x):
             out = memo["out"]
             memo["pending"].discard(self.index)
             if not memo["pending"]:
@@ -1100,7 +1103,7 @@ class FusedSlice(nn.Module):
             out = self.fused(x)
             pending = set(range(len(self.fused.segments))) - {self.index}
             memo.clear()
-            memo.update(x=x, out=out, pending=pending)
+            memo.update(x=x, version=_validate.version_counter(x), out=out, pending=pending)
         return out[..., self.start : self.stop]
 
     def extra_repr(self) -> str:

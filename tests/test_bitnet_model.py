@@ -315,6 +315,13 @@ def test_fused_slice_recomputes_for_another_input(fp32):
     assert torch.equal(k_b, attn.qkv_proj(b)[:, 128:192])
     assert torch.equal(q_a, attn.qkv_proj(a)[:, :128])
     assert torch.equal(attn.v_proj(b), attn.qkv_proj(b)[:, 192:])
+    # the same tensor written in place between the slices' calls: the fused layer again
+    with torch.no_grad():
+        buf = a.clone()
+        attn.q_proj(buf)
+        attn.k_proj(buf)
+        buf.copy_(b)
+        assert torch.equal(attn.v_proj(buf), attn.qkv_proj(b)[:, 192:])
 
 
 @torch.no_grad()
