@@ -198,20 +198,26 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     if name is None and gguf is None:
         raise ValueError("give a MODEL (folder or cached Hugging Face id), --gguf-file FILE, --random-llama SIZE, "
                          "--random-bitnet SIZE or --bitnet-int2 FILE")
+    folder = None
     if name is not None and looks_like_path(name):
         folder = Path(name).expanduser()
         if not folder.is_dir():
             raise ValueError(f"cannot load {name!r}: no such folder" if not folder.exists() else
                              f"cannot load {name!r}: not a folder (a GGUF file goes to --gguf-file)")
         name = str(folder)
-    if gguf is not None and (name is None or Path(gguf).is_absolute() or Path(gguf).exists()):
-        path = Path(gguf)
+    # the GGUF file: a path (absolute, or without MODEL from here), else a name inside the
+    # MODEL folder (never a same-named file here), else a file of the hub model MODEL
+    if gguf is not None and (name is None or folder is not None or Path(gguf).is_absolute()):
+        path = Path(gguf).expanduser()
+        if folder is not None and not path.is_absolute():
+            path = folder / path
         if not path.is_file():
-            raise ValueError(f"--gguf-file {gguf}: no such file")
+            raise ValueError(f"--gguf-file {gguf}: no such file" + (f" in {name}" if folder is not None else ""))
         name, gguf = str(path.resolve().parent), path.name
     kw = dict(local_files_only=True)
     if gguf is not None:
-        kw["gguf_file"] = gguf
+        # a local file by its absolute path: transformers tries a relative name here first
+        kw["gguf_file"] = str(Path(name, gguf)) if Path(name).is_dir() else gguf
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, attn_implementation=hf.ATTN_IMPLEMENTATION, **kw)

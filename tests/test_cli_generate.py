@@ -214,6 +214,19 @@ def test_generate_gguf_file(tmp_path, capsys, monkeypatch):
     assert f"{tmp_path} (tiny.gguf), llama" in out and "prompt: the theme" in out
     assert re.search(r"^bitdecode 4-bit: ", out, re.M) and "token ids" not in out
     assert any(k.startswith("bitdecode 4-bit (K per channel, G=64, reference)") for k in _rows(out))
+    # MODEL and a file name: the file inside MODEL, not one of the same name here
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tiny.gguf").write_text("not a GGUF file")
+    monkeypatch.chdir(elsewhere)
+    code = main(["generate", str(tmp_path), "--gguf-file", "tiny.gguf", "--device", "cpu", "--max-new-tokens", "2",
+                 "--prompt", "the theme", "--no-baseline"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"{tmp_path} (tiny.gguf), llama" in out
+    assert main(["generate", str(elsewhere / "none"), "--gguf-file", "tiny.gguf"]) == 2
+    assert main(["generate", str(tmp_path), "--gguf-file", "other.gguf"]) == 2
+    assert f"error: --gguf-file other.gguf: no such file in {tmp_path}\n" in capsys.readouterr().out
 
 
 def test_generate_random_bitnet_runs_on_bitdecode_linears(capsys, monkeypatch):
