@@ -67,6 +67,31 @@ def _floats(text: str) -> List[float]:
     return values
 
 
+def results_path(text: str) -> Path:
+    """argparse type of ``--out``: a .json file (its folder made if missing) or a folder
+    (made if missing), refused before the evaluation runs where it cannot be written."""
+    path = Path(text).expanduser()
+    is_file = path.suffix == ".json"
+    if is_file and path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a .json file")
+    if not is_file and path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    folder = path.parent if is_file else path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {folder}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {folder}")
+    if is_file and not path.exists():  # (a folder that takes no new file: /proc, say)
+        try:
+            path.open("x").close()
+            path.unlink()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror}") from None
+    return path
+
+
 def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
     from .cli_generate import add_model_arguments
     from .eval import DEFAULT_FORMATS, NEEDLE_DEPTHS
@@ -108,7 +133,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     run_.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                       help="auto (default): the kernels on a GPU, the torch reference on the CPU")
     run_.add_argument("--seed", type=int, default=0, help="seed of random weights and needle keys (default: 0)")
-    run_.add_argument("--out", type=Path, default=None,
+    run_.add_argument("--out", type=results_path, default=None,
                       help="a folder for accuracy.json + accuracy.png, or a .json path (default: print only)")
     return p
 

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import bitdecode as bd  # noqa: E402
 import bitdecode.eval as bdeval  # noqa: E402
-from bitdecode import cli_generate  # noqa: E402
+from bitdecode import cli_eval, cli_generate  # noqa: E402
 from bitdecode.cli import main  # noqa: E402
 
 CONTEXT = 272  # > the 2-bit residual block (256): the scored steps read packed 2-bit tokens
@@ -157,6 +157,18 @@ def test_cli_eval_end_to_end(tmp_path, capsys, monkeypatch):
 def test_cli_eval_rejects_a_bad_spec(capsys):
     assert main(["eval", "--random-llama", "tiny", "--device", "cpu", "--formats", "4q64"]) == 2
     assert "cannot read the method spec" in capsys.readouterr().out
+
+
+def test_cli_eval_refuses_an_out_it_cannot_write_before_it_runs(tmp_path, capsys):
+    """--out is checked when parsed (the results of a long run would be lost at its end)."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    for out, msg in ((a_file, "exists and is not a folder"), (a_file / "x.json", "cannot make the folder")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["eval", "--random-llama", "tiny", "--device", "cpu", "--out", str(out)])
+        assert exit_.value.code == 2 and msg in capsys.readouterr().err
+    assert cli_eval.results_path(str(tmp_path / "new" / "r.json")) == tmp_path / "new" / "r.json"
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "r.json").exists()
 
 
 def test_help_lists_eval(capsys):
