@@ -1384,7 +1384,15 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
     if getattr(config, "model_type", None) != "bitnet":
         raise ValueError("model must be a transformers BitNetForCausalLM (config.model_type 'bitnet')")
     if isinstance(state, (str, bytes)) or hasattr(state, "__fspath__"):
-        state = torch.load(state, map_location="cpu", weights_only=True)
+        path = state
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - what a truncated, foreign or unsafe pickle raises varies
+            why = ": ".join([type(exc).__name__, *([" ".join(str(exc).split())[:200]] if str(exc) else [])])
+            raise ValueError(f"state: cannot read {os.fsdecode(path)!r} as a torch checkpoint of tensors ({why})") \
+                from exc
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of tensors or a path, got {type(state).__name__}")
 

@@ -352,6 +352,7 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
     from rich.table import Table
 
     from . import hf
+    from .cache import MAX_SEQLEN
     from .eval import cache_bytes
 
     dtype = torch_dtype(args.dtype)
@@ -384,6 +385,10 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
         print_error(console, f"--max-seqlen {max_seqlen} is less than the prompt ({prompt_len}) plus "
                              f"--max-new-tokens ({args.max_new_tokens})")
         return 2
+    if max_seqlen > MAX_SEQLEN:  # (refused here, not by the first layer's allocation after the baseline ran)
+        print_error(console, f"the bitdecode cache would hold {max_seqlen:,} tokens a sequence (--max-seqlen, or "
+                             f"the prompt plus --max-new-tokens); at most {MAX_SEQLEN:,}")
+        return 2
 
     def show(tokens: torch.Tensor) -> str:
         if tokenizer is not None:
@@ -403,7 +408,11 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
             hf.use_attention(model, hf.ATTN_IMPLEMENTATION)
         for fmt in fmts:
             cache = hf.BitDecodingCache(model, fmt, max_seqlen=max_seqlen, backend=backend)
-            new, pre, rate, _ = generate(model, ids, cache, args.max_new_tokens, pad)
+            try:
+                new, pre, rate, _ = generate(model, ids, cache, args.max_new_tokens, pad)
+            except torch.OutOfMemoryError as exc:  # (a layer's cache, allocated at its first update)
+                print_error(console, " ".join(str(exc).split()))
+                return 1
             kv = cache.layers[0].kv
             used = kv.backend if kv is not None else backend
             extras = "".join([f", V {fmt.v_bits}-bit" if fmt.v_bits != fmt.bits else "",

@@ -113,6 +113,8 @@ def test_help_lists_generate(capsys):
     (["--gguf-file", "/nonexistent/model.gguf"], "no such file"),
     (["--random-llama", "tiny", "--backend", "sm80"], "runs CUDA kernels"),
     (["--random-llama", "tiny", "--group-size", "128"], "group_size"),
+    (["--random-llama", "tiny", "--max-seqlen", "3000000000", "--no-baseline"],
+     "the bitdecode cache would hold 3,000,000,000 tokens a sequence"),
 ])
 def test_generate_errors(args, message, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
@@ -290,3 +292,8 @@ def test_generate_from_a_microsoft_int2_checkpoint(capsys, monkeypatch, tmp_path
     assert re.search(r"^bitdecode 4-bit: token ids( \d+){3}$", out, re.M)
     assert main(["generate", "--bitnet-int2", str(tmp_path / "missing.pt"), "--device", "cpu"]) != 0
     assert "--bitnet-int2" in (msg := capsys.readouterr().out) and "no such file" in msg
+    for name, data in (("empty.pt", b""), ("text.pt", b"not a checkpoint\n")):  # refused by name, no traceback
+        (tmp_path / name).write_bytes(data)
+        assert main(["generate", "--random-bitnet", "tiny", "--bitnet-int2", str(tmp_path / name), "--device",
+                     "cpu", "--no-baseline"]) == 2
+        assert f"--bitnet-int2 {tmp_path / name}: state: cannot read" in capsys.readouterr().out
