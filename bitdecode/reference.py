@@ -135,7 +135,9 @@ def dequantize(
     ``out_dtype``: float32 keeps it exact)."""
     _validate.tensor("codes", codes, dtypes=(torch.uint8,))
     for name, t in (("scale", scale), ("zero", zero)):
-        _validate.tensor(name, t, dtypes=_validate.FLOAT16_DTYPES + (torch.float32,))
+        _validate.tensor(name, t)
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
     _validate.positive_int("group_size", group_size)
     dim = _validate.axis("dim", dim, "codes", codes)
     want = (*codes.shape[:dim], codes.shape[dim] // group_size, *codes.shape[dim + 1:])
