@@ -576,12 +576,11 @@ class Sm90Backend(sm80_backend.Sm80Backend):
 
     def merges_splits(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant=""):
         """Whether the split kernel merges its splits in its last CTAs (``DecodeSm90``'s
-        ``merge_splits``, which ``grid_keywords`` sets where ``merges_in_kernel``): read from
-        the keywords ``make_decode`` builds the kernel with, not from a kernel object."""
-        import cutlass
-
-        keywords = grid_keywords(fmt, dtype is cutlass.Float16, head_dim, nh, variant)
-        return split and bool(keywords and keywords.get("merge_splits"))
+        ``merge_splits``, which ``grid_keywords`` sets where ``merges_in_kernel``): asked of
+        the kernel object ``make_decode`` builds (a plan build's ~10 us; no compile), so that
+        whatever built it with other keywords (``profiles/bench_variants.py``'s variants) is
+        launched as it was built."""
+        return split and self.make_decode(arch, fmt, dtype, head_dim, nh, True, tq, variant).merges
 
     def make_decode(self, arch, fmt, dtype, head_dim, nh, split, tq=1, variant="", append=False):
         import cutlass
