@@ -793,3 +793,28 @@ def test_host_python_measures_the_one_call_path(tmp_path, capsys, splits):
     assert "one call" in capsys.readouterr().out
     assert sm80_backend.Sm80Backend.plan is plan and torch._C._cuda_isCurrentStreamCapturing is capturing
     _refused(script.main, ["--layers", "0"], "must be positive", capsys)
+
+
+def test_bench_variants_merge_variant_is_launched_as_built(monkeypatch):
+    """A variant's keywords go to the kernel class's ``__init__`` (``apply_keywords``), so
+    what the host asks of the built kernel (whether the split decode merges in its last
+    CTAs, and so which arguments it is launched with) must come from the kernel object:
+    ``merge_splits=True`` on 2-bit (whose default keeps the combine) merges, and off on
+    4-bit (whose default merges) does not."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from bitdecode.formats import KVFormat
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    bv = _bench_variants()
+    two, four = KVFormat(bits=2, k_mode="channel", group_size=128), KVFormat(bits=4, k_mode="channel", group_size=128)
+    host = sm90.Sm90Backend()
+    asked = lambda fmt: host.merges_splits("sm_90a", fmt, cutlass.Float16, 128, 8, True)  # noqa: E731
+    assert (asked(two), asked(four)) == (False, True)  # the defaults
+    for on in (True, False):
+        for cls in bv.variant_classes("sm90"):
+            monkeypatch.setattr(cls, "__init__", cls.__init__)  # (put back after the test)
+        bv.apply_keywords({"merge_splits": on})
+        assert (asked(two), asked(four)) == (on, on)
+        monkeypatch.undo()
