@@ -13,6 +13,7 @@ compiled or graph-captured step stays safe without the host-side check of
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -34,10 +35,12 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
     """``bd.decode`` over the cache tensors: (out ``[B, T, Hq, D]``, lse ``[B, T, Hq]``);
     ``k_sink`` / ``v_sink`` the 16-bit sink tokens of a format with ``sink_tokens`` (else
     None); ``fp4`` the FP4 format (``KVFormat.fp4``) or "".  The values of the lengths and
-    block table are not re-checked (no device sync)."""
+    block table are not re-checked on the kernel backends (no device sync); on the
+    reference, which reads them on the host anyway, they are."""
     fmt = _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4)
     cache = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                                  check_values=False, sinks=(k_sink, v_sink) if sink_tokens else None)
+                                  check_values=backend == "reference",
+                                  sinks=(k_sink, v_sink) if sink_tokens else None)
     return attention.decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                                     return_lse=True)
 
@@ -73,11 +76,22 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
 
 def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
                    commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4,
-                   capacity) -> CacheTensors:
-    return CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                        _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4),
-                        capacity=capacity, overflow=overflow, commits=commits,
-                        sinks=(k_sink, v_sink) if sink_tokens else None)
+                   capacity, backend) -> CacheTensors:
+    """The writes' cache tensors, checked against the format and the capacity as the
+    decode op checks them (shapes on the host, no sync); the lengths' and block table's
+    values only on the reference, which reads them on the host anyway."""
+    fmt = _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4)
+    c = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                              check_values=backend == "reference",
+                              sinks=(k_sink, v_sink) if sink_tokens else None)
+    holds = c.block_table.shape[1] * c.page_size  # the tokens a sequence's pages hold
+    if not 0 < capacity <= holds:
+        raise ValueError(f"capacity must lie in [1, {holds}] for these pages ({c.block_table.shape[1]} of "
+                         f"{c.page_size} tokens a sequence), got {capacity}")
+    for name, t in (("overflow", overflow), ("commits", commits)):
+        _validate.tensor(name, t, dtypes=[torch.int32], shape=(k_res.shape[0],), contiguous=True,
+                         device=k_res.device)
+    return dataclasses.replace(c, capacity=capacity, overflow=overflow, commits=commits)
 
 
 @torch.library.custom_op("bitdecode::append", mutates_args=_WRITES)
@@ -92,8 +106,10 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
 
     _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
     c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity)
-    if backend == "reference":
+                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity,
+                       backend)
+    if backend == "reference":  # (the pages the appended lengths reach, as the lengths now were above)
+        attention.check_block_table(c, (cache_seqlens + k.shape[1]).clamp(max=capacity))
         reference_append(c, k, v)
     else:
         backends.get(backend).append(c, k, v)
@@ -111,10 +127,10 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
             k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor], bits: int, v_bits: int, k_mode: str,
             group_size: int, sink_tokens: int, fp4: str, capacity: int, backend: str) -> None:
     """``KVCache.prefill``: the first ``seqlens[b]`` (int32, on the cache's device) tokens of
-    ``k``, ``v`` ``[B, N, Hkv, D]`` replace each sequence's content.  The block table's
-    values are not re-checked here (``KVCache.prefill`` checks them, a device sync), nor,
-    on the kernel backends, the lengths' values (on the reference, which reads them on the
-    host anyway, they are)."""
+    ``k``, ``v`` ``[B, N, Hkv, D]`` replace each sequence's content.  On the kernel backends
+    the block table's and lengths' values are not re-checked here (``KVCache.prefill``
+    checks them, a device sync); on the reference, which reads them on the host anyway,
+    they are."""
     from .cache import reference_prefill
 
     _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
@@ -122,10 +138,12 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
     if k.shape[1] > capacity:
         raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
     c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity)
+                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity,
+                       backend)
     if backend == "reference":
         lens = seqlens.tolist()
         _validate.prompt_lengths("seqlens", lens, k.shape[1])  # (k.shape[1] <= capacity: checked above)
+        attention.check_block_table(c, seqlens)
         reference_prefill(c, k, v, lens)
     else:
         backends.get(backend).prefill(c, k, v, seqlens)

@@ -206,3 +206,45 @@ def test_write_ops_check_k_and_v(gen):
     assert all(torch.equal(getattr(c, n), t) for n, t in before.items())
     ops.prefill_cache(k, v, lens, c)
     assert c.seqlens.tolist() == [3, 2]
+
+
+def test_write_ops_check_the_cache_against_their_format(gen):
+    """The write ops check the cache tensors against the format and capacity they are
+    given, as the decode op does, before anything is written: another group size, K mode
+    or FP4 format, sink tokens the cache has no buffers for, a capacity past its pages; and
+    on the reference backend (which reads them on the host anyway) the lengths and the
+    pages the write reaches.  Nothing is written by a refused call."""
+    c = _cache(gen, [200, 9])
+    names = ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res", "seqlens", "block_table")
+    before = {n: getattr(c, n).clone() for n in names}
+    k, v = kvdata.kv(gen, 2, 130, 2, 64, dtype=torch.float16, device="cpu")  # (either sequence reaches a page)
+    args = list(ops._write_args(c))
+    at = {"bits": 12, "k_mode": 14, "group_size": 15, "sink_tokens": 16, "fp4": 17, "capacity": 18}
+    table = args[7]
+
+    def changed(**kw):
+        out = list(args)
+        for key, value in kw.items():
+            out[at[key] if key in at else 7] = value
+        return out
+
+    for kw, err, msg in ((dict(group_size=32), ValueError, r"^k_params must have shape"),
+                         (dict(k_mode="token"), ValueError, r"^k_params must have shape"),
+                         (dict(fp4="nvfp4"), ValueError, r"^k_params must have shape"),
+                         (dict(sink_tokens=4), TypeError, "^k_sink must be a torch.Tensor"),
+                         (dict(capacity=10**6), ValueError, r"^capacity must lie in \[1, 256\]"),
+                         (dict(block_table=torch.tensor([[1], [1]], dtype=torch.int32)), ValueError,
+                          "page 1 is used more than once"),
+                         (dict(block_table=torch.tensor([[-1], [1]], dtype=torch.int32)), ValueError,
+                          r"block_table entries in use must lie in \[0, 2\)")):
+        for op, head in ((torch.ops.bitdecode.append, (k, v)),
+                         (torch.ops.bitdecode.prefill, (k, v, torch.tensor([130, 130], dtype=torch.int32)))):
+            with pytest.raises(err, match=msg):
+                op(*head, *changed(**kw))
+            assert all(torch.equal(getattr(c, n), t) for n, t in before.items()), (kw, op)
+    assert table is c.block_table
+    # the decode op on the reference: the lengths' values, read on the host anyway
+    with pytest.raises(ValueError, match=r"^cache_seqlens must lie in .*got min -5"):
+        torch.ops.bitdecode.decode(torch.zeros(2, 1, 4, 64, dtype=torch.float16), *args[:6],
+                                   torch.tensor([-5, 9], dtype=torch.int32), table, None, None, *args[12:18], 0.125,
+                                   0, "reference")
