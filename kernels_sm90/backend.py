@@ -252,8 +252,10 @@ def merges_in_kernel(fmt: KVFormat) -> bool:
     call makes one launch, not two: 12.2 / 8.2 and 11.8 / 8.3 us of host time a layer (bf16
     B=1 N=1K, 4 splits, the GPU held busy, two runs: profiles/host_merge.py,
     profiles/h100/host_merge_h100.json).  2-bit's small grid lost 1.3-2.6 us merged at B=1
-    (fp16 N=4K 12.26 / 14.82, 32K 20.06 / 21.36, 128K 45.42 / 47.04; not explained: the
-    loop's SASS is the same), so it keeps the combine; K4V2 and FP4 were not measured."""
+    (fp16 N=4K 12.26 / 14.82, 32K 20.06 / 21.36, 128K 45.42 / 47.04; the loop's SASS is
+    the same, and with the count-in alone it is level with the combine, so ``HeadMerge``
+    itself costs it: profiles/h100/variants_merge_parts_2bit_*_h100.json), so it keeps the
+    combine; K4V2 and FP4 were not measured."""
     return fmt.bits == fmt.v_bits == 4 and not fmt.fp4
 
 
