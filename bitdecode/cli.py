@@ -39,11 +39,24 @@ def torch_dtype(name: str):
     return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
+# the largest count or seed an option takes: torch's int64 (larger ones overflowed far from
+# the option, "Overflow when unpacking long long")
+INT64_MAX = 2**63 - 1
+
+
 def positive_int(text: str) -> int:
     """argparse type of the subcommands' counts (tokens, batch, steps)."""
     value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if not 0 < value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be a positive integer of at most {INT64_MAX}, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type of ``--seed``: what ``torch.manual_seed`` takes."""
+    value = int(text)
+    if not 0 <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {INT64_MAX}], got {value}")
     return value
 
 
@@ -62,8 +75,8 @@ def positive_int_list(text: str) -> List[int]:
 def nonnegative_int(text: str) -> int:
     """argparse type of counts that may be zero (sink tokens)."""
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    if not 0 <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 and at most {INT64_MAX}, got {value}")
     return value
 
 

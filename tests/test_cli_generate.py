@@ -297,3 +297,15 @@ def test_generate_from_a_microsoft_int2_checkpoint(capsys, monkeypatch, tmp_path
         assert main(["generate", "--random-bitnet", "tiny", "--bitnet-int2", str(tmp_path / name), "--device",
                      "cpu", "--no-baseline"]) == 2
         assert f"--bitnet-int2 {tmp_path / name}: state: cannot read" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", str(2**64)], "argument --seed: must be an integer in [0, 9223372036854775807]"),
+    (["--seed", "-1"], "argument --seed: must be an integer in [0, 9223372036854775807]"),
+    (["--batch", str(10**20)], "argument --batch: must be a positive integer of at most 9223372036854775807"),
+])
+def test_generate_refuses_integers_torch_cannot_take(args, message, capsys):
+    """Integers past int64 are refused naming the option (they overflowed inside torch)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--random-llama", "tiny", "--device", "cpu", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
