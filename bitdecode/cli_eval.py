@@ -468,6 +468,9 @@ def run(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     try:
+        if args.needle:  # (its prompts refused before the perplexity run, not after it)
+            bdeval.needle_prompts(tokenizer, ids.flatten(), args.needle_context, args.needle_depths, 1, args.seed,
+                                  args.chat)
         result = bdeval.evaluate(model, ids, methods, contexts=args.window, scored=args.scored, windows=args.windows,
                                  backend=backend, batch=args.batch, progress=say)
         needle = None

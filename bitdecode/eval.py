@@ -458,6 +458,9 @@ def needle_prompts(tokenizer, filler: torch.Tensor, context: int, depths: Sequen
             nf = context - len(pre) - len(post) - len(hidden)
             if nf < 16:
                 raise ValueError(f"needle context {context} is too short for the prompt")
+            if nf >= len(filler):
+                raise ValueError(f"needle context {context} needs {nf:,} filler tokens; the text has "
+                                 f"{len(filler):,} (a shorter --needle-context, or a longer --text)")
             off = rng.randrange(0, len(filler) - nf)
             f = filler[off:off + nf]
             cut = int(round(depth * nf))
