@@ -1094,7 +1094,9 @@ class FusedSlice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         memo = self._memo
-        if memo.get("x") is x and self.index in memo["pending"] and memo["version"] == _validate.version_counter(x):
+        # (compiling, the version is not read: the memo works as before it was checked)
+        version = None if torch.compiler.is_compiling() else _validate.version_counter(x)
+        if memo.get("x") is x and self.index in memo["pending"] and memo["version"] == version:
             out = memo["out"]
             memo["pending"].discard(self.index)
             if not memo["pending"]:
@@ -1103,7 +1105,7 @@ class FusedSlice(nn.Module):
             out = self.fused(x)
             pending = set(range(len(self.fused.segments))) - {self.index}
             memo.clear()
-            memo.update(x=x, version=_validate.version_counter(x), out=out, pending=pending)
+            memo.update(x=x, version=version, out=out, pending=pending)
         return out[..., self.start : self.stop]
 
     def extra_repr(self) -> str:
