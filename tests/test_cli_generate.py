@@ -300,8 +300,8 @@ def test_generate_from_a_microsoft_int2_checkpoint(capsys, monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--seed", str(2**64)], "argument --seed: must be an integer in [0, 9223372036854775807]"),
-    (["--seed", "-1"], "argument --seed: must be an integer in [0, 9223372036854775807]"),
+    (["--seed", str(2**64)], "argument --seed: must be an integer >= 0 and at most 9223372036854775807"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0 and at most 9223372036854775807"),
     (["--batch", str(10**20)], "argument --batch: must be a positive integer of at most 9223372036854775807"),
 ])
 def test_generate_refuses_integers_torch_cannot_take(args, message, capsys):
