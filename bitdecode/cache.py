@@ -419,10 +419,10 @@ class KVCache:
                v_new: Optional[torch.Tensor] = None):
         """Attention of ``q`` ``[B, T, Hq, D]`` over the cache (see ``bitdecode.decode``);
         with ``k_new`` / ``v_new`` appended first."""
-        if return_lse is not False and return_lse is not True:
-            _validate.flag("return_lse", return_lse)
         if k_new is not None or v_new is not None:
             return self._append_decode(q, k_new, v_new, softmax_scale, num_splits, backend, return_lse)
+        if return_lse is not False and return_lse is not True:
+            _validate.flag("return_lse", return_lse)
         max_len = self._host_max
         if backend == "auto":
             backend = self.backend
@@ -472,6 +472,8 @@ class KVCache:
         results, same cache contents either way."""
         if k_new is None or v_new is None:
             raise ValueError("k_new and v_new are appended together: pass both or neither")
+        if return_lse is not False and return_lse is not True:
+            _validate.flag("return_lse", return_lse)
         if self._inference_tensors:  # (the kernel's writes would pass; the cache's rule is one for every path)
             self._check_inference_writes("decode(k_new=, v_new=)")
         appends = self._appends
@@ -487,8 +489,8 @@ class KVCache:
         # ``_call_key``'s items and k_new's and v_new's, written out: this is the eager step's
         # hot path, where a call to build it costs as much as a tuple's items (the devices as
         # indices, which compare faster: only a CUDA cache's kernel plan gets an entry, and a
-        # tensor on any other device has another index than its device's; the two calls below
-        # check q by its device)
+        # tensor on any other device has another index than its device's; a CPU cache's two
+        # calls below check q by its device)
         try:
             key = (q.shape, q.stride(), k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), q.dtype,
                    k_new.dtype, v_new.dtype, q.get_device(), k_new.get_device(), v_new.get_device(), softmax_scale,
@@ -504,9 +506,9 @@ class KVCache:
         if room is None:
             room = self._append_room()
         if plan is None or room <= 0 or (q.data_ptr() | k_new.data_ptr() | v_new.data_ptr()) % 16:
-            # (q checked by its whole device before the append writes: the key's indices tell a
-            # CUDA cache's device from any other, but not a CPU cache's from "meta", both -1)
-            self._check_query_once(q, softmax_scale, num_splits, backend)
+            if not self._on_cuda:  # (q checked by its whole device before the append writes: the
+                # key's indices tell a CUDA cache's device from any other, not a CPU's from "meta")
+                self._check_query_once(q, softmax_scale, num_splits, backend)
             self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         self._fuse_room = room - 1
@@ -612,8 +614,6 @@ def decode(
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     if k_new is not None or v_new is not None:  # (straight to it: an eager step's hot path)
-        if return_lse is not False and return_lse is not True:
-            _validate.flag("return_lse", return_lse)
         return cache._append_decode(q, k_new, v_new, softmax_scale, num_splits, backend, return_lse)
     return cache.decode(q, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                         return_lse=return_lse)
