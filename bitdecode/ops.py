@@ -37,10 +37,8 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
     None); ``fp4`` the FP4 format (``KVFormat.fp4``) or "".  The values of the lengths and
     block table are not re-checked on the kernel backends (no device sync); on the
     reference, which reads them on the host anyway, they are."""
-    fmt = _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4)
-    cache = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                                  check_values=backend == "reference",
-                                  sinks=(k_sink, v_sink) if sink_tokens else None)
+    cache = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
+                     _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
     return attention.decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                                     return_lse=True)
 
@@ -57,6 +55,16 @@ def _format(bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: i
     if fp4:
         return KVFormat(fp4=fp4, sink_tokens=sink_tokens)
     return KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens)
+
+
+def _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
+             fmt: KVFormat, backend: str) -> CacheTensors:
+    """The ops' cache tensors checked against ``fmt`` (shapes on the host, no sync); the
+    lengths' and block table's values only on the reference, which reads them on the host
+    anyway."""
+    return attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                                 check_values=backend == "reference",
+                                 sinks=(k_sink, v_sink) if fmt.sink_tokens else None)
 
 
 def _format_args(fmt: KVFormat) -> tuple:
@@ -77,13 +85,10 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
 def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
                    commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4,
                    capacity, backend) -> CacheTensors:
-    """The writes' cache tensors, checked against the format and the capacity as the
-    decode op checks them (shapes on the host, no sync); the lengths' and block table's
-    values only on the reference, which reads them on the host anyway."""
-    fmt = _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4)
-    c = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                              check_values=backend == "reference",
-                              sinks=(k_sink, v_sink) if sink_tokens else None)
+    """The writes' cache tensors, ``_checked`` as the decode op's are, and the capacity
+    and the write counters."""
+    c = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
+                 _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
     holds = c.block_table.shape[1] * c.page_size  # the tokens a sequence's pages hold
     if not 0 < capacity <= holds:
         raise ValueError(f"capacity must lie in [1, {holds}] for these pages ({c.block_table.shape[1]} of "
