@@ -86,6 +86,12 @@ def integer(name: str, value) -> int:
     return value
 
 
+def model_dtype(name: str, dtype) -> None:
+    """A model (cache) dtype: torch.float16 or torch.bfloat16, else a TypeError naming ``name``."""
+    if dtype not in FLOAT16_DTYPES:
+        raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {dtype}")
+
+
 def flag(name: str, value) -> bool:
     """A bool, else a TypeError naming ``name`` (a truthy string or tensor is not taken for
     True)."""

@@ -107,8 +107,7 @@ class KVCache:
         _validate.positive_int("max_seqlen", max_seqlen)
         _validate.positive_int("head_dim", head_dim)
         fmt.check_head_dim(head_dim)
-        if dtype not in _validate.FLOAT16_DTYPES:
-            raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        _validate.model_dtype("dtype", dtype)
         device = _validate.device("device", device)
         backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt, head_dim=head_dim, dtype=dtype)
         nr = fmt.residual_block

@@ -424,10 +424,9 @@ def unpack_k(k_pack: torch.Tensor, k_params: torch.Tensor, fmt: KVFormat, dtype:
         tiles = k_pack.reshape(*k_pack.shape[:-2], k_pack.shape[-2] // nr, nr, k_pack.shape[-1])
         return _unpack_fp4_rows(tiles, k_params.unsqueeze(-3), nr, fmt,
                                 out_dtype or dtype).reshape(*k_pack.shape[:-1], head_dim)
-    n, g = k_pack.shape[-2], fmt.group_size
-    lead = tuple(k_pack.shape[:-2])
-    _check_params("k_params", k_params, (*lead, n // g, head_dim) if fmt.k_mode == "channel" else
-                  (*lead, n, head_dim // g), "k_pack", k_pack, fmt, n % g == 0 or fmt.k_mode != "channel")
+    n = k_pack.shape[-2]  # (KVFormat's storage shapes, as one page of n tokens)
+    _check_params("k_params", k_params, (*k_pack.shape[:-2], *fmt.k_params_shape(1, 1, n, head_dim)[2:]), "k_pack",
+                  k_pack, fmt, n % fmt.group_size == 0 or fmt.k_mode != "channel")
     codes = unpack_rows(k_pack, fmt.bits, head_dim)
     if fmt.k_mode == "channel":
         scale, zero = unpack_params(_from_fragment_order(k_params, dim=-1), dtype)
@@ -442,8 +441,7 @@ def _check_unpack(name: str, pack, dims: int, fmt, dtype) -> None:
     _validate.tensor(name, pack, dtypes=(torch.int32,))
     if pack.dim() < dims:
         raise ValueError(f"{name} must have at least {dims} dims, got shape {tuple(pack.shape)}")
-    if dtype not in _validate.FLOAT16_DTYPES:
-        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16 (the model's), got {dtype!r}")
+    _validate.model_dtype("dtype", dtype)
 
 
 def _check_params(name: str, params, want, pack_name: str, pack, fmt, fits: bool = True) -> None:
@@ -483,9 +481,9 @@ def unpack_v(v_pack: torch.Tensor, v_params: torch.Tensor, fmt: KVFormat, dtype:
     if fmt.fp4:
         v = _unpack_fp4_rows(v_pack, v_params, v_pack.shape[-2], fmt, dtype).transpose(-1, -2)  # [..., tiles, Nv, D]
         return v.reshape(*v.shape[:-3], -1, v.shape[-1])
-    blocks, d, k = v_pack.shape[-3], v_pack.shape[-2], sm80.MMA_SHAPE[2]
-    _check_params("v_params", v_params, (*v_pack.shape[:-3], blocks * nr // k, d // fmt.group_size, k), "v_pack",
-                  v_pack, fmt, v_pack.shape[-1] == sm80.words_per_row(fmt.v_bits, nr))
+    n, d = v_pack.shape[-3] * nr, v_pack.shape[-2]  # (KVFormat's storage shapes, as one page of n tokens)
+    _check_params("v_params", v_params, (*v_pack.shape[:-3], *fmt.v_params_shape(1, 1, n, d)[2:]), "v_pack", v_pack,
+                  fmt, tuple(v_pack.shape[-3:]) == fmt.v_pack_shape(1, 1, n, d)[2:])
     codes = unpack_rows(v_pack, fmt.v_bits, nr).transpose(-1, -2)  # [..., blocks, Nv, D]
     lead = codes.shape[:-3]
     codes = codes.reshape(*lead, -1, codes.shape[-1])
