@@ -12,11 +12,16 @@ one process.  Prints one JSON line.
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import bitdecode as bd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_variants import apply_keywords  # noqa: E402
 
 LAYERS = 32
 
@@ -28,11 +33,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("host_merge needs a CUDA GPU")
-    from bitdecode.kernels_sm90 import backend as sm90
-
-    keywords = sm90.grid_keywords
-    on = args.merge == "on"
-    sm90.grid_keywords = lambda *a: None if keywords(*a) is None else {**keywords(*a), "merge_splits": on}
+    apply_keywords({"merge_splits": args.merge == "on"})  # (every sm90 decode kernel this process builds)
     fmt = bd.KVFormat(bits=args.bits)
     dtype = torch.bfloat16 if args.bits == 4 else torch.float16
     caches = []
