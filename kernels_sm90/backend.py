@@ -236,9 +236,13 @@ def grid_keywords(fmt: KVFormat, fp16: bool, head_dim: int, nh: int, variant: st
     the SMs (H200, one run, 2c128 fp16 GQA 4, us, two / one consumers,
     profiles/h200/variants_consumers_2bit.json: B=8 N=64K 143.7 / 141.5, B=16 272.4 / 267.9,
     but B=1 N=128K 45.8 / 47.1, so its "small" kernel keeps two)."""
-    keywords = small_grid(fmt, fp16, head_dim, nh) if variant == "small" else (
-        {"consumers": 1} if one_consumer(fmt, head_dim, nh) else {})
-    return keywords if keywords is None or not merges_in_kernel(fmt) else {**keywords, "merge_splits": True}
+    if variant == "small":
+        keywords = small_grid(fmt, fp16, head_dim, nh)
+        if keywords is None:
+            return None
+    else:
+        keywords = {"consumers": 1} if one_consumer(fmt, head_dim, nh) else {}
+    return {**keywords, "merge_splits": True} if merges_in_kernel(fmt) else keywords
 
 
 def merges_in_kernel(fmt: KVFormat) -> bool:
