@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -180,7 +181,9 @@ def run(args) -> int:
     else:
         fmt = KVFormat(bits=4 if args.bits is None else args.bits, fp4=args.fp4)
     if not torch.cuda.is_available():
-        raise SystemExit("bitdecode selfcheck: needs a CUDA GPU (the check runs the backend's kernels)")
+        # 2, as every GPU command without a GPU: 1 is the check's own verdict ("FAILED")
+        print("bitdecode selfcheck: needs a CUDA GPU (the check runs the backend's kernels)", file=sys.stderr)
+        return 2
     device = torch.device("cuda", args.device)
     try:
         detail = run_check(args.backend, device, fmt, args.head_dim, _dtype(args.dtype))
