@@ -389,6 +389,10 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
         print_error(console, f"the bitdecode cache would hold {max_seqlen:,} tokens a sequence (--max-seqlen, or "
                              f"the prompt plus --max-new-tokens); at most {MAX_SEQLEN:,}")
         return 2
+    if args.sinks >= max_seqlen:  # every token would stay 16-bit: a packed cache only in name
+        print_error(console, f"--sinks {args.sinks} keeps every token of the {max_seqlen:,}-token cache 16-bit "
+                             f"(--max-seqlen, or the prompt plus --max-new-tokens); give fewer sinks")
+        return 2
 
     def show(tokens: torch.Tensor) -> str:
         if tokenizer is not None:

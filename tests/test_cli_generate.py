@@ -115,6 +115,8 @@ def test_help_lists_generate(capsys):
     (["--random-llama", "tiny", "--group-size", "128"], "group_size"),
     (["--random-llama", "tiny", "--max-seqlen", "3000000000", "--no-baseline"],
      "the bitdecode cache would hold 3,000,000,000 tokens a sequence"),
+    (["--random-llama", "tiny", "--prompt-tokens", "16", "--max-new-tokens", "8", "--sinks", "24", "--no-baseline"],
+     "--sinks 24 keeps every token of the 24-token cache 16-bit"),
 ])
 def test_generate_errors(args, message, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
