@@ -144,9 +144,16 @@ def _row_scales(w_scales: torch.Tensor, segs: Tuple[int, ...]) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
+def _has_data(name: str, t: torch.Tensor) -> None:
+    """Weights are read on the host here (their scales, their range): a meta tensor has none."""
+    if t.is_meta:
+        raise ValueError(f"{name} is on the meta device (no data to quantize or pack); materialize it first")
+
+
 def quantize_weight(w: torch.Tensor, segments: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Ternary weights: (int8 [N, K] in {-1, 0, 1}, fp32 [S] scales ``mean|W|`` per segment)."""
     _validate.tensor("w", w, dtypes=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+    _has_data("w", w)
     if w.numel() == 0:  # (its scale, the mean of no values, would be NaN)
         raise ValueError(f"w must hold at least one weight, got shape {tuple(w.shape)}")
     n = w.shape[0]
@@ -413,6 +420,7 @@ def _tables(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """Ternary int8 [N, K] -> packed int8 [N, K/4] in BitNet's layout (N % 16, K % 32)."""
     _validate.tensor("w", w, dtypes=(torch.int8,), ndim=2)
+    _has_data("w", w)
     n, k = w.shape
     layout.check_shape(n, k, k_multiple=layout.TILE_K, name="w")
     if w.numel() and (int(w.min()) < -1 or int(w.max()) > 1):
@@ -435,7 +443,10 @@ def unpack_weight(w_packed: torch.Tensor) -> torch.Tensor:
     layout.check_shape(n, k, k_multiple=layout.TILE_K, name="w_packed (unpacked)")
     perm, shifts = _tables(w_packed.device)
     nt, kt = n // layout.TILE_N, k // layout.TILE_K
-    words = w_packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    src = w_packed.contiguous()
+    if src.storage_offset() % 4:  # (a view past a byte boundary cannot be read as int32 words in place)
+        src = src.clone()
+    words = src.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     words = words.reshape(nt, kt, layout.TILE_WORDS, 1)
     codes = ((words >> shifts) & 3).reshape(nt, kt, layout.TILE_N * layout.TILE_K)
     tiles = torch.empty_like(codes)
@@ -458,8 +469,8 @@ def _check_matmul(x, w_packed, x_scale, w_scales, segments, *, gemv: bool):
         raise ValueError(f"x must hold at least one token, got shape {tuple(x.shape)}")
     _validate.tensor("w_packed", w_packed, dtypes=(torch.int8,), ndim=2)
     n, kb = w_packed.shape
-    if k % layout.K_MULTIPLE:
-        raise ValueError(f"x has K={k} columns; K must be a multiple of {layout.K_MULTIPLE}")
+    if k % layout.K_MULTIPLE or k == 0:
+        raise ValueError(f"x has K={k} columns; K must be a positive multiple of {layout.K_MULTIPLE}")
     if n % layout.N_MULTIPLE or n == 0:
         raise ValueError(f"w_packed has N={n} rows; N must be a positive multiple of {layout.N_MULTIPLE}")
     if kb * layout.CODES_PER_BYTE != k:
@@ -934,6 +945,11 @@ class BitLinear(nn.Module):
         """Quantize a float ``nn.Linear`` (weights ternary per segment, bias kept in fp32)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        _, hf_auto = _hf_bitnet_classes()
+        if hf_auto and isinstance(linear, hf_auto) and not linear.online_quant:
+            raise TypeError("linear is transformers' offline AutoBitLinear (ternary weights beside a weight_scale): "
+                            "from_float would quantize them again without the scale; bd.bitnet.convert(model) "
+                            "converts it")
         w = linear.weight.detach()
         mod = cls(
             linear.in_features,
@@ -1029,6 +1045,15 @@ def _ternary_of(values: torch.Tensor, what: str) -> torch.Tensor:
     return t.to(torch.int8)
 
 
+def _finite_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """An offline layer's weight scale in bitdecode's meaning, refused where it is not finite
+    (transformers' packed layer stores 1 / mean|W|: a zero there is an infinite scale)."""
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"{name}: its weight_scale gives the non-finite scale {scale.tolist()} (a zero or "
+                         "non-finite weight_scale)")
+    return scale
+
+
 def _source(linear: nn.Module, name: str):
     """(ternary int8 [N, K], fp32 scale [1], fp32 bias [N] or None, in-linear RMSNorm or None)
     of one of the model's linear layers, with bitdecode's meaning of the scale
@@ -1040,15 +1065,20 @@ def _source(linear: nn.Module, name: str):
     if hf_packed and isinstance(linear, hf_packed):
         # y = (q @ t.T) / (x_scale * weight_scale): weight_scale is 1 / mean|W|
         t = _unpack_hf_rows(linear.weight, linear.out_features)
-        scale = 1.0 / linear.weight_scale.detach().float().reshape(1)
+        if t.numel() and int(t.max()) > 1:
+            raise ValueError(f"{name}: transformers' packed BitNet weight holds the 2-bit code 3, no ternary value")
+        scale = _finite_scale(1.0 / linear.weight_scale.detach().float().reshape(1), name)
         return t, scale, bias, norm
     if hf_auto and isinstance(linear, hf_auto) and not linear.online_quant:
         # y = (ActQuant(x) @ t.T + bias) * weight_scale, t stored unpacked
         t = _ternary_of(linear.weight.detach(), name)
-        scale = linear.weight_scale.detach().float().reshape(1)
+        scale = _finite_scale(linear.weight_scale.detach().float().reshape(1), name)
         return t, scale, None if bias is None else bias * scale, norm
     # nn.Linear / AutoBitLinear online: float weights, bitdecode's rule (= WeightQuant per tensor)
-    t, scale = quantize_weight(linear.weight.detach())
+    try:
+        t, scale = quantize_weight(linear.weight.detach())
+    except (TypeError, ValueError) as exc:  # (they name "w": say which layer's)
+        raise type(exc)(f"cannot convert {name}: {exc}") from None
     return t, scale, bias, norm
 
 
@@ -1235,6 +1265,24 @@ def _is_bitnet(model: nn.Module) -> bool:
     return any(isinstance(m, hf_packed + hf_auto) for m in model.modules())
 
 
+def _check_model_arguments(model: nn.Module, fuse, fuse_norms) -> None:
+    """What ``convert`` and ``load_int2_checkpoint`` both refuse: non-bool ``fuse`` /
+    ``fuse_norms``, a model with no data (meta weights) and one these already ran on
+    (its ``FusedMLP`` would keep the old ``gate_up_proj``, a second backend would mix
+    with the first: a fresh model is the one safe start)."""
+    _validate.flag("fuse", fuse)
+    _validate.flag("fuse_norms", fuse_norms)
+    done = next((name for name, m in model.named_modules()
+                 if isinstance(m, (BitLinear, FusedSlice, FusedMLP, RMSNormQuant))), None)
+    if done is not None:
+        raise ValueError(f"model already holds bitdecode layers ({done or 'the model itself'}): convert or "
+                         "load_int2_checkpoint ran on it; start from a fresh transformers model")
+    meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"model's weights are on the meta device ({meta}: no data); materialize them first "
+                         "(model.to_empty(device=...), then load them)")
+
+
 @torch.no_grad()
 def convert(
     model: nn.Module, *, backend: str = "auto", fuse: bool = True, fuse_norms: bool = True, skip: Sequence[str] = ()
@@ -1270,11 +1318,14 @@ def convert(
     reference on the CPU).  The result is for inference; its state dict holds bitdecode's
     buffers (``weight_packed``, ``weight_scale``), not a transformers checkpoint.  A later
     ``.to(device)`` or ``.to(dtype)`` is fine (``BitLinear`` keeps its scales and bias fp32).
+    A model that ``convert`` or ``load_int2_checkpoint`` already ran on is refused (a second
+    run would mix two backends or keep the first fused MLP), as is one with meta weights.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_model_arguments(model, fuse, fuse_norms)
     if not _is_bitnet(model):
         raise ValueError(
             "model is not a BitNet model (config.model_type 'bitnet', a BitNet quantization_config, or "
@@ -1385,10 +1436,14 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "bitnet":
         raise ValueError("model must be a transformers BitNetForCausalLM (config.model_type 'bitnet')")
+    if not isinstance(getattr(getattr(model, "model", None), "layers", None), nn.ModuleList):
+        raise ValueError(f"model must be a transformers BitNetForCausalLM (its decoder layers at model.model.layers), "
+                         f"got {type(model).__name__}")
+    _check_model_arguments(model, fuse, fuse_norms)
     if isinstance(state, (str, bytes)) or hasattr(state, "__fspath__"):
         path = state
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(os.fsdecode(path), map_location="cpu", weights_only=True)
         except OSError:
             raise
         except Exception as exc:  # noqa: BLE001 - what a truncated, foreign or unsafe pickle raises varies
@@ -1447,7 +1502,14 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
                                  f"({len(members)}: {'/'.join(members)}), got {scales.shape[0]}")
             device = next(parent.parameters()).device
             t = unpack_weight(packed.to(torch.int8).to(device))
+            if t.numel() and (int(t.min()) < -1 or int(t.max()) > 1):  # code 0 of the 2-bit field
+                raise ValueError(f"state[{key + '.weight'!r}] holds a 2-bit code that is no ternary value: not "
+                                 "microsoft/BitNet's pack_weight.py layout")
             scales = scales.float()
+            used = scales[:len(members)]
+            if not bool(torch.isfinite(used).all()) or bool((used == 0).any()):
+                raise ValueError(f"state[{key + '.weight_scale'!r}] holds a zero or non-finite scale for "
+                                 f"{'/'.join(members)}: {used.tolist()}")
             sources, start = [], 0
             for j, m in enumerate(members):
                 part = t[start:start + rows[m]]
@@ -1463,6 +1525,12 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
                 for src, m, name in zip(sources, members, names):
                     swaps.append(functools.partial(setattr, parent, m, _build([src], [name], t.shape[1], device,
                                                                             backend)))
+    depth = len(model.model.layers)
+    deeper = sorted({int(k.split(".")[1]) for k in state if isinstance(k, str) and k.startswith("layers.")
+                     and k.split(".")[1].isdigit() and int(k.split(".")[1]) >= depth})
+    if deeper:
+        raise ValueError(f"state holds layers {deeper[0]}..{deeper[-1]} beyond this model's {depth}: a checkpoint "
+                         "of a deeper model")
     for param, src in copies:
         param.copy_(src.to(param.dtype))
     for swap in swaps:

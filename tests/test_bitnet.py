@@ -275,7 +275,7 @@ def test_validation_errors(gen):
         bn.gemv(x.float(), wp, xs, ws)
     with pytest.raises(ValueError, match="gemv takes one token"):
         bn.gemv(int8_acts(2, 256, gen), wp, torch.ones(2), ws)
-    with pytest.raises(ValueError, match="K must be a multiple of 128"):
+    with pytest.raises(ValueError, match="K must be a positive multiple of 128"):
         bn.gemv(int8_acts(1, 192, gen), bn.pack_weight(ternary(32, 192, gen)), xs, ws)
     with pytest.raises(ValueError, match=r"w_packed must have shape \(32, K/4\)"):
         bn.gemv(int8_acts(1, 128, gen), wp, xs, ws)

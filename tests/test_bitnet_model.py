@@ -140,7 +140,8 @@ def test_convert_structure(fp32):
     keys = conv.state_dict().keys()
     assert "model.layers.0.self_attn.qkv_proj.weight_packed" in keys
     assert not any("q_proj" in k for k in keys)
-    assert bn.convert(conv) is conv  # nothing left to convert
+    with pytest.raises(ValueError, match="model already holds bitdecode layers"):  # (a second backend would mix)
+        bn.convert(conv)
     twin = copy.deepcopy(conv)  # a copy shares its fused layer between the slices as well
     assert twin.model.layers[1].self_attn.v_proj.fused is twin.model.layers[1].self_attn.qkv_proj
     assert twin.model.layers[1].mlp.up_proj._memo is twin.model.layers[1].mlp.gate_proj._memo
@@ -678,3 +679,100 @@ def test_load_int2_checkpoint_errors():
         bn.load_int2_checkpoint(llama, ckpt)
     with pytest.raises(TypeError, match="state must be a dict"):
         bn.load_int2_checkpoint(_float_model(), [1, 2])
+
+
+def test_load_int2_checkpoint_refuses_what_would_load_wrong(tmp_path):
+    """Checkpoints that would load into wrong logits without an error: one of a deeper
+    model (its last layers were dropped), a 2-bit code with no ternary value, a zero or
+    NaN projection scale; refused by key, the model left as it was.  A bytes path reads."""
+    ckpt, _ = _ms_int2_checkpoint(_float_model(seed=3))
+    target = _float_model()
+    before = _snapshot(target)
+    deeper = ckpt | {k.replace("layers.1.", "layers.2."): v for k, v in ckpt.items() if k.startswith("layers.1.")}
+    with pytest.raises(ValueError, match=r"state holds layers 2\.\.2 beyond this model's 2"):
+        bn.load_int2_checkpoint(target, deeper, backend="reference")
+    with pytest.raises(ValueError, match=r"'layers.1.attention.wo.weight'\] holds a 2-bit code that is no ternary"):
+        bn.load_int2_checkpoint(target, ckpt | {"layers.1.attention.wo.weight": torch.zeros(128, 32, dtype=torch.int8)},
+                                backend="reference")
+    for bad in (0.0, float("nan")):
+        scales = ckpt["layers.0.feed_forward.w13.weight_scale"].clone()
+        scales[1] = bad
+        with pytest.raises(ValueError, match=r"'layers.0.feed_forward.w13.weight_scale'\] holds a zero or non-finite "
+                                             r"scale for gate_proj/up_proj"):
+            bn.load_int2_checkpoint(target, ckpt | {"layers.0.feed_forward.w13.weight_scale": scales},
+                                    backend="reference")
+    assert _unchanged(target, *before)
+    path = tmp_path / "model_state_int2.pt"
+    torch.save(ckpt, path)
+    ids = _ids(5)
+    by_bytes = bn.load_int2_checkpoint(_float_model(), bytes(path), backend="reference")(ids).logits
+    assert torch.equal(by_bytes, bn.load_int2_checkpoint(_float_model(), str(path), backend="reference")(ids).logits)
+    with pytest.raises(ValueError, match="decoder layers at model.model.layers"):
+        bn.load_int2_checkpoint(_float_model().model, ckpt, backend="reference")
+
+
+def test_convert_and_load_refuse_a_converted_or_meta_model():
+    """Converting (or loading into) a model these already ran on would keep the first
+    run's fused MLP or mix backends: refused, as is a model with meta weights (no data)
+    and a non-bool ``fuse`` / ``fuse_norms``.  A layer's quantization error names it."""
+    ckpt, _ = _ms_int2_checkpoint(_float_model(seed=3))
+    done = bn.convert(_float_model(), backend="reference")
+    with pytest.raises(ValueError, match="model already holds bitdecode layers"):
+        bn.load_int2_checkpoint(done, ckpt, backend="reference", fuse=False)
+    with pytest.raises(ValueError, match="model already holds bitdecode layers"):
+        bn.convert(done, backend="auto")
+    with torch.device("meta"):
+        meta = transformers.BitNetForCausalLM(_config())
+    for call in (lambda: bn.convert(meta), lambda: bn.load_int2_checkpoint(meta, ckpt)):
+        with pytest.raises(ValueError, match="model's weights are on the meta device"):
+            call()
+    with pytest.raises(TypeError, match="fuse must be a bool, got str"):
+        bn.convert(_float_model(), fuse="no")
+    with pytest.raises(TypeError, match="fuse_norms must be a bool, got int"):
+        bn.load_int2_checkpoint(_float_model(), ckpt, fuse_norms=0)
+    nan = _float_model()
+    nan.model.layers[1].mlp.down_proj.weight.data[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="cannot convert model.layers.1.mlp.down_proj: w contains NaN"):
+        bn.convert(nan, backend="reference")
+    with pytest.raises(ValueError, match="w is on the meta device"):
+        bn.quantize_weight(torch.empty(16, 128, device="meta"))
+
+
+def test_offline_transformers_layers_are_not_quantized_again(fp32):
+    """transformers' offline AutoBitLinear holds ternary weights and their scale:
+    ``BitLinear.from_float`` would quantize them again and lose the scale (outputs ~13x
+    off), so it is refused for ``convert``; a zero ``weight_scale`` of the packed layer
+    (an infinite scale) and its code 3 are refused by layer."""
+    fl, _, _ = fp32
+    offline = _hf_quantized(fl, linear_class="autobitlinear", quantization_mode="offline")
+    layer = offline.model.layers[0].self_attn.o_proj
+    with pytest.raises(TypeError, match="offline AutoBitLinear"):
+        bn.BitLinear.from_float(layer)
+    packed = _hf_quantized(fl, linear_class="bitlinear", quantization_mode="offline")
+    for m in packed.modules():
+        if isinstance(m, hf_bitnet.BitLinear):
+            m.weight.fill_(0b01010101)  # code 1: 0 everywhere
+            m.weight_scale.fill_(1.0)
+    zero = copy.deepcopy(packed)
+    zero.model.layers[0].self_attn.o_proj.weight_scale.fill_(0.0)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.o_proj: its weight_scale gives the non-finite"):
+        bn.convert(zero, backend="reference")
+    three = copy.deepcopy(packed)
+    three.model.layers[0].mlp.down_proj.weight.fill_(-1)  # 0xFF: code 3 in every field
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: transformers' packed BitNet weight holds "
+                                         r"the 2-bit code 3"):
+        bn.convert(three, backend="reference")
+    bn.convert(packed, backend="reference")  # the same model with good codes and scales converts
+
+
+def test_packed_weight_views_and_empty_k():
+    """A packed weight viewed at a byte offset (not a multiple of 4) unpacks as its copy
+    does; a K of 0 is refused by the matmuls' argument check."""
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randint(-1, 2, (16, 128), generator=gen, dtype=torch.int8)
+    p = bn.pack_weight(t)
+    buf = torch.cat([torch.zeros(1, dtype=torch.int8), p.flatten()])
+    assert torch.equal(bn.unpack_weight(buf[1:].view(16, 32)), t)
+    x = torch.ones(2, 0, dtype=torch.int8)
+    with pytest.raises(ValueError, match="x has K=0 columns; K must be a positive multiple"):
+        bn.gemm(x, p[:, :0], torch.ones(2), torch.ones(1))
