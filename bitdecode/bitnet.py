@@ -570,7 +570,10 @@ def kernels_for(device: torch.device):
     configurations and GEMMs; the arch decides, as for ``bitdecode compile --arch``)."""
     from . import backend
 
-    return backend.of_arch(_arch(torch.device(device))).bitnet
+    device = _validate.device("device", device)
+    if device.type != "cuda":  # (else the arch query asserts, or takes the current GPU)
+        raise ValueError(f"device: the BitNet kernels run on CUDA devices, got {device}")
+    return backend.of_arch(_arch(device)).bitnet
 
 
 # Programmatic dependent launch on Hopper (the kernels read the weights before the
@@ -603,6 +606,7 @@ def gemv_config_for(device: torch.device, n: int, k: int):
     """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights:
     the one ``tune_gemv`` measured fastest for this GPU and shape (``bitnet_tune``'s
     table), else the rule's."""
+    kernels_for(device)  # (its device check first: the tuning table's lookup asks the GPU's name)
     device = torch.device(device)
     return _with_pdl(bitnet_tune.lookup(device, n, k) or _rule_gemv_config(device, n, k), _arch(device))
 

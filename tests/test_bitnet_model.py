@@ -776,3 +776,12 @@ def test_packed_weight_views_and_empty_k():
     x = torch.ones(2, 0, dtype=torch.int8)
     with pytest.raises(ValueError, match="x has K=0 columns; K must be a positive multiple"):
         bn.gemm(x, p[:, :0], torch.ones(2), torch.ones(1))
+
+
+def test_kernel_helpers_refuse_a_cpu_device():
+    """The public kernel-choice helpers name a CPU device instead of asserting inside
+    torch.cuda (or, on a GPU machine, answering for the current GPU)."""
+    for call in (lambda: bn.kernels_for("cpu"), lambda: bn.gemv_config_for("cpu", 2560, 2560),
+                 lambda: bn.gemm_kernel_for(16, torch.device("cpu")), lambda: bn.gemv_configs("cpu")):
+        with pytest.raises(ValueError, match="device: the BitNet kernels run on CUDA devices, got cpu"):
+            call()
