@@ -231,6 +231,10 @@ def _check_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps, gated: bool) -
         raise ValueError(f"weight must have shape ({k},) ({what}), got {tuple(weight.shape)}")
     if weight.device != x.device:
         raise ValueError(f"weight must be on x's device ({x.device}), got {weight.device}")
+    _check_eps(eps)
+
+
+def _check_eps(eps) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
@@ -1119,6 +1123,11 @@ class FusedSlice(nn.Module):
 
     def __init__(self, fused: BitLinear, index: int, memo: dict):
         super().__init__()
+        if not isinstance(fused, BitLinear):
+            raise TypeError(f"fused must be a BitLinear, got {type(fused).__name__}")
+        _validate.integer("index", index)
+        if not 0 <= index < len(fused.segments):
+            raise ValueError(f"index must name one of fused's {len(fused.segments)} segments, got {index}")
         self.__dict__["fused"] = fused  # registered once, on the parent, not per slice
         self.__dict__["_memo"] = memo  # shared by the group's slices
         self.index = index
@@ -1160,10 +1169,12 @@ class RMSNormQuant(nn.Module):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        _validate.tensor("weight", weight, ndim=1)
+        _check_eps(eps)  # (here, not at the first forward, deep in a model)
         self.weight = weight
         self.variance_epsilon = float(eps)
         self.backend = backend
-        self.gated = gated
+        self.gated = _validate.flag("gated", gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -1188,6 +1199,9 @@ class FusedMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module, backend: str = "auto"):
         super().__init__()
+        if not _fusable_mlp(mlp):
+            raise TypeError(f"mlp must be a BitNet MLP whose gate / up are one BitLinear (gate_up_proj, after "
+                            f"convert(fuse=True)), got {type(mlp).__name__}")
         norm = mlp.ffn_sub_norm
         self.gate_up_proj = mlp.gate_up_proj
         self.down_proj = mlp.down_proj

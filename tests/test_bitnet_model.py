@@ -785,3 +785,22 @@ def test_kernel_helpers_refuse_a_cpu_device():
                  lambda: bn.gemm_kernel_for(16, torch.device("cpu")), lambda: bn.gemv_configs("cpu")):
         with pytest.raises(ValueError, match="device: the BitNet kernels run on CUDA devices, got cpu"):
             call()
+
+
+def test_fused_building_blocks_check_their_arguments():
+    """``RMSNormQuant``, ``FusedSlice`` and ``FusedMLP`` built by hand: a bad argument is
+    refused by name at construction, not at the first forward deep in a model."""
+    w = torch.nn.Parameter(torch.ones(128))
+    with pytest.raises(ValueError, match="eps must be a finite float >= 0, got '1e-5'"):
+        bn.RMSNormQuant(w, "1e-5")
+    with pytest.raises(ValueError, match="eps must be a finite float"):
+        bn.RMSNormQuant(w, None)
+    with pytest.raises(TypeError, match="gated must be a bool"):
+        bn.RMSNormQuant(w, 1e-5, gated=1)
+    layer = bn.BitLinear(128, 64, segments=(32, 32), backend="reference")
+    with pytest.raises(ValueError, match="index must name one of fused's 2 segments, got 5"):
+        bn.FusedSlice(layer, 5, {})
+    with pytest.raises(TypeError, match="fused must be a BitLinear"):
+        bn.FusedSlice(torch.nn.Linear(128, 64), 0, {})
+    with pytest.raises(TypeError, match="mlp must be a BitNet MLP"):
+        bn.FusedMLP(torch.nn.Linear(3, 3))
