@@ -177,7 +177,9 @@ def quantize_activation(x: torch.Tensor, *, backend: str = "reference") -> Tuple
     ``x ~= q / s``.  Rounds half to even, like ``torch.round``.  ``backend="auto"`` runs
     one kernel (``kernels_sm80.act_quant``, bit-identical) for fp16 / bf16 CUDA tensors
     with K % 8 == 0, else these torch ops; ``"reference"`` (the default) always the torch
-    ops; ``"kernel"`` requires the kernel.
+    ops; ``"kernel"`` requires the kernel.  ``x`` is not checked for NaN / Inf (on this
+    per-layer path a check would wait for the GPU every call): a row holding Inf gets scale
+    0 and a row holding NaN a NaN scale, which the matmuls then carry into their outputs.
     """
     _validate.tensor("x", x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     if x.dim() < 1 or x.shape[-1] == 0:
