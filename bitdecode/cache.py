@@ -51,8 +51,7 @@ class KVCache:
         self.k_pack, self.k_params = k_pack, k_params
         self.v_pack, self.v_params = v_pack, v_params
         self.k_res, self.v_res = k_res, v_res
-        self.seqlens = seqlens
-        self.block_table = block_table
+        self._seqlens, self._block_table = seqlens, block_table  # (read-only properties)
         self.k_sink, self.v_sink = k_sink, v_sink  # [B, S, Hkv, D] 16-bit, fmt.sink_tokens > 0
         # host-side lengths without a device sync: per-sequence base + the tokens appended
         # since (an append adds the same count to every sequence), and their maximum
@@ -209,7 +208,31 @@ class KVCache:
                 f"append refused on the device for {listed}: capacity is {self.capacity} tokens "
                 "per sequence; those sequences were not written (reset() clears this)"
             )
+        attention.check_lengths(self._tensors, self.seqlens)
         self._host_lens = self.seqlens.tolist()
+
+    # The lengths and the block table are the cache's own tensors: its plans, appenders and
+    # captured graphs hold them, so a new tensor assigned in their place would be ignored.
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """int32 [B] tokens per sequence, on the device (``lengths`` is the host's copy)."""
+        return self._seqlens
+
+    @seqlens.setter
+    def seqlens(self, value) -> None:
+        raise AttributeError("seqlens is the cache's own tensor (its kernels and plans hold it): the cache's calls "
+                             "set the lengths (prefill, append, truncate, reset)")
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 [B, pages per sequence]: the pages of each sequence, edited in place
+        (``cache.block_table[b, i] = page`` or ``cache.block_table.copy_(table)``)."""
+        return self._block_table
+
+    @block_table.setter
+    def block_table(self, value) -> None:
+        raise AttributeError("block_table is the cache's own tensor (its kernels and plans hold it): edit it in "
+                             "place, e.g. cache.block_table.copy_(table)")
 
     @property
     def _host_lens(self) -> List[int]:
@@ -285,7 +308,8 @@ class KVCache:
         if ok is None or ok[0] != version or any(n > m for n, m in zip(lens, ok[1])):
             attention.check_block_table(self._tensors, lens_t)
             self._table_verified = None if version is None else (version, tuple(lens))
-        k = reference.rotate(k, self.fmt)  # KVFormat.hadamard: K is stored rotated
+        # (detached: a write of tensors that require grad would tie the cache to their graph)
+        k, v = reference.rotate(k.detach(), self.fmt), v.detach()  # KVFormat.hadamard: K is stored rotated
         if self.backend == "reference":
             reference_prefill(self._tensors, k, v, lens)
         else:
@@ -325,7 +349,7 @@ class KVCache:
         if self.backend == "reference":
             if self.device.type == "cpu":  # the table is visible without a sync: check it
                 attention.check_block_table(self._tensors, self.seqlens + t)
-            reference_append(self._tensors, k, v)
+            reference_append(self._tensors, k.detach(), v.detach())  # (the cache joins no autograd graph)
         else:
             if k.data_ptr() % 16 or v.data_ptr() % 16:  # the kernel reads 16-byte rows
                 k, v = k.clone(), v.clone()
@@ -564,6 +588,7 @@ class KVCache:
             raise TypeError(f"k_dtype must be a floating-point torch.dtype or None, got {k_dtype!r}")
         self.check()
         c = self.tensors()
+        attention.check_block_table(c, self.seqlens)  # (the pages it reads: edited in place?)
         k, v = reference.gather_kv(b, self._host_lens[b], c.k_pack, c.k_params, c.v_pack, c.v_params,
                                    c.k_res, c.v_res, c.block_table.cpu(), self.fmt, c.sinks, k_dtype)
         return reference.rotate(k, self.fmt), v

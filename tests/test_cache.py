@@ -624,3 +624,52 @@ def test_reorder_and_dequantized_refuse_bad_arguments():
         with pytest.raises(TypeError, match="k_dtype must be a floating-point torch.dtype"):
             c.dequantized(0, k_dtype)
     assert c.dequantized(1, torch.float32)[0].dtype == torch.float32
+
+
+def _ragged_paged_cache():
+    c = bd.KVCache.allocate(3, 2, 128, 1024, fmt=bd.KVFormat(bits=4), page_size=128, backend="reference",
+                            device="cpu")
+    k = torch.randn(3, 700, 2, 128, dtype=torch.float16, generator=torch.Generator().manual_seed(0))
+    c.prefill(k, k, seqlens=[700, 5, 300])
+    return c
+
+
+def test_lengths_changed_on_the_device_are_refused():
+    """The device ``seqlens`` written by hand (outside the cache's calls): an append is
+    refused before any sequence is written (it appended the first two, then failed), and
+    a decode, ``check()`` and ``dequantized`` name the length instead of reading past it."""
+    kn = torch.ones(3, 1, 2, 128, dtype=torch.float16)
+    c = _ragged_paged_cache()
+    c.seqlens[2] = -3
+    with pytest.raises(ValueError, match=r"sequence 2 would hold -2 tokens, outside \[0, 1024\]"):
+        c.append(kn, kn)
+    assert c.seqlens.tolist() == [700, 5, -3] and c.lengths == [700, 5, 300]
+    c = _ragged_paged_cache()
+    c.seqlens[0] = 5000
+    q = torch.ones(3, 1, 4, 128, dtype=torch.float16)
+    for call in (lambda: bd.decode(q, c), c.check, lambda: c.dequantized(0)):
+        with pytest.raises(ValueError, match=r"sequence 0 would hold 5000 tokens"):
+            call()
+
+
+def test_block_table_is_edited_in_place_only():
+    """``dequantized`` checks the pages it reads as decode does; assigning a new table (or
+    new lengths) is refused, since the cache's calls would keep using their own."""
+    c = _ragged_paged_cache()
+    c.block_table[2, 1] = -1
+    with pytest.raises(ValueError, match=r"block_table entries in use must lie in \[0, 24\)"):
+        c.dequantized(2)
+    with pytest.raises(AttributeError, match="edit it in place, e.g. cache.block_table.copy_"):
+        c.block_table = torch.zeros_like(c.block_table)
+    with pytest.raises(AttributeError, match="seqlens is the cache's own tensor"):
+        c.seqlens = torch.zeros_like(c.seqlens)
+
+
+def test_writes_of_tensors_that_require_grad_stay_out_of_autograd():
+    c = _ragged_paged_cache()
+    k = torch.randn(3, 10, 2, 128, dtype=torch.float16, requires_grad=True)
+    c.prefill(k, k)
+    kn = torch.randn(3, 1, 2, 128, dtype=torch.float16, requires_grad=True)
+    c.append(kn, kn)
+    assert not any(t.requires_grad for t in (c.k_res, c.v_res, c.k_pack, c.v_pack, c.k_params, c.v_params))
+    assert not bd.decode(torch.ones(3, 1, 4, 128, dtype=torch.float16), c).requires_grad
