@@ -50,6 +50,11 @@ def _check_linear(x, weight, bias) -> None:
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, "
                              f"got {tuple(bias.shape)}")
+    # (torch's own matmul on a CPU x and a meta weight returns uninitialized memory)
+    _validate.same_device(x=x, weight=weight, bias=bias)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
@@ -302,6 +307,8 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     ``backend`` as ``linear``'s (the kernel: one fp16 / bf16 dtype on an sm_80+ GPU, I % 8 == 0)."""
     dispatch.check_kernel_choice(backend)
     _validate.tensor("gate_up", gate_up)
+    if not gate_up.dtype.is_floating_point:
+        raise TypeError(f"gate_up must be a floating-point tensor, got {gate_up.dtype}")
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be (..., 2I): gate then up, got shape {tuple(gate_up.shape)}")
     if gate_up.numel() == 0:

@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from . import dispatch
+from . import _validate, dispatch
 from .layouts.dense import VEC, VEC_BYTES
 
 BACKENDS = dispatch.KERNEL_CHOICES
@@ -48,6 +48,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             raise ValueError(f"{name} must be ({b} or 1, {t}, {d}) for q {tuple(q.shape)}, got {tuple(x.shape)}")
     if d % 2:
         raise ValueError(f"the head dim must be even to rotate its halves, got {d}")
+    _validate.same_device(q=q, k=k, cos=cos, sin=sin)
 
 
 def _kernel_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:

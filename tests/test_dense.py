@@ -165,6 +165,17 @@ def test_bad_arguments_are_named():
         dense.silu_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="SwiGLU kernel needs CUDA tensors"):
         dense.silu_mul(torch.randn(2, 16, dtype=torch.float16), backend="kernel")
+    # torch's own product of a CPU x and a meta weight returns uninitialized memory
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        dense.linear(x, w.to("meta"))
+    with pytest.raises(ValueError, match="bias is on meta but x is on cpu"):
+        dense.linear(x, w, b.to("meta"))
+    with pytest.raises(TypeError, match="weight must have x's dtype torch.float32, got torch.float16"):
+        dense.linear(x.float(), w)
+    with pytest.raises(TypeError, match="bias must have x's dtype torch.float16, got torch.float32"):
+        dense.linear(x, w, b.float())
+    with pytest.raises(TypeError, match="gate_up must be a floating-point tensor"):
+        dense.silu_mul(torch.ones(2, 16, dtype=torch.int32))
 
 
 @pytest.mark.gpu

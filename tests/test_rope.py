@@ -54,6 +54,8 @@ def test_bad_arguments_are_named():
         rope.apply_rotary(q, k, c, s, backend="cuda")
     with pytest.raises(ValueError, match="kernel needs CUDA tensors"):
         rope.apply_rotary(q, k, c, s, backend="kernel")
+    with pytest.raises(ValueError, match="sin is on meta but q is on cpu"):
+        rope.apply_rotary(q, k, c, s.to("meta"))
 
 
 def _tiny_llama():
