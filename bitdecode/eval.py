@@ -254,11 +254,33 @@ def _tensor_bytes(t) -> int:
     return 0
 
 
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _token_ids(name: str, ids, model) -> torch.Tensor:
+    """1-D long token ids, refused where they are no ids (floats) or lie past the model's
+    vocabulary (its embedding would fail deep in the first forward, after other work)."""
+    t = torch.as_tensor(ids)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got {t.dtype}")
+    t = t.to(torch.long).flatten()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if t.numel() and (int(t.min()) < 0 or (isinstance(vocab, int) and int(t.max()) >= vocab)):
+        raise ValueError(f"{name} must lie in [0, {vocab}) (the model's vocabulary), got "
+                         f"[{int(t.min())}, {int(t.max())}]")
+    return t
+
+
 def cache_bytes(cache) -> int:
     """KV bytes a transformers cache holds: bitdecode (all preallocated storage), quanto
     (quantized data + scales + shifts + 16-bit residual) or dense 16-bit K / V."""
     if hasattr(cache, "memory_bytes"):
         return int(cache.memory_bytes())
+    if not hasattr(cache, "layers"):
+        raise TypeError(f"cache must be a transformers Cache (with .layers) or a bitdecode cache, got "
+                        f"{type(cache).__name__}")
     total = 0
     for layer in getattr(cache, "layers", []):
         for name in ("_quantized_keys", "_quantized_values", "keys", "values"):
@@ -371,7 +393,10 @@ def evaluate(model, ids, methods: Union[str, Sequence] = DEFAULT_FORMATS, contex
     ``batch``: windows run together (default: all).  Returns a JSON-able dict: ``methods``
     (each spec, what it is, or why it was not run) and ``results`` (one row per context
     length and method)."""
-    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    ids = _token_ids("ids", ids, model)
+    _positive("scored", scored)
+    if batch is not None:
+        _positive("batch", batch)
     contexts = sorted({int(c) for c in contexts})
     if not contexts or contexts[0] <= scored:
         raise ValueError(f"every context length must exceed scored={scored}, got {contexts}")
@@ -438,6 +463,9 @@ def needle_prompts(tokenizer, filler: torch.Tensor, context: int, depths: Sequen
     """Prompts of exactly ``context`` tokens: intro, filler (a window of ``filler`` ids at a
     random offset) with the needle after ``depth`` of it, question.  ``chat`` wraps the
     intro / question in the tokenizer's chat template (SmolLM2-135M retrieves better without)."""
+    depths = list(depths)
+    if not depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"depths must be fractions in [0, 1] of the filler (at least one), got {depths}")
     rng = random.Random(seed)
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     intro, question = NEEDLE_INTRO, NEEDLE_QUESTION
@@ -501,7 +529,9 @@ def needle(model, tokenizer, methods: Union[str, Sequence], filler, context: int
     ``filler``: 1-D token ids (the text the filler is cut from); ``batch``: prompts run
     together (default 2: a 16-bit prefill of many long prompts at once needs much memory).  Returns a JSON-able dict
     with the rate per method and depth and every answer."""
-    filler = torch.as_tensor(filler, dtype=torch.long).flatten()
+    filler = _token_ids("filler", filler, model)
+    for name, value in (("trials", trials), ("new_tokens", new_tokens)) + ((("batch", batch),) if batch is not None else ()):
+        _positive(name, value)
     methods = _methods(model, methods)
     prompts = needle_prompts(tokenizer, filler, context, depths, trials, seed, chat)
     device = next(model.parameters()).device

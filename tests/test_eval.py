@@ -176,3 +176,27 @@ def test_cli_eval_refuses_an_out_it_cannot_write_before_it_runs(tmp_path, capsys
 def test_help_lists_eval(capsys):
     main([])
     assert "eval" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_refused_before_the_model_runs(model, ids):
+    """What ran the model (or its 16-bit prefills) before failing in torch.stack / cat, an
+    embedding's IndexError, or reported needles at wrong positions, is refused by name."""
+    tok = bdeval.ByteTokenizer()
+    for kw, message in ((dict(scored=0), "scored must be an int >= 1, got 0"),
+                        (dict(batch=-1), "batch must be an int >= 1, got -1")):
+        with pytest.raises(ValueError, match=message):
+            bdeval.evaluate(model, ids, [], **({"contexts": [40], "scored": 8} | kw))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 512\) \(the model's vocabulary\), got \[10, 999\]"):
+        bdeval.evaluate(model, torch.cat([ids[:500], torch.tensor([999])]), [], contexts=[40], scored=8)
+    with pytest.raises(TypeError, match="ids must hold integer token ids, got torch.float32"):
+        bdeval.evaluate(model, ids[:500].float(), [], contexts=[40], scored=8)
+    for kw, message in ((dict(trials=0), "trials must be an int >= 1, got 0"),
+                        (dict(new_tokens=0), "new_tokens must be an int >= 1, got 0"),
+                        (dict(depths=()), r"depths must be fractions in \[0, 1\]"),
+                        (dict(depths=(-0.5, 0.5)), r"depths must be fractions in \[0, 1\].*-0.5")):
+        with pytest.raises(ValueError, match=message):
+            bdeval.needle(model, tok, [], ids[:20_000], context=300, **kw)
+    with pytest.raises(ValueError, match=r"depths must be fractions in \[0, 1\].*1.5"):
+        bdeval.needle_prompts(tok, ids[:20_000], 300, depths=(0.5, 1.5), trials=1)
+    with pytest.raises(TypeError, match="cache must be a transformers Cache"):
+        bdeval.cache_bytes(None)
