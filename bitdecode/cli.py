@@ -124,6 +124,8 @@ def output_folder(text: str):
     the path is a file, before any work is done."""
     from pathlib import Path
 
+    if not text.strip():  # (Path("") is ".": the working folder, which nobody asked for)
+        raise argparse.ArgumentTypeError("an empty path is not a folder")
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")

@@ -182,7 +182,14 @@ def run(args: argparse.Namespace) -> int:
     on_gpu = device == "cuda"
     n = args.seqlen or (32768 if on_gpu else 4096)
     t0 = time.perf_counter()
-    base, rows, used = measure(args, device, n, args.backend)
+    try:
+        base, rows, used = measure(args, device, n, args.backend)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc):
+            raise
+        print_error(console, f"--seqlen {n} --batch {args.batch}: the 16-bit K / V and the caches do not fit in "
+                             f"{device}'s memory ({' '.join(str(exc).split())[:120]}); try smaller sizes")
+        return 2
     # auto may pick a different backend per bit width (Backend.auto_picks)
     backend = used[0] if len(set(used)) == 1 else ", ".join(f"{b}-bit {u}" for b, u in zip(args.bits, used))
 

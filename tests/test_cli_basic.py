@@ -101,6 +101,23 @@ def test_demo_backend_the_device_lacks(capsys, monkeypatch):
     assert "backend 'sm80' runs CUDA kernels, but the tensors are on cpu" in capsys.readouterr().out
 
 
+def test_demo_sizes_that_do_not_fit(capsys, monkeypatch):
+    """An allocation that fails is one line and exit 2 (it was a traceback, exit 1)."""
+    from bitdecode import cli_demo
+
+    def no_memory(*args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 157286400000 bytes.")
+
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setattr(cli_demo, "measure", no_memory)
+    assert main(["demo", "--device", "cpu", "--seqlen", "600000", "--batch", "64"]) == 2
+    out = capsys.readouterr().out
+    assert "--seqlen 600000 --batch 64: the 16-bit K / V and the caches do not fit in cpu's memory" in out
+    monkeypatch.setattr(cli_demo, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("a kernel bug")))
+    with pytest.raises(RuntimeError, match="a kernel bug"):  # other failures are not called memory
+        main(["demo", "--device", "cpu", "--seqlen", "256"])
+
+
 def test_demo_cuda_without_gpu(capsys):
     import torch
 
@@ -247,6 +264,7 @@ def test_out_must_be_a_folder(command, tmp_path, capsys):
     message = _parser_error([*command, "--out", str(tmp_path / "file")], capsys)
     assert f"argument --out: {tmp_path / 'file'} exists and is not a folder" in message
     assert "--out DIR is required" in _parser_error(["compile"], capsys)
+    assert "argument --out: an empty path is not a folder" in _parser_error([*command, "--out", ""], capsys)
 
 
 def test_bench_flush_option(capsys, monkeypatch, tmp_path):
