@@ -80,10 +80,10 @@ def same_device(**tensors) -> torch.device:
 
 
 def integer(name: str, value) -> int:
-    """An int (bools refused), else a TypeError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An int (numpy's too, as a Python int; bools refused), else a TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
+    return int(value)
 
 
 def model_dtype(name: str, dtype) -> None:
@@ -112,14 +112,15 @@ def axis(name: str, value, tensor_name: str, t: torch.Tensor) -> int:
 
 
 def nonnegative_int(name: str, value) -> int:
-    """An int >= 0 (bools refused), else a ValueError naming ``name`` and the value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """An int >= 0 (numpy's too, as a Python int; bools refused), else a ValueError naming
+    ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value
+    return int(value)
 
 
 def positive_int(name: str, value, allowed: Optional[Sequence[int]] = None) -> int:
-    integer(name, value)
+    value = integer(name, value)
     if allowed is not None and value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value}")
     if value <= 0:

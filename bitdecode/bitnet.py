@@ -930,8 +930,8 @@ class BitLinear(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        _validate.positive_int("in_features", in_features)
-        _validate.positive_int("out_features", out_features)
+        in_features = _validate.positive_int("in_features", in_features)
+        out_features = _validate.positive_int("out_features", out_features)
         _validate.flag("bias", bias)
         layout.check_shape(out_features, in_features, k_multiple=layout.K_MULTIPLE, name="BitLinear")
         self.in_features = in_features
@@ -1127,7 +1127,7 @@ class FusedSlice(nn.Module):
         super().__init__()
         if not isinstance(fused, BitLinear):
             raise TypeError(f"fused must be a BitLinear, got {type(fused).__name__}")
-        _validate.integer("index", index)
+        index = _validate.integer("index", index)
         if not 0 <= index < len(fused.segments):
             raise ValueError(f"index must name one of fused's {len(fused.segments)} segments, got {index}")
         self.__dict__["fused"] = fused  # registered once, on the parent, not per slice

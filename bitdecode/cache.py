@@ -101,10 +101,11 @@ class KVCache:
     ) -> "KVCache":
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
-        _validate.positive_int("batch", batch)
-        _validate.positive_int("num_kv_heads", num_kv_heads)
-        _validate.positive_int("max_seqlen", max_seqlen)
-        _validate.positive_int("head_dim", head_dim)
+        # (each as a Python int: numpy's ints pass the checks, and sizes are stored)
+        batch = _validate.positive_int("batch", batch)
+        num_kv_heads = _validate.positive_int("num_kv_heads", num_kv_heads)
+        max_seqlen = _validate.positive_int("max_seqlen", max_seqlen)
+        head_dim = _validate.positive_int("head_dim", head_dim)
         fmt.check_head_dim(head_dim)
         _validate.model_dtype("dtype", dtype)
         device = _validate.device("device", device)
@@ -114,7 +115,7 @@ class KVCache:
         if page_size is None:
             page, per_seq = packed_cap, 1
         else:
-            _validate.positive_int("page_size", page_size)
+            page_size = _validate.positive_int("page_size", page_size)
             if page_size % nr:
                 raise ValueError(
                     f"page_size must be a multiple of the residual block ({nr} tokens for "
@@ -366,7 +367,7 @@ class KVCache:
         packed, that block's surviving tokens return to the 16-bit residual buffer
         dequantized: their quantization error stays, the 16-bit originals are gone.  Runs
         torch ops on the cache's device (a few small ones, one sync); any backend."""
-        _validate.nonnegative_int("tokens", tokens)
+        tokens = _validate.nonnegative_int("tokens", tokens)
         lens = self._host_lens
         short = [b for b, n in enumerate(lens) if n < tokens]
         if short:

@@ -94,7 +94,7 @@ class KVFormat:
         if self.v_bits is None:
             object.__setattr__(self, "v_bits", self.bits)
         _choice("v_bits", self.v_bits, BITS)
-        _validate.nonnegative_int("KVFormat.sink_tokens", self.sink_tokens)
+        object.__setattr__(self, "sink_tokens", _validate.nonnegative_int("KVFormat.sink_tokens", self.sink_tokens))
         if not isinstance(self.hadamard, bool):
             raise ValueError(f"KVFormat.hadamard must be True or False, got {self.hadamard!r}")
         object.__setattr__(self, "residual_block",

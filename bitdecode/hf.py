@@ -228,9 +228,9 @@ class BitDecodingCache(Cache):
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a bitdecode.KVFormat, got {type(fmt).__name__}")
         # what ``KVCache.allocate`` would refuse at the first forward, refused here
-        _validate.positive_int("max_seqlen", max_seqlen)
+        max_seqlen = _validate.positive_int("max_seqlen", max_seqlen)
         if page_size is not None:
-            _validate.positive_int("page_size", page_size)
+            page_size = _validate.positive_int("page_size", page_size)
             if page_size % fmt.residual_block:
                 raise ValueError(f"page_size must be a multiple of the residual block ({fmt.residual_block} "
                                  f"tokens for this format), got {page_size}")

@@ -368,3 +368,20 @@ def test_reference_helpers_round_trip_what_they_check():
     assert torch.equal(bd.reference.unpack_v(vp, vs, F4, FP16), bd.reference.dequantize(
         *bd.reference.quantize(k, 4, 32, dim=-1), 32, dim=-1))
     assert torch.equal(bd.reference.unpack_rows(bd.reference.pack_rows(CODES + 15, 4), 4, 32), CODES + 15)
+
+
+def test_numpy_ints_are_ints():
+    """numpy's ints (what a length or size read from an array is) pass every int check as
+    Python ints, as ``seqlens`` and ``reorder`` already took them; bools stay refused."""
+    np = pytest.importorskip("numpy")
+    fmt = bd.KVFormat(bits=4, sink_tokens=np.int64(4))
+    assert type(fmt.sink_tokens) is int and fmt.sink_tokens == 4
+    c = bd.KVCache.allocate(np.int64(2), np.int32(2), np.int64(128), np.int64(512), fmt=fmt,
+                            page_size=np.int64(256), backend="reference", device="cpu")
+    assert (c.batch, c.page_size, c.max_seqlen) == (2, 256, 512) and type(c.max_seqlen) is int
+    k = torch.randn(2, 300, 2, 128, dtype=torch.float16)
+    c.prefill(k, k)
+    c.truncate(np.int64(3))
+    assert c.lengths == [297, 297]
+    with pytest.raises(ValueError, match="tokens must be an int >= 0, got True"):
+        c.truncate(True)
