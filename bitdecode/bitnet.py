@@ -1496,6 +1496,12 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
                              f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__}")
         copies.append((param, src))
 
+    depth = len(model.model.layers)  # (before any layer is unpacked and built)
+    deeper = sorted({int(k.split(".")[1]) for k in state if isinstance(k, str) and k.startswith("layers.")
+                     and k.split(".")[1].isdigit() and int(k.split(".")[1]) >= depth})
+    if deeper:
+        raise ValueError(f"state holds layers {deeper[0]}..{deeper[-1]} beyond this model's {depth}: a checkpoint "
+                         "of a deeper model")
     params = dict(model.named_parameters())
     for ms_key, hf_key in _MS_GLOBALS:
         if hf_key in params:
@@ -1545,12 +1551,6 @@ def load_int2_checkpoint(model: nn.Module, state, *, backend: str = "auto", fuse
                 for src, m, name in zip(sources, members, names):
                     swaps.append(functools.partial(setattr, parent, m, _build([src], [name], t.shape[1], device,
                                                                             backend)))
-    depth = len(model.model.layers)
-    deeper = sorted({int(k.split(".")[1]) for k in state if isinstance(k, str) and k.startswith("layers.")
-                     and k.split(".")[1].isdigit() and int(k.split(".")[1]) >= depth})
-    if deeper:
-        raise ValueError(f"state holds layers {deeper[0]}..{deeper[-1]} beyond this model's {depth}: a checkpoint "
-                         "of a deeper model")
     for param, src in copies:
         param.copy_(src.to(param.dtype))
     for swap in swaps:

@@ -199,7 +199,9 @@ class KVCache:
         device because it would pass ``capacity`` (only a replayed CUDA graph can get
         there: eager appends are refused on the host first).  Those sequences kept their
         content and length; the flags stay until ``reset()``.  Otherwise the host-side
-        ``lengths`` are refreshed from the device (graph replays advance them there only).
+        ``lengths`` are refreshed from the device (graph replays advance them there only),
+        after a check that they lie in ``[0, capacity]`` (a ValueError names a length written
+        to ``seqlens`` by hand).
         """
         asked = self.overflow.tolist()
         over = [(b, n) for b, n in enumerate(asked) if n]
