@@ -202,7 +202,7 @@ def _act_quant_launch(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     arch = _arch(x.device)
     # (the backend is looked up only when the kernel is first built: this runs every layer)
     fn = _compile(("bitnet_act_quant", arch, bf16),
-                  lambda: kernels_for(x.device).compile_act_quant(bf16, ACT_EPS, jit.compile_options(arch)))
+                  lambda: _kernels(x.device).compile_act_quant(bf16, ACT_EPS, jit.compile_options(arch)))
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     s = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     fn(x, q, s)
@@ -333,7 +333,7 @@ def _norm_fn(x: torch.Tensor, eps: float, gated: bool = False, quantize: bool = 
     prefetch = NORM_PREFETCH
 
     def build():  # (the backend looked up here, once: this function runs every layer)
-        return kernels_for(x.device).compile_norm_quant(
+        return _kernels(x.device).compile_norm_quant(
             bf16, ACT_EPS, eps, jit.compile_options(arch), gated=gated, quantize=quantize, pdl=jit.has_pdl(arch),
             residual=residual, prefetch_weight=prefetch)
 
@@ -574,12 +574,24 @@ def _compile(key, build):
 def kernels_for(device: torch.device):
     """The BitNet kernels of ``device``'s backend (``backend.Backend.bitnet``: its GEMV
     configurations and GEMMs; the arch decides, as for ``bitdecode compile --arch``)."""
+    return _kernels(_cuda_device(device))
+
+
+def _kernels(device: torch.device):
+    """``kernels_for`` without the device check (the library's own calls; tests stand a
+    patched ``_arch`` in for a GPU)."""
     from . import backend
 
-    device = _validate.device("device", device)
-    if device.type != "cuda":  # (else the arch query asserts, or takes the current GPU)
+    return backend.of_arch(_arch(torch.device(device))).bitnet
+
+
+def _cuda_device(device) -> torch.device:
+    """``device`` of the public kernel-choice helpers: a CUDA one (a CPU device made the arch
+    query assert inside torch.cuda, or answer for the current GPU)."""
+    device = torch.device(device) if isinstance(device, (str, int, torch.device)) else device
+    if not isinstance(device, torch.device) or device.type != "cuda":
         raise ValueError(f"device: the BitNet kernels run on CUDA devices, got {device}")
-    return backend.of_arch(_arch(device)).bitnet
+    return device
 
 
 # Programmatic dependent launch on Hopper (the kernels read the weights before the
@@ -612,14 +624,13 @@ def gemv_config_for(device: torch.device, n: int, k: int):
     """The GEMV kernel configuration used on ``device`` (a CUDA device) for N x K weights:
     the one ``tune_gemv`` measured fastest for this GPU and shape (``bitnet_tune``'s
     table), else the rule's."""
-    kernels_for(device)  # (its device check first: the tuning table's lookup asks the GPU's name)
-    device = torch.device(device)
+    device = _cuda_device(device)  # (first: the tuning table's lookup asks the GPU's name)
     return _with_pdl(bitnet_tune.lookup(device, n, k) or _rule_gemv_config(device, n, k), _arch(device))
 
 
 def _rule_gemv_config(device: torch.device, n: int, k: int):
     """The backend rule's GEMV configuration for N x K weights (before PDL is applied)."""
-    return kernels_for(device).gemv_config(n, k, num_sms(device))
+    return _kernels(device).gemv_config(n, k, num_sms(device))
 
 
 def gemm_kernel_for(m: int, device: torch.device, n: Optional[int] = None, k: Optional[int] = None) -> str:
@@ -650,7 +661,7 @@ def _gemv_kernel(device: torch.device, raw: bool, n: int, k: int, cfg=None):
     key = ("gemv", device.index, raw, n, k, (pdl_enabled(), bitnet_tune.generation) if cfg is None else cfg)
     hit = _LAUNCHERS.get(key)
     if hit is None:
-        arch, kernels = _arch(device), kernels_for(device)
+        arch, kernels = _arch(device), _kernels(device)
         cfg = dataclasses.replace(cfg or gemv_config_for(device, n, k), raw=raw)
         fn = _compile(("bitnet_gemv", arch, *kernels.gemv_key(cfg, k)),
                       lambda: kernels.compile_gemv(cfg, k, jit.compile_options(arch)))
@@ -675,7 +686,7 @@ def _gemm_kernel(device: torch.device, m: int, n: int, k: int, kernel: str, raw:
     key = ("gemm", device.index, m, n, k, kernel, raw, pdl_enabled())
     hit = _LAUNCHERS.get(key)
     if hit is None:
-        arch, kernels = _arch(device), kernels_for(device)
+        arch, kernels = _arch(device), _kernels(device)
         if kernel == "auto":
             kernel = kernels.default_gemm_kernel(m, n, k)
         cfg, extra, split_work = kernels.gemm_plan(kernel, m, n, k, num_sms(device), raw, _pdl(arch))
@@ -829,7 +840,7 @@ def _gemv_candidates(device: torch.device, k: int) -> list:
     """Every GEMV configuration ``device`` runs at K columns as a call would launch it (PDL
     as ``$BITDECODE_PDL`` says), less those it cannot build at this K (a stripe too long
     for shared memory)."""
-    kernels, arch = kernels_for(device), _arch(device)
+    kernels, arch = _kernels(device), _arch(device)
     out = []
     for cfg in kernels.gemv_configs():
         cfg = _with_pdl(cfg, arch)
