@@ -111,6 +111,8 @@ def output_file(text: str) -> str:
     be a folder."""
     from pathlib import Path
 
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path is not a file")
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")

@@ -722,24 +722,26 @@ def build(args) -> Figure:
 def run(args) -> int:
     from rich.console import Console
 
-    console = Console()
+    from rich.markup import escape as markup
+
+    console, errors = Console(), Console(stderr=True, soft_wrap=True)  # (an error is one line)
     try:
         fig = build(args)
     except LayoutError as err:
-        Console(stderr=True).print(f"[bold red]bitdecode layout {args.view}:[/] {err}")
+        errors.print(f"[bold red]bitdecode layout {args.view}:[/] {markup(str(err))}")
         return 2
-    render_rich(fig, console)
-    if args.svg:
+    svg = None
+    if args.svg:  # opened before the picture is drawn: an unwritable path draws nothing
         try:
-            with open(args.svg, "w", encoding="utf-8") as fh:
-                fh.write(render_svg(fig))
+            svg = open(args.svg, "w", encoding="utf-8")
         except OSError as exc:
-            from rich.markup import escape as markup
-
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]bitdecode layout {args.view}:[/] --svg "
-                                                       f"{markup(args.svg)}: cannot write it "
-                                                       f"({markup(exc.strerror or str(exc))})")
+            errors.print(f"[bold red]bitdecode layout {args.view}:[/] --svg {markup(args.svg)}: cannot write it "
+                         f"({markup(exc.strerror or str(exc))})")
             return 2
+    render_rich(fig, console)
+    if svg is not None:
+        with svg:
+            svg.write(render_svg(fig))
         console.print(f"wrote {args.svg}")
     return 0
 

@@ -230,6 +230,7 @@ def test_eval_help_states_the_spec_grammar(capsys):
 @pytest.mark.parametrize("svg, message", [
     ("/nonexistent/dir/a.svg", "argument --svg: no such folder: /nonexistent/dir"),
     (".", "argument --svg: . is a folder"),
+    ("", "argument --svg: an empty path is not a file"),
 ])
 def test_layout_svg_where_it_cannot_be_written(svg, message, capsys):
     assert message in _parser_error(["layout", "packed", "--svg", svg], capsys)

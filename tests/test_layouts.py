@@ -743,9 +743,24 @@ def test_cli_layout_views(argv, capsys):
 
 
 @pytest.mark.parametrize("argv", CLI_BAD, ids=lambda a: "-".join(x.lstrip("-") for x in a))
-def test_cli_layout_meaningless_combinations(argv, capsys):
+def test_cli_layout_meaningless_combinations(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # (a refusal is one line at any terminal width)
     assert cli.main(["layout", *argv]) != 0
-    assert capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err
+
+
+def test_cli_layout_unwritable_svg_draws_nothing(capsys):
+    """The --svg file is opened before the picture is drawn: a path the parser cannot tell
+    is unwritable (a file under /proc, which even root cannot make) gets the one-line
+    refusal and no picture."""
+    from pathlib import Path
+
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    assert cli.main(["layout", "packed", "--arch", "sm80", "--svg", "/proc/bitdecode_layout.svg"]) == 2
+    out, err = capsys.readouterr()
+    assert not out.strip() and "cannot write it" in err and "\n" not in err.strip()
 
 
 @pytest.mark.parametrize("view", ["packed", "mma", "swizzle", "remap"])
