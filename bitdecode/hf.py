@@ -125,7 +125,11 @@ class BitDecodingLayer(CacheLayerMixin):
         attention call never came, or a reader of the cache before it)."""
         if self._pending is not None:
             (k, v), self._pending = self._pending, None
-            self._kv.append(k, v)
+            try:
+                self._kv.append(k, v)
+            except BaseException:  # refused (a shard of another head count, say): ``update``
+                self.seen -= k.shape[1]  # counted tokens the cache never took, as _decode_pending
+                raise
 
     def take_pending(self) -> Optional[tuple]:
         """The decode step's new K and V, not yet appended (None if there are none): the

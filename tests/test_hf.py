@@ -833,3 +833,22 @@ def test_compiled_decode_steps_then_an_eager_step(models, check):
     assert cache.get_seq_length() == 32
     assert torch.equal(packed(blocks[3], **hf.cache_kwargs(packed, cache), use_cache=True).logits, want[3])
     assert _state(cache) == (33, [[33, 33]] * 2)
+
+
+def test_a_refused_held_token_is_not_counted():
+    """``update`` holds an eager step's K / V for the attention call; a reader of the cache
+    before it (``kv``) appends them, and a refused append (a shard of another head count)
+    takes back the tokens ``update`` counted, so the layer's length stays the cache's."""
+    from bitdecode.hf import BitDecodingLayer
+
+    layer = BitDecodingLayer(bd.KVFormat(bits=4, group_size=64), 256, None, "reference")
+    k = torch.randn(1, 2, 5, 64, dtype=torch.float16)
+    layer.update(k, k)
+    layer.store_prompt(k, k, None)
+    bad = torch.randn(1, 1, 1, 64, dtype=torch.float16)  # one KV head of the cache's two
+    layer.update(bad, bad)
+    with pytest.raises(ValueError, match=r"k must have shape \(1, \*, 2, 64\)"):
+        layer.kv
+    good = torch.randn(1, 2, 1, 64, dtype=torch.float16)
+    layer.update(good, good)
+    assert layer.get_seq_length() == 6 and layer.kv.lengths == [6]
