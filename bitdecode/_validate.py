@@ -96,7 +96,9 @@ def flag(name: str, value) -> bool:
     """A bool, else a TypeError naming ``name`` (a truthy string or tensor is not taken for
     True)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        kind = type(value)  # (numpy's bool is also named "bool": say whose)
+        what = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+        raise TypeError(f"{name} must be a bool, got {what}")
     return value
 
 

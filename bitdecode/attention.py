@@ -226,11 +226,11 @@ def check_splits(num_splits, backend: str) -> int:
     # the reference ignores the split count; it accepts what the kernel backends accept
     names = backends.shipped() if backend == "reference" else (backend,)
     top = max(backends.get(name).limits.max_splits for name in names)
-    if (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0
+    if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0
             or num_splits > top):
         raise ValueError(f"num_splits must be an int in [0, {top}] (0 picks a heuristic), "
                          f"got {num_splits!r}")
-    return num_splits
+    return int(num_splits)
 
 
 def plan_decode(cache: CacheTensors, q: torch.Tensor, backend: str, num_splits: int, max_len: int,

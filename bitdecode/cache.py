@@ -107,6 +107,9 @@ class KVCache:
         max_seqlen = _validate.positive_int("max_seqlen", max_seqlen)
         head_dim = _validate.positive_int("head_dim", head_dim)
         fmt.check_head_dim(head_dim)
+        if fmt.sink_tokens > max_seqlen:  # (16-bit sink buffers no sequence could fill)
+            raise ValueError(f"fmt.sink_tokens={fmt.sink_tokens} exceeds max_seqlen={max_seqlen}: a sequence "
+                             "holds at most max_seqlen tokens, so fewer sinks")
         _validate.model_dtype("dtype", dtype)
         device = _validate.device("device", device)
         backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt, head_dim=head_dim, dtype=dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -78,9 +79,15 @@ class KVFormat:
     sink_tokens: int = 0
     hadamard: bool = False
     fp4: Optional[str] = None
-    residual_block: int = field(init=False)
+    # derived from the widths (not an argument): out of repr and comparisons, so that a
+    # format's repr rebuilds it
+    residual_block: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        for name in ("bits", "group_size", "v_bits"):  # numpy's ints as Python ints (bools stay refused)
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
         _choice("bits", self.bits, BITS)
         if self.fp4 is not None:
             self._resolve_fp4()

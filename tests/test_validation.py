@@ -108,10 +108,11 @@ def test_allocate_too_large_says_what_it_asked_for(monkeypatch):
                                                      rf"GiB and its 16-bit residual and sink buffers {gib16} GiB on "
                                                      r"cpu, which could not be allocated \(DefaultCPUAllocator"):
         bd.KVCache.allocate(64, HKV, D, 10**8, FMT, device="cpu")
-    # sink buffers too large to allocate while the pages are small: the message counts them
+    # sink buffers too large to allocate: the message counts them
     sinks = dataclasses.replace(FMT, sink_tokens=10**9)
-    with pytest.raises(torch.OutOfMemoryError, match=r"its packed pages need 0.00 GiB and its 16-bit residual and "
-                                                     r"sink buffers 953.67 GiB on cpu"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"and its 16-bit residual and sink buffers 953.67 GiB on cpu"):
+        bd.KVCache.allocate(2, HKV, D, 10**9, sinks, device="cpu")
+    with pytest.raises(ValueError, match="fmt.sink_tokens=1000000000 exceeds max_seqlen=100"):  # (never filled)
         bd.KVCache.allocate(2, HKV, D, 100, sinks, device="cpu")
 
 
@@ -385,3 +386,24 @@ def test_numpy_ints_are_ints():
     assert c.lengths == [297, 297]
     with pytest.raises(ValueError, match="tokens must be an int >= 0, got True"):
         c.truncate(True)
+
+
+def test_formats_and_options_take_numpy_scalars_as_python_ones():
+    """KVFormat's widths and group and ``num_splits`` take numpy ints as ints; a numpy bool
+    given for a flag is named as numpy's (the message said "must be a bool, got bool");
+    the derived ``residual_block`` stays out of the format's repr, which rebuilds it; sinks
+    past the capacity are refused (buffers no sequence could fill)."""
+    np = pytest.importorskip("numpy")
+    fmt = bd.KVFormat(bits=np.int64(4), group_size=np.int64(64), v_bits=np.int32(2))
+    assert fmt == bd.KVFormat(bits=4, group_size=64, v_bits=2) and type(fmt.bits) is int
+    assert eval("bd." + repr(fmt)) == fmt and "residual_block" not in repr(fmt)
+    c = bd.KVCache.allocate(1, 2, 128, 512, fmt=bd.KVFormat(bits=4), backend="reference", device="cpu")
+    k = torch.randn(1, 300, 2, 128, dtype=torch.float16)
+    c.prefill(k, k)
+    q = torch.randn(1, 1, 4, 128, dtype=torch.float16)
+    assert torch.equal(bd.decode(q, c, num_splits=np.int64(2)), bd.decode(q, c, num_splits=2))
+    with pytest.raises(TypeError, match="return_lse must be a bool, got numpy.bool"):
+        bd.decode(q, c, return_lse=np.bool_(True))
+    with pytest.raises(ValueError, match="fmt.sink_tokens=600 exceeds max_seqlen=512"):
+        bd.KVCache.allocate(1, 2, 128, 512, fmt=bd.KVFormat(bits=4, sink_tokens=600), backend="reference",
+                            device="cpu")
