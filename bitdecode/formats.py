@@ -70,6 +70,10 @@ class KVFormat:
 
     Every backend takes every combination of widths: a K2V4 block holds two 128-token 4-bit
     V tiles, which the kernels read one after the other.
+
+    The defaults are filled in when the format is made (``v_bits`` = ``bits``, ``group_size``
+    128, ...), so ``dataclasses.replace`` keeps them: ``replace(KVFormat(bits=4), bits=2)``
+    is K2V4.  Build a new ``KVFormat`` for another width.
     """
 
     bits: int = 4
