@@ -50,7 +50,12 @@ def _check_linear(x, weight, bias) -> None:
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must be ({weight.shape[0]},) for weight {tuple(weight.shape)}, "
                              f"got {tuple(bias.shape)}")
-    # (torch's own matmul on a CPU x and a meta weight returns uninitialized memory)
+
+
+def _check_torch_operands(x, weight, bias) -> None:
+    """One device and dtype for torch's ``linear`` (the kernels' own fit, ``dispatch.
+    float16_kernel_fit``, already asks it of theirs): torch's product of a CPU x and a meta
+    weight returns uninitialized memory, and other mixes fail inside torch."""
     _validate.same_device(x=x, weight=weight, bias=bias)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype:
@@ -179,6 +184,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if backend == "auto" and not why and not wins(tokens, n, k):
         why = "a shape where it measured faster than cuBLAS"
     if not dispatch.kernel_runs(backend, why, what):
+        _check_torch_operands(x, weight, bias)
         y = torch.nn.functional.linear(x, weight, bias)
         return y if residual is None else residual + y
     in_kernel = residual is not None and bias is None  # (the epilogues add a residual or a bias)
