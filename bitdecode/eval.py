@@ -63,6 +63,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from . import _validate
 from .formats import FP4_FORMATS, KVFormat, model_head_dim
 
 BASELINE = "16"
@@ -254,11 +255,6 @@ def _tensor_bytes(t) -> int:
     return 0
 
 
-def _positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 def _token_ids(name: str, ids, model) -> torch.Tensor:
     """1-D long token ids, refused where they are no ids (floats) or lie past the model's
     vocabulary (its embedding would fail deep in the first forward, after other work)."""
@@ -394,9 +390,9 @@ def evaluate(model, ids, methods: Union[str, Sequence] = DEFAULT_FORMATS, contex
     (each spec, what it is, or why it was not run) and ``results`` (one row per context
     length and method)."""
     ids = _token_ids("ids", ids, model)
-    _positive("scored", scored)
+    _validate.positive_int("scored", scored)
     if batch is not None:
-        _positive("batch", batch)
+        _validate.positive_int("batch", batch)
     contexts = sorted({int(c) for c in contexts})
     if not contexts or contexts[0] <= scored:
         raise ValueError(f"every context length must exceed scored={scored}, got {contexts}")
@@ -531,7 +527,7 @@ def needle(model, tokenizer, methods: Union[str, Sequence], filler, context: int
     with the rate per method and depth and every answer."""
     filler = _token_ids("filler", filler, model)
     for name, value in (("trials", trials), ("new_tokens", new_tokens)) + ((("batch", batch),) if batch is not None else ()):
-        _positive(name, value)
+        _validate.positive_int(name, value)
     methods = _methods(model, methods)
     prompts = needle_prompts(tokenizer, filler, context, depths, trials, seed, chat)
     device = next(model.parameters()).device

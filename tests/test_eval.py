@@ -182,16 +182,16 @@ def test_bad_arguments_are_refused_before_the_model_runs(model, ids):
     """What ran the model (or its 16-bit prefills) before failing in torch.stack / cat, an
     embedding's IndexError, or reported needles at wrong positions, is refused by name."""
     tok = bdeval.ByteTokenizer()
-    for kw, message in ((dict(scored=0), "scored must be an int >= 1, got 0"),
-                        (dict(batch=-1), "batch must be an int >= 1, got -1")):
+    for kw, message in ((dict(scored=0), "scored must be positive, got 0"),
+                        (dict(batch=-1), "batch must be positive, got -1")):
         with pytest.raises(ValueError, match=message):
             bdeval.evaluate(model, ids, [], **({"contexts": [40], "scored": 8} | kw))
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 512\) \(the model's vocabulary\), got \[10, 999\]"):
         bdeval.evaluate(model, torch.cat([ids[:500], torch.tensor([999])]), [], contexts=[40], scored=8)
     with pytest.raises(TypeError, match="ids must hold integer token ids, got torch.float32"):
         bdeval.evaluate(model, ids[:500].float(), [], contexts=[40], scored=8)
-    for kw, message in ((dict(trials=0), "trials must be an int >= 1, got 0"),
-                        (dict(new_tokens=0), "new_tokens must be an int >= 1, got 0"),
+    for kw, message in ((dict(trials=0), "trials must be positive, got 0"),
+                        (dict(new_tokens=0), "new_tokens must be positive, got 0"),
                         (dict(depths=()), r"depths must be fractions in \[0, 1\]"),
                         (dict(depths=(-0.5, 0.5)), r"depths must be fractions in \[0, 1\].*-0.5")):
         with pytest.raises(ValueError, match=message):
