@@ -106,14 +106,20 @@ def print_error(console, message: str) -> None:
     console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
 
 
-def output_file(text: str) -> str:
-    """argparse type of a file the command writes: its folder must exist, and it must not
-    be a folder."""
+def given_path(text: str, kind: str):
+    """An option's path, ``~`` expanded; an empty one refused (``Path("")`` is ".": the
+    working folder, which nobody asked for)."""
     from pathlib import Path
 
     if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path is not a file")
-    path = Path(text).expanduser()
+        raise argparse.ArgumentTypeError(f"an empty path is not a {kind}")
+    return Path(text).expanduser()
+
+
+def output_file(text: str) -> str:
+    """argparse type of a file the command writes: its folder must exist, and it must not
+    be a folder."""
+    path = given_path(text, "file")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
     if not path.parent.is_dir():
@@ -124,11 +130,7 @@ def output_file(text: str) -> str:
 def output_folder(text: str):
     """argparse type of a folder the command writes into (made if missing): refused where
     the path is a file, before any work is done."""
-    from pathlib import Path
-
-    if not text.strip():  # (Path("") is ".": the working folder, which nobody asked for)
-        raise argparse.ArgumentTypeError("an empty path is not a folder")
-    path = Path(text).expanduser()
+    path = given_path(text, "folder")
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
     return path

