@@ -109,17 +109,16 @@ def _check_values(cache: CacheTensors) -> None:
     check_block_table(cache, lens)
 
 
-def check_lengths(cache: CacheTensors, lens: torch.Tensor) -> None:
-    """A cache's sequence lengths ``lens`` (its device ``seqlens``, plus what a write adds)
-    must lie in ``[0, capacity]``: the host tracks the lengths itself, so a length outside
-    is one written to ``seqlens`` on the device (one device sync; bare tensors without a
+def check_lengths(cache: CacheTensors, lens) -> None:
+    """A cache's sequence lengths ``lens`` (its device ``seqlens`` read to the host, plus
+    what a write adds) must lie in ``[0, capacity]``: the host tracks the lengths itself, so
+    a length outside is one written to ``seqlens`` on the device (bare tensors without a
     capacity are checked by their callers)."""
-    if cache.capacity is None or not lens.numel():
+    if cache.capacity is None:
         return
-    bad = ((lens < 0) | (lens > cache.capacity)).nonzero()
-    if bad.numel():
-        b = int(bad[0, 0])
-        raise ValueError(f"sequence {b} would hold {int(lens[b])} tokens, outside [0, {cache.capacity}] (the "
+    b = next((b for b, n in enumerate(lens) if not 0 <= n <= cache.capacity), None)
+    if b is not None:
+        raise ValueError(f"sequence {b} would hold {lens[b]} tokens, outside [0, {cache.capacity}] (the "
                          "capacity): the cache's seqlens were changed on the device, not by its calls; "
                          "prefill() or reset() starts again (nothing was written)")
 
@@ -127,7 +126,8 @@ def check_lengths(cache: CacheTensors, lens: torch.Tensor) -> None:
 def check_block_table(cache: CacheTensors, lens: torch.Tensor) -> None:
     """The pages sequences of lengths ``lens`` use (their packed blocks) must be valid,
     distinct pages (one device sync); unused entries may hold anything."""
-    check_lengths(cache, lens)
+    if cache.capacity is not None:
+        check_lengths(cache, lens.tolist())
     nr = cache.fmt.residual_block
     if cache.block_table.numel():
         packed = (lens.long() - cache.fmt.sink_tokens).clamp(min=0)  # sink tokens hold no page

@@ -214,8 +214,9 @@ class KVCache:
                 f"append refused on the device for {listed}: capacity is {self.capacity} tokens "
                 "per sequence; those sequences were not written (reset() clears this)"
             )
-        attention.check_lengths(self._tensors, self.seqlens)
-        self._host_lens = self.seqlens.tolist()
+        lens = self.seqlens.tolist()
+        attention.check_lengths(self._tensors, lens)
+        self._host_lens = lens
 
     # The lengths and the block table are the cache's own tensors: its plans, appenders and
     # captured graphs hold them, so a new tensor assigned in their place would be ignored.
