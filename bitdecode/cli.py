@@ -98,12 +98,14 @@ def csv_list(kind, choices=None, allow_empty: bool = False):
     return parse
 
 
-def print_error(console, message: str) -> None:
-    """One ``error:`` line on ``console`` (a rich Console): the message as plain text (no
-    markup read from it) and never wrapped, as every command's refusals are printed."""
+def print_error(message: str) -> None:
+    """One ``error:`` line on standard error, as every command's refusals are printed: the
+    message as plain text (no markup read from it) and never wrapped, apart from the
+    command's output (``bitdecode bench ... > log`` still shows why it stopped)."""
+    from rich.console import Console
     from rich.markup import escape
 
-    console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
 
 
 def given_path(text: str, kind: str):

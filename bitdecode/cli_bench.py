@@ -13,7 +13,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from .cli import output_folder
+from .cli import output_folder, print_error
 
 SUITES = {"decode": "bench_decode.py", "bitnet": "bench_bitnet.py"}
 
@@ -63,10 +63,10 @@ def run(args) -> int:
 
     console = Console()
     if not torch.cuda.is_available():
-        console.print("[red]bitdecode bench needs a CUDA GPU[/red]")
+        print_error("bitdecode bench needs a CUDA GPU")
         return 2
     if args.suite != "decode" and args.flush != "clean":
-        console.print(f"[red]--flush: only the decode suite flushes L2 ({args.suite} rotates its operands)[/red]")
+        print_error(f"--flush: only the decode suite flushes L2 ({args.suite} rotates its operands)")
         return 2
     mod = _load(args.suite)
     out = args.out or profiles_dir() / gpu_dirname()
@@ -78,6 +78,6 @@ def run(args) -> int:
         mod.print_summary(result)
     console.print(f"results in {out}")
     if result.get("wrong_outputs"):  # (a kernel the run timed gave a wrong result: the run fails)
-        console.print(f"[red]wrong outputs: {', '.join(result['wrong_outputs'])}[/red]")
+        print_error(f"wrong outputs: {', '.join(result['wrong_outputs'])}")
         return 1
     return 0

@@ -134,22 +134,22 @@ def run(args) -> int:
         from . import jit
 
         if not torch.cuda.is_available():
-            print_error(console, "--warm-cache compiles for this machine's GPU, but no CUDA GPU is available "
-                                 "(to compile without one: --arch ARCH --out DIR)")
+            print_error("--warm-cache compiles for this machine's GPU, but no CUDA GPU is available "
+                        "(to compile without one: --arch ARCH --out DIR)")
             return 2
         args.arch = jit.target_arch()
     pending = variants(args)
     wanted = set(args.kernels) - {"combine"}  # the kinds that take a KV format
     if wanted and not any(v.kind in wanted for v in pending):  # (KVFormat.check_head_dim skips them all)
-        print_error(console, f"no {' / '.join(sorted(wanted))} variant: every format's group size exceeds "
-                             f"every --head-dim ({_list(args.head_dim)})")
+        print_error(f"no {' / '.join(sorted(wanted))} variant: every format's group size exceeds "
+                    f"every --head-dim ({_list(args.head_dim)})")
         return 2
     out = ""
     if not args.warm_cache:
         try:
             args.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            print_error(console, f"--out {args.out}: cannot make the folder ({exc.strerror or exc})")
+            print_error(f"--out {args.out}: cannot make the folder ({exc.strerror or exc})")
             return 2
         out = str(args.out)
     results = []

@@ -172,12 +172,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        print_error(console, "--device cuda, but no CUDA GPU is available (use --device cpu)")
+        print_error("--device cuda, but no CUDA GPU is available (use --device cpu)")
         return 2
     try:  # before any work: a backend this device or build does not have
         dispatch.resolve(args.backend, torch.device(device), what="KV cache")
     except ValueError as exc:
-        print_error(console, str(exc))
+        print_error(str(exc))
         return 2
     on_gpu = device == "cuda"
     n = args.seqlen or (32768 if on_gpu else 4096)
@@ -187,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc):
             raise
-        print_error(console, f"--seqlen {n} --batch {args.batch}: the 16-bit K / V and the caches do not fit in "
-                             f"{device}'s memory ({' '.join(str(exc).split())[:120]}); try smaller sizes")
+        print_error(f"--seqlen {n} --batch {args.batch}: the 16-bit K / V and the caches do not fit in "
+                    f"{device}'s memory ({' '.join(str(exc).split())[:120]}); try smaller sizes")
         return 2
     # auto may pick a different backend per bit width (Backend.auto_picks)
     backend = used[0] if len(set(used)) == 1 else ", ".join(f"{b}-bit {u}" for b, u in zip(args.bits, used))

@@ -406,9 +406,9 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     problem = check_inputs(args)
     if problem:
-        print_error(console, problem)
+        print_error(problem)
         return 2
-    ready = cli_generate.prepare_run(console, args, "eval")
+    ready = cli_generate.prepare_run(args, "eval")
     if ready is None:
         return 2
     device, backend = ready
@@ -418,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             path = fetch_smollm2()
         except RuntimeError as exc:
-            print_error(console, f"SmolLM2: {exc}")
+            print_error(f"SmolLM2: {exc}")
             return 2
         args.model, args.gguf_file = str(path.parent), path.name
     dtype = torch_dtype(args.dtype)
@@ -426,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, what = cli_generate.load_model(_generate_args(args), device, dtype)
     except ValueError as exc:
-        print_error(console, str(exc))
+        print_error(str(exc))
         return 2
     t_load = time.perf_counter() - t_load
     if args.smollm2:
@@ -442,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             text, source = Path(args.text).expanduser().read_text(encoding="utf-8", errors="replace"), str(args.text)
         except OSError as exc:
-            print_error(console, f"--text {args.text}: cannot read it ({exc.strerror or exc})")
+            print_error(f"--text {args.text}: cannot read it ({exc.strerror or exc})")
             return 2
     else:
         import pydoc_data.topics
@@ -456,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
         needle_methods = methods if args.needle_formats is None else bdeval.parse_methods(args.needle_formats,
                                                                                          facts["head_dim"])
     except ValueError as exc:
-        print_error(console, str(exc))
+        print_error(str(exc))
         return 2
     runnable = sum(m.runnable for m in methods)
     console.print(f"[bold]bitdecode eval[/]: {escape(what)} (loaded in {t_load:.1f} s); text {escape(source)}, "
@@ -479,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
                                    depths=args.needle_depths, trials=args.needle_trials, new_tokens=args.needle_tokens,
                                    seed=args.seed, chat=args.chat, backend=backend, progress=say)
     except ValueError as exc:
-        print_error(console, str(exc))
+        print_error(str(exc))
         return 2
     result = {
         "tool": "bitdecode eval",

@@ -292,22 +292,22 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{frac:.0%} (first divergence: {first})"
 
 
-def prepare_run(console, args, command: str):
+def prepare_run(args, command: str):
     """(device, backend) of a model-running subcommand (``generate``, ``eval``), with
     transformers imported and quiet; None after printing the error."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print_error(console, "--device cuda, but no CUDA GPU is available (use --device cpu)")
+        print_error("--device cuda, but no CUDA GPU is available (use --device cpu)")
         return None
     try:
         backend = dispatch.resolve(args.backend, device, what="KV cache")
     except ValueError as exc:
-        print_error(console, str(exc))
+        print_error(str(exc))
         return None
     try:
         import transformers
     except ImportError:
-        print_error(console, f"bitdecode {command} needs transformers: pip install -e \".[hf]\"")
+        print_error(f"bitdecode {command} needs transformers: pip install -e \".[hf]\"")
         return None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    ready = prepare_run(console, args, "generate")
+    ready = prepare_run(args, "generate")
     if ready is None:
         return 2
     device, backend = ready
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, what = load_model(args, device, dtype)
     except ValueError as exc:
-        print_error(console, str(exc))
+        print_error(str(exc))
         return 2
     t_load = time.perf_counter() - t_load
     if not args.fuse:
@@ -368,7 +368,7 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
         for f in fmts:
             f.check_head_dim(head_dim)
     except ValueError as exc:
-        print_error(console, str(exc))
+        print_error(str(exc))
         return 2
 
     if tokenizer is not None:
@@ -382,16 +382,16 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
     prompt_len = ids.shape[1]
     max_seqlen = args.max_seqlen or prompt_len + args.max_new_tokens
     if max_seqlen < prompt_len + args.max_new_tokens:
-        print_error(console, f"--max-seqlen {max_seqlen} is less than the prompt ({prompt_len}) plus "
-                             f"--max-new-tokens ({args.max_new_tokens})")
+        print_error(f"--max-seqlen {max_seqlen} is less than the prompt ({prompt_len}) plus "
+                    f"--max-new-tokens ({args.max_new_tokens})")
         return 2
     if max_seqlen > MAX_SEQLEN:  # (refused here, not by the first layer's allocation after the baseline ran)
-        print_error(console, f"the bitdecode cache would hold {max_seqlen:,} tokens a sequence (--max-seqlen, or "
-                             f"the prompt plus --max-new-tokens); at most {MAX_SEQLEN:,}")
+        print_error(f"the bitdecode cache would hold {max_seqlen:,} tokens a sequence (--max-seqlen, or "
+                    f"the prompt plus --max-new-tokens); at most {MAX_SEQLEN:,}")
         return 2
     if args.sinks >= max_seqlen:  # every token would stay 16-bit: a packed cache only in name
-        print_error(console, f"--sinks {args.sinks} keeps every token of the {max_seqlen:,}-token cache 16-bit "
-                             f"(--max-seqlen, or the prompt plus --max-new-tokens); give fewer sinks")
+        print_error(f"--sinks {args.sinks} keeps every token of the {max_seqlen:,}-token cache 16-bit "
+                    f"(--max-seqlen, or the prompt plus --max-new-tokens); give fewer sinks")
         return 2
 
     def show(tokens: torch.Tensor) -> str:
@@ -415,7 +415,7 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
             try:
                 new, pre, rate, _ = generate(model, ids, cache, args.max_new_tokens, pad)
             except torch.OutOfMemoryError as exc:  # (a layer's cache, allocated at its first update)
-                print_error(console, " ".join(str(exc).split()))
+                print_error(" ".join(str(exc).split()))
                 return 1
             kv = cache.layers[0].kv
             used = kv.backend if kv is not None else backend

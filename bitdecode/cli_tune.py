@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .cli import output_file, positive_int
+from .cli import output_file, positive_int, print_error
 
 
 def _shapes(text: str):
@@ -49,17 +49,17 @@ def run(args) -> int:
 
     console = Console()
     if not torch.cuda.is_available():
-        console.print("[red]bitdecode tune times kernels: it needs a CUDA GPU[/red]")
+        print_error("bitdecode tune times kernels: it needs a CUDA GPU")
         return 2
     if not 0 <= args.device < torch.cuda.device_count():
-        console.print(f"[red]--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)[/red]")
+        print_error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         return 2
     kept = {}
     if Path(args.out).exists():  # keep what the file holds; a broken file is refused before any timing
         try:
             kept = bitnet_tune.read(args.out)
         except ValueError as e:
-            console.print(f"[red]--out {args.out}: {e}[/red]")
+            print_error(f"--out {args.out}: {e}")
             return 2
     shapes = args.shapes or bitnet.MODEL_SHAPES
     device = torch.device("cuda", args.device)
@@ -68,7 +68,7 @@ def run(args) -> int:
             rows = bitnet.tune_gemv(shapes, device, replays=args.replays,
                                     progress=lambda text: status.update(f"tuning {text}"))
     except ValueError as e:  # (a GPU the kernels do not run on)
-        console.print(f"[red]--device {args.device}: {e}[/red]")
+        print_error(f"--device {args.device}: {e}")
         return 2
     table = Table(title=f"GEMV on {rows[0]['gpu']} ({rows[0]['sms']} SMs), us a call")
     for column in ("N x K", "rule's pick", "us", "measured pick", "us", "faster"):

@@ -290,7 +290,7 @@ def test_tune_command_prints_and_merges_the_picks(tmp_path, monkeypatch, capsys)
     calls.clear()
     assert main(["tune", "--shapes", "4096x4096", "--out", str(out)]) == 2
     # (the console wraps the message where the temporary path runs long: compare it unwrapped)
-    assert calls == [] and "is not JSON" in " ".join(capsys.readouterr().out.split())
+    assert calls == [] and "is not JSON" in " ".join(capsys.readouterr().err.split())
 
 
 def test_tune_shape_picks_by_time_and_refuses_wrong_sums(monkeypatch):

@@ -98,7 +98,7 @@ def test_demo_rejects_bad_options(args, capsys):
 def test_demo_backend_the_device_lacks(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["demo", "--device", "cpu", "--seqlen", "256", "--backend", "sm80"]) == 2
-    assert "backend 'sm80' runs CUDA kernels, but the tensors are on cpu" in capsys.readouterr().out
+    assert "backend 'sm80' runs CUDA kernels, but the tensors are on cpu" in capsys.readouterr().err
 
 
 def test_demo_sizes_that_do_not_fit(capsys, monkeypatch):
@@ -111,8 +111,8 @@ def test_demo_sizes_that_do_not_fit(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
     monkeypatch.setattr(cli_demo, "measure", no_memory)
     assert main(["demo", "--device", "cpu", "--seqlen", "600000", "--batch", "64"]) == 2
-    out = capsys.readouterr().out
-    assert "--seqlen 600000 --batch 64: the 16-bit K / V and the caches do not fit in cpu's memory" in out
+    err = capsys.readouterr().err
+    assert "--seqlen 600000 --batch 64: the 16-bit K / V and the caches do not fit in cpu's memory" in err
     monkeypatch.setattr(cli_demo, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("a kernel bug")))
     with pytest.raises(RuntimeError, match="a kernel bug"):  # other failures are not called memory
         main(["demo", "--device", "cpu", "--seqlen", "256"])
@@ -124,7 +124,7 @@ def test_demo_cuda_without_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("checks the message on a machine without CUDA")
     assert main(["demo", "--device", "cuda"]) == 2
-    assert "no CUDA GPU is available" in capsys.readouterr().out
+    assert "no CUDA GPU is available" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------
@@ -144,12 +144,13 @@ def _parser_error(argv, capsys) -> str:
 
 
 def _one_line_error(argv, capsys, monkeypatch) -> str:
-    """``main(argv)`` returns 2 after printing one error line (no exception)."""
+    """``main(argv)`` returns 2 after printing one error line on standard error (no
+    exception), and nothing on standard output."""
     monkeypatch.setenv("COLUMNS", "80")  # long messages must not wrap either
     assert main(argv) == 2
-    out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and not out.strip(), (out, err)
     return lines[0]
 
 
@@ -292,7 +293,7 @@ def test_bench_flush_option(capsys, monkeypatch, tmp_path):
     assert runs == [{"flush": "clean"}, {"flush": "dirty"}, {}]
     capsys.readouterr()
     assert main(["bench", "bitnet", "--flush", "dirty", "--out", str(tmp_path)]) == 2
-    assert "--flush: only the decode suite flushes L2" in " ".join(capsys.readouterr().out.split())
+    assert "--flush: only the decode suite flushes L2" in " ".join(capsys.readouterr().err.split())
     assert len(runs) == 3
 
 
@@ -396,7 +397,7 @@ def test_tune_command_help_and_no_gpu(tmp_path):
     env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
     proc = subprocess.run([sys.executable, "-m", "bitdecode.cli", "tune", "--out", str(tmp_path / "t.json")],
                           capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "t.json").exists()
 
 

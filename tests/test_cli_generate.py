@@ -121,7 +121,7 @@ def test_help_lists_generate(capsys):
 def test_generate_errors(args, message, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
     assert main(["generate", "--device", "cpu", *args]) == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err
 
 
 def test_bench_e2e_tiny_cpu(tmp_path):
@@ -230,7 +230,7 @@ def test_generate_gguf_file(tmp_path, capsys, monkeypatch):
     assert f"{tmp_path} (tiny.gguf), llama" in out
     assert main(["generate", str(elsewhere / "none"), "--gguf-file", "tiny.gguf"]) == 2
     assert main(["generate", str(tmp_path), "--gguf-file", "other.gguf"]) == 2
-    assert f"error: --gguf-file other.gguf: no such file in {tmp_path}\n" in capsys.readouterr().out
+    assert f"error: --gguf-file other.gguf: no such file in {tmp_path}\n" in capsys.readouterr().err
 
 
 def test_generate_random_bitnet_runs_on_bitdecode_linears(capsys, monkeypatch):
@@ -247,7 +247,7 @@ def test_generate_random_bitnet_runs_on_bitdecode_linears(capsys, monkeypatch):
 
 def test_generate_random_bitnet_refuses_a_second_model(capsys):
     assert main(["generate", "--random-bitnet", "tiny", "--random-llama", "tiny", "--device", "cpu"]) != 0
-    assert "--random-bitnet builds its own model" in capsys.readouterr().out
+    assert "--random-bitnet builds its own model" in capsys.readouterr().err
 
 
 def _random_int2_checkpoint(path, shape):
@@ -293,12 +293,12 @@ def test_generate_from_a_microsoft_int2_checkpoint(capsys, monkeypatch, tmp_path
     assert "BitNet b1.58 (tiny) from microsoft/BitNet's model_state_int2.pt, linears on bitdecode W2A8" in out
     assert re.search(r"^bitdecode 4-bit: token ids( \d+){3}$", out, re.M)
     assert main(["generate", "--bitnet-int2", str(tmp_path / "missing.pt"), "--device", "cpu"]) != 0
-    assert "--bitnet-int2" in (msg := capsys.readouterr().out) and "no such file" in msg
+    assert "--bitnet-int2" in (msg := capsys.readouterr().err) and "no such file" in msg
     for name, data in (("empty.pt", b""), ("text.pt", b"not a checkpoint\n")):  # refused by name, no traceback
         (tmp_path / name).write_bytes(data)
         assert main(["generate", "--random-bitnet", "tiny", "--bitnet-int2", str(tmp_path / name), "--device",
                      "cpu", "--no-baseline"]) == 2
-        assert f"--bitnet-int2 {tmp_path / name}: state: cannot read" in capsys.readouterr().out
+        assert f"--bitnet-int2 {tmp_path / name}: state: cannot read" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -158,7 +158,7 @@ def test_cli_eval_end_to_end(tmp_path, capsys, monkeypatch):
 
 def test_cli_eval_rejects_a_bad_spec(capsys):
     assert main(["eval", "--random-llama", "tiny", "--device", "cpu", "--formats", "4q64"]) == 2
-    assert "cannot read the method spec" in capsys.readouterr().out
+    assert "cannot read the method spec" in capsys.readouterr().err
 
 
 def test_cli_eval_refuses_an_out_it_cannot_write_before_it_runs(tmp_path, capsys):
