@@ -84,7 +84,7 @@ def check_cache(
     cache = CacheTensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, fmt,
                          sinks=tuple(sinks) if fmt.sink_tokens else None)
     if check_values and not capturing(k_pack.device):
-        _check_values(cache)
+        check_cache_values(cache)
     return cache
 
 
@@ -93,7 +93,7 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _check_values(cache: CacheTensors) -> None:
+def check_cache_values(cache: CacheTensors) -> None:
     """Data-dependent checks (one device sync): lengths and block-table range."""
     nr = cache.fmt.residual_block
     lens = cache.cache_seqlens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -84,6 +85,17 @@ class KVCache:
         # (the block table's version counter, per-sequence lengths) it was last verified for:
         # a prefill within them, the table unchanged in place since, needs no check (a sync)
         self._table_verified: Optional[Tuple[int, Tuple[int, ...]]] = None
+
+    def __deepcopy__(self, memo):
+        """A cache of its own (``copy.deepcopy``): the tensors and lengths copied; the compiled
+        plans and appender not (they hold this cache's tensors: the copy builds its own at
+        its first call)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        state = {name: value for name, value in self.__dict__.items() if name not in _COMPILED_STATE}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new.__dict__.update(_plans={}, _fast=None, _fast_append=None, _appender=None)
+        return new
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -372,8 +384,11 @@ class KVCache:
         speculative decoding).  Where the new end falls inside a block that was already
         packed, that block's surviving tokens return to the 16-bit residual buffer
         dequantized: their quantization error stays, the 16-bit originals are gone.  Runs
-        torch ops on the cache's device (a few small ones, one sync); any backend."""
+        torch ops on the cache's device (a few small ones, and syncs: the lengths are read
+        from the device first, as ``check()`` reads them, and so is its overflow refusal);
+        any backend."""
         tokens = _validate.nonnegative_int("tokens", tokens)
+        self.check()  # (the device's lengths: compiled steps and graph replays advance only those)
         lens = self._host_lens
         short = [b for b, n in enumerate(lens) if n < tokens]
         if short:
@@ -403,7 +418,8 @@ class KVCache:
         reordering): its packed blocks, residual block, sink tokens, length and overflow flag.
         Each sequence keeps its own pages (the blocks are copied through the block table, so
         no page is shared and later appends stay apart).  Torch ops on the cache's device
-        (a copy of the blocks in use, one sync); any backend."""
+        (a copy of the blocks in use, and syncs: the lengths are read from the device first,
+        as ``check()`` reads them); any backend."""
         src = _validate.int_list("indices", indices)
         if len(src) != self.batch:
             raise ValueError(f"indices must have {self.batch} entries (one per sequence), got {len(src)}")
@@ -413,6 +429,7 @@ class KVCache:
         if src == list(range(self.batch)):
             return
         self._check_inference_writes("reorder")
+        self.check()  # (the device's lengths: compiled steps and graph replays advance only those)
         lens = self._host_lens
         new_lens = [lens[j] for j in src]
         c, nr, sinks = self._tensors, self.fmt.residual_block, self.fmt.sink_tokens
@@ -600,6 +617,9 @@ class KVCache:
                                    c.k_res, c.v_res, c.block_table.cpu(), self.fmt, c.sinks, k_dtype)
         return reference.rotate(k, self.fmt), v
 
+
+# a KVCache's attributes bound to its own tensors (plans, compiled appender), not copied
+_COMPILED_STATE = ("_plans", "_fast", "_fast_append", "_appender")
 
 # the longest a sequence may grow: lengths (and the kernels' token counts) are int32; the
 # largest multiple of every residual block below 2**31, so that the rounded capacity fits too

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _validate, attention, backend as backends, reference
+from . import _validate, attention, backend as backends, dispatch, reference
 from .backend import CacheTensors
 from .formats import KVFormat
 
@@ -37,8 +37,8 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
     None); ``fp4`` the FP4 format (``KVFormat.fp4``) or "".  The values of the lengths and
     block table are not re-checked on the kernel backends (no device sync); on the
     reference, which reads them on the host anyway, they are."""
-    cache = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
-                     _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
+    cache, backend = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink,
+                              v_sink, _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
     return attention.decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                                     return_lse=True)
 
@@ -46,7 +46,14 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
 @decode.register_fake
 def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
                  bits, v_bits, k_mode, group_size, sink_tokens, fp4, softmax_scale, num_splits, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # the metadata checks of the real op (a meta tensor among real ones reaches this, not
+    # the op), then outputs laid out as the real ones: dense whatever q's strides are
+    cache = attention.check_cache(_format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), k_pack, k_params,
+                                  v_pack, v_params, k_res, v_res, cache_seqlens, block_table, check_values=False,
+                                  sinks=(k_sink, v_sink) if sink_tokens else None)
+    _validate.same_device(q=q, k_res=k_res)
+    attention.check_query(q, cache, "reference")
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _format(bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, fp4: str) -> KVFormat:
@@ -58,13 +65,17 @@ def _format(bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: i
 
 
 def _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
-             fmt: KVFormat, backend: str) -> CacheTensors:
-    """The ops' cache tensors checked against ``fmt`` (shapes on the host, no sync); the
-    lengths' and block table's values only on the reference, which reads them on the host
-    anyway."""
-    return attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                                 check_values=backend == "reference",
-                                 sinks=(k_sink, v_sink) if fmt.sink_tokens else None)
+             fmt: KVFormat, backend: str) -> Tuple[CacheTensors, str]:
+    """(the ops' cache tensors checked against ``fmt``, the backend that runs them:
+    ``backend`` resolved for their device).  Shapes are checked on the host (no sync); the
+    lengths' and block table's values only where the reference runs, which reads them on
+    the host anyway."""
+    cache = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                                  check_values=False, sinks=(k_sink, v_sink) if fmt.sink_tokens else None)
+    backend = dispatch.resolve(backend, cache.device, fmt=fmt, head_dim=cache.head_dim, dtype=cache.dtype)
+    if backend == "reference":
+        attention.check_cache_values(cache)
+    return cache, backend
 
 
 def _format_args(fmt: KVFormat) -> tuple:
@@ -78,17 +89,23 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
     q = reference.rotate(q, t.fmt)  # KVFormat.hadamard: the op takes Q as the cache's K basis
     out, _ = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
                                         t.cache_seqlens, t.block_table, k_sink, v_sink, *_format_args(t.fmt),
-                                        float(softmax_scale), 0, cache.backend if backend == "auto" else backend)
+                                        attention.softmax_scale_or_default(softmax_scale, q.shape[-1]), 0,
+                                        cache.backend if backend == "auto" else backend)
     return out
 
 
 def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
                    commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4,
-                   capacity, backend) -> CacheTensors:
-    """The writes' cache tensors, ``_checked`` as the decode op's are, and the capacity
-    and the write counters."""
-    c = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
-                 _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
+                   capacity, backend) -> Tuple[CacheTensors, str]:
+    """The writes' cache tensors, ``_checked`` as the decode op's are (and the backend
+    resolved), with the capacity and the write counters; refused before anything is
+    written where a write could not finish (inference tensors outside inference mode)."""
+    c, backend = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink,
+                          v_sink, _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
+    if k_res.is_inference() and not torch.is_inference_mode_enabled():  # (torch would refuse mid-write)
+        raise RuntimeError("the cache tensors were allocated under torch.inference_mode(), so torch refuses "
+                           "in-place updates of them outside it; call the op inside inference_mode (nothing "
+                           "was written)")
     holds = c.block_table.shape[1] * c.page_size  # the tokens a sequence's pages hold
     if not 0 < capacity <= holds:
         raise ValueError(f"capacity must lie in [1, {holds}] for these pages ({c.block_table.shape[1]} of "
@@ -96,7 +113,7 @@ def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqle
     for name, t in (("overflow", overflow), ("commits", commits)):
         _validate.tensor(name, t, dtypes=[torch.int32], shape=(k_res.shape[0],), contiguous=True,
                          device=k_res.device)
-    return dataclasses.replace(c, capacity=capacity, overflow=overflow, commits=commits)
+    return dataclasses.replace(c, capacity=capacity, overflow=overflow, commits=commits), backend
 
 
 @torch.library.custom_op("bitdecode::append", mutates_args=_WRITES)
@@ -110,9 +127,9 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
     from .cache import reference_append
 
     _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
-    c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity,
-                       backend)
+    c, backend = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                                overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens,
+                                fp4, capacity, backend)
     if backend == "reference":  # (the pages the appended lengths reach, as the lengths now were above)
         attention.check_block_table(c, (cache_seqlens + k.shape[1]).clamp(max=capacity))
         reference_append(c, k, v)
@@ -142,9 +159,9 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
     _validate.tensor("seqlens", seqlens, dtypes=[torch.int32], shape=(k.shape[0],), device=k_res.device)
     if k.shape[1] > capacity:
         raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
-    c = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                       commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, capacity,
-                       backend)
+    c, backend = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                                overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens,
+                                fp4, capacity, backend)
     if backend == "reference":
         lens = seqlens.tolist()
         _validate.prompt_lengths("seqlens", lens, k.shape[1])  # (k.shape[1] <= capacity: checked above)

@@ -673,3 +673,34 @@ def test_writes_of_tensors_that_require_grad_stay_out_of_autograd():
     c.append(kn, kn)
     assert not any(t.requires_grad for t in (c.k_res, c.v_res, c.k_pack, c.v_pack, c.k_params, c.v_params))
     assert not bd.decode(torch.ones(3, 1, 4, 128, dtype=torch.float16), c).requires_grad
+
+
+def test_deepcopy_is_a_cache_of_its_own():
+    """``copy.deepcopy`` (transformers' prompt reuse): the copy's tensors and lengths are its
+    own, and the compiled state bound to the original's tensors (plans, the fast paths'
+    entries, the appender) is not carried over: the copy builds its own."""
+    import copy
+
+    gen = torch.Generator().manual_seed(3)
+    c = bd.KVCache.allocate(2, 2, 64, 400, bd.KVFormat(bits=4, group_size=64, sink_tokens=4), device="cpu",
+                            backend="reference")
+    k, v = kvdata.kv(gen, 2, 200, 2, 64, dtype=torch.float16, device="cpu")
+    c.prefill(k, v, [200, 9])
+    compiled = object()  # (a kernel plan holds compiled functions bound to these tensors)
+    c._plans, c._fast, c._fast_append, c._appender = {"key": compiled}, ("key", compiled), ("key", compiled), compiled
+    before = _state(c)
+    twin = copy.deepcopy(c)
+    assert (twin._plans, twin._fast, twin._fast_append, twin._appender) == ({}, None, None, None)
+    assert twin.lengths == c.lengths == [200, 9] and twin.fmt == c.fmt
+    twin_t, orig_t = twin.tensors(), c.tensors()
+    for name in ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res", "cache_seqlens", "block_table",
+                 "overflow", "commits"):
+        a, b = getattr(twin_t, name), getattr(orig_t, name)
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name
+    assert twin_t.k_res is twin.k_res and twin_t.cache_seqlens is twin.seqlens  # (one set of tensors)
+    assert twin_t.sinks[0] is twin.k_sink and not twin.k_sink.data_ptr() == c.k_sink.data_ptr()
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    assert torch.equal(bd.decode(q, twin), bd.decode(q, c))
+    new_k, new_v = kvdata.kv(gen, 2, 60, 2, 64, dtype=torch.float16, device="cpu")
+    twin.append(new_k, new_v)  # (completes a packed block of sequence 0)
+    assert twin.lengths == [260, 69] and _unchanged(c, before)

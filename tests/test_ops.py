@@ -248,3 +248,115 @@ def test_write_ops_check_the_cache_against_their_format(gen):
         torch.ops.bitdecode.decode(torch.zeros(2, 1, 4, 64, dtype=torch.float16), *args[:6],
                                    torch.tensor([-5, 9], dtype=torch.int32), table, None, None, *args[12:18], 0.125,
                                    0, "reference")
+
+
+# --------------------------------------------------------------------------------------
+# what the ops refuse or lay out as the real calls do (a helper's audit, sixtieth session)
+# --------------------------------------------------------------------------------------
+
+
+def _decode_args(cache, q, backend="reference", scale=0.125):
+    t = cache.tensors()
+    return (q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
+            None, None, *ops._format_args(t.fmt), scale, 0, backend)
+
+
+def test_decode_op_fake_is_laid_out_as_the_output(gen):
+    """q of several tokens with permuted strides (transformers' ``query.transpose(1, 2)``):
+    the real output is dense, and so must the fake be, or inductor reads it with q's strides
+    (wrong values with its size asserts off)."""
+    cache = _cache(gen, [140, 7])
+    q = torch.randn(2, 4, 3, 64, generator=gen).half().permute(0, 2, 1, 3)  # [B, T=3, Hq=4, D]
+    args = _decode_args(cache, q)
+    torch.library.opcheck(torch.ops.bitdecode.decode.default, args, test_utils=("test_schema", "test_faketensor"))
+    out, lse = torch.ops.bitdecode.decode(*args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake, fake_lse = torch.ops.bitdecode.decode(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                      for a in args))
+    assert fake.stride() == out.stride() and fake_lse.stride() == lse.stride()
+    assert out.is_contiguous()
+
+
+def test_decode_op_fake_checks_what_the_op_checks(gen):
+    """A meta tensor among the cache's CPU tensors sends the call to the fake: it refuses
+    what the op would, not returns an output of any shape."""
+    cache = _cache(gen, [140, 7])
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    with pytest.raises(ValueError, match="q is on meta"):
+        torch.ops.bitdecode.decode(*_decode_args(cache, q.to("meta")))
+    with pytest.raises(ValueError, match="k_res"):
+        torch.ops.bitdecode.decode(*_decode_args(cache, q.to("meta")[:, :, :, :32]))
+
+
+def test_decode_op_with_auto_checks_the_lengths_where_the_reference_runs(gen):
+    """``backend="auto"`` on CPU runs the reference, which reads the lengths on the host: so
+    it checks them as ``backend="reference"`` does (a length past the pages was read short)."""
+    cache = _cache(gen, [140, 7])
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    for backend in ("reference", "auto"):
+        args = list(_decode_args(cache, q, backend))
+        for lens in ([600, 7], [-5, 7]):
+            args[7] = torch.tensor(lens, dtype=torch.int32)
+            with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, "):
+                torch.ops.bitdecode.decode(*args)
+
+
+def test_ops_refuse_a_kernel_backend_for_cpu_tensors(gen):
+    """The write ops resolve their backend as the decode op does: a kernel backend on CPU
+    tensors is refused naming it, and "auto" runs the reference there."""
+    cache = _cache(gen, [140, 7])
+    k, v = kvdata.kv(gen, 2, 1, 2, 64, dtype=torch.float16, device="cpu")
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    args = ops._write_args(cache)
+    for backend in ("sm80", "sm90"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' runs CUDA kernels"):
+            torch.ops.bitdecode.append(k, v, *args[:-1], backend)
+        with pytest.raises(ValueError, match=f"backend '{backend}' runs CUDA kernels"):
+            torch.ops.bitdecode.decode(*_decode_args(cache, q, backend))
+    assert cache.seqlens.tolist() == [140, 7]
+    torch.ops.bitdecode.append(k, v, *args[:-1], "auto")
+    assert cache.seqlens.tolist() == [141, 8]
+
+
+def test_write_ops_refuse_inference_tensors_before_writing(gen):
+    """A cache allocated under inference_mode, written outside it: torch would refuse part of
+    the way through (a sequence's residual rows written, its length not); refused first."""
+    fmt = bd.KVFormat(bits=4, group_size=64)
+    k, v = kvdata.kv(gen, 2, 200, 2, 64, dtype=torch.float16, device="cpu")
+    with torch.inference_mode():
+        cache = bd.KVCache.allocate(2, 2, 64, 400, fmt, dtype=torch.float16, device="cpu", backend="reference")
+        cache.prefill(k, v, [200, 7])
+    before = {n: getattr(cache, n).clone() for n in ("k_pack", "k_res", "v_res", "seqlens")}
+    new_k, new_v = kvdata.kv(gen, 2, 3, 2, 64, dtype=torch.float16, device="cpu")
+    with pytest.raises(RuntimeError, match="inference_mode"):
+        ops.append_cache(new_k, new_v, cache)
+    with pytest.raises(RuntimeError, match="inference_mode"):
+        ops.prefill_cache(k, v, torch.tensor([5, 5], dtype=torch.int32), cache)
+    assert all(torch.equal(getattr(cache, n), t) for n, t in before.items())
+
+
+@pytest.mark.parametrize("scale, error", [(True, TypeError), ("0.1", TypeError), (float("nan"), ValueError)])
+def test_decode_cache_checks_the_softmax_scale(gen, scale, error):
+    cache = _cache(gen, [140, 7])
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    with pytest.raises(error, match="softmax_scale"):
+        ops.decode_cache(q, cache, scale)
+    assert torch.equal(ops.decode_cache(q, cache, None), bd.decode(q, cache))  # (None: 1 / sqrt(D), as bd.decode)
+
+
+def test_truncate_after_the_ops_reads_the_device_lengths(gen):
+    """The ops advance the lengths on the device only; truncate (and reorder) read them
+    there, so the block the new end falls in returns to the residual as in the eager twin."""
+    (a, b), k, v = _twins(gen, [250], max_seqlen=400)
+    a.prefill(k, v, [250])
+    b.prefill(k, v, [250])
+    new_k, new_v = kvdata.kv(gen, 1, 10, 2, 64, dtype=torch.float16, device="cpu")
+    a.append(new_k, new_v)  # 260: completes the second packed block
+    ops.append_cache(new_k, new_v, b)
+    a.truncate(5)
+    b.truncate(5)
+    assert a.lengths == b.lengths == [255]
+    _same_storage(a, b)
+    b.reorder([0])
