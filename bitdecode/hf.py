@@ -21,13 +21,19 @@ What runs where:
 * rejected drafts of assisted generation: ``crop`` truncates every layer's cache
   (``KVCache.truncate``); beam search reorders it (``reorder_cache``).
 
-The attention function finds the cache through the model's attention modules: the cache
-that a forward's ``update`` calls reach binds itself to them, so several caches can serve
-one model by turns, and a forward without one (``use_cache=False``, another ``Cache``)
-runs transformers' SDPA.  (Under ``torch.compile`` the binding is the last one made
-eagerly.)  Not supported, refused with an error: attention-logit soft-capping (Gemma 2),
-attention sinks (GPT-OSS), and sequences longer than a sliding window (the cache keeps
-every token; within the window the results are the model's).
+The attention function finds the cache through the key tensor ``update`` returned (it
+names the cache and layer), else through the model's attention modules, which the cache a
+forward's ``update`` calls reach binds to itself: so several caches can serve one model by
+turns, a ``copy.deepcopy`` of a filled cache (prompt reuse) serves the same model, and a
+forward without one (``use_cache=False``, another ``Cache``) runs transformers' SDPA.
+(Under ``torch.compile`` only the binding is followed: the last one made eagerly.)  A
+step whose attention would not read the cache (the model switched to another
+``attn_implementation``) is refused.  Not supported, refused with an error:
+attention-logit soft-capping (Gemma 2), attention sinks (GPT-OSS), sequences longer than
+a sliding window or than Llama 4's attention chunk (the cache keeps every token; within
+the window the results are the model's), float32 models, and the generation modes that
+change the batch size after the first forward (``batch_select_indices``,
+``batch_repeat_interleave``: contrastive search).
 Importing this module imports transformers (it is not a dependency of ``bitdecode``).
 
 Tensor parallelism is transformers' own (``from_pretrained(..., tp_plan="auto")``, or
@@ -41,6 +47,7 @@ collective; the ranks meet only in the model's own all-reduces (``tests/test_tp.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import weakref
@@ -60,6 +67,10 @@ from .formats import KVFormat, model_head_dim
 
 ATTN_IMPLEMENTATION = "bitdecode"
 _CACHE_ATTR = "_bitdecode_cache"
+# set on the key tensor an eager ``update`` returns: (the cache's weakref, the layer index),
+# so that the attention call reads the cache the forward stored into, whichever model
+# modules the cache was made for (a deep copy's, another instance of the model)
+_KEY_ATTR = "_bitdecode_layer"
 
 
 def cache_kwarg(model) -> str:
@@ -146,8 +157,8 @@ class BitDecodingLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new tokens ([B, Hkv, T, D], RoPE applied); returns them unchanged (the
         attention function reads the packed cache itself)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized or (self.seen == 0 and not self._holds(key_states)):
+            self.lazy_initialization(key_states, value_states)  # (after reset(): a batch of another shape)
         if self.seen == 0:
             self.prompt_pending = True  # packed by the attention call, which has the mask
         elif torch.compiler.is_compiling():  # one op node; capacity checked on the device
@@ -161,6 +172,13 @@ class BitDecodingLayer(CacheLayerMixin):
         self.seen += key_states.shape[2]
         return key_states, value_states
 
+    def _holds(self, key_states: torch.Tensor) -> bool:
+        """Whether the allocated cache takes a prompt of ``key_states``' batch, heads, head
+        dim, dtype and device."""
+        kv, (bsz, hkv, _, d) = self._kv, key_states.shape
+        return (kv is not None and (kv.batch, kv.num_kv_heads, kv.head_dim) == (bsz, hkv, d)
+                and kv.dtype == key_states.dtype and kv.device == key_states.device)
+
     def store_prompt(self, key_states, value_states, valid: Optional[torch.Tensor],
                      lens: Optional[List[int]] = None) -> None:
         """Pack the first call's tokens, each sequence without its left pads (``valid``:
@@ -171,12 +189,13 @@ class BitDecodingLayer(CacheLayerMixin):
         if lens is None:
             lens = [t] * k.shape[0] if valid is None else valid.sum(dim=1).tolist()
         if any(n != t for n in lens):  # shift every sequence's real tokens to the front
-            idx = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-            k = torch.take_along_dim(k, idx[:, :, None, None], dim=1)
-            v = torch.take_along_dim(v, idx[:, :, None, None], dim=1)
+            idx = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :max(lens)]
+            k = torch.take_along_dim(k, idx[:, :, None, None], dim=1)  # (the pads past the
+            v = torch.take_along_dim(v, idx[:, :, None, None], dim=1)  # longest are not kept)
         self.kv.prefill(k.contiguous(), v.contiguous(), seqlens=lens)
         self.pad_offset = t - max(lens, default=0)
         self.prompt_pending = False
+        self.returned = None  # (the update's tokens are read: a caller packing a prompt by hand)
 
     def dequantized(self):
         """Every sequence's cached K, V as [len, Hkv, D] 16-bit tensors."""
@@ -247,6 +266,10 @@ class BitDecodingCache(Cache):
                 f"{getattr(config, '_attn_implementation', None)!r}"
             )
         _check_supported(config)
+        dtype = getattr(model, "dtype", None)  # (refused here, not by the first forward's allocation)
+        if isinstance(dtype, torch.dtype) and dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"model's dtype must be torch.float16 or torch.bfloat16 (the cache keeps 16-bit K / V "
+                            f"beside the packed ones), got {dtype}: load it with dtype=torch.bfloat16")
         head_dim = model_head_dim(config)
         if head_dim is not None:  # (else the first update's K says it)
             fmt.check_head_dim(head_dim, name="the model's head_dim")
@@ -254,9 +277,9 @@ class BitDecodingCache(Cache):
         super().__init__(layer_class_to_replicate=layer)
         self.fmt = fmt
         self._prompt_lens = None  # (weakref to a prefill's mask, its length, version, prompt lengths)
-        windows = _sliding_windows(config)  # layer index -> its sliding window (tokens)
-        # (the narrowest window, its first layer) or None: what every layer's update checks
-        self._window = min((w, i) for i, w in windows.items()) if windows else None
+        windows = _sliding_windows(config)  # layer index -> (its window in tokens, what it is)
+        # (the narrowest window, its first layer, what it is) or None: what every update checks
+        self._window = min((w, i, what) for i, (w, what) in windows.items()) if windows else None
         self._ref = weakref.ref(self)
         self._attention_modules: dict = {}  # layer index -> the model's attention modules of it
         for module in model.modules():  # the attention modules find their layer through this
@@ -273,21 +296,65 @@ class BitDecodingCache(Cache):
             # checked at every layer against the narrowest window, so that the step is refused
             # at its first layer, before any layer (a full-attention one below the sliding
             # ones, say) stores it: the layers never disagree about the sequence's length
-            window, windowed = self._window
+            window, windowed, what = self._window
             seen = self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
             if seen + key_states.shape[2] > window:
                 raise ValueError(
-                    f"layer {windowed} attends over a sliding window of {window} tokens and this step would "
-                    f"make the sequence {seen + key_states.shape[2]} tokens long: BitDecodingCache keeps every "
-                    "token, so past the window its attention would not be the model's (a longer window, "
-                    "config.sliding_window, or a cache that evicts)"
+                    f"layer {windowed} attends over {what} of {window} tokens and this step would make the "
+                    f"sequence {seen + key_states.shape[2]} tokens long: BitDecodingCache keeps every token, so "
+                    "past that its attention would not be the model's (a longer window, config.sliding_window or "
+                    "attention_chunk_size, or a cache that evicts)"
                 )
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self._check_attention_reads(layer_idx)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if not torch.compiler.is_compiling():
+        if not compiling:
             for module in self._attention_modules.get(layer_idx, ()):
                 setattr(module, _CACHE_ATTR, self._ref)
             self.layers[layer_idx].returned = keys
+            setattr(keys, _KEY_ATTR, (self._ref, layer_idx))
         return keys, values
+
+    def _check_attention_reads(self, layer_idx: int) -> None:
+        """Refuse a step whose attention would not read this cache: ``update`` returns only the
+        new tokens, so any other attention function would attend over those alone, silently
+        wrong.  Caught when the layer's modules run another implementation, or when the last
+        forward's attention never took what ``update`` returned (another model's forward)."""
+        # (every module of the index: a composite model's other towers may number theirs alike)
+        impls = [getattr(getattr(module, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
+                 for module in self._attention_modules.get(layer_idx, ())]
+        if impls and all(isinstance(impl, str) and impl != ATTN_IMPLEMENTATION for impl in impls):
+            raise ValueError(f"layer {layer_idx}'s attention runs attn_implementation={impls[0]!r}, which would "
+                             f"attend over the new tokens only: BitDecodingCache needs "
+                             f"attn_implementation='{ATTN_IMPLEMENTATION}' (bitdecode.hf.use_attention)")
+        if layer_idx < len(self.layers) and self.layers[layer_idx].returned is not None:
+            self.layers[layer_idx].returned = None  # (said once: the next step may run)
+            raise ValueError(f"layer {layer_idx}: the last forward's attention did not read this cache (a model "
+                             f"whose attention is not attn_implementation='{ATTN_IMPLEMENTATION}', or a forward "
+                             "that stopped between the cache update and the attention); its output attended "
+                             "over the new tokens only.  The cache still holds every token it was given")
+
+    def __deepcopy__(self, memo):
+        """A copy with caches of its own (``copy.deepcopy``: transformers' prompt reuse) that
+        serves the same model: the model's attention modules are shared, not copied."""
+        for modules in self._attention_modules.values():
+            for module in modules:
+                memo[id(module)] = module
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        new._ref = weakref.ref(new)
+        return new
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("BitDecodingCache keeps the batch it was first given: batch_select_indices "
+                                  "(contrastive search) would shrink it; use another cache for that generation mode")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("BitDecodingCache keeps the batch it was first given: batch_repeat_interleave "
+                                  "would grow it; expand the inputs before the first forward instead (generate "
+                                  "does, for num_return_sequences and beams)")
 
     def memory_bytes(self) -> int:
         return sum(layer.kv.memory_bytes() for layer in self.layers if layer.kv is not None)
@@ -316,18 +383,23 @@ def _check_supported(config) -> None:
 
 
 def _sliding_windows(config) -> dict:
-    """{layer index: window} of the layers that attend over a sliding window: every layer
-    where the config has a ``sliding_window`` (and no ``use_sliding_window=False``), or the
-    ``"sliding_attention"`` ones of its ``layer_types``."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return {}
+    """{layer index: (window, what it is)} of the layers that attend over part of the
+    sequence only: every layer where the config has a ``sliding_window`` (and no
+    ``use_sliding_window=False``), or the ``"sliding_attention"`` ones of its
+    ``layer_types``; and the ``"chunked_attention"`` ones (Llama 4: attention within chunks
+    of ``attention_chunk_size`` tokens, the model's own only while the sequence fits one)."""
+    def tokens(name):
+        n = getattr(config, name, None)
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    window, chunk = tokens("sliding_window"), tokens("attention_chunk_size")
     types = getattr(config, "layer_types", None)
     if types is not None:
-        return {i: window for i, kind in enumerate(types) if kind == "sliding_attention"}
-    if getattr(config, "use_sliding_window", True) is False:
+        kinds = {"sliding_attention": (window, "a sliding window"), "chunked_attention": (chunk, "chunks")}
+        return {i: kinds[kind] for i, kind in enumerate(types) if kind in kinds and kinds[kind][0] is not None}
+    if window is None or getattr(config, "use_sliding_window", True) is False:
         return {}
-    return {i: window for i in range(getattr(config, "num_hidden_layers", 0))}
+    return {i: (window, "a sliding window") for i in range(getattr(config, "num_hidden_layers", 0))}
 
 
 _UNSUPPORTED_KWARGS = ("s_aux", "softcap")  # attention sinks (GPT-OSS), logit soft-capping (Gemma 2)
@@ -359,9 +431,10 @@ def _prompt_lengths(cache: "BitDecodingCache", attention_mask: Optional[torch.Te
 def bitdecode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                         scaling: Optional[float] = None, **kwargs):
     """transformers attention function: query [B, Hq, Tq, D]; returns ([B, Tq, Hq, D], None)."""
-    ref = getattr(module, _CACHE_ATTR, None)
+    tag = getattr(key, _KEY_ATTR, None)  # (eager: the cache and layer whose update returned ``key``)
+    ref, idx = tag if tag is not None else (getattr(module, _CACHE_ATTR, None), module.layer_idx)
     cache = ref() if ref is not None else None
-    layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
+    layer = cache.layers[idx] if cache is not None and idx < len(cache.layers) else None
     if layer is not None and not torch.compiler.is_compiling():
         returned, layer.returned = layer.returned, None
         if returned is None:  # the cache was not updated for this call: another cache's, or none

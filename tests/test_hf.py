@@ -737,7 +737,7 @@ def test_the_cache_refuses_what_it_cannot_compute_or_hold(models):
     fmt = bd.KVFormat(bits=4, group_size=64)
     gemma2 = transformers.Gemma2Config(**small)
     assert gemma2.attn_logit_softcapping is not None
-    model = transformers.Gemma2ForCausalLM._from_config(gemma2, attn_implementation=hf.ATTN_IMPLEMENTATION)
+    model = transformers.Gemma2ForCausalLM._from_config(gemma2, attn_implementation=hf.ATTN_IMPLEMENTATION).half()
     with pytest.raises(ValueError, match="soft-caps its attention logits"):
         hf.BitDecodingCache(model, fmt, backend="reference")
     model.config.attn_logit_softcapping = None  # the same model without soft-capping is served
@@ -852,3 +852,148 @@ def test_a_refused_held_token_is_not_counted():
     good = torch.randn(1, 2, 1, 64, dtype=torch.float16)
     layer.update(good, good)
     assert layer.get_seq_length() == 6 and layer.kv.lengths == [6]
+
+
+# --------------------------------------------------------------------------------------
+# A helper's audit (sixtieth session): where the cache's attention could read the wrong
+# cache, or none, without an error
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_a_deep_copy_serves_the_same_model(models):
+    """transformers' prompt reuse: a cache filled with a shared prefix, ``copy.deepcopy``'d
+    per request.  The copy's forwards attend over the copy (the key ``update`` returns says
+    which cache), its layers are its own, and the model's modules are not copied."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(21)
+    prefix, steps = torch.randint(0, VOCAB, (1, 30), generator=gen), torch.randint(0, VOCAB, (1, 3), generator=gen)
+    shared = _cache(packed, 4)
+    packed(prefix, **hf.cache_kwargs(packed, shared), use_cache=True)
+    copied = copy.deepcopy(shared)
+    assert copied._ref() is copied and copied._attention_modules[0][0] is shared._attention_modules[0][0]
+    got = [packed(x, **hf.cache_kwargs(packed, copied), use_cache=True).logits for x in steps.split(1, dim=1)]
+    fresh = _cache(packed, 4)
+    want = [packed(x, **hf.cache_kwargs(packed, fresh), use_cache=True).logits
+            for x in [prefix, *steps.split(1, dim=1)]][1:]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert copied.get_seq_length() == 33 and shared.get_seq_length() == 30
+    assert [layer.kv.lengths for layer in shared.layers] == [[30]] * 2
+
+
+@torch.no_grad()
+def test_another_instance_of_the_model_reads_the_cache_it_updates(models):
+    """A cache made for one model instance, used with another of the same architecture
+    (the key tensor, not the modules, names the cache): the same logits as a cache made
+    for it."""
+    base, packed = models
+    _, twin = _pair("LlamaForCausalLM", packed.config)
+    twin.load_state_dict(packed.state_dict())
+    gen = torch.Generator().manual_seed(22)
+    prompt, steps = torch.randint(0, VOCAB, (1, 20), generator=gen), torch.randint(0, VOCAB, (1, 3), generator=gen)
+    blocks = [prompt, *steps.split(1, dim=1)]
+    foreign, own = _cache(packed, 4), _cache(twin, 4)
+    got = [twin(x, **hf.cache_kwargs(twin, foreign), use_cache=True).logits for x in blocks]
+    want = [twin(x, **hf.cache_kwargs(twin, own), use_cache=True).logits for x in blocks]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [layer.kv.lengths for layer in foreign.layers] == [[23]] * 2
+
+
+@torch.no_grad()
+def test_an_attention_that_would_not_read_the_cache_is_refused():
+    """``update`` returns only the new tokens: any attention but bitdecode's would attend
+    over those alone.  The model switched to SDPA after the cache was made is refused at
+    its next step, before the cache takes the token, and runs on once switched back."""
+    _, packed = _pair("LlamaForCausalLM", _sliding_config("LlamaConfig"))
+    gen = torch.Generator().manual_seed(23)
+    prompt, steps = torch.randint(0, VOCAB, (1, 20), generator=gen), torch.randint(0, VOCAB, (1, 2), generator=gen)
+    cache = _cache(packed, 4)
+    packed(prompt, **hf.cache_kwargs(packed, cache), use_cache=True)
+    hf.use_attention(packed, "sdpa")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa', which would attend over the new tokens only"):
+        packed(steps[:, :1], **hf.cache_kwargs(packed, cache), use_cache=True)
+    assert _state(cache) == (20, [[20], [20]])
+    hf.use_attention(packed, hf.ATTN_IMPLEMENTATION)
+    packed(steps[:, :1], **hf.cache_kwargs(packed, cache), use_cache=True)
+    assert _state(cache) == (21, [[21], [21]])
+
+
+def test_a_forward_whose_attention_skipped_the_cache_is_reported():
+    """The last forward's update returned the new tokens and no bitdecode attention took
+    them (another model's attention, a forward that stopped between the two): the next
+    update says so instead of attending over a cache the last output never read."""
+    _, packed = _pair("LlamaForCausalLM", _sliding_config("LlamaConfig"))
+    cache = _cache(packed, 4)
+    k = torch.randn(1, 2, 5, 64).to(torch.bfloat16)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="layer 0: the last forward's attention did not read this cache"):
+        cache.update(k, k, 0)
+    cache.update(k, k, 0)  # (said once)
+
+
+@torch.no_grad()
+def test_llama4_chunked_attention_is_refused_past_a_chunk():
+    """Llama 4's ``"chunked_attention"`` layers attend within chunks of
+    ``attention_chunk_size`` tokens: the model's attention only while the sequence fits
+    one, so the step past it is refused as a sliding window's is."""
+    if not hasattr(transformers, "Llama4TextConfig"):
+        pytest.skip("this transformers has no Llama 4")
+    cfg = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128,
+                                        intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, head_dim=64, num_local_experts=2,
+                                        attention_chunk_size=16, no_rope_layers=[1, 0], interleave_moe_layer_step=1,
+                                        pad_token_id=0)
+    assert "chunked_attention" in cfg.layer_types
+    base, packed = _pair("Llama4ForCausalLM", cfg)
+    cache = _cache(packed, 4)
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(24))
+    assert torch.equal(packed(ids, **hf.cache_kwargs(packed, cache), use_cache=True).logits, base(ids).logits)
+    with pytest.raises(ValueError, match=r"attends over chunks of 16 tokens .* 17 tokens long"):
+        packed(ids[:, :1], **hf.cache_kwargs(packed, cache), use_cache=True)
+    assert cache.get_seq_length() == 16
+
+
+@torch.no_grad()
+def test_reset_then_another_batch(models):
+    """``reset()`` then a generation of another batch size (beam search after greedy): the
+    layers' caches are made anew for it, as transformers' own caches allow."""
+    base, packed = models
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(25))
+    cache = _cache(packed, 4)
+    packed.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                    **hf.cache_kwargs(packed, cache))
+    cache.reset()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3, num_beams=2, do_sample=False)
+    got = packed.generate(ids, **hf.cache_kwargs(packed, cache), **kw)
+    assert torch.equal(got, base.generate(ids, **kw))  # (under the residual block: nothing quantized)
+    assert [layer.kv.batch for layer in cache.layers] == [2, 2]
+
+
+@torch.no_grad()
+def test_pads_past_the_longest_prompt_take_no_room(models):
+    """Prompts left-padded to a fixed length longer than ``max_seqlen``: the pads are not
+    stored, so prompts that fit are served."""
+    base, packed = models
+    gen = torch.Generator().manual_seed(26)
+    ids = torch.randint(1, VOCAB, (2, 30), generator=gen)
+    mask = torch.zeros_like(ids)
+    mask[0, -10:], mask[1, -12:] = 1, 1
+    cache = hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=64), max_seqlen=20, backend="reference")
+    got = packed.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **hf.cache_kwargs(packed, cache))
+    want = base.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+    assert [layer.kv.lengths for layer in cache.layers] == [[13, 15]] * 2
+
+
+def test_the_cache_refuses_a_float32_model_and_batch_changes(models):
+    _, packed = models
+    model = transformers.LlamaForCausalLM._from_config(copy.deepcopy(packed.config),
+                                                       attn_implementation=hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(TypeError, match="model's dtype must be torch.float16 or torch.bfloat16"):
+        _cache(model, 4)
+    _cache(model.half(), 4)
+    cache = _cache(packed, 4)
+    with pytest.raises(NotImplementedError, match="batch_select_indices"):
+        cache.batch_select_indices(torch.tensor([0]))
+    with pytest.raises(NotImplementedError, match="batch_repeat_interleave"):
+        cache.batch_repeat_interleave(2)
