@@ -288,6 +288,7 @@ class BitDecodingCache(Cache):
                 self._attention_modules.setdefault(module.layer_idx, []).append(module)
         if not self._attention_modules:
             raise ValueError("found no attention module (with layer_idx and q_proj) in the model")
+        self._first_layer = min(self._attention_modules)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' ``Cache.update``; binds this cache to the layer's attention modules
@@ -321,9 +322,10 @@ class BitDecodingCache(Cache):
         new tokens, so any other attention function would attend over those alone, silently
         wrong.  Caught when the layer's modules run another implementation, or when the last
         forward's attention never took what ``update`` returned (another model's forward)."""
-        # (every module of the index: a composite model's other towers may number theirs alike)
+        # once a forward, at its first layer (a config's attribute costs microseconds); every
+        # module of the index (a composite model's other towers may number theirs alike)
         impls = [getattr(getattr(module, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
-                 for module in self._attention_modules.get(layer_idx, ())]
+                 for module in self._attention_modules.get(layer_idx, ())] if layer_idx == self._first_layer else ()
         if impls and all(isinstance(impl, str) and impl != ATTN_IMPLEMENTATION for impl in impls):
             raise ValueError(f"layer {layer_idx}'s attention runs attn_implementation={impls[0]!r}, which would "
                              f"attend over the new tokens only: BitDecodingCache needs "
