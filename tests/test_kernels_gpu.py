@@ -1009,6 +1009,35 @@ def test_truncate_then_append_equals_the_reference(backend):
     _assert_same_cache(*caches)
 
 
+def test_deepcopy_of_a_cache_with_plans(backend):
+    """``copy.deepcopy`` of a cache whose kernels have run (plans, the appending decode's fast
+    path, the appender bound to its tensors): the copy builds its own, decodes as the
+    original, and its steps leave the original as it was."""
+    import copy
+
+    fmt = bd.KVFormat(bits=4)
+    gen = torch.Generator().manual_seed(32)
+    k, v = kv(gen, 2, 300, 2, 128, dtype=torch.float16, device=DEV)
+    c = bd.KVCache.allocate(2, 2, 128, 1024, fmt, device=DEV, backend=backend)
+    c.prefill(k, v, [300, 77])
+    q = torch.randn(2, 1, 8, 128, generator=gen).half().to(DEV)
+    step = k[:, :1].contiguous(), v[:, :1].contiguous()
+    bd.decode(q, c, k_new=step[0], v_new=step[1])
+    c.append(*step)
+    want = bd.decode(q, c).clone()
+    twin = copy.deepcopy(c)
+    assert twin._plans == {} and twin._fast is None and twin._fast_append is None and twin._appender is None
+    assert torch.equal(bd.decode(q, twin), want)
+    before = {n: getattr(c, n).clone() for n in ("k_pack", "k_res", "v_res", "seqlens")}
+    for _ in range(3):
+        out = bd.decode(q, twin, k_new=step[0], v_new=step[1])
+    twin.append(*step)
+    torch.cuda.synchronize()
+    assert twin.lengths == [306, 83] and c.lengths == [302, 79] and out.isfinite().all()
+    assert all(torch.equal(getattr(c, n), t) for n, t in before.items())
+    assert torch.equal(bd.decode(q, c), want)
+
+
 REAL_KV = os.path.join(os.path.dirname(__file__), "data", "smollm2_kv.pt")
 
 
