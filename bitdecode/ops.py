@@ -47,12 +47,14 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
 def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
                  bits, v_bits, k_mode, group_size, sink_tokens, fp4, softmax_scale, num_splits, backend):
     # the metadata checks of the real op (a meta tensor among real ones reaches this, not
-    # the op), then outputs laid out as the real ones: dense whatever q's strides are
-    cache = attention.check_cache(_format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), k_pack, k_params,
-                                  v_pack, v_params, k_res, v_res, cache_seqlens, block_table, check_values=False,
-                                  sinks=(k_sink, v_sink) if sink_tokens else None)
+    # the op; the format's own where its numbers are given, not symbols of a dynamic
+    # trace), then outputs laid out as the real ones: dense whatever q's strides are
     _validate.same_device(q=q, k_res=k_res)
-    attention.check_query(q, cache, "reference")
+    if all(type(n) is int for n in (bits, v_bits, group_size, sink_tokens)):
+        cache = attention.check_cache(_format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), k_pack,
+                                      k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                                      check_values=False, sinks=(k_sink, v_sink) if sink_tokens else None)
+        attention.check_query(q, cache, "reference")
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 

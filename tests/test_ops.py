@@ -360,3 +360,22 @@ def test_truncate_after_the_ops_reads_the_device_lengths(gen):
     assert a.lengths == b.lengths == [255]
     _same_storage(a, b)
     b.reorder([0])
+
+
+def test_dynamic_compile_over_query_lengths(gen):
+    """``torch.compile(dynamic=True)``: the format's numbers reach the fake as symbols; it
+    checks what it can and the step equals the eager twin for several query lengths."""
+    (a, b), k, v = _twins(gen, [120, 5], max_seqlen=400)
+    a.prefill(k, v, [120, 5])
+    b.prefill(k, v, [120, 5])
+
+    def step(q, k, v, cache):
+        ops.append_cache(k, v, cache)
+        return ops.decode_cache(q, cache, 0.125)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for t in (2, 3, 5):
+        q = torch.randn(2, t, 4, 64, generator=gen).half()
+        new_k, new_v = kvdata.kv(gen, 2, t, 2, 64, dtype=torch.float16, device="cpu")
+        assert torch.equal(compiled(q, new_k, new_v, a), step(q, new_k, new_v, b))
+    _same_storage(a, b)
