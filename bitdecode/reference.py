@@ -83,10 +83,18 @@ def _hadamard(d: int, device: str) -> torch.Tensor:
 def rotate(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """``x [..., D]`` times the normalized Walsh-Hadamard matrix ``H`` of ``D`` (in fp32,
     rounded once to x's dtype) when ``fmt.hadamard``, else ``x`` itself.  ``H`` is
-    symmetric and orthogonal, so the same call undoes it (``KVFormat.hadamard``)."""
+    symmetric and orthogonal, so the same call undoes it (``KVFormat.hadamard``).  A
+    rotated value can be up to sqrt(D) times the row's largest: past the dtype's largest
+    finite value it saturates there (fp16 K of ~6000 in every channel of a token, D = 128),
+    where rounding would make it infinite and its quantization group NaN; a NaN or an
+    infinity in ``x`` stays non-finite."""
     if not fmt.hadamard:
         return x
-    return (x.float() @ _hadamard(x.shape[-1], str(x.device))).to(x.dtype)
+    y = x.float() @ _hadamard(x.shape[-1], str(x.device))
+    if x.dtype in (torch.float16, torch.bfloat16):
+        top = torch.finfo(x.dtype).max
+        y = torch.where(y.isfinite(), y.clamp(-top, top), y)
+    return y.to(x.dtype)
 
 
 def quantize(

@@ -91,3 +91,27 @@ def test_non_finite_values_reach_the_outputs_that_read_them_kernels(backend, spl
         if mine.dtype != torch.int32:  # the residual holds the NaN itself: compare bits
             mine, theirs = mine.view(torch.int16), theirs.view(torch.int16)
         assert torch.equal(mine, theirs), name
+
+
+def test_hadamard_rotation_saturates_finite_keys():
+    """``KVFormat.hadamard`` stores K rotated, and a rotated value can be sqrt(D) times the
+    token's largest: fp16 K of 6000 in every channel rotates to 67882, past fp16's largest.
+    It saturates there (the group stays finite, every output finite) instead of turning
+    the group and every output reading it NaN; a NaN in K still reaches the outputs that
+    read it.  (bf16 shares fp32's exponent range: its limit is the group range's, README.)"""
+    dtype = torch.float16
+    fmt = bd.KVFormat(bits=4, group_size=64, hadamard=True)
+    big = torch.finfo(dtype).max / 10.9  # 6009 (sqrt(128) = 11.3)
+    gen = torch.Generator().manual_seed(41)
+    k, v = kv(gen, 1, 200, HKV, D, dtype=dtype, device="cpu")
+    k[0, 5] = big  # every channel of token 5, both heads
+    c = bd.KVCache.allocate(1, HKV, D, 256, fmt, dtype=dtype, device="cpu", backend="reference")
+    c.prefill(k, v, [200])
+    got_k, _ = c.dequantized(0)
+    assert got_k.isfinite().all()
+    q = torch.randn(1, 1, HKV * GQA, D, generator=gen).to(dtype) / 1e4
+    assert bd.decode(q, c).isfinite().all()
+    k[0, 7, 1, 3] = float("nan")
+    c.prefill(k, v, [200])
+    out = bd.decode(q, c)[0, 0]
+    assert out[GQA:].isnan().all() and out[:GQA].isfinite().all()  # (KV head 1 only)
