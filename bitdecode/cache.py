@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -86,16 +85,13 @@ class KVCache:
         # a prefill within them, the table unchanged in place since, needs no check (a sync)
         self._table_verified: Optional[Tuple[int, Tuple[int, ...]]] = None
 
-    def __deepcopy__(self, memo):
-        """A cache of its own (``copy.deepcopy``): the tensors and lengths copied; the compiled
-        plans and appender not (they hold this cache's tensors: the copy builds its own at
-        its first call)."""
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        state = {name: value for name, value in self.__dict__.items() if name not in _COMPILED_STATE}
-        new.__dict__.update(copy.deepcopy(state, memo))
-        new.__dict__.update(_plans={}, _fast=None, _fast_append=None, _appender=None)
-        return new
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and pickle take: the tensors and lengths, not what is bound
+        to this cache's own tensors (the compiled plans and appender hold them: a copy builds
+        its own at its first call; the block table verified at a version of this table's
+        counter: a copy's table has a counter of its own, so its first prefill checks it)."""
+        return {**self.__dict__, "_plans": {}, "_fast": None, "_fast_append": None, "_appender": None,
+                "_table_verified": None}
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -617,9 +613,6 @@ class KVCache:
                                    c.k_res, c.v_res, c.block_table.cpu(), self.fmt, c.sinks, k_dtype)
         return reference.rotate(k, self.fmt), v
 
-
-# a KVCache's attributes bound to its own tensors (plans, compiled appender), not copied
-_COMPILED_STATE = ("_plans", "_fast", "_fast_append", "_appender")
 
 # the longest a sequence may grow: lengths (and the kernels' token counts) are int32; the
 # largest multiple of every residual block below 2**31, so that the rounded capacity fits too

@@ -704,3 +704,24 @@ def test_deepcopy_is_a_cache_of_its_own():
     new_k, new_v = kvdata.kv(gen, 2, 60, 2, 64, dtype=torch.float16, device="cpu")
     twin.append(new_k, new_v)  # (completes a packed block of sequence 0)
     assert twin.lengths == [260, 69] and _unchanged(c, before)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_checks_its_own_block_table(how):
+    """The cache remembers the block table's version counter at its last check, so that a
+    prefill into an unedited table skips the check (a sync).  A copy's (or an unpickled
+    cache's) table is another tensor, counting from its own start: the copy checks its
+    first prefill, so a page shared by two sequences is refused, not packed over."""
+    import copy
+    import pickle
+
+    c = bd.KVCache.allocate(2, 1, 64, 256, bd.KVFormat(bits=4, group_size=64), device="cpu", page_size=128,
+                            backend="reference")
+    c.block_table.copy_(torch.tensor([[1, 0], [3, 2]], dtype=torch.int32))
+    c.block_table.copy_(torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    k, v = kvdata.kv(torch.Generator().manual_seed(4), 2, 200, 1, 64, dtype=torch.float16, device="cpu")
+    c.prefill(k, v)
+    twin = copy.deepcopy(c) if how == "deepcopy" else pickle.loads(pickle.dumps(c))
+    twin.block_table[1, 0] = twin.block_table[0, 0]
+    with pytest.raises(ValueError, match="must be distinct pages"):
+        twin.prefill(k, v)
