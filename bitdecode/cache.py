@@ -411,11 +411,12 @@ class KVCache:
 
     def reorder(self, indices) -> None:
         """Make sequence ``i`` a copy of sequence ``indices[i]`` for every ``i`` (beam search's
-        reordering): its packed blocks, residual block, sink tokens, length and overflow flag.
-        Each sequence keeps its own pages (the blocks are copied through the block table, so
-        no page is shared and later appends stay apart).  Torch ops on the cache's device
-        (a copy of the blocks in use, and syncs: the lengths are read from the device first,
-        as ``check()`` reads them); any backend."""
+        reordering): its packed blocks, residual block, sink tokens and length.  Each
+        sequence keeps its own pages (the blocks are copied through the block table, so no
+        page is shared and later appends stay apart).  Torch ops on the cache's device (a
+        copy of the blocks in use, and syncs: the lengths are read from the device first, as
+        ``check()`` reads them, so a cache whose append was refused on the device raises its
+        ``CacheOverflowError`` first); any backend."""
         src = _validate.int_list("indices", indices)
         if len(src) != self.batch:
             raise ValueError(f"indices must have {self.batch} entries (one per sequence), got {len(src)}")
