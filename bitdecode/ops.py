@@ -34,7 +34,9 @@ def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack
            num_splits: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """``bd.decode`` over the cache tensors: (out ``[B, T, Hq, D]``, lse ``[B, T, Hq]``);
     ``k_sink`` / ``v_sink`` the 16-bit sink tokens of a format with ``sink_tokens`` (else
-    None); ``fp4`` the FP4 format (``KVFormat.fp4``) or "".  The values of the lengths and
+    None); ``fp4`` the FP4 format (``KVFormat.fp4``) or "".  The format's Hadamard rotation
+    is not an argument: under ``KVFormat(hadamard=True)`` pass q rotated as the cache's K is
+    (``reference.rotate(q, fmt)``, which ``decode_cache`` does).  The values of the lengths and
     block table are not re-checked on the kernel backends (no device sync); on the
     reference, which reads them on the host anyway, they are."""
     cache, backend = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink,
