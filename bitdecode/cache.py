@@ -427,28 +427,54 @@ class KVCache:
             return
         self._check_inference_writes("reorder")
         self.check()  # (the device's lengths: compiled steps and graph replays advance only those)
+        new_lens = [self._host_lens[j] for j in src]
+        attention.check_block_table(self._tensors, torch.tensor(new_lens, dtype=torch.int32, device=self.device))
+        self._copy_sequences(self, src)  # (the pages written: a caller's table, checked above)
+        self._host_lens = new_lens
+
+    def select(self, indices) -> "KVCache":
+        """A new cache of ``len(indices)`` sequences, sequence ``i`` a copy of this cache's
+        sequence ``indices[i]`` (its packed blocks, residual block, sink tokens and length;
+        indices may repeat or leave sequences out: transformers' ``batch_select_indices`` /
+        ``batch_repeat_interleave``), with this cache's format, capacity, page size and
+        backend; this cache is left as it is.  Reads the lengths as ``check()`` does."""
+        src = _validate.int_list("indices", indices)
+        if not src:
+            raise ValueError("indices must name at least one sequence, got none")
+        bad = next((j for j in src if not 0 <= j < self.batch), None)
+        if bad is not None:
+            raise ValueError(f"indices must lie in [0, {self.batch}), got {bad}")
+        self.check()
+        new = KVCache.allocate(len(src), self.num_kv_heads, self.head_dim, self.max_seqlen, self.fmt,
+                               dtype=self.dtype, device=self.device, page_size=self.page_size, backend=self.backend)
+        self._copy_sequences(new, src)
+        new._host_lens = [self._host_lens[j] for j in src]
+        return new
+
+    def _copy_sequences(self, dst: "KVCache", src: List[int]) -> None:
+        """Sequence ``i`` of ``dst`` (this cache, or one of its shape) becomes a copy of this
+        cache's sequence ``src[i]``: the pages its packed blocks use, copied through both
+        block tables (none shared), its residual block, sink tokens, length and overflow
+        flag.  The pages read are checked first (a caller's table)."""
         lens = self._host_lens
-        new_lens = [lens[j] for j in src]
         c, nr, sinks = self._tensors, self.fmt.residual_block, self.fmt.sink_tokens
-        for checked in (lens, new_lens):  # the pages read, then the pages written (a caller's table)
-            attention.check_block_table(c, torch.tensor(checked, dtype=torch.int32, device=self.device))
-        table = self.block_table.tolist()
+        attention.check_block_table(c, torch.tensor(lens, dtype=torch.int32, device=self.device))
+        table, dst_table = self.block_table.tolist(), dst.block_table.tolist()
         dst_pages, src_pages = [], []
         for i, j in enumerate(src):
-            if i != j:
+            if dst is not self or i != j:
                 used = -(-(max(0, lens[j] - sinks) // nr * nr) // self.page_size)
-                dst_pages += table[i][:used]
+                dst_pages += dst_table[i][:used]
                 src_pages += table[j][:used]
         if dst_pages:  # (indexing copies the sources before any page is written)
-            dst = torch.tensor(dst_pages, dtype=torch.long, device=self.device)
-            srcp = torch.tensor(src_pages, dtype=torch.long, device=self.device)
-            for t in (self.k_pack, self.k_params, self.v_pack, self.v_params):
-                t[dst] = t[srcp]
+            to = torch.tensor(dst_pages, dtype=torch.long, device=self.device)
+            frm = torch.tensor(src_pages, dtype=torch.long, device=self.device)
+            for name in ("k_pack", "k_params", "v_pack", "v_params"):
+                getattr(dst, name)[to] = getattr(self, name)[frm]
         idx = torch.tensor(src, dtype=torch.long, device=self.device)
-        for t in (self.k_res, self.v_res, self.seqlens, self.overflow, self.k_sink, self.v_sink):
-            if t is not None:
-                t.copy_(t[idx])
-        self._host_lens = new_lens
+        for name in ("k_res", "v_res", "seqlens", "overflow", "k_sink", "v_sink"):
+            if getattr(self, name) is not None:
+                getattr(dst, name).copy_(getattr(self, name)[idx])
 
     def reset(self) -> None:
         """Empty every sequence and clear the overflow flags."""

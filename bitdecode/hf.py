@@ -31,9 +31,9 @@ step whose attention would not read the cache (the model switched to another
 ``attn_implementation``) is refused.  Not supported, refused with an error:
 attention-logit soft-capping (Gemma 2), attention sinks (GPT-OSS), sequences longer than
 a sliding window or than Llama 4's attention chunk (the cache keeps every token; within
-the window the results are the model's), float32 models, and the generation modes that
-change the batch size after the first forward (``batch_select_indices``,
-``batch_repeat_interleave``: contrastive search).
+the window the results are the model's), and float32 models.  ``batch_select_indices`` /
+``batch_repeat_interleave`` (contrastive search) make each layer a cache of the new batch
+(``KVCache.select``).
 Importing this module imports transformers (it is not a dependency of ``bitdecode``).
 
 Tensor parallelism is transformers' own (``from_pretrained(..., tp_plan="auto")``, or
@@ -227,6 +227,18 @@ class BitDecodingLayer(CacheLayerMixin):
         if self._kv is not None:
             self.kv.reorder(beam_idx)
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep sequences ``indices`` (contrastive search): a cache of that batch, each
+        sequence a copy of its packed blocks (``KVCache.select``)."""
+        if self._kv is not None:
+            self.kv = self.kv.select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each sequence ``repeats`` times in a row (``KVCache.select``)."""
+        repeats = _validate.positive_int("repeats", repeats)
+        if self._kv is not None:
+            self.kv = self.kv.select([b for b in range(self._kv.batch) for _ in range(repeats)])
+
     def reset(self) -> None:
         self._pending = None
         if self._kv is not None:
@@ -348,15 +360,6 @@ class BitDecodingCache(Cache):
         new.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
         new._ref = weakref.ref(new)
         return new
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("BitDecodingCache keeps the batch it was first given: batch_select_indices "
-                                  "(contrastive search) would shrink it; use another cache for that generation mode")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("BitDecodingCache keeps the batch it was first given: batch_repeat_interleave "
-                                  "would grow it; expand the inputs before the first forward instead (generate "
-                                  "does, for num_return_sequences and beams)")
 
     def memory_bytes(self) -> int:
         return sum(layer.kv.memory_bytes() for layer in self.layers if layer.kv is not None)

@@ -725,3 +725,28 @@ def test_a_copy_checks_its_own_block_table(how):
     twin.block_table[1, 0] = twin.block_table[0, 0]
     with pytest.raises(ValueError, match="must be distinct pages"):
         twin.prefill(k, v)
+
+
+def test_select_copies_sequences_into_a_new_cache():
+    """``KVCache.select``: a cache of the chosen sequences (repeated, reordered, some left
+    out), each with its packed blocks, residual, sink tokens and length, on pages of its
+    own in a paged cache with a shuffled table; the source is left as it was."""
+    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=4)
+    gen = torch.Generator().manual_seed(6)
+    c = bd.KVCache.allocate(3, 2, 64, 512, fmt, device="cpu", page_size=128, backend="reference")
+    c.block_table.copy_(c.block_table.flatten()[torch.randperm(c.block_table.numel(), generator=gen)]
+                        .view_as(c.block_table))
+    k, v = kvdata.kv(gen, 3, 400, 2, 64, dtype=torch.float16, device="cpu")
+    c.prefill(k, v, [400, 3, 260])
+    before = _state(c)
+    new = c.select([2, 0, 2])
+    assert new.batch == 3 and new.lengths == [260, 400, 260] and new.page_size == c.page_size
+    for i, j in enumerate([2, 0, 2]):
+        assert all(torch.equal(a, b) for a, b in zip(new.dequantized(i), c.dequantized(j)))
+    assert _unchanged(c, before)
+    more_k, more_v = kvdata.kv(gen, 3, 1, 2, 64, dtype=torch.float16, device="cpu")
+    new.append(more_k, more_v)  # (the repeated sequence's copies share no page)
+    assert not torch.equal(new.dequantized(0)[0], new.dequantized(2)[0])
+    for bad, error in (([], ValueError), ([3], ValueError), ([0.5], TypeError)):
+        with pytest.raises(error, match="indices"):
+            c.select(bad)

@@ -985,15 +985,38 @@ def test_pads_past_the_longest_prompt_take_no_room(models):
     assert [layer.kv.lengths for layer in cache.layers] == [[13, 15]] * 2
 
 
-def test_the_cache_refuses_a_float32_model_and_batch_changes(models):
+def test_the_cache_refuses_a_float32_model(models):
     _, packed = models
     model = transformers.LlamaForCausalLM._from_config(copy.deepcopy(packed.config),
                                                        attn_implementation=hf.ATTN_IMPLEMENTATION)
     with pytest.raises(TypeError, match="model's dtype must be torch.float16 or torch.bfloat16"):
         _cache(model, 4)
     _cache(model.half(), 4)
+
+
+@torch.no_grad()
+def test_batch_select_and_repeat_copy_the_packed_sequences(models):
+    """``batch_repeat_interleave`` / ``batch_select_indices`` (contrastive search): each
+    layer becomes a cache of the new batch whose sequences are copies of the chosen ones,
+    packed blocks included, so the next steps equal those of a cache filled with the
+    repeated (selected) prompts."""
+    _, packed = models
+    gen = torch.Generator().manual_seed(27)
+    prompts, step = torch.randint(0, VOCAB, (2, 150), generator=gen), torch.randint(0, VOCAB, (4, 1), generator=gen)
     cache = _cache(packed, 4)
-    with pytest.raises(NotImplementedError, match="batch_select_indices"):
-        cache.batch_select_indices(torch.tensor([0]))
-    with pytest.raises(NotImplementedError, match="batch_repeat_interleave"):
-        cache.batch_repeat_interleave(2)
+    packed(prompts, **hf.cache_kwargs(packed, cache), use_cache=True)
+    cache.batch_repeat_interleave(2)
+    want_cache = _cache(packed, 4)
+    packed(prompts.repeat_interleave(2, dim=0), **hf.cache_kwargs(packed, want_cache), use_cache=True)
+    got = packed(step, **hf.cache_kwargs(packed, cache), use_cache=True).logits
+    assert torch.equal(got, packed(step, **hf.cache_kwargs(packed, want_cache), use_cache=True).logits)
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    fresh = _cache(packed, 4)
+    packed(prompts[[1, 0]], **hf.cache_kwargs(packed, fresh), use_cache=True)
+    packed(step[[3, 0]], **hf.cache_kwargs(packed, fresh), use_cache=True)
+    nxt = torch.randint(0, VOCAB, (2, 1), generator=gen)
+    got = packed(nxt, **hf.cache_kwargs(packed, cache), use_cache=True).logits
+    assert torch.equal(got, packed(nxt, **hf.cache_kwargs(packed, fresh), use_cache=True).logits)
+    assert [layer.kv.lengths for layer in cache.layers] == [[152, 152]] * 2
+    with pytest.raises(ValueError, match="repeats"):
+        cache.batch_repeat_interleave(0)
