@@ -30,42 +30,44 @@ _WRITES = ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res", "cache_
 def decode(q: torch.Tensor, k_pack: torch.Tensor, k_params: torch.Tensor, v_pack: torch.Tensor,
            v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
            block_table: torch.Tensor, k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor],
-           bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, fp4: str, softmax_scale: float,
-           num_splits: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+           bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, fp4: str, hadamard: bool,
+           softmax_scale: float, num_splits: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """``bd.decode`` over the cache tensors: (out ``[B, T, Hq, D]``, lse ``[B, T, Hq]``);
     ``k_sink`` / ``v_sink`` the 16-bit sink tokens of a format with ``sink_tokens`` (else
-    None); ``fp4`` the FP4 format (``KVFormat.fp4``) or "".  The format's Hadamard rotation
-    is not an argument: under ``KVFormat(hadamard=True)`` pass q rotated as the cache's K is
-    (``reference.rotate(q, fmt)``, which ``decode_cache`` does).  The values of the lengths and
+    None); ``fp4`` the FP4 format (``KVFormat.fp4``) or ""; ``hadamard`` that of
+    ``KVFormat.hadamard``: q comes in the model's basis, and is rotated as the cache's K was
+    (as ``bd.decode`` does).  The values of the lengths and
     block table are not re-checked on the kernel backends (no device sync); on the
     reference, which reads them on the host anyway, they are."""
     cache, backend = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink,
-                              v_sink, _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
+                              v_sink, _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard), backend)
     return attention.decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                                     return_lse=True)
 
 
 @decode.register_fake
 def _decode_fake(q, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
-                 bits, v_bits, k_mode, group_size, sink_tokens, fp4, softmax_scale, num_splits, backend):
+                 bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard, softmax_scale, num_splits, backend):
     # the metadata checks of the real op (a meta tensor among real ones reaches this, not
     # the op; the format's own where its numbers are given, not symbols of a dynamic
     # trace), then outputs laid out as the real ones: dense whatever q's strides are
     _validate.same_device(q=q, k_res=k_res)
     if all(type(n) is int for n in (bits, v_bits, group_size, sink_tokens)):
-        cache = attention.check_cache(_format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), k_pack,
+        cache = attention.check_cache(_format(bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard), k_pack,
                                       k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
                                       check_values=False, sinks=(k_sink, v_sink) if sink_tokens else None)
         attention.check_query(q, cache, "reference")
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _format(bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, fp4: str) -> KVFormat:
+def _format(bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: int, fp4: str,
+            hadamard: bool) -> KVFormat:
     """The ``KVFormat`` the ops' scalar arguments describe (its Hadamard rotation is applied
-    to Q and K outside the ops: the kernels never see it)."""
+    to Q and K by the ops, around the kernels, which never see it)."""
     if fp4:
-        return KVFormat(fp4=fp4, sink_tokens=sink_tokens)
-    return KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens)
+        return KVFormat(fp4=fp4, sink_tokens=sink_tokens, hadamard=hadamard)
+    return KVFormat(bits=bits, v_bits=v_bits, k_mode=k_mode, group_size=group_size, sink_tokens=sink_tokens,
+                    hadamard=hadamard)
 
 
 def _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
@@ -83,14 +85,13 @@ def _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, bl
 
 
 def _format_args(fmt: KVFormat) -> tuple:
-    return fmt.bits, fmt.v_bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens, fmt.fp4 or ""
+    return fmt.bits, fmt.v_bits, fmt.k_mode, fmt.group_size, fmt.sink_tokens, fmt.fp4 or "", fmt.hadamard
 
 
 def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "auto") -> torch.Tensor:
     """``bd.decode(q, cache)`` through the op (for compiled code): ``cache`` is a ``KVCache``."""
     t = cache.tensors()
     k_sink, v_sink = t.sinks or (None, None)
-    q = reference.rotate(q, t.fmt)  # KVFormat.hadamard: the op takes Q as the cache's K basis
     out, _ = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
                                         t.cache_seqlens, t.block_table, k_sink, v_sink, *_format_args(t.fmt),
                                         attention.softmax_scale_or_default(softmax_scale, q.shape[-1]), 0,
@@ -99,13 +100,13 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
 
 
 def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                   commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4,
+                   commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard,
                    capacity, backend) -> Tuple[CacheTensors, str]:
     """The writes' cache tensors, ``_checked`` as the decode op's are (and the backend
     resolved), with the capacity and the write counters; refused before anything is
     written where a write could not finish (inference tensors outside inference mode)."""
     c, backend = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink,
-                          v_sink, _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4), backend)
+                          v_sink, _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard), backend)
     if k_res.is_inference() and not torch.is_inference_mode_enabled():  # (torch would refuse mid-write)
         raise RuntimeError("the cache tensors were allocated under torch.inference_mode(), so torch refuses "
                            "in-place updates of them outside it; call the op inside inference_mode (nothing "
@@ -125,15 +126,17 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
            v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, cache_seqlens: torch.Tensor,
            block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor, k_sink: Optional[torch.Tensor],
            v_sink: Optional[torch.Tensor], bits: int, v_bits: int, k_mode: str, group_size: int,
-           sink_tokens: int, fp4: str, capacity: int, backend: str) -> None:
+           sink_tokens: int, fp4: str, hadamard: bool, capacity: int, backend: str) -> None:
     """``KVCache.append`` of ``k``, ``v`` ``[B, T, Hkv, D]`` on the cache tensors, with the
-    capacity checked on the device (no host sync)."""
+    capacity checked on the device (no host sync); ``k`` in the model's basis (the op
+    rotates it under ``hadamard``, as ``KVCache.append`` does)."""
     from .cache import reference_append
 
     _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
     c, backend = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
                                 overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens,
-                                fp4, capacity, backend)
+                                fp4, hadamard, capacity, backend)
+    k = reference.rotate(k, c.fmt)  # KVFormat.hadamard: K is stored rotated
     if backend == "reference":  # (the pages the appended lengths reach, as the lengths now were above)
         attention.check_block_table(c, (cache_seqlens + k.shape[1]).clamp(max=capacity))
         reference_append(c, k, v)
@@ -151,9 +154,10 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
             v_pack: torch.Tensor, v_params: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor,
             cache_seqlens: torch.Tensor, block_table: torch.Tensor, overflow: torch.Tensor, commits: torch.Tensor,
             k_sink: Optional[torch.Tensor], v_sink: Optional[torch.Tensor], bits: int, v_bits: int, k_mode: str,
-            group_size: int, sink_tokens: int, fp4: str, capacity: int, backend: str) -> None:
+            group_size: int, sink_tokens: int, fp4: str, hadamard: bool, capacity: int, backend: str) -> None:
     """``KVCache.prefill``: the first ``seqlens[b]`` (int32, on the cache's device) tokens of
-    ``k``, ``v`` ``[B, N, Hkv, D]`` replace each sequence's content.  On the kernel backends
+    ``k``, ``v`` ``[B, N, Hkv, D]`` replace each sequence's content (``k`` in the model's
+    basis: the op rotates it under ``hadamard``).  On the kernel backends
     the block table's and lengths' values are not re-checked here (``KVCache.prefill``
     checks them, a device sync); on the reference, which reads them on the host anyway,
     they are."""
@@ -165,7 +169,8 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
         raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
     c, backend = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
                                 overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens,
-                                fp4, capacity, backend)
+                                fp4, hadamard, capacity, backend)
+    k = reference.rotate(k, c.fmt)  # KVFormat.hadamard: K is stored rotated
     if backend == "reference":
         lens = seqlens.tolist()
         _validate.prompt_lengths("seqlens", lens, k.shape[1])  # (k.shape[1] <= capacity: checked above)
@@ -190,9 +195,9 @@ def _write_args(cache):
 def append_cache(k: torch.Tensor, v: torch.Tensor, cache) -> None:
     """``cache.append(k, v)`` through the op (for compiled code): ``cache`` is a ``KVCache``;
     its host-side lengths are not advanced (``cache.check()`` does that)."""
-    torch.ops.bitdecode.append(reference.rotate(k, cache.fmt), v, *_write_args(cache))
+    torch.ops.bitdecode.append(k, v, *_write_args(cache))
 
 
 def prefill_cache(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, cache) -> None:
     """``cache.prefill(k, v, seqlens)`` through the op, ``seqlens`` an int32 device tensor."""
-    torch.ops.bitdecode.prefill(reference.rotate(k, cache.fmt), v, seqlens, *_write_args(cache))
+    torch.ops.bitdecode.prefill(k, v, seqlens, *_write_args(cache))

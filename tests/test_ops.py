@@ -28,7 +28,29 @@ def test_decode_op_equals_the_python_call(gen):
     t = cache.tensors()
     out, lse = torch.ops.bitdecode.decode(q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res,
                                           t.cache_seqlens, t.block_table, None, None, 4, 4, "channel", 64, 0, "",
-                                          64 ** -0.5, 0, "reference")
+                                          False, 64 ** -0.5, 0, "reference")
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_raw_ops_rotate_under_hadamard(gen):
+    """The raw ops take the format's Hadamard flag: K and q come in the model's basis, as
+    with the Python calls (the schema used to drop the flag, so a raw decode over a rotated
+    cache with an unrotated q was silently wrong)."""
+    fmt = bd.KVFormat(bits=4, group_size=64, hadamard=True)
+    a, b = (bd.KVCache.allocate(2, 2, 64, 200, fmt, device="cpu", backend="reference") for _ in range(2))
+    k, v = kvdata.kv(gen, 2, 150, 2, 64, dtype=torch.float16, device="cpu")
+    a.prefill(k[:, :140], v[:, :140], [140, 70])
+    a.append(k[:, 140:], v[:, 140:])
+    t = b.tensors()
+    args = (t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
+            t.overflow, t.commits, None, None, 4, 4, "channel", 64, 0, "", True, t.capacity, "reference")
+    torch.ops.bitdecode.prefill(k[:, :140], v[:, :140], torch.tensor([140, 70], dtype=torch.int32), *args)
+    torch.ops.bitdecode.append(k[:, 140:], v[:, 140:], *args)
+    for name in ("k_pack", "k_params", "v_pack", "v_params", "k_res", "v_res"):
+        assert torch.equal(getattr(t, name), getattr(a.tensors(), name)), name
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    out, lse = torch.ops.bitdecode.decode(q, *args[:8], None, None, *args[12:18], True, 0.125, 0, "reference")
+    want, want_lse = bd.decode(q, a, softmax_scale=0.125, return_lse=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
@@ -42,7 +64,7 @@ def _op_args(gen):
     t = cache.tensors()
     q = torch.randn(2, 1, 4, 64, generator=gen).half()
     return (q, t.k_pack, t.k_params, t.v_pack, t.v_params, t.k_res, t.v_res, t.cache_seqlens, t.block_table,
-            None, None, 4, 4, "channel", 64, 0, "", 0.125, 0, "reference")
+            None, None, 4, 4, "channel", 64, 0, "", False, 0.125, 0, "reference")
 
 
 def test_compiled_step_traces_the_op_in_one_graph(gen):
@@ -219,7 +241,7 @@ def test_write_ops_check_the_cache_against_their_format(gen):
     before = {n: getattr(c, n).clone() for n in names}
     k, v = kvdata.kv(gen, 2, 130, 2, 64, dtype=torch.float16, device="cpu")  # (either sequence reaches a page)
     args = list(ops._write_args(c))
-    at = {"bits": 12, "k_mode": 14, "group_size": 15, "sink_tokens": 16, "fp4": 17, "capacity": 18}
+    at = {"bits": 12, "k_mode": 14, "group_size": 15, "sink_tokens": 16, "fp4": 17, "capacity": 19}
     table = args[7]
 
     def changed(**kw):
@@ -246,7 +268,7 @@ def test_write_ops_check_the_cache_against_their_format(gen):
     # the decode op on the reference: the lengths' values, read on the host anyway
     with pytest.raises(ValueError, match=r"^cache_seqlens must lie in .*got min -5"):
         torch.ops.bitdecode.decode(torch.zeros(2, 1, 4, 64, dtype=torch.float16), *args[:6],
-                                   torch.tensor([-5, 9], dtype=torch.int32), table, None, None, *args[12:18], 0.125,
+                                   torch.tensor([-5, 9], dtype=torch.int32), table, None, None, *args[12:19], 0.125,
                                    0, "reference")
 
 
