@@ -114,9 +114,12 @@ def variants(args) -> List[Variant]:
 def _compile_one(v: Variant, arch: str, out: str, warm: bool) -> Tuple[str, float, Dict[str, int]]:
     kernels = _backend_for(arch)
     t0 = time.time()
-    if warm:
+    if warm:  # (this process's kernels that the disk cache did not take, counted as "unwritten")
+        from . import jit
+
+        unwritten = jit.KERNELS.unwritten
         kernels.compile_variant(arch, v, cached=True)
-        return v.name, time.time() - t0, {}
+        return v.name, time.time() - t0, {"unwritten": jit.KERNELS.unwritten - unwritten}
     ptx = kernels.compile_variant(arch, v, keep_ptx=True).artifacts.PTX
     Path(out, f"{v.name}.{arch}.ptx").write_text(ptx)
     return v.name, time.time() - t0, count_instructions(ptx)
@@ -138,6 +141,10 @@ def run(args) -> int:
                         "(to compile without one: --arch ARCH --out DIR)")
             return 2
         args.arch = jit.target_arch()
+        why = _unwritable_cache(jit)
+        if why:
+            print_error(f"--warm-cache fills the JIT disk cache, but {why}")
+            return 2
     pending = variants(args)
     wanted = set(args.kernels) - {"combine"}  # the kinds that take a KV format
     if wanted and not any(v.kind in wanted for v in pending):  # (KVFormat.check_head_dim skips them all)
@@ -176,6 +183,28 @@ def run(args) -> int:
         console.print("[dim]instruction sites in each PTX file; cp.async.ca|cg: the non-bulk asynchronous copies "
                       "(not their commit / wait groups); cp.async.bulk[.tensor]: bulk and TMA copies (not prefetches "
                       "nor their commit / wait groups)[/]")
+    unwritten = sum(counts.get("unwritten", 0) for _, _, counts in results)
+    if unwritten:
+        print_error(f"the JIT disk cache did not take {unwritten} of the kernels compiled (a full or read-only "
+                    "disk?): later processes compile them again")
+        return 1
     where = "the JIT disk cache" if args.warm_cache else str(args.out)
     console.print(f"wrote {len(results)} variants to {where}")
     return 0
+
+
+def _unwritable_cache(jit) -> str:
+    """Why compiled kernels cannot go to the disk cache (switched off, no folder, a folder
+    not writable), or ""."""
+    if not jit.disk_cache_on():
+        return f"${jit.ENV_DISABLE_DISK}={os.environ[jit.ENV_DISABLE_DISK]!r} switches it off"
+    import tempfile
+
+    try:
+        folder = jit.cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except (OSError, RuntimeError) as exc:
+        return f"it cannot be written ({exc})"
+    return ""

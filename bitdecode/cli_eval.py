@@ -144,7 +144,9 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("BITDECODE_CACHE_DIR") or Path.home() / ".cache" / "bitdecode") / "models"
+    from . import jit
+
+    return jit.cache_root() / "models"
 
 
 def fetch_smollm2(directory: Optional[Path] = None) -> Path:

@@ -98,10 +98,24 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("  auto picks", ", ".join(f"{name} D{d} {dt}: {b}" for (name, d, dt), b in picks.items()))
         table.add_row("  BitNet W2A8", _bitnet_kernels(device))
     table.add_row("GEMV tuning", _gemv_tuning())
-    path = jit.cache_dir()  # $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) / build fingerprint
-    env = jit.ENV_CACHE_DIR
-    source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"
-    exists = "" if path.is_dir() else "; not created yet"
-    table.add_row("compile cache", f"{path} [dim]({source}{exists})[/]")
+    table.add_row("compile cache", _cache_row())
     Console().print(table)
     return 0
+
+
+def _cache_row() -> str:
+    """The compiled kernels' disk cache: $BITDECODE_CACHE_DIR (else ~/.cache/bitdecode) /
+    the build's fingerprint, or why there is none (switched off, no folder, a broken CuTe
+    DSL install: the row says so, the rest of the table still prints)."""
+    from rich.markup import escape
+
+    if not jit.disk_cache_on():
+        return f"off [dim](${jit.ENV_DISABLE_DISK}={escape(repr(os.environ[jit.ENV_DISABLE_DISK]))})[/]"
+    env = jit.ENV_CACHE_DIR
+    source = f"from ${env}" if os.environ.get(env) else f"default, ${env} unset"
+    try:
+        path = jit.cache_dir()
+        exists = "" if path.is_dir() else "; not created yet"
+    except Exception as exc:  # noqa: BLE001 - an unreadable folder, no home, cutlass not importable
+        return f"unavailable [dim]({source}: {escape(type(exc).__name__ + ': ' + str(exc))})[/]"
+    return f"{escape(str(path))} [dim]({source}{exists})[/]"

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 
 from . import reference
 from .backend import REGISTRY
-from .cli import DTYPE_NAMES, torch_dtype
+from .cli import DTYPE_NAMES, nonnegative_int, print_error, torch_dtype
 from .formats import BITS, FP4_FORMATS, HEAD_DIMS, KVFormat
-from .selfcheck import DTYPES
+from .selfcheck import DTYPES, OUT_OF_MEMORY
 
 GQA = 4  # query heads per KV head (the Llama family's usual ratio)
 SPLITS = (0, 1, 3)  # the split heuristic's own choice, one split (no combine), a forced few
@@ -38,7 +37,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", required=True, choices=tuple(REGISTRY),
                    help=f"a kernel backend: {', '.join(REGISTRY)}")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--device", type=nonnegative_int, default=0, help="CUDA device index (default 0)")
     p.add_argument("--bits", type=int, default=None, choices=BITS,
                    help=f"KVFormat.bits, one of {', '.join(map(str, BITS))} (default 4)")
     p.add_argument("--fp4", choices=FP4_FORMATS, help="an FP4 format instead of integer codes")
@@ -182,11 +181,17 @@ def run(args) -> int:
         fmt = KVFormat(bits=4 if args.bits is None else args.bits, fp4=args.fp4)
     if not torch.cuda.is_available():
         # 2, as every GPU command without a GPU: 1 is the check's own verdict ("FAILED")
-        print("bitdecode selfcheck: needs a CUDA GPU (the check runs the backend's kernels)", file=sys.stderr)
+        print_error("selfcheck: needs a CUDA GPU (the check runs the backend's kernels)")
+        return 2
+    if args.device >= torch.cuda.device_count():  # (2: exit 1 is a FAILED check)
+        print_error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                    f"0..{torch.cuda.device_count() - 1}")
         return 2
     device = torch.device("cuda", args.device)
     try:
         detail = run_check(args.backend, device, fmt, args.head_dim, _dtype(args.dtype))
+    except torch.cuda.OutOfMemoryError as exc:  # (auto keeps this verdict for its process only)
+        detail = f"{OUT_OF_MEMORY}: {' '.join(str(exc).split())[:200]}"
     except Exception as exc:  # noqa: BLE001 - a kernel's failure (or a refusal) is the verdict
         detail = f"{type(exc).__name__}: {exc}"
     ok = not detail

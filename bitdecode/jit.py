@@ -6,7 +6,9 @@ sequence length.  The key holds everything that changes the generated code: the 
 and its constexpr configuration, the target arch, and a fingerprint of the library
 sources, the CuTe DSL and TVM-FFI versions and the Python version.  Compiled functions
 are exported as object files under ``$BITDECODE_CACHE_DIR`` (default
-``~/.cache/bitdecode``) and loaded from there by later processes.
+``~/.cache/bitdecode``) and loaded from there by later processes;
+``BITDECODE_NO_DISK_CACHE=1`` keeps them in memory only.  A cache folder that cannot be
+read or written costs only the disk: the kernels are compiled in memory.
 """
 
 from __future__ import annotations
@@ -28,8 +30,24 @@ _EXPORT_NAME = "bitdecode_kernel"
 _PKG_ROOT = Path(__file__).resolve().parent
 
 
+def disk_cache_on() -> bool:
+    """Whether compiled kernels are kept on disk: ``BITDECODE_NO_DISK_CACHE`` unset, empty or
+    a "no" (0, false, no, off), as the other switches read 0."""
+    return os.environ.get(ENV_DISABLE_DISK, "").strip().lower() in ("", "0", "false", "no", "off")
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "bitdecode")
+    """``$BITDECODE_CACHE_DIR`` (``~`` expanded, made absolute: a relative path would move
+    with the working directory), else ``~/.cache/bitdecode``; a RuntimeError where the
+    variable is unset and there is no home directory to put it in."""
+    value = os.environ.get(ENV_CACHE_DIR)
+    if value:
+        return Path(os.path.expanduser(value)).absolute()
+    home = Path(os.path.expanduser("~"))  # (Path.home() raises on some Pythons, returns "~" on others)
+    if not home.is_absolute():
+        raise RuntimeError(f"no home directory for the kernel cache: set ${ENV_CACHE_DIR} "
+                           f"(or ${ENV_DISABLE_DISK}=1)")
+    return home / ".cache" / "bitdecode"
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,6 +127,7 @@ class KernelCache:
     def __init__(self) -> None:
         self._mem: Dict[Tuple[Hashable, ...], Any] = {}
         self._lock = threading.Lock()
+        self.unwritten = 0  # kernels compiled that the disk cache (on) did not take: ``compile --warm-cache``
 
     def get(self, key: Tuple[Hashable, ...], build: Callable[[], Any]) -> Any:
         fn = self._mem.get(key)
@@ -120,7 +139,8 @@ class KernelCache:
                 fn = self._load(key)
                 if fn is None:
                     fn = build()
-                    self._store(key, fn)
+                    if disk_cache_on() and not self._store(key, fn):
+                        self.unwritten += 1
                 fn = self._mem[key] = _positional(fn)
         return fn
 
@@ -131,30 +151,32 @@ class KernelCache:
         return cache_dir() / f"{digest}.o"
 
     def _load(self, key):
-        if os.environ.get(ENV_DISABLE_DISK):
-            return None
-        path = self._path(key)
-        if not path.exists():
+        if not disk_cache_on():
             return None
         try:
+            path = self._path(key)
+            if not path.exists():
+                return None
             import cutlass.cute as cute
 
             module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
             return getattr(module, _EXPORT_NAME)
-        except Exception:  # a stale or partial file: recompile and overwrite
+        except Exception:  # an unreadable folder, no home, a stale or partial file: compile (and overwrite)
             return None
 
-    def _store(self, key, fn) -> None:
-        if os.environ.get(ENV_DISABLE_DISK):
-            return
-        path = self._path(key)
+    def _store(self, key, fn) -> bool:
+        """Exports ``fn`` to the disk cache; whether it is there now."""
+        if not disk_cache_on():
+            return False
         try:
+            path = self._path(key)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp.o")
             fn.export_to_c(object_file_path=str(tmp), function_name=_EXPORT_NAME)
             os.replace(tmp, path)
+            return True
         except Exception:  # read-only or full disk: the in-memory cache still works
-            pass
+            return False
 
 
 def _positional(fn):

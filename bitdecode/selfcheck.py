@@ -18,7 +18,9 @@ does not compile them again.
 
 ``BITDECODE_SELFCHECK=0`` turns the check off (``auto`` never takes an unvalidated
 backend); ``BITDECODE_SELFCHECK_TIMEOUT`` bounds the child in seconds, compilation
-included (default 900).
+included (default 900).  ``BITDECODE_NO_DISK_CACHE=1`` keeps the verdicts in the process
+only, as it keeps the kernels; a check that timed out or ran out of GPU memory is kept in
+the process only too.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ ENV_TIMEOUT = "BITDECODE_SELFCHECK_TIMEOUT"
 DEFAULT_TIMEOUT_S = 900.0
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 TIMED_OUT = "the check did not finish in"  # such a verdict is kept for the process only
+OUT_OF_MEMORY = "the check ran out of GPU memory"  # so is this one (the memory may be free later)
 
 _verdicts: Dict[Tuple, Tuple[bool, str]] = {}
 
@@ -87,20 +90,43 @@ def _verdict_path(key: Tuple):
 
 
 def _read_verdict(key: Tuple) -> Optional[Tuple[bool, str]]:
+    from . import jit
+
+    if not jit.disk_cache_on():  # (verdicts live beside the compiled kernels, under the same switch)
+        return None
     try:
         saved = json.loads(_verdict_path(key).read_text())
         return (bool(saved["ok"]), str(saved["detail"])) if saved.get("key") == repr(key) else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError):
         return None
 
 
 def _write_verdict(key: Tuple, verdict: Tuple[bool, str]) -> None:
+    from . import jit
+
+    if not jit.disk_cache_on():
+        return
     try:
         path = _verdict_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": repr(key), "ok": verdict[0], "detail": verdict[1]}))
-    except OSError:  # a read-only cache directory: the verdict lives for this process only
+    except (OSError, RuntimeError):  # a read-only cache directory, no home: the verdict lives for this process only
         pass
+
+
+def timeout_s() -> float:
+    """``$BITDECODE_SELFCHECK_TIMEOUT`` in seconds (default 900), refused by name where it is
+    not a positive number."""
+    value = os.environ.get(ENV_TIMEOUT) or ""
+    if not value.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{ENV_TIMEOUT} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def verdict(backend: str, device: torch.device, fmt: KVFormat, head_dim: int, dtype: Optional[torch.dtype],
@@ -119,9 +145,10 @@ def verdict(backend: str, device: torch.device, fmt: KVFormat, head_dim: int, dt
     if found is None and not run:
         return None
     if found is None:
-        timeout = float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
-        found = run_child(child_command(backend, index, fmt, head_dim, dtype), timeout)
-        if not found[1].startswith(TIMED_OUT):  # a slow first compile may pass with a longer timeout
+        found = run_child(child_command(backend, index, fmt, head_dim, dtype), timeout_s())
+        # kept on disk unless it may pass another time: a slow first compile with a longer
+        # timeout, a check that found the GPU's memory taken
+        if not found[1].startswith((TIMED_OUT, OUT_OF_MEMORY)):
             _write_verdict(key, found)
     _verdicts[key] = found
     if not found[0]:

@@ -838,3 +838,80 @@ def test_bench_variants_merge_variant_is_launched_as_built(monkeypatch):
         bv.apply_keywords({"merge_splits": on})
         assert (asked(two), asked(four)) == (on, on)
         monkeypatch.undo()
+
+
+# --------------------------------------------------------------------------------------
+# the disk cache under the CLI: switched off, not writable, not readable (a helper's audit,
+# sixty-first session)
+# --------------------------------------------------------------------------------------
+
+
+def _fake_gpu(monkeypatch):
+    import torch
+
+    from bitdecode import jit
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(jit, "target_arch", lambda device_index=None: "sm_90a")
+    monkeypatch.setattr(jit, "fingerprint", lambda: "fp")
+
+
+def test_compile_warm_cache_refuses_a_cache_it_cannot_fill(tmp_path, capsys, monkeypatch):
+    """--warm-cache with the disk cache switched off, or a folder it cannot write, is
+    refused before anything compiles (it used to compile and say "wrote N variants")."""
+    from bitdecode import cli_compile
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(cli_compile, "_compile_one", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setenv("BITDECODE_NO_DISK_CACHE", "1")
+    line = _one_line_error(["compile", "--warm-cache"], capsys, monkeypatch)
+    assert "BITDECODE_NO_DISK_CACHE='1' switches it off" in line
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path / "file" / "below"))  # (under a file: no folder)
+    line = _one_line_error(["compile", "--warm-cache"], capsys, monkeypatch)
+    assert "--warm-cache fills the JIT disk cache, but it cannot be written" in line
+
+
+def test_compile_warm_cache_reports_kernels_the_disk_did_not_take(tmp_path, capsys, monkeypatch):
+    from bitdecode import cli_compile
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)
+    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cli_compile, "_compile_one", lambda v, *a: (v.name, 0.1, {"unwritten": 1}))
+    assert main(["compile", "--warm-cache", "--kernels", "combine", "--jobs", "1"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the JIT disk cache did not take 6 of the kernels compiled" in err  # (one a combine variant)
+
+
+def test_info_prints_its_table_whatever_the_cache(capsys, monkeypatch):
+    """``bitdecode info`` on a broken CuTe DSL install or an unreadable cache folder prints
+    the table with the reason in the cache's row (it used to exit 1 with a traceback)."""
+    from bitdecode import jit
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)
+
+    def broken():
+        raise ModuleNotFoundError("No module named 'cutlass'")
+
+    monkeypatch.setattr(jit, "cache_dir", broken)
+    assert main(["info"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "unavailable" in out and "ModuleNotFoundError: No module named 'cutlass'" in out and "GEMV tuning" in out
+    monkeypatch.setenv("BITDECODE_NO_DISK_CACHE", "1")
+    assert main(["info"]) == 0
+    assert "off ($BITDECODE_NO_DISK_CACHE='1')" in " ".join(capsys.readouterr().out.split())
+
+
+def test_selfcheck_refuses_a_device_it_does_not_have(capsys, monkeypatch):
+    """A device index that is negative, or past the machine's devices, is a refusal (exit
+    2), not a FAILED check (exit 1) with a traceback."""
+    import torch
+
+    assert "argument --device" in _parser_error(["selfcheck", "--backend", "sm80", "--device", "-1"], capsys)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    line = _one_line_error(["selfcheck", "--backend", "sm80", "--device", "2"], capsys, monkeypatch)
+    assert "--device 2: this machine has 2 CUDA device(s), 0..1" in line

@@ -108,6 +108,7 @@ def child(monkeypatch, tmp_path, capability):
     capability((10, 0))
     monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(selfcheck.ENV_SWITCH, raising=False)
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)
     monkeypatch.setattr(selfcheck, "_verdicts", {})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "B200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
@@ -152,11 +153,14 @@ def test_auto_keeps_sm80_when_the_check_fails(child):
     assert dispatch.resolve("sm100", CUDA0) == "sm100"  # by name it still runs
 
 
-def test_a_timed_out_check_is_not_kept_on_disk(child):
-    """A check that ran out of time (a hang, or only a slow first compile) is kept for the
-    process, not on disk: the next process, perhaps with a longer timeout, checks again."""
-    child.verdict = (False, f"{selfcheck.TIMED_OUT} 900 s (...)")
-    with pytest.warns(RuntimeWarning, match="did not finish"):
+@pytest.mark.parametrize("why", [f"{selfcheck.TIMED_OUT} 900 s (...)",
+                                 f"{selfcheck.OUT_OF_MEMORY}: CUDA out of memory. Tried to allocate 2.00 GiB"])
+def test_a_check_that_may_pass_later_is_not_kept_on_disk(child, why):
+    """A check that ran out of time (a hang, or only a slow first compile) or found the
+    GPU's memory taken (by the process that started it, say) is kept for the process, not
+    on disk: the next process, with a longer timeout or free memory, checks again."""
+    child.verdict = (False, why)
+    with pytest.warns(RuntimeWarning, match="did not finish|out of GPU memory"):
         assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm80"
     assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm80"
     assert len(child.calls) == 1
@@ -188,6 +192,26 @@ def test_info_names_a_pending_check_without_running_it(child):
     assert child.calls == []
     dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16)
     assert cli_info._auto_pick(CUDA0, NVFP4, 128, torch.float16) == "sm100"
+
+
+def test_verdicts_stay_off_the_disk_with_the_kernels(child, monkeypatch, tmp_path):
+    """``BITDECODE_NO_DISK_CACHE=1`` keeps the verdicts in the process, as the kernels."""
+    monkeypatch.setenv("BITDECODE_NO_DISK_CACHE", "1")
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm100"
+    assert not list(tmp_path.rglob("*.json"))
+    selfcheck._verdicts.clear()  # a new process checks again
+    assert dispatch.resolve("auto", CUDA0, fmt=NVFP4, head_dim=128, dtype=torch.float16) == "sm100"
+    assert len(child.calls) == 2
+
+
+@pytest.mark.parametrize("value", ["15m", "0", "-3", "inf", "nan"])
+def test_the_check_timeout_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(selfcheck.ENV_TIMEOUT, value)
+    with pytest.raises(ValueError, match=rf"^BITDECODE_SELFCHECK_TIMEOUT must be a positive number of seconds, "
+                                         rf"got '{value}'"):
+        selfcheck.timeout_s()
+    monkeypatch.setenv(selfcheck.ENV_TIMEOUT, " 60 ")
+    assert selfcheck.timeout_s() == 60.0
 
 
 def test_the_check_can_be_switched_off(child, monkeypatch):
