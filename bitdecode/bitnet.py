@@ -625,7 +625,16 @@ def gemv_config_for(device: torch.device, n: int, k: int):
     the one ``tune_gemv`` measured fastest for this GPU and shape (``bitnet_tune``'s
     table), else the rule's."""
     device = _cuda_device(device)  # (first: the tuning table's lookup asks the GPU's name)
-    return _with_pdl(bitnet_tune.lookup(device, n, k) or _rule_gemv_config(device, n, k), _arch(device))
+    tuned = bitnet_tune.lookup(device, n, k)
+    if tuned is None:
+        return _with_pdl(_rule_gemv_config(device, n, k), _arch(device))
+    try:  # (an entry of another arch's, or hand-edited: refused by name, not deep in the compile)
+        _kernels(device).gemv_key(tuned, k)
+    except ValueError as e:
+        raise ValueError(f"the GEMV tuning entry for {n} x {k} weights on {torch.cuda.get_device_name(device)} "
+                         f"(${bitnet_tune.ENV_GEMV_TUNING}'s file, or bitnet_tune.load / remember) cannot run here: {e}; "
+                         "fix or drop it (bitnet_tune.forget)") from None
+    return _with_pdl(tuned, _arch(device))
 
 
 def _rule_gemv_config(device: torch.device, n: int, k: int):

@@ -137,9 +137,11 @@ def save(path: Union[str, Path], table: Optional[dict] = None) -> Path:
     """Write every entry of this process to ``path`` (JSON; ``load`` reads it back), or those
     of ``table`` (``read``'s form: ``bitdecode tune --out`` writes the file's entries and its
     own picks, not those another file put in this process)."""
+    from ._files import write_whole
+
     path = Path(path).expanduser()
     rows = entries() if table is None else _entries(table)
-    path.write_text(json.dumps({"format": FORMAT, "entries": rows}, indent=1) + "\n")
+    write_whole(path, json.dumps({"format": FORMAT, "entries": rows}, indent=1) + "\n")  # (a reader never sees half)
     return path
 
 
@@ -153,7 +155,7 @@ def read(source: Union[str, Path, dict]) -> dict:
             source = json.loads(Path(source).expanduser().read_text())
         except OSError as e:
             raise ValueError(f"cannot read the GEMV tuning file {where}: {e}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"the GEMV tuning file {where} is not JSON: {e}") from None
     if not isinstance(source, dict) or source.get("format") != FORMAT:
         raise ValueError(f"{where}: not a GEMV tuning (expected a JSON object with \"format\": \"{FORMAT}\")")

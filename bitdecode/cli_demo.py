@@ -181,14 +181,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     on_gpu = device == "cuda"
     n = args.seqlen or (32768 if on_gpu else 4096)
+    args.bits = list(dict.fromkeys(args.bits))  # (--bits 4 4: one row)
     t0 = time.perf_counter()
     try:
         base, rows, used = measure(args, device, n, args.backend)
     except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc):
+        if not isinstance(exc, torch.OutOfMemoryError) and not any(w in str(exc) for w in ("alloc", "overflow")):
             raise
+        import textwrap
+
         print_error(f"--seqlen {n} --batch {args.batch}: the 16-bit K / V and the caches do not fit in "
-                    f"{device}'s memory ({' '.join(str(exc).split())[:120]}); try smaller sizes")
+                    f"{device}'s memory ({textwrap.shorten(str(exc), 160, placeholder=' ...')}); try smaller sizes")
         return 2
     # auto may pick a different backend per bit width (Backend.auto_picks)
     backend = used[0] if len(set(used)) == 1 else ", ".join(f"{b}-bit {u}" for b, u in zip(args.bits, used))

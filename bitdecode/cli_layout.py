@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
-from .cli import DTYPE_NAMES, output_file
+from ._files import cannot_write, write_whole
+from .cli import DTYPE_NAMES, output_file, print_error
 from .formats import BITS, HEAD_DIMS, K_MODES
 from .layouts import sm80
 
@@ -722,26 +723,24 @@ def build(args) -> Figure:
 def run(args) -> int:
     from rich.console import Console
 
-    from rich.markup import escape as markup
-
-    console, errors = Console(), Console(stderr=True, soft_wrap=True)  # (an error is one line)
     try:
         fig = build(args)
     except LayoutError as err:
-        errors.print(f"[bold red]bitdecode layout {args.view}:[/] {markup(str(err))}")
+        print_error(f"layout {args.view}: {err}")
         return 2
-    svg = None
-    if args.svg:  # opened before the picture is drawn: an unwritable path draws nothing
-        try:
-            svg = open(args.svg, "w", encoding="utf-8")
-        except OSError as exc:
-            errors.print(f"[bold red]bitdecode layout {args.view}:[/] --svg {markup(args.svg)}: cannot write it "
-                         f"({markup(exc.strerror or str(exc))})")
+    if args.svg:  # checked before the picture is drawn: an unwritable path draws nothing
+        why = cannot_write(args.svg)
+        if why:
+            print_error(f"layout {args.view}: --svg {args.svg}: cannot write it ({why})")
             return 2
+    console = Console()
     render_rich(fig, console)
-    if svg is not None:
-        with svg:
-            svg.write(render_svg(fig))
+    if args.svg:
+        try:
+            write_whole(args.svg, render_svg(fig))
+        except OSError as exc:
+            print_error(f"layout {args.view}: --svg {args.svg}: cannot write it ({exc.strerror or exc})")
+            return 2
         console.print(f"wrote {args.svg}")
     return 0
 

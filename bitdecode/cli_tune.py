@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Optional
 
-from .cli import output_file, positive_int, print_error
+from ._files import cannot_write
+from .cli import nonnegative_int, output_file, positive_int, print_error
 
 
 def _shapes(text: str):
@@ -34,7 +36,7 @@ def add_parser(subparsers, name: str, help_text: str) -> argparse.ArgumentParser
                         "4096x4096,11008x4096 (default: BitNet b1.58 2B's, bitnet.MODEL_SHAPES)")
     p.add_argument("--out", type=output_file, required=True, metavar="FILE",
                    help="JSON file the picks are written to (merged with the entries already there)")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--device", type=nonnegative_int, default=0, help="CUDA device index (default 0)")
     p.add_argument("--replays", type=positive_int, default=20,
                    help="graph replays a configuration (median; default 20)")
     return p
@@ -54,13 +56,17 @@ def run(args) -> int:
     if not 0 <= args.device < torch.cuda.device_count():
         print_error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         return 2
-    kept = {}
-    if Path(args.out).exists():  # keep what the file holds; a broken file is refused before any timing
-        try:
-            kept = bitnet_tune.read(args.out)
-        except ValueError as e:
-            print_error(f"--out {args.out}: {e}")
-            return 2
+    try:  # $BITDECODE_GEMV_TUNING's file, which the timing's lookups read: refused before any timing
+        bitnet_tune.entries()
+    except ValueError as e:
+        print_error(str(e))
+        return 2
+    if _kept(args.out) is None:  # (the file's entries, checked before any timing too)
+        return 2
+    why = cannot_write(args.out)
+    if why:
+        print_error(f"--out {args.out}: cannot write it ({why})")
+        return 2
     shapes = args.shapes or bitnet.MODEL_SHAPES
     device = torch.device("cuda", args.device)
     try:
@@ -81,6 +87,27 @@ def run(args) -> int:
     # the file's entries and this run's picks only: entries that $BITDECODE_GEMV_TUNING's file
     # put in this process stay in that file
     picks = bitnet_tune.parse_entries([{key: row[key] for key in ("gpu", "sms", "n", "k", "config")} for row in rows])
-    bitnet_tune.save(args.out, {**kept, **picks})
+    kept = _kept(args.out)  # read again: what another run wrote there meanwhile is kept too
+    if kept is None:  # (the picks are in the table above)
+        return 2
+    try:
+        bitnet_tune.save(args.out, {**kept, **picks})
+    except OSError as e:
+        print_error(f"--out {args.out}: the picks (the table above) were not written: {e.strerror or e}")
+        return 2
     console.print(f"picks written to {args.out}; use them with BITDECODE_GEMV_TUNING={args.out}")
     return 0
+
+
+def _kept(out) -> Optional[dict]:
+    """The entries ``out`` holds ({} where there is no file yet), or None after printing why
+    they cannot be read."""
+    from . import bitnet_tune
+
+    if not Path(out).exists():
+        return {}
+    try:
+        return bitnet_tune.read(out)
+    except ValueError as e:
+        print_error(f"--out {out}: {e}")
+        return None

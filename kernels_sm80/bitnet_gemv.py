@@ -140,6 +140,9 @@ def store_stripe(acc: cute.Tensor, xsum: Int32, red: cute.Tensor, warp, warps, l
 # --------------------------------------------------------------------------------------
 
 
+MAX_UNROLL = 16  # (the shipped configurations unroll 4-8; the bound keeps a hand-edited tuning table sane)
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """Compile-time configuration: 16-byte weight loads in flight per lane."""
@@ -166,6 +169,8 @@ class GemvConfig:
     early_scales: bool = False
 
     def __post_init__(self):
+        if isinstance(self.unroll, bool) or not isinstance(self.unroll, int) or not 1 <= self.unroll <= MAX_UNROLL:
+            raise ValueError(f"GemvConfig: unroll must be an integer in [1, {MAX_UNROLL}], got {self.unroll!r}")
         if self.stage_x and not self.bulk:
             raise ValueError("GemvConfig: stage_x applies to the stripe kernel (bulk=True) only")
         if self.early_scales and not self.pdl:

@@ -332,3 +332,91 @@ def test_tune_shape_picks_by_time_and_refuses_wrong_sums(monkeypatch):
     with pytest.raises(RuntimeError, match=r"summed N=512 x K=1024 wrongly \(512 of 512 outputs\): a kernel bug"):
         bn._tune_shape(n, k, dev, 1 << 20, 1, 0.02)
     assert tune.describe(tune.config_fields(tune.lookup(dev, n, k))) == fast
+
+
+@pytest.mark.parametrize("gpu, arch, k, edit, message", [
+    (H100, "sm_90a", 65536, dict(bulk=True, pdl=True), r"stripe of K=65536 does not fit"),
+    (("NVIDIA A100-SXM4-80GB", 108), "sm_80", 4096, dict(bulk=True, pdl=True), r"runs on sm_90a only"),
+])
+def test_an_entry_the_gpu_cannot_run_is_refused_by_name(monkeypatch, tmp_path, gpu, arch, k, edit, message):
+    """A tuning entry another arch's or a hand edit made, which this GPU's backend cannot
+    build (a stripe kernel past shared memory, Hopper's kernel on an A100), is refused
+    naming the table and the shape at the lookup (it used to fail deep in the compile, or
+    divide by zero, with no word of the table)."""
+    monkeypatch.setattr(bn, "_arch", lambda device: arch)
+    monkeypatch.setattr(bn, "num_sms", lambda device: gpu[1])
+    monkeypatch.setattr(tune, "gpu_key", lambda device: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu[0])
+    cfg = dataclasses.replace(next(c for c in _configs() if not c.bulk), **edit)
+    assert tune.load(_file(tmp_path, [{"gpu": gpu[0], "sms": gpu[1], "n": 4096, "k": k,
+                                       "config": tune.config_fields(cfg)}])) == 1
+    with pytest.raises(ValueError, match=rf"^the GEMV tuning entry for 4096 x {k} weights on {re.escape(gpu[0])} "
+                                         rf"\(\$BITDECODE_GEMV_TUNING's file, or .*cannot run here: .*{message}"):
+        bn.gemv_config_for(torch.device("cuda", 0), 4096, k)
+
+
+@pytest.mark.parametrize("unroll", [0, -4, 17, True, 4.0])
+def test_an_entry_with_an_unroll_no_kernel_takes_is_refused_at_load(tmp_path, unroll):
+    fields = {**tune.config_fields(next(c for c in _configs() if not c.bulk)), "unroll": unroll}
+    with pytest.raises(ValueError, match=r"entries\[0\]: config .*(unroll must be an integer in \[1, 16\]"
+                                         r"|each field must have its GemvConfig type)"):
+        tune.load(_file(tmp_path, [{"gpu": H100[0], "sms": H100[1], "n": 4096, "k": 4096, "config": fields}]))
+
+
+def _stand_in_tuner(monkeypatch, during=None):
+    """``bitnet.tune_gemv`` stood in on a pretend GPU (no kernel runs): each shape's pick
+    is BULK_X; ``during()`` runs while it "times"; returns the calls it got."""
+    pick = next(c for c in _configs() if tune.describe(tune.config_fields(c)) == "pdl_bulk_x")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("COLUMNS", "300")
+    calls = []
+
+    def fake_tune(shapes, device, *, replays, progress):
+        calls.append(shapes)
+        if during:
+            during()
+        return [{"gpu": H100[0], "sms": H100[1], "n": n, "k": k, "config": tune.config_fields(pick), "us": 2.0,
+                 "default": tune.config_fields(pick), "default_us": 2.0, "times": []} for n, k in shapes]
+
+    monkeypatch.setattr(bn, "tune_gemv", fake_tune)
+    return calls
+
+
+def test_tune_command_refuses_before_timing(tmp_path, monkeypatch, capsys):
+    """What would make the run's picks unusable is refused before any timing, each by its
+    own name: an --out that cannot be written (it was a traceback after the timing, the
+    picks lost), a broken $BITDECODE_GEMV_TUNING (it was blamed on --device, after the
+    timing), a tuning file that is not text."""
+    from pathlib import Path
+
+    calls = _stand_in_tuner(monkeypatch)
+    if Path("/proc/self").is_dir():
+        assert main(["tune", "--shapes", "4096x4096", "--out", "/proc/bitdecode_tuning.json"]) == 2
+        assert "--out /proc/bitdecode_tuning.json: cannot write it" in " ".join(capsys.readouterr().err.split())
+    env = tmp_path / "env.json"
+    env.write_text("{")
+    monkeypatch.setenv(tune.ENV_GEMV_TUNING, str(env))
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(tmp_path / "t.json")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error: $BITDECODE_GEMV_TUNING: the GEMV tuning file" in err and "--device" not in err
+    monkeypatch.delenv(tune.ENV_GEMV_TUNING)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b"\xff\xfe{}")
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(latin)]) == 2
+    assert f"{latin} is not JSON" in " ".join(capsys.readouterr().err.split())
+    assert calls == [] and not (tmp_path / "t.json").exists()
+
+
+def test_tune_command_keeps_what_another_run_wrote_meanwhile(tmp_path, monkeypatch, capsys):
+    """Two runs on one --out: the file is read again just before it is written (whole, by
+    a rename: a reader never sees half of it), so the other run's picks stay."""
+    out = tmp_path / "t.json"
+    other = {"gpu": H200[0], "sms": 132, "n": 2560, "k": 2560,
+             "config": tune.config_fields(next(c for c in _configs() if not c.bulk))}
+    _stand_in_tuner(monkeypatch, during=lambda: _file(tmp_path, [other], name="t.json"))
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())["entries"]
+    assert sorted((e["gpu"], e["n"]) for e in saved) == [(H100[0], 4096), (H200[0], 2560)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]

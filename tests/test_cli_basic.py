@@ -47,6 +47,7 @@ def test_info():
 
 def test_info_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path / "jit"))
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)  # (switched off, the row says only that)
     out = bitdecode("info", timeout=120)
     assert str(tmp_path / "jit") in out and "$BITDECODE_CACHE_DIR" in out
 
@@ -88,6 +89,13 @@ def test_demo_one_width_options(capsys, monkeypatch):
     assert "batch 2" in out and "bf16" in out
 
 
+def test_demo_bit_width_given_twice_is_one_row(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["demo", "--device", "cpu", "--seqlen", "200", "--bits", "4", "4"]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.strip("│ ").startswith("4-bit") for line in out.splitlines()) == 1, out
+
+
 @pytest.mark.parametrize("args", [["--seqlen", "0"], ["--bits", "3"], ["--group-size", "48"], ["--device", "tpu"]])
 def test_demo_rejects_bad_options(args, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -113,6 +121,16 @@ def test_demo_sizes_that_do_not_fit(capsys, monkeypatch):
     assert main(["demo", "--device", "cpu", "--seqlen", "600000", "--batch", "64"]) == 2
     err = capsys.readouterr().err
     assert "--seqlen 600000 --batch 64: the 16-bit K / V and the caches do not fit in cpu's memory" in err
+    # sizes past what a tensor's byte count can hold; a long message is cut between words
+    # (it was cut at 120 characters, inside the byte count it reports)
+    for message, shown in (("Storage size calculation overflowed with sizes=[1, 2000000000000000000, 8, 128]",
+                            "Storage size calculation overflowed"),
+                           ("CUDA out of memory. " + "x" * 70 + " Tried to allocate 409600000000000 bytes (GPU 0; "
+                            "79.19 GiB total capacity; 1.2 GiB already allocated; 77 GiB free)", " ...")):
+        monkeypatch.setattr(cli_demo, "measure", lambda *a, m=message: (_ for _ in ()).throw(RuntimeError(m)))
+        assert main(["demo", "--device", "cpu", "--seqlen", "600000"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert shown in err and ("409600000000000" in err or "40960" not in err), err
     monkeypatch.setattr(cli_demo, "measure", lambda *a: (_ for _ in ()).throw(RuntimeError("a kernel bug")))
     with pytest.raises(RuntimeError, match="a kernel bug"):  # other failures are not called memory
         main(["demo", "--device", "cpu", "--seqlen", "256"])

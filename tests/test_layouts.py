@@ -942,3 +942,42 @@ def test_half_heads_tile_view_covers_the_real_heads_once():
                         sm90.c_slot_head(0, v0, c, False))
                 assert values[v0 + 2 * v1] == full
     assert sorted(seen) == [(r, h) for r in range(sm90.WGMMA_M) for h in range(sm90.HALF_HEADS_TILE)]
+
+
+def test_cli_layout_svg_is_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    """A failed SVG write (the picture's output closed, a full disk) leaves the file that
+    was there as it was (it used to be emptied when opened, before the picture), and a
+    full disk is a one-line refusal, not a traceback; a new file gets the usual mode."""
+    import os
+    import stat
+
+    from bitdecode import cli_layout
+
+    good = tmp_path / "good.svg"
+    assert cli.main(["layout", "packed", "--arch", "sm80", "--svg", str(good)]) == 0
+    before = good.read_text()
+    assert stat.S_IMODE(good.stat().st_mode) == 0o666 & ~_umask()
+
+    def closed(fig, console):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli_layout, "render_rich", closed)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["layout", "mma", "--arch", "sm80", "--svg", str(good)])
+    assert good.read_text() == before
+    monkeypatch.undo()
+    capsys.readouterr()
+    if os.path.exists("/dev/full"):
+        assert cli.main(["layout", "packed", "--arch", "sm80", "--svg", "/dev/full"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "cannot write it" in err and "\n" not in err and os.path.exists("/dev/full")
+        assert not stat.S_ISREG(os.stat("/dev/full").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.svg"]  # (no temporary left behind)
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

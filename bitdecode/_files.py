@@ -1,0 +1,51 @@
+"""Files the library and its commands write: whole or not at all, and refused before the
+work that fills them where they cannot be written."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Union
+
+
+def cannot_write(path: Union[str, Path]) -> str:
+    """Why ``path`` cannot take a file (its folder refuses a new file, or a device or pipe
+    there refuses writes), or ""."""
+    path = os.fspath(path)
+    try:
+        if os.path.exists(path) and not os.path.isfile(path):  # a device or pipe: written in place
+            with open(path, "a", encoding="utf-8"):
+                return ""
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.realpath(path))):
+            return ""
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def write_whole(path: Union[str, Path], text: str) -> None:
+    """``text`` into ``path`` whole or not at all: a regular file is written beside it and
+    renamed over it (a failed write, a full disk, leaves the old file as it was; a reader
+    never sees half of it), keeping the old file's mode or giving a new one the umask's;
+    a device or pipe is written in place."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(text)
+        return
+    target = os.path.realpath(path)
+    if os.path.exists(target):
+        mode = os.stat(target).st_mode & 0o7777
+    else:  # (mkstemp's file is the owner's alone; a new file gets what open() would give)
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
