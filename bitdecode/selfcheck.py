@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._files import write_whole
 from .formats import KVFormat
 
 ENV_SWITCH = "BITDECODE_SELFCHECK"
@@ -109,7 +110,7 @@ def _write_verdict(key: Tuple, verdict: Tuple[bool, str]) -> None:
     try:
         path = _verdict_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": repr(key), "ok": verdict[0], "detail": verdict[1]}))
+        write_whole(path, json.dumps({"key": repr(key), "ok": verdict[0], "detail": verdict[1]}))
     except (OSError, RuntimeError):  # a read-only cache directory, no home: the verdict lives for this process only
         pass
 
