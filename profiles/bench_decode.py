@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -74,9 +75,13 @@ class Timer:
         elif how == "dirty":
             self._buffer("dirty").zero_()
 
-    def once(self, fn: Callable, how: Optional[str] = None) -> float:
-        """One call of ``fn`` after a flush (``flush_l2``'s ``how``), microseconds."""
+    def once(self, fn: Callable, how: Optional[str] = None, host: bool = False) -> float:
+        """One call of ``fn`` after a flush (``flush_l2``'s ``how``), microseconds; with
+        ``host`` the GPU is idle when the call starts, so its host work (Python, launches)
+        is in the number (else it runs while the GPU flushes: the GPU's time only)."""
         self.flush_l2(how)
+        if host:
+            torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -84,14 +89,15 @@ class Timer:
         end.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    def __call__(self, fn: Callable, iters: int = 30, warmup: int = 5, flush: bool = True) -> float:
+    def __call__(self, fn: Callable, iters: int = 30, warmup: int = 5, flush: bool = True,
+                 host: bool = False) -> float:
         for _ in range(warmup):
             fn()
-        return statistics.median(self.once(fn, None if flush else "none") for _ in range(iters))
+        return statistics.median(self.once(fn, None if flush else "none", host) for _ in range(iters))
 
 
 def measure_roofline(timer: Timer, device) -> Dict[str, float]:
-    """Best measured streaming bandwidth (bytes/s): a 4 GiB read (sum) and copy."""
+    """Streaming bandwidth (bytes/s): a 4 GiB read (sum; the roofline's floor) and copy (recorded)."""
     n = 1 << 31
     x = torch.ones(n, dtype=torch.float16, device=device)
     y = torch.empty_like(x)
@@ -101,7 +107,8 @@ def measure_roofline(timer: Timer, device) -> Dict[str, float]:
     read_bw = x.numel() * 2 / (t_read * 1e-6)
     x = y = None  # (free them; rebinding, not del: the lambdas above name them)
     torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "best_bytes_per_s": max(copy_bw, read_bw)}
+    # (the copy's bytes are its reads and its writes: not a read rate, so never the roofline)
+    return {"copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "best_bytes_per_s": read_bw}
 
 
 def sdpa_backend(q, k, v) -> str:
@@ -118,13 +125,20 @@ def sdpa_backend(q, k, v) -> str:
     return "math"
 
 
-def cache_bytes(fmt: bd.KVFormat, lengths: List[int], hkv: int, d: int) -> int:
-    """Bytes one decode reads: packed K/V + params of full blocks, the 16-bit residual."""
-    nr = fmt.residual_block
+def cache_bytes(cache: bd.KVCache) -> int:
+    """Bytes one decode over ``cache`` reads, from its own tensors: each sequence's packed
+    tokens (codes and params at what a token takes in the pages, padding included), its
+    16-bit residual tokens and its 16-bit sink tokens.  Q and the output are not counted
+    (at B = 1, Hq 32, D 128 they are 16 KB: 1.5 % / 2.7 % of a 4-bit / 2-bit N = 1K read)."""
+    pages = (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)
+    per_token = sum(t.numel() * t.element_size() for t in pages) / (cache.k_pack.shape[0] * cache.page_size)
+    row16 = 2 * cache.num_kv_heads * cache.head_dim * cache.k_res.element_size()  # a 16-bit token, K and V
+    nr, sinks = cache.fmt.residual_block, cache.fmt.sink_tokens
     total = 0
-    for n in lengths:
-        packed = n // nr * nr
-        total += hkv * (packed * fmt.bytes_per_token(d) + (n - packed) * d * 2 * 2)
+    for n in cache.lengths:
+        rest = max(0, n - sinks)
+        packed = rest // nr * nr
+        total += packed * per_token + (rest - packed + min(n, sinks)) * row16
     return int(total)
 
 
@@ -151,19 +165,56 @@ def sdpa_baseline(q: torch.Tensor, hkv: int, n: int, gen) -> Callable[[], torch.
     return lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True)
 
 
+# torch's fused SDPA backends, each timed where it takes the case (the math backend builds
+# the scores in memory: never the fastest at these lengths)
+SDPA_BACKENDS = ("cudnn", "flash", "efficient")
+
+
+def fastest_sdpa(timer, sdpa: Callable[[], torch.Tensor]) -> Tuple[float, str, Dict[str, float], Callable]:
+    """The 16-bit baseline at its best: ``sdpa`` (``sdpa_baseline``'s) under each of torch's
+    fused backends that takes the case, graph-replayed; (the fastest's time, its name, every
+    backend's time, the fastest pinned as a callable)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pinned = {}
+    for name in SDPA_BACKENDS:
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+        def call(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa()
+
+        pinned[name] = call
+    times = {}
+    for name, call in pinned.items():
+        try:
+            with warnings.catch_warnings():  # (torch warns why a backend declines, then raises)
+                warnings.simplefilter("ignore")
+                times[name] = _graph_time(timer, call)
+        except RuntimeError as exc:  # declined before any capture (GQA, the shape, this GPU)
+            if "No available kernel" not in str(exc):
+                raise
+    if not times:
+        raise RuntimeError("no fused SDPA backend of this torch takes the 16-bit baseline's shapes")
+    best = min(times, key=times.get)
+    return times[best], best, times, pinned[best]
+
+
 def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -> List[dict]:
     b, hq, hkv, d = shape
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for n in seqlens:
-        if b * n > MAX_TOKENS:
+        if b * n > MAX_TOKENS:  # (listed in the result's "skipped", with the reason)
             continue
         q = torch.randn(b, 1, hq, d, device=device, dtype=torch.float16, generator=gen)
         sdpa = sdpa_baseline(q, hkv, n, gen)
-        t_sdpa = _graph_time(timer, sdpa)
+        t_sdpa, sdpa_name, sdpa_times, sdpa = fastest_sdpa(timer, sdpa)
         sdpa_bytes = 2 * b * hkv * n * d * 2
-        row = {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "sdpa_us": t_sdpa,
-               "sdpa_eager_us": timer(sdpa), "sdpa_bw": sdpa_bytes / (t_sdpa * 1e-6)}
+        row = {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "N": n, "sdpa_us": t_sdpa, "sdpa_backend": sdpa_name,
+               **{f"sdpa_{name}_us": us for name, us in sdpa_times.items()},
+               "sdpa_eager_us": timer(sdpa, host=True), "sdpa_bw": sdpa_bytes / (t_sdpa * 1e-6)}
         del sdpa  # (its 16-bit K / V)
         for bits in keys:
             fmt = FORMATS[bits]
@@ -175,11 +226,11 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
             first_prefill_s = time.perf_counter() - t0  # includes compiling (or loading) the kernels
             timed = n >= 8192
             t_pre = timer(lambda: cache.prefill(k, v), iters=5, warmup=1, flush=True) if timed else float("nan")
-            pre_bytes = 2 * b * n * hkv * d * 2 + cache_bytes(fmt, [n] * b, hkv, d)
+            pre_bytes = 2 * b * n * hkv * d * 2 + cache_bytes(cache)  # (the 16-bit K / V read, the cache written)
             k = v = None
             t = _graph_time(timer, lambda: bd.decode(q, cache))
-            row[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache))
-            nbytes = cache_bytes(fmt, cache.lengths, hkv, d)
+            row[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache), host=True)
+            nbytes = cache_bytes(cache)
             row[f"bd{bits}_us"] = t
             row[f"bd{bits}_bw"] = nbytes / (t * 1e-6)
             row[f"bd{bits}_speedup"] = t_sdpa / t
@@ -205,12 +256,12 @@ def bench_graph_small(timer, device) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(b, 1, hq, d, device=device, dtype=torch.float16, generator=gen)
     sdpa = sdpa_baseline(q, hkv, n, gen)
-    out = {"sdpa_eager_us": timer(sdpa), "sdpa_graph_us": _graph_time(timer, sdpa)}
+    out = {"sdpa_eager_us": timer(sdpa, host=True), "sdpa_graph_us": _graph_time(timer, sdpa)}
     for bits in (4, 2):
         fmt = bd.KVFormat(bits=bits)
         cache, k, v = build(fmt, b, hkv, d, n, device, gen)
         cache.prefill(k, v)
-        out[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache))
+        out[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache), host=True)
         out[f"bd{bits}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache))
         for name in kernel_backends(device):
             if name != cache.backend:  # auto's backend is the column above
@@ -219,7 +270,7 @@ def bench_graph_small(timer, device) -> dict:
         k1 = torch.randn(b, 1, hkv, d, device=device, dtype=torch.float16, generator=gen)
         cache2 = bd.KVCache.allocate(b, hkv, d, n + 10 ** 6, fmt, device=device)
         cache2.prefill(k, v)
-        out[f"bd{bits}_append_us"] = timer(lambda: cache2.append(k1, k1), iters=40)  # median: no block fills
+        out[f"bd{bits}_append_us"] = timer(lambda: cache2.append(k1, k1), iters=40, host=True)  # median: no block fills
     return out
 
 
@@ -278,17 +329,25 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
     best = roofline["best_bytes_per_s"]
     seqlens = [4096, 32768, 131072] if quick else [2 ** i for i in range(10, 19)]
     shapes = SHAPES[:1] + SHAPES[2:3] if quick else SHAPES
+    skipped = [{"B": b, "N": n, "why": f"B * N = {b * n} > MAX_TOKENS = {MAX_TOKENS} (the 16-bit baseline's "
+                "K / V would not fit beside the caches)"}
+               for b, _, _, _ in shapes for n in seqlens if b * n > MAX_TOKENS]
     task = None
     if progress is not None:
-        task = progress.add_task("decode sweep", total=len(shapes) * len(seqlens))
+        task = progress.add_task("decode sweep", total=len(shapes) * len(seqlens) - len(skipped))
     rows = []
     keys = ("4", "2", "4v2", "nvfp4") if quick else ("4", "2")
     for shape in shapes:
         rows += bench_shape(timer, shape, seqlens, keys, device, progress, task)
-    # the roofline is the best read bandwidth seen in this run: a torch copy / sum, or SDPA
-    # itself (cuDNN streams the 16-bit cache faster than torch's reductions)
-    best = max([best] + [r["sdpa_bw"] for r in rows])
-    roofline["best_bytes_per_s"] = best
+    # the roofline is the best read bandwidth seen in this run: a torch sum (a read; the copy
+    # moves twice its bytes, read and write, and is recorded beside), or SDPA itself (cuDNN
+    # streams the 16-bit cache faster than torch's reductions); which one is recorded
+    best_row = max(rows, key=lambda r: r["sdpa_bw"])
+    source = "torch sum of a 4 GiB buffer (measure_roofline)"
+    if best_row["sdpa_bw"] > best:
+        best = best_row["sdpa_bw"]
+        source = f"SDPA ({best_row['sdpa_backend']}) at B={best_row['B']} Hkv={best_row['Hkv']} N={best_row['N']}"
+    roofline["best_bytes_per_s"], roofline["best_source"] = best, source
     for r in rows:
         for bits in keys:
             r[f"bd{bits}_roofline"] = r[f"bd{bits}_bw"] / best
@@ -310,11 +369,16 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
         "backends": kernel_backends(device),
         "roofline": roofline,
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
-               f"L2 flushed before each call ({timer.how}: Timer); *_eager_us: the same with plain eager calls"),
+               f"L2 flushed before each call ({timer.how}: Timer); *_eager_us: plain eager calls started on an idle "
+               "GPU after the flush (their host work included); sdpa_us: the fastest of torch's fused SDPA "
+               "backends that take the case (sdpa_backend, each one's sdpa_<name>_us); roofline: the bytes each "
+               "decode reads (cache_bytes: packed pages, 16-bit residual and sinks; Q and the output not "
+               "counted) over roofline.best_bytes_per_s (its source: roofline.best_source)"),
         "flush": timer.how,
         "format": ("K per channel g128, V per token g128, fp16; bd4 / bd2: one width, bd4v2: K 4-bit / V 2-bit; "
                    "bdnvfp4: NVFP4 (K per token, V per channel, one e4m3 scale per 16 values)"),
         "rows": rows,
+        "skipped": skipped,
         "small_graph": bench_graph_small(timer, device),
     }
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                     row[f"{tag}_us"] = min(row[f"{tag}_runs_us"])
                 finally:
                     sm90.tails = True
-            row["roofline_us"] = cache_bytes(fmt, cache.lengths, hkv, d) / roofline["best_bytes_per_s"] * 1e6
+            row["roofline_us"] = cache_bytes(cache) / roofline["best_bytes_per_s"] * 1e6
             row["sdpa_us"] = _graph_time(timer, sdpa_baseline(q, hkv, n, gen))
         print(json.dumps(row), flush=True)
         rows.append(row)

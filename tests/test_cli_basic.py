@@ -933,3 +933,26 @@ def test_selfcheck_refuses_a_device_it_does_not_have(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     line = _one_line_error(["selfcheck", "--backend", "sm80", "--device", "2"], capsys, monkeypatch)
     assert "--device 2: this machine has 2 CUDA device(s), 0..1" in line
+
+
+@pytest.mark.parametrize("fmt_kw, n", [(dict(bits=4), 4196), (dict(bits=2, group_size=32, sink_tokens=16), 4096),
+                                       (dict(bits=4, v_bits=2, k_mode="token", group_size=64), 1000)])
+def test_decode_bench_counts_the_bytes_the_cache_holds(fmt_kw, n):
+    """The decode benchmark's roofline bytes come from the cache's own tensors: packed
+    tokens at what they take in the pages, the residual and the sink tokens 16-bit (its
+    formula used to count the sinks as packed: 21 % low at 2-bit g32 with 16 sinks)."""
+    import torch
+
+    import bitdecode as bd
+
+    bench = _profile_script("bench_decode")
+    fmt = bd.KVFormat(**fmt_kw)
+    cache = bd.KVCache.allocate(2, 8, 128, n + 64, fmt, device="cpu", backend="reference")
+    k = torch.randn(2, n, 8, 128, dtype=torch.float16)
+    cache.prefill(k, k, [n, n - 37])
+    want = 0
+    for length in (n, n - 37):
+        rest = length - fmt.sink_tokens
+        packed = rest // fmt.residual_block * fmt.residual_block
+        want += 8 * (packed * fmt.bytes_per_token(128) + (rest - packed + fmt.sink_tokens) * 128 * 2 * 2)
+    assert bench.cache_bytes(cache) == want
