@@ -198,7 +198,7 @@ def run(args) -> dict:
                        f"median of {args.steps} after {args.warmup} warm-ups",
             "decode": "bench_e2e.run_config: caches filled with random K/V to N tokens, one token at position N; "
                       f"eager and CUDA-graph replay, median of {args.steps} steps",
-            "roofline": "(weight bytes read per step + KV bytes read) / device-to-device copy bandwidth",
+            "roofline": "(weight bytes read per step + KV bytes read) / the read bandwidth of bench_e2e.measure_bandwidth",
         },
         "prefill": prefills,
         "rows": rows,
