@@ -956,3 +956,20 @@ def test_decode_bench_counts_the_bytes_the_cache_holds(fmt_kw, n):
         packed = rest // fmt.residual_block * fmt.residual_block
         want += 8 * (packed * fmt.bytes_per_token(128) + (rest - packed + fmt.sink_tokens) * 128 * 2 * 2)
     assert bench.cache_bytes(cache) == want
+
+
+def test_bitnet_bench_judges_targets_on_whole_sets_only():
+    """The BitNet benchmark's targets are judged on the sets they name: a run without some
+    M (a quick run, or rows lost) reports ``pass`` None instead of passing on what is left,
+    and a wrong output passes nothing (it used to pass the GEMM's minimum with every M = 256
+    row removed)."""
+    bench = _profile_script("bench_bitnet")
+    gemv = [dict(n=n, k=k, roofline_frac=0.8, speedup=5.0, us=3.0) for n, k in bench.SHAPES]
+    gemm = [dict(m=m, n=n, k=k, default=True, speedup=2.0) for m in bench.GEMM_M for n, k in bench.SHAPES]
+    whole = bench.check_targets(gemv, gemm)
+    assert all(whole["pass"].values()) and "not_judged_because" not in whole
+    partial = bench.check_targets(gemv, [r for r in gemm if r["m"] != 256])
+    assert partial["pass"]["gemm_min_speedup"] is None and partial["pass"]["roofline_frac_largest3"] is True
+    assert "partial run" in partial["not_judged_because"]
+    wrong = bench.check_targets(gemv, gemm, ["gemm M=16 2560x2560 mma"])
+    assert not any(wrong["pass"].values()) and "gemm M=16 2560x2560 mma" in wrong["not_passed_because"]
