@@ -196,15 +196,14 @@ def run(args) -> int:
 def _unwritable_cache(jit) -> str:
     """Why compiled kernels cannot go to the disk cache (switched off, no folder, a folder
     not writable), or ""."""
+    from ._files import cannot_write
+
     if not jit.disk_cache_on():
         return f"${jit.ENV_DISABLE_DISK}={os.environ[jit.ENV_DISABLE_DISK]!r} switches it off"
-    import tempfile
-
     try:
         folder = jit.cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
     except (OSError, RuntimeError) as exc:
         return f"it cannot be written ({exc})"
-    return ""
+    why = cannot_write(folder / "kernel.o")
+    return f"it cannot be written ({why})" if why else ""
