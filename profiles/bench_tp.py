@@ -178,12 +178,13 @@ def fmt_for(kind: str, d: int):
 
 
 def cache_bytes_per_seq(kind: str, s: Shapes, capacity: int) -> int:
-    """This rank's bytes of one sequence's cache over all layers (exact: the allocation's shapes)."""
+    """This rank's bytes of one sequence's cache over all layers (exact: the allocation's shapes, on the
+    CPU: a cache is never allocated on the meta device)."""
     import bitdecode as bd
 
     if kind.startswith("sdpa16"):
         return s.layers * 2 * s.hkv * capacity * s.d * 2
-    kv = bd.KVCache.allocate(1, s.hkv, s.d, capacity, fmt_for(kind, s.d), dtype=torch.bfloat16, device="meta",
+    kv = bd.KVCache.allocate(1, s.hkv, s.d, capacity, fmt_for(kind, s.d), dtype=torch.bfloat16, device="cpu",
                              backend="reference")
     return s.layers * kv.memory_bytes()
 

@@ -250,3 +250,21 @@ def test_ranks_nccl_kernels_match_one_process(tmp_path, _transformers):
 
 if __name__ == "__main__":
     _worker()
+
+
+def test_bench_tp_tiny_cpu(tmp_path):
+    """``profiles/bench_tp.py --tiny --device cpu`` (README's smoke run) over two gloo ranks:
+    every kind's rows recorded, the bitdecode ones sized by their caches (the sizing
+    allocated a cache on the meta device, which ``KVCache.allocate`` refuses, and the run
+    died at the first bitdecode row)."""
+    import json
+
+    script = Path(__file__).resolve().parent.parent / "profiles" / "bench_tp.py"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           "--tiny", "--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = json.loads((tmp_path / "tp2.json").read_text())["rows"]
+    assert {"sdpa16", "bd4", "bd2"} <= {r["kind"] for r in rows}
+    assert all(r["cache_gib_per_gpu"] > 0 and r["planned_max_batch"] >= 1 for r in rows if r["kind"] in ("bd4", "bd2"))
