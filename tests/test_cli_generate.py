@@ -146,6 +146,7 @@ def test_bench_e2e_tiny_cpu(tmp_path):
     assert rows[("b16_64k", "dynamic", "eager")]["status"].startswith("skipped: needs")
     ok = [r for r in res["rows"] if r["status"] == "ok"]
     assert all(r["tokens_per_s"] > 0 and r["roofline_ms"] > 0 and r["kv_bytes"] > 0 for r in ok)
+    assert all(r["step_ms_min"] <= r["step_ms_mean"] <= r["step_ms_max"] for r in ok)
     bd4 = rows[("b1_128k", "bd4", "eager")]
     assert bd4["kv_bytes"] < rows[("b1_128k", "static", "eager")]["kv_bytes"]
     targets = res["targets"]
