@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         import textwrap
 
         print_error(f"--seqlen {n} --batch {args.batch}: the 16-bit K / V and the caches do not fit in "
-                    f"{device}'s memory ({textwrap.shorten(str(exc), 160, placeholder=' ...')}); try smaller sizes")
+                    f"{device}'s memory ({textwrap.shorten(str(exc), 160)}); try smaller sizes")
         return 2
     # auto may pick a different backend per bit width (Backend.auto_picks)
     backend = used[0] if len(set(used)) == 1 else ", ".join(f"{b}-bit {u}" for b, u in zip(args.bits, used))

@@ -126,7 +126,7 @@ def test_demo_sizes_that_do_not_fit(capsys, monkeypatch):
     for message, shown in (("Storage size calculation overflowed with sizes=[1, 2000000000000000000, 8, 128]",
                             "Storage size calculation overflowed"),
                            ("CUDA out of memory. " + "x" * 70 + " Tried to allocate 409600000000000 bytes (GPU 0; "
-                            "79.19 GiB total capacity; 1.2 GiB already allocated; 77 GiB free)", " ...")):
+                            "79.19 GiB total capacity; 1.2 GiB already allocated; 77 GiB free)", " [...]")):
         monkeypatch.setattr(cli_demo, "measure", lambda *a, m=message: (_ for _ in ()).throw(RuntimeError(m)))
         assert main(["demo", "--device", "cpu", "--seqlen", "600000"]) == 2
         err = " ".join(capsys.readouterr().err.split())
