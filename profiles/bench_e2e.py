@@ -81,6 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import bitdecode as bd  # noqa: E402
 from bitdecode import cli_generate, hf  # noqa: E402
 from bitdecode.formats import model_head_dim  # noqa: E402
+from profiles.bench_decode import cache_bytes as decode_read_bytes  # noqa: E402
 
 GiB = 1 << 30
 # (role, B, N): the roles name the points the targets refer to
@@ -209,13 +210,6 @@ def bd_storage_bytes(fmt: bd.KVFormat, b: int, hkv: int, d: int, max_seqlen: int
     words = sum(int(torch.Size(s).numel()) for s in (fmt.k_pack_shape(*args), fmt.k_params_shape(*args),
                                                       fmt.v_pack_shape(*args), fmt.v_params_shape(*args)))
     return 4 * words + 2 * b * nr * hkv * d * torch.tensor([], dtype=dtype).element_size() + 4 * 2 * b
-
-
-def bd_read_bytes(fmt: bd.KVFormat, b: int, hkv: int, d: int, n: int) -> int:
-    """Bytes one decode reads per layer: packed K/V + params of the full blocks, the
-    16-bit residual tail (as in profiles/bench_decode.py)."""
-    packed = n // fmt.residual_block * fmt.residual_block
-    return int(b * hkv * (packed * fmt.bytes_per_token(d) + (n - packed) * d * 2 * 2))
 
 
 def needed_bytes(cfg: dict, s: dict, b: int, n: int, cap: int, esize: int, packs_gqa: bool) -> int:
@@ -401,7 +395,7 @@ def run_config(cfg: dict, model, ctx: dict, data: dict, args, device, backend: s
     fill_s = time.perf_counter() - t0
     kv_bytes = cache_bytes(cache)
     if cfg["name"].startswith("bd"):
-        kv_read = s["layers"] * bd_read_bytes(bd_fmt(cfg["bits"], s["d"]), b, s["hkv"], s["d"], n)
+        kv_read = sum(decode_read_bytes(layer.kv) for layer in cache.layers)  # (each layer's own tensors)
     elif cfg["name"].startswith("quanto"):
         kv_read = kv_bytes
     else:
