@@ -165,9 +165,8 @@ class KernelCache:
             return None
 
     def _store(self, key, fn) -> bool:
-        """Exports ``fn`` to the disk cache; whether it is there now."""
-        if not disk_cache_on():
-            return False
+        """Exports ``fn`` to the disk cache (``get`` calls it with the disk on); whether it is
+        there now."""
         try:
             path = self._path(key)
             path.parent.mkdir(parents=True, exist_ok=True)

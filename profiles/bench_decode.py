@@ -176,22 +176,19 @@ def fastest_sdpa(timer, sdpa: Callable[[], torch.Tensor]) -> Tuple[float, str, D
     backend's time, the fastest pinned as a callable)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    pinned = {}
+    kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    times, pinned = {}, {}
     for name in SDPA_BACKENDS:
-        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
-
-        def call(backend=backend):
+        def call(backend=kinds[name]):
             with sdpa_kernel(backend):
                 return sdpa()
 
-        pinned[name] = call
-    times = {}
-    for name, call in pinned.items():
         try:
             with warnings.catch_warnings():  # (torch warns why a backend declines, then raises)
                 warnings.simplefilter("ignore")
                 times[name] = _graph_time(timer, call)
+            pinned[name] = call
         except RuntimeError as exc:  # declined before any capture (GQA, the shape, this GPU)
             if "No available kernel" not in str(exc):
                 raise
