@@ -163,6 +163,8 @@ def int_list(name: str, values) -> list:
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
             raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got a "
                             f"{values.dim()}-D {values.dtype} tensor")
+        if values.is_meta:
+            raise ValueError(f"{name} is a meta tensor, which holds no values")
         return [int(x) for x in values.tolist()]
     if type(values).__name__ == "ndarray" and getattr(values, "ndim", 0) == 1:  # numpy, not imported here
         values = values.tolist()

@@ -317,10 +317,13 @@ class KVCache:
             _validate.prompt_lengths("seqlens", lens, n)
         lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
         # the pages the prompt will be packed into (a block table edited by the caller):
-        # checked (one device sync) unless unchanged since verified for lengths >= these
-        # (an inference-mode table has no version counter: checked every time)
+        # checked always on the CPU (no sync to save); on a GPU (one device sync) unless
+        # unchanged since verified for lengths >= these by torch's version counter, which
+        # writes past torch (``.data``, DLPack, a kernel of one's own) do not advance (an
+        # inference-mode table has no version counter: checked every time)
         ok, version = self._table_verified, _validate.version_counter(self.block_table)
-        if ok is None or ok[0] != version or any(n > m for n, m in zip(lens, ok[1])):
+        if (not self._on_cuda or ok is None or ok[0] != version
+                or any(n > m for n, m in zip(lens, ok[1]))):
             attention.check_block_table(self._tensors, lens_t)
             self._table_verified = None if version is None else (version, tuple(lens))
         # (detached: a write of tensors that require grad would tie the cache to their graph)

@@ -144,9 +144,22 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
         backends.get(backend).append(c, k, v)
 
 
+def _write_fake_checks(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                       overflow, commits, k_sink, v_sink) -> None:
+    """The device and shape checks of a write op, in its fake: a meta tensor among real ones
+    dispatches to the fake, not the op, which must refuse it as the op would (under a trace
+    every fake tensor shares one device, so these pass)."""
+    _validate.same_device(k_res=k_res, k=k, v=v, k_pack=k_pack, k_params=k_params, v_pack=v_pack,
+                          v_params=v_params, v_res=v_res, cache_seqlens=cache_seqlens, block_table=block_table,
+                          overflow=overflow, commits=commits, k_sink=k_sink, v_sink=v_sink)
+    _validate.new_tokens(k, v, k_res)
+
+
 @append.register_fake
-def _append_fake(*args) -> None:
-    return None
+def _append_fake(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
+                 commits, k_sink, v_sink, *format_and_capacity) -> None:
+    _write_fake_checks(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                       overflow, commits, k_sink, v_sink)
 
 
 @torch.library.custom_op("bitdecode::prefill", mutates_args=_WRITES)
@@ -181,8 +194,11 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
 
 
 @prefill.register_fake
-def _prefill_fake(*args) -> None:
-    return None
+def _prefill_fake(k, v, seqlens, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                  overflow, commits, k_sink, v_sink, *format_and_capacity) -> None:
+    _write_fake_checks(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                       overflow, commits, k_sink, v_sink)
+    _validate.tensor("seqlens", seqlens, dtypes=[torch.int32], shape=(k.shape[0],), device=k_res.device)
 
 
 def _write_args(cache):

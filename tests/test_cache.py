@@ -235,16 +235,23 @@ def test_prefill_rejects_a_block_table_that_shares_or_leaves_the_pages(gen):
     assert cache.lengths == [512, 100]
 
 
+def _as_if_on_a_gpu(cache):
+    """A CPU cache whose prefill takes the GPU's rule for the table check (the only use of
+    the flag on prefill's path)."""
+    cache._on_cuda = True
+    return cache
+
+
 def test_prefill_checks_the_block_table_only_after_an_edit(gen, monkeypatch):
-    """The table check costs a device sync per prefill (a model's prefill runs one per
-    layer), so it runs only when the table may be wrong: after an in-place edit (its
+    """On a GPU the table check costs a device sync per prefill (a model's prefill runs one
+    per layer), so it runs only when the table may be wrong: after an in-place edit (its
     version counter moved), or for lengths past those it was verified for."""
     from bitdecode import attention
 
     calls = []
     real = attention.check_block_table
     monkeypatch.setattr(attention, "check_block_table", lambda c, lens: calls.append(lens.tolist()) or real(c, lens))
-    cache = allocate(4, batch=2, max_seqlen=512, page_size=256)
+    cache = _as_if_on_a_gpu(allocate(4, batch=2, max_seqlen=512, page_size=256))
     k = torch.randn(2, 512, HKV, D, generator=gen).half()
     cache.prefill(k, k)
     assert calls == []  # allocate's own table: distinct pages for every length
@@ -260,10 +267,30 @@ def test_prefill_checks_the_block_table_only_after_an_edit(gen, monkeypatch):
         cache.prefill(k, k, seqlens=[512, 512])  # past them: checked, and page 7 refused
     assert len(calls) == 3
     with torch.inference_mode():  # an inference-mode table has no version counter: always checked
-        cache = allocate(4, batch=2, max_seqlen=512, page_size=256)
+        cache = _as_if_on_a_gpu(allocate(4, batch=2, max_seqlen=512, page_size=256))
         cache.prefill(k, k)
         cache.prefill(k, k)
     assert len(calls) == 5
+
+
+def test_a_cpu_prefill_checks_a_table_edited_past_torch(gen):
+    """A write through ``.data`` (or numpy, DLPack) leaves the version counter where it was;
+    on the CPU, where the check costs no sync, prefill checks the table every time, so such
+    an edit cannot pack one sequence over another's pages."""
+    cache = allocate(4, batch=2, max_seqlen=512, page_size=128)
+    k = torch.randn(2, 300, HKV, D, generator=gen).half()
+    cache.prefill(k, k)
+    snap = [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)]
+    version = cache.block_table._version
+    cache.block_table.data[1, 0] = 0  # sequence 1's first page is sequence 0's
+    assert cache.block_table._version == version
+    with pytest.raises(ValueError, match=r"page 0 is used more than once \(sequences \[0, 1\]\)"):
+        cache.prefill(k, k)
+    cache.block_table.numpy()[1, 0] = 9  # past the pages
+    with pytest.raises(ValueError, match=r"block_table entries in use must lie in \[0, 8\)"):
+        cache.prefill(k, k)
+    assert all(torch.equal(a, b) for a, b in zip(snap, (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params)))
+    assert cache.lengths == [300, 300]
 
 
 # --------------------------------------------------------------------------------------

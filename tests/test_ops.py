@@ -312,6 +312,28 @@ def test_decode_op_fake_checks_what_the_op_checks(gen):
         torch.ops.bitdecode.decode(*_decode_args(cache, q.to("meta")[:, :, :, :32]))
 
 
+def test_write_op_fakes_check_what_the_ops_check(gen):
+    """A meta k, v or seqlens among the cache's CPU tensors sends a write to its fake, which
+    used to return as if written: it refuses them as the op would, naming the tensor, and the
+    cache is unchanged."""
+    cache = _cache(gen, [140, 7])
+    snap = [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.seqlens)]
+    k = torch.randn(2, 1, cache.num_kv_heads, 64, generator=gen).half()
+    with pytest.raises(ValueError, match="k is on meta but k_res is on cpu"):
+        ops.append_cache(k.to("meta"), k.to("meta"), cache)
+    with pytest.raises(ValueError, match="v is on meta"):
+        ops.append_cache(k, k.to("meta"), cache)
+    lens = torch.tensor([1, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seqlens must be on cpu, got meta"):
+        ops.prefill_cache(k, k, lens.to("meta"), cache)
+    with pytest.raises(ValueError, match="k is on meta"):
+        ops.prefill_cache(k.to("meta"), k.to("meta"), lens, cache)
+    after = (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.seqlens)
+    assert all(torch.equal(a, b) for a, b in zip(snap, after))
+    with pytest.raises(ValueError, match="seqlens is a meta tensor"):  # the cache's own call names it too
+        cache.prefill(k, k, seqlens=lens.to("meta"))
+
+
 def test_decode_op_with_auto_checks_the_lengths_where_the_reference_runs(gen):
     """``backend="auto"`` on CPU runs the reference, which reads the lengths on the host: so
     it checks them as ``backend="reference"`` does (a length past the pages was read short)."""
