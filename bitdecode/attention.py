@@ -132,6 +132,10 @@ def check_block_table(cache: CacheTensors, lens: torch.Tensor) -> None:
     if cache.block_table.numel():
         packed = (lens.long() - cache.fmt.sink_tokens).clamp(min=0)  # sink tokens hold no page
         used = (packed // nr * nr + cache.page_size - 1) // cache.page_size
+        need = int(used.max()) if used.numel() else 0
+        if need > cache.block_table.shape[1]:  # (a table resized in place, or handed in short)
+            raise ValueError(f"block_table has {cache.block_table.shape[1]} pages a sequence, but these lengths "
+                             f"need {need} pages of {cache.page_size} tokens")
         cols = torch.arange(cache.block_table.shape[1], device=lens.device)
         mask = cols[None, :] < used[:, None]
         vals = cache.block_table[mask]
@@ -296,13 +300,17 @@ def decode_attention(
     int32 pages (``fmt.*_shape``); ``k_res``/``v_res``: ``[B, Nr, Hkv, D]`` 16-bit residual;
     ``cache_seqlens``: int32 ``[B]`` total tokens per sequence; ``block_table``: int32
     ``[B, max_pages]`` or None for one page per sequence.  ``check_values`` verifies the
-    lengths and block-table range (one device sync; skipped under CUDA graph capture).
+    lengths and block-table range (one device sync; skipped under CUDA graph capture); the
+    reference backend, which reads them on the host anyway, verifies them either way.
     Returns ``out`` ``[B, 1, Hq, D]`` (and ``lse`` ``[B, 1, Hq]`` fp32, natural log).
     """
     _validate.flag("return_lse", return_lse)
     _validate.flag("check_values", check_values)
     cache = check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
                         block_table, check_values=check_values)
+    if not check_values and dispatch.resolve(backend, cache.device, fmt=fmt, head_dim=cache.head_dim,
+                                             dtype=cache.dtype) == "reference":
+        check_cache_values(cache)  # (as the torch op does: a bad length would be read short, not refused)
     return decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                           return_lse=return_lse)
 

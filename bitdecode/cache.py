@@ -127,6 +127,9 @@ class KVCache:
             page, per_seq = packed_cap, 1
         else:
             page_size = _validate.positive_int("page_size", page_size)
+            if page_size > MAX_SEQLEN:
+                raise ValueError(f"page_size must be at most {MAX_SEQLEN} tokens (lengths are int32 on the "
+                                 f"device), got {page_size}")
             if page_size % nr:
                 raise ValueError(
                     f"page_size must be a multiple of the residual block ({nr} tokens for "

@@ -273,6 +273,23 @@ def test_prefill_checks_the_block_table_only_after_an_edit(gen, monkeypatch):
     assert len(calls) == 5
 
 
+def test_a_block_table_narrower_than_the_lengths_is_refused_by_name(gen):
+    """A table resized in place to fewer pages than the lengths need is refused naming
+    block_table before the write, not with an index error inside it."""
+    cache = allocate(4, batch=2, max_seqlen=512, page_size=128)
+    k = torch.randn(2, 300, HKV, D, generator=gen).half()
+    cache.prefill(k, k)
+    snap = [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res)]
+    cache.block_table.resize_(2, 2)
+    with pytest.raises(ValueError, match="block_table has 2 pages a sequence, but these lengths need 3 pages"):
+        cache.append(k[:, :100], k[:, :100])
+    with pytest.raises(ValueError, match="block_table has 2 pages a sequence, but these lengths need 4 pages"):
+        cache.prefill(torch.cat([k, k[:, :212]], 1), torch.cat([k, k[:, :212]], 1))
+    assert all(torch.equal(a, b) for a, b in zip(snap, (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params,
+                                                         cache.k_res)))
+    assert cache.lengths == [300, 300]
+
+
 def test_a_cpu_prefill_checks_a_table_edited_past_torch(gen):
     """A write through ``.data`` (or numpy, DLPack) leaves the version counter where it was;
     on the CPU, where the check costs no sync, prefill checks the table every time, so such

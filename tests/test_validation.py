@@ -69,6 +69,7 @@ FMT = bd.KVFormat(bits=4, group_size=32)
         (dict(dtype=torch.float32), TypeError, "dtype must be torch.float16 or torch.bfloat16, got torch.float32"),
         (dict(page_size=96), ValueError, r"page_size must be a multiple of the residual block \(128 tokens for 4-bit\), got 96"),
         (dict(page_size=0), ValueError, "page_size must be positive, got 0"),
+        (dict(page_size=2**40), ValueError, r"page_size must be at most 2147418112 tokens .*got 1099511627776"),
         (dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'reference', 'sm80', 'sm90', 'sm100'\), got 'cuda'"),
         (dict(backend="sm80"), ValueError, "backend 'sm80' runs CUDA kernels, but the tensors are on cpu"),
         (dict(backend="sm90"), ValueError, "backend 'sm90' runs CUDA kernels, but the tensors are on cpu"),
@@ -303,6 +304,18 @@ def test_decode_attention_errors(cache, case):
     with pytest.raises(exc, match=msg):
         bd.decode_attention(q(), **args, backend="reference")
     assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize("name", ["seqlens range", "seqlens negative", "table range", "table shared page"])
+def test_decode_attention_on_the_reference_checks_values_whatever_check_values_says(cache, name):
+    """``check_values=False`` saves a GPU backend its device sync; the reference reads the
+    lengths and the table on the host anyway, so it refuses bad ones as the torch op does,
+    not returns a sum over the tokens it happened to read."""
+    _, change, exc, msg = next(c for c in _functional_cases if c[0] == name)
+    args = _args(cache)
+    args |= change(args)
+    with pytest.raises(exc, match=msg):
+        bd.decode_attention(q(), **args, backend="reference", check_values=False)
 
 
 def test_decode_attention_accepts_the_cache_tensors(cache):
