@@ -201,6 +201,8 @@ def test_quantize_weight_zero_and_errors():
     assert torch.equal(q, torch.zeros(16, 32, dtype=torch.int8)) and s.item() == pytest.approx(1e-5)
     with pytest.raises(ValueError, match="segments"):
         bn.quantize_weight(torch.zeros(32, 32), segments=(16, 8))
+    with pytest.raises(ValueError, match=r"segments must hold positive ints, got \(32, 0\)"):
+        bn.quantize_weight(torch.zeros(32, 32), segments=(32, 0))  # (an empty segment's scale was NaN)
     with pytest.raises(ValueError, match="at most"):
         bn.quantize_weight(torch.zeros(80, 32), segments=(16,) * 5)
     with pytest.raises(TypeError, match="segments"):

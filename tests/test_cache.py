@@ -374,6 +374,8 @@ def test_truncate_rejects_bad_counts():
         with pytest.raises(ValueError, match=msg):
             c.truncate(bad)
     assert c.lengths == [5, 3]
+    c.truncate(3)  # a sequence may be emptied
+    assert c.lengths == [2, 0] and c.seqlens.tolist() == [2, 0]
 
 
 def test_kernel_decode_keeps_its_plan_for_the_fast_path(monkeypatch):
@@ -789,8 +791,14 @@ def test_select_copies_sequences_into_a_new_cache():
         assert all(torch.equal(a, b) for a, b in zip(new.dequantized(i), c.dequantized(j)))
     assert _unchanged(c, before)
     more_k, more_v = kvdata.kv(gen, 3, 1, 2, 64, dtype=torch.float16, device="cpu")
-    new.append(more_k, more_v)  # (the repeated sequence's copies share no page)
+    new.append(more_k, more_v)
     assert not torch.equal(new.dequantized(0)[0], new.dequantized(2)[0])
+    # the repeated sequence's copies share no page: the pages each length uses are its own
+    nr, page = fmt.residual_block, new.page_size
+    used = [new.block_table[b, :-(-((n - fmt.sink_tokens) // nr * nr) // page)].tolist()
+            for b, n in enumerate(new.lengths)]
+    assert [len(pages) for pages in used] == [2, 3, 2]
+    assert len({p for pages in used for p in pages}) == sum(map(len, used))
     for bad, error in (([], ValueError), ([3], ValueError), ([0.5], TypeError)):
         with pytest.raises(error, match="indices"):
             c.select(bad)

@@ -22,8 +22,11 @@ def test_immutable_hashable_and_residual_block_is_derived():
     fmt = bd.KVFormat(bits=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fmt.bits = 4
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="residual_block"):
         bd.KVFormat(residual_block=64)
+    for flag in ("yes", 1, None):  # hadamard="false" would quietly turn the rotation on
+        with pytest.raises(ValueError, match=f"KVFormat.hadamard must be True or False, got {flag!r}"):
+            bd.KVFormat(hadamard=flag)
     assert fmt == bd.KVFormat(bits=2) and len({fmt, bd.KVFormat(bits=2), bd.KVFormat()}) == 2
 
 

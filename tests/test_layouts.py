@@ -669,7 +669,7 @@ def test_sm100_scale_factor_layout(fmt):
             rc, cc, word, byte = sm100.sf_location(m, s)
             chunk = rc * sm100.sf_chunks(sf_cols) + cc
             assert table[m][s] == chunk * sm100.SF_CHUNK_WORDS * 4 + 4 * word + byte
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=rf"{fmt} scale factors tile 128 rows .* got 100 x {cols}"):
         sm100.sf_offsets(fmt, 100, cols)
 
 

@@ -165,3 +165,19 @@ def test_hadamard_cache_equals_the_float64_model(fmt, gen):
         torch.testing.assert_close(out[b, 0].double(), model_attention(qr[b, 0], want_k, want_v), rtol=2e-3, atol=2e-3)
         back, _ = cache.dequantized(b)
         torch.testing.assert_close(back.double(), reference.rotate(want_k, fmt), rtol=1e-2, atol=1e-2)
+
+
+def test_a_paged_cache_checks_only_the_pages_its_packed_tokens_use():
+    """Sink tokens hold no page: a sequence of 4 sinks and 126 residual tokens packs
+    nothing, so a junk entry in its table is never used and is not refused (the table check
+    counts the lengths less the sinks)."""
+    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=4)
+    c = bd.KVCache.allocate(2, 2, 64, 512, fmt, device="cpu", page_size=128, backend="reference")
+    gen = torch.Generator().manual_seed(2)
+    k, v = kvdata.kv(gen, 2, 200, 2, 64, dtype=torch.float16, device="cpu")
+    c.block_table[0, 0] = 99  # no such page
+    c.prefill(k, v, [130, 200])
+    c.append(k[:, :1], v[:, :1])
+    assert c.lengths == [131, 201] and torch.isfinite(c.decode(kvdata.randn(gen, 2, 1, 4, 64))).all()
+    with pytest.raises(ValueError, match=r"block_table entries in use must lie in \[0, 8\), got \[4, 99\]"):
+        c.prefill(k, v, [140, 200])  # 136 packable tokens: one block, on page 99

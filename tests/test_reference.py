@@ -335,3 +335,16 @@ def test_attention_empty_sequence():
     q = torch.ones(4, 64, dtype=torch.float16)
     out, lse = reference.attention(q, torch.zeros(0, 2, 64), torch.zeros(0, 2, 64))
     assert torch.equal(out, torch.zeros(4, 64)) and bool((lse == -math.inf).all())
+
+
+def test_decode_tolerance_is_flash_attentions_rule():
+    """The GPU suite's rule, pinned: twice a same-precision computation's error plus twice
+    1e-3 of the largest reference value (at least 1), so a kernel off by 5e-3 at values ~1
+    fails where the rounded computation is exact."""
+    ref = torch.tensor([[0.5, -3.0]])
+    assert reference.decode_tolerance(ref, ref) == pytest.approx(2e-3 * 3.0)
+    assert reference.decode_tolerance(ref / 10, ref / 10) == pytest.approx(2e-3)  # the floor's (at least 1)
+    rounded = ref + torch.tensor([[1e-3, 0.0]])
+    assert reference.decode_tolerance(rounded, ref) == pytest.approx(2 * 1e-3 + 2e-3 * 3.0, rel=1e-5)  # (fp32)
+    small = torch.tensor([[0.9, -1.0]])
+    assert (small + 5e-3 - small).abs().max().item() > reference.decode_tolerance(small, small)
