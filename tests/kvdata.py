@@ -13,6 +13,20 @@ import torch.nn.functional as F
 from bitdecode import reference
 
 MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
+# The GPU suite's decode configurations, (bits, k_mode, group, dtype, head_dim, q heads per
+# kv head): a covering set of the supported combinations (every value of every axis, most
+# pairs) at a bounded compile cost
+KERNEL_CONFIGS = [
+    (4, "channel", 128, torch.float16, 128, 4),
+    (2, "channel", 128, torch.float16, 128, 4),
+    (4, "token", 32, torch.bfloat16, 128, 8),
+    (2, "token", 64, torch.bfloat16, 64, 1),
+    (4, "channel", 64, torch.float16, 256, 16),
+    (2, "channel", 32, torch.bfloat16, 256, 2),
+    (4, "token", 64, torch.float16, 64, 12),
+    (2, "token", 128, torch.float16, 128, 16),
+    (4, "channel", 32, torch.bfloat16, 64, 5),
+]
 MIN_EXPONENT = {torch.float16: -14, torch.bfloat16: -126}
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -101,3 +115,29 @@ def batch_attention(q, ks, vs, softmax_scale=None):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def needle_positions(nr: int) -> list:
+    """Where a decode could drop a token: the ends of a packed block and of the packed part,
+    the first and last residual tokens (a sequence of ``3 nr + 5`` tokens), and the last
+    token of a sequence that is one whole packed block."""
+    n = 3 * nr + 5
+    return [(n, 0), (n, nr - 1), (n, nr), (n, 3 * nr - 1), (n, 3 * nr), (n, n - 1), (nr, nr - 1)]
+
+
+def needle_batch(nr: int, hkv: int, dim: int, gq: int, dtype=torch.float16, device="cpu", seed=0):
+    """(q ``[B, 1, hkv gq, dim]``, k, v ``[B, N, hkv, dim]``, lengths, needle positions): one
+    sequence per ``needle_positions`` entry, whose needle token's K lies along its queries'
+    sign vector (a logit ~24 above every other token's), so attention reads ~only the
+    needle's V there: a decode that drops or misplaces that token misses by ~|V|."""
+    gen = torch.Generator().manual_seed(seed)
+    places = needle_positions(nr)
+    n = max(length for length, _ in places)
+    k = torch.randn(len(places), n, hkv, dim, generator=gen) * 0.1
+    v = torch.randn(len(places), n, hkv, dim, generator=gen)
+    signs = torch.randint(0, 2, (len(places), hkv, dim), generator=gen) * 2.0 - 1
+    for b, (_, t) in enumerate(places):
+        k[b, t] = signs[b] * 24 / dim ** 0.5  # q . k / sqrt(dim) = 24
+    q = signs.repeat_interleave(gq, dim=1)[:, None]
+    return (q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device),
+            [length for length, _ in places], [t for _, t in places])

@@ -25,7 +25,7 @@ from bitdecode import cli_selfcheck, dispatch, selfcheck
 from bitdecode.reference import kernel_tolerance
 
 from kernel_builds import built_with, fresh_jit
-from kvdata import kv, on_grid
+from kvdata import KERNEL_CONFIGS, kv, needle_batch, on_grid
 
 pytestmark = pytest.mark.gpu
 
@@ -34,19 +34,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU machines skip the mo
 
 DEV = torch.device("cuda")
 
-# (bits, k_mode, group, dtype, head_dim, q heads per kv head): a covering set of the
-# supported combinations (every value of every axis, most pairs) at a bounded compile cost
-CONFIGS = [
-    (4, "channel", 128, torch.float16, 128, 4),
-    (2, "channel", 128, torch.float16, 128, 4),
-    (4, "token", 32, torch.bfloat16, 128, 8),
-    (2, "token", 64, torch.bfloat16, 64, 1),
-    (4, "channel", 64, torch.float16, 256, 16),
-    (2, "channel", 32, torch.bfloat16, 256, 2),
-    (4, "token", 64, torch.float16, 64, 12),
-    (2, "token", 128, torch.float16, 128, 16),
-    (4, "channel", 32, torch.bfloat16, 64, 5),
-]
+CONFIGS = KERNEL_CONFIGS  # (kvdata: the CPU suite checks their needle batches' sensitivity)
 
 
 def _ids(c):
@@ -85,6 +73,22 @@ def test_decode_matches_reference(cfg, backend):
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(len(lens), 1, hkv * gq, d, generator=gen).to(dtype).to(DEV)
     for splits in (0, 1, 3):
+        check_decode(q, cache, backend, num_splits=splits)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_every_token_counts_under_a_needle(cfg, backend):
+    """A needle token (a logit ~24 above the rest) at each place a decode could drop or
+    misplace a token (``kvdata.needle_positions``: block ends, the packed part's end, the
+    residual's first and last): the output is ~that token's V, so a miss costs ~|V|, where
+    random data hides one token of hundreds within the tolerance (test_reference.py checks
+    these batches' margin on the CPU)."""
+    bits, mode, g, dtype, d, gq = cfg
+    fmt = bd.KVFormat(bits=bits, k_mode=mode, group_size=g)
+    q, k, v, lens, _ = needle_batch(fmt.residual_block, 2, d, gq, dtype, DEV)
+    cache = bd.KVCache.allocate(len(lens), 2, d, max(lens) + 64, fmt, dtype=dtype, device=DEV, page_size=fmt.residual_block)
+    cache.prefill(k, v, lens)
+    for splits in (1, 3, 0):
         check_decode(q, cache, backend, num_splits=splits)
 
 

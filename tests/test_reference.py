@@ -348,3 +348,25 @@ def test_decode_tolerance_is_flash_attentions_rule():
     assert reference.decode_tolerance(rounded, ref) == pytest.approx(2 * 1e-3 + 2e-3 * 3.0, rel=1e-5)  # (fp32)
     small = torch.tensor([[0.9, -1.0]])
     assert (small + 5e-3 - small).abs().max().item() > reference.decode_tolerance(small, small)
+
+
+@pytest.mark.parametrize("cfg", kvdata.KERNEL_CONFIGS, ids=lambda c: f"{c[0]}b-{c[1]}-g{c[2]}-{str(c[3])[6:]}-d{c[4]}-gq{c[5]}")
+def test_needle_batches_make_a_dropped_token_fail_the_tolerance(cfg):
+    """The GPU suite's needle test (``kvdata.needle_batch``) can fail: on the reference the
+    output of every sequence and query head is its needle's dequantized V (the softmax
+    peaked on it), and that V is far larger than the kernel tolerance, so a decode that
+    dropped or misplaced the needle token would miss by ~|V| >> the tolerance."""
+    import bitdecode as bd
+
+    bits, mode, g, dtype, d, gq = cfg
+    fmt = KVFormat(bits=bits, k_mode=mode, group_size=g)
+    q, k, v, lens, at = kvdata.needle_batch(fmt.residual_block, 2, d, gq, dtype)
+    cache = bd.KVCache.allocate(len(lens), 2, d, max(lens) + 64, fmt, dtype=dtype, device="cpu",
+                                page_size=fmt.residual_block, backend="reference")
+    cache.prefill(k, v, lens)
+    out = bd.decode(q, cache).float()
+    tol = reference.kernel_tolerance(q, cache, out)
+    for b, t in enumerate(at):
+        needle = cache.dequantized(b)[1][t].float().repeat_interleave(gq, dim=0)  # [hkv gq, d]
+        assert (out[b, 0] - needle).abs().max().item() < 0.05 * needle.abs().max().item()
+        assert (needle - v[b, :lens[b]].float().mean(0).repeat_interleave(gq, dim=0)).abs().max().item() > 20 * tol
