@@ -135,6 +135,17 @@ def test_append_op_refuses_a_sequence_past_capacity_on_the_device(gen):
         a.check()
 
 
+def test_append_op_fills_a_sequence_to_capacity_and_not_one_past(gen):
+    """The device check's edge: 256 tokens fit a 256-token capacity, 257 do not."""
+    (a, _), k, v = _twins(gen, [250, 249], max_seqlen=256)
+    a.prefill(k, v, [250, 249])
+    new_k, new_v = kvdata.kv(gen, 2, 7, 2, 64, dtype=torch.float16, device="cpu")
+    ops.append_cache(new_k[:, :6], new_v[:, :6], a)  # 256 and 255: both fit
+    assert a.capacity == 256 and a.seqlens.tolist() == [256, 255] and a.overflow.tolist() == [0, 0]
+    ops.append_cache(new_k[:, 6:], new_v[:, 6:], a)  # 257 past it, 256 at it
+    assert a.seqlens.tolist() == [256, 256] and a.overflow.tolist() == [257, 0]
+
+
 @pytest.mark.parametrize("sinks", [0, 4])
 @pytest.mark.parametrize("op", ["append", "prefill"])
 def test_write_op_schemas_and_fakes(gen, op, sinks):
