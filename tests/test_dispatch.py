@@ -314,3 +314,55 @@ def test_limits_come_from_the_backend():
     for name in backends.shipped():
         lim = backends.get(name).limits
         assert lim.max_gqa == 16 and lim.max_splits == 256
+
+
+
+def test_capability_at_least_counts_its_own_major(monkeypatch):
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (8, 0))
+    assert dispatch.capability_at_least(torch.device("cuda", 0), 8)
+    assert not dispatch.capability_at_least(torch.device("cuda", 0), 9)
+
+
+# ---- the split heuristics' edges (pure Python: 132 SMs stubbed) ------------------------
+
+
+@pytest.fixture
+def h100_sms(monkeypatch):
+    from bitdecode.kernels_sm80 import backend as k80
+    from bitdecode.kernels_sm90 import backend as k90
+
+    for module in (k80, k90):
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    return k80, k90
+
+
+def _plan_stand_in(fmt, hkv=8, dtype=torch.float16):
+    import types
+
+    return types.SimpleNamespace(fmt=fmt, k_res=torch.empty(1, 128, hkv, 128, dtype=dtype))
+
+
+def test_split_rules_at_their_edges(h100_sms, monkeypatch):
+    """Each rule at the point where a comparison decides (their docstrings say which way)."""
+    from bitdecode.layouts import sm80
+
+    k80, k90 = h100_sms
+    cpu, fmt4 = torch.device("cpu"), bd.KVFormat(4, "channel", 128)
+    # a tie in waves goes to the fewest splits: 384 pairs on 528 slots, 32 tiles, 1 or 4
+    assert k80.waves_time(384, 528, 32, 1) == k80.waves_time(384, 528, 32, 4)
+    assert k80.fewest_waves(384, 528, 32, 16) == 1
+    assert [k80.most_splits(t) for t in (1, 2, 3, 5)] == [1, 1, 1, 2]  # two tiles a split at least
+    # one split and its tail win a tie with even splits (2-bit, 25 x 8 pairs, 4K)
+    assert k90.BACKEND.choose_splits(_plan_stand_in(bd.KVFormat(2, "channel", 128)), (25, 1, 32, 128), 4096, cpu) == 2
+    # 66 pairs on 132 SMs (two slots each) are split: one split would leave half the slots idle
+    assert k90.BACKEND.choose_splits(_plan_stand_in(fmt4, hkv=1), (66, 1, 1, 128), 4096, cpu) == 4
+    # the tail weight is capped
+    assert k90.BACKEND.tail_weight(_plan_stand_in(fmt4, hkv=1), (261, 1, 1, 128), 2, 65536, cpu) == k90.MAX_TAIL_WEIGHT
+    # a tail of exactly MIN_TAIL_WEIGHT is taken, one less is not
+    shape, stand_in = (1, 1, 32, 128), _plan_stand_in(fmt4)
+    base = k90.BACKEND.choose_splits(stand_in, shape, 131072, cpu)
+    assert 1 < base < sm80.MAX_SPLITS
+    monkeypatch.setattr(k90.Sm90Backend, "tail_weight", lambda self, *args: k90.MIN_TAIL_WEIGHT)
+    assert k90.BACKEND.choose_splits(stand_in, shape, 131072, cpu) == base + 1
+    monkeypatch.setattr(k90.Sm90Backend, "tail_weight", lambda self, *args: k90.MIN_TAIL_WEIGHT - 1)
+    assert k90.BACKEND.choose_splits(stand_in, shape, 131072, cpu) == base

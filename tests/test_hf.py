@@ -1020,3 +1020,71 @@ def test_batch_select_and_repeat_copy_the_packed_sequences(models):
     assert [layer.kv.lengths for layer in cache.layers] == [[152, 152]] * 2
     with pytest.raises(ValueError, match="repeats"):
         cache.batch_repeat_interleave(0)
+
+
+
+@torch.no_grad()
+def test_a_decode_that_fails_after_its_append_keeps_the_position(models, monkeypatch):
+    """A decode step whose attention call fails after the token was appended (a first-use
+    compile, an out-of-memory) counts the token: the position stays the cache's length."""
+    from bitdecode.cache import KVCache
+
+    _, packed = models
+    gen = torch.Generator().manual_seed(1)
+    cache = _cache(packed, 4)
+    packed(torch.randint(0, VOCAB, (1, 20), generator=gen), **hf.cache_kwargs(packed, cache), use_cache=True)
+
+    def fails(self, *args, **kwargs):
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(KVCache, "decode", fails)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        packed(torch.randint(0, VOCAB, (1, 1), generator=gen), **hf.cache_kwargs(packed, cache), use_cache=True)
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == layer.kv.lengths[0] + layer.pad_offset
+
+
+@torch.no_grad()
+def test_check_keeps_the_pads_of_a_batch_padded_everywhere(models):
+    """``check()`` rebuilds the position from the device lengths plus the prompt's pads: a
+    batch whose every sequence was left-padded keeps its 30 positions (not the longest
+    sequence's 12)."""
+    _, packed = models
+    ids = torch.randint(1, VOCAB, (2, 30), generator=torch.Generator().manual_seed(26))
+    mask = torch.zeros_like(ids)
+    mask[0, -10:], mask[1, -12:] = 1, 1
+    cache = _cache(packed, 4)
+    packed(ids, attention_mask=mask, **hf.cache_kwargs(packed, cache), use_cache=True)
+    assert cache.get_seq_length() == 30
+    cache.check()
+    assert cache.get_seq_length() == 30
+
+
+@torch.no_grad()
+def test_a_refused_prompt_leaves_the_cache_empty(models):
+    """A prompt past ``max_seqlen`` is refused and not counted: the next prompt starts at
+    position 0 (its logits are the 16-bit model's), not as a chunk after 30 phantom tokens."""
+    base, packed = models
+    gen = torch.Generator().manual_seed(3)
+    cache = hf.BitDecodingCache(packed, bd.KVFormat(bits=4, group_size=64), max_seqlen=20, backend="reference")
+    with pytest.raises(ValueError):
+        packed(torch.randint(0, VOCAB, (1, 30), generator=gen), **hf.cache_kwargs(packed, cache), use_cache=True)
+    assert cache.get_seq_length() == 0
+    ids = torch.randint(0, VOCAB, (1, 10), generator=gen)
+    assert torch.equal(packed(ids, **hf.cache_kwargs(packed, cache), use_cache=True).logits, base(ids).logits)
+
+
+@torch.no_grad()
+def test_an_additive_4d_mask_drops_the_pads(models):
+    """A float mask (0 where allowed, the dtype's minimum where not), as a caller may pass
+    instead of the boolean one: the pads it hides are not stored."""
+    _, packed = models
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :4] = False
+    allowed = torch.tril(torch.ones(12, 12, dtype=torch.bool))[None] & valid[:, None, :]
+    allowed |= torch.eye(12, dtype=torch.bool)[None]  # (a pad row sees itself: no row fully masked)
+    mask = torch.zeros(2, 1, 12, 12, dtype=torch.bfloat16).masked_fill(~allowed[:, None], torch.finfo(torch.bfloat16).min)
+    cache = _cache(packed, 4)
+    packed(ids, attention_mask=mask, **hf.cache_kwargs(packed, cache), use_cache=True)
+    assert cache.layers[0].kv.lengths == [12, 8]

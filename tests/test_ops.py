@@ -434,3 +434,30 @@ def test_dynamic_compile_over_query_lengths(gen):
         new_k, new_v = kvdata.kv(gen, 2, t, 2, 64, dtype=torch.float16, device="cpu")
         assert torch.equal(compiled(q, new_k, new_v, a), step(q, new_k, new_v, b))
     _same_storage(a, b)
+
+
+
+def test_prefill_op_takes_a_prompt_of_exactly_the_capacity():
+    cache = bd.KVCache.allocate(1, 2, 64, 256, bd.KVFormat(bits=4, group_size=64), dtype=torch.float16,
+                                device="cpu", backend="reference")
+    k = torch.randn(1, cache.capacity, 2, 64).half()
+    ops.prefill_cache(k, k, torch.tensor([cache.capacity], dtype=torch.int32), cache)
+    cache.check()
+    assert cache.lengths == [cache.capacity] == [256]
+
+
+def test_decode_cache_runs_the_caches_backend(monkeypatch):
+    """``ops.decode_cache(..., backend="auto")`` hands the op the backend the cache was
+    allocated for (on a GPU, "auto" would pick one afresh)."""
+    cache = bd.KVCache.allocate(1, 2, 64, 256, bd.KVFormat(bits=4, group_size=64), dtype=torch.float16,
+                                device="cpu", backend="reference")
+    seen = []
+
+    class Spy:
+        def decode(self, *args):
+            seen.append(args[-1])
+            return args[0], None
+
+    monkeypatch.setattr(torch.ops, "bitdecode", Spy())
+    ops.decode_cache(torch.randn(1, 1, 4, 64).half(), cache, 0.125)
+    assert seen == [cache.backend]

@@ -159,3 +159,14 @@ def test_gpu_autograd_takes_torchs_ops():
     assert q_out.grad_fn is not None
     with pytest.raises(ValueError, match="no autograd"):
         rope.apply_rotary(q, k, c, s, backend="kernel")
+
+
+
+def test_the_rope_kernel_needs_head_dims_of_whole_16_byte_halves(monkeypatch):
+    """Each half of a head is read as 8-value vectors: head dims of 8, 24, 40 ... stay with
+    torch (a GPU check; the dtype / device rule stubbed out here)."""
+    from bitdecode import dispatch
+
+    monkeypatch.setattr(dispatch, "float16_kernel_fit", lambda tensors: "")
+    q, c = torch.randn(1, 2, 3, 24).half(), torch.randn(1, 3, 24).half()
+    assert "multiple of 16" in rope._kernel_fits(q, q, c, c)
