@@ -181,3 +181,29 @@ def test_a_paged_cache_checks_only_the_pages_its_packed_tokens_use():
     assert c.lengths == [131, 201] and torch.isfinite(c.decode(kvdata.randn(gen, 2, 1, 4, 64))).all()
     with pytest.raises(ValueError, match=r"block_table entries in use must lie in \[0, 8\), got \[4, 99\]"):
         c.prefill(k, v, [140, 200])  # 136 packable tokens: one block, on page 99
+
+
+
+def test_sinks_with_a_callers_table_truncate_and_reorder_touch_only_pages_in_use():
+    """Sink tokens hold no page.  Truncating into the sinks reads no table entry (an unused
+    one may hold anything), and a reorder copies only the pages a sequence's packed tokens
+    use (an unused entry naming another sequence's live page is not written)."""
+    fmt = bd.KVFormat(bits=4, group_size=64, sink_tokens=8)
+    gen = torch.Generator().manual_seed(5)
+    c = bd.KVCache.allocate(1, 2, 64, 512, fmt, device="cpu", page_size=128, backend="reference")
+    k, v = kvdata.kv(gen, 1, 300, 2, 64, dtype=torch.float16, device="cpu")
+    c.prefill(k, v)  # 8 sinks, 2 packed blocks, 36 residual tokens
+    c.block_table[0, -1] = 10**6  # unused
+    c.truncate(296)  # 4 tokens left, all sinks
+    assert c.lengths == [4]
+    kd, vd = c.dequantized(0)
+    assert torch.equal(kd, k[0, :4]) and torch.equal(vd, v[0, :4])
+    c = bd.KVCache.allocate(2, 2, 64, 384, fmt, device="cpu", page_size=128, backend="reference")
+    c.block_table.copy_(torch.tensor([[0, 2, 4], [2, 3, 5]], dtype=torch.int32))  # seq 0's unused column 1 is seq 1's page
+    k, v = kvdata.kv(gen, 2, 260, 2, 64, dtype=torch.float16, device="cpu")
+    c.prefill(k, v)  # 8 sinks, 1 packed block (one page), 124 residual tokens each
+    want = c.dequantized(1)
+    c.reorder([1, 1])
+    for b in (0, 1):
+        got = c.dequantized(b)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), b

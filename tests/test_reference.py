@@ -370,3 +370,13 @@ def test_needle_batches_make_a_dropped_token_fail_the_tolerance(cfg):
         needle = cache.dequantized(b)[1][t].float().repeat_interleave(gq, dim=0)  # [hkv gq, d]
         assert (out[b, 0] - needle).abs().max().item() < 0.05 * needle.abs().max().item()
         assert (needle - v[b, :lens[b]].float().mean(0).repeat_interleave(gq, dim=0)).abs().max().item() > 20 * tol
+
+
+
+def test_a_scale_that_rounds_to_zero_gives_code_zero():
+    """A group whose range is below the 16-bit scale's smallest step has scale 0 and codes
+    0 (as the GPU pack kernel writes them), not the largest code."""
+    x = torch.zeros(1, 32, dtype=torch.float16)
+    x[0, 1] = 2.0 ** -24  # fp16's smallest subnormal: the scale 2^-24 / 15 rounds to 0
+    codes, scale, zero = reference.quantize(x, 4, 32)
+    assert scale.item() == 0 and zero.item() == 0 and codes.max().item() == 0
