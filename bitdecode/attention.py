@@ -308,11 +308,19 @@ def decode_attention(
     _validate.flag("check_values", check_values)
     cache = check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens,
                         block_table, check_values=check_values)
-    if not check_values and dispatch.resolve(backend, cache.device, fmt=fmt, head_dim=cache.head_dim,
-                                             dtype=cache.dtype) == "reference":
-        check_cache_values(cache)  # (as the torch op does: a bad length would be read short, not refused)
+    backend = run_on(cache, backend, values_checked=check_values)
     return decode_tensors(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                           return_lse=return_lse)
+
+
+def run_on(cache: CacheTensors, backend: str, values_checked: bool = False) -> str:
+    """``backend`` resolved for the cache's device; where that is the reference, which reads
+    the lengths and the block table on the host anyway, their values are checked (unless
+    ``values_checked``: a bad length would be read short, not refused)."""
+    backend = dispatch.resolve(backend, cache.device, fmt=cache.fmt, head_dim=cache.head_dim, dtype=cache.dtype)
+    if backend == "reference" and not values_checked:
+        check_cache_values(cache)
+    return backend
 
 
 def decode_tensors(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse):

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _validate, attention, backend as backends, dispatch, reference
+from . import _validate, attention, backend as backends, reference
 from .backend import CacheTensors
 from .formats import KVFormat
 
@@ -73,15 +73,11 @@ def _format(bits: int, v_bits: int, k_mode: str, group_size: int, sink_tokens: i
 def _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink, v_sink,
              fmt: KVFormat, backend: str) -> Tuple[CacheTensors, str]:
     """(the ops' cache tensors checked against ``fmt``, the backend that runs them:
-    ``backend`` resolved for their device).  Shapes are checked on the host (no sync); the
-    lengths' and block table's values only where the reference runs, which reads them on
-    the host anyway."""
+    ``attention.run_on``).  Shapes are checked on the host (no sync); the lengths' and
+    block table's values only where the reference runs."""
     cache = attention.check_cache(fmt, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
                                   check_values=False, sinks=(k_sink, v_sink) if fmt.sink_tokens else None)
-    backend = dispatch.resolve(backend, cache.device, fmt=fmt, head_dim=cache.head_dim, dtype=cache.dtype)
-    if backend == "reference":
-        attention.check_cache_values(cache)
-    return cache, backend
+    return cache, attention.run_on(cache, backend)
 
 
 def _format_args(fmt: KVFormat) -> tuple:
@@ -99,18 +95,21 @@ def decode_cache(q: torch.Tensor, cache, softmax_scale: float, backend: str = "a
     return out
 
 
-def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                   commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard,
-                   capacity, backend) -> Tuple[CacheTensors, str]:
-    """The writes' cache tensors, ``_checked`` as the decode op's are (and the backend
-    resolved), with the capacity and the write counters; refused before anything is
-    written where a write could not finish (inference tensors outside inference mode)."""
-    c, backend = _checked(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, k_sink,
-                          v_sink, _format(bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard), backend)
-    if k_res.is_inference() and not torch.is_inference_mode_enabled():  # (torch would refuse mid-write)
-        raise RuntimeError("the cache tensors were allocated under torch.inference_mode(), so torch refuses "
-                           "in-place updates of them outside it; call the op inside inference_mode (nothing "
-                           "was written)")
+def _write_cache(k, v, seqlens, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                 overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard,
+                 capacity) -> CacheTensors:
+    """A write op's checks that read no values, the op's and its fake's (a meta tensor among
+    real ones dispatches to the fake, which must refuse it as the op would): ``k`` and ``v``
+    (and a prefill's ``seqlens``) for the cache, the cache tensors against their format, the
+    capacity and the write counters.  The cache tensors, with the capacity and counters."""
+    _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
+    if seqlens is not None:
+        _validate.tensor("seqlens", seqlens, dtypes=[torch.int32], shape=(k.shape[0],), device=k_res.device)
+        if k.shape[1] > capacity:
+            raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
+    c = attention.check_cache(_format(bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard), k_pack,
+                              k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                              check_values=False, sinks=(k_sink, v_sink) if sink_tokens else None)
     holds = c.block_table.shape[1] * c.page_size  # the tokens a sequence's pages hold
     if not 0 < capacity <= holds:
         raise ValueError(f"capacity must lie in [1, {holds}] for these pages ({c.block_table.shape[1]} of "
@@ -118,7 +117,28 @@ def _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqle
     for name, t in (("overflow", overflow), ("commits", commits)):
         _validate.tensor(name, t, dtypes=[torch.int32], shape=(k_res.shape[0],), contiguous=True,
                          device=k_res.device)
-    return dataclasses.replace(c, capacity=capacity, overflow=overflow, commits=commits), backend
+    return dataclasses.replace(c, capacity=capacity, overflow=overflow, commits=commits)
+
+
+def _write_on(c: CacheTensors, backend: str) -> str:
+    """The backend a write of ``c`` runs on (``attention.run_on``), refused before anything is
+    written where the write could not finish (inference tensors outside inference mode)."""
+    backend = attention.run_on(c, backend)
+    if c.k_res.is_inference() and not torch.is_inference_mode_enabled():  # (torch would refuse mid-write)
+        raise RuntimeError("the cache tensors were allocated under torch.inference_mode(), so torch refuses "
+                           "in-place updates of them outside it; call the op inside inference_mode (nothing "
+                           "was written)")
+    return backend
+
+
+def _write_fake(k, v, seqlens, *args) -> None:
+    """A write op's fake (``args``: the op's after ``seqlens``): ``_write_cache``'s checks
+    where the format's numbers are given, not symbols of a dynamic trace (then k and v's)."""
+    *tensors, bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard, capacity, _backend = args
+    if all(type(n) is int for n in (bits, v_bits, group_size, sink_tokens, capacity)):
+        _write_cache(k, v, seqlens, *args[:-1])
+    else:
+        _validate.new_tokens(k, v, tensors[4])  # (k_res)
 
 
 @torch.library.custom_op("bitdecode::append", mutates_args=_WRITES)
@@ -132,10 +152,10 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
     rotates it under ``hadamard``, as ``KVCache.append`` does)."""
     from .cache import reference_append
 
-    _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
-    c, backend = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                                overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens,
-                                fp4, hadamard, capacity, backend)
+    c = _write_cache(k, v, None, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                     overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard,
+                     capacity)
+    backend = _write_on(c, backend)
     k = reference.rotate(k, c.fmt)  # KVFormat.hadamard: K is stored rotated
     if backend == "reference":  # (the pages the appended lengths reach, as the lengths now were above)
         attention.check_block_table(c, (cache_seqlens + k.shape[1]).clamp(max=capacity))
@@ -144,22 +164,9 @@ def append(k: torch.Tensor, v: torch.Tensor, k_pack: torch.Tensor, k_params: tor
         backends.get(backend).append(c, k, v)
 
 
-def _write_fake_checks(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                       overflow, commits, k_sink, v_sink) -> None:
-    """The device and shape checks of a write op, in its fake: a meta tensor among real ones
-    dispatches to the fake, not the op, which must refuse it as the op would (under a trace
-    every fake tensor shares one device, so these pass)."""
-    _validate.same_device(k_res=k_res, k=k, v=v, k_pack=k_pack, k_params=k_params, v_pack=v_pack,
-                          v_params=v_params, v_res=v_res, cache_seqlens=cache_seqlens, block_table=block_table,
-                          overflow=overflow, commits=commits, k_sink=k_sink, v_sink=v_sink)
-    _validate.new_tokens(k, v, k_res)
-
-
 @append.register_fake
-def _append_fake(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table, overflow,
-                 commits, k_sink, v_sink, *format_and_capacity) -> None:
-    _write_fake_checks(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                       overflow, commits, k_sink, v_sink)
+def _append_fake(k, v, *args) -> None:
+    _write_fake(k, v, None, *args)
 
 
 @torch.library.custom_op("bitdecode::prefill", mutates_args=_WRITES)
@@ -176,13 +183,10 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
     they are."""
     from .cache import reference_prefill
 
-    _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
-    _validate.tensor("seqlens", seqlens, dtypes=[torch.int32], shape=(k.shape[0],), device=k_res.device)
-    if k.shape[1] > capacity:
-        raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
-    c, backend = _cache_tensors(k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                                overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens,
-                                fp4, hadamard, capacity, backend)
+    c = _write_cache(k, v, seqlens, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
+                     overflow, commits, k_sink, v_sink, bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard,
+                     capacity)
+    backend = _write_on(c, backend)
     k = reference.rotate(k, c.fmt)  # KVFormat.hadamard: K is stored rotated
     if backend == "reference":
         lens = seqlens.tolist()
@@ -194,11 +198,8 @@ def prefill(k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor, k_pack: tor
 
 
 @prefill.register_fake
-def _prefill_fake(k, v, seqlens, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                  overflow, commits, k_sink, v_sink, *format_and_capacity) -> None:
-    _write_fake_checks(k, v, k_pack, k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
-                       overflow, commits, k_sink, v_sink)
-    _validate.tensor("seqlens", seqlens, dtypes=[torch.int32], shape=(k.shape[0],), device=k_res.device)
+def _prefill_fake(k, v, seqlens, *args) -> None:
+    _write_fake(k, v, seqlens, *args)
 
 
 def _write_args(cache):

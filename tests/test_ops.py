@@ -330,15 +330,20 @@ def test_write_op_fakes_check_what_the_ops_check(gen):
     cache = _cache(gen, [140, 7])
     snap = [t.clone() for t in (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.seqlens)]
     k = torch.randn(2, 1, cache.num_kv_heads, 64, generator=gen).half()
-    with pytest.raises(ValueError, match="k is on meta but k_res is on cpu"):
+    with pytest.raises(ValueError, match="k must be on cpu, got meta"):
         ops.append_cache(k.to("meta"), k.to("meta"), cache)
-    with pytest.raises(ValueError, match="v is on meta"):
+    with pytest.raises(ValueError, match="v must be on cpu, got meta"):
         ops.append_cache(k, k.to("meta"), cache)
     lens = torch.tensor([1, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="seqlens must be on cpu, got meta"):
         ops.prefill_cache(k, k, lens.to("meta"), cache)
-    with pytest.raises(ValueError, match="k is on meta"):
+    with pytest.raises(ValueError, match="k must be on cpu, got meta"):
         ops.prefill_cache(k.to("meta"), k.to("meta"), lens, cache)
+    t = cache.tensors()  # a cache tensor on meta, named as the op names it
+    args = list(ops._write_args(cache))
+    args[1] = t.k_params.to("meta")
+    with pytest.raises(ValueError, match="k_params is on meta but k_res is on cpu"):
+        torch.ops.bitdecode.append(k, k, *args)
     after = (cache.k_pack, cache.k_params, cache.v_pack, cache.v_params, cache.k_res, cache.seqlens)
     assert all(torch.equal(a, b) for a, b in zip(snap, after))
     with pytest.raises(ValueError, match="seqlens is a meta tensor"):  # the cache's own call names it too
