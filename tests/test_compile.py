@@ -71,14 +71,14 @@ def _table_reads_skipped(ptx: str) -> bool:
     return bool(reads) and all(skipped(i) for i in reads)
 
 
-def _cache_stand_in(fmt: KVFormat, dtype=None, tokens: int = 128):
-    """What the split heuristics read of a cache: its format and a residual buffer of Hkv=8,
-    head dim 128 (``dtype``: the model's; fp16 when None)."""
+def _cache_stand_in(fmt: KVFormat, dtype=None, tokens: int = 128, hkv: int = 8):
+    """What the split heuristics read of a cache: its format and a residual buffer of
+    ``hkv`` KV heads, head dim 128 (``dtype``: the model's; fp16 when None)."""
     from types import SimpleNamespace
 
     import torch
 
-    return SimpleNamespace(fmt=fmt, k_res=torch.empty(1, tokens, 8, 128, dtype=dtype or torch.float16))
+    return SimpleNamespace(fmt=fmt, k_res=torch.empty(1, tokens, hkv, 128, dtype=dtype or torch.float16))
 
 
 @pytest.fixture
@@ -1600,3 +1600,30 @@ def test_plan_keeps_outputs_and_workspaces_per_stream(monkeypatch, append):
     assert b[0] is not a[0] and b[0].data_ptr() != a[0].data_ptr()
     ws = {w.data_ptr() for w in captured}
     assert len(ws) == 2 and not ws & {a[0].data_ptr(), b[0].data_ptr()}
+
+
+def test_split_rules_at_their_edges(h200_sms, monkeypatch):
+    """Each rule at the point where a comparison decides (their docstrings say which way)."""
+    import torch
+
+    from bitdecode.kernels_sm90 import backend as sm90
+
+    cpu, fmt4 = torch.device("cpu"), KVFormat(4, "channel", 128)
+    # a tie in waves goes to the fewest splits: 384 pairs on 528 slots, 32 tiles, 1 or 4
+    assert kernels.waves_time(384, 528, 32, 1) == kernels.waves_time(384, 528, 32, 4)
+    assert kernels.fewest_waves(384, 528, 32, 16) == 1
+    assert [kernels.most_splits(t) for t in (1, 2, 3, 5)] == [1, 1, 1, 2]  # two tiles a split at least
+    # one split and its tail win a tie with even splits (2-bit, 25 x 8 pairs, 4K)
+    assert sm90.BACKEND.choose_splits(_cache_stand_in(KVFormat(2, "channel", 128)), (25, 1, 32, 128), 4096, cpu) == 2
+    # 66 pairs on 132 SMs (two slots each) are split: one split would leave half the slots idle
+    assert sm90.BACKEND.choose_splits(_cache_stand_in(fmt4, hkv=1), (66, 1, 1, 128), 4096, cpu) == 4
+    # the tail weight is capped
+    assert sm90.BACKEND.tail_weight(_cache_stand_in(fmt4, hkv=1), (261, 1, 1, 128), 2, 65536, cpu) == sm90.MAX_TAIL_WEIGHT
+    # a tail of exactly MIN_TAIL_WEIGHT is taken, one less is not
+    shape, stand_in = (1, 1, 32, 128), _cache_stand_in(fmt4)
+    base = sm90.BACKEND.choose_splits(stand_in, shape, 131072, cpu)
+    assert 1 < base < sm80.MAX_SPLITS
+    monkeypatch.setattr(sm90.Sm90Backend, "tail_weight", lambda self, *args: sm90.MIN_TAIL_WEIGHT)
+    assert sm90.BACKEND.choose_splits(stand_in, shape, 131072, cpu) == base + 1
+    monkeypatch.setattr(sm90.Sm90Backend, "tail_weight", lambda self, *args: sm90.MIN_TAIL_WEIGHT - 1)
+    assert sm90.BACKEND.choose_splits(stand_in, shape, 131072, cpu) == base
