@@ -324,10 +324,9 @@ def run_on(cache: CacheTensors, backend: str, values_checked: bool = False) -> s
 
 
 def decode_tensors(q, cache: CacheTensors, *, softmax_scale, num_splits, backend, return_lse):
-    """Decode over validated cache tensors (``decode_attention``, the torch op): the
-    backend resolved for them, q checked and rotated as the format stores K."""
-    backend = dispatch.resolve(backend, q.device if isinstance(q, torch.Tensor) else cache.device, fmt=cache.fmt,
-                               head_dim=cache.head_dim, dtype=cache.dtype)
+    """Decode over validated cache tensors (``decode_attention``, the torch op) on the
+    ``backend`` that ``run_on`` resolved for them: q checked (on the cache's device) and
+    rotated as the format stores K."""
     check_query(q, cache, backend)
     q = reference.rotate(q, cache.fmt)  # KVFormat.hadamard: the cache holds K rotated
     return run(q, cache, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
