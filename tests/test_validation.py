@@ -82,6 +82,22 @@ def test_allocate_errors(kwargs, exc, msg):
         bd.KVCache.allocate(**args)
 
 
+def test_allocate_takes_max_seqlen_up_to_the_limit_and_not_one_past(monkeypatch):
+    """``MAX_SEQLEN`` itself is a capacity the cache takes (its pages stood in for by meta
+    tensors: a real one needs ~2**31 tokens of memory), rounded to no more than itself; one
+    token more is refused by name before anything is allocated."""
+    from bitdecode.cache import MAX_SEQLEN
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *shape, **kw: zeros(*shape, **(kw | dict(device="meta"))))
+    fmt = bd.KVFormat(bits=2, group_size=32)  # (the longest residual block, 256 tokens)
+    page = 2**24
+    cache = bd.KVCache.allocate(1, HKV, D, MAX_SEQLEN, fmt, device="cpu", page_size=page)
+    assert cache.max_seqlen == MAX_SEQLEN and MAX_SEQLEN % fmt.residual_block == 0
+    assert cache.block_table.tolist() == [list(range(-(-MAX_SEQLEN // page)))]
+    with pytest.raises(ValueError, match=rf"max_seqlen must be at most {MAX_SEQLEN} .*got {MAX_SEQLEN + 1}"):
+        bd.KVCache.allocate(1, HKV, D, MAX_SEQLEN + 1, fmt, device="cpu", page_size=page)
+
+
 def test_allocate_too_large_says_what_it_asked_for(monkeypatch):
     """A cache the device cannot hold: the allocator's failure (stood in for: a real one
     would need the memory) comes back as torch.OutOfMemoryError naming the arguments and
