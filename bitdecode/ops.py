@@ -134,11 +134,12 @@ def _write_on(c: CacheTensors, backend: str) -> str:
 def _write_fake(k, v, seqlens, *args) -> None:
     """A write op's fake (``args``: the op's after ``seqlens``): ``_write_cache``'s checks
     where the format's numbers are given, not symbols of a dynamic trace (then k and v's)."""
-    *tensors, bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard, capacity, _backend = args
+    k_res = args[4]  # (after k_pack, k_params, v_pack, v_params)
+    bits, v_bits, _k_mode, group_size, sink_tokens, _fp4, _hadamard, capacity, _backend = args[-9:]
     if all(type(n) is int for n in (bits, v_bits, group_size, sink_tokens, capacity)):
         _write_cache(k, v, seqlens, *args[:-1])
     else:
-        _validate.new_tokens(k, v, tensors[4])  # (k_res)
+        _validate.new_tokens(k, v, k_res)
 
 
 @torch.library.custom_op("bitdecode::append", mutates_args=_WRITES)

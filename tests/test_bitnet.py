@@ -1728,7 +1728,6 @@ def test_gpu_torch_compile_traces_the_ops():
         assert not [str(w.message) for w in seen if "bitdecode" in str(w.filename) or "lru_cache" in str(w.message)]
 
 
-
 def test_quantize_weight_takes_the_most_segments_and_refuses_an_infinite_eps():
     q, s = bn.quantize_weight(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)), segments=(16,) * 4)
     assert q.shape == (64, 32) and s.shape == (4,)

@@ -316,9 +316,7 @@ def test_limits_come_from_the_backend():
         assert lim.max_gqa == 16 and lim.max_splits == 256
 
 
-
 def test_capability_at_least_counts_its_own_major(monkeypatch):
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (8, 0))
     assert dispatch.capability_at_least(torch.device("cuda", 0), 8)
     assert not dispatch.capability_at_least(torch.device("cuda", 0), 9)
-

@@ -1022,7 +1022,6 @@ def test_batch_select_and_repeat_copy_the_packed_sequences(models):
         cache.batch_repeat_interleave(0)
 
 
-
 @torch.no_grad()
 def test_a_decode_that_fails_after_its_append_keeps_the_position(models, monkeypatch):
     """A decode step whose attention call fails after the token was appended (a first-use

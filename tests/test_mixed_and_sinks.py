@@ -183,7 +183,6 @@ def test_a_paged_cache_checks_only_the_pages_its_packed_tokens_use():
         c.prefill(k, v, [140, 200])  # 136 packable tokens: one block, on page 99
 
 
-
 def test_sinks_with_a_callers_table_truncate_and_reorder_touch_only_pages_in_use():
     """Sink tokens hold no page.  Truncating into the sinks reads no table entry (an unused
     one may hold anything), and a reorder copies only the pages a sequence's packed tokens

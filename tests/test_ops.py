@@ -441,21 +441,18 @@ def test_dynamic_compile_over_query_lengths(gen):
     _same_storage(a, b)
 
 
-
-def test_prefill_op_takes_a_prompt_of_exactly_the_capacity():
-    cache = bd.KVCache.allocate(1, 2, 64, 256, bd.KVFormat(bits=4, group_size=64), dtype=torch.float16,
-                                device="cpu", backend="reference")
+def test_prefill_op_takes_a_prompt_of_exactly_the_capacity(gen):
+    (cache, _), _, _ = _twins(gen, [1], max_seqlen=256)
     k = torch.randn(1, cache.capacity, 2, 64).half()
     ops.prefill_cache(k, k, torch.tensor([cache.capacity], dtype=torch.int32), cache)
     cache.check()
     assert cache.lengths == [cache.capacity] == [256]
 
 
-def test_decode_cache_runs_the_caches_backend(monkeypatch):
+def test_decode_cache_runs_the_caches_backend(gen, monkeypatch):
     """``ops.decode_cache(..., backend="auto")`` hands the op the backend the cache was
     allocated for (on a GPU, "auto" would pick one afresh)."""
-    cache = bd.KVCache.allocate(1, 2, 64, 256, bd.KVFormat(bits=4, group_size=64), dtype=torch.float16,
-                                device="cpu", backend="reference")
+    (cache, _), _, _ = _twins(gen, [1], max_seqlen=256)
     seen = []
 
     class Spy:

@@ -372,7 +372,6 @@ def test_needle_batches_make_a_dropped_token_fail_the_tolerance(cfg):
         assert (needle - v[b, :lens[b]].float().mean(0).repeat_interleave(gq, dim=0)).abs().max().item() > 20 * tol
 
 
-
 def test_a_scale_that_rounds_to_zero_gives_code_zero():
     """A group whose range is below the 16-bit scale's smallest step has scale 0 and codes
     0 (as the GPU pack kernel writes them), not the largest code."""

@@ -161,7 +161,6 @@ def test_gpu_autograd_takes_torchs_ops():
         rope.apply_rotary(q, k, c, s, backend="kernel")
 
 
-
 def test_the_rope_kernel_needs_head_dims_of_whole_16_byte_halves(monkeypatch):
     """Each half of a head is read as 8-value vectors: head dims of 8, 24, 40 ... stay with
     torch (a GPU check; the dtype / device rule stubbed out here)."""
