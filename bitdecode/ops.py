@@ -105,8 +105,6 @@ def _write_cache(k, v, seqlens, k_pack, k_params, v_pack, v_params, k_res, v_res
     _validate.new_tokens(k, v, k_res)  # (public ops: a shape torch would broadcast must not reach the cache)
     if seqlens is not None:
         _validate.tensor("seqlens", seqlens, dtypes=[torch.int32], shape=(k.shape[0],), device=k_res.device)
-        if k.shape[1] > capacity:
-            raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
     c = attention.check_cache(_format(bits, v_bits, k_mode, group_size, sink_tokens, fp4, hadamard), k_pack,
                               k_params, v_pack, v_params, k_res, v_res, cache_seqlens, block_table,
                               check_values=False, sinks=(k_sink, v_sink) if sink_tokens else None)
@@ -114,6 +112,8 @@ def _write_cache(k, v, seqlens, k_pack, k_params, v_pack, v_params, k_res, v_res
     if not 0 < capacity <= holds:
         raise ValueError(f"capacity must lie in [1, {holds}] for these pages ({c.block_table.shape[1]} of "
                          f"{c.page_size} tokens a sequence), got {capacity}")
+    if seqlens is not None and k.shape[1] > capacity:  # (after the capacity itself is known sound)
+        raise ValueError(f"prefill: k has {k.shape[1]} tokens, more than the capacity of {capacity}")
     for name, t in (("overflow", overflow), ("commits", commits)):
         _validate.tensor(name, t, dtypes=[torch.int32], shape=(k_res.shape[0],), contiguous=True,
                          device=k_res.device)

@@ -266,6 +266,8 @@ def test_write_ops_check_the_cache_against_their_format(gen):
                          (dict(fp4="nvfp4"), ValueError, r"^k_params must have shape"),
                          (dict(sink_tokens=4), TypeError, "^k_sink must be a torch.Tensor"),
                          (dict(capacity=10**6), ValueError, r"^capacity must lie in \[1, 256\]"),
+                         (dict(capacity=-1), ValueError, r"^capacity must lie in \[1, 256\].*got -1$"),
+                         (dict(capacity=0), ValueError, r"^capacity must lie in \[1, 256\].*got 0$"),
                          (dict(block_table=torch.tensor([[1], [1]], dtype=torch.int32)), ValueError,
                           "page 1 is used more than once"),
                          (dict(block_table=torch.tensor([[-1], [1]], dtype=torch.int32)), ValueError,
@@ -276,6 +278,10 @@ def test_write_ops_check_the_cache_against_their_format(gen):
                 op(*head, *changed(**kw))
             assert all(torch.equal(getattr(c, n), t) for n, t in before.items()), (kw, op)
     assert table is c.block_table
+    # a sound capacity, shorter than the prefill: k's length is refused, after the capacity
+    with pytest.raises(ValueError, match="^prefill: k has 130 tokens, more than the capacity of 100$"):
+        torch.ops.bitdecode.prefill(k, v, torch.tensor([130, 130], dtype=torch.int32), *changed(capacity=100))
+    assert all(torch.equal(getattr(c, n), t) for n, t in before.items())
     # the decode op on the reference: the lengths' values, read on the host anyway
     with pytest.raises(ValueError, match=r"^cache_seqlens must lie in .*got min -5"):
         torch.ops.bitdecode.decode(torch.zeros(2, 1, 4, 64, dtype=torch.float16), *args[:6],
