@@ -138,9 +138,14 @@ class BitDecodingLayer(CacheLayerMixin):
             (k, v), self._pending = self._pending, None
             try:
                 self._kv.append(k, v)
-            except BaseException:  # refused (a shard of another head count, say): ``update``
-                self.seen -= k.shape[1]  # counted tokens the cache never took, as _decode_pending
+            except BaseException:  # refused (a shard of another head count, say)
+                self.uncount(k.shape[1])
                 raise
+
+    def uncount(self, tokens: int) -> None:
+        """Take back the positions ``update`` counted for ``tokens`` new tokens that the cache
+        never took (a refused append, prompt or decode; ``crop`` drops tokens it did take)."""
+        self.seen -= tokens
 
     def take_pending(self) -> Optional[tuple]:
         """The decode step's new K and V, not yet appended (None if there are none): the
@@ -459,7 +464,7 @@ def bitdecode_attention(module, query, key, value, attention_mask, dropout: floa
                                          scaling=scaling, **kwargs)
             layer.store_prompt(key, value, *_prompt_lengths(cache, attention_mask, key.shape[2]))
         except BaseException:  # refused before anything was written: the layer holds no prompt
-            layer.seen -= key.shape[2]
+            layer.uncount(key.shape[2])
             raise
         return out
     if tq == 1:  # decode over the packed cache
@@ -493,7 +498,7 @@ def _decode_pending(layer: BitDecodingLayer, q: torch.Tensor, scaling, attention
         return decode(q, kv, softmax_scale=scaling, k_new=k_new, v_new=v_new)
     except BaseException:  # refused: ``update`` counted tokens that the cache never took
         if k_new is not None and kv._host_added == added:
-            layer.seen -= k_new.shape[1]
+            layer.uncount(k_new.shape[1])
         raise
 
 
