@@ -67,11 +67,19 @@ def copy_rows_two_sources(g_first: cute.Tensor, g_second: cute.Tensor, sdst: cut
         t_b = thr.partition_S(g_second)
         t_d = thr.partition_D(sdst)
         t_c = thr.partition_S(cute.make_identity_tensor((rows, cols)))
-        for m in cutlass.range_constexpr(cute.size(t_d, mode=[1])):
-            if t_c[0, m, 0][0] < split_row:
-                cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
-            else:
-                cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
+        steps = cute.size(t_d, mode=[1])
+        if cutlass.const_expr(steps < 64):
+            for m in cutlass.range_constexpr(steps):
+                if t_c[0, m, 0][0] < split_row:
+                    cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
+                else:
+                    cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
+        else:  # (a traced loop of 64 or more makes CuTe DSL warn at every compile: the compiler unrolls it)
+            for m in cutlass.range(steps, unroll_full=True):
+                if t_c[0, m, 0][0] < split_row:
+                    cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
+                else:
+                    cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
 
 
 def wait_all():

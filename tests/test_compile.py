@@ -132,6 +132,16 @@ def test_pack_ptx(arch):
     assert ("griddepcontrol.wait" in ptx) == (arch != "sm_80")
 
 
+@pytest.mark.parametrize("fmt", [KVFormat(2, "channel", 128), KVFormat(2, "token", 32)], ids=["2c128", "2t32"])
+def test_append_at_head_dim_256_compiles_without_warnings(fmt, recwarn):
+    """2-bit append at head dim 256 (a 256-token block: 64 row steps a thread) used to make
+    CuTe DSL warn twice a compile about a traced loop of 64 iterations; a user saw it at
+    the first append."""
+    fn = kernels.compile_pack("sm_80", fmt, cutlass.Float16, 256, "append", keep_ptx=True)
+    assert "cp.async" in fn.artifacts.PTX
+    assert not [str(w.message) for w in recwarn if "loop" in str(w.message)]
+
+
 @pytest.mark.parametrize("arch, fp4, dtype, head_dim, mode", [
     ("sm_80", "nvfp4", cutlass.Float16, 128, "append"),
     ("sm_90a", "mxfp4", cutlass.BFloat16, 64, "prefill"),
