@@ -82,3 +82,20 @@ def test_shapes_match_what_the_reference_packs(bits, k_mode):
     assert fmt.v_params_shape(5, heads, page, d) == (5, *v_params.shape)
     words = (k_pack.numel() + k_params.numel() + v_pack.numel() + v_params.numel()) / (heads * page)
     assert fmt.bytes_per_token(d) == 4 * words
+
+
+def test_tiles_round_up_to_whole_residual_blocks():
+    assert [bd.KVFormat(bits=4).tiles(n) for n in (0, 1, 128, 129)] == [0, 1, 1, 2]
+    assert [bd.KVFormat(bits=2).tiles(n) for n in (255, 256, 257)] == [1, 1, 2]
+
+
+def test_model_head_dim_from_a_config():
+    from types import SimpleNamespace
+
+    from bitdecode.formats import model_head_dim
+
+    assert model_head_dim(SimpleNamespace(head_dim=128)) == 128
+    assert model_head_dim(SimpleNamespace(hidden_size=512, num_attention_heads=8)) == 64
+    assert model_head_dim(SimpleNamespace(head_dim=0, hidden_size=512, num_attention_heads=8)) == 64
+    assert model_head_dim(SimpleNamespace(head_dim=None, hidden_size=100, num_attention_heads=3)) is None
+    assert model_head_dim(SimpleNamespace()) is None

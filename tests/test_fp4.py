@@ -227,3 +227,13 @@ def test_eval_specs():
     assert bdeval.parse_method("mxfp4", 64).fmt.group_size == 32
     with pytest.raises(ValueError, match="nvfp4 / mxfp4"):
         bdeval.parse_method("nvfp4v2", 64)
+
+
+def test_mxfp4_scale_clamps_at_its_smallest_power_of_two():
+    """A bf16 block whose largest magnitude is 2^-126 asks for the E8M0 exponent -128; the
+    scale byte clamps at 0 (2^-127), not wrapping to 255 (the NaN scale)."""
+    x = torch.full((1, 32), 2.0 ** -126, dtype=torch.bfloat16)
+    x[0, 1] = -(2.0 ** -127)
+    codes, sf = reference.quantize_fp4(x, "mxfp4")
+    assert sf.tolist() == [[0]]
+    assert torch.equal(reference.dequantize_fp4(codes, sf, "mxfp4", torch.bfloat16), x)

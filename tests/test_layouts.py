@@ -261,6 +261,67 @@ def test_interleave_and_dequant_constants():
         (8, 0x000F000F, 0x64006400), (8, 0x00F000F0, 0x64006400)]
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_field_of_element_refuses_an_element_outside_the_word(bits):
+    for bad in (-1, packing.codes_per_word(bits)):
+        with pytest.raises(ValueError, match=r"^element must be in \[0, "):
+            packing.field_of_element(bits, bad)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_dequant_steps_recover_every_code(bits):
+    """Each step's own ``fix_scale`` / ``fix_bias`` (the kernels' fma constants) and the
+    subnormal form (no magic: ``code << offset`` read times 2^-SUBNORMAL_LOG2, at most
+    ``room`` bits above the code) give back the codes of a word exactly."""
+    f = packing.codes_per_word(bits)
+    codes = torch.randint(0, 1 << bits, (512, f), generator=torch.Generator().manual_seed(bits))
+    words = sum(codes[:, e] << packing.shift_of_element(bits, e) for e in range(f))
+
+    def halves(t):
+        return torch.stack([t & 0xFFFF, (t >> 16) & 0xFFFF], dim=-1)
+
+    for dtype, tdt in DTYPES.items():
+        for s in packing.dequant_steps(bits, dtype):
+            q = bits16_to(tdt, halves(((words >> s.shift) & s.mask) | s.magic)).double()
+            assert torch.equal(q * s.fix_scale + s.fix_bias(dtype), codes[:, [2 * s.pair, 2 * s.pair + 1]].double())
+    assert packing.SUBNORMAL_LOG2 == {"fp16": 24, "bf16": 133}  # 2^-24: fp16's smallest subnormal
+    for room in (bits, bits + 2):
+        for s in packing.dequant_steps(bits, "fp16", room, subnormal=True):
+            assert s.magic == 0 and s.mult <= 2 ** (room - bits)
+            t = (words >> s.shift) & s.mask
+            q = bits16_to(torch.float16, halves(t)).double() * 2.0 ** packing.SUBNORMAL_LOG2["fp16"] / s.mult
+            assert torch.equal(q, codes[:, [2 * s.pair, 2 * s.pair + 1]].double())
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte i of the result is byte ``selector``'s nibble i
+    of the pair (b:a)."""
+    pool = (b << 32) | a
+    return sum(((pool >> 8 * ((selector >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+
+
+def test_prmt_selectors_gather_the_params_halves():
+    a, b = 0xA1A2A3A4, 0xB1B2B3B4  # two params words: (scale, zero) = (lo, hi)
+    assert _prmt(a, b, packing.PRMT_LOW_HALVES) == 0xB3B4A3A4  # the two scales
+    assert _prmt(a, b, packing.PRMT_HIGH_HALVES) == 0xB1B2A1A2  # the two zeros
+    assert _prmt(a, b, packing.PRMT_LOW_BROADCAST) == 0xA3A4A3A4
+    assert _prmt(a, b, packing.PRMT_HIGH_BROADCAST) == 0xA1A2A1A2
+    for p, sel in enumerate(packing.PRMT_BYTE_PAIR):
+        ab, bb = (a >> 8 * p) & 0xFF, (b >> 8 * p) & 0xFF
+        assert _prmt(a, b, sel) == ab | ab << 8 | bb << 16 | bb << 24
+
+
+@pytest.mark.parametrize("dtype, bf16", [(torch.float16, False), (torch.bfloat16, True)])
+def test_nan_params_are_the_references_bytes(dtype, bf16):
+    """A group with a NaN inside gets the (scale, zero) bytes the kernels write (``nan16``)."""
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[0, 3] = float("nan")
+    _, scale, zero = reference.quantize(x, 4, 64, check_finite=False)
+    for t in (scale, zero):
+        assert t[0, 0].view(torch.int16).item() & 0xFFFF == packing.nan16(bf16)
+        assert not t[1, 0].isnan()
+
+
 def test_residual_block():
     for bits, nr in ((4, 128), (2, 256)):
         assert sm80.residual_block(bits) == nr == 4 * 8 * (16 // bits)

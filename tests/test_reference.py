@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bitdecode import KVFormat, reference
+from bitdecode import KVCache, KVFormat, reference
 from bitdecode.layouts import sm80
 
 import kvdata
@@ -379,3 +379,47 @@ def test_a_scale_that_rounds_to_zero_gives_code_zero():
     x[0, 1] = 2.0 ** -24  # fp16's smallest subnormal: the scale 2^-24 / 15 rounds to 0
     codes, scale, zero = reference.quantize(x, 4, 32)
     assert scale.item() == 0 and zero.item() == 0 and codes.max().item() == 0
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_codes_stay_below_qmax_when_the_scale_rounds_down(bits):
+    """A range of a few fp16 subnormal steps: the scale rounds toward zero to one step, so
+    the largest value's code would be 2^bits (one bit into the next field of a word)
+    without the clamp."""
+    x = torch.zeros(1, 64, dtype=torch.float16)  # (two groups of 32: a row 2-bit words pack)
+    x[0, 1] = (1 << bits) * 2.0 ** -24
+    codes, scale, zero = reference.quantize(x, bits, 32)
+    assert scale[0, 0].item() == 2.0 ** -24 and int(codes.max()) == (1 << bits) - 1
+    reference.pack_rows(codes, bits)  # (checks the codes' range)
+
+
+def test_pack_params_keeps_the_zero_beside_a_negative_scale():
+    """The scale's half of a params word does not sign-extend into the zero's half."""
+    scale = torch.tensor([-0.0, -1.0, 2.0], dtype=torch.float16)
+    zero = torch.tensor([3.0, -5.0, 0.5], dtype=torch.float16)
+    s, z = reference.unpack_params(reference.pack_params(scale, zero), torch.float16)
+    assert torch.equal(s.view(torch.int16), scale.view(torch.int16))
+    assert torch.equal(z.view(torch.int16), zero.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_of_several_queries_is_causal_over_the_newest_tokens(dtype, gen):
+    """``reference.decode`` with T = 3: query j attends to the first len - T + 1 + j tokens
+    (the cache's own dequantized K / V), each sequence at its own length."""
+    fmt = _fmt(4, "channel", 32)
+    lens, d, t = [300, 131], 64, 3
+    k, v = (kvdata.randn(gen, 2, 300, 2, d, dtype=dtype) for _ in range(2))
+    cache = KVCache.allocate(2, 2, d, 320, fmt, dtype=dtype, device="cpu", backend="reference")
+    cache.prefill(k, v, seqlens=torch.tensor(lens, dtype=torch.int32))
+    q = kvdata.randn(gen, 2, t, 4, d, dtype=dtype)
+    tn = cache.tensors()
+    out = reference.decode(q, tn.k_pack, tn.k_params, tn.v_pack, tn.v_params, tn.k_res, tn.v_res,
+                           tn.cache_seqlens, fmt, tn.block_table)
+    for b, n in enumerate(lens):
+        kd, vd = reference.gather_kv(b, n, tn.k_pack, tn.k_params, tn.v_pack, tn.v_params, tn.k_res, tn.v_res,
+                                     tn.block_table, fmt, None)
+        for j in range(t):
+            seen = n - t + 1 + j
+            want, _ = reference.attention(q[b, j], kd[:seen], vd[:seen], None)
+            assert torch.equal(out[b, j], want.to(dtype)), (b, j)
+        assert not torch.equal(out[b, 0], out[b, 2])
