@@ -123,7 +123,8 @@ def test_auto_takes_the_kernel_that_measured_faster(monkeypatch):
         (2, 4096, 14336, "gemv", "gemv"), (3, 4096, 4096, "small_m", "small_m"), (3, 6144, 4096, "small_m", "small_m"),
         (3, 4096, 14336, "gemv", "gemv"), (3, 28672, 4096, None, "gemv"), (4, 4096, 4096, "small_m", "small_m"),
         (8, 6144, 4096, "small_m", "small_m"), (16, 64, 256, "small_m", "small_m"), (8, 28672, 4096, None, "small_m"),
-        (8, 4096, 14336, None, "small_m"), (17, 64, 256, None, None))
+        (8, 4096, 14336, None, "small_m"), (17, 64, 256, None, None),
+        (2, 5120, 5120, "gemv", "gemv"))  # (a square weight past SMALL_M_AUTO_WEIGHTS: N <= K)
     for tokens, n, k, auto, kernel in cases:
         x, w, _ = _operands(tokens, n, k, torch.float32, "cpu")
         for backend, want in (("auto", auto), ("kernel", kernel), ("reference", None)):
@@ -142,6 +143,13 @@ def test_auto_takes_the_kernel_that_measured_faster(monkeypatch):
     ran.clear()
     dense.linear(x, w, b)
     assert ran == ["gemv"]
+    # a residual: in the kernel's epilogue without a bias, after it with one; added once either way
+    for bias in (None, b):
+        r = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+        ran.clear()
+        y = dense.linear(x, w, bias, residual=r)
+        torch.testing.assert_close(y, r + torch.nn.functional.linear(x, w, bias))
+        assert ran == ["small_m" if bias is None else "gemv"]
 
 
 def test_bad_arguments_are_named():
@@ -351,3 +359,9 @@ def test_gpu_norm_gemv_silu_chain_in_a_cuda_graph():
         x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g))
         graph.replay()
         assert torch.equal(out, mlp(x)), seed
+
+
+def test_an_empty_k_gives_zeros():
+    """K = 0 (a degenerate projection) is torch's answer, zeros, not a division by zero."""
+    y = dense.linear(torch.randn(2, 0), torch.randn(16, 0))
+    assert torch.equal(y, torch.zeros(2, 16))

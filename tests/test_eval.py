@@ -4,6 +4,7 @@ tokens, the torch reference backend (a few seconds)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import json
 
 import pytest
@@ -219,3 +220,94 @@ def test_bad_arguments_are_refused_before_the_model_runs(model, ids):
         bdeval.needle_prompts(tok, ids[:20_000], 300, depths=(0.5, 1.5), trials=1)
     with pytest.raises(TypeError, match="cache must be a transformers Cache"):
         bdeval.cache_bytes(None)
+
+
+def test_score_is_kl_of_the_baseline_against_the_method():
+    """``score``'s definitions, computed by hand: KL(base || logp) (not the reverse: the two
+    differ here), top-1 agreement with base, top-1 accuracy on the targets (which differ
+    from base's argmax)."""
+    base = torch.log_softmax(torch.tensor([[[3.0, 0.0, 0.0], [0.0, 0.0, 3.0]]]), -1)
+    logp = torch.log_softmax(torch.tensor([[[0.0, 0.0, 0.0], [0.0, 3.0, 0.0]]]), -1)
+    targets = torch.tensor([[1, 1]])
+    m = bdeval.score(logp, base, targets)
+    kl = (base.exp() * (base - logp)).sum(-1)
+    assert torch.allclose(m["kl"], kl) and not torch.allclose(kl, (logp.exp() * (logp - base)).sum(-1))
+    assert m["agree"].tolist() == [[1.0, 0.0]] and m["correct"].tolist() == [[0.0, 1.0]]
+    torch.testing.assert_close(m["nll"], -logp[0, :, 1][None])
+
+
+def test_evaluate_scores_the_next_tokens_window_by_window(model, ids, monkeypatch):
+    """``evaluate``'s bookkeeping with a stand-in for the model's log-probs: the 16-bit run
+    predicts each target exactly (so its perplexity is 1 only if the targets are the next
+    tokens), ``2c32`` misses every token of the second window by a varying margin,
+    ``2t64`` equals the baseline.  Every summary number is checked against its formula."""
+    vocab, got = model.config.vocab_size, {}
+
+    def fake(model_, method, x, scored, backend="auto"):
+        nxt = x[:, -scored:]  # the tokens after each fed one
+        logits = torch.full((*nxt.shape, vocab), -30.0).scatter(-1, nxt[..., None], 0.0)
+        if method.spec == "2c32":
+            logits[1] = torch.full((scored, vocab), -1.0).scatter(-1, nxt[1, :, None], -1.0 - torch.arange(
+                scored, dtype=torch.float32)[:, None] / 4)
+        got[method.spec] = torch.log_softmax(logits, -1)
+        return got[method.spec], 1, 0.0
+
+    monkeypatch.setattr(bdeval, "teacher_forced", fake)
+    scored = 8
+    r = bdeval.evaluate(model, ids, ["2c32", "2t64"], contexts=[64], scored=scored, windows=2)
+    rows = {x["method"]: x for x in r["results"]}
+    assert rows["16"]["ppl"] == pytest.approx(1.0, abs=1e-9) and rows["16"]["top1_accuracy"] == 1
+    x = torch.stack([ids[e - 65:e] for e in r["settings"]["window_ends"]])
+    nll = {k: -v.gather(-1, x[:, -scored:, None])[..., 0].double() for k, v in got.items()}
+    d = nll["2c32"] - nll["16"]
+    q = rows["2c32"]
+    assert q["ppl"] == pytest.approx(math.exp(nll["2c32"].mean()), rel=1e-9)
+    assert q["ppl_increase_pct"] == pytest.approx(100 * math.expm1(d.mean()), rel=1e-9)
+    se = 100 * math.exp(d.mean()) * d.flatten().std().item() / math.sqrt(d.numel())
+    assert q["ppl_increase_se_pct"] == pytest.approx(se, rel=1e-9)
+    assert q["top1_agreement"] == 0.5 and q["top1_accuracy"] == 0.5  # (the second window's argmax: token 0)
+    for w in range(2):
+        assert q["per_window"][w]["ppl"] == pytest.approx(math.exp(nll["2c32"][w].mean()), rel=1e-9)
+    assert q["per_window"][0]["ppl_increase_pct"] == pytest.approx(0, abs=1e-9)
+    assert rows["2t64"]["ppl_increase_pct"] == pytest.approx(0, abs=1e-9)
+    assert bdeval.targets(r)["2bit"]["best"] == "2t64"  # the smaller increase of the two 2-bit formats
+
+
+def test_needle_spans_rates_and_what_the_model_is_fed(model, monkeypatch):
+    """The needle span is exactly the needle's tokens; ``greedy`` prefills all but the last
+    prompt token and feeds it as the first decode step; the rate per depth counts its own
+    prompts; ``needle_in_packed`` counts the prefill (context - 1 tokens) in whole blocks."""
+    tok = bdeval.ByteTokenizer()
+    filler = bdeval.tokenize(tok, bdeval.pydoc_text()[:20_000])
+    prompts = bdeval.needle_prompts(tok, filler, 300, depths=(0.1, 0.9), trials=2, seed=3)
+    for p in prompts:
+        a, b = p["needle_span"]
+        assert tok.decode(p["ids"][a:b]) == bdeval.NEEDLE.format(key=p["key"])
+    fed = []
+
+    def forward(model_, x, cache, kw):
+        fed.append(x.clone())
+        return torch.zeros(x.shape[0], model_.config.vocab_size)
+
+    monkeypatch.setattr(bdeval, "_forward", forward)
+    x = torch.tensor([prompts[0]["ids"]])
+    bdeval.greedy(model, bdeval.parse_method("16"), x, 3)
+    assert torch.equal(fed[0], x[:, :-1]) and torch.equal(fed[1], x[:, -1:]) and len(fed) == 4
+
+    first_key = prompts[0]["key"]
+
+    def answers(model_, method, x, new_tokens, backend="auto"):  # only the first prompt's key is found
+        out = torch.zeros(x.shape[0], new_tokens, dtype=torch.long)
+        for i, row in enumerate(x.tolist()):
+            if row == prompts[0]["ids"]:
+                out[i, :5] = torch.tensor(tok.encode(first_key))
+        return out, 0
+
+    monkeypatch.setattr(bdeval, "greedy", answers)
+    out = bdeval.needle(model, tok, ["4c64"], filler, context=300, depths=(0.1, 0.9), trials=2, seed=3,
+                        new_tokens=6)
+    for r in out["results"]:
+        assert r["found"] == [True, False, False, False] and r["rate"] == 0.25
+        assert r["per_depth"] == {"0.1": 0.5, "0.9": 0.0}
+    short = bdeval.needle(model, tok, ["4c64"], filler[:2000], context=256, depths=(0.9,), trials=1, new_tokens=1)
+    assert short["results"][1]["needle_in_packed"] is False  # 255 prefilled tokens: 128 of them packed
