@@ -67,3 +67,35 @@ def test_a_folder_that_fails_costs_only_the_disk(monkeypatch, tmp_path, failure)
     assert builds == [1] and cache.unwritten == 1
     monkeypatch.setenv(jit.ENV_DISABLE_DISK, "1")  # switched off: nothing to write, nothing unwritten
     assert cache.get(("decode", 2), lambda: kernel) is kernel and cache.unwritten == 1
+
+
+def test_the_disk_key_and_folder_carry_every_field(monkeypatch, tmp_path):
+    """Two keys that differ in one field (the dtype, last) get two files; the folder is the
+    sources' fingerprint under the cache root (a changed source compiles afresh)."""
+    import torch
+
+    monkeypatch.setattr(jit, "fingerprint", lambda: "fp")
+    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
+    assert jit.KernelCache._path(("k", "sm_80", torch.float16)) != jit.KernelCache._path(("k", "sm_80", torch.bfloat16))
+    assert jit.cache_dir() == tmp_path / "fp"
+
+
+def test_arch_names_and_pdl(monkeypatch):
+    for cap, name in [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((9, 0), "sm_90a"), ((10, 0), "sm_100a")]:
+        monkeypatch.setattr(jit, "capability", lambda i, cap=cap: cap)
+        assert jit._target_arch.__wrapped__(0) == name
+    assert jit.has_pdl("sm_90a") and jit.has_pdl("sm_100a") and not jit.has_pdl("sm_89")
+
+
+def test_fingerprint_sees_a_renamed_source(monkeypatch, tmp_path):
+    pytest.importorskip("cutlass")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(jit, "_PKG_ROOT", tmp_path)
+    jit.fingerprint.cache_clear()
+    try:
+        one = jit.fingerprint()
+        (tmp_path / "a.py").rename(tmp_path / "b.py")
+        jit.fingerprint.cache_clear()
+        assert jit.fingerprint() != one
+    finally:
+        jit.fingerprint.cache_clear()

@@ -436,3 +436,30 @@ def test_formats_and_options_take_numpy_scalars_as_python_ones():
     with pytest.raises(ValueError, match="fmt.sink_tokens=600 exceeds max_seqlen=512"):
         bd.KVCache.allocate(1, 2, 128, 512, fmt=bd.KVFormat(bits=4, sink_tokens=600), backend="reference",
                             device="cpu")
+
+
+def _unchecked_cache(lens, fmt=bd.KVFormat(bits=4, group_size=32)):
+    c = bd.KVCache.allocate(2, 2, 64, 200, fmt, device="cpu")
+    return attention.check_cache(fmt, c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res,
+                                 torch.tensor(lens, dtype=torch.int32), c.block_table, check_values=False)
+
+
+def test_lengths_up_to_full_pages_and_a_residual_block_less_one_are_valid():
+    """The longest length a cache holds: every page packed, the residual block one short of
+    full; one more is refused."""
+    nr = bd.KVFormat(bits=4, group_size=32).residual_block
+    top = _unchecked_cache([0, 0]).max_packed_tokens
+    attention.check_cache_values(_unchecked_cache([top, top + nr - 1]))
+    with pytest.raises(ValueError, match="cache_seqlens must lie in"):
+        attention.check_cache_values(_unchecked_cache([0, top + nr]))
+
+
+def test_query_heads_up_to_the_backends_gqa_limit():
+    """Exactly ``max_gqa`` query heads per KV head are taken; one more is refused by name."""
+    from bitdecode import backend as backends
+
+    cache = _unchecked_cache([1, 1])
+    g = backends.get("sm80").limits.max_gqa
+    attention.check_query(torch.randn(2, 1, 2 * g, 64).half(), cache, "sm80")
+    with pytest.raises(ValueError, match="query heads per KV head"):
+        attention.check_query(torch.randn(2, 1, 2 * (g + 1), 64).half(), cache, "sm80")
