@@ -68,18 +68,22 @@ def copy_rows_two_sources(g_first: cute.Tensor, g_second: cute.Tensor, sdst: cut
         t_d = thr.partition_D(sdst)
         t_c = thr.partition_S(cute.make_identity_tensor((rows, cols)))
         steps = cute.size(t_d, mode=[1])
-        if cutlass.const_expr(steps < 64):
+        if const_expr(steps < 64):
             for m in cutlass.range_constexpr(steps):
-                if t_c[0, m, 0][0] < split_row:
-                    cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
-                else:
-                    cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
+                _copy_row_from_either(copy, t_a, t_b, t_d, t_c, m, split_row)
         else:  # (a traced loop of 64 or more makes CuTe DSL warn at every compile: the compiler unrolls it)
             for m in cutlass.range(steps, unroll_full=True):
-                if t_c[0, m, 0][0] < split_row:
-                    cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
-                else:
-                    cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
+                _copy_row_from_either(copy, t_a, t_b, t_d, t_c, m, split_row)
+
+
+@cute.jit
+def _copy_row_from_either(copy, t_a: cute.Tensor, t_b: cute.Tensor, t_d: cute.Tensor, t_c: cute.Tensor, m,
+                          split_row):
+    """Row step ``m`` of ``copy_rows_two_sources``: from ``t_a`` below ``split_row``, else ``t_b``."""
+    if t_c[0, m, 0][0] < split_row:
+        cute.copy(copy, t_a[None, m, None], t_d[None, m, None])
+    else:
+        cute.copy(copy, t_b[None, m, None], t_d[None, m, None])
 
 
 def wait_all():
