@@ -322,69 +322,47 @@ def test_capability_at_least_counts_its_own_major(monkeypatch):
     assert not dispatch.capability_at_least(torch.device("cuda", 0), 9)
 
 
-# the first-use check's verdict cache, its child process faked (gaps a mutation audit found)
-@pytest.fixture
-def fake_child(monkeypatch, tmp_path):
-    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(selfcheck.ENV_SWITCH, raising=False)
-    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)
-    monkeypatch.setattr(jit, "fingerprint", lambda: "fp")
-    monkeypatch.setattr(selfcheck, "_verdicts", {})
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "B200")
-    state = {"cap": (10, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: state["cap"])
-    calls = []
-    monkeypatch.setattr(selfcheck, "run_child", lambda cmd, t: calls.append(list(cmd)) or (True, "ok"))
-    return calls, state
+# the first-use check's verdict: its key, its file and its child (``child`` fakes the child)
 
 
-_SC_FMT = bd.KVFormat(bits=4, group_size=32)
-_SC_DEV = torch.device("cuda", 0)
+def test_verdict_key_has_the_head_dim(child):
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.float16)
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 256, torch.float16)
+    assert len(child.calls) == 2
 
 
-def test_verdict_key_has_the_head_dim(fake_child):
-    calls, _ = fake_child
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.float16)
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 256, torch.float16)
-    assert len(calls) == 2
+def test_verdict_key_has_the_capability(child, monkeypatch):
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.float16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 3))
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.float16)
+    assert len(child.calls) == 2
 
 
-def test_verdict_key_has_the_capability(fake_child):
-    calls, state = fake_child
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.float16)
-    state["cap"] = (10, 3)
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.float16)
-    assert len(calls) == 2
-
-
-def test_a_saved_verdict_of_another_key_is_ignored(fake_child):
-    calls, _ = fake_child
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.float16)
+def test_a_saved_verdict_of_another_key_is_ignored(child):
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.float16)
     (path,) = list(jit.cache_dir().rglob("*.json"))
     saved = json.loads(path.read_text())
     saved["key"], saved["ok"] = "other", False
     path.write_text(json.dumps(saved))
     selfcheck._verdicts.clear()
-    assert selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.float16) is True
-    assert len(calls) == 2
+    assert selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.float16) is True
+    assert len(child.calls) == 2
 
 
-def test_disk_cache_off_reads_no_saved_verdict(fake_child, monkeypatch):
-    calls, _ = fake_child
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.float16)
+def test_disk_cache_off_reads_no_saved_verdict(child, monkeypatch):
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.float16)
     monkeypatch.setenv("BITDECODE_NO_DISK_CACHE", "1")
     selfcheck._verdicts.clear()
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.float16)
-    assert len(calls) == 2
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.float16)
+    assert len(child.calls) == 2
 
 
-def test_the_check_runs_at_the_callers_dtype(fake_child):
-    calls, _ = fake_child
-    selfcheck.verdict("sm100", _SC_DEV, _SC_FMT, 128, torch.bfloat16)
-    assert calls[0][calls[0].index("--dtype") + 1] == "bfloat16"
+def test_the_check_runs_at_the_callers_dtype(child):
+    selfcheck.verdict("sm100", CUDA0, NVFP4, 128, torch.bfloat16)
+    assert child.calls[0][child.calls[0].index("--dtype") + 1] == "bfloat16"
 
 
 def test_the_child_check_runs_with_the_check_switched_off(monkeypatch):
     monkeypatch.setenv(selfcheck.ENV_SWITCH, "1")
-    code = "import os, json; print(json.dumps({'ok': True, 'detail': os.environ.get('BITDECODE_SELFCHECK')}))"
+    code = f"import os, json; print(json.dumps({{'ok': True, 'detail': os.environ.get({selfcheck.ENV_SWITCH!r})}}))"
     assert selfcheck.run_child([sys.executable, "-c", code], 60) == (True, "0")
