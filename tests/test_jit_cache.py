@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from bitdecode import jit
 
@@ -72,10 +73,8 @@ def test_a_folder_that_fails_costs_only_the_disk(monkeypatch, tmp_path, failure)
 def test_the_disk_key_and_folder_carry_every_field(monkeypatch, tmp_path):
     """Two keys that differ in one field (the dtype, last) get two files; the folder is the
     sources' fingerprint under the cache root (a changed source compiles afresh)."""
-    import torch
-
     monkeypatch.setattr(jit, "fingerprint", lambda: "fp")
-    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(jit.ENV_CACHE_DIR, str(tmp_path))
     assert jit.KernelCache._path(("k", "sm_80", torch.float16)) != jit.KernelCache._path(("k", "sm_80", torch.bfloat16))
     assert jit.cache_dir() == tmp_path / "fp"
 
