@@ -277,19 +277,16 @@ def test_dequant_steps_recover_every_code(bits):
     codes = torch.randint(0, 1 << bits, (512, f), generator=torch.Generator().manual_seed(bits))
     words = sum(codes[:, e] << packing.shift_of_element(bits, e) for e in range(f))
 
-    def halves(t):
-        return torch.stack([t & 0xFFFF, (t >> 16) & 0xFFFF], dim=-1)
-
     for dtype, tdt in DTYPES.items():
         for s in packing.dequant_steps(bits, dtype):
-            q = bits16_to(tdt, halves(((words >> s.shift) & s.mask) | s.magic)).double()
+            q = bits16_to(tdt, word_halves(((words >> s.shift) & s.mask) | s.magic)).double()
             assert torch.equal(q * s.fix_scale + s.fix_bias(dtype), codes[:, [2 * s.pair, 2 * s.pair + 1]].double())
     assert packing.SUBNORMAL_LOG2 == {"fp16": 24, "bf16": 133}  # 2^-24: fp16's smallest subnormal
     for room in (bits, bits + 2):
         for s in packing.dequant_steps(bits, "fp16", room, subnormal=True):
             assert s.magic == 0 and s.mult <= 2 ** (room - bits)
             t = (words >> s.shift) & s.mask
-            q = bits16_to(torch.float16, halves(t)).double() * 2.0 ** packing.SUBNORMAL_LOG2["fp16"] / s.mult
+            q = bits16_to(torch.float16, word_halves(t)).double() * 2.0 ** packing.SUBNORMAL_LOG2["fp16"] / s.mult
             assert torch.equal(q, codes[:, [2 * s.pair, 2 * s.pair + 1]].double())
 
 
@@ -341,10 +338,15 @@ def bits16_to(dtype, pattern: torch.Tensor) -> torch.Tensor:
     return signed.view(dtype)
 
 
+def word_halves(t: torch.Tensor) -> torch.Tensor:
+    """The (low, high) 16-bit halves of 32-bit words, on a new last dim."""
+    return torch.stack([t & 0xFFFF, (t >> 16) & 0xFFFF], dim=-1)
+
+
 def write_smem(tile_words: torch.Tensor, offsets) -> torch.Tensor:
     """cp.async of a packed tile (rows of int32 words) into swizzled smem: 16-bit cells."""
     w = tile_words.long() & 0xFFFFFFFF
-    halves = torch.stack([w & 0xFFFF, w >> 16], dim=-1).reshape(w.shape[0], -1)  # 16-bit col 2k, 2k+1
+    halves = word_halves(w).reshape(w.shape[0], -1)  # 16-bit col 2k, 2k+1
     phys = torch.tensor(offsets, dtype=torch.long)
     assert phys.shape == halves.shape
     smem = torch.full((phys.numel(),), -1, dtype=torch.long)
@@ -371,8 +373,7 @@ def dequant_codes(words: torch.Tensor, bits: int, dtype: str) -> torch.Tensor:
     for step in packing.dequant_steps(bits, dtype):
         t = ((words >> step.shift) & step.mask) | step.magic
         magic = bits16_to(tdt, torch.tensor([step.magic & 0xFFFF])).double()
-        halves = torch.stack([t & 0xFFFF, (t >> 16) & 0xFFFF], dim=-1)
-        q = (bits16_to(tdt, halves).double() - magic) / step.mult
+        q = (bits16_to(tdt, word_halves(t)).double() - magic) / step.mult
         assert torch.equal(q, q.round()) and q.min() >= 0 and q.max() < (1 << bits)
         out.append(q)
     return torch.stack(out, dim=-2)

@@ -439,7 +439,7 @@ def test_formats_and_options_take_numpy_scalars_as_python_ones():
 
 
 def _unchecked_cache(lens, fmt=bd.KVFormat(bits=4, group_size=32)):
-    c = bd.KVCache.allocate(2, 2, 64, 200, fmt, device="cpu")
+    c = bd.KVCache.allocate(B, HKV, D, N, fmt, device="cpu")
     return attention.check_cache(fmt, c.k_pack, c.k_params, c.v_pack, c.v_params, c.k_res, c.v_res,
                                  torch.tensor(lens, dtype=torch.int32), c.block_table, check_values=False)
 
@@ -460,6 +460,6 @@ def test_query_heads_up_to_the_backends_gqa_limit():
 
     cache = _unchecked_cache([1, 1])
     g = backends.get("sm80").limits.max_gqa
-    attention.check_query(torch.randn(2, 1, 2 * g, 64).half(), cache, "sm80")
+    attention.check_query(q(heads=HKV * g), cache, "sm80")
     with pytest.raises(ValueError, match="query heads per KV head"):
-        attention.check_query(torch.randn(2, 1, 2 * (g + 1), 64).half(), cache, "sm80")
+        attention.check_query(q(heads=HKV * (g + 1)), cache, "sm80")
