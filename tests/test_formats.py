@@ -1,12 +1,14 @@
 """KVFormat: validation, derived sizes, storage shapes."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import bitdecode as bd
 from bitdecode import reference
+from bitdecode.formats import model_head_dim
 
 
 def test_defaults_and_derived_sizes():
@@ -90,10 +92,6 @@ def test_tiles_round_up_to_whole_residual_blocks():
 
 
 def test_model_head_dim_from_a_config():
-    from types import SimpleNamespace
-
-    from bitdecode.formats import model_head_dim
-
     assert model_head_dim(SimpleNamespace(head_dim=128)) == 128
     assert model_head_dim(SimpleNamespace(hidden_size=512, num_attention_heads=8)) == 64
     assert model_head_dim(SimpleNamespace(head_dim=0, hidden_size=512, num_attention_heads=8)) == 64
