@@ -5,7 +5,9 @@ median of many, the L2 flushed before every timed call (a read of a 2x-L2 buffer
 is the best streaming bandwidth measured in the same run.  Results go to
 ``<out_dir>/decode.json`` (+ ``decode.png``), or with ``--quick`` (three context lengths,
 B = 1 and 16, every backend side by side) to ``decode_backends.json`` (+ ``.png``);
-``python -m profiles.bench_decode --help`` or ``bitdecode bench decode``.
+``python -m profiles.bench_decode --help`` or ``bitdecode bench decode``.  Where FlashInfer
+imports (the GPU host's peer kit), its paged decode at fp16 and fp8 KV is timed beside them
+(``fi_<kv>_us``) and its output checked against SDPA (``bench_peer``).
 """
 
 from __future__ import annotations
@@ -96,6 +98,26 @@ class Timer:
         return statistics.median(self.once(fn, None if flush else "none", host) for _ in range(iters))
 
 
+# Freed device memory slows the memory-bound kernels that follow for a while (H100, the
+# sixty-fifth session, profiles/NOTES.md): a 4-bit decode at B=1 N=128K ran 56.5 us before
+# and ~65 us (+15 %) for ~11 ms after 4 GB went back to the driver, for over 24 ms after 12
+# GB, and unchanged after 0.4 GB; clocks, power and throttle reasons stayed the same (the
+# driver's own work on the freed pages, its scrubbing the likeliest).  So a benchmark waits
+# ``SETTLE_S_PER_GB`` a GB freed (about 4x the transient measured) before it times again.
+SETTLE_S_PER_GB = 0.01
+
+
+def release_memory() -> float:
+    """``torch.cuda.empty_cache()``, then wait out the slow spell that the freed memory
+    brings (``SETTLE_S_PER_GB``); the seconds waited."""
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    wait = (before - torch.cuda.memory_reserved()) / 2 ** 30 * SETTLE_S_PER_GB
+    time.sleep(wait)
+    return wait
+
+
 def measure_roofline(timer: Timer, device) -> Dict[str, float]:
     """Streaming bandwidth (bytes/s): a 4 GiB read (sum; the roofline's floor) and copy (recorded)."""
     n = 1 << 31
@@ -106,7 +128,7 @@ def measure_roofline(timer: Timer, device) -> Dict[str, float]:
     copy_bw = 2 * x.numel() * 2 / (t_copy * 1e-6)
     read_bw = x.numel() * 2 / (t_read * 1e-6)
     x = y = None  # (free them; rebinding, not del: the lambdas above name them)
-    torch.cuda.empty_cache()
+    release_memory()
     # (the copy's bytes are its reads and its writes: not a read rate, so never the roofline)
     return {"copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "best_bytes_per_s": read_bw}
 
@@ -165,6 +187,93 @@ def sdpa_baseline(q: torch.Tensor, hkv: int, n: int, gen) -> Callable[[], torch.
     return lambda: F.scaled_dot_product_attention(q4, k16, v16, enable_gqa=True)
 
 
+# FlashInfer's paged batch decode: the peer a user would pick instead (fp16 or fp8 e4m3 KV),
+# timed where ``flashinfer.decode`` imports (the GPU host's kit: ``eval "$(bash
+# .device/fi-setup.sh)"``, ../shared/peers/flashinfer) and left out of the record elsewhere
+PEER_PAGE = 16  # tokens a page (FlashInfer's common page size; the kit's README measured at 16)
+PEER_KV = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+def flashinfer_version() -> Optional[str]:
+    """The importable FlashInfer's version, or None where it is absent (CI, a bare host)."""
+    try:
+        import flashinfer
+        import flashinfer.decode  # noqa: F401  (the trimmed kit's package imports nothing itself)
+    except ImportError:
+        return None
+    return getattr(flashinfer, "__version__", "unknown")
+
+
+def peer_pages(b: int, n: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table for ``b`` sequences of ``n`` tokens each, laid out one after
+    another: (indptr [b + 1], page indices, the tokens in each sequence's last page), int32."""
+    pages = -(-n // PEER_PAGE)
+    indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * pages
+    indices = torch.arange(b * pages, dtype=torch.int32, device=device)
+    last = torch.full((b,), n - (pages - 1) * PEER_PAGE, dtype=torch.int32, device=device)
+    return indptr, indices, last
+
+
+def peer_kv_dense(cache: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[B, Hkv, n, D]`` (fp32) of a one-table-per-sequence FlashInfer cache
+    ``[B * pages, 2, PEER_PAGE, Hkv, D]`` (``peer_pages``' order), for the reference."""
+    pages, _, page, hkv, d = cache.shape
+    b = pages // -(-n // page)
+    flat = cache.float().view(b, -1, 2, page, hkv, d)  # (the page table is the identity)
+    kv = flat.permute(2, 0, 4, 1, 3, 5).reshape(2, b, hkv, -1, d)[..., :n, :]
+    return kv[0], kv[1]
+
+
+def flashinfer_decode(q: torch.Tensor, hkv: int, n: int, kv: str, gen) -> Tuple[Callable, torch.Tensor, torch.Tensor]:
+    """FlashInfer's batch decode (tensor cores, its fa2 backend: the kit builds no fa3) of
+    ``q`` ``[B, 1, Hq, D]`` over random paged K / V of ``n`` tokens a sequence stored as
+    ``kv`` (``PEER_KV``), planned for CUDA graphs (its fixed page-table buffers); (the call,
+    its output ``[B, Hq, D]``, the paged cache)."""
+    import flashinfer.decode as fi
+
+    b, _, hq, d = q.shape
+    indptr, indices, last = peer_pages(b, n, q.device)
+    cache = torch.randn(indices.numel(), 2, PEER_PAGE, hkv, d, device=q.device, dtype=q.dtype,
+                        generator=gen).to(PEER_KV[kv])
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)  # (its README's size)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
+        paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+    wrapper.plan(indptr, indices, last, hq, hkv, d, PEER_PAGE, q_data_type=q.dtype, kv_data_type=PEER_KV[kv])
+    q3, out = q.reshape(b, hq, d), q.new_empty(b, hq, d)
+    return (lambda: wrapper.run(q3, cache, out=out)), out, cache
+
+
+def peer_error(q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor, n: int) -> float:
+    """Largest |FlashInfer's output - SDPA in fp32 over the same (stored) K / V|."""
+    k, v = peer_kv_dense(cache, n)
+    want = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, enable_gqa=True)
+    return (out.float() - want.transpose(1, 2).reshape(out.shape)).abs().max().item()
+
+
+PEER_CHECK_TOKENS = 1 << 17  # B * N up to which the peer's output is checked (the fp32 reference's copy)
+PEER_TOLERANCE = 2e-2  # on outputs of unit-variance V (fp16 K / V stored: ~1e-3 expected)
+
+
+def bench_peer(timer, q: torch.Tensor, hkv: int, n: int, gen, row: dict, wrong: List[str]) -> None:
+    """FlashInfer's decode at each ``PEER_KV`` width into ``row`` (``fi_<kv>_us``, its bytes
+    a second ``fi_<kv>_bw``, and ``fi_<kv>_err`` where B * N <= PEER_CHECK_TOKENS), a
+    wrong output named in ``wrong``."""
+    b, d = q.shape[0], q.shape[-1]
+    for kv in PEER_KV:
+        call, out, cache = flashinfer_decode(q, hkv, n, kv, gen)
+        t = _graph_time(timer, call)
+        row[f"fi_{kv}_us"] = t
+        row[f"fi_{kv}_bw"] = 2 * b * n * hkv * d * cache.element_size() / (t * 1e-6)
+        if b * n <= PEER_CHECK_TOKENS:
+            call()
+            row[f"fi_{kv}_err"] = err = peer_error(q, out, cache, n)
+            if not err <= PEER_TOLERANCE:
+                wrong.append(f"flashinfer {kv} B={b} N={n}: max error {err:.3g}")
+        call = out = cache = None
+        release_memory()
+
+
 # torch's fused SDPA backends, each timed where it takes the case (the math backend builds
 # the scores in memory: never the fastest at these lengths)
 SDPA_BACKENDS = ("cudnn", "flash", "efficient")
@@ -198,7 +307,10 @@ def fastest_sdpa(timer, sdpa: Callable[[], torch.Tensor]) -> Tuple[float, str, D
     return times[best], best, times, pinned[best]
 
 
-def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -> List[dict]:
+def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None,
+                peer: bool = False, wrong: Optional[List[str]] = None) -> List[dict]:
+    """One row per length of ``seqlens``: SDPA, each format of ``keys`` on every backend,
+    and with ``peer`` FlashInfer (``bench_peer``; its wrong outputs named in ``wrong``)."""
     b, hq, hkv, d = shape
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -213,6 +325,8 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
                **{f"sdpa_{name}_us": us for name, us in sdpa_times.items()},
                "sdpa_eager_us": timer(sdpa, host=True), "sdpa_bw": sdpa_bytes / (t_sdpa * 1e-6)}
         del sdpa  # (its 16-bit K / V)
+        if peer:
+            bench_peer(timer, q, hkv, n, gen, row, wrong)
         for bits in keys:
             fmt = FORMATS[bits]
             cache, k, v = build(fmt, b, hkv, d, n, device, gen)
@@ -239,7 +353,7 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None) -
             row[f"bd{bits}_prefill_bw"] = pre_bytes / (t_pre * 1e-6) if t_pre == t_pre else None
             row[f"bd{bits}_first_prefill_s"] = first_prefill_s
             cache = None
-            torch.cuda.empty_cache()
+            release_memory()
         rows.append(row)
         if progress is not None:
             progress.advance(task)
@@ -300,6 +414,10 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         rows = [r for r in result["rows"] if (r["B"], r["Hq"], r["Hkv"], r["D"]) == shape]
         ns = [r["N"] for r in rows]
         ax.plot(ns, [r["sdpa_us"] for r in rows], "k-o", label="SDPA fp16", ms=3)
+        for kv, style in zip(PEER_KV, ("-", "--")):
+            if f"fi_{kv}_us" in rows[0]:
+                ax.plot(ns, [r[f"fi_{kv}_us"] for r in rows], "0.5", ls=style, marker="x",
+                        label=f"FlashInfer {kv} KV", ms=3)
         for bits, color in (("4", "b"), ("2", "r"), ("4v2", "g"), ("nvfp4", "m")):
             for name, style in zip(result.get("backends", []), ("-s", "--^", ":o")):
                 if f"bd{bits}_{name}_us" in rows[0]:
@@ -315,6 +433,20 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     fig.suptitle(f"decode on {result['gpu']} (L2 flushed, median)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return shrink_png(path)
+
+
+def shrink_png(path: Path, colors: int = 64) -> Path:
+    """Rewrite the plot at ``path`` with a ``colors``-entry palette where Pillow is installed
+    (line plots lose nothing seen; the file is ~4x smaller: records live in git)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return path
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
     return path
 
 
@@ -334,8 +466,9 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
         task = progress.add_task("decode sweep", total=len(shapes) * len(seqlens) - len(skipped))
     rows = []
     keys = ("4", "2", "4v2", "nvfp4") if quick else ("4", "2")
+    peer, wrong = flashinfer_version(), []
     for shape in shapes:
-        rows += bench_shape(timer, shape, seqlens, keys, device, progress, task)
+        rows += bench_shape(timer, shape, seqlens, keys, device, progress, task, peer is not None, wrong)
     # the roofline is the best read bandwidth seen in this run: a torch sum (a read; the copy
     # moves twice its bytes, read and write, and is recorded beside), or SDPA itself (cuDNN
     # streams the 16-bit cache faster than torch's reductions); which one is recorded
@@ -351,6 +484,9 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
             for name in kernel_backends(device):
                 if f"bd{bits}_{name}_bw" in r:
                     r[f"bd{bits}_{name}_roofline"] = r[f"bd{bits}_{name}_bw"] / best
+        for kv in PEER_KV:
+            if f"fi_{kv}_bw" in r:
+                r[f"fi_{kv}_roofline"] = r[f"fi_{kv}_bw"] / best
     gen = torch.Generator(device=device).manual_seed(3)
     qb = torch.randn(1, 32, 1, 128, device=device, dtype=torch.float16, generator=gen)
     kb = torch.randn(1, 8, 4096, 128, device=device, dtype=torch.float16, generator=gen)
@@ -366,7 +502,8 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
         "backends": kernel_backends(device),
         "roofline": roofline,
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
-               f"L2 flushed before each call ({timer.how}: Timer); *_eager_us: plain eager calls started on an idle "
+               f"L2 flushed before each call ({timer.how}: Timer), memory freed between cases waited out "
+               "(release_memory); *_eager_us: plain eager calls started on an idle "
                "GPU after the flush (their host work included); sdpa_us: the fastest of torch's fused SDPA "
                "backends that take the case (sdpa_backend, each one's sdpa_<name>_us); roofline: the bytes each "
                "decode reads (cache_bytes: packed pages, 16-bit residual and sinks; Q and the output not "
@@ -374,6 +511,12 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
         "flush": timer.how,
         "format": ("K per channel g128, V per token g128, fp16; bd4 / bd2: one width, bd4v2: K 4-bit / V 2-bit; "
                    "bdnvfp4: NVFP4 (K per token, V per channel, one e4m3 scale per 16 values)"),
+        "peer": ({"flashinfer": peer, "columns": "fi_<kv>_us: FlashInfer's BatchDecodeWithPagedKVCacheWrapper "
+                  f"(tensor cores, fa2 backend, NHD pages of {PEER_PAGE} tokens, fixed page-table buffers) "
+                  "graph-replayed under the same timer; kv fp16 or fp8 (e4m3, unit scales); fi_<kv>_err: its "
+                  f"largest error against fp32 SDPA over the same stored K / V (B * N <= {PEER_CHECK_TOKENS})"}
+                 if peer else None),
+        "wrong_outputs": wrong,
         "rows": rows,
         "skipped": skipped,
         "small_graph": bench_graph_small(timer, device),
@@ -401,6 +544,11 @@ def print_summary(res: dict) -> None:
             cells = [f"{LABELS[bits]} {n}: {r[f'bd{bits}_{n}_us']:7.1f} ({r[f'bd{bits}_{n}_roofline']:.2f})"
                      for bits in FORMATS for n in names if f"bd{bits}_{n}_us" in r]
             print(f"{r['B']:3d} {r['N']:7d}  " + "  ".join(cells))
+    if res.get("peer"):
+        print(f"FlashInfer {res['peer']['flashinfer']} (us, fraction of the roofline):")
+        for r in res["rows"]:
+            print(f"{r['B']:3d} {r['N']:7d}  " + "  ".join(
+                f"{kv} KV: {r[f'fi_{kv}_us']:7.1f} ({r[f'fi_{kv}_roofline']:.2f})" for kv in PEER_KV))
     print("small/graph:", {k: round(v, 1) for k, v in res["small_graph"].items()})
 
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bitdecode as bd  # noqa: E402
 from bitdecode import attention  # noqa: E402
-from bench_decode import Timer, _graph_time  # noqa: E402
+from bench_decode import Timer, _graph_time, release_memory  # noqa: E402
 
 
 def run(out_dir: Path) -> dict:
@@ -41,7 +41,7 @@ def run(out_dir: Path) -> dict:
             rows.append(row)
             print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         cache = None  # (rebinding, not del: the lambdas above name it)
-        torch.cuda.empty_cache()
+        release_memory()
     result = {"command": f"python3 profiles/bench_multi_token.py --out {out_dir}",
               "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "format": "4-bit, K per channel g128, fp16; Hq/Hkv 32/8, D 128", "rows": rows}

@@ -37,7 +37,7 @@ import bitdecode as bd
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import Timer, _graph_time, build, cache_bytes, measure_roofline, sdpa_baseline  # noqa: E402
+from bench_decode import Timer, _graph_time, build, cache_bytes, measure_roofline, release_memory, sdpa_baseline  # noqa: E402
 from bench_variants import FORMATS, HKV, HQ, D, parse_shapes  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         rows.append(row)
         del cache
-        torch.cuda.empty_cache()
+        release_memory()
     result = {"command": "python3 profiles/bench_splits.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "format": args.format,
               "dtype": args.dtype, "heads": [hq, hkv], "head_dim": d, "backends": backends,

@@ -183,7 +183,7 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backen
     apply_keywords(kwargs, backend)
 
     import bitdecode as bd
-    from bench_decode import Timer, _graph_time, build
+    from bench_decode import Timer, _graph_time, build, release_memory
 
     dev = torch.device("cuda")
     timer = Timer(dev)
@@ -207,7 +207,7 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backen
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 del cache, decode
-                torch.cuda.empty_cache()
+                release_memory()
     return rows
 
 

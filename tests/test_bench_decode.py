@@ -1,0 +1,143 @@
+"""The decode benchmark's FlashInfer peer (profiles/bench_decode.py): its page table, the
+reference it is checked against, and on a GPU with the peer kit its graph-replayed call."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bitdecode import cli_bench
+
+bench = cli_bench._load("decode")
+B, HQ, HKV, D = 2, 32, 8, 128
+
+
+def paged(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K / V ``[B, N, Hkv, D]`` in FlashInfer's NHD pages, one table a sequence in order."""
+    b, n, hkv, d = k.shape
+    pages = -(-n // bench.PEER_PAGE)
+    pad = pages * bench.PEER_PAGE - n
+    kv = torch.stack([F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v)], dim=2)  # [B, N', 2, Hkv, D]
+    return kv.view(b, pages, bench.PEER_PAGE, 2, hkv, d).transpose(2, 3).reshape(b * pages, 2, bench.PEER_PAGE, hkv, d)
+
+
+@pytest.mark.parametrize("n, last", [(40, 8), (48, 16), (1, 1)])
+def test_peer_page_table(n, last):
+    indptr, indices, last_len = bench.peer_pages(3, n, "cpu")
+    pages = -(-n // bench.PEER_PAGE)
+    assert indptr.tolist() == [0, pages, 2 * pages, 3 * pages]
+    assert indices.tolist() == list(range(3 * pages))
+    assert last_len.tolist() == [last] * 3
+    assert {t.dtype for t in (indptr, indices, last_len)} == {torch.int32}
+
+
+@pytest.mark.parametrize("n", [16, 37])
+def test_peer_cache_reads_back_as_sequences(n):
+    """``peer_kv_dense`` undoes the page layout token for token (a partial last page too)."""
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(B, n, HKV, 4, generator=gen) for _ in range(2))
+    k_back, v_back = bench.peer_kv_dense(paged(k, v), n)
+    assert torch.equal(k_back, k.transpose(1, 2)) and torch.equal(v_back, v.transpose(1, 2))
+
+
+def test_peer_error_sees_a_wrong_output():
+    """The peer's check is 0 on SDPA's own output over the stored K / V, and over the
+    tolerance once one head of one sequence is off (so a wrong peer fails the run)."""
+    gen = torch.Generator().manual_seed(1)
+    n = 40
+    q = torch.randn(B, 1, HQ, D, generator=gen)
+    k, v = (torch.randn(B, n, HKV, D, generator=gen) for _ in range(2))
+    cache = paged(k, v)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          enable_gqa=True).transpose(1, 2).reshape(B, HQ, D)
+    assert bench.peer_error(q, want, cache, n) < 1e-5
+    want[1, 5] += 0.1
+    assert bench.peer_error(q, want, cache, n) > bench.PEER_TOLERANCE
+
+
+def test_no_peer_without_flashinfer(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert bench.flashinfer_version() is None
+
+
+def test_summary_and_plot_with_the_peer(tmp_path, capsys):
+    """A record with the peer's columns prints and plots (the plot only where matplotlib is)."""
+    row = {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D, "N": 4096, "sdpa_us": 15.0}
+    for bits in ("4", "2"):
+        row.update({f"bd{bits}_us": 10.0, f"bd{bits}_speedup": 1.5, f"bd{bits}_roofline": 0.5})
+    for kv in bench.PEER_KV:
+        row.update({f"fi_{kv}_us": 20.0, f"fi_{kv}_roofline": 0.25})
+    result = {"gpu": "a GPU", "sdpa_backend": "cudnn", "roofline": {"best_bytes_per_s": 4e12},
+              "backends": [], "rows": [row], "small_graph": {}, "peer": {"flashinfer": "0.0"}}
+    bench.print_summary(result)
+    out = capsys.readouterr().out
+    assert "FlashInfer 0.0" in out and "fp8 KV:    20.0 (0.25)" in out
+    png = bench.plot(result, tmp_path / "d.png")
+    assert png is None or png.stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp16", "fp8"])
+def test_flashinfer_peer_replays_right(kv):
+    """FlashInfer's decode as the benchmark builds it, replayed from a CUDA graph, matches
+    fp32 SDPA over its stored K / V at a length that ends mid-page."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if bench.flashinfer_version() is None:
+        pytest.skip("FlashInfer is not importable (the GPU host's kit: eval \"$(bash .device/fi-setup.sh)\")")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    n = 1000
+    q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.float16, generator=gen)
+    call, out, cache = bench.flashinfer_decode(q, HKV, n, kv, gen)
+    assert cache.dtype == bench.PEER_KV[kv]
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bench.peer_error(q, out, cache, n) <= bench.PEER_TOLERANCE
+
+
+def test_release_memory_waits_by_the_bytes_freed(monkeypatch):
+    """The benchmarks' ``release_memory`` sleeps ``SETTLE_S_PER_GB`` for each GB that
+    ``empty_cache`` gave back, and not at all when nothing was freed."""
+    reserved = iter([5 * 2 ** 30, 1 * 2 ** 30, 2 ** 30, 2 ** 30])
+    slept = []
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: next(reserved))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench.time, "sleep", slept.append)
+    assert bench.release_memory() == pytest.approx(4 * bench.SETTLE_S_PER_GB)
+    assert bench.release_memory() == 0
+    assert slept == [pytest.approx(4 * bench.SETTLE_S_PER_GB), 0]
+
+
+def test_free_settle_counts_the_last_slow_point():
+    """``bench_free_settle.slow_for``: the time of the last point over 5 % above steady."""
+    sys.path.insert(0, str(cli_bench.profiles_dir()))
+    try:
+        import bench_free_settle as settle
+    finally:
+        sys.path.remove(str(cli_bench.profiles_dir()))
+    points = [{"t_s": 0.01, "us": 65.0}, {"t_s": 0.02, "us": 64.0}, {"t_s": 0.03, "us": 57.0},
+              {"t_s": 0.04, "us": 60.0}, {"t_s": 0.05, "us": 56.0}]
+    assert settle.slow_for(points, 56.5) == 0.04
+    assert settle.slow_for(points[2:3], 56.5) == 0.0
+
+
+def test_shrink_png_keeps_the_picture(tmp_path):
+    """``shrink_png`` turns an RGB plot into a palette PNG of the same size and lines."""
+    image = pytest.importorskip("PIL.Image")
+    picture = image.new("RGB", (64, 32), "white")
+    for x in range(64):
+        picture.putpixel((x, x // 2), (0, 0, 255))
+    path = tmp_path / "p.png"
+    picture.save(path)
+    assert bench.shrink_png(path) == path
+    with image.open(path) as out:
+        assert out.mode == "P" and out.size == (64, 32)
+        assert out.convert("RGB").getpixel((10, 5)) == (0, 0, 255)
+        assert out.convert("RGB").getpixel((10, 20)) == (255, 255, 255)
