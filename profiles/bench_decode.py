@@ -547,7 +547,7 @@ def print_summary(res: dict) -> None:
     if res.get("peer"):
         print(f"FlashInfer {res['peer']['flashinfer']} (us, fraction of the roofline):")
         for r in res["rows"]:
-            print(f"{r['B']:3d} {r['N']:7d}  " + "  ".join(
+            print(f"{r['B']:3d} {r['Hq']:3d} {r['Hkv']:3d} {r['N']:7d}  " + "  ".join(
                 f"{kv} KV: {r[f'fi_{kv}_us']:7.1f} ({r[f'fi_{kv}_roofline']:.2f})" for kv in PEER_KV))
     print("small/graph:", {k: round(v, 1) for k, v in res["small_graph"].items()})
 

@@ -72,7 +72,7 @@ def test_summary_and_plot_with_the_peer(tmp_path, capsys):
               "backends": [], "rows": [row], "small_graph": {}, "peer": {"flashinfer": "0.0"}}
     bench.print_summary(result)
     out = capsys.readouterr().out
-    assert "FlashInfer 0.0" in out and "fp8 KV:    20.0 (0.25)" in out
+    assert "FlashInfer 0.0" in out and "  1  32   8    4096  fp16 KV:    20.0 (0.25)  fp8 KV:    20.0 (0.25)" in out
     png = bench.plot(result, tmp_path / "d.png")
     assert png is None or png.stat().st_size > 0
 
