@@ -396,6 +396,8 @@ def emulate_decode(
     if tq != 1:
         raise ValueError(f"emulate_decode takes one query token per sequence, got q of shape {tuple(q.shape)}")
     hkv = k_res.shape[2]
+    if hq % hkv or hq == 0:  # (else the rows past hkv * (hq // hkv) would be left unwritten)
+        raise ValueError(f"q has {hq} heads, not a positive multiple of the cache's {hkv} KV heads")
     g = hq // hkv
     scale_log2 = softmax_scale_or_default(softmax_scale, d) * LOG2_E
     scale_log2 = torch.tensor(scale_log2, dtype=torch.float32, device=q.device)  # the kernel's fp32 argument

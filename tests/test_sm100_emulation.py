@@ -203,6 +203,95 @@ def test_split_count_changes_only_rounding(case):
     assert (lse3 - lse1).abs().max() < _eps(case.dtype) / 16  # measured <= 0.48 of it
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=[IDS[0], IDS[5]])
+def test_a_softmax_scale_is_the_callers(case, monkeypatch):
+    """``softmax_scale`` (here 0.3, not the default 1 / sqrt(D)) is the scale of the scores:
+    with Q and P kept 16-bit the emulation meets the reference given the same scale to
+    16-bit rounding, as it does at the default."""
+    _sixteen_bit_operands(monkeypatch, case.dtype)
+    fmt, t, q = _cache(case)
+    ref, ref_lse = reference.decode(*_args(fmt, t, q), softmax_scale=0.3, return_lse=True, sinks=t.sinks)
+    out, lse = emulate.emulate_decode(*_args(fmt, t, q), softmax_scale=0.3, sinks=t.sinks)
+    assert _rel_err(out, ref) < _eps(case.dtype)
+    assert (lse - ref_lse).abs().max() < _eps(case.dtype) / 4
+
+
+def test_an_unpaged_cache_needs_no_block_table():
+    """Without a block table sequence b reads page b (as ``reference.decode``): the same
+    result, bit for bit, as with the unpaged cache's own table."""
+    case = CASES[5]
+    fmt, t, q = _cache(case)
+    assert case.page_size is None
+    out, lse = emulate.emulate_decode(*_args(fmt, t, q)[:-1], sinks=t.sinks)
+    want, want_lse = _emulate(case)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_emulate_cache_passes_its_arguments_on():
+    """``emulate_cache`` is ``emulate_decode`` over the cache's tensors with the split count
+    and the operand terms it is given (one term and three splits here: bit for bit the
+    same, and not the four-term result)."""
+    case = CASES[5]
+    cache, q = _kv_cache(case)
+    out, lse = emulate.emulate_cache(q, cache, 3, terms=1)
+    want, want_lse = _emulate(case, num_splits=3, terms=1)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert not torch.equal(out, _emulate(case, num_splits=3)[0])
+
+
+def test_arguments_it_does_not_emulate_are_refused():
+    """One query token per sequence (``q [B, 1, Hq, D]``: the kernel decodes one) and a
+    positive int count of operand terms, and query heads a positive multiple of the KV
+    heads, else ``ValueError``: two query tokens are not silently decoded as the first, nor
+    ``terms=2.0`` taken for two, nor 8 query heads over 3 KV heads returned with two rows
+    never written."""
+    case = CASES[5]
+    fmt, t, q = _cache(case)
+    with pytest.raises(ValueError, match="one query token"):
+        emulate.emulate_decode(*_args(fmt, t, q.expand(-1, 2, -1, -1)), sinks=t.sinks)
+    assert t.k_res.shape[2] == 3 and q.shape[2] == 9
+    for heads in (8, 0):
+        with pytest.raises(ValueError, match=f"q has {heads} heads, not a positive multiple of the cache's 3"):
+            emulate.emulate_decode(*_args(fmt, t, q[:, :, :heads]), sinks=t.sinks)
+    for terms in (2.0, "4", -1):
+        with pytest.raises(ValueError, match="terms must be a positive int"):
+            _emulate(case, terms=terms)
+
+
+def test_a_tile_far_below_the_running_max_adds_nothing():
+    """The running max never drops: a tile 196 log2 units below an earlier one (past fp32's
+    2^128) rescales nothing (alpha 1), its p underflow to 0, and the output stays the
+    earlier tile's (no inf or NaN from ``exp2(m - m_tile)``)."""
+    fmt = bd.KVFormat(fp4="nvfp4")
+    d, n = 128, 2 * 128 + 5
+    k = torch.zeros(1, n, 1, d, dtype=torch.float16)
+    k[:, :128] = 3.0  # tile 0: q . k * log2(e) / sqrt(d) = 196 log2 units; tile 1 and the residual: 0
+    v = kvdata.randn(torch.Generator().manual_seed(3), 1, n, 1, d)
+    cache = bd.KVCache.allocate(1, 1, d, n, fmt, dtype=torch.float16, device="cpu", backend="reference")
+    cache.prefill(k, v, [n])
+    q = torch.full((1, 1, 2, d), 4.0, dtype=torch.float16)
+    t = cache.tensors()
+    ref, ref_lse = reference.decode(*_args(fmt, t, q), return_lse=True)
+    out, lse = emulate.emulate_decode(*_args(fmt, t, q))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert _rel_err(out, ref) < CASES[0].bound and (lse - ref_lse).abs().max() < LSE_BOUND
+
+
+def test_sixteen_bit_tiles_round_p_to_the_cache_dtype():
+    """A 16-bit tile (sinks, residual) rounds ``p = exp2(s - m_new)`` to the cache dtype
+    before both the row sum and P.V, as the kernel's 16-bit MMA takes it: p of a score
+    0.1 below the max enters l and O as its fp16 value, not its fp32 one."""
+    state = emulate._Softmax.empty(1, 2, torch.device("cpu"))
+    k = torch.tensor([[0.0, 0.0], [-0.1, 0.0]], dtype=torch.float16)
+    v = torch.eye(2, dtype=torch.float16)
+    q = torch.tensor([[1.0, 0.0]], dtype=torch.float16)
+    emulate._sixteen_bit_tile(state, q, torch.tensor(1.0), k, v)
+    p32 = torch.exp2(k[1, :1].float())
+    p16 = p32.half().float()
+    assert p16 != p32  # (the rounding is visible)
+    assert torch.equal(state.l, 1 + p16) and torch.equal(state.o, torch.cat([torch.ones(1), p16])[None])
+
+
 def _naive_scale_rows(fp4: str, rows: int, cols: int) -> torch.Tensor:
     """The mistake a row-major reading of the chunks makes: scale (r, j) at byte 4 r + j of
     its chunk (the basic chunk holds row r at 16 (r % 32) + 4 (r // 32))."""
