@@ -116,6 +116,59 @@ def test_a_bad_file_is_refused_and_changes_nothing(tmp_path):
         tune.load(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize("edit, message", [
+    (dict(sms=0), "sms must be a positive integer, got 0"),
+    (dict(sms=-132), "sms must be a positive integer, got -132"),
+    (dict(gpu=7), "gpu must be the GPU's name, got 7"),
+])
+def test_an_entry_of_no_gpu_kind_is_refused(tmp_path, edit, message):
+    """An entry's key names a GPU kind: a non-empty name string and a positive SM count.
+    An entry for 0 SMs or a number for a name, which no GPU would ever look up, is refused
+    at load, not kept as a dead entry."""
+    entry = {"gpu": H100[0], "sms": H100[1], "n": 4096, "k": 4096, "config": tune.config_fields(_configs()[-1]),
+             **edit}
+    with pytest.raises(ValueError, match=re.escape(f"entries[0]: {message}")):
+        tune.load(_file(tmp_path, [entry]))
+    assert tune.entries() == []
+
+
+def test_copies_exceed_four_times_the_l2():
+    """``copies_for``: the fewest copies of the operand whose total reaches 4 x L2 (rounded
+    up: 200 / 3 MB takes 67 copies, not 66), and never fewer than two, however large the
+    operand, so that no call reads a copy the previous call left in L2."""
+    l2 = 50 << 20
+    assert tune.copies_for(l2, l2) == 4
+    assert tune.copies_for(3 << 20, l2) == 67  # ceil(200 / 3)
+    assert tune.copies_for(2 * l2, l2) == 2
+    assert tune.copies_for(64 * l2, l2) == 2  # (one copy would exceed 4 x L2 by itself)
+    for nbytes in (1 << 20, 7 * 10 ** 6, 3 * l2):
+        copies = tune.copies_for(nbytes, l2)
+        assert copies * nbytes >= 4 * l2 and (copies == 2 or (copies - 1) * nbytes < 4 * l2), nbytes
+
+
+def test_entries_of_a_gpu_kind_need_its_sm_count():
+    """``entries(gpu)`` keeps only entries of that name *and* SM count: a MIG slice of an
+    H100 (fewer SMs, same name) is another GPU kind, as ``lookup`` treats it."""
+    mig = (H100[0], 114)
+    tune.remember(H100, 4096, 4096, _configs()[-1])
+    tune.remember(mig, 2048, 2048, _configs()[0])
+    assert [(e["sms"], e["n"]) for e in tune.entries(H100)] == [(132, 4096)]
+    assert [(e["sms"], e["n"]) for e in tune.entries(mig)] == [(114, 2048)]
+
+
+def test_forget_changes_the_generation_only_when_it_drops_an_entry():
+    """``forget`` bumps ``generation`` (part of the key of ``bitnet``'s cached launchers) when
+    it drops an entry, so that no launcher built with the dropped pick is reused, and
+    leaves it as it is when there was nothing to drop."""
+    tune.remember(H100, 4096, 4096, _configs()[-1])
+    start = tune.generation
+    tune.forget(H100, 4096, 4096)
+    assert tune.generation == start + 1 and tune.entries() == []
+    tune.forget(H100, 4096, 4096)
+    tune.forget(H200, 2048, 2048)
+    assert tune.generation == start + 1
+
+
 def test_the_environment_names_a_file(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "gpu_key", lambda device: H100)
     cfg = _configs()[-1]
@@ -141,11 +194,46 @@ def test_the_environment_names_a_file(tmp_path, monkeypatch):
             tune.lookup("cuda", 4096, 4096)
 
 
+def test_clear_before_the_first_lookup_keeps_the_environment_file_out(tmp_path, monkeypatch):
+    """``clear`` forgets ``$BITDECODE_GEMV_TUNING``'s entries even where nothing has read the
+    file yet: a later lookup does not read it then (the rule decides), until ``load``."""
+    monkeypatch.setattr(tune, "gpu_key", lambda device: H100)
+    cfg = _configs()[-1]
+    path = _file(tmp_path, [{"gpu": H100[0], "sms": 132, "n": 4096, "k": 4096, "config": tune.config_fields(cfg)}])
+    monkeypatch.setenv(tune.ENV_GEMV_TUNING, str(path))
+    tune.clear()
+    assert tune.lookup("cuda", 4096, 4096) is None and tune.entries() == []
+    assert tune.load(path) == 1 and tune.lookup("cuda", 4096, 4096) == cfg
+
+
+def test_the_environment_variable_is_stripped(tmp_path, monkeypatch):
+    """``$BITDECODE_GEMV_TUNING`` of blanks only counts as unset (no file is looked for), and
+    blanks around a path (a trailing space or newline of a shell line) are not part of it."""
+    monkeypatch.setattr(tune, "gpu_key", lambda device: H100)
+    monkeypatch.setenv(tune.ENV_GEMV_TUNING, "  ")
+    assert tune.lookup("cuda", 4096, 4096) is None
+    cfg = _configs()[-1]
+    path = _file(tmp_path, [{"gpu": H100[0], "sms": 132, "n": 4096, "k": 4096, "config": tune.config_fields(cfg)}])
+    monkeypatch.setenv(tune.ENV_GEMV_TUNING, f" {path}\n")
+    monkeypatch.setattr(tune, "_ENV_LOADED", False)
+    assert tune.lookup("cuda", 4096, 4096) == cfg
+
+
 def test_config_names_are_the_benchmark_columns():
     """``describe`` names a configuration as the GEMV benchmarks' columns do."""
     names = [tune.describe(tune.config_fields(c)) for c in _configs()]
     assert len(set(names)) == len(names)
     assert {"unroll4", "unroll8", "pdl_unroll4", "pdl_unroll10_pin", "pdl_bulk", "pdl_bulk_x"} <= set(names)
+
+
+def test_bulk_x_names_the_stripe_kernel_that_stages_x():
+    """``describe`` calls the stripe kernel with ``stage_x`` ``bulk_x`` and the one without
+    it ``bulk`` (the columns of the GEMV benchmarks and of ``bitdecode tune``'s table): the
+    two names are not interchangeable."""
+    assert tune.describe({"bulk": True, "stage_x": True, "pdl": True, "unroll": 4}) == "pdl_bulk_x"
+    assert tune.describe({"bulk": True, "stage_x": False, "pdl": False, "unroll": 4}) == "bulk"
+    stripes = {tune.describe(tune.config_fields(c)): c.stage_x for c in _configs() if c.bulk}
+    assert stripes == {"pdl_bulk": False, "pdl_bulk_x": True}
 
 
 def test_tune_gemv_refuses_bad_arguments():
