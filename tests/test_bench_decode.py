@@ -141,3 +141,19 @@ def test_shrink_png_keeps_the_picture(tmp_path):
         assert out.mode == "P" and out.size == (64, 32)
         assert out.convert("RGB").getpixel((10, 5)) == (0, 0, 255)
         assert out.convert("RGB").getpixel((10, 20)) == (255, 255, 255)
+
+
+def test_device_run_refuses_unknown_steps_and_a_missing_out(tmp_path):
+    """profiles/device_run.sh (one device call's steps) stops at a step it does not know,
+    before running anything, and refuses to start without ``$OUT``."""
+    import os
+    import subprocess
+
+    script = str(cli_bench.profiles_dir() / "device_run.sh")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    for steps in (["bogus"], ["settle", "suite:abc"]):
+        res = subprocess.run(["bash", script, *steps], env={**env, "OUT": str(tmp_path)}, capture_output=True, text=True)
+        assert res.returncode == 2 and f"unknown step '{steps[-1]}'" in res.stderr
+        assert res.stdout == "" and list(tmp_path.iterdir()) == []
+    res = subprocess.run(["bash", script, "quick"], env=env, capture_output=True, text=True)
+    assert res.returncode != 0 and "OUT must name the output folder" in res.stderr

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One device call's work, step by step, on the GPU host (see ../shared/device/README.md):
+#
+#   source .device/gpu-env.sh >/dev/null && timeout 590 bash profiles/device_run.sh suite:400 quick
+#
+# Steps, run in the order given (each under its own timeout; logs and results go flat into
+# $OUT, the folder a device call brings back):
+#   suite[:S]   the GPU test suite (-m gpu, 14 xdist workers; S seconds, default 400), then
+#               any worker it left behind is killed so that no later timing shares the GPU
+#   peer        FlashInfer's kit on PYTHONPATH (../shared/peers/flashinfer) for what follows
+#   quick       bitdecode bench decode --quick (every backend side by side; FlashInfer too
+#               after `peer`)
+#   full        bitdecode bench decode (the full sweep)
+#   flush       profiles/bench_flush.py (clean / dirty / no flush, interleaved)
+#   settle      profiles/bench_free_settle.py (how long freed memory slows a decode)
+#   wide        the wide_boxes A/B of the sm90 decode (profiles/bench_variants.py)
+# The GPU's name picks the tag (h200 / h100 / ...), so a record is never filed under the
+# wrong GPU.
+set -u
+: "${OUT:?OUT must name the output folder (a device call sets it)}"
+for arg in "$@"; do  # (every step known before any runs: a typo costs no device time)
+  case "$arg" in
+    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide) ;;
+    *) echo "device_run.sh: unknown step '$arg'" >&2; exit 2 ;;
+  esac
+done
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$GPU" in
+  *H200*) TAG=h200 ;;
+  *H100*) TAG=h100 ;;
+  *) TAG=$(echo "$GPU" | tr -c 'A-Za-z0-9\n' '_' | tr 'A-Z' 'a-z') ;;
+esac
+echo "GPU: $GPU (tag $TAG)"
+
+step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log to $OUT/NAME_$TAG.log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date +%T), at most ${limit} s)"
+  timeout "$limit" "$@" > "$OUT/${name}_$TAG.log" 2>&1
+  echo "$name rc=$?"
+  grep -v -e Warning -e warn "$OUT/${name}_$TAG.log" | tail -25
+}
+
+for arg in "$@"; do
+  case "$arg" in
+    suite|suite:*)
+      limit=${arg#suite}; limit=${limit#:}
+      step suite "${limit:-400}" python3 -m pytest -m gpu -q -n 14 -p no:cacheprovider tests -rfEs --tb=short
+      pkill -9 -f "pytest -m gpu"; sleep 2 ;;
+    peer)
+      eval "$(bash .device/fi-setup.sh)" ;;
+    quick)
+      step quick 300 bitdecode bench decode --quick --out "$OUT" ;;
+    full)
+      step full 420 bitdecode bench decode --out "$OUT" ;;
+    flush)
+      step flush 200 python3 profiles/bench_flush.py --out "$OUT" --tag "$TAG" ;;
+    settle)
+      step settle 120 python3 profiles/bench_free_settle.py --out "$OUT" --tag "$TAG" ;;
+    wide)
+      step wide 200 python3 profiles/bench_variants.py --variant base= --variant wide=wide_boxes=True \
+        --formats 4c128,2c128 --shapes 1x4096,1x131072,16x65536 --out "$OUT" --tag "wide_boxes_$TAG" ;;
+  esac
+done
+echo "done $(date +%T)"
