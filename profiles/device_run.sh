@@ -46,7 +46,8 @@ for arg in "$@"; do
     suite|suite:*)
       limit=${arg#suite}; limit=${limit#:}
       step suite "${limit:-400}" python3 -m pytest -m gpu -q -n 14 -p no:cacheprovider tests -rfEs --tb=short
-      pkill -9 -f "pytest -m gpu"; sleep 2 ;;
+      # (a stopped run leaves its xdist workers, execnet children named by their -c line)
+      pkill -9 -f "pytest -m gpu"; pkill -9 -f "exec(eval(sys.stdin.readline()))"; sleep 2 ;;
     peer)
       eval "$(bash .device/fi-setup.sh)" ;;
     quick)
