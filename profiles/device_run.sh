@@ -47,7 +47,7 @@ for arg in "$@"; do
       limit=${arg#suite}; limit=${limit#:}
       step suite "${limit:-400}" python3 -m pytest -m gpu -q -n 14 -p no:cacheprovider tests -rfEs --tb=short
       # (a stopped run leaves its xdist workers, execnet children named by their -c line)
-      pkill -9 -f "pytest -m gpu"; pkill -9 -f "exec(eval(sys.stdin.readline()))"; sleep 2 ;;
+      pkill -9 -f "pytest -m gpu"; pkill -9 -f "sys.stdin.readline"; sleep 2 ;;
     peer)
       eval "$(bash .device/fi-setup.sh)" ;;
     quick)
