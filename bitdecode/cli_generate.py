@@ -374,12 +374,9 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
     if tokenizer is not None:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    else:
-        gen = torch.Generator().manual_seed(args.seed)
-        ids = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens), generator=gen)
-        pad = 0
-    ids = ids.expand(args.batch, -1).contiguous().to(device)
-    prompt_len = ids.shape[1]
+    else:  # (the random prompt is drawn after the length checks: a refused length allocates nothing)
+        ids, pad = None, 0
+    prompt_len = args.prompt_tokens if ids is None else ids.shape[1]
     max_seqlen = args.max_seqlen or prompt_len + args.max_new_tokens
     if max_seqlen < prompt_len + args.max_new_tokens:
         print_error(f"--max-seqlen {max_seqlen} is less than the prompt ({prompt_len}) plus "
@@ -392,6 +389,16 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
     if args.sinks >= max_seqlen:  # every token would stay 16-bit: a packed cache only in name
         print_error(f"--sinks {args.sinks} keeps every token of the {max_seqlen:,}-token cache 16-bit "
                     f"(--max-seqlen, or the prompt plus --max-new-tokens); give fewer sinks")
+        return 2
+    try:
+        if ids is None:
+            ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(args.seed))
+        ids = ids.expand(args.batch, -1).contiguous().to(device)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:  # (a CPU allocation fails as a RuntimeError)
+        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc):
+            raise
+        print_error(f"--batch {args.batch} prompts of {prompt_len:,} tokens do not fit in memory "
+                    f"({' '.join(str(exc).split())[:160]})")
         return 2
 
     def show(tokens: torch.Tensor) -> str:

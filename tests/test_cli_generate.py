@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
+from bitdecode.cache import MAX_SEQLEN  # noqa: E402
 from bitdecode.cli import main  # noqa: E402
 
 
@@ -317,3 +319,64 @@ def test_generate_refuses_integers_torch_cannot_take(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--random-llama", "tiny", "--device", "cpu", *args])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_max_seqlen_bounds(capsys, monkeypatch):
+    """--max-seqlen must hold the prompt plus --max-new-tokens (one token less is refused,
+    exactly that many runs) and at most ``cache.MAX_SEQLEN`` tokens (one more is refused by
+    name before any generation, not by the cache's allocation)."""
+    base = ["--no-baseline", "--prompt-tokens", "16", "--max-new-tokens", "2"]
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["generate", "--random-llama", "tiny", "--device", "cpu", *base, "--max-seqlen", "17"]) == 2
+    assert "--max-seqlen 17 is less than the prompt (16) plus --max-new-tokens (2)" in capsys.readouterr().err
+    assert "bitdecode capacity 18 tokens" in _run(capsys, monkeypatch, *base, "--max-seqlen", "18")
+    assert main(["generate", "--random-llama", "tiny", "--device", "cpu", *base,
+                 "--max-seqlen", str(MAX_SEQLEN + 1)]) == 2
+    assert f"the bitdecode cache would hold {MAX_SEQLEN + 1:,} tokens a sequence" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_prompt_too_long_before_drawing_it(capsys, monkeypatch):
+    """A random prompt longer than the cache can hold is refused by name before its ids are
+    drawn (3e9 tokens: 24 GB of int64 never allocated); a prompt that does not fit in memory
+    is one line and exit 2, not the allocator's traceback."""
+    argv = ["generate", "--random-llama", "tiny", "--device", "cpu", "--no-baseline", "--max-new-tokens", "2"]
+    real_randint = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: pytest.fail("drew the prompt"))
+    assert main([*argv, "--prompt-tokens", "3000000000"]) == 2
+    assert "the bitdecode cache would hold 3,000,000,002 tokens a sequence" in capsys.readouterr().err
+
+    def no_memory(low, high, size, **kw):
+        if size[1] > 64:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+        return real_randint(low, high, size, **kw)
+
+    monkeypatch.setattr(torch, "randint", no_memory)
+    assert main([*argv, "--prompt-tokens", "100", "--batch", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--batch 2 prompts of 100 tokens do not fit in memory (" in err and "Traceback" not in err
+
+
+def test_generate_hands_seed_and_batch_on(capsys, monkeypatch):
+    """--seed seeds both the random weights and the random prompt ids (the same seed, the
+    same prompt), and --batch generates that many copies of the prompt together."""
+    from bitdecode import cli_generate
+
+    seeds, prompts = [], []
+    real_llama, real_generate = cli_generate.random_llama, cli_generate.generate
+
+    def random_llama(size, device, dtype, attn_implementation="sdpa", seed=0, **kw):
+        seeds.append(seed)
+        return real_llama(size, device, dtype, attn_implementation, seed, **kw)
+
+    def generate(model, ids, cache, max_new_tokens, pad_token_id):
+        prompts.append(ids.clone())
+        return real_generate(model, ids, cache, max_new_tokens, pad_token_id)
+
+    monkeypatch.setattr(cli_generate, "random_llama", random_llama)
+    monkeypatch.setattr(cli_generate, "generate", generate)
+    for seed, batch in (("5", "3"), ("6", "1"), ("5", "1")):
+        _run(capsys, monkeypatch, "--no-baseline", "--max-new-tokens", "1", "--prompt-tokens", "24", "--seed", seed,
+             "--batch", batch)
+    assert seeds == [5, 6, 5]
+    assert prompts[0].shape == (3, 24) and bool((prompts[0] == prompts[0][:1]).all())
+    assert torch.equal(prompts[0][:1], prompts[2]) and not torch.equal(prompts[1], prompts[2])
