@@ -508,3 +508,48 @@ def test_tune_command_keeps_what_another_run_wrote_meanwhile(tmp_path, monkeypat
     saved = json.loads(out.read_text())["entries"]
     assert sorted((e["gpu"], e["n"]) for e in saved) == [(H100[0], 4096), (H200[0], 2560)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+def test_tune_command_refuses_a_device_past_the_last(tmp_path, monkeypatch, capsys):
+    """--device N on a machine of N devices (0..N-1) is refused naming it, before any
+    timing, and nothing is written."""
+    calls = _stand_in_tuner(monkeypatch)  # one device
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(tmp_path / "t.json"), "--device", "1"]) == 2
+    assert "--device 1: this machine has 1 CUDA device(s)" in " ".join(capsys.readouterr().err.split())
+    assert calls == [] and not (tmp_path / "t.json").exists()
+
+
+def test_tune_command_replaces_the_pick_of_a_shape_it_measured_again(tmp_path, monkeypatch, capsys):
+    """A shape of this GPU already in --out gets this run's pick: the new measurement
+    replaces the old entry (entries of other shapes and GPUs stay)."""
+    configs = {tune.describe(tune.config_fields(c)): c for c in _configs()}
+    old = tune.config_fields(configs["pdl_unroll4_pin"])
+    other = {"gpu": H200[0], "sms": 132, "n": 2560, "k": 2560, "config": old}
+    out = _file(tmp_path, [{"gpu": H100[0], "sms": H100[1], "n": 4096, "k": 4096, "config": old}, other], "t.json")
+    _stand_in_tuner(monkeypatch)  # picks pdl_bulk_x on an H100
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(out)]) == 0
+    saved = {(e["gpu"], e["n"], e["k"]): e["config"] for e in json.loads(out.read_text())["entries"]}
+    assert saved == {(H100[0], 4096, 4096): tune.config_fields(configs["pdl_bulk_x"]), (H200[0], 2560, 2560): old}
+
+
+def test_tune_command_exit_2_where_the_picks_were_not_written_or_the_gpu_is_not_run(tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A write of --out that fails after the timing exits 2 naming --out (the picks are in
+    the table only); a GPU the kernels do not run on (``tune_gemv``'s ValueError) exits 2
+    naming --device, without a traceback."""
+    _stand_in_tuner(monkeypatch)
+
+    def full(path, entries):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tune, "save", full)
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(tmp_path / "t.json")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the picks (the table above) were not written: No space left on device" in err
+
+    def unsupported(shapes, device, *, replays, progress):
+        raise ValueError("the BitNet GEMV kernels need sm_80 or newer, got sm_75")
+
+    monkeypatch.setattr(bn, "tune_gemv", unsupported)
+    assert main(["tune", "--shapes", "4096x4096", "--out", str(tmp_path / "t.json")]) == 2
+    assert "--device 0: the BitNet GEMV kernels need sm_80 or newer" in " ".join(capsys.readouterr().err.split())

@@ -1,15 +1,19 @@
 """The CLI as a user runs it: ``bitdecode --help``, ``info``, ``demo --device cpu``."""
 
+import argparse
 import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from bitdecode.cli import main
+from bitdecode import cli_bench, cli_compile, cli_demo, cli_eval, cli_info, cli_selfcheck
+from bitdecode.cli import COMMANDS, INT64_MAX, build_parser, main, nonnegative_int, positive_int
+from bitdecode.formats import KVFormat
 
 
 def bitdecode(*args, timeout=300):
@@ -973,3 +977,264 @@ def test_bitnet_bench_judges_targets_on_whole_sets_only():
     assert "partial run" in partial["not_judged_because"]
     wrong = bench.check_targets(gemv, gemm, ["gemm M=16 2560x2560 mma"])
     assert not any(wrong["pass"].values()) and "gemm M=16 2560x2560 mma" in wrong["not_passed_because"]
+
+
+# --------------------------------------------------------------------------------------
+# Mutation audit of the command-line modules: bounds, exit codes and what each command
+# hands on
+# --------------------------------------------------------------------------------------
+
+
+def test_integer_options_take_int64_max_and_refuse_one_more(capsys):
+    """The count and seed types' bound is torch's int64 maximum, inclusive: 2**63 - 1
+    parses, 2**63 is refused naming the option."""
+    assert positive_int(str(INT64_MAX)) == INT64_MAX and nonnegative_int(str(INT64_MAX)) == INT64_MAX
+    for parse in (positive_int, nonnegative_int):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"at most {INT64_MAX}"):
+            parse(str(INT64_MAX + 1))
+    assert "argument --seed: must be an integer >= 0" in _parser_error(["demo", "--seed", str(2**63)], capsys)
+
+
+@pytest.mark.parametrize("window, message", [
+    (",", "expected positive integers, got ','"),
+    ("64,0", "expected positive integers, got '64,0'"),
+    ("64,x", "expected comma-separated integers, got '64,x'"),
+])
+def test_eval_window_refuses_an_empty_list_a_zero_and_a_non_integer(window, message, capsys):
+    """--window (a positive_int_list): a list with no length in it, a zero length or a word
+    is refused by the parser naming the option; a list with spaces parses."""
+    argv = ["eval", "--gguf-file", "/nonexistent/model.gguf", "--device", "cpu"]
+    assert f"argument --window: {message}" in _parser_error([*argv, "--window", window], capsys)
+    assert build_parser(["eval"]).parse_args([*argv, "--window", "64, 128"]).window == [64, 128]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["layout", "packed", "--svg", "  "], "argument --svg: an empty path is not a file"),
+    (["tune", "--out", " "], "argument --out: an empty path is not a file"),
+])
+def test_a_blank_path_is_refused_as_an_empty_one(argv, message, tmp_path, capsys, monkeypatch):
+    """A path of spaces only is no file anyone asked for: refused by the parser as an empty
+    one, and nothing is written in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    assert message in _parser_error(argv, capsys)
+    assert not any(tmp_path.iterdir())
+
+
+def test_no_command_prints_the_usage_and_succeeds(capsys):
+    """``bitdecode`` alone prints the usage listing every command and exits 0 (nothing
+    failed)."""
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: bitdecode") and all(name in out for name in COMMANDS)
+
+
+def test_bench_hands_out_and_quick_on_and_fails_on_wrong_outputs(tmp_path, capsys, monkeypatch):
+    """``bitdecode bench``: without a GPU exit 2 before any suite loads; --out and --quick
+    reach the suite's run; a run that lists wrong outputs exits 1 naming them."""
+    import torch
+
+    calls, wrong = [], []
+
+    class Suite:
+        @staticmethod
+        def run(out, quick=False, progress=None, **kw):
+            calls.append((out, quick))
+            return {"wrong_outputs": list(wrong)}
+
+    monkeypatch.setattr(cli_bench, "_load", lambda suite: Suite)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "bitnet", "--out", str(tmp_path)]) == 2
+    assert "bitdecode bench needs a CUDA GPU" in capsys.readouterr().err and calls == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["bench", "bitnet", "--out", str(tmp_path / "a"), "--quick"]) == 0
+    assert main(["bench", "decode", "--out", str(tmp_path / "b")]) == 0
+    assert calls == [(tmp_path / "a", True), (tmp_path / "b", False)]
+    capsys.readouterr()
+    wrong.append("gemv 2560x2560 pdl_bulk")
+    assert main(["bench", "bitnet", "--out", str(tmp_path)]) == 1
+    assert "wrong outputs: gemv 2560x2560 pdl_bulk" in " ".join(capsys.readouterr().err.split())
+
+
+def test_compile_combine_alone_needs_no_kv_format(tmp_path):
+    """The combine kernel takes no KV format: --kernels combine with empty --bits / --k-mode
+    is no refusal (the decode / pack kernels refuse it, naming the empty options)."""
+    args = build_parser(["compile"]).parse_args(["compile", "--out", str(tmp_path), "--kernels", "combine",
+                                                 "--bits", "", "--k-mode", ""])
+    assert cli_compile.check_args(args) is None
+    args.kernels = ["combine", "pack"]
+    assert "--bits, --k-mode empty and no --fp4" in cli_compile.check_args(args)
+
+
+def test_compile_defaults(tmp_path):
+    """compile's defaults as its help states them: sm_80, every kernel, format and head dim,
+    and one compile process per CPU."""
+    args = build_parser(["compile"]).parse_args(["compile", "--out", str(tmp_path)])
+    assert args.arch == "sm_80" and args.jobs == (os.cpu_count() or 1)
+    assert args.kernels == ["decode", "pack", "combine"] and args.head_dim == [64, 128, 256] and args.fp4 == []
+
+
+def test_compile_out_it_cannot_make_is_one_line_before_compiling(capsys, monkeypatch):
+    """An --out folder that cannot be made (under /proc, even as root) is refused with
+    exit 2 and one line naming --out, before anything compiles."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    monkeypatch.setattr(cli_compile, "_compile_one", lambda *a: pytest.fail("compiled"))
+    line = _one_line_error(["compile", "--out", "/proc/bitdecode_ptx", "--kernels", "combine", "--jobs", "1"], capsys,
+                           monkeypatch)
+    assert "--out /proc/bitdecode_ptx: cannot make the folder" in line
+
+
+def test_demo_hands_its_options_and_defaults_to_the_measurement(capsys, monkeypatch):
+    """What ``demo`` measures: on the CPU 4096 tokens, --backend auto, 4 and 2 bits, K per
+    channel in groups of 128, batch 1, seed 0 by default; the options given otherwise (the
+    backend as given, not auto)."""
+    seen = []
+
+    def measure(args, device, n, backend):
+        seen.append((device, n, backend, args.bits, args.k_mode, args.group_size, args.batch, args.seed))
+        rows = [(KVFormat(bits=b, k_mode=args.k_mode, group_size=args.group_size), 0.01, 300, None) for b in args.bits]
+        return ("16-bit (torch SDPA, math)", 0.0, 1000, None), rows, [backend] * len(rows)
+
+    monkeypatch.setattr(cli_demo, "measure", measure)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["demo", "--device", "cpu"]) == 0
+    assert "4,096 tokens" in capsys.readouterr().out
+    assert main(["demo", "--device", "cpu", "--backend", "reference", "--seqlen", "300", "--bits", "2", "--k-mode",
+                 "token", "--group-size", "32", "--batch", "3", "--seed", "5"]) == 0
+    assert "2-bit (K per token, G=32)" in capsys.readouterr().out
+    assert seen == [("cpu", 4096, "auto", [4, 2], "channel", 128, 1, 0),
+                    ("cpu", 300, "reference", [2], "token", 32, 3, 5)]
+
+
+def test_eval_needle_depths_take_both_ends_and_refuse_an_empty_list(capsys):
+    """--needle-depths: fractions of the filler in [0, 1], both ends included; an empty
+    list or a depth outside is refused by the parser naming the option."""
+    argv = ["eval", "--gguf-file", "/nonexistent/model.gguf", "--device", "cpu"]
+    assert build_parser(["eval"]).parse_args([*argv, "--needle-depths", "0,0.5,1"]).needle_depths == [0.0, 0.5, 1.0]
+    for text in (",", "0.5,1.01", "-0.1"):
+        assert "argument --needle-depths: expected depths in [0, 1]" in _parser_error(
+            [*argv, "--needle-depths", text], capsys), text
+
+
+def test_eval_out_json_path_that_is_a_folder(tmp_path, capsys):
+    """An --out ending in .json names the results file: a folder of that name is refused by
+    the parser (the run's results would be lost at its end)."""
+    (tmp_path / "r.json").mkdir()
+    line = _parser_error(["eval", "--gguf-file", "/nonexistent/model.gguf", "--device", "cpu", "--out",
+                          str(tmp_path / "r.json")], capsys)
+    assert f"argument --out: {tmp_path / 'r.json'} is a folder, not a .json file" in line
+
+
+def test_eval_smollm2_refuses_a_second_model(capsys, monkeypatch):
+    """--smollm2 names its own model: with --random-llama (or MODEL, --gguf-file) it is one
+    line and exit 2, before anything is fetched."""
+    monkeypatch.setattr(cli_eval, "fetch_smollm2", lambda *a: pytest.fail("fetched"))
+    for extra in (["--random-llama", "tiny"], ["some/model"], ["--gguf-file", "m.gguf"]):
+        line = _one_line_error(["eval", "--smollm2", "--device", "cpu", *extra], capsys, monkeypatch)
+        assert "--smollm2 names its own model: give no MODEL, --gguf-file or --random-llama" in line, extra
+
+
+@pytest.mark.parametrize("command", [["generate", "--random-llama", "tiny"], ["eval", "--random-llama", "tiny"]])
+def test_model_commands_cuda_without_gpu(command, capsys, monkeypatch):
+    """generate / eval with --device cuda on a machine without CUDA: one line and exit 2
+    (not a traceback from the model's first CUDA tensor)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    line = _one_line_error([*command, "--device", "cuda"], capsys, monkeypatch)
+    assert "--device cuda, but no CUDA GPU is available (use --device cpu)" in line
+
+
+def test_info_cache_row_says_where_the_folder_comes_from(tmp_path, monkeypatch):
+    """``info``'s compile-cache row: the folder from $BITDECODE_CACHE_DIR or the default
+    (the row says which), and "not created yet" until the folder exists."""
+    from bitdecode import jit
+
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)
+    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path / "jit"))
+    row = cli_info._cache_row()
+    assert "from $BITDECODE_CACHE_DIR" in row and "not created yet" in row
+    jit.cache_dir().mkdir(parents=True)
+    row = cli_info._cache_row()
+    assert "from $BITDECODE_CACHE_DIR" in row and "not created yet" not in row and str(tmp_path / "jit") in row
+    monkeypatch.delenv("BITDECODE_CACHE_DIR")
+    assert "default, $BITDECODE_CACHE_DIR unset" in cli_info._cache_row()
+
+
+def test_info_lists_auto_picks_for_every_format_head_dim_and_dtype(capsys, monkeypatch):
+    """``info``'s "auto picks" row names auto's backend for 4-bit, 2-bit and NVFP4 caches at
+    head dims 128 and 256, in fp16 and bf16."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    monkeypatch.setenv("BITDECODE_NO_DISK_CACHE", "1")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in ("4-bit", "2-bit", "NVFP4"):
+        for d in (128, 256):
+            for dt in ("fp16", "bf16"):
+                assert re.search(rf"{name} D{d} {dt}: \w+", out), (name, d, dt)
+
+
+def test_compile_warm_cache_compiles_for_this_gpu_arch(tmp_path, capsys, monkeypatch):
+    """--warm-cache compiles every variant for the arch of this machine's GPU
+    (``jit.target_arch``), not --arch's default sm_80, into the disk cache (no PTX)."""
+    _fake_gpu(monkeypatch)  # an sm_90a GPU
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)
+    monkeypatch.setenv("BITDECODE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")
+    calls = []
+
+    def compile_one(v, arch, out, warm):
+        calls.append((arch, out, warm))
+        return v.name, 0.1, {}
+
+    monkeypatch.setattr(cli_compile, "_compile_one", compile_one)
+    assert main(["compile", "--warm-cache", "--kernels", "combine", "--jobs", "1"]) == 0
+    assert calls and set(calls) == {("sm_90a", "", True)}
+    out = capsys.readouterr().out
+    assert f"{len(calls)} kernel variants for sm_90a" in out and f"wrote {len(calls)} variants to the JIT disk cache" in out
+
+
+def test_compile_warm_cache_refuses_a_folder_that_takes_no_file(capsys, monkeypatch):
+    """--warm-cache whose cache folder exists but takes no new file (/proc, even for root)
+    is refused before anything compiles."""
+    from bitdecode import jit
+
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    _fake_gpu(monkeypatch)
+    monkeypatch.delenv("BITDECODE_NO_DISK_CACHE", raising=False)
+    monkeypatch.setattr(jit, "cache_dir", lambda: Path("/proc"))
+    monkeypatch.setattr(cli_compile, "_compile_one", lambda *a: pytest.fail("compiled"))
+    line = _one_line_error(["compile", "--warm-cache", "--kernels", "combine", "--jobs", "1"], capsys, monkeypatch)
+    assert "--warm-cache fills the JIT disk cache, but it cannot be written" in line
+
+
+def test_selfcheck_hands_its_options_to_the_check_and_reports_its_verdict(capsys, monkeypatch):
+    """``selfcheck`` on a (pretend) GPU, the check stood in: the backend, the device index,
+    the format (--bits, or --format-json whole), the head dim and the dtype reach it; a
+    match exits 0, a mismatch exits 1 naming it, in the text and the --json verdict."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Pretend GPU")
+    calls, verdict = [], [""]
+
+    def run_check(backend, device, fmt, head_dim, dtype):
+        calls.append((backend, device, fmt, head_dim, dtype))
+        return verdict[0]
+
+    monkeypatch.setattr(cli_selfcheck, "run_check", run_check)
+    base = ["selfcheck", "--backend", "sm90", "--device", "1"]
+    assert main([*base, "--bits", "2", "--head-dim", "64", "--dtype", "bf16"]) == 0
+    assert "sm90 on Pretend GPU" in capsys.readouterr().out
+    assert main([*base, "--format-json", '{"bits": 4, "v_bits": 2}', "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ok": True, "detail": "matches the reference"}
+    assert calls == [("sm90", torch.device("cuda", 1), KVFormat(bits=2), 64, torch.bfloat16),
+                     ("sm90", torch.device("cuda", 1), KVFormat(bits=4, v_bits=2), 128, torch.float16)]
+    verdict[0] = "num_splits=3: max error 0.5 > tolerance 0.01"
+    assert main([*base, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"ok": False, "detail": verdict[0]}
+    assert main(base) == 1
+    assert f"FAILED: {verdict[0]}" in capsys.readouterr().out

@@ -311,3 +311,41 @@ def test_needle_spans_rates_and_what_the_model_is_fed(model, monkeypatch):
         assert r["per_depth"] == {"0.1": 0.5, "0.9": 0.0}
     short = bdeval.needle(model, tok, ["4c64"], filler[:2000], context=256, depths=(0.9,), trials=1, new_tokens=1)
     assert short["results"][1]["needle_in_packed"] is False  # 255 prefilled tokens: 128 of them packed
+
+
+def test_cli_eval_hands_its_options_on(tmp_path, capsys, monkeypatch):
+    """What ``eval`` hands on: --seed and --backend to the model loader (the random weights'
+    seed), --window / --scored / --windows / --batch to the evaluation, and --needle-formats
+    (not --formats) with the needle options to the pass-key test."""
+    seen = {}
+    real_load = cli_generate.load_model
+
+    def load_model(args, device, dtype):
+        seen["load"] = (args.random_llama, args.seed, args.backend)
+        return real_load(args, device, dtype)
+
+    def evaluate(model, ids, methods, **kw):
+        seen["methods"] = [m.spec for m in methods]
+        seen["evaluate"] = {k: kw[k] for k in ("contexts", "scored", "windows", "batch", "backend")}
+        return {}
+
+    def needle(model, tokenizer, methods, ids, **kw):
+        seen["needle_methods"] = [m.spec for m in methods]
+        seen["needle"] = {k: kw[k] for k in ("context", "depths", "trials", "new_tokens", "seed")}
+        raise ValueError("stopped by the test")
+
+    monkeypatch.setattr(cli_generate, "load_model", load_model)
+    monkeypatch.setattr(bdeval, "evaluate", evaluate)
+    monkeypatch.setattr(bdeval, "needle", needle)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    monkeypatch.setenv("COLUMNS", "300")
+    code = main(["eval", "--random-llama", "tiny", "--device", "cpu", "--backend", "reference", "--seed", "7",
+                 "--text", str(text), "--formats", "4c64", "--window", "64,128", "--scored", "5", "--windows", "3",
+                 "--batch", "1", "--needle", "--needle-formats", "2c32", "--needle-context", "300",
+                 "--needle-depths", "0.5", "--needle-trials", "1", "--needle-tokens", "2"])
+    assert code == 2 and "stopped by the test" in capsys.readouterr().err
+    assert seen == {"load": ("tiny", 7, "reference"), "methods": ["16", "4c64"],
+                    "evaluate": {"contexts": [64, 128], "scored": 5, "windows": 3, "batch": 1, "backend": "reference"},
+                    "needle_methods": ["16", "2c32"],
+                    "needle": {"context": 300, "depths": [0.5], "trials": 1, "new_tokens": 2, "seed": 7}}

@@ -834,6 +834,30 @@ def test_cli_layout_svg_parses(view, tmp_path):
     assert len(root.findall("{http://www.w3.org/2000/svg}rect")) > 16
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["packed", "--arch", "sm100", "--format", "nvfp4", "--bits", "2"], "nvfp4 codes are 4-bit e2m1: --bits 2"),
+    (["packed", "--operand", "p"], "P stays 16-bit in the integer formats"),
+    (["params", "--operand", "p"], "P stays 16-bit in the integer formats"),
+    (["ldmatrix", "--operand", "q"], "Q stays 16-bit in the integer formats"),
+])
+def test_cli_layout_refusals_exit_2_and_draw_nothing(argv, message, capsys, monkeypatch):
+    """A view without meaning for its options (FP4 codes of 2 bits, a packed P or Q) is
+    refused with exit status 2, as every command's refusal, on one line saying why; nothing
+    is drawn."""
+    monkeypatch.setenv("COLUMNS", "300")
+    assert cli.main(["layout", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert not out.strip() and f"error: layout {argv[0]}: " in err and message in err
+
+
+def test_cli_layout_defaults(capsys, monkeypatch):
+    """A view without options draws the defaults its help states: sm80, the 4-bit K
+    operand, head dim 128."""
+    monkeypatch.setenv("COLUMNS", "300")
+    assert cli.main(["layout", "swizzle"]) == 0
+    assert "sm80: shared-memory tiles for operand K (4-bit, D = 128)" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------
 # Kernel-side constructors trace for their arch (no GPU)
 # --------------------------------------------------------------------------------------
