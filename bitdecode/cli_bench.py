@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 from pathlib import Path
+from typing import Optional
 
 from .cli import output_folder, print_error
 
@@ -36,6 +37,13 @@ def add_parser(sub, name: str, help_text: str) -> None:
                    help="decode: how L2 is flushed before each timed call: clean (default; a read of a "
                         "2x-L2 buffer) or dirty (a 2x-L2 memset, as records before 2026-12-06 were timed: "
                         "the call then pays the write-back of the memset's lines)")
+
+
+def check_args(args) -> Optional[str]:
+    """An option the chosen suite does not take (refused before the GPU is looked for)."""
+    if args.suite != "decode" and args.flush != "clean":
+        return f"--flush: only the decode suite flushes L2 ({args.suite} rotates its operands)"
+    return None
 
 
 def _load(suite: str):
@@ -66,9 +74,6 @@ def run(args) -> int:
     console = Console()
     if not torch.cuda.is_available():
         print_error("bitdecode bench needs a CUDA GPU")
-        return 2
-    if args.suite != "decode" and args.flush != "clean":
-        print_error(f"--flush: only the decode suite flushes L2 ({args.suite} rotates its operands)")
         return 2
     mod = _load(args.suite)
     out = args.out or profiles_dir() / gpu_dirname()
