@@ -28,19 +28,19 @@ from bench_decode import FORMATS, Timer, build  # noqa: E402
 import bitdecode as bd  # noqa: E402
 
 
-def course(timer: Timer, replay, points: int) -> list:
-    """``points`` (seconds since the call, us) medians of ``replay``, back to back."""
-    start, out = time.perf_counter(), []
+def course(timer: Timer, replay, points: int) -> dict:
+    """``points`` medians of ``replay`` back to back: {"t_s": seconds since the call, "us":
+    the medians}, two lists of one length."""
+    start, t_s, us = time.perf_counter(), [], []
     for _ in range(points):
-        us = timer(replay, iters=15, warmup=1)
-        out.append({"t_s": round(time.perf_counter() - start, 4), "us": round(us, 2)})
-    return out
+        us.append(round(timer(replay, iters=15, warmup=1), 2))
+        t_s.append(round(time.perf_counter() - start, 4))
+    return {"t_s": t_s, "us": us}
 
 
-def slow_for(points: list, steady: float) -> float:
-    """Seconds until the last point more than 5 % over ``steady`` (0: none was)."""
-    slow = [p["t_s"] for p in points if p["us"] > 1.05 * steady]
-    return max(slow, default=0.0)
+def slow_for(points: dict, steady: float) -> float:
+    """Seconds until the last point of a ``course`` more than 5 % over ``steady`` (0: none was)."""
+    return max((t for t, us in zip(points["t_s"], points["us"]) if us > 1.05 * steady), default=0.0)
 
 
 def main(argv=None) -> int:
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         bd.decode(q, cache)
-    steady = statistics.median(p["us"] for p in course(timer, graph.replay, 8))
+    steady = statistics.median(course(timer, graph.replay, 8)["us"])
     rows = []
     for gb in sizes:
         buf = torch.empty(int(gb * 2 ** 30), dtype=torch.uint8, device=dev)

@@ -122,10 +122,9 @@ def test_free_settle_counts_the_last_slow_point():
         import bench_free_settle as settle
     finally:
         sys.path.remove(str(cli_bench.profiles_dir()))
-    points = [{"t_s": 0.01, "us": 65.0}, {"t_s": 0.02, "us": 64.0}, {"t_s": 0.03, "us": 57.0},
-              {"t_s": 0.04, "us": 60.0}, {"t_s": 0.05, "us": 56.0}]
+    points = {"t_s": [0.01, 0.02, 0.03, 0.04, 0.05], "us": [65.0, 64.0, 57.0, 60.0, 56.0]}
     assert settle.slow_for(points, 56.5) == 0.04
-    assert settle.slow_for(points[2:3], 56.5) == 0.0
+    assert settle.slow_for({"t_s": [0.03], "us": [57.0]}, 56.5) == 0.0
 
 
 def test_shrink_png_keeps_the_picture(tmp_path):
@@ -157,3 +156,10 @@ def test_device_run_refuses_unknown_steps_and_a_missing_out(tmp_path):
         assert res.stdout == "" and list(tmp_path.iterdir()) == []
     res = subprocess.run(["bash", script, "quick"], env=env, capture_output=True, text=True)
     assert res.returncode != 0 and "OUT must name the output folder" in res.stderr
+
+
+def test_records_keep_four_significant_digits():
+    """``rounded``: every float of a record, nested, at four significant digits; other
+    values as they are."""
+    record = {"us": 25.696000084280968, "rows": [{"bw": 3224430545833.3224, "B": 16, "tag": "x"}], "n": None}
+    assert bench.rounded(record) == {"us": 25.7, "rows": [{"bw": 3.224e12, "B": 16, "tag": "x"}], "n": None}
