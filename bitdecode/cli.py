@@ -98,6 +98,15 @@ def csv_list(kind, choices=None, allow_empty: bool = False):
     return parse
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: CUDA's ``OutOfMemoryError``, or the
+    ``RuntimeError`` of the CPU allocator (or of a size past what it can address)."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and any(w in str(exc) for w in ("alloc", "overflow")))
+
+
 def print_error(message: str) -> None:
     """One ``error:`` line on standard error, as every command's refusals are printed: the
     message as plain text (no markup read from it) and never wrapped, apart from the

@@ -18,7 +18,7 @@ import torch
 
 from . import dispatch, reference
 from .cache import KVCache
-from .cli import DTYPE_NAMES, nonnegative_int, positive_int, print_error, torch_dtype
+from .cli import DTYPE_NAMES, nonnegative_int, out_of_memory, positive_int, print_error, torch_dtype
 from .formats import GROUP_SIZES, K_MODES, KVFormat
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
@@ -185,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         base, rows, used = measure(args, device, n, args.backend)
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not isinstance(exc, torch.OutOfMemoryError) and not any(w in str(exc) for w in ("alloc", "overflow")):
+    except RuntimeError as exc:  # (torch.OutOfMemoryError is one)
+        if not out_of_memory(exc):
             raise
         import textwrap
 

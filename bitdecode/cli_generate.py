@@ -26,7 +26,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
-from .cli import DTYPE_NAMES, nonnegative_int, positive_int, print_error, torch_dtype
+from .cli import DTYPE_NAMES, nonnegative_int, out_of_memory, positive_int, print_error, torch_dtype
 from .formats import FP4_FORMATS, GROUP_SIZES, K_MODES, model_head_dim
 
 
@@ -394,8 +394,8 @@ def _run_loaded(console, args, device, backend, model, tokenizer, what, t_load, 
         if ids is None:
             ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(args.seed))
         ids = ids.expand(args.batch, -1).contiguous().to(device)
-    except (torch.OutOfMemoryError, RuntimeError) as exc:  # (a CPU allocation fails as a RuntimeError)
-        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc):
+    except RuntimeError as exc:  # (torch.OutOfMemoryError is one; a CPU allocation fails as a RuntimeError)
+        if not out_of_memory(exc):
             raise
         print_error(f"--batch {args.batch} prompts of {prompt_len:,} tokens do not fit in memory "
                     f"({' '.join(str(exc).split())[:160]})")
