@@ -49,3 +49,27 @@ def write_whole(path: Union[str, Path], text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def save_plot(fig, path: Union[str, Path], dpi: int) -> Path:
+    """A matplotlib figure as a PNG at ``path`` (then closed), with a palette where Pillow
+    is installed (``palette_png``)."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return palette_png(Path(path))
+
+
+def palette_png(path: Path, colors: int = 64) -> Path:
+    """Rewrite the PNG at ``path`` with a ``colors``-entry palette where Pillow is installed:
+    a line plot loses nothing seen and the file is ~4x smaller (the benchmarks' plots live
+    in git)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return path
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
+    return path

@@ -50,6 +50,7 @@ from typing import List, Optional
 import torch
 
 from . import dispatch
+from ._files import save_plot
 from .cli import DTYPE_NAMES, given_path, nonnegative_int, positive_int, positive_int_list, print_error, torch_dtype
 from .cli_generate import mib
 
@@ -265,9 +266,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
                           f"{', '.join(str(d) for d in needle['depths'])} x {needle['trials']}", fontsize=9)
     fig.suptitle(f"bitdecode eval: {result['model'].get('description', '')}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_plot(fig, path, dpi=100)
 
 
 def write(result: dict, out: Path):

@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from bitdecode import bitnet as bn
+from bitdecode._files import save_plot
 from bitdecode.bitnet_tune import MIN_CALLS, config_fields, copies_for, describe, entries, gpu_key, graph_time_us
 from bitdecode.layouts.bitnet import TILE_N
 
@@ -326,9 +327,7 @@ def plot(results: Dict, path: Path) -> Optional[Path]:
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_plot(fig, path, dpi=120)
 
 
 def run(out_dir: Path, quick: bool = False, progress=None) -> dict:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import bitdecode as bd
+from bitdecode._files import save_plot
 
 SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
 MAX_TOKENS = 2 ** 21  # B * N cap: keeps the 16-bit SDPA cache of the sweep under ~10 GB
@@ -452,22 +453,7 @@ def _draw(plt, result: dict, path: Path) -> Path:
             ax.legend(fontsize=7)
     fig.suptitle(f"decode on {result['gpu']} (L2 flushed, median)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return shrink_png(path)
-
-
-def shrink_png(path: Path, colors: int = 64) -> Path:
-    """Rewrite the plot at ``path`` with a ``colors``-entry palette where Pillow is installed
-    (line plots lose nothing seen; the file is ~4x smaller: records live in git)."""
-    try:
-        from PIL import Image
-    except ImportError:
-        return path
-    with Image.open(path) as im:
-        small = im.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
-    small.save(path, optimize=True)
-    return path
+    return save_plot(fig, path, dpi=110)
 
 
 def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean") -> dict:

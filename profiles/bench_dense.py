@@ -32,6 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bitdecode import dense  # noqa: E402
+from bitdecode._files import save_plot  # noqa: E402
 from profiles.bench_bitnet import MIN_CALLS, copies_for, graph_time_us, measure_roofline  # noqa: E402
 
 # Llama-3-8B (hidden 4096, 32 / 8 heads of 128, MLP 14336) decode projections, q/k/v and
@@ -172,8 +173,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title(f"bf16 decode GEMV, Llama-3-8B shapes ({res['gpu']})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -80,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import bitdecode as bd  # noqa: E402
 from bitdecode import cli_generate, hf  # noqa: E402
+from bitdecode._files import save_plot  # noqa: E402
 from bitdecode.formats import model_head_dim  # noqa: E402
 from profiles.bench_decode import cache_bytes as decode_read_bytes  # noqa: E402
 
@@ -583,9 +584,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     ax.set_title(f"{result['model']['name']} decode step on {result['device_name']} "
                  f"(× = skipped / not installed / failed)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, path, dpi=110)
 
 
 def run(args) -> dict:

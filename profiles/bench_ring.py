@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from bitdecode._files import save_plot
 from bitdecode.cli import positive_int_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -159,9 +160,7 @@ def plot(result: Dict, path: Path) -> Optional[Path]:
     ax.set_title(f"A bare TMA ring, {result['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_plot(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

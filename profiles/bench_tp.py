@@ -440,6 +440,8 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    from bitdecode._files import save_plot
+
     rows = [r for r in result["rows"] if "tokens_per_s" in r]
     if not rows:
         return None
@@ -469,8 +471,7 @@ def plot(result: dict, path: Path) -> Optional[Path]:
             ax.legend(fontsize=7)
     fig.suptitle(f"{result['model']} TP={result['world_size']} on {result['gpu']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return save_plot(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:

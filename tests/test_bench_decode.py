@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bitdecode import cli_bench
+from bitdecode import _files, cli_bench
 
 bench = cli_bench._load("decode")
 B, HQ, HKV, D = 2, 32, 8, 128
@@ -127,15 +127,16 @@ def test_free_settle_counts_the_last_slow_point():
     assert settle.slow_for({"t_s": [0.03], "us": [57.0]}, 56.5) == 0.0
 
 
-def test_shrink_png_keeps_the_picture(tmp_path):
-    """``shrink_png`` turns an RGB plot into a palette PNG of the same size and lines."""
+def test_palette_png_keeps_the_picture(tmp_path):
+    """``_files.palette_png`` (every plot's last step) turns an RGB plot into a palette PNG
+    of the same size and lines."""
     image = pytest.importorskip("PIL.Image")
     picture = image.new("RGB", (64, 32), "white")
     for x in range(64):
         picture.putpixel((x, x // 2), (0, 0, 255))
     path = tmp_path / "p.png"
     picture.save(path)
-    assert bench.shrink_png(path) == path
+    assert _files.palette_png(path) == path
     with image.open(path) as out:
         assert out.mode == "P" and out.size == (64, 32)
         assert out.convert("RGB").getpixel((10, 5)) == (0, 0, 255)
@@ -163,3 +164,17 @@ def test_records_keep_four_significant_digits():
     values as they are."""
     record = {"us": 25.696000084280968, "rows": [{"bw": 3224430545833.3224, "B": 16, "tag": "x"}], "n": None}
     assert bench.rounded(record) == {"us": 25.7, "rows": [{"bw": 3.224e12, "B": 16, "tag": "x"}], "n": None}
+
+
+def test_save_plot_writes_a_closed_palette_png(tmp_path):
+    """``_files.save_plot``, every plot's writer: the PNG at ``path``, palette where Pillow
+    is, and the figure closed (a sweep of many plots holds no figures)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3], [3, 1, 2])
+    path = _files.save_plot(fig, tmp_path / "p.png", dpi=50)
+    assert path == tmp_path / "p.png" and path.stat().st_size > 0
+    assert not plt.fignum_exists(fig.number)
+    image = pytest.importorskip("PIL.Image")
+    with image.open(path) as out:
+        assert out.mode == "P"
