@@ -23,6 +23,7 @@ import torch
 
 import bitdecode as bd
 from bitdecode import backend as backends, dispatch
+from bitdecode._memory import release_memory
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 STEPS = 60  # inside one residual block (the cache starts at a block boundary)
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
             out[f"{backend}_b1_{n}"] = res
             print(backend, n, res, flush=True)
             del c
-            torch.cuda.empty_cache()
+            release_memory()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / (f"append_step_gpu_{args.tag}.json" if args.tag else "append_step_gpu.json")).write_text(json.dumps(out, indent=1))
     return 0

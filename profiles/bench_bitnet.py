@@ -37,6 +37,7 @@ import torch
 
 from bitdecode import bitnet as bn
 from bitdecode._files import save_plot
+from bitdecode._memory import release_memory
 from bitdecode.bitnet_tune import MIN_CALLS, config_fields, copies_for, describe, entries, gpu_key, graph_time_us
 from bitdecode.layouts.bitnet import TILE_N
 
@@ -62,7 +63,7 @@ def measure_roofline(device, replays: int) -> Dict[str, float]:
     as_f32 = src.view(torch.float32)
     t_sum = graph_time_us([lambda: as_f32.sum()] * 4, replays)
     src = as_f32 = None
-    torch.cuda.empty_cache()
+    release_memory()
     copy_bw = 2 * (1 << 30) / (t_copy * 1e-6)
     read_bw = (1 << 30) / (t_sum * 1e-6)
     return {"copy_bytes": 2 * (1 << 30), "copy_us": t_copy, "copy_bytes_per_s": copy_bw,
@@ -182,7 +183,7 @@ def bench_gemv(n: int, k: int, device, l2: int, replays: int, roofline: float, v
     calls = [(lambda q=w16s[i % copies16]: torch.matmul(x16, q.t())) for i in range(max(copies16, MIN_CALLS))]
     t16 = graph_time_us(calls, replays)
     del w16s, calls, w16
-    torch.cuda.empty_cache()
+    release_memory()
     moved = gemv_bytes(n, k)
     moved16 = 2 * n * k + 2 * k + 2 * n
     return {
@@ -249,7 +250,7 @@ def bench_gemm(n: int, k: int, ms, kernels, device, l2: int, replays: int) -> Li
                 }
             )
     del packs, w16s
-    torch.cuda.empty_cache()
+    release_memory()
     return rows
 
 

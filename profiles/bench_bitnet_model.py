@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: profiles/ is not a package on 
 
 import bitdecode as bd  # noqa: E402
 from bitdecode import bitnet, cli_generate  # noqa: E402
+from bitdecode._memory import release_memory  # noqa: E402
 from profiles import bench_e2e as e2e  # noqa: E402
 
 CONTEXTS = ((1, 4096), (1, 32768))
@@ -144,7 +145,7 @@ def run(args) -> dict:
         elif cfg["name"].startswith("bitdecode"):
             del model
             gc.collect()
-            torch.cuda.empty_cache()
+            release_memory()
             model = build("tiny" if args.tiny else "2b", device)  # from the float weights again
             bitnet.convert(model, backend=backend, fuse_norms=cfg["fuse_norms"])
         cache_cfg = dict(cfg, name=cfg["cache"])
@@ -182,7 +183,7 @@ def run(args) -> dict:
             rows += new
             del data
             gc.collect()
-            torch.cuda.empty_cache()
+            release_memory()
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device_name": torch.cuda.get_device_name(device),

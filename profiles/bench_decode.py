@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import bitdecode as bd
 from bitdecode._files import save_plot
+from bitdecode._memory import SETTLE_S_PER_GB, release_memory  # noqa: F401  (bench_splits, bench_multi_token)
 
 SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
 MAX_TOKENS = 2 ** 21  # B * N cap: keeps the 16-bit SDPA cache of the sweep under ~10 GB
@@ -97,26 +98,6 @@ class Timer:
         for _ in range(warmup):
             fn()
         return statistics.median(self.once(fn, None if flush else "none", host) for _ in range(iters))
-
-
-# Freed device memory slows the memory-bound kernels that follow for a while (H100, the
-# sixty-fifth session, profiles/NOTES.md): a 4-bit decode at B=1 N=128K ran 56.5 us before
-# and ~65 us (+15 %) for ~11 ms after 4 GB went back to the driver, for over 24 ms after 12
-# GB, and unchanged after 0.4 GB; clocks, power and throttle reasons stayed the same (the
-# driver's own work on the freed pages, its scrubbing the likeliest).  So a benchmark waits
-# ``SETTLE_S_PER_GB`` a GB freed (about 4x the transient measured) before it times again.
-SETTLE_S_PER_GB = 0.01
-
-
-def release_memory() -> float:
-    """``torch.cuda.empty_cache()``, then wait out the slow spell that the freed memory
-    brings (``SETTLE_S_PER_GB``); the seconds waited."""
-    before = torch.cuda.memory_reserved()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    wait = (before - torch.cuda.memory_reserved()) / 2 ** 30 * SETTLE_S_PER_GB
-    time.sleep(wait)
-    return wait
 
 
 def measure_roofline(timer: Timer, device) -> Dict[str, float]:

@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 
 from bitdecode import dense  # noqa: E402
 from bitdecode._files import save_plot  # noqa: E402
+from bitdecode._memory import release_memory  # noqa: E402
 from profiles.bench_bitnet import MIN_CALLS, copies_for, graph_time_us, measure_roofline  # noqa: E402
 
 # Llama-3-8B (hidden 4096, 32 / 8 heads of 128, MLP 14336) decode projections, q/k/v and
@@ -76,7 +77,7 @@ def bench_linear(name: str, n: int, k: int, tokens: int, device, l2: int, replay
         calls = [(lambda q=ws[i % copies], fn=fn: fn(q)) for i in range(max(copies, MIN_CALLS))]
         row[key] = graph_time_us(calls, replays)
     del ws
-    torch.cuda.empty_cache()
+    release_memory()
     moved = 2 * (n * k + tokens * (k + n))
     row["bytes"] = moved
     row["roofline_us"] = moved / roofline * 1e6
@@ -106,7 +107,7 @@ def bench_after_norm(name: str, n: int, k: int, device, l2: int, replays: int) -
         calls = [(lambda q=ws[i % copies], fn=fn: fn(q)) for i in range(max(copies, MIN_CALLS))]
         row[key] = graph_time_us(calls, replays)
     del ws
-    torch.cuda.empty_cache()
+    release_memory()
     row["speedup"] = row["norm_cublas_us"] / row["norm_bd_us"]
     return row
 

@@ -81,6 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import bitdecode as bd  # noqa: E402
 from bitdecode import cli_generate, hf  # noqa: E402
 from bitdecode._files import save_plot  # noqa: E402
+from bitdecode._memory import release_memory  # noqa: E402
 from bitdecode.formats import model_head_dim  # noqa: E402
 from profiles.bench_decode import cache_bytes as decode_read_bytes  # noqa: E402
 
@@ -659,7 +660,7 @@ def run(args) -> dict:
                 continue
             gc.collect()
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                release_memory()
             need = needed_bytes(cfg, s, b, n, ctx["cap"], 2, packs)
             free = free_bytes(device, budget, held)
             reserve = int(0.03 * torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else 0
@@ -684,7 +685,7 @@ def run(args) -> dict:
                 print(f"  B={b:<3d} N={n:<7d} {cfg['name']:<16s} {msg}", flush=True)
             gc.collect()
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                release_memory()
         del data
     model_info = dict(name="Llama-3.1-8B shape" if size == "8b" else "tiny Llama", size=size,
                       **{k: v for k, v in s.items()}, intermediate=model.config.intermediate_size, dtype="bfloat16",

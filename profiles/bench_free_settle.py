@@ -1,4 +1,4 @@
-"""How long freed device memory slows the kernels that follow (``bench_decode.release_memory``'s
+"""How long freed device memory slows the kernels that follow (``bitdecode._memory.release_memory``'s
 wait): a 4-bit decode (K per channel g128, fp16, B=1 N=128K, Hq/Hkv 32/8, D 128: memory-bound,
 ~57 us on an H100) replayed from a CUDA graph, timed again and again (each point the median of
 15 calls after the timer's L2 flush) right after ``empty_cache`` gave back a buffer of each

@@ -124,6 +124,7 @@ def run(variants, shapes, ms, replays: int = 20) -> List[dict]:
 
     from bench_bitnet import MIN_CALLS, gemm_operands, graph_time_us
     from bitdecode import bitnet as bn
+    from bitdecode._memory import release_memory
 
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -153,7 +154,7 @@ def run(variants, shapes, ms, replays: int = 20) -> List[dict]:
             print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
             rows.append(row)
         del packs, w16s
-        torch.cuda.empty_cache()
+        release_memory()
     return rows
 
 

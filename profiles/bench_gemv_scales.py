@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     from bench_bitnet import copies_for, gemv_bytes, gemv_call, graph_time_us, measure_roofline, wrong_gemv_outputs
 
     from bitdecode import bitnet as bn
+    from bitdecode._memory import release_memory
 
     dev = torch.device("cuda", torch.cuda.current_device())
     kernels = bn.kernels_for(dev)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             and key != "roofline_us"), flush=True)
         rows.append(row)
         del packs
-        torch.cuda.empty_cache()
+        release_memory()
     res = {"command": "python3 profiles/bench_gemv_scales.py " + " ".join(argv or sys.argv[1:]),
            "gpu": torch.cuda.get_device_name(dev), "method": __doc__, "roofline_bytes_per_s": roof, "rows": rows,
            "seconds": time.perf_counter() - started}

@@ -62,6 +62,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bitdecode._memory import release_memory  # noqa: E402
+
 GIB = 1024 ** 3
 NVLS_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 
@@ -289,7 +291,7 @@ def run_config(model, kind: str, s: Shapes, b: int, n: int, args, device) -> Opt
     if cache is None:
         gc.collect()
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            release_memory()
     # 0: filled, 1: out of memory, 2: failed; the worst rank decides for all
     state = all_reduce(2.0 if fill_error else 1.0 if oom else 0.0, device=device)
     if state > 0:
@@ -345,7 +347,7 @@ def free_memory(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        release_memory()
     dist.barrier()
 
 
