@@ -14,13 +14,16 @@
 #   flush       profiles/bench_flush.py (clean / dirty / no flush, interleaved)
 #   settle      profiles/bench_free_settle.py (how long freed memory slows a decode)
 #   wide        the wide_boxes A/B of the sm90 decode (profiles/bench_variants.py)
+#   ringwide    the same with the decode's ring alone, narrow and wide boxes (the probe
+#               patch profiles/probes/sm90_decode_ablation.patch applied for the step, then
+#               taken back out)
 # The GPU's name picks the tag (h200 / h100 / ...), so a record is never filed under the
 # wrong GPU.
 set -u
 : "${OUT:?OUT must name the output folder (a device call sets it)}"
 for arg in "$@"; do  # (every step known before any runs: a typo costs no device time)
   case "$arg" in
-    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide) ;;
+    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide) ;;
     *) echo "device_run.sh: unknown step '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -61,6 +64,16 @@ for arg in "$@"; do
     wide)
       step wide 200 python3 profiles/bench_variants.py --variant base= --variant wide=wide_boxes=True \
         --formats 4c128,2c128 --shapes 1x4096,1x131072,16x65536 --out "$OUT" --tag "wide_boxes_$TAG" ;;
+    ringwide)
+      patch=profiles/probes/sm90_decode_ablation.patch
+      if git apply "$patch"; then
+        step ringwide 240 python3 profiles/bench_variants.py --variant base= --variant wide=wide_boxes=True \
+          --variant ring=probe_ring_only=True --variant ringwide=probe_ring_only=True,wide_boxes=True \
+          --formats 4c128,2c128 --shapes 1x131072,16x65536 --out "$OUT" --tag "ring_wide_boxes_$TAG"
+        git apply -R "$patch"
+      else
+        echo "ringwide: $patch does not apply"
+      fi ;;
   esac
 done
 echo "done $(date +%T)"
