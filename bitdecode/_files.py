@@ -3,6 +3,7 @@ work that fills them where they cannot be written."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -49,6 +50,24 @@ def write_whole(path: Union[str, Path], text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def rounded(record, digits: int = 4):
+    """``record`` with every float at ``digits`` significant digits: the records live in git,
+    and the timer's spread is far above the fifth digit."""
+    if isinstance(record, float):
+        return float(f"{record:.{digits}g}")
+    if isinstance(record, dict):
+        return {k: rounded(v, digits) for k, v in record.items()}
+    if isinstance(record, (list, tuple)):
+        return [rounded(v, digits) for v in record]
+    return record
+
+
+def write_record(path: Union[str, Path], record) -> Path:
+    """A benchmark's record as JSON at ``path``, floats ``rounded``, whole or not at all."""
+    write_whole(path, json.dumps(rounded(record), indent=1) + "\n")
+    return Path(path)
 
 
 def save_plot(fig, path: Union[str, Path], dpi: int) -> Path:

@@ -14,7 +14,6 @@ cache (~33 MB) fits the H200's L2; at 128K it does not.
 """
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import bitdecode as bd
 from bitdecode import backend as backends, dispatch
 from bitdecode._memory import release_memory
+from bitdecode._files import write_record
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 STEPS = 60  # inside one residual block (the cache starts at a block boundary)
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             del c
             release_memory()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / (f"append_step_gpu_{args.tag}.json" if args.tag else "append_step_gpu.json")).write_text(json.dumps(out, indent=1))
+    write_record(args.out / (f"append_step_gpu_{args.tag}.json" if args.tag else "append_step_gpu.json"), out)
     return 0
 
 

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from bitdecode import bitnet as bn
-from bitdecode._files import save_plot
+from bitdecode._files import save_plot, write_record
 from bitdecode._memory import release_memory
 from bitdecode.bitnet_tune import MIN_CALLS, config_fields, copies_for, describe, entries, gpu_key, graph_time_us
 from bitdecode.layouts.bitnet import TILE_N
@@ -382,7 +382,7 @@ def run(out_dir: Path, quick: bool = False, progress=None) -> dict:
         "seconds": time.perf_counter() - started,
     }
     results["summary"] = check_targets(gemv, gemm, results["wrong_outputs"])
-    (out_dir / "bitnet.json").write_text(json.dumps(results, indent=1))
+    write_record(out_dir / "bitnet.json", results)
     png = plot(results, out_dir / "bitnet.png")
     results["plot"] = str(png) if png else None
     return results

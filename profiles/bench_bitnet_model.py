@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: profiles/ is not a package on 
 
 import bitdecode as bd  # noqa: E402
 from bitdecode import bitnet, cli_generate  # noqa: E402
+from bitdecode._files import write_record  # noqa: E402
 from bitdecode._memory import release_memory  # noqa: E402
 from profiles import bench_e2e as e2e  # noqa: E402
 
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
     res = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bitnet_model.json"
-    path.write_text(json.dumps(res, indent=1))
+    write_record(path, res)
     for r in res["prefill"]:
         print(f"prefill {r['config']:<10s} " + (f"{r['prefill_ms']:8.2f} ms" if r["status"] == "ok" else r["status"]))
     print(json.dumps(res["targets"], indent=1))

@@ -12,7 +12,6 @@ imports (the GPU host's peer kit), its paged decode at fp16 and fp8 KV is timed 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import warnings
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import bitdecode as bd
-from bitdecode._files import save_plot
+from bitdecode._files import save_plot, write_record
 from bitdecode._memory import SETTLE_S_PER_GB, release_memory  # noqa: F401  (bench_splits, bench_multi_token)
 
 SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
@@ -383,18 +382,6 @@ def _graph_time(timer, fn) -> float:
     return timer(g.replay)
 
 
-def rounded(record, digits: int = 4):
-    """``record`` with every float at ``digits`` significant digits: the records live in git,
-    and the timer's spread is far above the fifth digit."""
-    if isinstance(record, float):
-        return float(f"{record:.{digits}g}")
-    if isinstance(record, dict):
-        return {k: rounded(v, digits) for k, v in record.items()}
-    if isinstance(record, (list, tuple)):
-        return [rounded(v, digits) for v in record]
-    return record
-
-
 def plot(result: dict, path: Path) -> Optional[Path]:
     try:
         import matplotlib
@@ -509,7 +496,7 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
         "small_graph": bench_graph_small(timer, device),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(rounded(result), indent=1))
+    write_record(out_dir / f"{name}.json", result)
     plot(result, out_dir / f"{name}.png")
     return result
 

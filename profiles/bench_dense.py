@@ -20,7 +20,6 @@ model); CUDA events, median of the replays.  Roofline: the bytes a call must mov
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bitdecode import dense  # noqa: E402
-from bitdecode._files import save_plot  # noqa: E402
+from bitdecode._files import save_plot, write_record  # noqa: E402
 from bitdecode._memory import release_memory  # noqa: E402
 from profiles.bench_bitnet import MIN_CALLS, copies_for, graph_time_us, measure_roofline  # noqa: E402
 
@@ -149,7 +148,7 @@ def run(out_dir: Path, replays: int = 50, tokens_list=TOKENS, tag: str = "", sma
                                         "median of replays; roofline = bytes moved / best of copy and sum bandwidth"}
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"dense_{tag}" if tag else "dense"
-    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    write_record(out_dir / f"{stem}.json", res)
     plot(res, out_dir / f"{stem}.png")
     return res
 

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -80,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import bitdecode as bd  # noqa: E402
 from bitdecode import cli_generate, hf  # noqa: E402
-from bitdecode._files import save_plot  # noqa: E402
+from bitdecode._files import save_plot, write_record  # noqa: E402
 from bitdecode._memory import release_memory  # noqa: E402
 from bitdecode.formats import model_head_dim  # noqa: E402
 from profiles.bench_decode import cache_bytes as decode_read_bytes  # noqa: E402
@@ -731,7 +730,7 @@ def write(result: dict, out: Path) -> Tuple[Path, Optional[Path]]:
     else:
         json_path, png_path = out / "e2e.json", out / "e2e.png"
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1))
+    write_record(json_path, result)
     return json_path, plot(result, png_path)
 
 

@@ -14,7 +14,6 @@ writes ``<out>/flush.json`` (``flush_<tag>.json`` with ``--tag``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from bench_decode import Timer, build  # noqa: E402
 from bench_variants import D, FORMATS, HKV, HQ, parse_shapes  # noqa: E402
 
 import bitdecode as bd  # noqa: E402
+from bitdecode._files import write_record  # noqa: E402
 from bitdecode.bitnet_tune import captured  # noqa: E402  (the library's one graph-capture helper)
 
 TIMED = ("4c128", "2c128")  # (FORMATS' keys)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
               "method": __doc__.split("\n\n")[0].replace("\n", " "), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / (f"flush_{args.tag}.json" if args.tag else "flush.json")
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_record(path, result)
     print(f"{result['gpu']}, L2 {result['l2_bytes'] >> 20} MiB; us, median of {args.rounds}")
     print(f"{'case':26s} {'clean':>9s} {'dirty':>9s} {'none':>9s} {'dirty - clean':>14s}")
     for r in rows:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import FORMATS, Timer, build  # noqa: E402
 
 import bitdecode as bd  # noqa: E402
+from bitdecode._files import write_record  # noqa: E402
 
 
 def course(timer: Timer, replay, points: int) -> dict:
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
               "method": __doc__.split("\n\n")[0].replace("\n", " "), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"free_settle_{args.tag}.json" if args.tag else "free_settle.json"
-    (args.out / name).write_text(json.dumps(result, indent=1))
+    write_record(args.out / name, result)
     return 0
 
 

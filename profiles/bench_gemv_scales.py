@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -62,6 +61,7 @@ def main(argv=None) -> int:
     from bench_bitnet import copies_for, gemv_bytes, gemv_call, graph_time_us, measure_roofline, wrong_gemv_outputs
 
     from bitdecode import bitnet as bn
+    from bitdecode._files import write_record
     from bitdecode._memory import release_memory
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
            "gpu": torch.cuda.get_device_name(dev), "method": __doc__, "roofline_bytes_per_s": roof, "rows": rows,
            "seconds": time.perf_counter() - started}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gemv_scales{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(res, indent=1))
+    write_record(args.out / f"gemv_scales{'_' + args.tag if args.tag else ''}.json", res)
     return 0 if all(r["bit_equal"] for r in rows) else 1
 
 

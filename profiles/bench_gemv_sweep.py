@@ -17,7 +17,6 @@ output is printed and the run exits 1.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from bench_bitnet import bench_gemv, gemv_variants, measure_roofline
 from bench_gemm_variants import parse_shapes
 
 from bitdecode.bitnet_tune import entries, gpu_key
+from bitdecode._files import write_record
 
 
 def main(argv=None) -> int:
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         "rows": rows,
         "seconds": time.perf_counter() - started,
     }
-    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args.out / name, result)
     print(f"results in {args.out / name}")
     return 1 if any(row["wrong_outputs"] for row in rows) else 0
 

@@ -25,7 +25,6 @@ CTA).  Issue 10's target: host time <= 15 us per layer per step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 
 import bitdecode as bd
 from bitdecode import backend as backends, dispatch
+from bitdecode._files import write_record
 from bitdecode.cli import csv_list
 
 TARGET_US = 15.0
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
               "command": " ".join(["python3 profiles/bench_host.py", *(sys.argv[1:] if argv is None else argv)]),
               "method": __doc__.strip().split("\n\n")[1].replace("\n", " "), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "host_overhead.json").write_text(json.dumps(result, indent=1))
+    write_record(args.out / "host_overhead.json", result)
     return 0
 
 

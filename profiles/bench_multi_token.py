@@ -9,7 +9,6 @@ chunks take.  CUDA-graph replay and eager, L2 flushed, median of 30 (the chunk p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bitdecode as bd  # noqa: E402
 from bitdecode import attention  # noqa: E402
+from bitdecode._files import write_record  # noqa: E402
 from bench_decode import Timer, _graph_time, release_memory  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def run(out_dir: Path) -> dict:
               "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "format": "4-bit, K per channel g128, fp16; Hq/Hkv 32/8, D 128", "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "multi_token.json").write_text(json.dumps(result, indent=1))
+    write_record(out_dir / "multi_token.json", result)
     return result
 
 

@@ -12,7 +12,6 @@ stream of those byte counts reaches on the same GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bitnet import MIN_CALLS, SHAPES, copies_for, gemv_bytes, graph_time_us, measure_roofline  # noqa: E402
+
+from bitdecode._files import write_record  # noqa: E402
 
 # the bytes of the four largest GEMVs of the model and of its smallest (16.4 MB .. 1.6 MB)
 _BY_SIZE = sorted((gemv_bytes(n, k) for n, k in SHAPES), reverse=True)
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
               "command": " ".join(["python3 profiles/bench_read_floor.py", *(sys.argv[1:] if argv is None else argv)]),
               "method": __doc__.strip().split("\n\n")[0].replace("\n", " "), "roofline_bytes_per_s": roof, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "read_floor.json").write_text(json.dumps(result, indent=1))
+    write_record(args.out / "read_floor.json", result)
     return 0
 
 

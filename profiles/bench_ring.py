@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-from bitdecode._files import save_plot
+from bitdecode._files import save_plot, write_record
 from bitdecode.cli import positive_int_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -129,8 +128,8 @@ def main(argv=None) -> int:
                   f"{row['in_flight_per_sm'] / 1024:6.0f} KB in flight, {us:8.2f} us, "
                   f"{row['bytes_per_s'] / 1e12:.2f} TB/s = {row['read_rate_frac']:.3f} of the read rate")
             # (written after every row: a configuration that ends the process keeps the others')
-            path.write_text(json.dumps(result, indent=1) + "\n")
-    path.write_text(json.dumps(result, indent=1) + "\n")
+            write_record(path, result)
+    write_record(path, result)
     plot(result, args.out / f"{name}.png")
     return 0
 

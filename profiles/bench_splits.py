@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import bitdecode as bd
+from bitdecode._files import write_record
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
               "dtype": args.dtype, "heads": [hq, hkv], "head_dim": d, "backends": backends,
               "method": __doc__.split("\n\n")[0].replace("\n", " "), "roofline": roofline, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"splits{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1))
+    write_record(args.out / f"splits{'_' + args.tag if args.tag else ''}.json", result)
     return 0
 
 

@@ -63,6 +63,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bitdecode._memory import release_memory  # noqa: E402
+from bitdecode._files import write_record  # noqa: E402
 
 GIB = 1024 ** 3
 NVLS_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
@@ -566,7 +567,7 @@ def main(argv=None) -> int:
         if rank == 0:
             result["summary"] = summarize(result["rows"])
             result["targets"] = targets(result)
-            out_json.write_text(json.dumps(result, indent=1))
+            write_record(out_json, result)
 
     write()
     for n in seqlens:

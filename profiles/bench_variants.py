@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
+from bitdecode._files import write_record
 
 FORMATS = {"4c128": (4, "channel", 128), "4c64": (4, "channel", 64), "2c128": (2, "channel", 128),
            "2c64": (2, "channel", 64), "4t64": (4, "token", 64), "2t64": (2, "token", 64),
@@ -104,7 +105,7 @@ def write_result(args, stem: str, options: str, variants, method: str, rows: Lis
         result["failed"] = failed
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{stem}_{args.tag}.json" if args.tag else f"{stem}.json"
-    (args.out / name).write_text(json.dumps(result, indent=1))
+    write_record(args.out / name, result)
 
 
 def parse_shapes(text: str) -> List[Tuple[int, int]]:

@@ -19,7 +19,6 @@ writes ``<out>/wgmma.json``: per configuration the time, SM cycles per wgmma (at
 # no `from __future__ import annotations`: the kernel class reads its annotations as objects
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -142,6 +141,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from bitdecode._files import write_record
+
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("bench_wgmma needs a Hopper GPU (sm_90a)", file=sys.stderr)
         return 2
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
         result = {"command": f"python3 profiles/bench_wgmma.py --out {args.out}", "gpu": props.name,
                   "clock_hz": clock_hz, "method": "CUDA events around one launch of iters x ksteps x 2 wgmmas per "
                   "warpgroup on every SM, median of 7 (bench_decode.Timer, no flush)", "rows": rows}
-        (args.out / "wgmma.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_record(args.out / "wgmma.json", result)
     return 0
 
 

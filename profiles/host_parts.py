@@ -17,7 +17,6 @@ the output as torch tensors, or pre-converted), the plan's call, ``bd.decode``,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 
 import bitdecode as bd
 from bitdecode import attention, dispatch
+from bitdecode._files import write_record
 from bitdecode import backend as backends
 from bitdecode.cli import csv_list
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
               "method": __doc__.strip().split("\n\n")[1].replace("\n", " "), "layers": args.layers,
               "context": args.context, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "host_parts.json").write_text(json.dumps(result, indent=1))
+    write_record(args.out / "host_parts.json", result)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from unittest import mock
 import torch
 
 import bitdecode as bd
+from bitdecode._files import write_record
 from bitdecode.kernels_sm80 import backend as sm80_backend
 
 STREAM = 0x7F3A_1C00_0000  # what a raw CUDA stream handle looks like
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         result = {"torch": torch.__version__, "python": sys.version.split()[0],
                   "command": "python3 profiles/host_python.py --out profiles/cpu", "method": __doc__.strip(),
                   "row": row}
-        (args.out / "host_python.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_record(args.out / "host_python.json", result)
     return 0
 
 

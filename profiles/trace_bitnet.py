@@ -17,7 +17,6 @@ first entry).  What it answers: where a call's time goes once the weight bytes a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -111,6 +110,7 @@ def main(argv=None) -> int:
     from bench_bitnet import copies_for, gemv_call
 
     from bitdecode import bitnet as bn
+    from bitdecode._files import write_record
 
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     out = {"command": "python3 profiles/trace_bitnet.py " + " ".join(argv or sys.argv[1:]), "gpu": torch.cuda.get_device_name(),
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
             print(f"{row['call']:3d} " + " | ".join(f"{s} " + " ".join(f"{t:6.2f}" for t in row[s])
                                                      for s in ("entry", "waited", "pre_store", "end") if s in row))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "trace_bitnet.json").write_text(json.dumps(out, indent=1))
+    write_record(args.out / "trace_bitnet.json", out)
     return 0
 
 

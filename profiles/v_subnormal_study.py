@@ -35,12 +35,12 @@ the yardstick's.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from bitdecode import reference as R
+from bitdecode._files import write_record
 from layouts import packing
 
 BITS = 2
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                   "what": "largest absolute error of O against float64 over the same dequantized 2-bit V, by "
                           "zero-sum form; yardstick: fp16(P) V (the GPU tests' tolerance model)",
                   "cases": cases}
-        (args.out / "v_subnormal_study.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_record(args.out / "v_subnormal_study.json", record)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The decode benchmark's FlashInfer peer (profiles/bench_decode.py): its page table, the
 reference it is checked against, and on a GPU with the peer kit its graph-replayed call."""
 
+import json
 import sys
 
 import pytest
@@ -164,11 +165,18 @@ def test_device_run_refuses_unknown_steps_and_a_missing_out(tmp_path):
     assert res.returncode != 0 and "OUT must name the output folder" in res.stderr
 
 
-def test_records_keep_four_significant_digits():
+def test_records_keep_four_significant_digits(tmp_path):
     """``rounded``: every float of a record, nested, at four significant digits; other
-    values as they are."""
+    values as they are.  ``write_record``, every benchmark's JSON writer, writes that."""
     record = {"us": 25.696000084280968, "rows": [{"bw": 3224430545833.3224, "B": 16, "tag": "x"}], "n": None}
-    assert bench.rounded(record) == {"us": 25.7, "rows": [{"bw": 3.224e12, "B": 16, "tag": "x"}], "n": None}
+    short = {"us": 25.7, "rows": [{"bw": 3.224e12, "B": 16, "tag": "x"}], "n": None}
+    assert _files.rounded(record) == short
+    path = _files.write_record(tmp_path / "r.json", record)
+    assert path == tmp_path / "r.json" and json.loads(path.read_text()) == short
+    assert path.read_text().endswith("}\n")
+    # no benchmark writes its record another way
+    for src in sorted(cli_bench.profiles_dir().glob("*.py")):
+        assert "write_text(json.dumps" not in src.read_text(), src.name
 
 
 def test_save_plot_writes_a_closed_palette_png(tmp_path):
