@@ -62,8 +62,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bitdecode._memory import release_memory  # noqa: E402
 from bitdecode._files import write_record  # noqa: E402
+from bitdecode._memory import release_memory  # noqa: E402
 
 GIB = 1024 ** 3
 NVLS_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
