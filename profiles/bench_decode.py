@@ -350,6 +350,10 @@ def bench_graph_small(timer, device) -> dict:
     q = torch.randn(b, 1, hq, d, device=device, dtype=torch.float16, generator=gen)
     sdpa = sdpa_baseline(q, hkv, n, gen)
     out = {"sdpa_eager_us": timer(sdpa, host=True), "sdpa_graph_us": _graph_time(timer, sdpa)}
+    # the host's yardstick, timed the same way: one torch add on a tiny tensor (the eager
+    # columns moved by ~1.5x between just-started hosts; in torch adds they compare)
+    one = torch.zeros(1, device=device)
+    out["torch_add_eager_us"] = timer(lambda: one.add_(1), host=True)
     for bits in (4, 2):
         fmt = bd.KVFormat(bits=bits)
         cache, k, v = build(fmt, b, hkv, d, n, device, gen)
@@ -478,7 +482,8 @@ def run(out_dir: Path, quick: bool = False, progress=None, flush: str = "clean")
         "method": ("kernel time: CUDA-graph replay between CUDA events, median of 30 after 5 warm-ups, "
                f"L2 flushed before each call ({timer.how}: Timer), memory freed between cases waited out "
                "(release_memory); *_eager_us: plain eager calls started on an idle "
-               "GPU after the flush (their host work included); sdpa_us: the fastest of torch's fused SDPA "
+               "GPU after the flush (their host work included; small_graph.torch_add_eager_us: the host's yardstick, "
+               "a torch add timed so); sdpa_us: the fastest of torch's fused SDPA "
                "backends that take the case (sdpa_backend, each one's sdpa_<name>_us); roofline: the bytes each "
                "decode reads (cache_bytes: packed pages, 16-bit residual and sinks; Q and the output not "
                "counted) over roofline.best_bytes_per_s (its source: roofline.best_source)"),
