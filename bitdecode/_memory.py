@@ -5,8 +5,8 @@ sixty-fifth session, profiles/NOTES.md): a 4-bit decode at B=1 N=128K ran 56.5 u
 and ~65 us (+15 %) for ~11 ms after 4 GB went back to the driver, for over 24 ms after 12
 GB, and unchanged after 0.4 GB; clocks, power and throttle reasons stayed the same (the
 driver's own work on the freed pages, its scrubbing the likeliest).  So every benchmark
-and the GEMV tuner wait ``SETTLE_S_PER_GB`` a GB freed (about 4x the transient measured)
-before they time again."""
+waits ``SETTLE_S_PER_GB`` a GB freed (about 4x the transient measured) before it times
+again."""
 
 from __future__ import annotations
 
