@@ -2,6 +2,7 @@
 reference it is checked against, and on a GPU with the peer kit its graph-replayed call."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -163,6 +164,13 @@ def test_device_run_refuses_unknown_steps_and_a_missing_out(tmp_path):
         assert res.stdout == "" and list(tmp_path.iterdir()) == []
     res = subprocess.run(["bash", script, "quick"], env=env, capture_output=True, text=True)
     assert res.returncode != 0 and "OUT must name the output folder" in res.stderr
+    # every step its header documents passes the check (the bogus one after it is refused)
+    documented = re.findall(r"^#   (\w+)(?:\[:S\])? {2,}\S", (cli_bench.profiles_dir() / "device_run.sh").read_text(), re.M)
+    assert {"suite", "peer", "quick", "wide", "ringwide"} <= set(documented)
+    for step in documented + ["suite:120"]:
+        res = subprocess.run(["bash", script, step, "bogus"], env={**env, "OUT": str(tmp_path)},
+                             capture_output=True, text=True)
+        assert res.returncode == 2 and "unknown step 'bogus'" in res.stderr, step
 
 
 def test_records_keep_four_significant_digits(tmp_path):
