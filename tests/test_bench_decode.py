@@ -165,7 +165,8 @@ def test_device_run_refuses_unknown_steps_and_a_missing_out(tmp_path):
     res = subprocess.run(["bash", script, "quick"], env=env, capture_output=True, text=True)
     assert res.returncode != 0 and "OUT must name the output folder" in res.stderr
     # every step its header documents passes the check (the bogus one after it is refused)
-    documented = re.findall(r"^#   (\w+)(?:\[:S\])? {2,}\S", (cli_bench.profiles_dir() / "device_run.sh").read_text(), re.M)
+    header = (cli_bench.profiles_dir() / "device_run.sh").read_text()
+    documented = re.findall(r"^#   (\w+)(?:\[:S\])? {2,}\S", header, re.M)
     assert {"suite", "peer", "quick", "wide", "ringwide"} <= set(documented)
     for step in documented + ["suite:120"]:
         res = subprocess.run(["bash", script, step, "bogus"], env={**env, "OUT": str(tmp_path)},
