@@ -22,8 +22,8 @@ import torch
 
 import bitdecode as bd
 from bitdecode import backend as backends, dispatch
-from bitdecode._memory import release_memory
 from bitdecode._files import write_record
+from bitdecode._memory import release_memory
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 STEPS = 60  # inside one residual block (the cache starts at a block boundary)
