@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import bitdecode as bd
 from bitdecode._files import save_plot, write_record
-from bitdecode._memory import SETTLE_S_PER_GB, release_memory  # noqa: F401  (bench_splits, bench_multi_token)
+from bitdecode._memory import release_memory
 
 SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
 MAX_TOKENS = 2 ** 21  # B * N cap: keeps the 16-bit SDPA cache of the sweep under ~10 GB

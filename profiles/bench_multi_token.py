@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bitdecode as bd  # noqa: E402
 from bitdecode import attention  # noqa: E402
 from bitdecode._files import write_record  # noqa: E402
-from bench_decode import Timer, _graph_time, release_memory  # noqa: E402
+from bitdecode._memory import release_memory  # noqa: E402
+from bench_decode import Timer, _graph_time  # noqa: E402
 
 
 def run(out_dir: Path) -> dict:

@@ -35,10 +35,11 @@ import torch
 
 import bitdecode as bd
 from bitdecode._files import write_record
+from bitdecode._memory import release_memory
 from bitdecode.cli import DTYPE_NAMES, torch_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import Timer, _graph_time, build, cache_bytes, measure_roofline, release_memory, sdpa_baseline  # noqa: E402
+from bench_decode import Timer, _graph_time, build, cache_bytes, measure_roofline, sdpa_baseline  # noqa: E402
 from bench_variants import FORMATS, HKV, HQ, D, parse_shapes  # noqa: E402
 
 

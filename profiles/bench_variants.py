@@ -184,7 +184,9 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backen
     apply_keywords(kwargs, backend)
 
     import bitdecode as bd
-    from bench_decode import Timer, _graph_time, build, release_memory
+    from bench_decode import Timer, _graph_time, build
+
+    from bitdecode._memory import release_memory
 
     dev = torch.device("cuda")
     timer = Timer(dev)
