@@ -106,6 +106,27 @@ def load_packed_words(tile16: cute.Tensor, lane):
     return cute.recast_tensor(regs, cutlass.Uint32)
 
 
+def load_a_fragment_blocks(mma, view: cute.Tensor, thread, blocks, transpose: bool = False):
+    """MMA A-operand fragments of a whole smem view over every warp of ``mma`` (``thread``:
+    0 .. its threads - 1), with ldmatrix x4 loading only the (M, K) blocks ``blocks`` (static
+    pairs; the rest of the fragment stays unset).
+
+    Partitioning the whole view rather than each warp's slice keeps a block's offset a static
+    index into the partition: on a swizzled pointer CuTe DSL then adds it after the swizzle,
+    one immediate offset, where a slice's offset is folded in before it whenever the slice's
+    alignment does not exceed the swizzle's span (sm90's 128-byte-swizzled wide packed tiles,
+    whose 16-row slabs are 1024 bytes apart; profiles/NOTES.md, sixty-seventh session)."""
+    thr_mma = mma.get_slice(thread)
+    atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), view.element_type)
+    copy = cute.make_tiled_copy_A(atom, mma)
+    thr = copy.get_slice(thread)
+    frag = thr_mma.make_fragment_A(thr_mma.partition_A(view))
+    src, dst = thr.partition_S(view), thr.retile(frag)
+    for m, k in blocks:
+        cute.copy(copy, src[None, m, k], dst[None, m, k])
+    return frag
+
+
 def load_a_fragments(mma, view: cute.Tensor, lane, transpose: bool):
     """MMA A-operand fragments of a (16*m, 16*k) smem view, loaded with ldmatrix x4
     (``transpose`` for a view whose rows are contiguous along M, e.g. V^T)."""

@@ -71,7 +71,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..kernels_sm80 import ptx
-from ..kernels_sm80.copy import copy_rows, load_a_fragments
+from ..kernels_sm80.copy import copy_rows, load_a_fragment_blocks, load_a_fragments
 from ..kernels_sm80.decode import PackedDecodeConfig, query_views
 from ..kernels_sm80.dequant import (E2M1Dequant, WordDequant, broadcast_params, fp4_scale_pair, half2_bits,
                                     split_params)
@@ -1310,6 +1310,19 @@ class DecodeSm90(PackedDecodeConfig):
         words = cute.recast_tensor(frag, Uint32)  # [(h, j % 2), 0, j // 2]
         return {(h, chunk0 + j): words[(0, h, j % 2), 0, j // 2] for h in range(2) for j in range(chunks)}
 
+    def block_words(self, tile16, mblocks, chunk0: int, chunks: int, warp, lane):
+        """``slab_words`` of this warp's slab of each M-block in ``mblocks`` (64-row blocks of a
+        packed 16-bit tile view), one dict an M-block: the whole tile partitioned over the
+        warpgroup's warps at once (``load_a_fragment_blocks``), so that an M-block's offset is
+        an immediate added after the swizzle and the warp's offset is swizzled with the lane's
+        (with wide boxes a slab per warp swizzled each of its addresses whole)."""
+        k0, k1 = chunk0 // 2, -(-(chunk0 + chunks) // 2)  # 16-value k-blocks: two chunks each
+        frag = load_a_fragment_blocks(sm80.make_mma(cutlass.Float16, WARPS), tile16, warp * resources.WARP + lane,
+                                      [(mb, k) for mb in mblocks for k in range(k0, k1)])
+        words = cute.recast_tensor(frag, Uint32)  # [(0, h, chunk % 2), M-block, chunk // 2]
+        return [{(h, c): words[(0, h, c % 2), mb, c // 2] for h in range(2) for c in range(chunk0, chunk0 + chunks)}
+                for mb in mblocks]
+
     def k_params(self, ks, tok0, kt, lane, shared, base):
         """(scale2, zero2) for row half h, column half ch of k-block ``kt`` (channels) of the
         16 tokens from ``tok0``.  ``base`` is the static part of ``tok0`` (step and M-block):
@@ -1360,7 +1373,7 @@ class DecodeSm90(PackedDecodeConfig):
         # every M-block's words first, then k-block by k-block, so the (scale, zero) pairs
         # M-blocks share are loaded once and die at once
         bases = [st * self.step + mb * M_BLOCK for mb in range(self.m_k)]
-        words = [self.slab_words(kp, base + warp * SLAB, 0, self.wk // sm80.CHUNK_WORDS, lane) for base in bases]
+        words = self.block_words(kp, [base // M_BLOCK for base in bases], 0, self.wk // sm80.CHUNK_WORDS, warp, lane)
         shared = {}
         for kt in cutlass.range_constexpr(self.d // K_BLOCK):
             j, kb = kt // self.kpw_k, kt % self.kpw_k
@@ -1397,8 +1410,10 @@ class DecodeSm90(PackedDecodeConfig):
         return frag
 
     def v_slabs(self, vp, st, warp, lane):
-        """``v_slab`` of this warp's slab of every channel M-block, one dict an M-block."""
-        return [self.v_slab(vp, st, mb * M_BLOCK + warp * SLAB, lane) for mb in range(self.m_v)]
+        """``v_slab`` of this warp's slab of every channel M-block, one dict an M-block
+        (``block_words``)."""
+        tile, chunk0, chunks = self.v_step_chunks(st)
+        return self.block_words(vp[tile], range(self.m_v), chunk0, chunks, warp, lane)
 
     def v_tile_of(self, st: int):
         """(the V tile step ``st`` lies in, that tile's first chunk among the stage's): a
@@ -1406,12 +1421,17 @@ class DecodeSm90(PackedDecodeConfig):
         tile = (st * self.step) // self.v_tile
         return tile, tile * (self.v_tile // sm80.chunk_columns(self.v_bits))
 
+    def v_step_chunks(self, st: int):
+        """(the V tile step ``st`` lies in, the step's first chunk in that tile, its chunks)."""
+        per_step = self.step // sm80.chunk_columns(self.v_bits)  # chunks of a V row per step
+        tile, chunk0 = self.v_tile_of(st)
+        return tile, st * per_step - chunk0, per_step
+
     def v_slab(self, vp, st, row0, lane):
         """ldmatrix words (``slab_words``) of step ``st`` for the 16 channels from ``row0``:
         the step's chunks of the V tile it lies in."""
-        per_step = self.step // sm80.chunk_columns(self.v_bits)  # chunks of a V row per step
-        tile, chunk0 = self.v_tile_of(st)
-        return self.slab_words(vp[tile], row0, st * per_step - chunk0, per_step, lane)
+        tile, chunk0, chunks = self.v_step_chunks(st)
+        return self.slab_words(vp[tile], row0, chunk0, chunks, lane)
 
     def v_block(self, words, vs, st, k, ch0, mb, dq, lane, shared):
         """The four A-fragment words ``{(h, ch): word}`` of V^T's 16 channels from ``ch0``

@@ -376,13 +376,14 @@ def smem_offsets(rows: int, row_bytes: int) -> Tuple[Tuple[int, ...], ...]:
 # --------------------------------------------------------------------------------------
 
 
-def make_mma(dtype):
-    """The single-warp m16n8k16 tiled MMA; each warp partitions its own slice of a tile."""
+def make_mma(dtype, warps: int = 1):
+    """The m16n8k16 tiled MMA: one warp (each warp partitions its own slice of a tile), or
+    ``warps`` warps stacked along M (warp ``w`` takes rows ``16 w ..`` of every ``16 warps``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import warp
 
-    return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, cutlass.Float32, MMA_SHAPE), (1, 1, 1))
+    return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, cutlass.Float32, MMA_SHAPE), (warps, 1, 1))
 
 
 def make_packed_ldmatrix_copy(dtype):
