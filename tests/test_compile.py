@@ -871,6 +871,12 @@ def test_sm90_wide_boxes_ptx(bits, group, head_dim, heads, bf16, tmp_path, monke
     assert wide.tx_bytes == narrow.tx_bytes
     for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix", "cp.async.bulk.tensor"):
         assert ptx[True].count(instr) == ptx[False].count(instr), instr
+    # the M-blocks of a packed tile are ldmatrix'd at an immediate offset from the first's
+    # swizzled address with either box (``DecodeSm90.block_words``), not swizzled one by one
+    offsets = {on: len(re.findall(r"ldmatrix[^\n]*\[%r\d+\+\d+\]", p)) for on, p in ptx.items()}
+    assert offsets[True] == offsets[False], offsets
+    if max(narrow.m_k, narrow.m_v) > 1:
+        assert offsets[True] > 0, offsets
     report = ptxas.report(ptx[True], "sm_90a", tmp_path)
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
