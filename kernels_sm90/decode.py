@@ -202,7 +202,7 @@ class DecodeSm90(PackedDecodeConfig):
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
                  v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False,
-                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = False,
+                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = True,
                  merge_splits: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append, merge_splits)
@@ -402,8 +402,10 @@ class DecodeSm90(PackedDecodeConfig):
         # reads the folded rows conflict-free (``sm90.make_packed_smem_layout``).  H100, 4c128
         # / 2c128 B=16 N=64K (ncu, fifty-sixth session): L2 requests 26.4 M -> 17.9 M and
         # 17.8 M -> 9.4 M, the time unchanged (370.6 / 370.6, 263.2 / 265.0 us), B=1 and N=4K
-        # within +-1.4 % (profiles/h100/variants_wide_boxes_h100.json).  Off until an H200,
-        # where L2 sees 1.4x the requests a microsecond, says whether it pays.
+        # within +-1.4 % (profiles/h100/variants_wide_boxes_h100.json), when the wide boxes
+        # still cost the consumer loop 3-15 instructions of address arithmetic a tile.  Since
+        # ``block_words`` both boxes compile to the same loop (sixty-seventh session), so the
+        # wide boxes are the default: fewer L2 requests for the same code.
         self.wide_boxes = wide_boxes
         self.k_fold = sm90.packed_fold(self.nr, 4 * self.wk, wide_boxes)
         self.v_fold = sm90.packed_fold(head_dim, 4 * self.wv, wide_boxes)

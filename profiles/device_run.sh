@@ -13,7 +13,8 @@
 #   full        bitdecode bench decode (the full sweep)
 #   flush       profiles/bench_flush.py (clean / dirty / no flush, interleaved)
 #   settle      profiles/bench_free_settle.py (how long freed memory slows a decode)
-#   wide        the wide_boxes A/B of the sm90 decode (profiles/bench_variants.py)
+#   wide        the wide_boxes A/B of the sm90 decode, narrow against wide (the default)
+#               boxes (profiles/bench_variants.py)
 #   ringwide    the same with the decode's ring alone, narrow and wide boxes (the probe
 #               patch profiles/probes/sm90_decode_ablation.patch applied for the step, then
 #               taken back out)
@@ -62,13 +63,14 @@ for arg in "$@"; do
     settle)
       step settle 120 python3 profiles/bench_free_settle.py --out "$OUT" --tag "$TAG" ;;
     wide)
-      step wide 200 python3 profiles/bench_variants.py --variant base= --variant wide=wide_boxes=True \
+      step wide 200 python3 profiles/bench_variants.py --variant narrow=wide_boxes=False --variant wide=wide_boxes=True \
         --formats 4c128,2c128 --shapes 1x4096,1x131072,16x65536 --out "$OUT" --tag "wide_boxes_$TAG" ;;
     ringwide)
       patch=profiles/probes/sm90_decode_ablation.patch
       if git apply "$patch"; then
-        step ringwide 240 python3 profiles/bench_variants.py --variant base= --variant wide=wide_boxes=True \
-          --variant ring=probe_ring_only=True --variant ringwide=probe_ring_only=True,wide_boxes=True \
+        step ringwide 240 python3 profiles/bench_variants.py --variant narrow=wide_boxes=False \
+          --variant wide=wide_boxes=True --variant ring=probe_ring_only=True,wide_boxes=False \
+          --variant ringwide=probe_ring_only=True,wide_boxes=True \
           --formats 4c128,2c128 --shapes 1x131072,16x65536 --out "$OUT" --tag "ring_wide_boxes_$TAG"
         git apply -R "$patch"
       else
