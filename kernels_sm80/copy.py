@@ -106,10 +106,10 @@ def load_packed_words(tile16: cute.Tensor, lane):
     return cute.recast_tensor(regs, cutlass.Uint32)
 
 
-def load_a_fragment_blocks(mma, view: cute.Tensor, thread, blocks, transpose: bool = False):
+def load_a_fragment_blocks(mma, view: cute.Tensor, thread, blocks=None, transpose: bool = False):
     """MMA A-operand fragments of a whole smem view over every warp of ``mma`` (``thread``:
     0 .. its threads - 1), with ldmatrix x4 loading only the (M, K) blocks ``blocks`` (static
-    pairs; the rest of the fragment stays unset).
+    pairs; the rest of the fragment stays unset), or all of them (None).
 
     Partitioning the whole view rather than each warp's slice keeps a block's offset a static
     index into the partition: on a swizzled pointer CuTe DSL then adds it after the swizzle,
@@ -122,7 +122,9 @@ def load_a_fragment_blocks(mma, view: cute.Tensor, thread, blocks, transpose: bo
     thr = copy.get_slice(thread)
     frag = thr_mma.make_fragment_A(thr_mma.partition_A(view))
     src, dst = thr.partition_S(view), thr.retile(frag)
-    for m, k in blocks:
+    if blocks is None:
+        cute.copy(copy, src, dst)
+    for m, k in blocks or ():
         cute.copy(copy, src[None, m, k], dst[None, m, k])
     return frag
 
@@ -130,11 +132,4 @@ def load_a_fragment_blocks(mma, view: cute.Tensor, thread, blocks, transpose: bo
 def load_a_fragments(mma, view: cute.Tensor, lane, transpose: bool):
     """MMA A-operand fragments of a (16*m, 16*k) smem view, loaded with ldmatrix x4
     (``transpose`` for a view whose rows are contiguous along M, e.g. V^T)."""
-    thr_mma = mma.get_slice(lane)
-    atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4),
-                               view.element_type)
-    copy = cute.make_tiled_copy_A(atom, mma)
-    thr = copy.get_slice(lane)
-    frag = thr_mma.make_fragment_A(thr_mma.partition_A(view))
-    cute.copy(copy, thr.partition_S(view), thr.retile(frag))
-    return frag
+    return load_a_fragment_blocks(mma, view, lane, None, transpose)
