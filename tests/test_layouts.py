@@ -11,6 +11,7 @@ fragment order) and must give exactly the values each lane's MMA fragment holds.
 from __future__ import annotations
 
 import math
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -802,6 +803,24 @@ CLI_BAD = [
 def test_cli_layout_views(argv, capsys):
     assert cli.main(["layout", *argv]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_cli_layout_sm90_packed_tile_is_the_kernels(capsys, monkeypatch):
+    """``bitdecode layout swizzle --arch sm90`` draws the packed tile as the decode kernel's
+    default boxes place it: ``DecodeSm90``'s ``wide_boxes`` default (rows folded into
+    128-byte TMA box rows, 4-bit K at D 128 two to a row, where row 8 lies in the second half
+    of a 128-byte line; narrow boxes put it in the first)."""
+    import inspect
+
+    from bitdecode.kernels_sm90.decode import DecodeSm90
+
+    wide = inspect.signature(DecodeSm90.__init__).parameters["wide_boxes"].default
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["layout", "swizzle", "--arch", "sm90", "--operand", "k", "--bits", "4"]) == 0
+    out = capsys.readouterr().out
+    assert ("2 rows to a 128-byte TMA box row" in out) == wide
+    row8 = re.search(r"^ row 8 +(\d+)-", out, re.M)
+    assert row8 and int(row8.group(1)) == (16 if wide else 0), out
 
 
 @pytest.mark.parametrize("argv", CLI_BAD, ids=lambda a: "-".join(x.lstrip("-") for x in a))
