@@ -638,12 +638,12 @@ def _swizzle_tiles(args) -> List[_Tile]:
         rows, cols = sm90.tile_shape(bits, op, d)
         pb = d * bits // 8 if op == "k" else nr * bits // 8
         prow = nr if op == "k" else d
-        # as the kernel's default wide TMA boxes place it: ``fold`` rows to a 128-byte box row
-        fold, shown = sm90.packed_fold(prow, pb), min(prow, 32)
+        # as the kernel's default boxes place it (``WIDE_BOXES``: ``fold`` rows to a box row)
+        fold, shown = sm90.packed_fold(prow, pb, sm90.WIDE_BOXES), min(prow, 32)
         boxes = f", {fold} rows to a 128-byte TMA box row" if fold > 1 else ""
         return [
             _Tile(f"packed {op.upper()} tile ({shown} of {prow} rows x {pb} B, TMA swizzle{boxes})", shown, pb,
-                  lambda: sm90.packed_smem_offsets(prow, pb, True)[:shown], 16, ("ldmatrix", "cpasync")),
+                  lambda: sm90.packed_smem_offsets(prow, pb, sm90.WIDE_BOXES)[:shown], 16, ("ldmatrix", "cpasync")),
             _Tile(f"dequantized {op.upper()} B tile ({16} of {rows} rows x {cols} {args.dtype}, K-major)",
                   16, 2 * cols, lambda: sm90.operand_smem_offsets(16, cols), 16, ("stmatrix",)),
         ]

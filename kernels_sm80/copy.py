@@ -124,8 +124,9 @@ def load_a_fragment_blocks(mma, view: cute.Tensor, thread, blocks=None, transpos
     src, dst = thr.partition_S(view), thr.retile(frag)
     if blocks is None:
         cute.copy(copy, src, dst)
-    for m, k in blocks or ():
-        cute.copy(copy, src[None, m, k], dst[None, m, k])
+    else:
+        for m, k in blocks:
+            cute.copy(copy, src[None, m, k], dst[None, m, k])
     return frag
 
 

@@ -202,7 +202,7 @@ class DecodeSm90(PackedDecodeConfig):
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
                  v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False,
-                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = True,
+                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = sm90.WIDE_BOXES,
                  merge_splits: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append, merge_splits)

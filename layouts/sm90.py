@@ -70,6 +70,11 @@ WARP_SLAB_ROWS = WGMMA_M // WARPGROUP_WARPS  # rows of a wgmma that one warp's r
 assert WARP_SLAB_ROWS == sm80.MMA_SHAPE[0]  # ... the m16 of the warp-level mma fragments
 STSM_BLOCK = 16  # one stmatrix x4 stores a 16 x 16 block (four 8 x 8 matrices)
 ELEM_BYTES = 2
+# The sm90 decode's packed K / V tiles arrive in wide TMA boxes (``packed_fold``: rows folded
+# into 128-byte box rows) unless a kernel is built with ``wide_boxes=False``: one definition
+# for the kernel's default and for what ``bitdecode layout`` draws (profiles/NOTES.md,
+# sixty-seventh session: the same consumer loop as narrow boxes, fewer L2 requests)
+WIDE_BOXES = True
 CHUNK_BYTES = sm80.CHUNK_BYTES
 LDSM_BLOCK_ROWS = 4 * sm80.LDSM_ROWS  # rows of one packed ldmatrix x4 (four 8-row blocks)
 OPERANDS = ("k", "v")

@@ -807,7 +807,7 @@ def test_cli_layout_views(argv, capsys):
 
 def test_cli_layout_sm90_packed_tile_is_the_kernels(capsys, monkeypatch):
     """``bitdecode layout swizzle --arch sm90`` draws the packed tile as the decode kernel's
-    default boxes place it: ``DecodeSm90``'s ``wide_boxes`` default (rows folded into
+    default boxes place it: ``DecodeSm90``'s ``wide_boxes`` default, ``sm90.WIDE_BOXES`` (rows folded into
     128-byte TMA box rows, 4-bit K at D 128 two to a row, where row 8 lies in the second half
     of a 128-byte line; narrow boxes put it in the first)."""
     import inspect
@@ -815,6 +815,7 @@ def test_cli_layout_sm90_packed_tile_is_the_kernels(capsys, monkeypatch):
     from bitdecode.kernels_sm90.decode import DecodeSm90
 
     wide = inspect.signature(DecodeSm90.__init__).parameters["wide_boxes"].default
+    assert wide is sm90.WIDE_BOXES
     monkeypatch.setenv("COLUMNS", "200")
     assert cli.main(["layout", "swizzle", "--arch", "sm90", "--operand", "k", "--bits", "4"]) == 0
     out = capsys.readouterr().out
