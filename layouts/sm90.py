@@ -177,7 +177,7 @@ def make_kv_smem_layout(dtype, bits: int, operand: str, head_dim: int, stages: i
     return make_operand_smem_layout(dtype, rows, cols, stages)
 
 
-def packed_fold(rows: int, row_bytes: int, wide: bool = True) -> int:
+def packed_fold(rows: int, row_bytes: int, wide: bool = False) -> int:
     """Packed rows that one row of a wide TMA box holds: ``128 // row_bytes`` (1 for rows of
     128 bytes or more, a tile too short for the 128-byte swizzle's 8-row period, or narrow
     boxes: ``wide`` false).

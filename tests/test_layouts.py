@@ -549,7 +549,7 @@ def test_sm90_wide_packed_tiles(row_bytes):
     the box puts that row's bytes (row // fold, (row % fold) * cols + col of the box), the
     box is the 128-byte swizzle of its rows, and ldmatrix stays conflict-free."""
     rows, cols = 128, row_bytes // 2
-    fold = sm90.packed_fold(rows, row_bytes)
+    fold = sm90.packed_fold(rows, row_bytes, True)
     assert fold == max(1, 128 // row_bytes) and fold * row_bytes >= 128
     view = sm90.packed_smem_offsets(rows, row_bytes, True)
     box = sm90.packed_tma_offsets(rows, row_bytes, True)
@@ -567,10 +567,11 @@ def test_sm90_wide_packed_tiles(row_bytes):
 
 
 def test_sm90_packed_fold_needs_whole_periods():
-    assert sm90.packed_fold(128, 64) == 2 and sm90.packed_fold(128, 32) == 4 and sm90.packed_fold(128, 16) == 8
-    assert sm90.packed_fold(32, 16) == 1  # 4 wide rows: less than the 128-byte swizzle's 8
-    assert sm90.packed_fold(128, 128) == sm90.packed_fold(128, 256) == 1
-    assert sm90.packed_fold(128, 64, False) == 1  # narrow boxes
+    assert sm90.packed_fold(128, 64, True) == 2 and sm90.packed_fold(128, 32, True) == 4
+    assert sm90.packed_fold(128, 16, True) == 8
+    assert sm90.packed_fold(32, 16, True) == 1  # 4 wide rows: less than the 128-byte swizzle's 8
+    assert sm90.packed_fold(128, 128, True) == sm90.packed_fold(128, 256, True) == 1
+    assert sm90.packed_fold(128, 64) == 1  # narrow boxes, the default of every packed-tile helper
 
 
 @pytest.mark.parametrize("cols", [64, 128, 256])
