@@ -408,7 +408,9 @@ class DecodeSm90(PackedDecodeConfig):
         # default: fewer L2 requests for the same code.  H100, fp16, us, narrow / wide, three
         # runs (profiles/h100/variants_block_words_mend*_h100.json): 4c128 B=1 N=128K
         # 57.7-58.0 / 56.6-57.0, B=16 N=64K 390.9-400.5 / 387.5-389.9, 2c128 B=16 267.3-267.5
-        # / 257.6-258.4, B=1 N=128K 45.6-45.8 / 45.6-45.9, N=4K level; the H200 unmeasured.
+        # / 257.6-258.4, B=1 N=128K 45.6-45.8 / 45.6-45.9, N=4K level; bf16, K4V2 and K per
+        # token level or faster, 4t64 bf16 B=1 N=128K 66.3-67.3 / 63.2-63.7
+        # (profiles/h100/variants_wide_boxes_formats*_h100.json); the H200 unmeasured.
         self.wide_boxes = wide_boxes
         self.k_fold = sm90.packed_fold(self.nr, 4 * self.wk, wide_boxes)
         self.v_fold = sm90.packed_fold(head_dim, 4 * self.wv, wide_boxes)
