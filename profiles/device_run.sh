@@ -18,13 +18,15 @@
 #   ringwide    the same with the decode's ring alone, narrow and wide boxes (the probe
 #               patch profiles/probes/sm90_decode_ablation.patch applied for the step, then
 #               taken back out)
+#   placement   one cache allocated afresh six times in one process, each timed three times
+#               (profiles/bench_placement.py: K4V2 fp16 B=16 N=64K, bimodal on an H100)
 # The GPU's name picks the tag (h200 / h100 / ...), so a record is never filed under the
 # wrong GPU.
 set -u
 : "${OUT:?OUT must name the output folder (a device call sets it)}"
 for arg in "$@"; do  # (every step known before any runs: a typo costs no device time)
   case "$arg" in
-    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide) ;;
+    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide|placement) ;;
     *) echo "device_run.sh: unknown step '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -65,6 +67,8 @@ for arg in "$@"; do
     wide)
       step wide 200 python3 profiles/bench_variants.py --variant narrow=wide_boxes=False --variant wide=wide_boxes=True \
         --formats 4c128,2c128 --shapes 1x4096,1x131072,16x65536 --out "$OUT" --tag "wide_boxes_$TAG" ;;
+    placement)
+      step placement 240 python3 profiles/bench_placement.py --out "$OUT" --tag "k4v2_$TAG" ;;
     ringwide)
       patch=profiles/probes/sm90_decode_ablation.patch
       if git apply "$patch"; then

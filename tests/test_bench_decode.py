@@ -134,6 +134,22 @@ def test_free_settle_counts_the_last_slow_point():
     assert settle.slow_for({"t_s": [0.03], "us": [57.0]}, 56.5) == 0.0
 
 
+@pytest.mark.parametrize("argv, named", [(["--shape", "16"], "--shape"), (["--shape", "2x64,4x64"], "--shape"),
+                                          (["--allocs", "0"], "--allocs"), (["--tag", "1a"], "--tag")])
+def test_placement_refuses_bad_options(argv, named, capsys):
+    """``bench_placement``: one BxN, positive counts and an identifier tag, refused before any
+    GPU work with the option named (exit status 2); ``spread`` is (max - min) / min."""
+    sys.path.insert(0, str(cli_bench.profiles_dir()))
+    try:
+        import bench_placement as placement
+    finally:
+        sys.path.remove(str(cli_bench.profiles_dir()))
+    with pytest.raises(SystemExit) as e:
+        placement.main(argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+    assert placement.spread([300.0, 345.0, 302.0]) == pytest.approx(0.15)
+
+
 def test_palette_png_keeps_the_picture(tmp_path):
     """``_files.palette_png`` (every plot's last step) turns an RGB plot into a palette PNG
     of the same size and lines."""
