@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -91,8 +92,6 @@ def main(argv=None) -> int:
     print(f"{args.format} {args.dtype} B={b} N={n}: allocations {min(medians):.1f}-{max(medians):.1f} us "
           f"(spread {spread(medians):.1%}), within one allocation at most {within:.1%}")
     if args.out is not None:
-        import os
-
         command = "python3 profiles/bench_placement.py " + " ".join(sys.argv[1:] if argv is None else argv)
         result = {"command": command, "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),

@@ -122,13 +122,20 @@ def test_release_memory_waits_by_the_bytes_freed(monkeypatch):
             assert "empty_cache" not in path.read_text(), path.name
 
 
-def test_free_settle_counts_the_last_slow_point():
-    """``bench_free_settle.slow_for``: the time of the last point over 5 % above steady."""
+def profile_script(name: str):
+    """The module of ``profiles/<name>.py`` (which imports its sibling scripts by name)."""
+    import importlib
+
     sys.path.insert(0, str(cli_bench.profiles_dir()))
     try:
-        import bench_free_settle as settle
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(cli_bench.profiles_dir()))
+
+
+def test_free_settle_counts_the_last_slow_point():
+    """``bench_free_settle.slow_for``: the time of the last point over 5 % above steady."""
+    settle = profile_script("bench_free_settle")
     points = {"t_s": [0.01, 0.02, 0.03, 0.04, 0.05], "us": [65.0, 64.0, 57.0, 60.0, 56.0]}
     assert settle.slow_for(points, 56.5) == 0.04
     assert settle.slow_for({"t_s": [0.03], "us": [57.0]}, 56.5) == 0.0
@@ -139,11 +146,7 @@ def test_free_settle_counts_the_last_slow_point():
 def test_placement_refuses_bad_options(argv, named, capsys):
     """``bench_placement``: one BxN, positive counts and an identifier tag, refused before any
     GPU work with the option named (exit status 2); ``spread`` is (max - min) / min."""
-    sys.path.insert(0, str(cli_bench.profiles_dir()))
-    try:
-        import bench_placement as placement
-    finally:
-        sys.path.remove(str(cli_bench.profiles_dir()))
+    placement = profile_script("bench_placement")
     with pytest.raises(SystemExit) as e:
         placement.main(argv)
     assert e.value.code == 2 and named in capsys.readouterr().err
