@@ -17,8 +17,7 @@ One CTA = (split, KV head, sequence), warpgroups with fixed roles:
   With K per channel in groups of at least 64 tokens (``fold_k``, fp16) K holds its exact
   (centered) codes and Q carries K's scale: the producer warpgroup writes Q o s and the
   per-head bias Q . (zero + center s) of each K group into the stage (``scale_stage``):
-  all four warps, warp 0 between its TMA issues (``produce_and_scale``), or with
-  ``free_issue`` warps 1-3 while warp 0 only issues (``produce_apart``).
+  all four warps, warp 0 between its TMA issues (``produce_and_scale``).
   With V groups of at least 64 channels (``fold_v``) V^T holds V's exact (centered)
   codes and P^T carries V's per-token scale, one P^T copy per V group, while V's zero
   points reach O through per-head sums of P times zero: V costs one lop3 and one exact fma
@@ -202,7 +201,7 @@ class DecodeSm90(PackedDecodeConfig):
                  raw_k_all: bool = True, consumers: int = 0, half_cols: bool = False, fold_k_bf16: bool = True,
                  append: bool = False, v_slots: int = 0, v_subnormal: Optional[bool] = None,
                  v_sub_room: int = V_SUB_ROOM, early_tiles: bool = False, early_loads: bool = False,
-                 early_residual: bool = False, free_issue: bool = False, wide_boxes: bool = sm90.WIDE_BOXES,
+                 early_residual: bool = False, wide_boxes: bool = sm90.WIDE_BOXES,
                  merge_splits: bool = False):
         super().__init__(dtype, bits, k_mode, group_size, head_dim, heads_tile, split, pdl, sinks, v_bits, tq, fp4,
                          append, merge_splits)
@@ -386,12 +385,10 @@ class DecodeSm90(PackedDecodeConfig):
         # issue waits on the landing, so only about ``lag + 1`` tiles are in flight a CTA
         # (three at B=16's four stages and one consumer: ~51 KB of 4-bit tiles, ~102 KB an SM
         # at two CTAs, which covers ~3.1 us of latency at the H200's 32.6 GB/s an SM).
-        # ``free_issue``: warp 0 only issues, as far ahead as the free stages let it, and
-        # warps 1-3 scale each tile once it has landed (``produce_apart``).  No effect without
-        # ``fold_k``, whose producer is warp 0 alone already (``produce``).
-        if free_issue and v_slots:
-            raise ValueError("free_issue takes no v_slots: warps 1-3 would both scale and decode V^T")
-        self.free_issue = free_issue
+        # (Warp 0 issuing alone, as far ahead as the free stages let it, while warps 1-3
+        # scaled each tile once it had landed, ``free_issue``, measured slower everywhere:
+        # H100 +0.1 to +14 %, H200 +0.6 to +15 %, shipped kernels; removed in the
+        # sixty-eighth session, profiles/NOTES.md.)
         # ``wide_boxes``: a packed tile's TMA box takes its rows folded into 128-byte ones
         # (``sm90.packed_fold``: two 64-byte rows of 4-bit K at head dim 128 or of a 4-bit V
         # tile, four 32-byte rows of 2-bit K) with the 128-byte swizzle on the ring, so a
@@ -416,7 +413,6 @@ class DecodeSm90(PackedDecodeConfig):
         self.v_fold = sm90.packed_fold(head_dim, 4 * self.wv, wide_boxes)
         self.k_box = sm90.packed_box(self.nr, 4 * self.wk, wide_boxes)
         self.v_box = sm90.packed_box(head_dim, 4 * self.wv, wide_boxes)
-        self.scaler_threads = WG - resources.WARP if free_issue and self.fold_k else WG
         # the A-fragment register of each dequantized (row half, column half) pair that
         # ``stage_v`` hands to stmatrix (a traced table: read here, before the kernel's trace)
         self.vt_registers = {(h, ch): sm90.a_pair_value(h, ch) // 2 for h in range(2) for ch in range(2)} \
@@ -603,7 +599,7 @@ class DecodeSm90(PackedDecodeConfig):
             qready = pipeline.PipelineAsync.create(
                 barrier_storage=storage.qbar.data_ptr(),
                 num_stages=self.num_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.scaler_threads),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPS),
                 defer_sync=True,  # the ring's create below syncs the CTA for both
             )
@@ -655,14 +651,9 @@ class DecodeSm90(PackedDecodeConfig):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if const_expr(self.fold_k):
                 sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-                if const_expr(self.free_issue):
-                    self.produce_apart(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
+                self.produce_and_scale(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
                                        mBlockTable, batch, head_kv, tile_begin, packed_end,
-                                       mQ.shape[1] // mKr.shape[2], tid, first)
-                else:
-                    self.produce_and_scale(ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs,
-                                           mBlockTable, batch, head_kv, tile_begin, packed_end,
-                                           mQ.shape[1] // mKr.shape[2], tid, vt, first)
+                                       mQ.shape[1] // mKr.shape[2], tid, vt, first)
             else:
                 if warp_idx == 0:
                     self.produce(ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
@@ -719,17 +710,11 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def produce(self, ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
-                batch, head_kv, tile_begin, packed_end, first=None, end=None, start=None):
-        """Warp 0 of the producer warpgroup: the split's tiles into the ring; ``start`` /
-        ``end`` (default: the split's first tile / ``packed_end``): a run of them, the ring's
-        uses counted from ``tile_begin``."""
+                batch, head_kv, tile_begin, packed_end, first=None):
+        """Warp 0 of the producer warpgroup: the split's tiles into the ring."""
         views = self.tma_views(tma_k, mKt, sKp, tma_v, mVt, sVp)
-        if const_expr(start is None):
-            start = tile_begin
-        state = seq_state(start - tile_begin, self.num_stages, True)
-        if const_expr(end is None):
-            end = packed_end
-        for tile in cutlass.range(start, end, unroll=1):
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for tile in cutlass.range(tile_begin, packed_end, unroll=1):
             self.issue_tile(ring, state, tile, views, tma_k, mKt, mKs, sKs, tma_v, mVs, sVs, mBlockTable, batch,
                             head_kv, first)
             state.advance()
@@ -791,40 +776,6 @@ class DecodeSm90(PackedDecodeConfig):
                             vtiles.producer_commit(vstate)
 
     @cute.jit
-    def produce_apart(self, ring, fold, sQ, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable,
-                      batch, head_kv, tile_begin, packed_end, gq, tid, first=None):
-        """``free_issue``: the whole producer warpgroup (``tid`` < 128).  Warp 0 only loads the
-        split's tiles, each as soon as its stage is free (the consumers' release: the ring
-        runs ``num_stages`` tiles ahead of them); warps 1-3 wait for each tile to land, scale
-        it and commit it.  Scaling tile j after it landed is safe: its stage was acquired,
-        so the consumers are done with tile j - stages, Q o s and bias included (they
-        release a stage after its last scores)."""
-        warp = cute.arch.make_warp_uniform(tid // cute.arch.WARP_SIZE)
-        tiles = (ring, tma_k, mKt, sKp, mKs, sKs, tma_v, mVt, sVp, mVs, sVs, mBlockTable, batch, head_kv, tile_begin,
-                 packed_end, first)
-        if warp == 0:
-            begin = tile_begin
-            if const_expr(self.early_tiles):  # a ring's worth of tiles before Q's barrier: they need no Q
-                begin = cutlass.min(tile_begin + self.num_stages, packed_end)
-                self.produce(*tiles, end=begin)
-            self.zero_scales(fold, tid)
-            # (its share of the zero rows is read by the scores' wgmma too: warps 1-3 fence
-            # theirs with every tile they scale, warp 0 scales none)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
-            self.produce(*tiles, start=begin)
-        else:
-            qready = fold[0]
-            self.zero_scales(fold, tid)
-            cute.arch.barrier(barrier_id=Barrier.q(self.consumers), number_of_threads=self.q_threads)
-            for it in cutlass.range(tile_begin, packed_end, unroll=1):
-                landed = seq_state(it - tile_begin, self.num_stages, False)
-                ring.consumer_wait(landed)  # waits only: the consumer warps release the stage
-                self.scale_stage(fold, sQ, sKs, landed.index, gq, tid - cute.arch.WARP_SIZE)
-                cute.arch.fence_proxy("async.shared", space="cta")  # the scores' wgmma reads sQs
-                qready.producer_commit(landed)
-
-    @cute.jit
     def zero_scales(self, fold, tid):
         """The producer warpgroup's zero fills of every stage's Q o s rows and biases: padding
         heads' stay zero (``scale_stage`` skips them), so their scores are exactly 0, never
@@ -840,20 +791,15 @@ class DecodeSm90(PackedDecodeConfig):
     def scale_stage(self, fold, sQ, sKs, stage, gq, tid):
         """Q o s_g and sum_d q_d (zero_d + center s_d) of every K group ``g`` of the tile in
         ``stage`` (``raw_k``: the B tile is Q o s_g / mult and the bias takes minus its
-        values times their code offsets, magic + center mult).  Scaler thread ``tid`` (of
-        ``scaler_threads``): quad lane
-        ``c`` of k-block ``kt`` of one head, i.e. the four fragment-order (scale, zero) words
+        values times their code offsets, magic + center mult).  Producer thread ``tid``: quad
+        lane ``c`` of k-block ``kt`` of one head, i.e. the four fragment-order (scale, zero) words
         ``16 kt + 4 c ..`` (channels ``16 kt + 2 c, + 1, + 8, + 9``) and those channels of
         Q; a head's threads are adjacent lanes of one warp (two heads a warp at head dim 64,
         two k-blocks a thread at 256), reduced with butterfly shuffles.  Rows of padding
         heads (>= gq) are skipped a warp at a time: their Q o s rows and biases stay zero."""
-        per_pass = self.scaler_threads // self.scale_lanes[0]  # heads a pass of the scaler threads
-        if const_expr(self.scaler_threads == WG):  # the whole warpgroup: the passes unrolled
-            for ps in cutlass.range_constexpr(self.nh // per_pass):
-                self.scale_heads(fold, sQ, sKs, stage, gq, tid, ps * per_pass)
-        else:  # three warps (``free_issue``): a loop, whose last pass may reach past the tile
-            for ps in cutlass.range(-(-self.nh // per_pass), unroll=1):
-                self.scale_heads(fold, sQ, sKs, stage, gq, tid, ps * per_pass)
+        per_pass = WG // self.scale_lanes[0]  # heads a pass of the warpgroup
+        for ps in cutlass.range_constexpr(self.nh // per_pass):
+            self.scale_heads(fold, sQ, sKs, stage, gq, tid, ps * per_pass)
 
     @cute.jit
     def scale_heads(self, fold, sQ, sKs, stage, gq, tid, head0):

@@ -803,46 +803,6 @@ def test_sm90_early_tiles_ptx(tmp_path):
     assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
 
 
-def _mbarrier_init_counts(ptx: str) -> list:
-    """The arrival counts of ``ptx``'s mbarrier inits, in order (the registers' immediates)."""
-    regs = re.findall(r"mbarrier\.init\.shared\.b64\s+\[[^\]]+\],\s*(%r\d+);", ptx)
-    return [int(re.search(rf"mov\.[ub]32\s+{re.escape(r)},\s*(\d+);", ptx).group(1)) for r in regs]
-
-
-@pytest.mark.parametrize("bits, group, head_dim, heads", [(4, 128, 128, 4), (2, 128, 128, 4), (4, 128, 256, 8),
-                                                          (2, 64, 128, 16)])
-def test_sm90_free_issue_ptx(bits, group, head_dim, heads, tmp_path, monkeypatch):
-    """``free_issue`` in the backend's default kernels: three warps scale (the Q o s
-    pipeline's full barriers count 96 arrivals, not the warpgroup's 128) while warp 0 only
-    issues the TMA loads; spill-free, the consumers' code untouched (the same wgmmas, lop3s
-    and ldmatrix loads).  No effect without K's scale in Q; refused beside ``v_slots``."""
-    from bitdecode.kernels_sm90 import backend as sm90
-    from bitdecode.kernels_sm90.decode import DecodeSm90
-
-    fmt = KVFormat(bits, "channel", group)
-    keywords = sm90.grid_keywords
-    ptx = {}
-    for on in (False, True):
-        monkeypatch.setattr(sm90, "grid_keywords", lambda *a, on=on: {**keywords(*a), "free_issue": on})
-        kernel = sm90.BACKEND.make_decode("sm_90a", fmt, cutlass.Float16, head_dim, heads, True)
-        assert (kernel.free_issue, kernel.scaler_threads) == ((True, 96) if on else (False, 128))
-        ptx[on] = sm90.BACKEND.compile_decode("sm_90a", fmt, cutlass.Float16, head_dim, heads, True,
-                                              keep_ptx=True).artifacts.PTX
-    stages = kernel.num_stages
-    counts = {on: _mbarrier_init_counts(p) for on, p in ptx.items()}
-    assert counts[False][:stages] == [128] * stages and counts[True][:stages] == [96] * stages
-    assert counts[False][stages:] == counts[True][stages:]
-    for instr in ("wgmma.mma_async", "lop3.b32", "ldmatrix", "cp.async.bulk.tensor"):
-        assert ptx[True].count(instr) == ptx[False].count(instr), instr
-    report = ptxas.report(ptx[True], "sm_90a", tmp_path)
-    assert ptxas.spill_bytes(report) == 0 and "C7514" not in report
-    if heads == 4:
-        plain = DecodeSm90(cutlass.Float16, bits, "channel", group, head_dim, 8, True, fold_k=False, free_issue=True)
-        assert plain.scaler_threads == 128  # (no effect: its producer is warp 0 alone already)
-        with pytest.raises(ValueError, match="free_issue takes no v_slots"):
-            DecodeSm90(cutlass.Float16, bits, "channel", group, head_dim, 8, True, free_issue=True, v_slots=2)
-
-
 @pytest.mark.parametrize("bits, group, head_dim, heads, bf16", [(4, 128, 128, 8, False), (2, 128, 128, 4, False),
                                                                 (4, 64, 64, 8, True), (4, 128, 256, 8, False)])
 def test_sm90_wide_boxes_ptx(bits, group, head_dim, heads, bf16, tmp_path, monkeypatch):

@@ -548,17 +548,15 @@ def test_sm90_v_subnormal_matches_reference(fmt, monkeypatch):
                                         (bd.KVFormat(4, "channel", 128, v_bits=2, sink_tokens=5), torch.float16)])
 @pytest.mark.parametrize("keywords", [{"early_tiles": True}, {"early_loads": True},
                                       {"early_loads": True, "early_tiles": True, "early_residual": True},
-                                      {"free_issue": True}, {"wide_boxes": False}],
-                         ids=["tiles", "loads", "all", "free", "narrow"])
+                                      {"wide_boxes": False}],
+                         ids=["tiles", "loads", "all", "narrow"])
 def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     """``DecodeSm90(early_tiles=True)``: with K's scale in Q the producer issues its first
     ``lag`` tiles before the barrier that publishes Q; ``early_loads=True``: Q's copy and the
     sequence's first block-table entry are issued beside the sequence length's load, and the
     tile loop reads the table only past the first page; ``early_residual=True`` (where it
     fits: the small grids' kernels): the residual block's first sub-tile copied into a
-    buffer of its own at the start; ``free_issue=True`` (with K's scale in Q): the
-    producer's warp 0 only issues the TMA loads, as far ahead as the free stages let it,
-    while warps 1-3 scale each landed tile; ``wide_boxes=False``: the packed tiles' TMA
+    buffer of its own at the start; ``wide_boxes=False``: the packed tiles' TMA
     boxes as narrow as their rows (the default folds them into 128-byte ones).  On every grid's kernel (the default and the small
     grid's, splits with fewer tiles than ``lag`` among them): ragged lengths with residuals
     of one to four sub-tiles, paged and shuffled (tiles on the first page and past it), 1 / 3
