@@ -803,12 +803,11 @@ class DecodeSm90(PackedDecodeConfig):
 
     @cute.jit
     def scale_heads(self, fold, sQ, sKs, stage, gq, tid, head0):
-        """One pass of ``scale_stage``: the scaler threads' heads from ``head0`` on."""
+        """One pass of ``scale_stage``: the producer threads' heads from ``head0`` on."""
         _, sQs, sBias, sShift = fold
         lane = tid % cute.arch.WARP_SIZE
         head = head0 + tid // self.scale_lanes[0]
-        # the first head of this warp: padding heads (and heads past the tile) are skipped a
-        # whole warp at a time
+        # the first head of this warp: padding heads are skipped a whole warp at a time
         first = head0 + (tid // cute.arch.WARP_SIZE) * (cute.arch.WARP_SIZE // self.scale_lanes[0])
         if first < gq:
             for g in cutlass.range_constexpr(self.q_copies):
