@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import Timer, _graph_time, build  # noqa: E402
-from bench_variants import D, FORMATS, HKV, HQ, parse_shapes  # noqa: E402
+from bench_decode import Timer, _graph_time  # noqa: E402
+from bench_variants import FORMATS, parse_shapes, prefilled_case  # noqa: E402
 
 from bitdecode._files import write_record  # noqa: E402
 from bitdecode.cli import DTYPE_NAMES, torch_dtype  # noqa: E402
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="16x65536", help="BxN (default 16x65536)")
     p.add_argument("--allocs", type=int, default=6, help="fresh allocations of the cache (default 6)")
     p.add_argument("--repeats", type=int, default=3, help="timings of each allocation (default 3)")
-    p.add_argument("--backend", default="auto", help="the decode's backend (default auto)")
+    p.add_argument("--backend", default="auto", choices=("auto", "sm90", "sm80"),
+                   help="the decode's backend (default auto)")
     p.add_argument("--out", type=Path, default=None, help="write <out>/placement.json")
     p.add_argument("--tag", default="", help="write <out>/placement_<tag>.json instead (an identifier)")
     args = p.parse_args(argv)
@@ -75,10 +76,7 @@ def main(argv=None) -> int:
     rows = []
     for alloc in range(args.allocs):
         gen = torch.Generator(device=dev).manual_seed(0)  # (the same data in every allocation)
-        q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
-        cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
-        cache.prefill(k, v)
-        del k, v
+        q, cache = prefilled_case(fmt, dtype, b, n, dev, gen)
         decode = functools.partial(bd.decode, q, cache, backend=args.backend)
         us = [_graph_time(timer, decode) for _ in range(args.repeats)]
         row = {"alloc": alloc, "us": us, "k_pack_address": cache.k_pack.data_ptr(),

@@ -177,6 +177,18 @@ def apply_keywords(kwargs: Dict[str, object], backend: str = "sm90") -> None:
         target.__init__ = functools.partialmethod(with_keywords, target.__init__, mine)
 
 
+def prefilled_case(fmt, dtype, b: int, n: int, dev, gen):
+    """(q ``[b, 1, HQ, D]``, a cache of ``b`` sequences of ``n`` random tokens prefilled) from
+    ``gen``: one timed case of this bench and of ``bench_placement``."""
+    import torch
+    from bench_decode import build
+
+    q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
+    cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
+    cache.prefill(k, v)
+    return q, cache
+
+
 def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backend: str = "sm90") -> List[dict]:
     """One variant, in this process: the rows of every (format, dtype, shape)."""
     import torch
@@ -184,7 +196,7 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backen
     apply_keywords(kwargs, backend)
 
     import bitdecode as bd
-    from bench_decode import Timer, _graph_time, build
+    from bench_decode import Timer, _graph_time
 
     from bitdecode._memory import release_memory
 
@@ -197,10 +209,7 @@ def worker(name: str, kwargs: Dict[str, object], shapes, formats, dtypes, backen
         for dname in dtypes:
             dtype = torch_dtype(dname)
             for b, n in shapes:
-                q = torch.randn(b, 1, HQ, D, device=dev, dtype=dtype, generator=gen)
-                cache, k, v = build(fmt, b, HKV, D, n, dev, gen, dtype)
-                cache.prefill(k, v)
-                del k, v
+                q, cache = prefilled_case(fmt, dtype, b, n, dev, gen)
                 decode = functools.partial(bd.decode, q, cache, backend=backend)
                 row = {"variant": name, "backend": backend, "format": fkey, "dtype": dname, "B": b, "N": n,
                        "us": _graph_time(timer, decode)}

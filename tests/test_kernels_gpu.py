@@ -556,9 +556,10 @@ def test_sm90_early_issue_match_reference(fmt, dtype, keywords, monkeypatch):
     sequence's first block-table entry are issued beside the sequence length's load, and the
     tile loop reads the table only past the first page; ``early_residual=True`` (where it
     fits: the small grids' kernels): the residual block's first sub-tile copied into a
-    buffer of its own at the start; ``wide_boxes=False``: the packed tiles' TMA
-    boxes as narrow as their rows (the default folds them into 128-byte ones).  On every grid's kernel (the default and the small
-    grid's, splits with fewer tiles than ``lag`` among them): ragged lengths with residuals
+    buffer of its own at the start; ``wide_boxes=False``: the packed tiles' TMA boxes as
+    narrow as their rows (the default folds them into 128-byte ones).  On every grid's kernel
+    (the default and the small grid's, splits with fewer tiles than ``lag`` among them):
+    ragged lengths with residuals
     of one to four sub-tiles, paged and shuffled (tiles on the first page and past it), 1 / 3
     / automatic splits, against the reference."""
     attribute = next(iter(keywords))
