@@ -39,6 +39,8 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ._memory import release_memory
+
 FORMAT = "bitdecode-gemv-tuning/1"
 ENV_GEMV_TUNING = "BITDECODE_GEMV_TUNING"
 MIN_CALLS = 32
@@ -74,6 +76,12 @@ def captured(calls: List[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
         for fn in calls:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
+    # torch's capture empties the allocator's cache as it begins: memory freed before (a
+    # benchmark's 16-bit K / V after its prefill) would go back to the driver there, and the
+    # replays timed next run through the slow spell that follows (``release_memory``:
+    # 4c128 B=16 N=64K 451-457 against 383-388 us for the first ~20 replays after 4 GB,
+    # H100, sixty-ninth session).  Given back and waited out here, the capture frees nothing
+    release_memory()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for fn in calls:

@@ -17,6 +17,7 @@ import time
 import torch
 
 from . import dispatch, reference
+from ._memory import release_memory
 from .cache import KVCache
 from .cli import DTYPE_NAMES, nonnegative_int, out_of_memory, positive_int, print_error, torch_dtype
 from .formats import GROUP_SIZES, K_MODES, KVFormat
@@ -96,6 +97,7 @@ def cuda_time_ms(fn, iters: int = 50, warmup: int = 10) -> float:
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
+    release_memory()  # (what the capture would free, given back and waited out first: ``bitnet_tune.captured``)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import bitdecode as bd
 from bitdecode._files import save_plot, write_record
 from bitdecode._memory import release_memory
+from bitdecode.bitnet_tune import captured
 
 SHAPES = [(1, 32, 8, 128), (1, 32, 32, 128), (16, 32, 8, 128), (64, 32, 8, 128)]
 MAX_TOKENS = 2 ** 21  # B * N cap: keeps the 16-bit SDPA cache of the sweep under ~10 GB
@@ -372,18 +373,9 @@ def bench_graph_small(timer, device) -> dict:
 
 
 def _graph_time(timer, fn) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph (no host launch cost in the number)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return timer(g.replay)
+    """Median time of ``fn`` replayed from a CUDA graph (no host launch cost in the number;
+    ``captured`` waits out the memory its capture would free)."""
+    return timer(captured([fn]).replay)
 
 
 def plot(result: dict, path: Path) -> Optional[Path]:

@@ -307,6 +307,7 @@ def time_graph(step: Callable, device, warmup: int, steps: int) -> Tuple[List[fl
             step()
     torch.cuda.current_stream(device).wait_stream(side)
     sync(device)
+    release_memory()  # (what the capture would free, given back and waited out first: ``captured``)
     t0 = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

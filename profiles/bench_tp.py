@@ -260,6 +260,7 @@ def capture(step: Callable):
                 step()
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
+        release_memory()  # (what the capture would free, given back and waited out first: ``captured``)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             step()

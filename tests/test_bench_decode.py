@@ -1,9 +1,11 @@
 """The decode benchmark's FlashInfer peer (profiles/bench_decode.py): its page table, the
 reference it is checked against, and on a GPU with the peer kit its graph-replayed call."""
 
+import contextlib
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,6 +122,47 @@ def test_release_memory_waits_by_the_bytes_freed(monkeypatch):
     for path in sorted(cli_bench.profiles_dir().glob("*.py")):
         if path.name != "bench_free_settle.py":
             assert "empty_cache" not in path.read_text(), path.name
+
+
+def test_captured_waits_out_what_its_capture_frees(monkeypatch):
+    """``bitnet_tune.captured`` (every benchmark's graph capture) gives the allocator's cache
+    back and waits it out after the warm-up calls and before the capture, whose own
+    ``empty_cache`` would otherwise free it with the timed replays coming next."""
+    from bitdecode import bitnet_tune
+
+    events = []
+
+    class Fake:  # a stream, a stream context, a graph and the capture context at once
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def __enter__(self):
+            events.append("capture")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Fake)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", Fake)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Fake)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: g)
+    monkeypatch.setattr(bitnet_tune, "release_memory", lambda: events.append("release"))
+    bitnet_tune.captured([lambda: events.append("call")])
+    # warm-up (compile, then the allocator on a side stream), the release, the captured call
+    assert events == ["call", "call", "release", "capture", "call"]
+    # every other capture of a timed call waits the same way right before it (but
+    # bench_free_settle's, which empties the cache and sleeps a second itself)
+    sources = sorted(cli_bench.profiles_dir().glob("*.py")) + sorted(Path(bitnet_tune.__file__).parent.glob("*.py"))
+    for path in sources:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "torch.cuda.graph(" in line and path.name not in ("bench_free_settle.py", "bitnet_tune.py"):
+                assert any("release_memory()" in before for before in lines[max(0, i - 4):i]), f"{path.name}:{i + 1}"
 
 
 def profile_script(name: str):
