@@ -17,7 +17,7 @@ import time
 import torch
 
 from . import dispatch, reference
-from ._memory import release_memory
+from .bitnet_tune import captured
 from .cache import KVCache
 from .cli import DTYPE_NAMES, nonnegative_int, out_of_memory, positive_int, print_error, torch_dtype
 from .formats import GROUP_SIZES, K_MODES, KVFormat
@@ -91,17 +91,7 @@ def cuda_time_ms(fn, iters: int = 50, warmup: int = 10) -> float:
     CUDA events, after warm-up (the graph keeps Python launch overhead out of the number)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    release_memory()  # (what the capture would free, given back and waited out first: ``bitnet_tune.captured``)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    fn = graph.replay
+    fn = captured([fn]).replay
     for _ in range(3):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
