@@ -12,7 +12,10 @@ processes of ``bench_variants.py`` and ~346 in others on one H100, the same laun
 If the allocations differ and the repeats of one allocation agree, the time follows where
 the cache lies, not the kernel; ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the
 environment maps the memory another way, for a second run.  Each row keeps the cache's
-first virtual address (the allocator's segment: a reused one repeats it).
+first virtual address (the allocator's segment: a reused one repeats it).  The answer (H100,
+sixty-ninth session): neither; each allocation's first repeat was slow (355.5-358.6 against
+304.8-306.3 us) because the graph capture gave the prefill's freed 16-bit K / V back to the
+driver, which ``bitnet_tune.captured`` now waits out (296.0-298.7 us, within 0.6 %).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@
 #               patch profiles/probes/sm90_decode_ablation.patch applied for the step, then
 #               taken back out)
 #   placement   one cache allocated afresh six times in one process, each timed three times
-#               (profiles/bench_placement.py: K4V2 fp16 B=16 N=64K, bimodal on an H100)
+#               (profiles/bench_placement.py: K4V2 fp16 B=16 N=64K; bimodal on an H100 until
+#               the captures waited out the memory they free, sixty-ninth session)
 # The GPU's name picks the tag (h200 / h100 / ...), so a record is never filed under the
 # wrong GPU.
 set -u
