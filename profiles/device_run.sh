@@ -21,13 +21,21 @@
 #   placement   one cache allocated afresh six times in one process, each timed three times
 #               (profiles/bench_placement.py: K4V2 fp16 B=16 N=64K; bimodal on an H100 until
 #               the captures waited out the memory they free, sixty-ninth session)
+#   b1short     sm90 against sm80 on B=1 (and B=2) sequences of 1K-16K tokens, 4-bit, 2-bit and
+#               K4V2, GQA 4 and MHA, each backend's own split choice timed twice in turn
+#               (profiles/bench_splits.py --backends sm90,sm80,sm90,sm80): whether `auto`
+#               should leave the shortest small grids to sm80 (seventieth session)
+#   b16short    the sm90 short-sequence rule (SHORT_TILES: one split of the small grid's kernel
+#               against two of the default) again, its one split timed first and last
+#               (--splits 1,2,0,1): the records it was fitted on timed the one split first,
+#               inside the capture's slow spell (seventieth session)
 # The GPU's name picks the tag (h200 / h100 / ...), so a record is never filed under the
 # wrong GPU.
 set -u
 : "${OUT:?OUT must name the output folder (a device call sets it)}"
 for arg in "$@"; do  # (every step known before any runs: a typo costs no device time)
   case "$arg" in
-    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide|placement) ;;
+    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide|placement|b1short|b16short) ;;
     *) echo "device_run.sh: unknown step '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -70,6 +78,20 @@ for arg in "$@"; do
         --formats 4c128,2c128 --shapes 1x4096,1x131072,16x65536 --out "$OUT" --tag "wide_boxes_$TAG" ;;
     placement)
       step placement 240 python3 profiles/bench_placement.py --out "$OUT" --tag "k4v2_$TAG" ;;
+    b1short)
+      for f in 4c128 2c128 k4v2c128; do
+        step "b1short_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 1x1024,1x2048,1x4096,1x8192,1x16384,2x4096 \
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1short_${f}_$TAG"
+      done
+      for f in 4c128 2c128; do
+        step "b1short_mha_$f" 120 python3 profiles/bench_splits.py --format "$f" --heads 32/32 --shapes 1x1024,1x2048,1x4096,1x8192 \
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1short_mha_${f}_$TAG"
+      done ;;
+    b16short)
+      step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,12x8192 \
+        --splits 1,2,0,1 --out "$OUT" --tag "b16short_4c128_$TAG"
+      step b16short_2c128 200 python3 profiles/bench_splits.py --format 2c128 --shapes 16x8192,16x16384,16x24576,16x32768 \
+        --splits 1,2,0,1 --out "$OUT" --tag "b16short_2c128_$TAG" ;;
     ringwide)
       patch=profiles/probes/sm90_decode_ablation.patch
       if git apply "$patch"; then
