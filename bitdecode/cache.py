@@ -687,7 +687,10 @@ def decode(
 
     With a kernel backend the output is a view into a buffer allocated for several calls'
     outputs (each call's its own memory): ``torch.save`` of it writes that whole buffer;
-    ``out.clone()`` is a tensor of its own."""
+    ``out.clone()`` is a tensor of its own.  ``num_splits=0`` chooses the split count for the
+    longest sequence the host knows of at this call; a CUDA graph keeps its capture's choice
+    while the sequences grow (correct, but few CTAs past the capture's lengths: capture at the
+    lengths the replays run, or pass the same ``num_splits`` to the warm-up and the capture)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     if k_new is not None or v_new is not None:  # (straight to it: an eager step's hot path)
