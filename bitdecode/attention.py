@@ -166,6 +166,8 @@ def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
     hq, hkv = q.shape[2], cache.k_res.shape[2]
     if hq % hkv or hq == 0:
         raise ValueError(f"q has {hq} heads, not a positive multiple of the cache's {hkv} KV heads")
+    if capturing(q.device):
+        refuse_host_reads_in_capture(q, cache, backend)
     if backend == "reference":
         return
     max_gqa = backends.get(backend).limits.max_gqa
@@ -174,6 +176,23 @@ def check_query(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
             f"q has {hq // hkv} query heads per KV head; the {backend} kernels support 1 to "
             f"{max_gqa} (use backend='reference' for more)"
         )
+
+
+def refuse_host_reads_in_capture(q: torch.Tensor, cache: CacheTensors, backend: str) -> None:
+    """While a CUDA graph is captured: refuse the decode paths that read the lengths on the
+    host (the reference, ``chunk_decode``), whose sync would invalidate the capture with a
+    CUDA error, before anything is written (an appending decode checks q first)."""
+    if backend == "reference":
+        what = "the reference backend"
+    elif not fits_kernel_tile(q, cache, backend):
+        rows = backends.query_rows(q.shape[1], q.shape[2], cache.k_res.shape[2])
+        what = (f"{q.shape[1]} query tokens ({rows} rows a KV head, more than the {backend} kernels' "
+                f"{backends.get(backend).limits.max_gqa}: the cache dequantized + SDPA)")
+    else:
+        return
+    raise ValueError(f"q: {what} reads the sequence lengths on the host, which a CUDA graph capture "
+                     "cannot do; run this call outside the capture (captured decodes take the kernels, "
+                     "with at most the kernels' rows a KV head)")
 
 
 def fits_kernel_tile(q: torch.Tensor, cache: CacheTensors, backend: str) -> bool:

@@ -579,6 +579,32 @@ def test_appending_decode_refused_for_its_q_writes_nothing(gen):
     assert c.lengths == [13, 7]
 
 
+def test_decodes_that_read_lengths_on_the_host_are_refused_inside_a_capture(gen, monkeypatch):
+    """While a CUDA graph is captured (a stand-in capture on the CPU), the decode paths that
+    read the lengths on the host, the reference and a query past the kernels' tile (the
+    cache dequantized + SDPA), are refused with an error naming q, before an appending
+    decode writes anything; a query that fits the kernels' tile passes the check."""
+    from bitdecode import attention
+
+    c = bd.KVCache.allocate(1, 2, 64, 512, bd.KVFormat(bits=4, group_size=64), device="cpu")
+    k = torch.randn(1, 100, 2, 64, generator=gen).half()
+    c.prefill(k, k)
+    q, kv = torch.randn(1, 1, 8, 64, generator=gen).half(), torch.zeros(1, 1, 2, 64, dtype=torch.float16)
+    monkeypatch.setattr(attention, "capturing", lambda device: True)
+    with pytest.raises(ValueError, match="^q: the reference backend reads the sequence lengths on the host"):
+        c.decode(q)
+    with pytest.raises(ValueError, match="^q: the reference backend"):
+        c.decode(q, k_new=kv, v_new=kv)
+    assert c.lengths == [100] and int(c.seqlens[0]) == 100  # (refused before the append)
+    tensors = c.tensors()
+    attention.check_query(q, tensors, "sm80")  # 4 rows a KV head: the kernels take it
+    long = torch.randn(1, 8, 8, 64, generator=gen).half()  # 8 tokens x GQA 4 = 32 rows
+    with pytest.raises(ValueError, match=r"^q: 8 query tokens \(32 rows a KV head, more than the sm80 kernels' 16"):
+        attention.check_query(long, tensors, "sm80")
+    monkeypatch.setattr(attention, "capturing", lambda device: False)
+    assert c.decode(q).shape == q.shape  # eager, the same call runs
+
+
 def test_query_rows_that_see_no_token_give_zero_and_minus_inf(gen):
     """T query tokens are each sequence's newest T: a sequence that holds fewer (or none)
     leaves its first query rows with no token to see; they give 0 and an LSE of -inf (the

@@ -3,7 +3,8 @@ backend through the ``backend`` fixture).
 
 * A CUDA graph replayed past a sequence's capacity: the append kernel refuses that
   sequence on the device (nothing written, length kept, ``overflow`` set), the others go
-  on, and ``check()`` raises ``CacheOverflowError`` naming it.
+  on, and ``check()`` raises ``CacheOverflowError`` naming it.  Inside a capture, the decode
+  paths that read the lengths on the host are refused by name.
 * 10,000 single-token appends leave the same bytes (and decode to the same bits) as one
   prefill of the same tokens.
 * Concurrency: one cache decoded from four streams, and four threads each appending to and
@@ -203,6 +204,26 @@ def test_graph_replay_past_capacity_is_refused_on_the_device(backend, page_size)
     replay(0)  # the graph appends from the device lengths, now 0
     torch.cuda.synchronize()
     assert cache.check() is None and cache.lengths == [1, 1, 1]
+
+
+def test_a_capture_refuses_the_decodes_that_read_lengths_on_the_host(backend):
+    """Inside a CUDA graph capture, a query past the kernels' tile (the cache dequantized +
+    SDPA) and the reference backend would read the lengths on the host, a sync that
+    invalidates the capture with a CUDA error: both are refused by name before anything
+    runs, and the cache and the GPU stay usable for the same query eagerly."""
+    cache = bd.KVCache.allocate(1, 2, 128, 1024, FMT4, device=DEV, backend=backend)
+    gen = cuda_gen(7)
+    k = randn(gen, 1, 300, 2, 128)
+    cache.prefill(k, k)
+    long = randn(gen, 1, 8, 8, 128)  # 8 tokens x 4 query heads a KV head: 32 rows, past the tile
+    for call in (lambda: cache.decode(long), lambda: cache.decode(long[:, :1], backend="reference")):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match="reads the sequence lengths on the host"):
+            with torch.cuda.graph(graph):
+                call()
+    out = cache.decode(long)
+    torch.cuda.synchronize()
+    assert out.shape == long.shape and bool(torch.isfinite(out).all()) and cache.lengths == [300]
 
 
 # --------------------------------------------------------------------------------------
