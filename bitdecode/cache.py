@@ -559,7 +559,7 @@ class KVCache:
         # two calls (the append kernel checks capacity on the device at every replay)
         stream = jit.current_stream(self._device_index) if self._on_cuda else 0
         if (backend == "auto" and not appends[1]) or stream is None:  # (no key to build: two calls)
-            self._check_query_once(q, softmax_scale, num_splits, backend)  # before the append writes
+            self._check_query_once(q, softmax_scale, num_splits, backend, stream is None)  # before the append writes
             self._append(k_new, v_new, NEW_NAMES)
             return self.decode(q, softmax_scale, num_splits, backend=backend, return_lse=return_lse)
         # ``_call_key``'s items and k_new's and v_new's, written out: this is the eager step's
@@ -604,11 +604,12 @@ class KVCache:
         return (name, attention.softmax_scale_or_default(softmax_scale, q.shape[-1]),
                 attention.check_splits(num_splits, name))
 
-    def _check_query_once(self, q, softmax_scale, num_splits, backend) -> None:
+    def _check_query_once(self, q, softmax_scale, num_splits, backend, capturing: bool = False) -> None:
         """``_check_call`` for an appending decode that runs as two calls, once per new (q
-        layout, options): the two calls' eager steps pay one tuple compare."""
+        layout, options): the two calls' eager steps pay one tuple compare.  While a graph is
+        captured, every time (``attention.check_query`` refuses there what it passes eagerly)."""
         key = self._call_key(q, softmax_scale, num_splits, backend, 0) if isinstance(q, torch.Tensor) else None
-        if key is None or key != self._query_checked:
+        if capturing or key is None or key != self._query_checked:
             self._check_call(q, softmax_scale, num_splits, backend)
             self._query_checked = key
 

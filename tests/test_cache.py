@@ -603,6 +603,18 @@ def test_decodes_that_read_lengths_on_the_host_are_refused_inside_a_capture(gen,
         attention.check_query(long, tensors, "sm80")
     monkeypatch.setattr(attention, "capturing", lambda device: False)
     assert c.decode(q).shape == q.shape  # eager, the same call runs
+    # an appending decode whose q passed eagerly is checked again under a capture (whose
+    # calls take append + decode), before its append is captured
+    c.decode(q, k_new=kv, v_new=kv)
+    assert c.lengths == [101]
+    from bitdecode import jit
+
+    monkeypatch.setattr(c, "_on_cuda", True)  # (a CUDA cache's capture; this one stands in)
+    monkeypatch.setattr(jit, "current_stream", lambda index: None)
+    monkeypatch.setattr(attention, "capturing", lambda device: True)
+    with pytest.raises(ValueError, match="^q: the reference backend"):
+        c.decode(q, k_new=kv, v_new=kv)
+    assert c.lengths == [101] and int(c.seqlens[0]) == 101
 
 
 def test_query_rows_that_see_no_token_give_zero_and_minus_inf(gen):
