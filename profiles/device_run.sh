@@ -28,7 +28,8 @@
 #   b16short    the sm90 short-sequence rule (SHORT_TILES: one split of the small grid's kernel
 #               against two of the default) again, its one split timed first and last
 #               (--splits 1,2,0,1): the records it was fitted on timed the one split first,
-#               inside the capture's slow spell (seventieth session)
+#               inside the capture's slow spell; on an H100 one split won at 4-bit B=16 12K-16K,
+#               past the rule's 8K (profiles/h100/short_grids_h100.json, seventieth session)
 # The GPU's name picks the tag (h200 / h100 / ...), so a record is never filed under the
 # wrong GPU.
 set -u
@@ -88,7 +89,7 @@ for arg in "$@"; do
           --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1short_mha_${f}_$TAG"
       done ;;
     b16short)
-      step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,12x8192 \
+      step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,16x24576,16x32768,12x8192,12x12288,12x16384,9x12288,9x16384 \
         --splits 1,2,0,1 --out "$OUT" --tag "b16short_4c128_$TAG"
       step b16short_2c128 200 python3 profiles/bench_splits.py --format 2c128 --shapes 16x8192,16x16384,16x24576,16x32768 \
         --splits 1,2,0,1 --out "$OUT" --tag "b16short_2c128_$TAG" ;;
