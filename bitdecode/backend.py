@@ -182,6 +182,12 @@ class Backend(Protocol):
     def choose_splits(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int,
                       device: torch.device) -> int: ...
 
+    def call_backend(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int) -> str:
+        """The backend that ``auto`` runs one ``KVCache.decode`` of this query shape on, over
+        sequences of at most ``max_len`` tokens: this one, or another whose kernels measured
+        faster for such calls over the same packed cache (sm90 hands short small grids to
+        sm80)."""
+
     def plan(self, cache: CacheTensors, q_shape: Tuple[int, ...], q_dtype: torch.dtype,
              device: torch.device, splits: int, append: bool = False, max_len: int = 0) -> DecodeFn: ...
 

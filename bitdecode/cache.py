@@ -48,6 +48,10 @@ class KVCache:
         self.dtype = dtype
         self.max_seqlen = max_seqlen
         self.backend = backend
+        # whether ``auto`` picked ``backend`` (``allocate``): then a decode with ``backend="auto"``
+        # may run on the one ``backend`` hands its call to (``_auto_backend``); a backend named
+        # at allocation runs every such call
+        self._auto_picked = False
         self.k_pack, self.k_params = k_pack, k_params
         self.v_pack, self.v_params = v_pack, v_params
         self.k_res, self.v_res = k_res, v_res
@@ -120,6 +124,7 @@ class KVCache:
                              "holds at most max_seqlen tokens, so fewer sinks")
         _validate.model_dtype("dtype", dtype)
         device = _validate.device("device", device)
+        picked = backend == "auto"
         backend = dispatch.resolve(backend, device, what="KV cache", fmt=fmt, head_dim=head_dim, dtype=dtype)
         nr = fmt.residual_block
         packed_cap = -(-max_seqlen // nr) * nr
@@ -169,6 +174,7 @@ class KVCache:
                 f"max_seqlen={max_seqlen}, fmt={fmt}): its packed pages need {gib:.2f} GiB and its 16-bit "
                 f"residual and sink buffers {gib16:.2f} GiB on {device}, which could not be allocated "
                 f"({str(e).splitlines()[0]})") from e
+        cache._auto_picked = picked
         # distinct, in-range pages by construction, for every length the cache can hold
         version = _validate.version_counter(cache.block_table)
         cache._table_verified = None if version is None else (version, (max_seqlen,) * batch)
@@ -453,6 +459,7 @@ class KVCache:
         self.check()
         new = KVCache.allocate(len(src), self.num_kv_heads, self.head_dim, self.max_seqlen, self.fmt,
                                dtype=self.dtype, device=self.device, page_size=self.page_size, backend=self.backend)
+        new._auto_picked = self._auto_picked
         self._copy_sequences(new, src)
         new._host_lens = [self._host_lens[j] for j in src]
         return new
@@ -500,18 +507,18 @@ class KVCache:
         if return_lse is not False and return_lse is not True:
             _validate.flag("return_lse", return_lse)
         max_len = self._host_max
-        if backend == "auto":
-            backend = self.backend
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
         # fast path: a query like the last validated one (shape, strides, dtype, device,
-        # options and their types, the same split decision) reuses its compiled plan with
-        # no further Python work
+        # options and their types, the same split and backend decisions) reuses its compiled
+        # plan with no further Python work
         key = self._call_key(q, softmax_scale, num_splits, backend, max_len)
         fast = self._fast
         if fast is not None and fast[0] == key and q.data_ptr() % 16 == 0:
             return fast[1](reference.rotate(q, self.fmt), fast[2], return_lse)
-        if backend != self.backend:
+        if backend == "auto":
+            backend = self._auto_backend(q, num_splits, max_len)
+        elif backend != self.backend:
             backend = dispatch.resolve(backend, self.device, fmt=self.fmt, head_dim=self.head_dim, dtype=self.dtype)
         cache = self._tensors
         attention.check_query(q, cache, backend)
@@ -527,12 +534,30 @@ class KVCache:
 
     def _call_key(self, q, softmax_scale, num_splits, backend, max_len: int) -> tuple:
         """What a kernel decode's plan depends on in a call: q's shape, strides, dtype and
-        device, the options and their types, and the tiles of ``max_len`` tokens (what
-        ``choose_splits`` counts); one flat tuple (building and comparing it is the fast
-        path's main host cost).  An appending decode's key adds k_new's and v_new's
-        (``_append_decode``)."""
+        device, the options and their types, the backend asked for, and the tiles of
+        ``max_len`` tokens (what ``choose_splits`` and ``call_backend`` count); one flat tuple
+        (building and comparing it is the fast path's main host cost).  An appending decode's
+        key adds k_new's and v_new's (``_append_decode``)."""
         return (q.shape, q.stride(), q.dtype, q.device, softmax_scale, type(softmax_scale), num_splits,
                 type(num_splits), backend, self.fmt.tiles(max_len))
+
+    def _auto_backend(self, q: torch.Tensor, num_splits, max_len: int) -> str:
+        """The backend ``auto`` runs this call on: the cache's, or the one the cache's backend
+        hands such calls to (``Backend.call_backend``: sm90 gives short sequences of small
+        grids to sm80) where ``auto`` picked the cache's.  An explicit split count keeps the
+        cache's backend."""
+        if num_splits or not self._auto_picked or self.backend == "reference" or q.dim() != 4:
+            return self.backend
+        return backends.get(self.backend).call_backend(self._tensors, tuple(q.shape), max_len)
+
+    def backend_for(self, q: torch.Tensor, num_splits: int = 0) -> str:
+        """The backend that ``decode(q, num_splits=num_splits)`` with ``backend="auto"`` runs
+        on at the cache's current lengths: ``KVCache.backend``, but where ``auto`` picked it
+        and it hands the call to another (on Hopper, short sequences of small grids run on
+        sm80)."""
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        return self._auto_backend(q, num_splits, self._host_max)
 
     def _kernel_appends(self, name: str) -> bool:
         """Whether backend ``name``'s decode kernel can append this cache's new tokens (no
@@ -619,6 +644,8 @@ class KVCache:
         laid out)."""
         name, scale, splits = self._check_call(q, softmax_scale, num_splits, backend)
         self._check_kv(k_new, v_new, "append", names=NEW_NAMES)
+        if backend == "auto":
+            name = self._auto_backend(q, splits, self._host_max + 1)
         if (not self._kernel_appends(name) or q.shape[1] != 1 or k_new.shape[1] != 1
                 or not attention.fits_kernel_tile(q, self._tensors, name)):
             return (key, None)
@@ -691,7 +718,15 @@ def decode(
     ``out.clone()`` is a tensor of its own.  ``num_splits=0`` chooses the split count for the
     longest sequence the host knows of at this call; a CUDA graph keeps its capture's choice
     while the sequences grow (correct, but few CTAs past the capture's lengths: capture at the
-    lengths the replays run, or pass the same ``num_splits`` to the warm-up and the capture)."""
+    lengths the replays run, or pass the same ``num_splits`` to the warm-up and the capture).
+
+    ``backend="auto"`` runs the cache's backend, except where ``auto`` picked it and it hands
+    the call to another (``cache.backend_for(q)`` says which): on Hopper, sm90 gives short
+    sequences of small grids to sm80, whose kernels decode them faster
+    (``kernels_sm90.backend.SM80_SHORT``, K per channel g128, head dim 128: at GQA 2-4 and
+    B x Hkv <= 8, 2-bit sequences up to 8K tokens and K4V2 up to 16K, at B x Hkv <= 16 up to
+    4K; at MHA and B x Hkv <= 32, 2-bit up to 4K and 4-bit up to 2K).  A capture keeps that
+    choice too; an explicit ``num_splits`` or ``backend`` keeps the cache's."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     if k_new is not None or v_new is not None:  # (straight to it: an eager step's hot path)

@@ -144,11 +144,11 @@ def measure(args, device: str, n: int, backend: str):
     for bits in args.bits:
         fmt = KVFormat(bits=bits, k_mode=args.k_mode, group_size=args.group_size)
         cache = KVCache.allocate(bsz, KV_HEADS, HEAD_DIM, n, fmt, dtype=dtype, device=device, backend=backend)
-        used.append(cache.backend)
         first = max(n - APPENDED, 0)
         cache.prefill(k[:, :first], v[:, :first])
         for t in range(first, n):  # decode steps: one token at a time, in place
             cache.append(k[:, t:t + 1], v[:, t:t + 1])
+        used.append(cache.backend_for(q))  # (auto's pick for this call: on Hopper, by length too)
         out = cache.decode(q)
         ms = cuda_time_ms(lambda: cache.decode(q)) if on_gpu else None
         rows.append((fmt, rel_error(out, ref), cache.memory_bytes(), ms))

@@ -603,6 +603,11 @@ class Sm80Backend:
         return True
 
     # ---- decode -------------------------------------------------------------------------
+    def call_backend(self, cache: CacheTensors, q_shape: Tuple[int, ...], max_len: int) -> str:
+        """The backend ``auto`` runs a decode of this shape on over sequences of at most
+        ``max_len`` tokens: this one (the packed cache is every backend's)."""
+        return self.name
+
     def ctas_per_sm(self, fmt: KVFormat, head_dim: int, nh: int, dtype=torch.float16, variant: str = "",
                     arch: str = "sm_80") -> int:
         """CTAs of the decode kernel one SM holds (the split heuristic fills them); ``dtype``:

@@ -57,6 +57,29 @@ SHORT_TILES = {2: 64, 4: 64}
 # 10.8.  2-bit: N=512 10.40 / 11.23, 1K 12.54 / 12.03, where sm80's heuristic already
 # leaves its two 256-token tiles unsplit (``MIN_TILES_PER_SPLIT``), so no entry.
 DIRECT_TILES = {4: 4}
+# Short sequences of small grids decode faster on sm80's kernels than on these (whose CTAs
+# set up a TMA ring and warp roles before the first tile), so ``auto`` in ``KVCache.decode``
+# hands such calls to sm80 (``Sm90Backend.call_backend``; the packed cache is the same for
+# both).  Key: (K bits, V bits, GQA: 2-4 query rows a KV head, else one); value: (most
+# (sequence, KV head) pairs, longest sequence in tokens) tiers, the first tier that holds the
+# call's pairs deciding.  Measured on an H100 (CUDA-graph replay, L2 flushed, each backend
+# timed twice in turn, the faster kept, us, sm90 / sm80, fp16, K per channel g128, head dim
+# 128; profiles/h100/short_grids_h100.json, ``device_run.sh b1short``), Hkv = 8 GQA 4:
+# - 2-bit B=1 N=1K 11.62 / 10.56, 4K 12.21 / 11.58, 8K 13.25 / 12.85, 16K 15.90 / 16.06; B=2
+#   N=4K 14.83 / 12.88;
+# - K4V2 B=1 N=1K 12.94 / 10.69, 4K 14.14 / 12.06, 16K 18.99 / 16.94 (32K: 25.95 / 28.83 in
+#   the quick sweep); B=2 N=4K 15.79 / 13.33;
+# - 4-bit B=1 N=1K 10.11 / 9.89, 4K 11.98 / 11.49, 8K 13.39 / 14.11, but on the H200 sm90
+#   led at 1K-2K (9.33 / 9.73, 10.27 / 10.58; profiles/h200/decode.json), so no entry;
+# and MHA (Hq = Hkv = 32, B=1): 2-bit N=2K 14.35 / 13.01, 4K 15.65 / 15.09, 8K 19.41 / 21.41;
+# 4-bit N=2K 14.19 / 12.98, 4K 16.82 / 17.39 (the H200's full sweep agrees for both).  bf16 2-bit
+# and K4V2 trailed likewise at B=1 N=4K on the H200 (``auto_picks``).
+SM80_SHORT = {
+    (2, 2, True): ((8, 8192), (16, 4096)),
+    (4, 2, True): ((8, 16384), (16, 4096)),
+    (2, 2, False): ((32, 4096),),
+    (4, 4, False): ((32, 2048),),
+}
 # A weighted tail (``Sm90Backend.tail_weight``): where the default kernel's whole waves
 # leave SM slots free, one more split a (sequence, KV head), shorter, started after all the
 # long ones (``split_coords``): the free slots run the short splits while the long ones
@@ -279,6 +302,20 @@ def small_pairs(pairs: int, sms: int) -> bool:
     return pairs * SMALL_GRID_SPLITS <= sms
 
 
+def sm80_short(fmt: KVFormat, dtype, head_dim: int, pairs: int, rows: int, tq: int, max_len: int) -> bool:
+    """Whether ``auto`` runs a decode of ``pairs`` (sequence, KV head) pairs, ``rows`` query
+    rows a KV head of ``tq`` tokens, over sequences of at most ``max_len`` tokens on sm80
+    (``SM80_SHORT``): one query token, the measured formats (K per channel g128, integer
+    codes, head dim 128, fp16 / bf16).  By tiles, so that calls with the same tile count
+    (``KVCache``'s fast-path key) decide alike."""
+    if (tq != 1 or rows > HALF_TILE or fmt.fp4 or fmt.k_mode != "channel" or fmt.group_size != 128
+            or head_dim != 128 or dtype not in (torch.float16, torch.bfloat16)):
+        return False
+    tiers = SM80_SHORT.get((fmt.bits, fmt.v_bits, rows > 1), ())
+    tokens = next((tokens for most, tokens in tiers if pairs <= most), 0)
+    return fmt.tiles(max_len) <= fmt.tiles(tokens)
+
+
 def short_tiles(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> int:
     """The most tiles a sequence may have for one split of the small grid's kernel to
     replace the default's two where the pairs fill the SMs (``SHORT_TILES``; 0: never).
@@ -447,6 +484,15 @@ class Sm90Backend(sm80_backend.Sm80Backend):
         """What the decode kernel for these arguments is built for (its constexpr config;
         ``arch``, which sm80's register model reads, does not change it)."""
         return _kernel_ctas_per_sm(self, fmt, head_dim, nh, dtype, variant)
+
+    def call_backend(self, cache, q_shape, max_len: int) -> str:
+        """sm80 for the short sequences of small grids that its kernels decode faster
+        (``sm80_short``), else sm90."""
+        bsz, tq, hq, d = q_shape
+        hkv = cache.k_res.shape[2]
+        if sm80_short(cache.fmt, cache.k_res.dtype, d, bsz * hkv, query_rows(1, hq, hkv), tq, max_len):
+            return sm80_backend.BACKEND.name
+        return self.name
 
     def unsplit(self, fmt, dtype, head_dim, nh, batch, kv_heads, tq, max_len, device) -> bool:
         """One split where the request's pairs fill more than half the SMs and its sequences

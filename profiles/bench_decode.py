@@ -328,9 +328,9 @@ def bench_shape(timer, shape, seqlens, keys, device, progress=None, task=None,
             row[f"bd{bits}_us"] = t
             row[f"bd{bits}_bw"] = nbytes / (t * 1e-6)
             row[f"bd{bits}_speedup"] = t_sdpa / t
-            row[f"bd{bits}_auto"] = cache.backend  # auto's pick for this format
+            picked = row[f"bd{bits}_auto"] = cache.backend_for(q)  # auto's pick for this call
             for name in kernel_backends(device):  # every backend side by side (auto's timed above)
-                tb = t if name == cache.backend else _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
+                tb = t if name == picked else _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
                 row[f"bd{bits}_{name}_us"] = tb
                 row[f"bd{bits}_{name}_bw"] = nbytes / (tb * 1e-6)
             row[f"bd{bits}_prefill_bw"] = pre_bytes / (t_pre * 1e-6) if t_pre == t_pre else None
@@ -362,7 +362,7 @@ def bench_graph_small(timer, device) -> dict:
         out[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache), host=True)
         out[f"bd{bits}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache))
         for name in kernel_backends(device):
-            if name != cache.backend:  # auto's backend is the column above
+            if name != cache.backend_for(q):  # auto's backend is the column above
                 out[f"bd{bits}_{name}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
         # append latency: one token into the residual (no flush of a block), eager
         k1 = torch.randn(b, 1, hkv, d, device=device, dtype=torch.float16, generator=gen)

@@ -25,6 +25,10 @@
 #               K4V2, GQA 4 and MHA, each backend's own split choice timed twice in turn
 #               (profiles/bench_splits.py --backends sm90,sm80,sm90,sm80): whether `auto`
 #               should leave the shortest small grids to sm80 (seventieth session)
+#   b1more      b1short's A/B where it was not taken: bf16 (4c128, 2c128, K4V2), other K modes
+#               and groups (4c64, 4t64), and B=2 at 8K / 16K and B=4 (32 pairs) at 2K / 4K: how
+#               far the per-call rule that gives short small grids to sm80 reaches (seventy-first
+#               session)
 #   b16short    the sm90 short-sequence rule (SHORT_TILES: one split of the small grid's kernel
 #               against two of the default) again, its one split timed first and last
 #               (--splits 1,2,0,1): the records it was fitted on timed the one split first,
@@ -36,7 +40,7 @@ set -u
 : "${OUT:?OUT must name the output folder (a device call sets it)}"
 for arg in "$@"; do  # (every step known before any runs: a typo costs no device time)
   case "$arg" in
-    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide|placement|b1short|b16short) ;;
+    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide|placement|b1short|b1more|b16short) ;;
     *) echo "device_run.sh: unknown step '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -87,6 +91,18 @@ for arg in "$@"; do
       for f in 4c128 2c128; do
         step "b1short_mha_$f" 120 python3 profiles/bench_splits.py --format "$f" --heads 32/32 --shapes 1x1024,1x2048,1x4096,1x8192 \
           --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1short_mha_${f}_$TAG"
+      done ;;
+    b1more)
+      for f in 4c128 2c128 k4v2c128; do
+        step "b1more_bf16_$f" 150 python3 profiles/bench_splits.py --format "$f" --dtype bf16 \
+          --shapes 1x2048,1x4096,1x8192,1x16384,2x4096,2x8192 --splits 0 --backends sm90,sm80,sm90,sm80 \
+          --out "$OUT" --tag "b1more_bf16_${f}_$TAG"
+        step "b1more_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 2x8192,2x16384,4x2048,4x4096,4x8192 \
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1more_${f}_$TAG"
+      done
+      for f in 4c64 4t64; do
+        step "b1more_$f" 120 python3 profiles/bench_splits.py --format "$f" --shapes 1x2048,1x4096,1x8192,2x4096 \
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1more_${f}_$TAG"
       done ;;
     b16short)
       step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,16x24576,16x32768,12x8192,12x12288,12x16384,9x12288,9x16384 \

@@ -404,6 +404,86 @@ def test_kernel_decode_keeps_its_plan_for_the_fast_path(monkeypatch):
     assert c.decode(q)[0] is q and len(made) == 2  # the remembered plan is still the aligned query's
 
 
+@pytest.mark.parametrize("fmt, dtype, batch, hkv, hq, tokens, sm80", [
+    (bd.KVFormat(bits=2), torch.float16, 1, 8, 32, 8192, True),  # 2-bit GQA 4, B=1: up to 8K
+    (bd.KVFormat(bits=2), torch.float16, 1, 8, 32, 8193, False),
+    (bd.KVFormat(bits=2), torch.bfloat16, 2, 8, 32, 4096, True),  # 16 pairs: up to 4K
+    (bd.KVFormat(bits=2), torch.float16, 2, 8, 32, 4097, False),
+    (bd.KVFormat(bits=2), torch.float16, 3, 8, 32, 1024, False),  # 24 pairs: no tier
+    (bd.KVFormat(bits=4, v_bits=2), torch.float16, 1, 8, 32, 16384, True),  # K4V2: up to 16K
+    (bd.KVFormat(bits=4, v_bits=2), torch.float16, 1, 8, 32, 16385, False),
+    (bd.KVFormat(bits=4), torch.float16, 1, 8, 32, 1024, False),  # 4-bit GQA 4: sm90 (the H200 led)
+    (bd.KVFormat(bits=4), torch.float16, 1, 8, 8, 2048, True),  # 4-bit MHA: up to 2K
+    (bd.KVFormat(bits=4), torch.float16, 1, 8, 8, 2049, False),
+    (bd.KVFormat(bits=2), torch.float16, 1, 32, 32, 4096, True),  # 2-bit MHA at 32 pairs: up to 4K
+    (bd.KVFormat(bits=2), torch.float16, 2, 32, 32, 1024, False),  # 64 pairs
+    (bd.KVFormat(bits=2), torch.float16, 1, 8, 64, 1024, False),  # GQA 8: the 8-head tile, not measured
+    (bd.KVFormat(bits=2, group_size=64), torch.float16, 1, 8, 32, 1024, False),  # not measured
+    (bd.KVFormat(bits=4, fp4="nvfp4"), torch.float16, 1, 8, 8, 1024, False),
+])
+def test_auto_hands_short_small_grids_from_sm90_to_sm80(fmt, dtype, batch, hkv, hq, tokens, sm80, monkeypatch):
+    """``auto`` on a cache whose backend is sm90 runs a decode on sm80 where sm90's
+    ``SM80_SHORT`` says sm80's kernels measured faster (short sequences of small grids);
+    an explicit backend or split count keeps sm90, and the fast path keeps the decision
+    with the tile count, so a longer sequence goes back to sm90 (a stand-in plan on the
+    CPU records the backend each call planned for)."""
+    from bitdecode import attention
+
+    c = bd.KVCache.allocate(batch, hkv, 128, 16384 + 256, fmt, dtype=dtype, device="cpu", backend="reference")
+    c.backend, c._auto_picked = "sm90", True  # (as ``auto`` picks it on Hopper)
+    made = []
+
+    def plan_decode(cache, q, backend, splits, max_len, plans=None):
+        made.append(backend)
+        return lambda q, scale_log2, return_lse: q
+
+    monkeypatch.setattr(attention, "plan_decode", plan_decode)
+    q = torch.ones(batch, 1, hq, 128, dtype=dtype)
+    want = "sm80" if sm80 else "sm90"
+    c._host_max = tokens
+    assert c.backend_for(q) == want
+    c.decode(q)
+    c.decode(q)  # (the fast path)
+    assert made == [want]
+    c.decode(q, backend="sm90")
+    c.decode(q, num_splits=2)
+    assert made[1:] == ["sm90", "sm90"]
+    if sm80:  # a longer sequence goes back to sm90; a cache allocated for sm90 by name stays there
+        c._host_max = 16384 + 256
+        c.decode(q)
+        assert made[-1] == "sm90" and c.backend_for(q) == "sm90"
+        c._host_max, c._auto_picked = tokens, False
+        c.decode(q)
+        assert made[-1] == "sm90" and c.backend_for(q) == "sm90"
+
+
+def test_auto_hands_a_short_appending_decode_to_sm80(monkeypatch):
+    """The appending decode follows the same rule at the length it decodes (its new token
+    counted): the one-launch plan is sm80's at a short 2-bit B=1 sequence."""
+    from bitdecode import attention
+    from bitdecode.kernels_sm80 import backend as sm80_backend
+
+    c = bd.KVCache.allocate(1, 8, 128, 400, bd.KVFormat(bits=2), device="cpu", backend="reference")
+    z = torch.zeros(1, 300, 8, 128, dtype=torch.float16)
+    c.prefill(z, z)
+    c.backend, c._auto_picked = "sm90", True
+    made = []
+
+    class Plan:
+        def append_step(self, q, k_new, v_new, scale_log2, return_lse, stream):
+            return q
+
+    def plan_decode(cache, q, backend, splits, max_len, plans=None, append=False):
+        made.append((backend, max_len, append))
+        return Plan()
+
+    monkeypatch.setattr(attention, "plan_decode", plan_decode)
+    monkeypatch.setattr(sm80_backend.Sm80Backend, "choose_splits", lambda self, *a: 2)
+    q, new = torch.ones(1, 1, 32, 128, dtype=torch.float16), torch.zeros(1, 1, 8, 128, dtype=torch.float16)
+    assert c.decode(q, k_new=new, v_new=new) is q
+    assert made == [("sm80", 301, True)]
+
+
 def test_appending_decode_on_the_reference_is_append_then_decode(gen):
     """``decode(q, cache, k_new=, v_new=)`` appends first: on the reference backend (the two
     calls) the same outputs, lengths and bytes as ``append`` then ``decode``; one of the

@@ -433,6 +433,34 @@ def test_sm90_grid_variants_match_reference(lens, hkv, splits, bits, dtype):
     check_decode(q, cache, "sm90", num_splits=splits)
 
 
+def test_auto_runs_short_small_grids_on_sm80_and_long_ones_on_sm90():
+    """On Hopper an ``auto`` cache of 2-bit K per channel g128 (sm90's) decodes a B=1 GQA 4
+    sequence of 1000 tokens on sm80 (``SM80_SHORT``), its appending decode too, and the
+    same sequence grown past 8K tokens on sm90: the plans each call built name the backend,
+    and each output equals that backend's named call bit for bit."""
+    if not dispatch.runnable("sm90", DEV):
+        pytest.skip(f"the sm90 kernels do not run on {torch.cuda.get_device_name()}")
+    fmt = bd.KVFormat(bits=2)
+    cache, _, _ = make_cache(fmt, [1000], 8, 128, torch.float16, backend="auto", room=8000)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 32, 128, generator=gen).half().to(DEV)
+    assert cache.backend == "sm90" and cache.backend_for(q) == "sm80"
+    out = bd.decode(q, cache)
+    assert {key[2] for key in cache._plans} == {"sm80"}
+    assert torch.equal(out, bd.decode(q, cache, backend="sm80"))
+    k, v = kv(gen, 1, 7300, 8, 128, dtype=torch.float16, device=DEV)
+    twin = cache.select([0])  # (the same bytes, for the appending decode named sm80)
+    got = bd.decode(q, cache, k_new=k[:, :1], v_new=v[:, :1])
+    assert [key for key in cache._plans if key[-1] == "append"] and {key[2] for key in cache._plans} == {"sm80"}
+    assert torch.equal(got, bd.decode(q, twin, k_new=k[:, :1], v_new=v[:, :1], backend="sm80"))
+    cache.append(k[:, 1:], v[:, 1:])  # 8300 tokens: past 2-bit's 8K
+    assert cache.backend_for(q) == "sm90"
+    out = bd.decode(q, cache)
+    assert "sm90" in {key[2] for key in cache._plans}
+    assert torch.equal(out, bd.decode(q, cache, backend="sm90"))
+    check_decode(q, cache, "sm90")
+
+
 @pytest.mark.parametrize("bits", [4, 2])
 def test_sm90_pairs_past_one_wave_split_match_reference(bits):
     """More (sequence, KV head) pairs than the default kernel's CTA slots, by up to 1.75x
