@@ -26,8 +26,9 @@
 #               (profiles/bench_splits.py --backends sm90,sm80,sm90,sm80): whether `auto`
 #               should leave the shortest small grids to sm80 (seventieth session)
 #   b1more      b1short's A/B where it was not taken: bf16 (4c128, 2c128, K4V2), other K modes
-#               and groups (4c64, 4t64), and B=2 at 8K / 16K and B=4 (32 pairs) at 2K / 4K: how
-#               far the per-call rule that gives short small grids to sm80 reaches (seventy-first
+#               and groups (4c64, 4t64), B=2 at 8K / 16K and B=4 (32 pairs) at 2K-8K, and many
+#               pairs of few tiles (B=32-128 at 1K-2K): how far the per-call rule that gives short
+#               small grids to sm80 (kernels_sm90.backend.SM80_SHORT) could reach (seventy-first
 #               session)
 #   b16short    the sm90 short-sequence rule (SHORT_TILES: one split of the small grid's kernel
 #               against two of the default) again, its one split timed first and last
@@ -103,6 +104,10 @@ for arg in "$@"; do
       for f in 4c64 4t64; do
         step "b1more_$f" 120 python3 profiles/bench_splits.py --format "$f" --shapes 1x2048,1x4096,1x8192,2x4096 \
           --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1more_${f}_$TAG"
+      done
+      for f in 4c128 2c128; do  # many pairs, few tiles: sm80 led at B=64 N=1K in all four full sweeps
+        step "b1more_many_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 32x1024,64x1024,64x2048,128x1024 \
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1more_many_${f}_$TAG"
       done ;;
     b16short)
       step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,16x24576,16x32768,12x8192,12x12288,12x16384,9x12288,9x16384 \
