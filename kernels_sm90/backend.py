@@ -57,16 +57,16 @@ SHORT_TILES = {2: 64, 4: 64}
 # 10.8.  2-bit: N=512 10.40 / 11.23, 1K 12.54 / 12.03, where sm80's heuristic already
 # leaves its two 256-token tiles unsplit (``MIN_TILES_PER_SPLIT``), so no entry.
 DIRECT_TILES = {4: 4}
-# Short sequences of small grids decode faster on sm80's kernels than on these (whose CTAs
-# set up a TMA ring and warp roles before the first tile), so ``auto`` in ``KVCache.decode``
-# hands such calls to sm80 (``Sm90Backend.call_backend``; the packed cache is the same for
-# both).  Key: (K bits, V bits, GQA: 2-4 query rows a KV head, else one); value: (most
-# (sequence, KV head) pairs, longest sequence in tokens) tiers, the first tier that holds the
-# call's pairs deciding.  Measured on an H100 (CUDA-graph replay, L2 flushed, each backend
+# Short sequences of small grids decode faster on sm80's kernels than on these (measured
+# below), so ``auto`` in ``KVCache.decode`` hands such calls to sm80
+# (``Sm90Backend.call_backend``; the packed cache is the same for both).  Key: (K bits, V
+# bits, GQA: 2-4 query rows a KV head (measured at 4), else one); value: (most (sequence, KV
+# head) pairs, longest sequence in tokens) tiers, the first tier that holds the call's pairs
+# deciding.  Measured on an H100 (CUDA-graph replay, L2 flushed, each backend
 # timed twice in turn, the faster kept, us, sm90 / sm80, fp16, K per channel g128, head dim
 # 128; profiles/h100/short_grids_h100.json, ``device_run.sh b1short``), Hkv = 8 GQA 4:
 # - 2-bit B=1 N=1K 11.62 / 10.56, 4K 12.21 / 11.58, 8K 13.25 / 12.85, 16K 15.90 / 16.06; B=2
-#   N=4K 14.83 / 12.88;
+#   N=4K 14.83 / 12.88 (the H200's full sweep: 1K-8K sm80 ahead by 0.3-0.8 us, 16K behind);
 # - K4V2 B=1 N=1K 12.94 / 10.69, 4K 14.14 / 12.06, 16K 18.99 / 16.94 (32K: 25.95 / 28.83 in
 #   the quick sweep); B=2 N=4K 15.79 / 13.33;
 # - 4-bit B=1 N=1K 10.11 / 9.89, 4K 11.98 / 11.49, 8K 13.39 / 14.11, but on the H200 sm90
@@ -313,7 +313,7 @@ def sm80_short(fmt: KVFormat, dtype, head_dim: int, pairs: int, rows: int, tq: i
         return False
     tiers = SM80_SHORT.get((fmt.bits, fmt.v_bits, rows > 1), ())
     tokens = next((tokens for most, tokens in tiers if pairs <= most), 0)
-    return fmt.tiles(max_len) <= fmt.tiles(tokens)
+    return tokens > 0 and fmt.tiles(max_len) <= fmt.tiles(tokens)
 
 
 def short_tiles(fmt: KVFormat, fp16: bool, head_dim: int, nh: int) -> int:

@@ -413,6 +413,7 @@ def test_kernel_decode_keeps_its_plan_for_the_fast_path(monkeypatch):
     (bd.KVFormat(bits=4, v_bits=2), torch.float16, 1, 8, 32, 16384, True),  # K4V2: up to 16K
     (bd.KVFormat(bits=4, v_bits=2), torch.float16, 1, 8, 32, 16385, False),
     (bd.KVFormat(bits=4), torch.float16, 1, 8, 32, 1024, False),  # 4-bit GQA 4: sm90 (the H200 led)
+    (bd.KVFormat(bits=4), torch.float16, 1, 8, 32, 0, False),  # (no tier: not even empty sequences)
     (bd.KVFormat(bits=4), torch.float16, 1, 8, 8, 2048, True),  # 4-bit MHA: up to 2K
     (bd.KVFormat(bits=4), torch.float16, 1, 8, 8, 2049, False),
     (bd.KVFormat(bits=2), torch.float16, 1, 32, 32, 4096, True),  # 2-bit MHA at 32 pairs: up to 4K
