@@ -62,21 +62,28 @@ DIRECT_TILES = {4: 4}
 # (``Sm90Backend.call_backend``; the packed cache is the same for both).  Key: (K bits, V
 # bits, GQA: 2-4 query rows a KV head (measured at 4), else one); value: (most (sequence, KV
 # head) pairs, longest sequence in tokens) tiers, the first tier that holds the call's pairs
-# deciding.  Measured on an H100 (CUDA-graph replay, L2 flushed, each backend
-# timed twice in turn, the faster kept, us, sm90 / sm80, fp16, K per channel g128, head dim
-# 128; profiles/h100/short_grids_h100.json, ``device_run.sh b1short``), Hkv = 8 GQA 4:
+# deciding.  Measured on an H100 (CUDA-graph replay, L2 flushed, each backend timed twice in
+# turn, the faster kept, us, sm90 / sm80, fp16 unless named, K per channel g128, head dim
+# 128; profiles/h100/short_grids_h100.json and short_grids_more_h100.json, ``device_run.sh
+# b1short`` and ``b1more``), Hkv = 8 GQA 4:
 # - 2-bit B=1 N=1K 11.62 / 10.56, 4K 12.21 / 11.58, 8K 13.25 / 12.85, 16K 15.90 / 16.06; B=2
-#   N=4K 14.83 / 12.88 (the H200's full sweep: 1K-8K sm80 ahead by 0.3-0.8 us, 16K behind);
+#   N=4K 14.83 / 12.88, 8K 17.17 / 15.10, 16K 21.71 / 23.44; B=4 N=2K 14.62 / 12.93, 4K
+#   18.30 / 15.34, 8K 22.42 / 23.87; bf16 B=1 N=8K 14.85 / 12.98, 16K 17.10 / 15.84, B=2 N=8K
+#   16.96 / 15.22 (the H200's full sweep, fp16: B=1 1K-8K sm80 ahead by 0.3-0.8 us, 16K
+#   behind);
 # - K4V2 B=1 N=1K 12.94 / 10.69, 4K 14.14 / 12.06, 16K 18.99 / 16.94 (32K: 25.95 / 28.83 in
-#   the quick sweep); B=2 N=4K 15.79 / 13.33;
-# - 4-bit B=1 N=1K 10.11 / 9.89, 4K 11.98 / 11.49, 8K 13.39 / 14.11, but on the H200 sm90
-#   led at 1K-2K (9.33 / 9.73, 10.27 / 10.58; profiles/h200/decode.json), so no entry;
+#   the quick sweep); B=2 N=4K 15.79 / 13.33, 8K 18.67 / 16.58, 16K 23.79 / 27.33; B=4 N=2K
+#   15.92 / 13.41, 4K 20.24 / 18.14, 8K 25.02 / 26.94; bf16 B=1 N=16K 18.74 / 17.18, B=2 N=8K
+#   18.69 / 17.09;
+# - 4-bit B=1 N=1K 10.11 / 9.89, 4K 11.98 / 11.49, 8K 13.39 / 14.11; B=2 N=8K 15.49 / 18.46;
+#   B=4 N=2K 14.69 / 13.39, 4K 16.83 / 19.92; bf16 B=1 N=4K 12.22 / 11.71; but on the H200
+#   sm90 led at B=1 1K-2K (9.33 / 9.73, 10.27 / 10.58; profiles/h200/decode.json), so no
+#   entry (4c64 and 4t64, not on the H200: sm80 ahead by 3-9 % at B=1 2K-4K);
 # and MHA (Hq = Hkv = 32, B=1): 2-bit N=2K 14.35 / 13.01, 4K 15.65 / 15.09, 8K 19.41 / 21.41;
-# 4-bit N=2K 14.19 / 12.98, 4K 16.82 / 17.39 (the H200's full sweep agrees for both).  bf16 2-bit
-# and K4V2 trailed likewise at B=1 N=4K on the H200 (``auto_picks``).
+# 4-bit N=2K 14.19 / 12.98, 4K 16.82 / 17.39 (the H200's full sweep agrees for both).
 SM80_SHORT = {
-    (2, 2, True): ((8, 8192), (16, 4096)),
-    (4, 2, True): ((8, 16384), (16, 4096)),
+    (2, 2, True): ((16, 8192), (32, 4096)),
+    (4, 2, True): ((8, 16384), (16, 8192), (32, 4096)),
     (2, 2, False): ((32, 4096),),
     (4, 4, False): ((32, 2048),),
 }

@@ -405,13 +405,16 @@ def test_kernel_decode_keeps_its_plan_for_the_fast_path(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt, dtype, batch, hkv, hq, tokens, sm80", [
-    (bd.KVFormat(bits=2), torch.float16, 1, 8, 32, 8192, True),  # 2-bit GQA 4, B=1: up to 8K
+    (bd.KVFormat(bits=2), torch.float16, 1, 8, 32, 8192, True),  # 2-bit GQA 4, up to 16 pairs: up to 8K
     (bd.KVFormat(bits=2), torch.float16, 1, 8, 32, 8193, False),
-    (bd.KVFormat(bits=2), torch.bfloat16, 2, 8, 32, 4096, True),  # 16 pairs: up to 4K
-    (bd.KVFormat(bits=2), torch.float16, 2, 8, 32, 4097, False),
-    (bd.KVFormat(bits=2), torch.float16, 3, 8, 32, 1024, False),  # 24 pairs: no tier
+    (bd.KVFormat(bits=2), torch.bfloat16, 2, 8, 32, 8192, True),
+    (bd.KVFormat(bits=2), torch.float16, 4, 8, 32, 4096, True),  # 32 pairs: up to 4K
+    (bd.KVFormat(bits=2), torch.float16, 4, 8, 32, 4097, False),
+    (bd.KVFormat(bits=2), torch.float16, 5, 8, 32, 1024, False),  # 40 pairs: no tier
     (bd.KVFormat(bits=4, v_bits=2), torch.float16, 1, 8, 32, 16384, True),  # K4V2: up to 16K
     (bd.KVFormat(bits=4, v_bits=2), torch.float16, 1, 8, 32, 16385, False),
+    (bd.KVFormat(bits=4, v_bits=2), torch.bfloat16, 2, 8, 32, 8192, True),  # 16 pairs: up to 8K
+    (bd.KVFormat(bits=4, v_bits=2), torch.float16, 2, 8, 32, 8193, False),
     (bd.KVFormat(bits=4), torch.float16, 1, 8, 32, 1024, False),  # 4-bit GQA 4: sm90 (the H200 led)
     (bd.KVFormat(bits=4), torch.float16, 1, 8, 32, 0, False),  # (no tier: not even empty sequences)
     (bd.KVFormat(bits=4), torch.float16, 1, 8, 8, 2048, True),  # 4-bit MHA: up to 2K
