@@ -3,8 +3,10 @@
 #
 #   source .device/gpu-env.sh >/dev/null && timeout 590 bash profiles/device_run.sh suite:400 quick
 #
-# Steps, run in the order given (each under its own timeout; logs and results go flat into
-# $OUT, the folder a device call brings back):
+# Steps, run in the order given (each under its own timeout).  Logs and results go flat into a
+# folder of their own, which after every step is tarred to $OUT/records_<tag>.tar (a device
+# call brings back only a few files of $OUT, and a call cut short keeps the steps that ended;
+# unpack with `tar -xf`):
 #   suite[:S]   the GPU test suite (-m gpu, 14 xdist workers; S seconds, default 400), then
 #               any worker it left behind is killed so that no later timing shares the GPU
 #   peer        FlashInfer's kit on PYTHONPATH (../shared/peers/flashinfer) for what follows
@@ -52,14 +54,16 @@ case "$GPU" in
   *) TAG=$(echo "$GPU" | tr -c 'A-Za-z0-9\n' '_' | tr 'A-Z' 'a-z') ;;
 esac
 echo "GPU: $GPU (tag $TAG)"
+WORK=$(mktemp -d)
+bundle() { tar -C "$WORK" -cf "$OUT/records_$TAG.tar" . ; }
 
-step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log to $OUT/NAME_$TAG.log
+step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log to $WORK/NAME_$TAG.log
   local name=$1 limit=$2
   shift 2
   echo "== $name ($(date +%T), at most ${limit} s)"
-  timeout "$limit" "$@" > "$OUT/${name}_$TAG.log" 2>&1
+  timeout "$limit" "$@" > "$WORK/${name}_$TAG.log" 2>&1
   echo "$name rc=$?"
-  grep -v -e Warning -e warn "$OUT/${name}_$TAG.log" | tail -25
+  grep -v -e Warning -e warn "$WORK/${name}_$TAG.log" | tail -25
 }
 
 for arg in "$@"; do
@@ -72,59 +76,60 @@ for arg in "$@"; do
     peer)
       eval "$(bash .device/fi-setup.sh)" ;;
     quick)
-      step quick 300 bitdecode bench decode --quick --out "$OUT" ;;
+      step quick 300 bitdecode bench decode --quick --out "$WORK" ;;
     full)
-      step full 420 bitdecode bench decode --out "$OUT" ;;
+      step full 420 bitdecode bench decode --out "$WORK" ;;
     flush)
-      step flush 200 python3 profiles/bench_flush.py --out "$OUT" --tag "$TAG" ;;
+      step flush 200 python3 profiles/bench_flush.py --out "$WORK" --tag "$TAG" ;;
     settle)
-      step settle 120 python3 profiles/bench_free_settle.py --out "$OUT" --tag "$TAG" ;;
+      step settle 120 python3 profiles/bench_free_settle.py --out "$WORK" --tag "$TAG" ;;
     wide)
       step wide 200 python3 profiles/bench_variants.py --variant narrow=wide_boxes=False --variant wide=wide_boxes=True \
-        --formats 4c128,2c128 --shapes 1x4096,1x131072,16x65536 --out "$OUT" --tag "wide_boxes_$TAG" ;;
+        --formats 4c128,2c128 --shapes 1x4096,1x131072,16x65536 --out "$WORK" --tag "wide_boxes_$TAG" ;;
     placement)
-      step placement 240 python3 profiles/bench_placement.py --out "$OUT" --tag "k4v2_$TAG" ;;
+      step placement 240 python3 profiles/bench_placement.py --out "$WORK" --tag "k4v2_$TAG" ;;
     b1short)
       for f in 4c128 2c128 k4v2c128; do
         step "b1short_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 1x1024,1x2048,1x4096,1x8192,1x16384,2x4096 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1short_${f}_$TAG"
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1short_${f}_$TAG"
       done
       for f in 4c128 2c128; do
         step "b1short_mha_$f" 120 python3 profiles/bench_splits.py --format "$f" --heads 32/32 --shapes 1x1024,1x2048,1x4096,1x8192 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1short_mha_${f}_$TAG"
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1short_mha_${f}_$TAG"
       done ;;
     b1more)
       for f in 4c128 2c128 k4v2c128; do
         step "b1more_bf16_$f" 150 python3 profiles/bench_splits.py --format "$f" --dtype bf16 \
           --shapes 1x2048,1x4096,1x8192,1x16384,2x4096,2x8192 --splits 0 --backends sm90,sm80,sm90,sm80 \
-          --out "$OUT" --tag "b1more_bf16_${f}_$TAG"
+          --out "$WORK" --tag "b1more_bf16_${f}_$TAG"
         step "b1more_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 2x8192,2x16384,4x2048,4x4096,4x8192 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1more_${f}_$TAG"
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1more_${f}_$TAG"
       done
       for f in 4c64 4t64; do
         step "b1more_$f" 120 python3 profiles/bench_splits.py --format "$f" --shapes 1x2048,1x4096,1x8192,2x4096 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1more_${f}_$TAG"
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1more_${f}_$TAG"
       done
       for f in 4c128 2c128; do  # many pairs, few tiles: sm80 led at B=64 N=1K in all four full sweeps
         step "b1more_many_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 32x1024,64x1024,64x2048,128x1024 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$OUT" --tag "b1more_many_${f}_$TAG"
+          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1more_many_${f}_$TAG"
       done ;;
     b16short)
       step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,16x24576,16x32768,12x8192,12x12288,12x16384,9x12288,9x16384 \
-        --splits 1,2,0,1 --out "$OUT" --tag "b16short_4c128_$TAG"
+        --splits 1,2,0,1 --out "$WORK" --tag "b16short_4c128_$TAG"
       step b16short_2c128 200 python3 profiles/bench_splits.py --format 2c128 --shapes 16x8192,16x16384,16x24576,16x32768 \
-        --splits 1,2,0,1 --out "$OUT" --tag "b16short_2c128_$TAG" ;;
+        --splits 1,2,0,1 --out "$WORK" --tag "b16short_2c128_$TAG" ;;
     ringwide)
       patch=profiles/probes/sm90_decode_ablation.patch
       if git apply "$patch"; then
         step ringwide 240 python3 profiles/bench_variants.py --variant narrow=wide_boxes=False \
           --variant wide=wide_boxes=True --variant ring=probe_ring_only=True,wide_boxes=False \
           --variant ringwide=probe_ring_only=True,wide_boxes=True \
-          --formats 4c128,2c128 --shapes 1x131072,16x65536 --out "$OUT" --tag "ring_wide_boxes_$TAG"
+          --formats 4c128,2c128 --shapes 1x131072,16x65536 --out "$WORK" --tag "ring_wide_boxes_$TAG"
         git apply -R "$patch"
       else
         echo "ringwide: $patch does not apply"
       fi ;;
   esac
+  bundle
 done
 echo "done $(date +%T)"
