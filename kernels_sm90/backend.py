@@ -315,8 +315,8 @@ def sm80_short(fmt: KVFormat, dtype, head_dim: int, pairs: int, rows: int, tq: i
     (``SM80_SHORT``): one query token, the measured formats (K per channel g128, integer
     codes, head dim 128, fp16 / bf16).  By tiles, so that calls with the same tile count
     (``KVCache``'s fast-path key) decide alike."""
-    if (tq != 1 or rows > HALF_TILE or fmt.fp4 or fmt.k_mode != "channel" or fmt.group_size != 128
-            or head_dim != 128 or dtype not in (torch.float16, torch.bfloat16)):
+    if (tq != 1 or rows > HALF_TILE or not measured_grids(fmt, head_dim) or fmt.group_size != 128
+            or dtype not in (torch.float16, torch.bfloat16)):
         return False
     tiers = SM80_SHORT.get((fmt.bits, fmt.v_bits, rows > 1), ())
     tokens = next((tokens for most, tokens in tiers if pairs <= most), 0)

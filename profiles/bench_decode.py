@@ -361,8 +361,9 @@ def bench_graph_small(timer, device) -> dict:
         cache.prefill(k, v)
         out[f"bd{bits}_eager_us"] = timer(lambda: bd.decode(q, cache), host=True)
         out[f"bd{bits}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache))
+        picked = cache.backend_for(q)  # auto's backend: the column above
         for name in kernel_backends(device):
-            if name != cache.backend_for(q):  # auto's backend is the column above
+            if name != picked:
                 out[f"bd{bits}_{name}_graph_us"] = _graph_time(timer, lambda: bd.decode(q, cache, backend=name))
         # append latency: one token into the residual (no flush of a block), eager
         k1 = torch.randn(b, 1, hkv, d, device=device, dtype=torch.float16, generator=gen)

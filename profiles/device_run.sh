@@ -66,6 +66,13 @@ step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log to $WORK/N
   grep -v -e Warning -e warn "$WORK/${name}_$TAG.log" | tail -25
 }
 
+ab() {  # ab NAME SECONDS FORMAT SHAPES [ARGS...]: sm90 against sm80, each its own split choice, twice in turn
+  local name=$1 limit=$2 fmt=$3 shapes=$4
+  shift 4
+  step "$name" "$limit" python3 profiles/bench_splits.py --format "$fmt" --shapes "$shapes" --splits 0 \
+    --backends sm90,sm80,sm90,sm80 "$@" --out "$WORK" --tag "${name}_$TAG"
+}
+
 for arg in "$@"; do
   case "$arg" in
     suite|suite:*)
@@ -89,30 +96,16 @@ for arg in "$@"; do
     placement)
       step placement 240 python3 profiles/bench_placement.py --out "$WORK" --tag "k4v2_$TAG" ;;
     b1short)
-      for f in 4c128 2c128 k4v2c128; do
-        step "b1short_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 1x1024,1x2048,1x4096,1x8192,1x16384,2x4096 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1short_${f}_$TAG"
-      done
-      for f in 4c128 2c128; do
-        step "b1short_mha_$f" 120 python3 profiles/bench_splits.py --format "$f" --heads 32/32 --shapes 1x1024,1x2048,1x4096,1x8192 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1short_mha_${f}_$TAG"
-      done ;;
+      for f in 4c128 2c128 k4v2c128; do ab "b1short_$f" 150 "$f" 1x1024,1x2048,1x4096,1x8192,1x16384,2x4096; done
+      for f in 4c128 2c128; do ab "b1short_mha_$f" 120 "$f" 1x1024,1x2048,1x4096,1x8192 --heads 32/32; done ;;
     b1more)
       for f in 4c128 2c128 k4v2c128; do
-        step "b1more_bf16_$f" 150 python3 profiles/bench_splits.py --format "$f" --dtype bf16 \
-          --shapes 1x2048,1x4096,1x8192,1x16384,2x4096,2x8192 --splits 0 --backends sm90,sm80,sm90,sm80 \
-          --out "$WORK" --tag "b1more_bf16_${f}_$TAG"
-        step "b1more_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 2x8192,2x16384,4x2048,4x4096,4x8192 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1more_${f}_$TAG"
+        ab "b1more_bf16_$f" 150 "$f" 1x2048,1x4096,1x8192,1x16384,2x4096,2x8192 --dtype bf16
+        ab "b1more_$f" 150 "$f" 2x8192,2x16384,4x2048,4x4096,4x8192
       done
-      for f in 4c64 4t64; do
-        step "b1more_$f" 120 python3 profiles/bench_splits.py --format "$f" --shapes 1x2048,1x4096,1x8192,2x4096 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1more_${f}_$TAG"
-      done
-      for f in 4c128 2c128; do  # many pairs, few tiles: sm80 led at B=64 N=1K in all four full sweeps
-        step "b1more_many_$f" 150 python3 profiles/bench_splits.py --format "$f" --shapes 32x1024,64x1024,64x2048,128x1024 \
-          --splits 0 --backends sm90,sm80,sm90,sm80 --out "$WORK" --tag "b1more_many_${f}_$TAG"
-      done ;;
+      for f in 4c64 4t64; do ab "b1more_$f" 120 "$f" 1x2048,1x4096,1x8192,2x4096; done
+      # many pairs, few tiles: sm80 led at B=64 N=1K in all four full sweeps
+      for f in 4c128 2c128; do ab "b1more_many_$f" 150 "$f" 32x1024,64x1024,64x2048,128x1024; done ;;
     b16short)
       step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,16x24576,16x32768,12x8192,12x12288,12x16384,9x12288,9x16384 \
         --splits 1,2,0,1 --out "$WORK" --tag "b16short_4c128_$TAG"
