@@ -32,6 +32,8 @@
 #               pairs of few tiles (B=32-128 at 1K-2K): how far the per-call rule that gives short
 #               small grids to sm80 (kernels_sm90.backend.SM80_SHORT) could reach (seventy-first
 #               session)
+#   manyedge    b1more's many-pairs A/B between its points (B=40-96 at 512-2K tokens): the lower
+#               bound on pairs that a many-pairs tier of SM80_SHORT would need (seventy-second)
 #   b16short    the sm90 short-sequence rule (SHORT_TILES: one split of the small grid's kernel
 #               against two of the default) again, its one split timed first and last
 #               (--splits 1,2,0,1): the records it was fitted on timed the one split first,
@@ -43,7 +45,7 @@ set -u
 : "${OUT:?OUT must name the output folder (a device call sets it)}"
 for arg in "$@"; do  # (every step known before any runs: a typo costs no device time)
   case "$arg" in
-    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide|placement|b1short|b1more|b16short) ;;
+    suite|suite:[0-9]*|peer|quick|full|flush|settle|wide|ringwide|placement|b1short|b1more|manyedge|b16short) ;;
     *) echo "device_run.sh: unknown step '$arg'" >&2; exit 2 ;;
   esac
 done
@@ -106,6 +108,9 @@ for arg in "$@"; do
       for f in 4c64 4t64; do ab "b1more_$f" 120 "$f" 1x2048,1x4096,1x8192,2x4096; done
       # many pairs, few tiles: sm80 led at B=64 N=1K in all four full sweeps
       for f in 4c128 2c128; do ab "b1more_many_$f" 150 "$f" 32x1024,64x1024,64x2048,128x1024; done ;;
+    manyedge)
+      # where the many-pairs edge lies: sm90 led 4-bit B=32 N=1K by 29 %, sm80 led B=64-128
+      for f in 4c128 2c128; do ab "manyedge_$f" 200 "$f" 40x1024,48x1024,64x512,96x1024,64x1536,96x2048; done ;;
     b16short)
       step b16short_4c128 200 python3 profiles/bench_splits.py --format 4c128 --shapes 16x4096,16x8192,16x12288,16x16384,16x24576,16x32768,12x8192,12x12288,12x16384,9x12288,9x16384 \
         --splits 1,2,0,1 --out "$WORK" --tag "b16short_4c128_$TAG"
