@@ -723,11 +723,10 @@ def decode(
     ``backend="auto"`` runs the cache's backend, except where ``auto`` picked it and it hands
     the call to another (``cache.backend_for(q)`` says which): on Hopper, sm90 gives short
     sequences of small grids to sm80, whose kernels decode them faster
-    (``kernels_sm90.backend.SM80_SHORT``, K per channel g128, head dim 128: at GQA 2-4, 2-bit
-    sequences up to 8K tokens at B x Hkv <= 16 and K4V2 up to 16K at B x Hkv <= 8 and 8K at
-    <= 16, both up to 4K at <= 32; at MHA and B x Hkv <= 32, 2-bit up to 4K and 4-bit up to
-    2K).  A capture keeps that choice too; an explicit ``num_splits`` or ``backend`` keeps the
-    cache's."""
+    (``kernels_sm90.backend.SM80_SHORT`` holds the tiers, README's Backends section lists
+    them: K per channel g128, head dim 128, at most 32 (sequence, KV head) pairs of at most
+    16K tokens).  A capture keeps that choice too; an explicit ``num_splits`` or ``backend``
+    keeps the cache's."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a bitdecode.KVCache, got {type(cache).__name__}")
     if k_new is not None or v_new is not None:  # (straight to it: an eager step's hot path)

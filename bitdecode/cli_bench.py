@@ -6,7 +6,8 @@ CUDA-graph run, and FlashInfer's paged decode (fp16 and fp8 KV, its output check
 SDPA) where ``flashinfer.decode`` imports (``pip install flashinfer-python==0.7.2.post1``; the
 project's GPU host: ``eval "$(bash .device/fi-setup.sh)"`` first); ``bitdecode bench bitnet``
 times the W2A8 GEMV/GEMM against bf16 and checks every GEMV configuration it times against
-the reference (a wrong output is listed and the command exits 1).  Results go to ``profiles/<gpu>/<name>.json`` and ``.png``.
+the reference (a wrong output is listed and the command exits 1).  Results go to
+``profiles/<gpu>/<name>.json`` and ``.png``.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ DIRECT_TILES = {4: 4}
 # (``Sm90Backend.call_backend``; the packed cache is the same for both).  Key: (K bits, V
 # bits, GQA: 2-4 query rows a KV head (measured at 4), else one); value: (most (sequence, KV
 # head) pairs, longest sequence in tokens) tiers, the first tier that holds the call's pairs
-# deciding.  Measured on an H100 (CUDA-graph replay, L2 flushed, each backend timed twice in
+# deciding (a tier of 0 tokens hands nothing off: a lower bound on the pairs of the tiers
+# after it).  Measured on an H100 (CUDA-graph replay, L2 flushed, each backend timed twice in
 # turn, the faster kept, us, sm90 / sm80, fp16 unless named, K per channel g128, head dim
 # 128; profiles/h100/short_grids_h100.json and short_grids_more_h100.json, ``device_run.sh
 # b1short`` and ``b1more``), Hkv = 8 GQA 4:

@@ -461,6 +461,18 @@ def test_auto_hands_short_small_grids_from_sm90_to_sm80(fmt, dtype, batch, hkv, 
         assert made[-1] == "sm90" and c.backend_for(q) == "sm90"
 
 
+def test_sm80_short_tier_of_no_tokens_is_a_lower_bound_on_pairs(monkeypatch):
+    """A tier of 0 tokens in ``SM80_SHORT`` hands nothing off and bounds the pairs of the
+    tiers after it from below (how a many-pairs tier is written)."""
+    from bitdecode.kernels_sm90 import backend as sm90_backend
+
+    fmt = bd.KVFormat(bits=4)
+    monkeypatch.setitem(sm90_backend.SM80_SHORT, (4, 4, True), ((256, 0), (512, 1024)))
+    short = [sm90_backend.sm80_short(fmt, torch.float16, 128, pairs, 4, 1, tokens)
+             for pairs, tokens in ((256, 1024), (257, 1024), (512, 1024), (512, 1025), (513, 1024))]
+    assert short == [False, True, True, False, False]
+
+
 def test_auto_hands_a_short_appending_decode_to_sm80(monkeypatch):
     """The appending decode follows the same rule at the length it decodes (its new token
     counted): the one-launch plan is sm80's at a short 2-bit B=1 sequence."""
